@@ -1,0 +1,22 @@
+"""offtensor: run a PyTorch model whose weights do not fit the GPU.
+
+Weights that do not fit a budget live in exact-size (pinned) host memory inside an
+``OffloadedTensor``; its ``__torch_dispatch__`` pages exactly the bytes an op needs onto the
+device. ``wrap_model(model, budget_gb=...)`` does that for a whole model, in place.
+"""
+
+from . import _ext  # noqa: F401  (loads the native extension, or warns once)
+from .pager import BudgetError, OffloadStats
+from .tensor import OffloadedTensor, offload
+from .wrap import reset_stats, stats, unwrap_model, wrap_model
+
+__all__ = [
+    "OffloadedTensor",
+    "offload",
+    "wrap_model",
+    "unwrap_model",
+    "stats",
+    "reset_stats",
+    "OffloadStats",
+    "BudgetError",
+]

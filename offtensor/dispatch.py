@@ -1,0 +1,433 @@
+"""What each aten op does to an OffloadedTensor: the op table and its one fallback.
+
+Every op lands in one of five handlers, chosen once per OpOverload from its schema unless the
+table below names it explicitly:
+
+- view ops (an output aliases an input): run on the host view, return OffloadedTensor aliases;
+- in-place view ops (``t_``, ``squeeze_``...): change host and wrapper metadata;
+- ops that write an OffloadedTensor (in-place, ``out=``): run on private device copies, write
+  every mutated argument back to its host master, invalidate its cached copies;
+- index ops on dim 0 (``embedding``, ``index_select``, ``index.Tensor``): page only the rows or
+  experts selected;
+- everything else: page what each argument covers, run the op on plain device tensors, return
+  plain results.
+
+Only ``F.linear`` is intercepted at the ``__torch_function__`` level, because it otherwise
+arrives as ``t`` + ``addmm``: two Python dispatches for one page-in.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils._mode_utils import no_dispatch
+
+from .tensor import OffloadedTensor, _wrap_host, new_host_master
+
+aten = torch.ops.aten
+
+# Rows (or experts) at least this large are paged one by one through the cache, so an expert used
+# by consecutive tokens is copied once; smaller rows are gathered on the host and sent together.
+CACHED_SLICE_BYTES = 1 << 20
+
+_OP_TABLE: dict = {}
+
+
+def implements(*ops):
+    """Register a handler ``(func, types, args, kwargs)`` for OpOverloads; duplicates raise."""
+
+    def register(handler):
+        for op in ops:
+            if not isinstance(op, torch._ops.OpOverload):
+                raise TypeError(f"register OpOverloads such as aten.x.default, not {op!r}")
+            if op in _OP_TABLE:
+                raise RuntimeError(f"offtensor: {op} already has a handler ({_OP_TABLE[op].__name__})")
+            _OP_TABLE[op] = handler
+        return handler
+
+    return register
+
+
+def torch_dispatch(func, types, args, kwargs):
+    handler = _OP_TABLE.get(func)
+    if handler is None:
+        handler = _OP_TABLE[func] = _classify(func)
+    return handler(func, types, args, kwargs or {})
+
+
+def torch_function(func, types, args, kwargs):
+    handler = _FUNCTION_TABLE.get(func)
+    if handler is not None:
+        result = handler(args, kwargs or {})
+        if result is not NotImplemented:
+            return result
+    return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+
+
+# ---------------------------------------------------------------------------- paging helpers
+
+
+class _Paged:
+    """Replaces OffloadedTensor arguments of one op by device tensors and releases their pages
+    once the op is enqueued."""
+
+    __slots__ = ("entries", "private")
+
+    def __init__(self):
+        self.entries = []  # (pager, entry)
+        self.private = []  # (OffloadedTensor, its private device copy), for arguments the op writes
+
+    def page(self, t: OffloadedTensor, private: bool = False) -> torch.Tensor:
+        pager = t._master.pager
+        view, entry = pager.page(t._host, t._master, _describe(t), private)
+        if entry is not None:
+            self.entries.append((pager, entry))
+        if private:
+            self.private.append((t, view))
+        return view
+
+    def arg(self, a, written: bool = False):
+        if isinstance(a, OffloadedTensor):
+            return self.page(a, written)
+        if isinstance(a, (list, tuple)) and any(isinstance(x, OffloadedTensor) for x in a):
+            return type(a)(self.page(x, written) if isinstance(x, OffloadedTensor) else x for x in a)
+        return a
+
+    def release(self) -> None:
+        entries, self.entries = self.entries, []
+        if not entries:
+            return
+        first = entries[0][0]
+        if all(pager is first for pager, _ in entries):
+            first.release([entry for _, entry in entries])
+            return
+        by_pager = {}
+        for pager, entry in entries:
+            by_pager.setdefault(pager, []).append(entry)
+        for pager, group in by_pager.items():
+            pager.release(group)
+
+
+def _describe(t: OffloadedTensor) -> str:
+    return f"an OffloadedTensor of shape {tuple(t.shape)} and dtype {t.dtype}"
+
+
+def _pager_of(args, kwargs):
+    for a in args:
+        if isinstance(a, OffloadedTensor):
+            return a._master.pager
+        if isinstance(a, (list, tuple)):
+            for x in a:
+                if isinstance(x, OffloadedTensor):
+                    return x._master.pager
+    for a in kwargs.values():
+        if isinstance(a, OffloadedTensor):
+            return a._master.pager
+    return None
+
+
+def _run(func, args, kwargs, written=()):
+    """Page every OffloadedTensor argument (privately where ``written``), run ``func`` on plain
+    tensors, write mutated arguments back to their host masters."""
+    paged = _Paged()
+    try:
+        new_args = tuple(paged.arg(a, i in written) for i, a in enumerate(args))
+        new_kwargs = {k: paged.arg(v, k in written) for k, v in kwargs.items()} if kwargs else kwargs
+        out = func(*new_args, **new_kwargs)
+        for t, device_copy in paged.private:
+            _write_back(t, device_copy)
+    finally:
+        paged.release()
+    return out
+
+
+def _write_back(t: OffloadedTensor, values: torch.Tensor) -> None:
+    """Write ``values`` into ``t``'s bytes of its host master; every alias sees them and every
+    cached device copy of the master is dropped."""
+    with no_dispatch():
+        t._host.copy_(values)
+    pager = t._master.pager
+    pager.invalidate(t._master)
+    pager.stats.bytes_d2h += t._host.numel() * t._host.element_size()
+
+
+# ---------------------------------------------------------------------------- handlers by kind
+
+
+def _view(func, types, args, kwargs):
+    self = args[0]
+    out = func(self._host, *args[1:], **kwargs)
+    master = self._master
+    if isinstance(out, torch.Tensor):
+        return OffloadedTensor(out, master)
+    return type(out)(OffloadedTensor(o, master) for o in out)
+
+
+def _inplace_view(func, types, args, kwargs):
+    self = args[0]
+    func(self._host, *args[1:], **kwargs)
+    # Change the wrapper's own sizes/strides without dispatching back here (the trick that
+    # torch.utils._python_dispatch.return_and_correct_aliasing uses).
+    with no_dispatch():
+        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            func(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+    return self
+
+
+def _compute(func, types, args, kwargs):
+    return _run(func, args, kwargs)
+
+
+class _Mutation:
+    """Handler for an op that writes some of its arguments (in-place and out= ops)."""
+
+    def __init__(self, func):
+        schema = func._schema
+        self.positions = {}
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                self.positions[i] = arg.name
+        # Which argument each return aliases (in-place ops return their input object).
+        self.returns = []
+        for ret in schema.returns:
+            source = None
+            if ret.alias_info is not None and ret.alias_info.is_write:
+                for i, arg in enumerate(schema.arguments):
+                    if arg.alias_info is not None and arg.alias_info.before_set == ret.alias_info.before_set:
+                        source = (i, arg.name)
+            self.returns.append(source)
+        self.__name__ = f"mutation({func})"
+
+    def __call__(self, func, types, args, kwargs):
+        written = set()
+        for i, name in self.positions.items():
+            value = args[i] if i < len(args) else kwargs.get(name)
+            if _has_offloaded(value):
+                written.add(i if i < len(args) else name)
+        if not written:
+            return _run(func, args, kwargs)
+        out = _run(func, args, kwargs, written)
+        results = []
+        for ret, source in zip(_as_tuple(out, len(self.returns)), self.returns):
+            if source is None:
+                results.append(ret)
+            else:
+                i, name = source
+                results.append(args[i] if i < len(args) else kwargs[name])
+        return results[0] if len(self.returns) == 1 else tuple(results)
+
+
+def _has_offloaded(value) -> bool:
+    if isinstance(value, OffloadedTensor):
+        return True
+    return isinstance(value, (list, tuple)) and any(isinstance(x, OffloadedTensor) for x in value)
+
+
+def _as_tuple(out, n):
+    if n == 1:
+        return (out,)
+    return tuple(out)
+
+
+def _classify(func):
+    schema = func._schema
+    if torch.Tag.inplace_view in func.tags:
+        return _inplace_view
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return _Mutation(func)
+    if schema.returns and all(r.alias_info is not None for r in schema.returns):
+        return _view
+    return _compute
+
+
+# ---------------------------------------------------------------------------- explicit table
+
+# reshape() of a non-viewable tensor is clone + _unsafe_view; the clone is already a fresh
+# OffloadedTensor, so keep the reshape on the host too instead of paging it.
+implements(aten._unsafe_view.default)(_view)
+
+
+@implements(aten.copy_.default)
+def _copy_(func, types, args, kwargs):
+    dst, src = args[0], args[1]
+    if not isinstance(dst, OffloadedTensor):
+        if isinstance(src, OffloadedTensor) and dst.device.type == "cpu":
+            # Reading host values into a CPU tensor needs no trip through the device.
+            return dst.copy_(src._host, **kwargs)
+        return _run(func, args, kwargs)
+    # Weight loaders write straight into the host master (param.data.copy_, narrow().copy_):
+    # nothing is paged, and a copy from another OffloadedTensor stays on the host.
+    source = src._host if isinstance(src, OffloadedTensor) else src
+    with no_dispatch():
+        dst._host.copy_(source, **kwargs)
+    pager = dst._master.pager
+    pager.invalidate(dst._master)
+    if source.device.type != "cpu":
+        pager.stats.bytes_d2h += dst._host.numel() * dst._host.element_size()
+    return dst
+
+
+@implements(aten.clone.default)
+def _clone(func, types, args, kwargs):
+    self = args[0]
+    memory_format = kwargs.get("memory_format")
+    host = self._host
+    if memory_format not in (None, torch.preserve_format):
+        host = host.contiguous(memory_format=memory_format)
+    pager = self._master.pager
+    return _wrap_host(new_host_master(host, pin=pager.device.type == "cuda"), pager)
+
+
+@implements(aten._to_copy.default)
+def _to_copy(func, types, args, kwargs):
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "cpu":
+        # .cpu() / .to("cpu"): read the host master, no device round trip.
+        return func(args[0]._host, *args[1:], **kwargs)
+    return _run(func, args, kwargs)
+
+
+@implements(aten._local_scalar_dense.default)
+def _item(func, types, args, kwargs):
+    return args[0]._host.item()
+
+
+@implements(aten.is_pinned.default)
+def _is_pinned(func, types, args, kwargs):
+    return False  # a device tensor from the caller's point of view
+
+
+@implements(aten.record_stream.default)
+def _record_stream(func, types, args, kwargs):
+    return None  # paged copies are freed by the pager's events, never by the caller's streams
+
+
+@implements(aten.resize_.default)
+def _resize_(func, types, args, kwargs):
+    self, size = args[0], args[1]
+    if tuple(size) == tuple(self.shape):
+        return self
+    raise RuntimeError(
+        f"offtensor: cannot resize {_describe(self)} to {tuple(size)}: its host master is exactly "
+        f"{self.host_nbytes} bytes. Assign a new tensor instead."
+    )
+
+
+@implements(aten.set_.source_Tensor, aten.set_.source_Storage, aten.set_.source_Storage_storage_offset, aten.set_.default)
+def _set_(func, types, args, kwargs):
+    raise RuntimeError(
+        f"offtensor: {func} would repoint {_describe(args[0])} at other memory; "
+        f"assign a new tensor (or use copy_ to write values) instead"
+    )
+
+
+# ---------------------------------------------------------------------------- index ops
+
+
+def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: _Paged) -> torch.Tensor:
+    """Device tensor of ``t[rows]`` for unique CPU indices ``rows``, paging only those rows."""
+    host = t._host
+    row_bytes = (host.numel() // max(host.shape[0], 1)) * host.element_size()
+    pager = t._master.pager
+    if row_bytes >= CACHED_SLICE_BYTES and pager.budget_bytes is not None and rows.numel() > 1:
+        # Experts: each one through the cache, then packed on the device (device bandwidth is
+        # ~50x PCIe, so the pack costs little next to the copies it saves).
+        parts = [paged.page(OffloadedTensor(host[i], t._master)) for i in rows.tolist()]
+        return torch.stack(parts)
+    if rows.numel() == 1 and row_bytes >= CACHED_SLICE_BYTES:
+        return paged.page(OffloadedTensor(host[int(rows[0])], t._master)).unsqueeze(0)
+    gathered = host.index_select(0, rows)
+    view, entry = pager.upload(gathered, _describe(t))
+    paged.entries.append((pager, entry))
+    return view
+
+
+def _unique_rows(index: torch.Tensor, size: int):
+    """Unique row ids (CPU, for the host) and every index's position among them (on index's device)."""
+    cpu = index.detach().to("cpu", torch.int64).reshape(-1)
+    cpu = torch.where(cpu < 0, cpu + size, cpu)
+    rows, inverse = torch.unique(cpu, return_inverse=True)
+    if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= size):
+        raise IndexError(f"index {int(rows[-1]) if int(rows[-1]) >= size else int(rows[0])} is out of bounds for dimension 0 with size {size}")
+    return rows, inverse.reshape(index.shape).to(index.device)
+
+
+@implements(aten.embedding.default)
+def _embedding(func, types, args, kwargs):
+    weight, indices = args[0], args[1]
+    if not isinstance(weight, OffloadedTensor) or isinstance(indices, OffloadedTensor):
+        return _run(func, args, kwargs)
+    rows, inverse = _unique_rows(indices, weight.shape[0])
+    paged = _Paged()
+    try:
+        selected = _gather_rows(weight, rows, paged)
+        return func(selected, inverse.to(selected.device))
+    finally:
+        paged.release()
+
+
+@implements(aten.index_select.default)
+def _index_select(func, types, args, kwargs):
+    self, dim, index = args[0], args[1], args[2]
+    if not isinstance(self, OffloadedTensor) or isinstance(index, OffloadedTensor) or dim % max(self.dim(), 1) != 0 or self.dim() == 0:
+        return _run(func, args, kwargs)
+    rows, inverse = _unique_rows(index, self.shape[0])
+    paged = _Paged()
+    try:
+        selected = _gather_rows(self, rows, paged)
+        return selected.index_select(0, inverse.to(selected.device))
+    finally:
+        paged.release()
+
+
+@implements(aten.index.Tensor)
+def _index(func, types, args, kwargs):
+    self, indices = args[0], args[1]
+    first = indices[0] if len(indices) else None
+    if (
+        not isinstance(self, OffloadedTensor)
+        or self.dim() == 0
+        or first is None
+        or isinstance(first, OffloadedTensor)
+        or first.dtype not in (torch.int64, torch.int32)
+        or any(i is not None for i in indices[1:])
+    ):
+        return _run(func, args, kwargs)
+    rows, inverse = _unique_rows(first, self.shape[0])
+    paged = _Paged()
+    try:
+        selected = _gather_rows(self, rows, paged)
+        return func(selected, [inverse.to(selected.device)])
+    finally:
+        paged.release()
+
+
+# ---------------------------------------------------------------------------- whole-op intercepts
+
+
+def _linear(args, kwargs):
+    x = args[0] if args else kwargs["input"]
+    weight = args[1] if len(args) > 1 else kwargs["weight"]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        # Let autograd see t + addmm so it saves the OffloadedTensor, not a device copy, and
+        # backward pages the weight again.
+        return NotImplemented
+    paged = _Paged()
+    try:
+        return torch._C._nn.linear(paged.arg(x), paged.arg(weight), paged.arg(bias))
+    finally:
+        paged.release()
+
+
+_FUNCTION_TABLE = {F.linear: _linear, torch._C._nn.linear: _linear}
+
+
+def materialize(t: OffloadedTensor) -> torch.Tensor:
+    return t._master.pager.copy_out(t._host)

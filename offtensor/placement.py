@@ -1,0 +1,177 @@
+"""Which weights stay resident on the device and which are offloaded, for a budget and a policy.
+
+Pure planning: no tensors are moved here. The default order offloads the weights whose bytes are
+largest and used least per token first: routed MoE experts (only the routed ones are paged), then
+dense MLP weights, then attention, then everything else; embeddings, norms, routers and small
+tensors go last because they are touched by every token and cost a page-in each time for few
+bytes. Within a class, bigger tensors go first so fewer tensors are offloaded for the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Callable, Iterable, Optional, Sequence, Union
+
+from .pager import BudgetError
+
+EXPERTS, MLP, ATTENTION, OTHER, LAST = range(5)
+CLASS_NAMES = {EXPERTS: "routed experts", MLP: "dense MLP", ATTENTION: "attention", OTHER: "other", LAST: "last"}
+
+SMALL_BYTES = 1 << 16  # below this a tensor is "small": never worth a page-in per use
+# Stacked experts are paged a few at a time (the routed ones), so their working set is this many
+# slices, not the whole stack.
+EXPERTS_PER_OP = 8
+
+_MLP_PARTS = {"mlp", "ffn", "feed_forward", "shared_expert", "shared_experts", "gate_proj", "up_proj", "down_proj",
+              "gate_up_proj", "w1", "w2", "w3", "fc1", "fc2", "c_fc", "dense_h_to_4h", "dense_4h_to_h"}
+_ATTENTION_PARTS = {"attn", "self_attn", "attention", "self_attention", "q_proj", "k_proj", "v_proj", "o_proj",
+                    "qkv_proj", "c_attn", "wq", "wk", "wv", "wo", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                    "kv_b_proj", "W_UK", "W_UV", "w_uk", "w_uv", "query_key_value"}
+_LAST_PARTS = {"embed_tokens", "embed", "embeddings", "wte", "wpe", "tok_embeddings", "word_embeddings", "lm_head",
+               "gate", "router", "norm", "e_score_correction_bias"}
+
+Policy = Union[None, Sequence[str], dict, Callable[[str], Optional[str]]]
+
+
+@dataclasses.dataclass
+class Weight:
+    """One unique tensor (tied names and storage aliases collapsed) as placement sees it."""
+
+    names: list  # every fully qualified name it is registered under
+    nbytes: int
+    shape: tuple
+    working_set: int  # bytes one op pages from it at most
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+@dataclasses.dataclass
+class Plan:
+    offload: list  # Weight objects to offload, in the order chosen
+    resident: list
+    budget_bytes: int
+    resident_bytes: int
+    offloaded_bytes: int
+    working_set_bytes: int  # the most one op pages at once (the largest offloaded working set)
+
+
+def weight_class(name: str, shape: tuple, nbytes: int) -> int:
+    parts = name.split(".")
+    leaf_owner = parts[-2] if len(parts) > 1 else ""
+    if nbytes < SMALL_BYTES or len(shape) < 2:
+        return LAST
+    if "experts" in parts:
+        return EXPERTS
+    if leaf_owner in _LAST_PARTS or any(p in _LAST_PARTS for p in parts[-2:]) or "norm" in leaf_owner:
+        return LAST
+    if any(p in _MLP_PARTS for p in parts):
+        return MLP
+    if any(p in _ATTENTION_PARTS for p in parts):
+        return ATTENTION
+    return OTHER
+
+
+def working_set(name: str, shape: tuple, nbytes: int) -> int:
+    if "experts" in name.split(".") and len(shape) >= 3 and shape[0] > 0:
+        return nbytes // shape[0] * min(shape[0], EXPERTS_PER_OP)
+    return nbytes
+
+
+def _policy_choice(policy: Policy, names: Iterable[str]) -> Optional[str]:
+    """"offload", "keep" or None (no opinion) for a weight with these names."""
+    if policy is None:
+        return None
+    if callable(policy):
+        for name in names:
+            choice = policy(name)
+            if choice is not None:
+                return _check_choice(choice)
+        return None
+    if isinstance(policy, dict):
+        unknown = set(policy) - {"offload", "keep"}
+        if unknown:
+            raise ValueError(f"offtensor: policy keys must be 'offload' and/or 'keep', got {sorted(unknown)}")
+        rules = [(p, "keep") for p in _patterns(policy.get("keep"))] + [(p, "offload") for p in _patterns(policy.get("offload"))]
+    else:
+        rules = [(p, "offload") for p in _patterns(policy)]
+    for pattern, choice in rules:
+        if any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            return choice
+    return None
+
+
+def _patterns(value) -> list:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return list(value)
+
+
+def _check_choice(choice: str) -> str:
+    if choice not in ("offload", "keep"):
+        raise ValueError(f"offtensor: a policy must answer 'offload', 'keep' or None, got {choice!r}")
+    return choice
+
+
+def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: Optional[int] = None,
+         policy: Policy = None, prefetch: bool = True) -> Plan:
+    """Choose what to offload so that resident bytes plus the largest working set fit the budget.
+
+    With ``offload_bytes`` (vLLM's ``cpu_offload_gb``) at least that many bytes are offloaded and,
+    if no budget was given, the budget becomes what stays resident plus room to page.
+    """
+    total = sum(w.nbytes for w in weights)
+    forced, kept, free = [], [], []
+    for w in weights:
+        choice = _policy_choice(policy, w.names)
+        (forced if choice == "offload" else kept if choice == "keep" else free).append(w)
+    free.sort(key=lambda w: (weight_class(w.name, w.shape, w.nbytes), -w.nbytes, w.name))
+
+    offload = list(forced)
+    offloaded = sum(w.nbytes for w in offload)
+    ws = max((w.working_set for w in offload), default=0)
+    candidates = iter(free)
+
+    def room_needed():
+        return ws * (2 if prefetch else 1)
+
+    def fits(budget):
+        return total - offloaded + ws <= budget
+
+    if offload_bytes is not None:
+        for w in candidates:
+            if offloaded >= offload_bytes:
+                free_left = [w] + list(candidates)
+                candidates = iter(free_left)
+                break
+            offload.append(w)
+            offloaded += w.nbytes
+            ws = max(ws, w.working_set)
+        if budget_bytes is None:
+            budget_bytes = total - offloaded + room_needed()
+    if budget_bytes is None:
+        raise ValueError("offtensor: plan() needs a budget or offload_bytes")
+
+    if not fits(budget_bytes):
+        for w in candidates:
+            offload.append(w)
+            offloaded += w.nbytes
+            ws = max(ws, w.working_set)
+            if fits(budget_bytes):
+                break
+    if not fits(budget_bytes):
+        largest = max(offload, key=lambda w: w.working_set, default=None)
+        kept_bytes = sum(w.nbytes for w in kept)
+        raise BudgetError(
+            f"offtensor: a budget of {budget_bytes} bytes cannot hold this model: {total - offloaded} bytes must stay "
+            f"resident ({kept_bytes} of them kept by the policy, the rest too small or untouchable to offload) and "
+            f"the largest working set, {ws} bytes of {largest.name if largest else '-'}, must fit beside them: "
+            f"{total - offloaded + ws} bytes in all. Raise budget_gb or let the policy offload more."
+        )
+    offload_ids = {id(w) for w in offload}
+    resident = [w for w in weights if id(w) not in offload_ids]
+    return Plan(offload, resident, budget_bytes, total - offloaded, offloaded, ws)

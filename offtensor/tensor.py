@@ -1,0 +1,240 @@
+"""OffloadedTensor: a tensor whose bytes live in an exact-size host master and are paged onto the
+device by the op that needs them.
+
+The wrapper holds one inner tensor, ``_host``: a plain CPU tensor with exactly the wrapper's
+shape, strides and storage offset, viewing the host master's storage. Every alias (view, detach,
+Parameter) of a master is another ``_host`` view of the same storage, so view ops are plain view
+ops on ``_host``, writes to ``_host`` are visible through every alias, and the byte range an op
+needs is the range ``_host`` covers. ``_master`` names the allocation for the pager's cache.
+
+This module owns construction, metadata, flatten/unflatten and pickling; ``dispatch.py`` owns
+what ops do.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import _ext
+from .pager import Pager, _Master, resolve_device
+
+# Host storage address -> master, so that tensors rebuilt from the same storage (unpickled aliases,
+# unflattened views) share one master and one set of cached copies.
+_MASTERS_BY_PTR: "weakref.WeakValueDictionary[int, _Master]" = weakref.WeakValueDictionary()
+_MASTERS_BY_ID: "weakref.WeakValueDictionary[int, _Master]" = weakref.WeakValueDictionary()
+
+
+class OffloadedTensor(torch.Tensor):
+    """A ``torch.Tensor`` on ``device`` whose values live in host memory (see DESIGN.md)."""
+
+    _host: torch.Tensor
+    _master: _Master
+
+    @staticmethod
+    def __new__(cls, host: torch.Tensor, master: _Master, requires_grad: bool = False):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            host.shape,
+            strides=host.stride(),
+            storage_offset=host.storage_offset(),
+            dtype=host.dtype,
+            device=master.pager.device,
+            requires_grad=requires_grad,
+        )
+
+    def __init__(self, host: torch.Tensor, master: _Master, requires_grad: bool = False):
+        self._host = host
+        self._master = master
+
+    # Only whole ops that save a dispatch are intercepted (dispatch.FUNCTION_TABLE); everything else
+    # goes straight to __torch_dispatch__ and results are never re-wrapped.
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _dispatch.torch_function(func, types, args, kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _dispatch.torch_dispatch(func, types, args, kwargs)
+
+    # ------------------------------------------------------------------ public methods
+
+    @property
+    def pager(self) -> Pager:
+        return self._master.pager
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of the host master this tensor views (shared by all its aliases)."""
+        return self._master.nbytes
+
+    def materialize(self) -> torch.Tensor:
+        """A plain tensor on ``self.device`` with this tensor's values (a copy, never cached)."""
+        return _dispatch.materialize(self)
+
+    def data_ptr(self) -> int:
+        # On the emulated device the host master *is* the tensor's memory; on a GPU there is no
+        # device address to give, and a host address would be read as one.
+        if self.device.type == "cpu":
+            return self._host.data_ptr()
+        raise RuntimeError(
+            f"offtensor: an OffloadedTensor of shape {tuple(self.shape)} ({self.host_nbytes} bytes in host memory) "
+            f"has no device address; call .materialize() for a device copy or .cpu() for the host values"
+        )
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        # The host master: lets storage-based tie detection (safetensors, transformers) see aliases.
+        return self._host.untyped_storage()
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return (
+            f"OffloadedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
+            f"host_bytes={self.host_nbytes}{grad})"
+        )
+
+    # ------------------------------------------------------------------ flatten / pickling
+
+    def __tensor_flatten__(self):
+        return ["_host"], (self._master.id, self.requires_grad)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
+        master_id, requires_grad = meta
+        master = _MASTERS_BY_ID[master_id]
+        return OffloadedTensor(inner_tensors["_host"], master, requires_grad)
+
+    def __reduce_ex__(self, protocol):
+        # Pickle the host view: torch.save then stores each host storage once, so tied tensors and
+        # aliases are saved once and come back as aliases of one master.
+        is_param = bool(getattr(self, "_is_param", False))
+        return (_rebuild_offloaded, (self._host, str(self.device), self.requires_grad, is_param))
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            copy = self.clone()
+        if getattr(self, "_is_param", False):
+            copy = torch.nn.Parameter(copy, requires_grad=self.requires_grad)
+        else:
+            copy.requires_grad_(self.requires_grad)
+        memo[id(self)] = copy
+        return copy
+
+
+def _master_for(host: torch.Tensor, pager: Pager) -> _Master:
+    """The master of ``host``'s storage, creating (and registering) one if it has none yet."""
+    storage = host.untyped_storage()
+    ptr = storage.data_ptr()
+    master = _MASTERS_BY_PTR.get(ptr) if ptr else None
+    if master is None:
+        master = pager.new_master(storage.nbytes())
+        master.flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+        if ptr:
+            _MASTERS_BY_PTR[ptr] = master
+        _MASTERS_BY_ID[master.id] = master
+    return master
+
+
+def _wrap_host(host: torch.Tensor, pager: Pager, requires_grad: bool = False) -> OffloadedTensor:
+    return OffloadedTensor(host, _master_for(host, pager), requires_grad)
+
+
+def _wrap_alias(host: torch.Tensor, master: _Master) -> OffloadedTensor:
+    """A new alias of an existing master (the result of a view op)."""
+    return OffloadedTensor(host, master)
+
+
+def _dense_strides(t: torch.Tensor):
+    """Strides that keep ``t``'s memory order in a buffer of exactly numel elements, or None if
+    ``t`` overlaps itself or has gaps (then the master is contiguous)."""
+    if t.is_contiguous():
+        return None
+    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), -t.shape[d]), reverse=True)
+    strides = [0] * t.dim()
+    expected = 1
+    for d in reversed(order):
+        if t.shape[d] != 1 and t.stride(d) != expected:
+            return None
+        strides[d] = expected
+        expected *= t.shape[d]
+    return strides
+
+
+def new_host_master(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """An exact-size host copy of ``t`` (same shape, dtype and memory order), backed by the
+    extension's page-aligned allocation."""
+    nbytes = t.numel() * t.element_size()
+    raw = _ext.alloc_host(nbytes, pin=pin)
+    flat = raw.view(t.dtype) if nbytes else torch.empty(0, dtype=t.dtype)
+    strides = _dense_strides(t)
+    host = flat.as_strided(t.shape, strides) if strides is not None else flat.view(t.shape)
+    with torch.no_grad():
+        host.copy_(t.detach())
+    return host
+
+
+def _check_offloadable(t, what: str = "tensor") -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"offtensor: can only offload a torch.Tensor, got {type(t).__name__}")
+    if t.is_meta:
+        raise ValueError(
+            f"offtensor: cannot offload {what} of shape {tuple(t.shape)} on the meta device: it has no values "
+            f"({t.numel() * t.element_size()} bytes would be needed). Load its weights first, or use "
+            f"ot.load_safetensors(model, path) for a model built on meta."
+        )
+    if t.is_nested:
+        raise ValueError(f"offtensor: cannot offload {what}: nested tensors are not supported")
+    if t.layout != torch.strided:
+        raise ValueError(
+            f"offtensor: cannot offload {what} with layout {t.layout}: only dense strided tensors are supported; "
+            f"call .to_dense() first"
+        )
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        raise TypeError(f"offtensor: cannot offload {what} of subclass {type(t).__name__}")
+
+
+def offload(t: torch.Tensor, device=None, *, pager: Pager | None = None) -> OffloadedTensor:
+    """An OffloadedTensor on ``device`` whose host master is an exact-size (pinned) copy of ``t``.
+
+    ``device=None`` is the current CUDA device when there is one, else the emulated device (cpu).
+    Offloading an OffloadedTensor already on that device returns it unchanged.
+    """
+    if isinstance(t, OffloadedTensor):
+        target = resolve_device(device) if device is not None else t.device
+        if target == t.device and (pager is None or pager is t.pager):
+            return t
+        if target == t.device:
+            t._master.move_to(pager)
+            return t
+        raise ValueError(
+            f"offtensor: tensor of shape {tuple(t.shape)} is already offloaded to {t.device}; "
+            f"cannot offload it again to {target}"
+        )
+    _check_offloadable(t)
+    if pager is None:
+        pager = Pager.default(resolve_device(device))
+    elif device is not None and resolve_device(device) != pager.device:
+        raise ValueError(f"offtensor: device {device} does not match the pager's device {pager.device}")
+    host = new_host_master(t, pin=pager.device.type == "cuda")
+    return _wrap_host(host, pager, requires_grad=t.requires_grad)
+
+
+def _rebuild_offloaded(host: torch.Tensor, device: str, requires_grad: bool, is_param: bool):
+    try:
+        target = resolve_device(device)
+    except ValueError:
+        # Saved on a GPU, loaded without one: the values are all in ``host``, so keep them and
+        # emulate the device rather than refuse to load.
+        target = resolve_device(None)
+    t = _wrap_host(host, Pager.default(target), requires_grad and not is_param)
+    if is_param:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    return t
+
+
+torch.serialization.add_safe_globals([OffloadedTensor, _rebuild_offloaded])
+
+from . import dispatch as _dispatch  # noqa: E402  (dispatch needs the class defined above)
