@@ -1,0 +1,271 @@
+"""The native extension, offtensor._C, behind a Python API that works with or without it.
+
+The extension provides exact-size page-aligned (pinned) host memory and an asynchronous copy
+engine; its ops live in ``torch.ops.offtensor`` and their fake kernels are registered here. When it
+cannot be loaded, or ``OFFTENSOR_NO_NATIVE=1`` is set, one warning says so and the same functions
+run on plain PyTorch, only slower. The rest of offtensor uses only the names below:
+
+- ``NATIVE``, ``CUDA_COMPILED``, ``cuda_device_count()``
+- ``alloc_host(nbytes, pin=...)`` and ``live_host_bytes()``
+- ``CopyEngine``: ``submit``, ``query``, ``wait``, ``stream_wait``
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import threading
+import warnings
+import weakref
+
+import torch
+
+__all__ = ["NATIVE", "CUDA_COMPILED", "cuda_device_count", "alloc_host", "live_host_bytes", "CopyEngine"]
+
+_BUILD_HINT = "pip install --no-build-isolation -e ."
+
+
+def _load_native() -> str | None:
+    """Loads the extension; returns why it is unavailable, or None when it loaded."""
+    if os.environ.get("OFFTENSOR_NO_NATIVE", "").strip().lower() not in ("", "0", "false", "no"):
+        return "OFFTENSOR_NO_NATIVE is set"
+    name = f"{__package__}._C"
+    try:
+        importlib.import_module(name)  # registers torch.ops.offtensor
+    except ModuleNotFoundError as error:
+        if error.name != name:
+            raise
+        return "offtensor._C is not built for this Python"
+    except (ImportError, OSError) as error:  # e.g. built against another torch
+        return f"importing offtensor._C failed: {error}"
+    return None
+
+
+_why_not_native = _load_native()
+NATIVE: bool = _why_not_native is None
+if not NATIVE:
+    warnings.warn(
+        f"offtensor: the native extension is missing ({_why_not_native}). To use it, build it in the offtensor "
+        f"checkout with `{_BUILD_HINT}` (against the torch already installed) and leave OFFTENSOR_NO_NATIVE "
+        "unset. Until then slower pure-PyTorch paths are used: host memory comes from torch (pinned blocks rounded up "
+        "to a power of two) and copies on the emulated device are synchronous.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+CUDA_COMPILED: bool = NATIVE and torch.ops.offtensor.cuda_compiled()
+
+
+def cuda_device_count() -> int:
+    """GPUs the extension can use; torch's count when the extension has no CUDA part. Never raises:
+    a machine without a driver has 0."""
+    if CUDA_COMPILED:
+        return torch.ops.offtensor.cuda_device_count()
+    return torch.cuda.device_count()
+
+
+if NATIVE:
+
+    @torch.library.register_fake("offtensor::alloc_host")
+    def _alloc_host_fake(nbytes, pin):
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
+
+    @torch.library.register_fake("offtensor::copy_async")
+    def _copy_async_fake(dst, src, ticket, wait_stream):
+        return None
+
+    # Join the copy worker while Python can still release the tensors it holds.
+    atexit.register(torch.ops.offtensor.copy_shutdown)
+
+
+# ------------------------------------------------------------------------------------------------
+# Host memory
+# ------------------------------------------------------------------------------------------------
+
+_fallback_live_bytes = 0
+_fallback_lock = threading.Lock()
+_warned_unpinnable = False
+
+
+def _fallback_freed(nbytes: int) -> None:
+    global _fallback_live_bytes
+    with _fallback_lock:
+        _fallback_live_bytes -= nbytes
+
+
+def alloc_host(nbytes: int, *, pin: bool) -> torch.Tensor:
+    """A 1-D uint8 CPU tensor of exactly ``nbytes`` bytes, page-aligned, pinned when ``pin`` and a
+    GPU is present. Natively the memory is an mmap rounded only to the OS page (allocators that
+    round to powers of two can double what large weights cost) and is returned to the OS when the
+    last tensor or view using it dies."""
+    global _warned_unpinnable, _fallback_live_bytes
+    if nbytes < 0:
+        raise ValueError(f"offtensor: cannot allocate {nbytes} bytes of host memory")
+    wants_torch_pinning = pin and not CUDA_COMPILED and torch.cuda.is_available()
+    if NATIVE and not wants_torch_pinning:
+        return torch.ops.offtensor.alloc_host(nbytes, pin)
+    if NATIVE:
+        if not _warned_unpinnable:
+            _warned_unpinnable = True
+            warnings.warn(
+                "offtensor: the native extension was built without CUDA, so pinned host memory comes from torch, "
+                "which rounds each block up to a power of two. Rebuild with nvcc available "
+                f"(`{_BUILD_HINT}`) for exact-size pinned memory.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+    with _fallback_lock:
+        _fallback_live_bytes += nbytes
+    # The storage's Python object lives exactly as long as the storage, views included.
+    weakref.finalize(tensor.untyped_storage(), _fallback_freed, nbytes)
+    return tensor
+
+
+def live_host_bytes() -> int:
+    """Bytes (as requested, not rounded) of all ``alloc_host`` allocations that are still alive."""
+    native = torch.ops.offtensor.live_host_bytes() if NATIVE else 0
+    return native + _fallback_live_bytes
+
+
+# ------------------------------------------------------------------------------------------------
+# Copies
+# ------------------------------------------------------------------------------------------------
+
+# One ticket sequence for the whole process, so tickets from every path and engine compare.
+_ticket_lock = threading.Lock()
+_last_ticket = 0
+# Copies that torch runs because the extension cannot: ticket -> _TorchCopy.
+_torch_copies: dict[int, "_TorchCopy"] = {}
+_side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def _next_ticket() -> int:
+    global _last_ticket
+    with _ticket_lock:
+        _last_ticket += 1
+        return _last_ticket
+
+
+class _TorchCopy:
+    """An in-flight ``copy_`` on a side stream; holds both tensors until the copy is done."""
+
+    __slots__ = ("done", "dst", "src")
+
+    def __init__(self, done: "torch.cuda.Event", dst: torch.Tensor, src: torch.Tensor):
+        self.done, self.dst, self.src = done, dst, src
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _check_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """The checks the native op makes, for the paths that do not reach it."""
+    if not (dst.is_contiguous() and src.is_contiguous()):
+        raise ValueError(f"offtensor.copy_async: dst and src must be contiguous, got dst {tuple(dst.shape)} with "
+                         f"strides {dst.stride()} and src {tuple(src.shape)} with strides {src.stride()}")
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"offtensor.copy_async: dst holds {dst.nbytes} bytes but src holds {src.nbytes} bytes")
+    if dst.device == src.device and dst.nbytes > 0:
+        d, s, n = dst.data_ptr(), src.data_ptr(), dst.nbytes
+        if d < s + n and s < d + n:
+            raise ValueError(f"offtensor.copy_async: dst and src overlap ({n} bytes at {d:#x} and {s:#x})")
+
+
+class CopyEngine:
+    """Asynchronous copies of a tensor's bytes into another tensor, identified by tickets.
+
+    ``submit`` returns at once with a ticket (increasing across the whole process); ``query`` says
+    whether that copy is done, ``wait`` blocks until it is and raises any error it hit. Until then
+    the engine keeps both tensors alive, and neither may be read or written.
+
+    - CPU tensors (the emulated device): natively a C++ worker thread copies while Python runs on;
+      without the extension the copy happens inside ``submit``.
+    - A CUDA tensor: natively a dedicated copy stream, which first waits for the work already on
+      the current stream; ``stream_wait`` then orders a compute stream after the copy. Without the
+      extension's CUDA part, ``copy_(non_blocking=True)`` on a side stream does the same.
+
+    Engines are cheap: all share one process-wide worker and ticket sequence.
+    """
+
+    def submit(self, dst: torch.Tensor, src: torch.Tensor) -> int:
+        """Enqueues copying ``src``'s bytes into ``dst`` (both contiguous, same nbytes)."""
+        ticket = _next_ticket()
+        gpu = dst.device if dst.is_cuda else src.device if src.is_cuda else None
+        if NATIVE and (gpu is None or _native_gpu_copies()):
+            stream = torch.cuda.current_stream(gpu).cuda_stream if gpu is not None else 0
+            torch.ops.offtensor.copy_async(dst, src, ticket, stream)
+            return ticket
+        _check_copy(dst, src)
+        if gpu is None:
+            _as_bytes(dst).copy_(_as_bytes(src))  # finished before the ticket is handed out
+        else:
+            _torch_copy(ticket, gpu, dst, src)
+        return ticket
+
+    def query(self, ticket: int) -> bool:
+        """Whether the copy for ``ticket`` has finished; raises if it failed."""
+        _check_ticket(ticket)
+        pending = _torch_copies.get(ticket)
+        if pending is not None:
+            if not pending.done.query():
+                return False
+            _torch_copies.pop(ticket, None)
+            return True
+        return torch.ops.offtensor.copy_query(ticket) if NATIVE else True
+
+    def wait(self, ticket: int) -> None:
+        """Blocks until the copy for ``ticket`` has finished; raises if it failed."""
+        _check_ticket(ticket)
+        pending = _torch_copies.get(ticket)
+        if pending is not None:
+            pending.done.synchronize()
+            _torch_copies.pop(ticket, None)
+        elif NATIVE:
+            torch.ops.offtensor.copy_wait(ticket)
+
+    def stream_wait(self, ticket: int, stream: int) -> None:
+        """Makes the CUDA stream with handle ``stream`` (``torch.cuda.current_stream().cuda_stream``)
+        wait for the copy without blocking the host. For copies on the emulated device, waits."""
+        _check_ticket(ticket)
+        pending = _torch_copies.get(ticket)
+        if pending is not None:
+            torch.cuda.ExternalStream(stream).wait_event(pending.done)
+        elif NATIVE:
+            torch.ops.offtensor.copy_stream_wait(ticket, stream)
+
+
+_gpu_copies_native: bool | None = None
+
+
+def _native_gpu_copies() -> bool:
+    # Asked only once a GPU tensor shows up: asking the driver at import would initialise CUDA early.
+    global _gpu_copies_native
+    if _gpu_copies_native is None:
+        _gpu_copies_native = CUDA_COMPILED and cuda_device_count() > 0
+    return _gpu_copies_native
+
+
+def _check_ticket(ticket: int) -> None:
+    if not 0 < ticket <= _last_ticket:
+        raise ValueError(f"offtensor: ticket {ticket} was never returned by CopyEngine.submit "
+                         f"(tickets issued so far: 1..{_last_ticket})")
+
+
+def _torch_copy(ticket: int, device: torch.device, dst: torch.Tensor, src: torch.Tensor) -> None:
+    # Drop finished copies oldest first, so callers that never query do not grow the table.
+    for old, copy in list(_torch_copies.items()):
+        if not copy.done.query():
+            break
+        _torch_copies.pop(old, None)
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))  # e.g. the last reader of dst's old bytes
+    with torch.cuda.stream(stream):
+        _as_bytes(dst).copy_(_as_bytes(src), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    _torch_copies[ticket] = _TorchCopy(done, dst, src)
