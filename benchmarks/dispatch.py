@@ -1,0 +1,128 @@
+"""Per-op overhead of OffloadedTensor, in microseconds, against plain tensors and against a minimal
+pass-through wrapper subclass (the floor that any Python ``__torch_dispatch__`` pays).
+
+Tensors are tiny so that the numbers are dispatch overhead, not copies. Every configuration is
+measured in the same run, interleaved, and the median of several repetitions is reported, so
+ratios are meaningful on a shared, noisy machine.
+
+    python benchmarks/dispatch.py [--device cpu|cuda] [--iters 2000] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import offtensor as ot  # noqa: E402
+from offtensor.pager import Pager  # noqa: E402
+
+
+class PassThrough(torch.Tensor):
+    """The smallest useful wrapper subclass: unwrap, run, return plain results."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(), dtype=inner.dtype,
+                                                   device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        args = tuple(a.inner if isinstance(a, PassThrough) else a for a in args)
+        return func(*args, **(kwargs or {}))
+
+
+def _ops(device):
+    x = torch.randn(16, 16, device=device)
+    idx = torch.tensor([1, 3, 5], device=device)
+    return {
+        "t (view)": lambda w: w.t(),
+        "view": lambda w: w.view(256),
+        "detach": lambda w: w.detach(),
+        "add (compute)": lambda w: w + 1,
+        "F.linear": lambda w: F.linear(x, w),
+        "x @ w.t()": lambda w: x @ w.t(),
+        "select row [3]": lambda w: w[3],
+        "embedding": lambda w: F.embedding(idx, w),
+        "sum": lambda w: w.sum(),
+    }
+
+
+def _time(fn, arg, iters, sync):
+    fn(arg)
+    sync()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn(arg)
+    sync()
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    base = torch.randn(16, 16)
+    plain = base.to(device)
+    passthrough = PassThrough(plain)
+    uncached = ot.offload(base, device)
+    cached_pager = Pager(device, budget_bytes=1 << 20)
+    cached = ot.offload(base, pager=cached_pager)
+    subjects = {"plain": plain, "passthrough": passthrough, "offloaded (cache hit)": cached,
+                "offloaded (no cache)": uncached}
+
+    results = {}
+    with torch.no_grad():
+        for op_name, fn in _ops(device).items():
+            samples = {name: [] for name in subjects}
+            for _ in range(args.repeats):
+                for name, subject in subjects.items():  # interleaved: drift hits all alike
+                    samples[name].append(_time(fn, subject, args.iters, sync))
+            results[op_name] = {name: statistics.median(v) for name, v in samples.items()}
+
+    header = f"{'op':<16}" + "".join(f"{name:>24}" for name in subjects) + f"{'cached/passthrough':>20}"
+    print(f"per-op time in microseconds on {device} (median of {args.repeats} x {args.iters} iterations)")
+    print(header)
+    for op_name, row in results.items():
+        ratio = row["offloaded (cache hit)"] / row["passthrough"]
+        print(f"{op_name:<16}" + "".join(f"{row[name]:>24.2f}" for name in subjects) + f"{ratio:>20.2f}")
+
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"dispatch_{device.type}.json")
+    with open(path, "w") as f:
+        json.dump({
+            "benchmark": "dispatch overhead per op (us)",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                        "cpus": os.cpu_count(), "torch": torch.__version__,
+                        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                        "native_extension": ot._ext.NATIVE},
+            "command": "python benchmarks/dispatch.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "iters": args.iters, "repeats": args.repeats, "us_per_op": results,
+        }, f, indent=2)
+    print(f"wrote {path}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
