@@ -1,0 +1,38 @@
+"""Shared test setup: the device the tests offload to, and hypothesis settings.
+
+``OFFTENSOR_TEST_DEVICE`` picks the device (default "cpu", the emulated device; the GPU script sets
+"cuda"), so the same tests take the GPU code path on a GPU. ``OFFTENSOR_HYPOTHESIS_EXAMPLES`` sets
+how many examples each property runs (default 60).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "offtensor",
+    deadline=None,  # paging and the first dispatch of an op vary in time; correctness is what is tested
+    max_examples=int(os.environ.get("OFFTENSOR_HYPOTHESIS_EXAMPLES", "60")),
+    # ``device`` is a function-scoped fixture, but a constant string, so reusing it across examples is safe.
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.load_profile("offtensor")
+
+TEST_DEVICE = os.environ.get("OFFTENSOR_TEST_DEVICE", "cpu")
+
+if TEST_DEVICE == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+    # On the emulated device the copy engine's worker thread needs a core too; with torch's
+    # default of one compute thread per core, a 2-core machine oversubscribes and single ops
+    # run 10-100x slower.
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+
+
+@pytest.fixture
+def device() -> str:
+    """The device OffloadedTensors are offloaded to in this run."""
+    return TEST_DEVICE
+
