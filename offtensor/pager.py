@@ -175,6 +175,15 @@ class Pager:
     def device_bytes(self) -> int:
         return self.resident_bytes + self.paged_bytes
 
+    def free_bytes(self) -> Optional[int]:
+        """Bytes an op could page right now, evicting every cached copy no op is using; None
+        without a budget. Lets an op that selects many slices (all experts of a prefill) page
+        them a chunk at a time instead of failing."""
+        if self.budget_bytes is None:
+            return None
+        evictable = sum(e.nbytes for e in self._cache.values() if not e.users)
+        return self.budget_bytes - self.resident_bytes - (self.paged_bytes - evictable)
+
     def _note_peak(self) -> None:
         used = self.resident_bytes + self.paged_bytes
         if used > self.stats.peak_device_bytes:

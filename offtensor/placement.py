@@ -164,13 +164,19 @@ def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: 
             if fits(budget_bytes):
                 break
     if not fits(budget_bytes):
+        # Every weight the policy allows is offloaded by now: what stays resident is what it keeps.
         largest = max(offload, key=lambda w: w.working_set, default=None)
-        kept_bytes = sum(w.nbytes for w in kept)
+        needs = []
+        if kept:
+            needs.append(
+                f"the policy keeps {total - offloaded} bytes resident ({len(kept)} tensors, e.g. '{kept[0].name}')"
+            )
+        if largest is not None:
+            needs.append(f"paging '{largest.name}' needs {ws} bytes on the device at once")
         raise BudgetError(
-            f"offtensor: a budget of {budget_bytes} bytes cannot hold this model: {total - offloaded} bytes must stay "
-            f"resident ({kept_bytes} of them kept by the policy, the rest too small or untouchable to offload) and "
-            f"the largest working set, {ws} bytes of {largest.name if largest else '-'}, must fit beside them: "
-            f"{total - offloaded + ws} bytes in all. Raise budget_gb or let the policy offload more."
+            f"offtensor: a budget of {budget_bytes} bytes cannot hold this model even with every other weight "
+            f"offloaded: {' and '.join(needs)}, {total - offloaded + ws} bytes in all. Raise budget_gb"
+            + (" or let the policy offload more." if kept else ".")
         )
     offload_ids = {id(w) for w in offload}
     resident = [w for w in weights if id(w) not in offload_ids]

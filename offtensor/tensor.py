@@ -14,6 +14,7 @@ what ops do.
 from __future__ import annotations
 
 import weakref
+from copy import deepcopy as _deepcopy
 
 import torch
 
@@ -94,6 +95,12 @@ class OffloadedTensor(torch.Tensor):
             f"host_bytes={self.host_nbytes}{grad})"
         )
 
+    def __format__(self, format_spec: str) -> str:
+        # torch.Tensor formats a 0-d value (f"{loss:.3f}") only for exact torch.Tensor objects.
+        if self.dim() == 0 and format_spec:
+            return self._host.item().__format__(format_spec)
+        return super().__format__(format_spec)
+
     # ------------------------------------------------------------------ flatten / pickling
 
     def __tensor_flatten__(self):
@@ -114,12 +121,26 @@ class OffloadedTensor(torch.Tensor):
     def __deepcopy__(self, memo):
         if id(self) in memo:
             return memo[id(self)]
+        # Like torch.Tensor.__deepcopy__: each host master is copied once per deepcopy, so aliases
+        # (tied weights held by separate Parameters, views) come back as aliases of one new master.
+        master = self._master
+        new_flat = memo.get(id(master))
+        if new_flat is None:
+            new_flat = _ext.alloc_host(master.nbytes, pin=master.pager.device.type == "cuda")
+            with torch.no_grad():
+                new_flat.copy_(master.flat)
+            memo[id(master)] = new_flat
         with torch.no_grad():
-            copy = self.clone()
+            host = torch.empty(0, dtype=self.dtype).set_(
+                new_flat.untyped_storage(), self._host.storage_offset(), self.shape, self.stride()
+            )
+        copy = _wrap_host(host, master.pager)
         if getattr(self, "_is_param", False):
             copy = torch.nn.Parameter(copy, requires_grad=self.requires_grad)
         else:
             copy.requires_grad_(self.requires_grad)
+        if self.grad is not None:
+            copy.grad = _deepcopy(self.grad, memo)
         memo[id(self)] = copy
         return copy
 
@@ -186,10 +207,14 @@ def _check_offloadable(t, what: str = "tensor") -> None:
             f"ot.load_safetensors(model, path) for a model built on meta."
         )
     if t.is_nested:
-        raise ValueError(f"offtensor: cannot offload {what}: nested tensors are not supported")
+        raise ValueError(
+            f"offtensor: cannot offload nested {what} with {t.size(0)} components: nested tensors are not "
+            f"supported; offload each component (t.unbind()) instead"
+        )
     if t.layout != torch.strided:
         raise ValueError(
-            f"offtensor: cannot offload {what} with layout {t.layout}: only dense strided tensors are supported; "
+            f"offtensor: cannot offload {what} of shape {tuple(t.shape)} with layout {t.layout}: only dense strided "
+            f"tensors are supported; "
             f"call .to_dense() first"
         )
     if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):

@@ -13,12 +13,14 @@ under the same budget instead of letting it land on the device unaccounted.
 
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from typing import Optional
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import placement
 from .pager import GiB, BudgetError, OffloadStats, Pager, _covering_range, resolve_device
@@ -44,6 +46,26 @@ class _Member:
         self.names = []
 
 
+class _Placed:
+    """Where a tensor assigned after wrapping went, keyed by the storage it came from, so that a
+    second tensor over that storage (``load_state_dict(assign=True)`` wraps each key of a tied pair
+    in its own Parameter) becomes a view of the same placement instead of a second copy."""
+
+    __slots__ = ("source", "target", "dtype", "lo", "hi", "view", "base")
+
+    def __init__(self, source: torch.Tensor, target: torch.Tensor):
+        self.source = StorageWeakRef(source.untyped_storage())
+        self.target = weakref.ref(target)
+        self.dtype = source.dtype
+        self.lo, self.hi = _covering_range(source)
+        self.view = (tuple(source.shape), source.stride(), source.storage_offset())
+        # target storage offset - source storage offset, the same for every element of [lo, hi)
+        if isinstance(target, OffloadedTensor):
+            self.base = target._host.storage_offset() - source.storage_offset()
+        else:
+            self.base = 0
+
+
 class _State:
     def __init__(self, model, pager: Pager, plan: placement.Plan, policy, prefetch: bool):
         self.model_ref = weakref.ref(model)
@@ -52,6 +74,41 @@ class _State:
         self.prefetch = prefetch
         self.working_set_bytes = plan.working_set_bytes
         self.plan = plan
+        self.placed: dict = {}  # source storage (_cdata) -> _Placed
+        self.load_hooks = []  # handles of the load_state_dict post-hooks on every module
+        self.step_hook = None  # forward pre-hook on the model that marks prefetch passes
+        # Storages of the resident weights placed so far, so that a load that only copied values
+        # into them is recognised without walking the model.
+        self.resident_ptrs: set = set()
+        self.prefixes: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+
+    def qualified_name(self, module: nn.Module, attr: str) -> str:
+        """``module``'s tensor ``attr`` under its name in the model, as policies and placement see it."""
+        prefix = self.prefixes.get(module)
+        if prefix is None:
+            model = self.model_ref()
+            if model is not None:
+                for path, m in model.named_modules(remove_duplicate=False):
+                    self.prefixes.setdefault(m, path)
+            prefix = self.prefixes.get(module)
+        if prefix is None:
+            return f"{type(module).__name__}.{attr}"
+        return f"{prefix}.{attr}" if prefix else attr
+
+    def remember(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        self.placed[source.untyped_storage()._cdata] = _Placed(source, target)
+
+    def placement_of(self, t: torch.Tensor):
+        """The tensor that an earlier placement of ``t``'s storage produced, if ``t`` lies inside it."""
+        for key in [k for k, p in self.placed.items() if p.source.expired() or p.target() is None]:
+            del self.placed[key]
+        placed = self.placed.get(t.untyped_storage()._cdata)
+        if placed is None or placed.dtype != t.dtype or not t.numel():
+            return None
+        lo, hi = _covering_range(t)
+        if lo < placed.lo or hi > placed.hi:
+            return None
+        return placed
 
 
 # ---------------------------------------------------------------------------- collection
@@ -177,28 +234,39 @@ def _make_resident(group, device: torch.device) -> None:
         t.data = flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
 
 
-def _resident_bytes(model: nn.Module, device: torch.device) -> int:
-    seen = set()
-    total = 0
-    for t in _tensors(model):
-        if isinstance(t, OffloadedTensor) or t.device != device or t.is_meta:
-            continue
-        storage = t.untyped_storage()
-        key = storage.data_ptr() or id(t)
-        if key not in seen:
-            seen.add(key)
-            total += storage.nbytes() if storage.data_ptr() else t.numel() * t.element_size()
-    return total
+def _resident_bytes(model: nn.Module, device: torch.device, skip=frozenset(), extra=()) -> int:
+    """Device bytes held by the plain device tensors of ``model`` and of ``extra`` (modules being
+    attached, tensors being placed), each storage once; ``skip``: (module, attribute) slots whose
+    tensor is being replaced."""
+    return sum(_resident_storages(model, device, skip, extra).values())
 
 
-def _tensors(model: nn.Module):
+def _resident_storages(model: nn.Module, device: torch.device, skip=frozenset(), extra=()) -> dict:
+    """Storage key -> bytes for the tensors ``_resident_bytes`` counts."""
+    storages = {}
+    tensors = [_tensors(model, skip)] + [_tensors(e, skip) if isinstance(e, nn.Module) else (e,) for e in extra]
+    for source in tensors:
+        for t in source:
+            if isinstance(t, OffloadedTensor) or t.device != device or t.is_meta:
+                continue
+            key, nbytes = _storage_bytes(t)
+            storages[key] = nbytes
+    return storages
+
+
+def _storage_bytes(t: torch.Tensor):
+    storage = t.untyped_storage()
+    if storage.data_ptr():
+        return storage.data_ptr(), storage.nbytes()
+    return id(t), t.numel() * t.element_size()
+
+
+def _tensors(model: nn.Module, skip=frozenset()):
     for module in model.modules():
-        for t in module._parameters.values():
-            if t is not None:
-                yield t
-        for t in module._buffers.values():
-            if t is not None:
-                yield t
+        for table in (module._parameters, module._buffers):
+            for attr, t in table.items():
+                if t is not None and (not skip or (module, attr) not in skip):
+                    yield t
 
 
 # ---------------------------------------------------------------------------- public API
@@ -213,8 +281,29 @@ def wrap_model(model: nn.Module, budget_gb: Optional[float] = None, *, device=No
     offloads at least that many GiB (vLLM's ``cpu_offload_gb``). With neither, the budget is the
     free device memory minus a margin for activations.
     """
+    _check_wrappable(model, budget_gb, offload_gb)
+    device = resolve_device(device)
+    groups = _collect(model)
+    for g in groups:
+        t = g[0].tensor
+        if not isinstance(t, OffloadedTensor) and t.is_meta:
+            raise ValueError(
+                f"offtensor: '{g[0].names[0]}' ({_group_bytes(g)} bytes) is on the meta device and has no values; "
+                f"use ot.load_safetensors(model, path) for a model built on meta"
+            )
+    plan, by_weight = _plan(groups, device, budget_gb, offload_gb, policy, prefetch)
+    pager = Pager(device, plan.budget_bytes)
+    for w in plan.offload:
+        _offload_group(by_weight[id(w)], pager)
+    for w in plan.resident:
+        _make_resident(by_weight[id(w)], device)
+    _register(model, pager, plan, policy, prefetch)
+    return model
+
+
+def _check_wrappable(model, budget_gb, offload_gb) -> None:
     if not isinstance(model, nn.Module):
-        raise TypeError(f"offtensor: wrap_model takes an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"offtensor: expected an nn.Module, got {type(model).__name__}")
     if model in _WRAPPED:
         state = _WRAPPED[model]
         raise RuntimeError(
@@ -224,47 +313,48 @@ def wrap_model(model: nn.Module, budget_gb: Optional[float] = None, *, device=No
     if budget_gb is not None and offload_gb is not None:
         raise ValueError("offtensor: give budget_gb or offload_gb, not both")
     for label, value in (("budget_gb", budget_gb), ("offload_gb", offload_gb)):
-        if value is not None and (not isinstance(value, (int, float)) or value < 0):
+        if value is not None and (
+            not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0
+        ):
             raise ValueError(f"offtensor: {label} must be a non-negative number of GiB, got {value!r}")
-    device = resolve_device(device)
-    groups = _collect(model)
+
+
+def _plan(groups, device, budget_gb, offload_gb, policy, prefetch):
+    """The placement plan for these storage groups, and weight -> group."""
     weights = [_weight(g) for g in groups]
-    for g in groups:
-        t = g[0].tensor
-        if not isinstance(t, OffloadedTensor) and t.is_meta:
-            raise ValueError(
-                f"offtensor: '{g[0].names[0]}' ({_group_bytes(g)} bytes) is on the meta device and has no values; "
-                f"use ot.load_safetensors(model, path) for a model built on meta"
-            )
     budget_bytes = None if budget_gb is None else int(budget_gb * GiB)
     offload_bytes = None if offload_gb is None else int(offload_gb * GiB)
     if budget_bytes is None and offload_bytes is None:
         budget_bytes = _free_device_bytes(device) - DEFAULT_MARGIN_BYTES
     already = {id(w) for w, g in zip(weights, groups) if isinstance(g[0].tensor, OffloadedTensor)}
-    user_policy = policy
     if already:
         # Tensors the user offloaded by hand stay offloaded.
-        ids = {n for w in weights if id(w) in already for n in w.names}
+        names = {n for w in weights if id(w) in already for n in w.names}
 
-        def policy(name, _user=user_policy):
-            return "offload" if name in ids else placement._policy_choice(_user, [name])
+        def policy(name, _user=policy):
+            return "offload" if name in names else placement._policy_choice(_user, [name])
 
     plan = placement.plan(weights, budget_bytes, offload_bytes, policy, prefetch)
-    pager = Pager(device, plan.budget_bytes)
-    by_weight = {id(w): g for w, g in zip(weights, groups)}
-    for w in plan.offload:
-        _offload_group(by_weight[id(w)], pager)
-    for w in plan.resident:
-        _make_resident(by_weight[id(w)], device)
-    state = _State(model, pager, plan, user_policy, prefetch)
+    return plan, {id(w): g for w, g in zip(weights, groups)}
+
+
+def _register(model: nn.Module, pager: Pager, plan: placement.Plan, policy, prefetch: bool) -> None:
+    """Mark ``model`` as wrapped: its modules now place whatever is assigned into them."""
+    state = _State(model, pager, plan, policy, prefetch)
     for module in model.modules():
         _WRAPPED[module] = state
-    pager.resident_bytes = _resident_bytes(model, device)
+        state.load_hooks.append(module.register_load_state_dict_post_hook(_after_load))
+    state.resident_ptrs = {
+        t.untyped_storage().data_ptr()
+        for t in _tensors(model)
+        if not isinstance(t, OffloadedTensor) and t.device == pager.device and not t.is_meta
+    }
+    pager.resident_bytes = _resident_bytes(model, pager.device)
     pager.reset_stats()
     if prefetch and plan.offload:
         pager.prefetcher = Prefetcher()
+        state.step_hook = model.register_forward_pre_hook(_new_step)
     _install_hooks()
-    return model
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -279,6 +369,12 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     for module in list(_WRAPPED.keys()):
         if _WRAPPED.get(module) is state:
             del _WRAPPED[module]
+    for handle in state.load_hooks:
+        handle.remove()
+    state.load_hooks.clear()
+    if state.step_hook is not None:
+        state.step_hook.remove()
+        state.step_hook = None
     pager.resident_bytes = _resident_bytes(model, pager.device)
     return model
 
@@ -309,49 +405,78 @@ def _free_device_bytes(device: torch.device) -> int:
 # ---------------------------------------------------------------------------- re-placement
 
 
-def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buffer: bool):
-    """Place a tensor being registered into a wrapped model; returns a replacement or None."""
+def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buffer: bool, attaching=None):
+    """Place a tensor being registered into a wrapped model, keeping its object: kept resident on
+    the device if it fits beside the resident weights and the room paging needs, else offloaded.
+    Returns the tensor to register, or None to register ``t`` as it is.
+
+    ``attaching`` = (tensors placed so far, slots replaced) while a submodule is attached: the
+    submodule's tensors already placed count as resident, those of the submodule it replaces do not."""
     pager = state.pager
     if isinstance(t, OffloadedTensor):
         t._master.move_to(pager)
         return None
     if t.is_meta or t.layout != torch.strided:
         return None
-    table = module._buffers if is_buffer else module._parameters
-    old = table.get(name)
+    member = _Member(t)
+    member.slots.append((module, name, is_buffer))
+    placed = state.placement_of(t)
+    if placed is not None:
+        target = placed.target()
+        if isinstance(target, OffloadedTensor):
+            host = target._host.as_strided(t.shape, t.stride(), t.storage_offset() + placed.base)
+            _swap(member, _as_param_like(t, OffloadedTensor(host, target._master)))
+            return member.tensor
+        if placed.view == (tuple(t.shape), t.stride(), t.storage_offset()) and target.device == pager.device:
+            with torch.no_grad():
+                t.data = target.detach()
+            return None
     model = state.model_ref()
-    resident = _resident_bytes(model, pager.device) if model is not None else pager.resident_bytes
-    if old is not None and not isinstance(old, OffloadedTensor) and old.device == pager.device and not old.is_meta:
-        resident -= old.numel() * old.element_size()
+    if model is None:
+        return None  # the wrapped model is gone; nothing left to account against
+    full_name = state.qualified_name(module, name)
+    extra, skip = attaching or ((), frozenset())
+    skip = skip | {(module, name)}
+    storages = _resident_storages(model, pager.device, skip, extra)
+    resident = sum(storages.values())
     nbytes = t.numel() * t.element_size()
-    full_name = f"{type(module).__name__}.{name}"
-    choice = placement._policy_choice(state.policy, [name, full_name])
-    ws = placement.working_set(name, tuple(t.shape), nbytes)
-    keep = choice == "keep" or (
-        choice != "offload" and resident + nbytes + max(state.working_set_bytes, 0) <= pager.budget_bytes
-    )
+    moves = t.device != pager.device
+    if moves:
+        with_t = resident + nbytes
+    else:
+        # Already on the device: it may share storage with resident weights (a re-assigned tie).
+        key, storage_bytes = _storage_bytes(t)
+        with_t = resident + (0 if key in storages else storage_bytes)
+    choice = placement._policy_choice(state.policy, [full_name])
+    ws = placement.working_set(full_name, tuple(t.shape), nbytes)
+    keep = choice == "keep" or (choice != "offload" and with_t + state.working_set_bytes <= pager.budget_bytes)
     if keep:
-        if resident + nbytes > pager.budget_bytes:
+        if with_t > pager.budget_bytes:
             raise BudgetError(
-                f"offtensor: keeping {full_name} ({nbytes} bytes) resident would put {resident + nbytes} bytes of "
-                f"resident weights over the budget of {pager.budget_bytes} bytes"
+                f"offtensor: keeping {full_name} ({nbytes} bytes) resident would put {with_t} bytes of "
+                f"resident weights over the budget of {pager.budget_bytes} bytes; let the policy offload it "
+                f"or raise budget_gb"
             )
-        if t.device != pager.device:
+        if moves:
+            source = t.detach()
             with torch.no_grad():
                 t.data = t.data.to(pager.device)
-        pager.resident_bytes = resident + nbytes
+            state.remember(source, t)
+        state.resident_ptrs.add(t.untyped_storage().data_ptr())
+        pager.resident_bytes = with_t
         pager._note_peak()
         return None
-    if resident + ws > pager.budget_bytes:
+    if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
         raise BudgetError(
             f"offtensor: {full_name} ({nbytes} bytes) needs {ws} bytes on the device to be paged, but only "
             f"{pager.budget_bytes - resident} of the budget's {pager.budget_bytes} bytes are not resident weights"
         )
     state.working_set_bytes = max(state.working_set_bytes, ws)
-    member = _Member(t)
-    member.slots.append((module, name, is_buffer))
     member.names.append(full_name)
+    source = t.detach()
     _offload_group([member], pager)
+    state.remember(source, member.tensor)
+    pager.resident_bytes = resident
     return member.tensor
 
 
@@ -373,17 +498,65 @@ def _module_hook(module, name, submodule):
     state = _WRAPPED.get(module)
     if state is None or submodule is None:
         return None
+    old = module._modules.get(name)
+    replaced = frozenset(
+        (m, attr) for m in (old.modules() if old is not None else ()) for attr in (*m._parameters, *m._buffers)
+    )
+    parent = state.qualified_name(module, name)
+    for path, child in submodule.named_modules(remove_duplicate=False):
+        state.prefixes.setdefault(child, f"{parent}.{path}" if path else parent)
+    placed = []
     for child in submodule.modules():
         if _WRAPPED.get(child) is state:
             continue
         _WRAPPED[child] = state
+        state.load_hooks.append(child.register_load_state_dict_post_hook(_after_load))
         for table, is_buffer in ((child._parameters, False), (child._buffers, True)):
             for attr, t in list(table.items()):
                 if t is not None:
-                    new = _place(state, child, attr, t, is_buffer)
+                    new = _place(state, child, attr, t, is_buffer, attaching=(tuple(placed), replaced))
                     if new is not None:
                         table[attr] = new
+                    placed.append(table[attr])
     return None
+
+
+def _new_step(model, args):
+    """Forward pre-hook of a wrapped model: one forward is one step of the prefetch schedule."""
+    state = _WRAPPED.get(model)
+    prefetcher = state.pager.prefetcher if state is not None else None
+    if prefetcher is not None:
+        prefetcher.step()
+
+
+def _after_load(module, incompatible_keys):
+    """load_state_dict post-hook. With ``torch.__future__.set_swap_module_params_on_conversion``
+    load_state_dict swaps loaded values into the existing Parameter objects, so no registration
+    hook sees them; place what this module now holds unless it is on the device within budget."""
+    state = _WRAPPED.get(module)
+    model = state.model_ref() if state is not None else None
+    if model is None:
+        return
+    pager = state.pager
+    plain = [
+        (table, attr, is_buffer, t)
+        for table, is_buffer in ((module._parameters, False), (module._buffers, True))
+        for attr, t in table.items()
+        if t is not None and not isinstance(t, OffloadedTensor) and not t.is_meta and t.layout == torch.strided
+    ]
+    if all(t.device == pager.device and t.untyped_storage().data_ptr() in state.resident_ptrs for *_, t in plain):
+        return  # values were copied into the weights already placed (the usual load_state_dict)
+    resident = _resident_bytes(model, pager.device)
+    if all(t.device == pager.device for *_, t in plain) and resident + state.working_set_bytes <= pager.budget_bytes:
+        pager.resident_bytes = resident
+        return
+    # Tensors of this module not placed yet do not count as resident while their siblings are placed.
+    pending = {(module, attr) for _, attr, _, _ in plain}
+    for table, attr, is_buffer, t in plain:
+        pending.discard((module, attr))
+        new = _place(state, module, attr, t, is_buffer, attaching=((), frozenset(pending)))
+        if new is not None:
+            table[attr] = new
 
 
 def _install_hooks() -> None:
