@@ -44,14 +44,20 @@ class OffloadStats:
     peak_device_bytes: int = 0
 
     def __str__(self) -> str:
-        def gb(n):
-            return "-" if n is None else f"{n / 1e9:.3f} GB"
+        def size(n):
+            if n is None:
+                return "-"
+            for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+                if abs(n) >= scale:
+                    return f"{n / scale:.2f} {unit}"
+            return f"{n} B"
 
         return (
-            f"OffloadStats(h2d={gb(self.bytes_h2d)}, d2h={gb(self.bytes_d2h)}, page_ins={self.page_ins}, "
+            f"OffloadStats(h2d={size(self.bytes_h2d)}, d2h={size(self.bytes_d2h)}, page_ins={self.page_ins}, "
             f"hits={self.hits}, evictions={self.evictions}, prefetches={self.prefetches}, "
-            f"resident={gb(self.resident_bytes)}, offloaded={gb(self.offloaded_bytes)}, "
-            f"cached={gb(self.cached_bytes)}, budget={gb(self.budget_bytes)}, peak={gb(self.peak_device_bytes)})"
+            f"prefetch_hits={self.prefetch_hits}, resident={size(self.resident_bytes)}, "
+            f"offloaded={size(self.offloaded_bytes)}, cached={size(self.cached_bytes)}, "
+            f"budget={size(self.budget_bytes)}, peak={size(self.peak_device_bytes)})"
         )
 
 

@@ -131,9 +131,30 @@ def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: 
         (forced if choice == "offload" else kept if choice == "keep" else free).append(w)
     free.sort(key=lambda w: (weight_class(w.name, w.shape, w.nbytes), -w.nbytes, w.name))
 
-    offload = list(forced)
-    offloaded = sum(w.nbytes for w in offload)
-    ws = max((w.working_set for w in offload), default=0)
+    offload = []
+    offloaded = 0
+    ws = 0
+    offloaded_by_name = {}
+
+    def add(w):
+        """Offload ``w``; keep ``ws`` = the most one op pages at once. A linear layer pages its
+        weight and bias in the same op, so an offloaded pair counts together."""
+        nonlocal offloaded, ws
+        offload.append(w)
+        offloaded += w.nbytes
+        need = w.working_set
+        for name in w.names:
+            offloaded_by_name[name] = w
+        for name in w.names:
+            stem, _, leaf = name.rpartition(".")
+            partner = offloaded_by_name.get(f"{stem}.bias" if leaf == "weight" else f"{stem}.weight" if leaf == "bias" else "")
+            if partner is not None and partner is not w:
+                need = w.working_set + partner.working_set
+                break
+        ws = max(ws, need)
+
+    for w in forced:
+        add(w)
     candidates = iter(free)
 
     def room_needed():
@@ -148,9 +169,7 @@ def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: 
                 free_left = [w] + list(candidates)
                 candidates = iter(free_left)
                 break
-            offload.append(w)
-            offloaded += w.nbytes
-            ws = max(ws, w.working_set)
+            add(w)
         if budget_bytes is None:
             budget_bytes = total - offloaded + room_needed()
     if budget_bytes is None:
@@ -158,9 +177,7 @@ def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: 
 
     if not fits(budget_bytes):
         for w in candidates:
-            offload.append(w)
-            offloaded += w.nbytes
-            ws = max(ws, w.working_set)
+            add(w)
             if fits(budget_bytes):
                 break
     if not fits(budget_bytes):

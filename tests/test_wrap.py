@@ -418,6 +418,21 @@ def test_impossible_budget_raises_budget_error_naming_the_tensor_and_bytes(devic
     ot.wrap_model(model, budget_gb=_budget_gb(model, 0.4), device=device)
 
 
+def test_placement_leaves_room_for_a_linear_weight_and_its_bias_paged_together(device):
+    # F.linear pages weight and bias in one op: the room placement leaves must hold both, so the
+    # smallest budget placement accepts also runs.
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    reference = copy.deepcopy(model).to(device)
+    budget = 300  # bytes: everything offloaded; one weight (256) + its bias (32) must fit at once
+    ot.wrap_model(model, budget_gb=budget / GiB, device=device)
+    x = torch.randn(2, 8, device=device)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert ot.stats(model).peak_device_bytes <= budget
+    with pytest.raises(ot.BudgetError, match="288 bytes"):
+        ot.wrap_model(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), budget_gb=280 / GiB, device=device)
+
+
 def test_offload_gb_offloads_at_least_that_many_bytes(device):
     model = _model()
     reference = copy.deepcopy(model).to(device)
