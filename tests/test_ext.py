@@ -248,9 +248,8 @@ def test_python_keeps_running_while_a_large_copy_is_in_flight():
     dst = _ext.alloc_host(nbytes, pin=False).view(torch.int32)  # pages already touched
     engine = _ext.CopyEngine()
 
-    start = time.perf_counter()
     ticket = engine.submit(dst, src)
-    submitted = time.perf_counter() - start
+    # A synchronous submit would have finished the copy before returning.
     assert not engine.query(ticket), "a 400 MB copy cannot be finished when submit returns"
 
     # wait() must release the GIL: another Python thread makes progress meanwhile.
@@ -267,9 +266,7 @@ def test_python_keeps_running_while_a_large_copy_is_in_flight():
     finally:
         stop.set()
         counter.join()
-    waited = time.perf_counter() - start
     assert engine.query(ticket)
-    assert submitted < waited / 5, f"submit took {submitted:.4f} s of a {waited:.4f} s copy"
     assert ticks[0] > 0
     assert torch.equal(dst, src)
 
