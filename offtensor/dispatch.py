@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._mode_utils import no_dispatch
 
-from .tensor import OffloadedTensor, _wrap_host, new_host_master
+from .tensor import OffloadedTensor, _check_offloadable, _wrap_host, new_host_master
 
 aten = torch.ops.aten
 
@@ -144,6 +144,12 @@ def _run(func, args, kwargs, written=()):
 def _write_back(t: OffloadedTensor, values: torch.Tensor) -> None:
     """Write ``values`` into ``t``'s bytes of its host master; every alias sees them and every
     cached device copy of the master is dropped."""
+    if values.shape != t.shape and not _resize_within_master(t, values.shape):
+        # An out= op resized its output beyond what the fixed-size host master holds.
+        raise RuntimeError(
+            f"offtensor: an op would resize {_describe(t)} to {tuple(values.shape)}: its host master is exactly "
+            f"{t.host_nbytes} bytes. Pass an out= tensor of the result's shape, or assign a new tensor instead."
+        )
     with no_dispatch():
         t._host.copy_(values)
     pager = t._master.pager
@@ -159,8 +165,17 @@ def _view(func, types, args, kwargs):
     out = func(self._host, *args[1:], **kwargs)
     master = self._master
     if isinstance(out, torch.Tensor):
-        return OffloadedTensor(out, master)
-    return type(out)(OffloadedTensor(o, master) for o in out)
+        return _alias_of(self, OffloadedTensor(out, master))
+    return type(out)(_alias_of(self, OffloadedTensor(o, master)) for o in out)
+
+
+def _alias_of(base: OffloadedTensor, view: OffloadedTensor) -> OffloadedTensor:
+    # Give the view the base's wrapper storage too (what return_and_correct_aliasing does): C++
+    # composites test aliasing with is_alias_of, e.g. matmul's out= path writes through
+    # out.view(...) and copies back only when the view is not an alias of out.
+    with no_dispatch():
+        torch._functionalize_unsafe_set(view, base)
+    return view
 
 
 def _inplace_view(func, types, args, kwargs):
@@ -176,6 +191,19 @@ def _inplace_view(func, types, args, kwargs):
         finally:
             torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
     return self
+
+
+def _resize_within_master(t: OffloadedTensor, size, memory_format=torch.contiguous_format) -> bool:
+    """What ``resize_`` does to a tensor whose storage is large enough (``mm_out`` resizing a 1-D
+    out= to (1, n) and squeezing it back, say): give ``t`` the layout of ``size`` in place at its
+    storage offset. False when that needs bytes past the end of its host master, which never grows."""
+    host = t._host
+    layout = torch.empty(tuple(size), dtype=host.dtype, device="meta", memory_format=memory_format)
+    offset = host.storage_offset()
+    if (offset + layout.numel()) * host.element_size() > host.untyped_storage().nbytes():
+        return False
+    _inplace_view(aten.as_strided_.default, (), (t, layout.shape, layout.stride(), offset), {})
+    return True
 
 
 def _compute(func, types, args, kwargs):
@@ -202,8 +230,9 @@ class _Mutation:
             self.returns.append(source)
         self.__name__ = f"mutation({func})"
 
-    def __call__(self, func, types, args, kwargs):
-        written = set()
+    def __call__(self, func, types, args, kwargs, also_written=()):
+        # also_written: arguments the op writes although its schema does not say so.
+        written = set(also_written)
         for i, name in self.positions.items():
             value = args[i] if i < len(args) else kwargs.get(name)
             if _has_offloaded(value):
@@ -211,6 +240,8 @@ class _Mutation:
         if not written:
             return _run(func, args, kwargs)
         out = _run(func, args, kwargs, written)
+        if not self.returns:
+            return out  # e.g. _foreach_add_ returns nothing; its writes are already written back
         results = []
         for ret, source in zip(_as_tuple(out, len(self.returns)), self.returns):
             if source is None:
@@ -250,6 +281,33 @@ def _classify(func):
 # OffloadedTensor, so keep the reshape on the host too instead of paging it.
 implements(aten._unsafe_view.default)(_view)
 
+# Real views whose schemas declare no alias ("unsafe": autograd does not track them as views):
+# on plain tensors their results share the input's memory, so here they are host views too.
+implements(aten.unsafe_split.Tensor, aten.unsafe_split_with_sizes.default)(_view)
+
+
+_BATCH_NORM_MUTATIONS: dict = {}
+
+
+@implements(
+    aten.native_batch_norm.default,
+    aten.native_batch_norm.out,
+    aten.cudnn_batch_norm.default,
+    aten.miopen_batch_norm.default,
+)
+def _batch_norm(func, types, args, kwargs):
+    # These schemas do not mark running_mean/running_var as written, yet training updates them in
+    # place: write offloaded running stats back like any in-place op (only then, so eval keeps
+    # their cached copies).
+    call = dict(zip(("input", "weight", "bias", "running_mean", "running_var", "training"), args), **kwargs)
+    written = set()
+    if call.get("training"):
+        written = {i for i in (3, 4) if i < len(args) and isinstance(args[i], OffloadedTensor)}
+    mutation = _BATCH_NORM_MUTATIONS.get(func)
+    if mutation is None:
+        mutation = _BATCH_NORM_MUTATIONS[func] = _Mutation(func)
+    return mutation(func, types, args, kwargs, written)
+
 
 @implements(aten.copy_.default)
 def _copy_(func, types, args, kwargs):
@@ -263,7 +321,9 @@ def _copy_(func, types, args, kwargs):
     # nothing is paged, and a copy from another OffloadedTensor stays on the host.
     source = src._host if isinstance(src, OffloadedTensor) else src
     with no_dispatch():
-        dst._host.copy_(source, **kwargs)
+        # Never non_blocking: a device->host copy still in flight would let .cpu() and the next
+        # page-in (on the copy stream) read the master's old bytes.
+        dst._host.copy_(source)
     pager = dst._master.pager
     pager.invalidate(dst._master)
     if source.device.type != "cpu":
@@ -309,7 +369,10 @@ def _record_stream(func, types, args, kwargs):
 @implements(aten.resize_.default)
 def _resize_(func, types, args, kwargs):
     self, size = args[0], args[1]
-    if tuple(size) == tuple(self.shape):
+    memory_format = kwargs.get("memory_format")
+    if tuple(size) == tuple(self.shape) and memory_format is None:
+        return self  # like resize_: same sizes and no memory format keep the strides
+    if _resize_within_master(self, size, memory_format or torch.contiguous_format):
         return self
     raise RuntimeError(
         f"offtensor: cannot resize {_describe(self)} to {tuple(size)}: its host master is exactly "
@@ -325,14 +388,68 @@ def _set_(func, types, args, kwargs):
     )
 
 
+@implements(aten._conj.default, aten._neg_view.default)
+def _lazy_bit_view(func, types, args, kwargs):
+    # A conjugate or negative *bit* on a host view would be ignored here: the Conjugate and
+    # Negative fallbacks run above __torch_dispatch__, so paging and write-back would copy the raw
+    # values. Resolve it instead: a plain device tensor with the conjugated or negated values.
+    physical = aten.conj_physical.default if func is aten._conj.default else aten.neg.default
+    return _run(physical, args, kwargs)
+
+
+_SCHEMA_HANDLERS: dict = {}
+
+
+@implements(
+    aten.as_strided_copy.default,
+    aten.as_strided_copy.out,
+    aten.as_strided_scatter.default,
+    aten.as_strided_scatter.out,
+)
+def _storage_addressing(func, types, args, kwargs):
+    # These ops address self's *storage*: storage_offset is absolute and as_strided_scatter clones
+    # the whole storage. A page of only the bytes self covers would move offset 0 to self's first
+    # byte, so page self's whole master and view it at its true offset.
+    self = args[0]
+    handler = _SCHEMA_HANDLERS.get(func)
+    if handler is None:
+        handler = _SCHEMA_HANDLERS[func] = _classify(func)
+    if not isinstance(self, OffloadedTensor):
+        return handler(func, types, args, kwargs)
+    host = self._host
+    whole = host.as_strided((host.untyped_storage().nbytes() // host.element_size(),), (1,), 0)
+    paged = _Paged()
+    try:
+        device_self = paged.page(OffloadedTensor(whole, self._master))
+        device_self = device_self.as_strided(host.shape, host.stride(), host.storage_offset())
+        return handler(func, types, (device_self,) + tuple(args[1:]), kwargs)
+    finally:
+        paged.release()
+
+
 # ---------------------------------------------------------------------------- index ops
 
 
 def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: _Paged) -> torch.Tensor:
-    """Device tensor of ``t[rows]`` for unique CPU indices ``rows``, paging only those rows."""
+    """Device tensor of ``t[rows]`` for unique CPU indices ``rows``, paging only those rows.
+
+    When the rows do not fit the budget's free room at once (a prefill routes tokens to every
+    expert), they are paged a chunk at a time into the result, so the copies alive stay within the
+    budget; the result itself is the op's output, like any activation."""
     host = t._host
     row_bytes = (host.numel() // max(host.shape[0], 1)) * host.element_size()
     pager = t._master.pager
+    room = pager.free_bytes()
+    if room is not None and rows.numel() > 1 and rows.numel() * row_bytes > room:
+        per_chunk = max(1, room // max(row_bytes, 1))
+        out = torch.empty((rows.numel(),) + tuple(host.shape[1:]), dtype=host.dtype, device=pager.device)
+        for start in range(0, rows.numel(), per_chunk):
+            chunk = _Paged()
+            try:
+                out[start : start + per_chunk].copy_(_gather_rows(t, rows[start : start + per_chunk], chunk))
+            finally:
+                chunk.release()
+        return out
     if row_bytes >= CACHED_SLICE_BYTES and pager.budget_bytes is not None and rows.numel() > 1:
         # Experts: each one through the cache, then packed on the device (device bandwidth is
         # ~50x PCIe, so the pack costs little next to the copies it saves).
@@ -406,6 +523,46 @@ def _index(func, types, args, kwargs):
         paged.release()
 
 
+@implements(aten._grouped_mm.default)
+def _grouped_mm(func, types, args, kwargs):
+    """Grouped GEMM of tokens sorted by expert against a stacked expert weight (transformers v5's
+    default MoE path): page only the experts that have tokens, one at a time through the cache,
+    instead of the whole stack. Each expert runs as a one-group ``_grouped_mm`` on the stack's own
+    layout, so every group computes exactly what the full call computes for it."""
+    call = dict(zip(("self", "mat2", "offs", "bias", "out_dtype"), args), **kwargs)
+    x, weight, offs, bias = call["self"], call["mat2"], call.get("offs"), call.get("bias")
+    if (
+        not isinstance(weight, OffloadedTensor)
+        or isinstance(x, OffloadedTensor)
+        or isinstance(offs, OffloadedTensor)
+        or offs is None
+        or x.dim() != 2
+        or weight.dim() != 3
+    ):
+        return _run(func, args, kwargs)
+    out_dtype = call.get("out_dtype")
+    # One small device->host read of the group ends; copying every expert would cost far more.
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    used = [e for e in range(len(ends)) if ends[e] > starts[e]]
+    sizes = torch.tensor([ends[e] - starts[e] for e in used], dtype=offs.dtype, device=offs.device)
+    pieces = []
+    for i, e in enumerate(used):
+        paged = _Paged()
+        try:
+            expert = paged.page(OffloadedTensor(weight._host[e : e + 1], weight._master))
+            expert_bias = None if bias is None else paged.arg(bias[e : e + 1])
+            pieces.append(func(x[starts[e] : ends[e]], expert, sizes[i : i + 1], expert_bias, out_dtype))
+        finally:
+            paged.release()
+    covered = ends[-1] if ends else 0
+    if covered < x.shape[0] or not pieces:
+        # Rows after the last group belong to no expert; _grouped_mm leaves them uninitialised too.
+        rest = x.shape[0] - covered
+        pieces.append(torch.empty((rest, weight.shape[-1]), dtype=out_dtype or x.dtype, device=x.device))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
 # ---------------------------------------------------------------------------- whole-op intercepts
 
 
@@ -413,6 +570,8 @@ def _linear(args, kwargs):
     x = args[0] if args else kwargs["input"]
     weight = args[1] if len(args) > 1 else kwargs["weight"]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    if kwargs.get("out") is not None:
+        return NotImplemented  # linear.out: the normal dispatch writes out= back to its master
     if torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     ):
@@ -426,7 +585,68 @@ def _linear(args, kwargs):
         paged.release()
 
 
-_FUNCTION_TABLE = {F.linear: _linear, torch._C._nn.linear: _linear}
+def _cpu(args, kwargs):
+    self = args[0]
+    if not isinstance(self, OffloadedTensor) or self.device.type != "cpu":
+        return NotImplemented  # on a GPU .cpu() arrives as _to_copy, which reads the host master
+    # On the emulated device .cpu() would be a no-op returning the OffloadedTensor itself; give a
+    # plain CPU tensor read from the host master, as on a GPU (callers go on to .numpy() etc.).
+    # Through aten._to_copy, so autograd records it like any device->host copy.
+    memory_format = kwargs.get("memory_format", torch.preserve_format)
+    return aten._to_copy.default(self, device=torch.device("cpu"), memory_format=memory_format)
+
+
+def _tolist(args, kwargs):
+    # Tensor.tolist refuses every subclass; the values are all in the host master.
+    return args[0]._host.tolist() if isinstance(args[0], OffloadedTensor) else NotImplemented
+
+
+def _set_data(args, kwargs):
+    """``x.data = value`` (``module.half()``, weight post-processing): torch would copy only the
+    wrapper's metadata and leave ``_host`` behind, so dtype and shape would describe bytes the
+    master does not hold. Re-point the wrapper at ``value``'s master instead, offloading a plain
+    ``value`` to a new exact-size master first; the object (and every reference to it) stays."""
+    self, value = args
+    if not isinstance(self, OffloadedTensor) or not isinstance(value, torch.Tensor):
+        return NotImplemented
+    if not isinstance(value, OffloadedTensor):
+        _check_offloadable(value)
+        pager = self._master.pager
+        value = _wrap_host(new_host_master(value, pin=pager.device.type == "cuda"), pager)
+    with torch._C.DisableTorchFunctionSubclass():
+        torch.Tensor.data.__set__(self, value)  # the wrapper's sizes, strides and dtype
+    self._host, self._master = value._host, value._master
+    return None
+
+
+def _host_read_argument(function, position: int, name: str):
+    """Handler for a function whose C++ composite reads argument ``position`` straight from CPU
+    memory before any dispatch (``tensor_split``'s split points). A wrapper has no such memory, so
+    on the emulated device that argument is given as its host view; on a GPU the function refuses
+    a device tensor there, as it does for plain tensors."""
+
+    def handler(args, kwargs):
+        value = args[position] if len(args) > position else kwargs.get(name)
+        if not isinstance(value, OffloadedTensor) or value.device.type != "cpu":
+            return NotImplemented
+        if len(args) > position:
+            args = args[:position] + (value._host,) + args[position + 1 :]
+        else:
+            kwargs = {**kwargs, name: value._host}
+        return torch._C._disabled_torch_function_impl(function, (), args, kwargs)
+
+    return {function: handler}
+
+
+_FUNCTION_TABLE = {
+    F.linear: _linear,
+    torch._C._nn.linear: _linear,
+    torch.Tensor.cpu: _cpu,
+    torch.Tensor.tolist: _tolist,
+    torch.Tensor.data.__set__: _set_data,
+    **_host_read_argument(torch.tensor_split, 1, "indices_or_sections"),
+    **_host_read_argument(torch.Tensor.tensor_split, 1, "indices_or_sections"),
+}
 
 
 def materialize(t: OffloadedTensor) -> torch.Tensor:
