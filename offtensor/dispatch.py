@@ -150,10 +150,10 @@ def _write_back(t: OffloadedTensor, values: torch.Tensor) -> None:
             f"offtensor: an op would resize {_describe(t)} to {tuple(values.shape)}: its host master is exactly "
             f"{t.host_nbytes} bytes. Pass an out= tensor of the result's shape, or assign a new tensor instead."
         )
+    pager = t._master.pager
+    pager.before_write(t._master)
     with no_dispatch():
         t._host.copy_(values)
-    pager = t._master.pager
-    pager.invalidate(t._master)
     pager.stats.bytes_d2h += t._host.numel() * t._host.element_size()
 
 
@@ -320,12 +320,12 @@ def _copy_(func, types, args, kwargs):
     # Weight loaders write straight into the host master (param.data.copy_, narrow().copy_):
     # nothing is paged, and a copy from another OffloadedTensor stays on the host.
     source = src._host if isinstance(src, OffloadedTensor) else src
+    pager = dst._master.pager
+    pager.before_write(dst._master)
     with no_dispatch():
         # Never non_blocking: a device->host copy still in flight would let .cpu() and the next
         # page-in (on the copy stream) read the master's old bytes.
         dst._host.copy_(source)
-    pager = dst._master.pager
-    pager.invalidate(dst._master)
     if source.device.type != "cpu":
         pager.stats.bytes_d2h += dst._host.numel() * dst._host.element_size()
     return dst

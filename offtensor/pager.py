@@ -297,8 +297,14 @@ class Pager:
             elif event is not None:
                 entry.last_use = event
 
-    def invalidate(self, master: _Master) -> None:
-        """The host master changed: every cached copy of it is stale."""
+    def before_write(self, master: _Master) -> None:
+        """The host master is about to change: wait until no copy can still be reading it, and
+        drop its cached copies, which would be stale."""
+        if self._cuda:
+            # Host->device copies of pinned memory run asynchronously, on the copy stream
+            # (prefetches) or the compute stream (transient pages of ops already enqueued); writes
+            # to weights are rare (loading, optimizer steps), so one full wait is the simple answer.
+            torch.cuda.synchronize(self.device)
         self._drop_master(master.id)
 
     def clear(self) -> None:
