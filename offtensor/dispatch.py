@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._mode_utils import no_dispatch
 
+from .pager import host_layout
 from .tensor import OffloadedTensor, _check_offloadable, _wrap_host, new_host_master
 
 aten = torch.ops.aten
@@ -79,7 +80,10 @@ class _Paged:
 
     def page(self, t: OffloadedTensor, private: bool = False) -> torch.Tensor:
         pager = t._master.pager
-        view, entry = pager.page(t._host, t._master, _describe(t), private)
+        layout = t.__dict__.get("_layout")
+        if layout is None:
+            layout = t.__dict__["_layout"] = host_layout(t._host)
+        view, entry = pager.page(t._host, t._master, t, private, layout)  # t's repr names it in a BudgetError
         if entry is not None:
             self.entries.append((pager, entry))
         if private:
@@ -181,6 +185,7 @@ def _alias_of(base: OffloadedTensor, view: OffloadedTensor) -> OffloadedTensor:
 def _inplace_view(func, types, args, kwargs):
     self = args[0]
     func(self._host, *args[1:], **kwargs)
+    self.__dict__.pop("_layout", None)  # the memoized paging layout of the old metadata
     # Change the wrapper's own sizes/strides without dispatching back here (the trick that
     # torch.utils._python_dispatch.return_and_correct_aliasing uses).
     with no_dispatch():
@@ -616,6 +621,7 @@ def _set_data(args, kwargs):
     with torch._C.DisableTorchFunctionSubclass():
         torch.Tensor.data.__set__(self, value)  # the wrapper's sizes, strides and dtype
     self._host, self._master = value._host, value._master
+    self.__dict__.pop("_layout", None)
     return None
 
 

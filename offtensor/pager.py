@@ -125,6 +125,17 @@ class _Entry:
         self.prefetched = False
 
 
+def host_layout(host: torch.Tensor):
+    """(lo, hi, shape, stride, offset) of a host view: the element range [lo, hi) of its storage
+    that it covers, and its layout inside that storage."""
+    lo = offset = host.storage_offset()
+    shape, stride = host.shape, host.stride()
+    hi = lo + 1
+    for size, step in zip(shape, stride):
+        hi += (size - 1) * step
+    return lo, hi, shape, stride, offset
+
+
 def _covering_range(host: torch.Tensor):
     """Elements [lo, hi) of the master storage that a (possibly strided) view touches."""
     lo = host.storage_offset()
@@ -213,16 +224,17 @@ class Pager:
 
     # ------------------------------------------------------------------ paging
 
-    def page(self, host: torch.Tensor, master: _Master, name: str = "tensor", private: bool = False):
+    def page(self, host: torch.Tensor, master: _Master, name="tensor", private: bool = False, layout=None):
         """Device tensor with ``host``'s values, shape and strides, and the entry backing it.
 
         The copy comes from the cache, an in-flight prefetch, or a new host->device copy. With
         ``private=True`` (the op will write to it) the copy bypasses the cache. The caller must
         ``release`` the entry once its op is enqueued; until then the entry cannot be evicted.
+        ``layout`` is ``host_layout(host)`` if the caller has it already (it memoizes it per tensor).
         """
         if host.numel() == 0:
             return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device), None
-        lo, hi = _covering_range(host)
+        lo, hi, shape, stride, offset = layout or host_layout(host)
         nbytes = (hi - lo) * host.element_size()
         if private or self.budget_bytes is None:
             entry = self._transient(host.as_strided((hi - lo,), (1,), lo), nbytes, name)
@@ -243,9 +255,9 @@ class Pager:
                 self.prefetcher.accessed(self, master, key)
         self._wait_ready(entry)
         entry.users += 1
-        return entry.buf.as_strided(host.shape, host.stride(), host.storage_offset() - base), entry
+        return entry.buf.as_strided(shape, stride, offset - base), entry
 
-    def upload(self, src: torch.Tensor, name: str = "tensor"):
+    def upload(self, src: torch.Tensor, name="tensor"):
         """Copy a host tensor (e.g. gathered rows) to the device for one op; accounted like a page."""
         src = src.contiguous()
         entry = self._transient(src.view(-1), src.numel() * src.element_size(), name)
@@ -321,7 +333,7 @@ class Pager:
                 return entry
         return None
 
-    def _insert(self, key, src: torch.Tensor, nbytes: int, name: str, room_made: bool = False) -> _Entry:
+    def _insert(self, key, src: torch.Tensor, nbytes: int, name, room_made: bool = False) -> _Entry:
         if not room_made:
             self._make_room(nbytes, strict=True, name=name)
         if self._cuda:
@@ -344,7 +356,7 @@ class Pager:
         self._note_peak()
         return entry
 
-    def _transient(self, src: torch.Tensor, nbytes: int, name: str) -> _Entry:
+    def _transient(self, src: torch.Tensor, nbytes: int, name) -> _Entry:
         self._make_room(nbytes, strict=True, name=name)
         buf = torch.empty(src.numel(), dtype=src.dtype, device=self.device)
         self._copy_now(buf, src)
@@ -370,21 +382,26 @@ class Pager:
             self._engine.wait(ready)
             entry.ready = None
 
-    def _make_room(self, nbytes: int, strict: bool, name: str = "tensor") -> bool:
+    def _make_room(self, nbytes: int, strict: bool, name="tensor") -> bool:
+        """Evict unused copies until ``nbytes`` more fit the budget. ``name`` (a string, or any
+        object whose repr describes the tensor: formatted only for the error) says what is paged."""
         budget = self.budget_bytes
         if budget is None or self.resident_bytes + self.paged_bytes + nbytes <= budget:
             return True
-        for entry in list(self._cache.values()):
-            if entry.users:
-                continue
-            self._evict(entry)
+        while True:
+            # Least recently used first; the few entries the current op holds are skipped.
+            victim = next((e for e in self._cache.values() if not e.users), None)
+            if victim is None:
+                break
+            self._evict(victim)
             if self.resident_bytes + self.paged_bytes + nbytes <= budget:
                 return True
         if not strict:
             return False
         in_use = self.paged_bytes - sum(e.nbytes for e in self._cache.values() if not e.users)
+        what = name if isinstance(name, str) else repr(name)
         raise BudgetError(
-            f"offtensor: paging {name} needs {nbytes} bytes on {self.device}, but the budget of {budget} bytes "
+            f"offtensor: paging {what} needs {nbytes} bytes on {self.device}, but the budget of {budget} bytes "
             f"holds {self.resident_bytes} bytes of resident weights and {in_use} bytes of copies that the "
             f"current op is using, leaving {budget - self.resident_bytes - in_use} bytes. "
             f"Raise budget_gb, or offload more weights so fewer stay resident."
