@@ -23,19 +23,10 @@ import torch
 import offtensor as ot
 
 from .models import CONFIGS, DeepSeekForCausalLM, weight_bytes
-from .pager import GiB, resolve_device
+from .pager import GiB, format_bytes, resolve_device
 
 PROMPT_LENGTH = 16
 WARMUP_TOKENS = 2
-
-
-def _bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "-"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 class _Clock:
@@ -167,8 +158,8 @@ def main(argv=None) -> int:
     total_bytes = weight_bytes(reference)
     params = sum(p.numel() for p in reference.parameters())
     budget_gb = args.budget_fraction * total_bytes / GiB
-    print(f"          {params / 1e6:.1f} M parameters, {_bytes(total_bytes)} of weights; "
-          f"budget {_bytes(budget_gb * GiB)} ({budget_gb:.3f} GiB)", flush=True)
+    print(f"          {params / 1e6:.1f} M parameters, {format_bytes(total_bytes)} of weights; "
+          f"budget {format_bytes(budget_gb * GiB)} ({budget_gb:.3f} GiB)", flush=True)
 
     with clock.step(f"wrapping an empty copy for {device} under the budget"):
         model = DeepSeekForCausalLM.empty(config)
@@ -238,22 +229,22 @@ def _print_table(args, size, total_bytes, placed, s, expected: _Run, got: _Run, 
     decode_h2d = got.total_h2d - got.prefill_h2d
     rows = [
         ("model", f"{size}, {args.tokens} new tokens after a {PROMPT_LENGTH}-token prompt", ""),
-        ("weight bytes", _bytes(total_bytes), ""),
-        ("budget", f"{_bytes(s.budget_bytes)} ({s.budget_bytes / total_bytes:.0%} of weights)", ""),
-        ("resident / offloaded", f"{_bytes(placed.resident_bytes)} / {_bytes(placed.offloaded_bytes)}", ""),
+        ("weight bytes", format_bytes(total_bytes), ""),
+        ("budget", f"{format_bytes(s.budget_bytes)} ({s.budget_bytes / total_bytes:.0%} of weights)", ""),
+        ("resident / offloaded", f"{format_bytes(placed.resident_bytes)} / {format_bytes(placed.offloaded_bytes)}", ""),
         ("", "unwrapped", "wrapped"),
         ("prefill", f"{expected.prefill_s:.3f} s", f"{got.prefill_s:.3f} s"),
         ("decode tokens/s", rate(expected), rate(got)),
         ("tokens/s (whole generate)", f"{args.tokens / expected.total_s:.1f}", f"{args.tokens / got.total_s:.1f}"),
-        ("bytes moved per token", "-", f"{_bytes(got.total_h2d / args.tokens)} (decode only: "
-         f"{_bytes(decode_h2d / max(args.tokens - 1, 1))})"),
+        ("bytes moved per token", "-", f"{format_bytes(got.total_h2d / args.tokens)} (decode only: "
+         f"{format_bytes(decode_h2d / max(args.tokens - 1, 1))})"),
         ("achieved host->device", "-", f"{gb_per_s(got.total_h2d, got.total_s)} (decode only: "
          f"{gb_per_s(decode_h2d, got.decode_s)})"),
-        ("peak device bytes (weights)", _bytes(total_bytes),  # wrapped: since wrap_model, loading included
-         f"{_bytes(s.peak_device_bytes)} {'<=' if within_budget else '>'} budget {_bytes(s.budget_bytes)}"),
+        ("peak device bytes (weights)", format_bytes(total_bytes),  # wrapped: since wrap_model, loading included
+         f"{format_bytes(s.peak_device_bytes)} {'<=' if within_budget else '>'} budget {format_bytes(s.budget_bytes)}"),
     ]
     if reference_gpu_peak is not None:
-        rows.append(("peak GPU memory (all)", _bytes(reference_gpu_peak), _bytes(wrapped_gpu_peak)))
+        rows.append(("peak GPU memory (all)", format_bytes(reference_gpu_peak), format_bytes(wrapped_gpu_peak)))
     rows += [
         ("cache hits / page-ins", "-",
          f"{got.hits} / {got.page_ins} (prefetched {got.prefetches}, used {got.prefetch_hits})"),

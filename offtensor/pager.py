@@ -44,14 +44,7 @@ class OffloadStats:
     peak_device_bytes: int = 0
 
     def __str__(self) -> str:
-        def size(n):
-            if n is None:
-                return "-"
-            for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-                if abs(n) >= scale:
-                    return f"{n / scale:.2f} {unit}"
-            return f"{n} B"
-
+        size = format_bytes
         return (
             f"OffloadStats(h2d={size(self.bytes_h2d)}, d2h={size(self.bytes_d2h)}, page_ins={self.page_ins}, "
             f"hits={self.hits}, evictions={self.evictions}, prefetches={self.prefetches}, "
@@ -59,6 +52,16 @@ class OffloadStats:
             f"offloaded={size(self.offloaded_bytes)}, cached={size(self.cached_bytes)}, "
             f"budget={size(self.budget_bytes)}, peak={size(self.peak_device_bytes)})"
         )
+
+
+def format_bytes(n: Optional[float]) -> str:
+    """Bytes for people: decimal units, two decimals; "-" for an unknown amount."""
+    if n is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
 
 
 class BudgetError(RuntimeError):
