@@ -116,20 +116,6 @@ def _describe(t: OffloadedTensor) -> str:
     return f"an OffloadedTensor of shape {tuple(t.shape)} and dtype {t.dtype}"
 
 
-def _pager_of(args, kwargs):
-    for a in args:
-        if isinstance(a, OffloadedTensor):
-            return a._master.pager
-        if isinstance(a, (list, tuple)):
-            for x in a:
-                if isinstance(x, OffloadedTensor):
-                    return x._master.pager
-    for a in kwargs.values():
-        if isinstance(a, OffloadedTensor):
-            return a._master.pager
-    return None
-
-
 def _run(func, args, kwargs, written=()):
     """Page every OffloadedTensor argument (privately where ``written``), run ``func`` on plain
     tensors, write mutated arguments back to their host masters."""

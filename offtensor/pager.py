@@ -156,7 +156,6 @@ class Pager:
     cached (LRU) as long as resident + cached + in-flight bytes fit.
     """
 
-    _all: "weakref.WeakValueDictionary[int, Pager]" = weakref.WeakValueDictionary()
     _defaults: dict = {}
 
     def __init__(self, device: torch.device, budget_bytes: Optional[int] = None):
@@ -174,7 +173,6 @@ class Pager:
         else:
             self._engine = _ext.CopyEngine()
         self.prefetcher = None  # set by wrap_model when prefetch=True
-        Pager._all[id(self)] = self
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -191,10 +189,6 @@ class Pager:
 
     # ------------------------------------------------------------------ accounting
 
-    @property
-    def device_bytes(self) -> int:
-        return self.resident_bytes + self.paged_bytes
-
     def free_bytes(self) -> Optional[int]:
         """Bytes an op could page right now, evicting every cached copy no op is using; None
         without a budget. Lets an op that selects many slices (all experts of a prefill) page
@@ -208,10 +202,6 @@ class Pager:
         used = self.resident_bytes + self.paged_bytes
         if used > self.stats.peak_device_bytes:
             self.stats.peak_device_bytes = used
-
-    def add_resident(self, nbytes: int) -> None:
-        self.resident_bytes += nbytes
-        self._note_peak()
 
     def snapshot(self) -> OffloadStats:
         s = dataclasses.replace(self.stats)
