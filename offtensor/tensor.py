@@ -75,13 +75,14 @@ class OffloadedTensor(torch.Tensor):
         return _dispatch.materialize(self)
 
     def data_ptr(self) -> int:
-        # On the emulated device the host master *is* the tensor's memory; on a GPU there is no
-        # device address to give, and a host address would be read as one.
-        if self.device.type == "cpu":
+        # On the emulated device the host master *is* the tensor's memory. On a GPU, pinned
+        # (registered) host memory is mapped into the device's unified address space, so its
+        # address is one a kernel may read, over PCIe; pageable memory has no device address.
+        if self.device.type == "cpu" or self._host.is_pinned():
             return self._host.data_ptr()
         raise RuntimeError(
-            f"offtensor: an OffloadedTensor of shape {tuple(self.shape)} ({self.host_nbytes} bytes in host memory) "
-            f"has no device address; call .materialize() for a device copy or .cpu() for the host values"
+            f"offtensor: an OffloadedTensor of shape {tuple(self.shape)} ({self.host_nbytes} bytes in pageable "
+            f"host memory) has no device address; call .materialize() for a device copy or .cpu() for the host values"
         )
 
     def untyped_storage(self) -> torch.UntypedStorage:
