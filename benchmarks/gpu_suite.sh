@@ -42,16 +42,18 @@ step bench_dispatch 120 $PY benchmarks/dispatch.py --device "$DEVICE" --out "$OU
 if [ -f benchmarks/wrap_overhead.py ]; then
   step bench_wrap 240 $PY benchmarks/wrap_overhead.py --device "$DEVICE" --out "$OUT"
 fi
+step bench_paging 240 $PY benchmarks/paging.py --device "$DEVICE" --out "$OUT"
 step demo 300 $PY -m offtensor demo --device "$DEVICE"
 
 echo
 echo "offtensor gpu suite on $DEVICE  (logs and JSON in $OUT)"
 cat "$OUT/machine.txt"
 printf '%-16s %s\n' step status
-for name in build build_inplace tests bench_dispatch bench_wrap demo; do
+for name in build build_inplace tests bench_dispatch bench_wrap bench_paging demo; do
   [ -n "${STATUS[$name]:-}" ] && printf '%-16s %s\n' "$name" "${STATUS[$name]}"
 done
 grep -E "passed|failed" "$LOGS/tests.log" | tail -n 1
 [ -f "$LOGS/bench_dispatch.log" ] && grep -E "^(op |F.linear|add|t \(view\))" "$LOGS/bench_dispatch.log"
+[ -f "$LOGS/bench_paging.log" ] && grep -E "copy|dense|moe" "$LOGS/bench_paging.log"
 [ -f "$LOGS/demo.log" ] && tail -n 15 "$LOGS/demo.log"
 exit 0

@@ -244,8 +244,13 @@ class Pager:
             else:
                 entry = self._insert(key, host.as_strided((hi - lo,), (1,), lo), nbytes, name)
             base = entry.key[2]
+            # Held before prefetching: a prefetch makes room by evicting unused entries, and this
+            # one must survive until its op is enqueued (on a GPU its block would be reused).
+            entry.users += 1
             if self.prefetcher is not None:
                 self.prefetcher.accessed(self, master, key)
+            self._wait_ready(entry)
+            return entry.buf.as_strided(shape, stride, offset - base), entry
         self._wait_ready(entry)
         entry.users += 1
         return entry.buf.as_strided(shape, stride, offset - base), entry
