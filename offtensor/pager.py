@@ -284,7 +284,7 @@ class Pager:
             return False
         itemsize = dtype.itemsize
         nbytes = (hi - lo) * itemsize
-        if not self._make_room(nbytes, strict=False):
+        if not self._make_room(nbytes, strict=False, keep_prefetched=True):
             return False
         src = master.flat[lo * itemsize : hi * itemsize].view(dtype)
         entry = self._insert(key, src, nbytes, "prefetch", room_made=True)
@@ -380,15 +380,17 @@ class Pager:
             self._engine.wait(ready)
             entry.ready = None
 
-    def _make_room(self, nbytes: int, strict: bool, name="tensor") -> bool:
+    def _make_room(self, nbytes: int, strict: bool, name="tensor", keep_prefetched: bool = False) -> bool:
         """Evict unused copies until ``nbytes`` more fit the budget. ``name`` (a string, or any
-        object whose repr describes the tensor: formatted only for the error) says what is paged."""
+        object whose repr describes the tensor: formatted only for the error) says what is paged.
+        A prefetch passes ``keep_prefetched``: evicting an earlier prefetch that is still to be used
+        would throw away a copy to make room for one needed later."""
         budget = self.budget_bytes
         if budget is None or self.resident_bytes + self.paged_bytes + nbytes <= budget:
             return True
         while True:
             # Least recently used first; the few entries the current op holds are skipped.
-            victim = next((e for e in self._cache.values() if not e.users), None)
+            victim = next((e for e in self._cache.values() if not e.users and not (keep_prefetched and e.prefetched)), None)
             if victim is None:
                 break
             self._evict(victim)

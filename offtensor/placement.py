@@ -160,8 +160,8 @@ def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: 
     def room_needed():
         return ws * (2 if prefetch else 1)
 
-    def fits(budget):
-        return total - offloaded + ws <= budget
+    def fits(budget, copies=1):
+        return total - offloaded + copies * ws <= budget
 
     if offload_bytes is not None:
         for w in candidates:
@@ -175,11 +175,15 @@ def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: 
     if budget_bytes is None:
         raise ValueError("offtensor: plan() needs a budget or offload_bytes")
 
-    if not fits(budget_bytes):
-        for w in candidates:
-            add(w)
-            if fits(budget_bytes):
-                break
+    pending = list(candidates)
+    while pending and not fits(budget_bytes):
+        add(pending.pop(0))
+    if prefetch and fits(budget_bytes):
+        # Room for a second copy lets the next weight's copy overlap the current op's compute.
+        # Offloading one more weight of the same kind frees about that much, so this costs about one
+        # weight's bytes per forward; never worth it for the last class (touched by every token).
+        while pending and not fits(budget_bytes, 2) and weight_class(pending[0].name, pending[0].shape, pending[0].nbytes) != LAST:
+            add(pending.pop(0))
     if not fits(budget_bytes):
         # Every weight the policy allows is offloaded by now: what stays resident is what it keeps.
         largest = max(offload, key=lambda w: w.working_set, default=None)

@@ -53,3 +53,25 @@ def test_a_prefetch_may_evict_copies_no_op_is_using(device):
     assert torch.equal(view.cpu(), c._host)
     pager.release([entry])
     assert pager.snapshot().peak_device_bytes <= 8192
+
+
+def test_a_prefetch_never_evicts_an_earlier_prefetch_still_to_be_used(device):
+    # Room for two copies: the one in use and one prefetch. A second prefetch would have to evict
+    # the first before it is used: a copy thrown away for one needed later.
+    pager = Pager(torch.device(device), budget_bytes=8192)
+    a, b, c = (ot.offload(torch.randn(1024), pager=pager) for _ in range(3))
+
+    class PrefetchBoth(_PrefetchOther):
+        def accessed(self, pager, master, key):
+            for other in (b, c):
+                self.other = other
+                super().accessed(pager, master, key)
+
+    pager.prefetcher = PrefetchBoth(b)
+    view, entry = pager.page(a._host, a._master)
+    assert pager.prefetcher.started == [True, False]
+    pager.release([entry])
+    pager.prefetcher = None
+    view, entry = pager.page(b._host, b._master)
+    assert pager.snapshot().prefetch_hits == 1
+    pager.release([entry])
