@@ -141,11 +141,7 @@ def host_layout(host: torch.Tensor):
 
 def _covering_range(host: torch.Tensor):
     """Elements [lo, hi) of the master storage that a (possibly strided) view touches."""
-    lo = host.storage_offset()
-    hi = lo + 1
-    for size, stride in zip(host.shape, host.stride()):
-        hi += (size - 1) * stride
-    return lo, hi
+    return host_layout(host)[:2]
 
 
 class Pager:
