@@ -11,10 +11,7 @@ ratios are meaningful on a shared, noisy machine.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -25,6 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import offtensor as ot  # noqa: E402
 from offtensor.pager import Pager  # noqa: E402
+from results_io import save_result  # noqa: E402
 
 
 class PassThrough(torch.Tensor):
@@ -107,20 +105,8 @@ def main(argv=None):
         ratio = row["offloaded (cache hit)"] / row["passthrough"]
         print(f"{op_name:<16}" + "".join(f"{row[name]:>24.2f}" for name in subjects) + f"{ratio:>20.2f}")
 
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"dispatch_{device.type}.json")
-    with open(path, "w") as f:
-        json.dump({
-            "benchmark": "dispatch overhead per op (us)",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                        "cpus": os.cpu_count(), "torch": torch.__version__,
-                        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                        "native_extension": ot._ext.NATIVE},
-            "command": "python benchmarks/dispatch.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "iters": args.iters, "repeats": args.repeats, "us_per_op": results,
-        }, f, indent=2)
-    print(f"wrote {path}")
+    save_result(args.out, f"dispatch_{device.type}.json", "dispatch overhead per op (us)", device, argv,
+                {"iters": args.iters, "repeats": args.repeats, "us_per_op": results})
     return results
 
 

@@ -17,10 +17,7 @@ Sizes default to DESIGN.md's H200 figures on a GPU and to small ones on the emul
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import offtensor as ot  # noqa: E402
 from offtensor import _ext  # noqa: E402
 from offtensor.pager import GiB  # noqa: E402
+from results_io import save_result  # noqa: E402
 
 
 def _sync(device):
@@ -161,18 +159,8 @@ def main(argv=None):
           f"({d['h2d_bytes_per_forward'] / 1e9:.3f} GB/forward)")
     print(f"  moe route {m['route']}/{m['experts']}      copy all {m['copy_all_ms']:.2f} ms, routed {m['routed_ms']:.2f} ms "
           f"-> {m['routed_over_copy_all']:.2f}x of copying every expert")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"paging_{device.type}.json")
-    with open(path, "w") as f:
-        json.dump({"benchmark": "paging against the copy bound",
-                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                               "gpu": torch.cuda.get_device_name(device) if gpu else None,
-                               "native_extension": _ext.NATIVE},
-                   "command": "python benchmarks/paging.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                   "results": results}, f, indent=2)
-    print(f"wrote {path}")
-
+    save_result(args.out, f"paging_{device.type}.json", "paging against the copy bound", device, argv,
+                {"results": results})
 
 if __name__ == "__main__":
     main()

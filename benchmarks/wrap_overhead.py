@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -29,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import offtensor as ot  # noqa: E402
+from results_io import save_result  # noqa: E402
 
 GiB = 1 << 30
 REQUIRED_RATIO = 0.95
@@ -179,35 +177,24 @@ def main(argv=None):
     for rows in (fit_rows, partial_rows):
         for row in rows.values():
             row.pop("tokens")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"wrap_overhead_{device.type}.json")
-    with open(path, "w") as f:
-        json.dump({
-            "benchmark": "decode time, wrapped vs unwrapped (same run, interleaved, median)",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                        "python": platform.python_version(), "torch": torch.__version__,
-                        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                        "native_extension": ot._ext.NATIVE},
-            "command": " ".join(["python benchmarks/wrap_overhead.py", *(argv if argv is not None else sys.argv[1:])]),
-            "device": str(device),
-            "model": {"type": "Qwen3-MoE (transformers, random init)", "layers": args.layers, "hidden": args.hidden,
-                      "experts": args.experts, "experts_per_token": config.num_experts_per_tok, "vocab": args.vocab,
-                      "weight_bytes": total, "dtype": str(next(base.parameters()).dtype)},
-            "steps": args.steps, "repeats": args.repeats, "prompt": args.prompt,
-            "fits": {"budget_bytes": fits_stats.budget_bytes, "resident_bytes": fits_stats.resident_bytes,
-                     "offloaded_bytes": fits_stats.offloaded_bytes, "variants": fit_rows,
-                     "speed_ratio_wrapped_over_unwrapped": ratio, "required_ratio": REQUIRED_RATIO, "passed": passed},
-            "partial": {"fraction": args.fraction, "budget_bytes": partial_placed.budget_bytes,
-                        "resident_bytes": partial_placed.resident_bytes,
-                        "offloaded_bytes": partial_placed.offloaded_bytes,
-                        "peak_device_bytes": partial_stats.peak_device_bytes,
-                        "prefetches": partial_stats.prefetches, "prefetch_hits": partial_stats.prefetch_hits,
-                        "variants": partial_rows, "speed_ratio_wrapped_over_unwrapped": partial_ratio},
-            "same_greedy_tokens": same_tokens,
-        }, f, indent=2)
-    print(f"wrote {path}")
+    save_result(args.out, f"wrap_overhead_{device.type}.json",
+                "decode time, wrapped vs unwrapped (same run, interleaved, median)", device, argv, {
+        "device": str(device),
+        "model": {"type": "Qwen3-MoE (transformers, random init)", "layers": args.layers, "hidden": args.hidden,
+                  "experts": args.experts, "experts_per_token": config.num_experts_per_tok, "vocab": args.vocab,
+                  "weight_bytes": total, "dtype": str(next(base.parameters()).dtype)},
+        "steps": args.steps, "repeats": args.repeats, "prompt": args.prompt,
+        "fits": {"budget_bytes": fits_stats.budget_bytes, "resident_bytes": fits_stats.resident_bytes,
+                 "offloaded_bytes": fits_stats.offloaded_bytes, "variants": fit_rows,
+                 "speed_ratio_wrapped_over_unwrapped": ratio, "required_ratio": REQUIRED_RATIO, "passed": passed},
+        "partial": {"fraction": args.fraction, "budget_bytes": partial_placed.budget_bytes,
+                    "resident_bytes": partial_placed.resident_bytes,
+                    "offloaded_bytes": partial_placed.offloaded_bytes,
+                    "peak_device_bytes": partial_stats.peak_device_bytes,
+                    "prefetches": partial_stats.prefetches, "prefetch_hits": partial_stats.prefetch_hits,
+                    "variants": partial_rows, "speed_ratio_wrapped_over_unwrapped": partial_ratio},
+        "same_greedy_tokens": same_tokens,
+    })
     return ratio
 
 
