@@ -164,11 +164,6 @@ def _wrap_host(host: torch.Tensor, pager: Pager, requires_grad: bool = False) ->
     return OffloadedTensor(host, _master_for(host, pager), requires_grad)
 
 
-def _wrap_alias(host: torch.Tensor, master: _Master) -> OffloadedTensor:
-    """A new alias of an existing master (the result of a view op)."""
-    return OffloadedTensor(host, master)
-
-
 def _dense_strides(t: torch.Tensor):
     """Strides that keep ``t``'s memory order in a buffer of exactly numel elements, or None if
     ``t`` overlaps itself or has gaps (then the master is contiguous)."""
