@@ -23,6 +23,8 @@ import torch
 from . import _ext
 
 GiB = 1 << 30
+# On the emulated device, copies this small that the caller waits for are done inline.
+SMALL_COPY_BYTES = 1 << 20
 
 
 @dataclasses.dataclass
@@ -363,6 +365,8 @@ class Pager:
     def _copy_now(self, buf: torch.Tensor, src: torch.Tensor) -> None:
         if self._cuda:
             buf.copy_(src, non_blocking=src.is_pinned())
+        elif buf.numel() * buf.element_size() < SMALL_COPY_BYTES:
+            buf.copy_(src)  # handing a copy we wait for anyway to the worker thread costs more than it
         else:
             self._engine.wait(self._engine.submit(buf, src))
 
