@@ -408,18 +408,19 @@ class Pager:
         )
 
     def _evict(self, entry: _Entry) -> None:
-        if self._cuda:
-            if entry.last_use is not None:
-                self._copy_stream.wait_event(entry.last_use)
-            if entry.ready is not None:
-                # An unused prefetch: the copy must finish before its block can be reused.
-                self._copy_stream.wait_event(entry.ready)
-        elif entry.ready is not None:
-            self._engine.wait(entry.ready)
         self._remove(entry)
         self.stats.evictions += 1
 
     def _remove(self, entry: _Entry) -> None:
+        """Drop a cached copy once nothing can still touch its block: its copy must have finished
+        and, on a GPU, the copy stream (which reuses the block) waits for the last op that read it."""
+        if self._cuda:
+            if entry.ready is not None:
+                self._copy_stream.wait_event(entry.ready)
+            if entry.last_use is not None:
+                self._copy_stream.wait_event(entry.last_use)
+        elif entry.ready is not None:
+            self._engine.wait(entry.ready)
         del self._cache[entry.key]
         siblings = self._by_master[entry.key[0]]
         siblings.remove(entry)
@@ -429,12 +430,6 @@ class Pager:
 
     def _drop_master(self, master_id: int) -> None:
         for entry in list(self._by_master.get(master_id, ())):
-            if self._cuda and entry.ready is not None:
-                self._copy_stream.wait_event(entry.ready)
-            elif not self._cuda and entry.ready is not None:
-                self._engine.wait(entry.ready)
-            if self._cuda and entry.last_use is not None:
-                self._copy_stream.wait_event(entry.last_use)
             self._remove(entry)
 
 
