@@ -430,8 +430,13 @@ def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: _Paged) -> torch
     host = t._host
     row_bytes = (host.numel() // max(host.shape[0], 1)) * host.element_size()
     pager = t._master.pager
-    room = pager.free_bytes()
-    if room is not None and rows.numel() > 1 and rows.numel() * row_bytes > room:
+    need = rows.numel() * row_bytes
+    # Scanning the cache for evictable bytes (free_bytes) only when the unclaimed room falls short.
+    room = None
+    if rows.numel() > 1 and pager.budget_bytes is not None:
+        if need > pager.budget_bytes - pager.resident_bytes - pager.paged_bytes:
+            room = pager.free_bytes()
+    if room is not None and need > room:
         per_chunk = max(1, room // max(row_bytes, 1))
         out = torch.empty((rows.numel(),) + tuple(host.shape[1:]), dtype=host.dtype, device=pager.device)
         for start in range(0, rows.numel(), per_chunk):
