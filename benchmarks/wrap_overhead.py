@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import offtensor as ot  # noqa: E402
+from offtensor.wrap import is_wrapped  # noqa: E402
 from results_io import save_result  # noqa: E402
 
 GiB = 1 << 30
@@ -54,7 +55,7 @@ def _weight_bytes(model) -> int:
 def _decode(model, prompt, steps, sync):
     """Seconds per decoded token, host->device bytes per decoded token (prefill excluded from
     both) and the greedy tokens."""
-    h2d = (lambda: ot.stats(model).bytes_h2d) if _is_wrapped(model) else (lambda: 0)
+    h2d = (lambda: ot.stats(model).bytes_h2d) if is_wrapped(model) else (lambda: 0)
     with torch.no_grad():
         out = model(input_ids=prompt, use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
@@ -97,14 +98,6 @@ def _compare(variants, prompt, args, sync):
         }
         for name in variants
     }
-
-
-def _is_wrapped(model) -> bool:
-    try:
-        ot.stats(model)
-        return True
-    except ValueError:
-        return False
 
 
 def main(argv=None):

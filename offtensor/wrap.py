@@ -389,11 +389,16 @@ def reset_stats(model: nn.Module) -> None:
     _state(model).pager.reset_stats()
 
 
-def _state(model: nn.Module) -> _State:
+def is_wrapped(model: nn.Module) -> bool:
+    """Whether ``model`` is currently wrapped (by wrap_model or load_safetensors)."""
     state = _WRAPPED.get(model)
-    if state is None or state.model_ref() is not model:
+    return state is not None and state.model_ref() is model
+
+
+def _state(model: nn.Module) -> _State:
+    if not is_wrapped(model):
         raise ValueError(f"offtensor: this {type(model).__name__} is not wrapped; call ot.wrap_model(model, ...) first")
-    return state
+    return _WRAPPED[model]
 
 
 def _free_device_bytes(device: torch.device) -> int:

@@ -14,6 +14,7 @@ from torch import nn
 
 import offtensor as ot
 from offtensor.pager import resolve_device
+from offtensor.wrap import is_wrapped
 
 GiB = 1 << 30
 VOCAB, HIDDEN, INTER, EXPERTS = 256, 128, 256, 4
@@ -144,16 +145,8 @@ def pair(device):
     reference = copy.deepcopy(model).to(device)
     ot.wrap_model(model, budget_gb=_budget_gb(model, 0.4), device=device)
     yield model, reference
-    if _is_wrapped(model):
+    if is_wrapped(model):
         ot.unwrap_model(model)
-
-
-def _is_wrapped(model) -> bool:
-    try:
-        ot.stats(model)
-        return True
-    except ValueError:
-        return False
 
 
 # ---------------------------------------------------------------------------- identity and ties
