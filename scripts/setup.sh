@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 TORCH_REQUIREMENT="torch==2.13.0"
-TEST_PACKAGES=(numpy pytest hypothesis safetensors transformers ninja expecttest)  # each imports under its own name
+TEST_PACKAGES=(numpy pytest hypothesis safetensors transformers ninja expecttest accelerate tqdm matplotlib)  # each imports under its own name
 export MAX_JOBS="${MAX_JOBS:-2}"
 case "${OFFTENSOR_NO_NATIVE:-}" in
   "" | 0 | false | no) NO_NATIVE=0 ;;
