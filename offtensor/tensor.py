@@ -146,6 +146,51 @@ class OffloadedTensor(torch.Tensor):
         return copy
 
 
+# What an OffloadedTensor keeps in its own ``__dict__``; everything else there is the user's
+# (vLLM's ``weight_loader``, ``output_dim``...), carried across wrap, re-placement and unwrap.
+_OWN_ATTRS = frozenset({"_host", "_master", "_layout", "_is_param"})
+
+# User subclass of nn.Parameter -> the OffloadedTensor class whose instances are also instances of it.
+_OFFLOADED_CLASSES: dict = {}
+
+
+def offloaded_class(user_class: type) -> type:
+    """The OffloadedTensor class for Parameters of ``user_class`` (a subclass of ``nn.Parameter``),
+    made once per class.
+
+    OffloadedTensor comes first in the bases, so construction, ``__torch_function__``,
+    ``__torch_dispatch__``, repr and pickling are the offloaded ones, while ``isinstance(p,
+    user_class)``, the user's methods and properties keep working: a loader method writing through
+    ``self.data`` or ``self[i]`` reaches the host master like any write to an OffloadedTensor."""
+    combined = _OFFLOADED_CLASSES.get(user_class)
+    if combined is None:
+        if not (isinstance(user_class, type) and issubclass(user_class, torch.nn.Parameter)):
+            raise TypeError(f"offtensor: offloaded_class takes a subclass of nn.Parameter, got {user_class!r}")
+        if issubclass(user_class, OffloadedTensor):
+            return user_class
+        name = f"Offloaded{user_class.__name__}"
+        combined = type(user_class)(name, (OffloadedTensor, user_class), {
+            "__module__": user_class.__module__, "__qualname__": name, "_user_class": user_class,
+        })
+        _OFFLOADED_CLASSES[user_class] = combined
+    return combined
+
+
+def user_class(t: torch.Tensor):
+    """The user's own Parameter subclass behind ``t``'s class (offloaded or not), or None for plain
+    tensors, plain Parameters and plain OffloadedTensors."""
+    cls = type(t)
+    cls = cls.__dict__.get("_user_class", cls)
+    if cls is torch.nn.Parameter or not issubclass(cls, torch.nn.Parameter) or issubclass(cls, OffloadedTensor):
+        return None
+    return cls
+
+
+def user_attrs(t: torch.Tensor) -> dict:
+    """The attributes the user set on ``t`` (its ``__dict__`` less OffloadedTensor's bookkeeping)."""
+    return {k: v for k, v in t.__dict__.items() if k not in _OWN_ATTRS}
+
+
 def _master_for(host: torch.Tensor, pager: Pager) -> _Master:
     """The master of ``host``'s storage, creating (and registering) one if it has none yet."""
     storage = host.untyped_storage()

@@ -25,7 +25,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import placement
 from .pager import GiB, BudgetError, OffloadStats, Pager, _covering_range, resolve_device
 from .prefetch import Prefetcher
-from .tensor import OffloadedTensor, _check_offloadable, _master_for, new_host_master
+from .tensor import (
+    OffloadedTensor, _check_offloadable, _master_for, new_host_master, offloaded_class, user_attrs, user_class,
+)
 
 # Every submodule of a wrapped model -> the model's state, for the registration hooks.
 _WRAPPED: "weakref.WeakKeyDictionary[nn.Module, _State]" = weakref.WeakKeyDictionary()
@@ -187,9 +189,26 @@ def _swap(member: _Member, new: torch.Tensor) -> None:
 
 
 def _as_param_like(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    if isinstance(old, nn.Parameter):
-        return nn.Parameter(new, requires_grad=old.requires_grad)
-    return new
+    """``new`` (an OffloadedTensor, or a plain device tensor when unwrapping) dressed as ``old``: a
+    Parameter of ``old``'s own class (vLLM's ``ModelWeightParameter``...) holding the same attribute
+    objects (``weight_loader``, ``output_dim``...). ``_swap`` then moves class and ``__dict__`` onto
+    ``old``'s object, so the user's references see them too."""
+    cls = user_class(old)
+    if cls is not None:
+        # The user's __new__/__init__ may demand arguments (vLLM's weight_loader); bypass them,
+        # as attributes are copied below anyway.
+        if isinstance(new, OffloadedTensor):
+            result = offloaded_class(cls)(new._host, new._master, old.requires_grad)
+        else:
+            result = torch.Tensor._make_subclass(cls, new, old.requires_grad)
+    elif isinstance(old, nn.Parameter):
+        result = nn.Parameter(new, requires_grad=old.requires_grad)
+    else:
+        result = new
+    attrs = user_attrs(old)
+    if attrs:
+        result.__dict__.update(attrs)
+    return result
 
 
 def _offload_group(group, pager: Pager) -> None:
