@@ -322,6 +322,27 @@ def _copy_(func, types, args, kwargs):
     return dst
 
 
+_INDEX_PUT_ON_DEVICE = _Mutation(aten.index_put_.default)
+
+
+@implements(aten.index_put_.default)
+def _index_put_(func, types, args, kwargs):
+    # ``param.data[rows] = w`` (weight loaders) writes straight into the host master, as copy_ does;
+    # the generic path would page the whole tensor to scatter a few rows into a private copy.
+    self = args[0]
+    if not isinstance(self, OffloadedTensor) or any(_has_offloaded(a) for a in (*args[1:], *kwargs.values())):
+        return _INDEX_PUT_ON_DEVICE(func, types, args, kwargs)
+    indices = [None if i is None else i.to("cpu") for i in args[1]]
+    values = args[2].to("cpu")
+    pager = self._master.pager
+    pager.before_write(self._master)
+    with no_dispatch():
+        self._host.index_put_(indices, values, *args[3:], **kwargs)
+    if args[2].device.type != "cpu":
+        pager.stats.bytes_d2h += values.numel() * values.element_size()
+    return self
+
+
 @implements(aten.clone.default)
 def _clone(func, types, args, kwargs):
     self = args[0]
