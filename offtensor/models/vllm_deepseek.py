@@ -1,0 +1,622 @@
+"""A DeepSeek-V2/V3-style decoder laid out the way vLLM lays its models out, with vLLM's way of
+loading a checkpoint: Parameter subclasses, attributes set on Parameters, one ``weight_loader`` per
+weight, and a ``load_weights`` loop mapping checkpoint names onto fused parameters.
+
+Like ``deepseek.py`` it is plain PyTorch and knows nothing about offloading. It is what offtensor must
+load into after ``wrap_model`` has already placed the weights (vLLM's ``cpu_offload_gb`` order), so
+every way vLLM's loaders write a weight appears here once:
+
+- ``ModelWeightParameter`` and ``ChannelScaleParameter``: ``nn.Parameter`` subclasses whose
+  constructors demand a loader, whose state (``output_dim``...) lives in ``__dict__`` behind
+  properties, and whose own methods load shards through ``self.data.narrow(...).copy_``;
+- plain Parameters carrying ``weight_loader``/``output_dim``/``input_dim`` set with ``set_weight_attrs``;
+- merged gate/up (``gate_up_proj``, shard ids 0 and 1) and a packed q/kv projection
+  (``fused_qkv_a_proj``, shard ids ``"q"`` and ``"kv"``) filled from separate checkpoint tensors;
+- fused MoE stacks ``w13_weight [E, 2I, H]`` and ``w2_weight [E, H, I]`` filled expert by expert and
+  shard by shard through ``param.data[expert]``;
+- an fp8-like quantised ``o_proj``: an int8 weight plus a per-channel scale, replaced by a dequantised
+  Parameter in ``process_weights_after_loading``;
+- MLA's ``process_weights_after_loading`` keeping ``W_UK_T``/``W_UV`` as plain attributes (views of
+  ``kv_b_proj.weight``), not Parameters.
+
+Names and checkpoint format follow the HF DeepSeek-V2 layout (``model.layers.N.mlp.experts.E.gate_proj.weight``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .deepseek import DeepSeekConfig, LatentCache, RMSNorm, RotaryEmbedding, apply_rotary
+
+
+# ------------------------------------------------------------------------------------ parameters
+
+
+def set_weight_attrs(weight: torch.Tensor, attrs: Optional[dict]) -> None:
+    """Attach loader metadata to a Parameter, refusing to overwrite one already set."""
+    for key, value in (attrs or {}).items():
+        if hasattr(weight, key):
+            raise AttributeError(f"{type(weight).__name__} of shape {tuple(weight.shape)} already has '{key}'")
+        setattr(weight, key, value)
+
+
+def _check_shape(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(
+            f"{what}: checkpoint tensor of shape {tuple(loaded.shape)} ({loaded.numel() * loaded.element_size()} bytes) "
+            f"does not fit the parameter slice of shape {tuple(param.shape)}"
+        )
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Loader of weights that need no mapping (norms, embeddings): a whole-tensor copy."""
+    _check_shape(param, loaded, "default_weight_loader")
+    param.data.copy_(loaded)
+
+
+class BaseWeightParameter(nn.Parameter):
+    """A frozen weight that knows its loader. Constructed as ``Cls(data=..., weight_loader=...)``."""
+
+    def __new__(cls, data: torch.Tensor, **kwargs):
+        return super().__new__(cls, data, requires_grad=False)
+
+    def __init__(self, data: torch.Tensor, weight_loader: Callable):
+        self._weight_loader = weight_loader
+
+    @property
+    def weight_loader(self) -> Callable:
+        return self._weight_loader
+
+    def load_weight(self, loaded: torch.Tensor) -> None:
+        _check_shape(self.data, loaded, type(self).__name__)
+        self.data.copy_(loaded)
+
+
+class ModelWeightParameter(BaseWeightParameter):
+    """A linear layer's weight: rows along ``output_dim``, columns along ``input_dim``."""
+
+    def __init__(self, data: torch.Tensor, weight_loader: Callable, output_dim: int, input_dim: int):
+        super().__init__(data, weight_loader)
+        self._output_dim = output_dim
+        self._input_dim = input_dim
+
+    @property
+    def output_dim(self) -> int:
+        return self._output_dim
+
+    @property
+    def input_dim(self) -> int:
+        return self._input_dim
+
+    def load_merged_column_weight(self, loaded: torch.Tensor, shard_offset: int, shard_size: int) -> None:
+        shard = self.data.narrow(self.output_dim, shard_offset, shard_size)
+        _check_shape(shard, loaded, f"merged column shard at {shard_offset}")
+        shard.copy_(loaded)
+
+    def load_qkv_weight(self, loaded: torch.Tensor, shard_id: str, shard_offsets: Dict[str, Tuple[int, int]]) -> None:
+        offset, size = shard_offsets[shard_id]
+        shard = self.data.narrow(self.output_dim, offset, size)
+        _check_shape(shard, loaded, f"packed shard '{shard_id}'")
+        shard.copy_(loaded)
+
+    def load_row_parallel_weight(self, loaded: torch.Tensor) -> None:
+        self.load_weight(loaded)  # one rank: the whole weight
+
+
+class ChannelScaleParameter(BaseWeightParameter):
+    """Per-output-channel dequantisation scales of a quantised weight."""
+
+    def __init__(self, data: torch.Tensor, weight_loader: Callable, output_dim: int):
+        super().__init__(data, weight_loader)
+        self._output_dim = output_dim
+
+    @property
+    def output_dim(self) -> int:
+        return self._output_dim
+
+
+# ------------------------------------------------------------------------------------ linear layers
+
+
+class ReplicatedLinear(nn.Module):
+    """A linear layer whose weight is a plain Parameter carrying vLLM attributes (``set_weight_attrs``)."""
+
+    def __init__(self, input_size: int, output_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader, "output_dim": 0, "input_dim": 1})
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class MergedColumnLinear(nn.Module):
+    """Several column projections of one input in one weight (``gate_up_proj``); a checkpoint holds
+    them apart and the loader places shard ``i`` at ``sum(output_sizes[:i])``."""
+
+    def __init__(self, input_size: int, output_sizes: list, dtype: torch.dtype):
+        super().__init__()
+        self.output_sizes = list(output_sizes)
+        self.weight = ModelWeightParameter(
+            data=torch.empty(sum(output_sizes), input_size, dtype=dtype), weight_loader=self.weight_loader,
+            output_dim=0, input_dim=1,
+        )
+
+    def weight_loader(self, param: ModelWeightParameter, loaded: torch.Tensor, loaded_shard_id: int) -> None:
+        offset = sum(self.output_sizes[:loaded_shard_id])
+        param.load_merged_column_weight(loaded, shard_offset=offset, shard_size=self.output_sizes[loaded_shard_id])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class PackedQKVLinear(nn.Module):
+    """Query and key/value projections packed along the output dim, loaded by named shard (MLA's
+    ``fused_qkv_a_proj``: ``"q"`` the query latent, ``"kv"`` the kv latent plus the rotary key)."""
+
+    def __init__(self, input_size: int, shard_sizes: Dict[str, int], dtype: torch.dtype):
+        super().__init__()
+        self.shard_offsets: Dict[str, Tuple[int, int]] = {}
+        offset = 0
+        for shard_id, size in shard_sizes.items():
+            self.shard_offsets[shard_id] = (offset, size)
+            offset += size
+        self.weight = ModelWeightParameter(
+            data=torch.empty(offset, input_size, dtype=dtype), weight_loader=self.weight_loader, output_dim=0, input_dim=1,
+        )
+
+    def weight_loader(self, param: ModelWeightParameter, loaded: torch.Tensor, loaded_shard_id: str) -> None:
+        param.load_qkv_weight(loaded, loaded_shard_id, self.shard_offsets)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowLinear(nn.Module):
+    def __init__(self, input_size: int, output_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = ModelWeightParameter(
+            data=torch.empty(output_size, input_size, dtype=dtype), weight_loader=self.weight_loader,
+            output_dim=0, input_dim=1,
+        )
+
+    def weight_loader(self, param: ModelWeightParameter, loaded: torch.Tensor) -> None:
+        param.load_row_parallel_weight(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Int8Linear(nn.Module):
+    """An fp8-style quantised linear layer, with int8 standing in for float8 so that it runs on any
+    CPU build: ``weight`` int8 [out, in] and ``weight_scale`` [out]. ``process_weights_after_loading``
+    replaces both by one dequantised Parameter, as engines do for kernels that want a plain weight."""
+
+    def __init__(self, input_size: int, output_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+        self.weight = ModelWeightParameter(
+            data=torch.empty(output_size, input_size, dtype=torch.int8), weight_loader=self.weight_loader,
+            output_dim=0, input_dim=1,
+        )
+        self.weight_scale = ChannelScaleParameter(
+            data=torch.empty(output_size, dtype=torch.float32), weight_loader=self.weight_loader, output_dim=0,
+        )
+        self.dequantized = False
+
+    def weight_loader(self, param: BaseWeightParameter, loaded: torch.Tensor) -> None:
+        param.load_weight(loaded)
+
+    def _dequantized_weight(self) -> torch.Tensor:
+        return (self.weight.to(torch.float32) * self.weight_scale[:, None]).to(self.dtype)
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        if self.dequantized:
+            return
+        weight = self._dequantized_weight()
+        del self.weight_scale
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.dequantized = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight if self.dequantized else self._dequantized_weight())
+
+
+def quantize_int8(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 quantisation: (int8 weight, float32 scale) with weight ~ q * scale."""
+    scale = weight.float().abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    return torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype), requires_grad=False)
+        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader, "output_dim": 0})
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+# ------------------------------------------------------------------------------------ attention
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention in vLLM's layout. Before ``process_weights_after_loading`` keys and
+    values are expanded by ``kv_b_proj``; after it, ``W_UK_T`` [heads, qk_nope, kv_lora] and ``W_UV``
+    [heads, kv_lora, v] (plain attributes viewing ``kv_b_proj.weight``) absorb it."""
+
+    def __init__(self, config: DeepSeekConfig, layer_index: int):
+        super().__init__()
+        c = config
+        self.layer_index = layer_index
+        self.num_heads = c.num_heads
+        self.qk_nope_head_dim = c.qk_nope_head_dim
+        self.qk_rope_head_dim = c.qk_rope_head_dim
+        self.v_head_dim = c.v_head_dim
+        self.kv_lora_rank = c.kv_lora_rank
+        self.q_lora_rank = c.q_lora_rank
+        self.softmax_scale = c.qk_head_dim ** -0.5
+        kv_a_size = c.kv_lora_rank + c.qk_rope_head_dim
+        if c.q_lora_rank:
+            self.fused_qkv_a_proj = PackedQKVLinear(c.hidden_size, {"q": c.q_lora_rank, "kv": kv_a_size}, c.dtype)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, c.dtype)
+            self.q_b_proj = ReplicatedLinear(c.q_lora_rank, c.num_heads * c.qk_head_dim, c.dtype)
+        else:
+            self.q_proj = ReplicatedLinear(c.hidden_size, c.num_heads * c.qk_head_dim, c.dtype)
+            self.kv_a_proj_with_mqa = ReplicatedLinear(c.hidden_size, kv_a_size, c.dtype)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, c.dtype)
+        self.kv_b_proj = ReplicatedLinear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), c.dtype)
+        self.o_proj = Int8Linear(c.num_heads * c.v_head_dim, c.hidden_size, c.dtype)
+        self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta)
+        self.W_UK_T: Optional[torch.Tensor] = None
+        self.W_UV: Optional[torch.Tensor] = None
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        # [heads * (nope + v), kv_lora] -> [kv_lora, heads, nope + v], split per head into the key and
+        # value halves; views, so no second copy of kv_b_proj exists.
+        kv_b = self.kv_b_proj.weight.T.view(self.kv_lora_rank, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        w_uk, w_uv = kv_b.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        self.W_UK_T = w_uk.permute(1, 2, 0)  # [heads, nope, kv_lora]
+        self.W_UV = w_uv.transpose(0, 1)  # [heads, kv_lora, v]
+        self.o_proj.process_weights_after_loading()
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cache: Optional[LatentCache]) -> torch.Tensor:
+        batch, steps, _ = hidden.shape
+        heads = self.num_heads
+        if self.q_lora_rank:
+            q_a, kv_a = self.fused_qkv_a_proj(hidden).split(
+                [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
+            )
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
+        else:
+            q = self.q_proj(hidden)
+            kv_a = self.kv_a_proj_with_mqa(hidden)
+        q = q.view(batch, steps, heads, -1).transpose(1, 2)  # [B, h, T, qk_head_dim]
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        k_pe = k_pe.unsqueeze(1)
+        cos, sin = self.rotary_emb(positions)
+        q_pe = apply_rotary(q_pe, cos, sin)
+        k_pe = apply_rotary(k_pe, cos, sin)
+        if cache is not None:
+            c_kv, k_pe = cache.update(self.layer_index, c_kv, k_pe)
+        future = torch.arange(c_kv.shape[1], device=hidden.device)[None, :] > positions[:, None]
+        if self.W_UV is None:
+            out = self._attend_naive(q_nope, q_pe, c_kv, k_pe, future)
+        else:
+            out = self._attend_absorbed(q_nope, q_pe, c_kv, k_pe, future)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, steps, heads * self.v_head_dim))
+
+    def _softmax(self, scores, future, dtype):
+        scores = (scores.float() * self.softmax_scale).masked_fill(future, float("-inf"))
+        return scores.softmax(dim=-1).to(dtype)
+
+    def _attend_naive(self, q_nope, q_pe, c_kv, k_pe, future):
+        batch, seen, _ = c_kv.shape
+        kv = self.kv_b_proj(c_kv).view(batch, seen, self.num_heads, -1).transpose(1, 2)
+        k_nope, value = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        scores = q_nope @ k_nope.transpose(-1, -2) + q_pe @ k_pe.transpose(-1, -2)
+        return self._softmax(scores, future, q_nope.dtype) @ value
+
+    def _attend_absorbed(self, q_nope, q_pe, c_kv, k_pe, future):
+        batch, heads, steps, _ = q_nope.shape
+        q_by_head = q_nope.transpose(0, 1).reshape(heads, batch * steps, self.qk_nope_head_dim)
+        q_latent = torch.bmm(q_by_head, self.W_UK_T).view(heads, batch, steps, -1).transpose(0, 1)
+        latent = c_kv.unsqueeze(1)
+        scores = q_latent @ latent.transpose(-1, -2) + q_pe @ k_pe.transpose(-1, -2)
+        out_latent = self._softmax(scores, future, q_nope.dtype) @ latent
+        out_by_head = out_latent.transpose(0, 1).reshape(heads, batch * steps, self.kv_lora_rank)
+        out = torch.bmm(out_by_head, self.W_UV)
+        return out.view(heads, batch, steps, self.v_head_dim).transpose(0, 1)
+
+
+# ------------------------------------------------------------------------------------ feed-forward
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size] * 2, dtype)
+        self.down_proj = RowLinear(intermediate_size, hidden_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class FusedMoE(nn.Module):
+    """Routed experts as two stacks: ``w13_weight`` [E, 2I, H] (gate rows, then up rows) and
+    ``w2_weight`` [E, H, I]. The checkpoint holds one tensor per expert and projection."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.w13_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), requires_grad=False)
+        for weight in (self.w13_weight, self.w2_weight):
+            set_weight_attrs(weight, {"weight_loader": self.weight_loader})
+
+    @staticmethod
+    def make_expert_params_mapping(num_experts: int) -> list:
+        """(parameter name part, checkpoint name part, expert id, shard id) for every expert tensor."""
+        return [
+            ("experts.w13_weight" if shard_id in ("w1", "w3") else "experts.w2_weight",
+             f"experts.{expert_id}.{projection}.weight", expert_id, shard_id)
+            for expert_id in range(num_experts)
+            for shard_id, projection in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))
+        ]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, weight_name: str, shard_id: str,
+                      expert_id: int) -> None:
+        expert = param.data[expert_id]
+        if shard_id == "w2":
+            target = expert
+        elif shard_id in ("w1", "w3"):
+            size = self.intermediate_size
+            target = expert.narrow(0, 0 if shard_id == "w1" else size, size)
+        else:
+            raise ValueError(f"{weight_name}: shard id must be 'w1', 'w2' or 'w3', got {shard_id!r}")
+        _check_shape(target, loaded, f"{weight_name} expert {expert_id} shard {shard_id}")
+        target.copy_(loaded)
+
+    def forward(self, x: torch.Tensor, selected: torch.Tensor, routing_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for expert in selected.unique().tolist():
+            token, slot = torch.where(selected == expert)
+            gate, up = F.linear(x[token], self.w13_weight[expert]).split(self.intermediate_size, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2_weight[expert]) * routing_weights[token, slot, None]
+            out.index_add_(0, token, y)
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, config: DeepSeekConfig):
+        super().__init__()
+        c = config
+        self.top_k = c.num_experts_per_tok
+        self.scoring_func = c.scoring_func
+        self.norm_topk_prob = c.norm_topk_prob
+        self.routed_scaling_factor = c.routed_scaling_factor
+        self.gate = ReplicatedLinear(c.hidden_size, c.n_routed_experts, c.dtype)
+        self.experts = FusedMoE(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, c.dtype)
+        self.shared_experts = (
+            MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, c.dtype) if c.n_shared_experts else None
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        shape = hidden.shape
+        x = hidden.reshape(-1, shape[-1])
+        logits = self.gate(x).float()
+        scores = logits.softmax(dim=-1) if self.scoring_func == "softmax" else logits.sigmoid()
+        routing_weights, selected = scores.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            routing_weights = routing_weights / routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = (routing_weights * self.routed_scaling_factor).to(x.dtype)
+        out = self.experts(x, selected, routing_weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
+
+
+# ------------------------------------------------------------------------------------ the model
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DeepSeekConfig, layer_index: int):
+        super().__init__()
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.dtype)
+        self.self_attn = MLAttention(c, layer_index)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.dtype)
+        self.mlp = MoE(c) if c.is_moe_layer(layer_index) else MLP(c.hidden_size, c.intermediate_size, c.dtype)
+
+    def forward(self, hidden, positions, cache):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, config: DeepSeekConfig):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, config.dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+    def forward(self, input_ids, positions, cache):
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, positions, cache)
+        return self.norm(hidden)
+
+
+class DeepseekForCausalLM(nn.Module):
+    """Build with uninitialised weights (on the current default device), then ``load_weights``."""
+
+    # (parameter name part, checkpoint name part, shard id): checkpoint tensors that are shards of one
+    # fused parameter.
+    stacked_params_mapping = [
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+        ("fused_qkv_a_proj", "q_a_proj", "q"),
+        ("fused_qkv_a_proj", "kv_a_proj_with_mqa", "kv"),
+    ]
+
+    def __init__(self, config: DeepSeekConfig):
+        super().__init__()
+        if config.tie_word_embeddings:
+            raise ValueError("this vLLM-style reference model has an untied lm_head")
+        self.config = config
+        self.model = DeepseekModel(config)
+        self.lm_head = VocabEmbedding(config.vocab_size, config.hidden_size, config.dtype)
+
+    def forward(self, input_ids: torch.Tensor, cache: Optional[LatentCache] = None) -> torch.Tensor:
+        start = len(cache) if cache is not None else 0
+        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+        return F.linear(self.model(input_ids, positions, cache), self.lm_head.weight)
+
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> set:
+        """Load checkpoint tensors (name, tensor) through each parameter's ``weight_loader``; returns
+        the parameter names loaded. Unknown names raise, naming the checkpoint tensor."""
+        params = dict(self.named_parameters())
+        expert_mapping = FusedMoE.make_expert_params_mapping(self.config.n_routed_experts)
+        loaded_params = set()
+        for name, loaded in weights:
+            target = None
+            for param_part, ckpt_part, shard_id in self.stacked_params_mapping:
+                # Routed experts have gate_proj/up_proj too; they go to the fused MoE stacks below.
+                if ckpt_part not in name or "mlp.experts." in name:
+                    continue
+                candidate = name.replace(ckpt_part, param_part)
+                if candidate not in params:
+                    continue  # e.g. kv_a_proj_with_mqa is its own layer when q_lora_rank == 0
+                target = candidate
+                param = params[target]
+                param.weight_loader(param, loaded, shard_id)
+                break
+            else:
+                for param_part, ckpt_part, expert_id, shard_id in expert_mapping:
+                    if ckpt_part not in name:
+                        continue
+                    target = name.replace(ckpt_part, param_part)
+                    param = params[target]
+                    param.weight_loader(param, loaded, target, shard_id=shard_id, expert_id=expert_id)
+                    break
+                else:
+                    if name not in params:
+                        raise KeyError(
+                            f"checkpoint tensor '{name}' of shape {tuple(loaded.shape)} "
+                            f"({loaded.numel() * loaded.element_size()} bytes) matches no parameter of {type(self).__name__}"
+                        )
+                    target = name
+                    param = params[target]
+                    getattr(param, "weight_loader", default_weight_loader)(param, loaded)
+            loaded_params.add(target)
+        return loaded_params
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.process_weights_after_loading()
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy decoding with the latent cache; returns input_ids followed by the new tokens."""
+        cache = LatentCache()
+        logits = self(input_ids, cache)
+        new_tokens = []
+        for count in range(max_new_tokens):
+            next_token = logits[:, -1].argmax(dim=-1, keepdim=True)
+            new_tokens.append(next_token)
+            if count + 1 < max_new_tokens:
+                logits = self(next_token, cache)
+        return torch.cat([input_ids, *new_tokens], dim=1)
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+
+
+def random_checkpoint(config: DeepSeekConfig, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """HF-layout checkpoint tensors with random values (std 1/sqrt(fan_in), norms 1), ``o_proj``
+    stored as int8 + ``weight_scale``. Deterministic for a seed."""
+    c = config
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.empty(shape, dtype=torch.float32).normal_(0.0, shape[-1] ** -0.5, generator=generator).to(c.dtype)
+
+    def ones(n):
+        return torch.ones(n, dtype=c.dtype)
+
+    tensors = {"model.embed_tokens.weight": randn(c.vocab_size, c.hidden_size)}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = ones(c.hidden_size)
+        tensors[p + "post_attention_layernorm.weight"] = ones(c.hidden_size)
+        a = p + "self_attn."
+        if c.q_lora_rank:
+            tensors[a + "q_a_proj.weight"] = randn(c.q_lora_rank, c.hidden_size)
+            tensors[a + "q_a_layernorm.weight"] = ones(c.q_lora_rank)
+            tensors[a + "q_b_proj.weight"] = randn(c.num_heads * c.qk_head_dim, c.q_lora_rank)
+        else:
+            tensors[a + "q_proj.weight"] = randn(c.num_heads * c.qk_head_dim, c.hidden_size)
+        tensors[a + "kv_a_proj_with_mqa.weight"] = randn(c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size)
+        tensors[a + "kv_a_layernorm.weight"] = ones(c.kv_lora_rank)
+        tensors[a + "kv_b_proj.weight"] = randn(c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+        tensors[a + "o_proj.weight"], tensors[a + "o_proj.weight_scale"] = quantize_int8(
+            randn(c.hidden_size, c.num_heads * c.v_head_dim)
+        )
+        m = p + "mlp."
+        if c.is_moe_layer(i):
+            tensors[m + "gate.weight"] = randn(c.n_routed_experts, c.hidden_size)
+            for e in range(c.n_routed_experts):
+                tensors[m + f"experts.{e}.gate_proj.weight"] = randn(c.moe_intermediate_size, c.hidden_size)
+                tensors[m + f"experts.{e}.up_proj.weight"] = randn(c.moe_intermediate_size, c.hidden_size)
+                tensors[m + f"experts.{e}.down_proj.weight"] = randn(c.hidden_size, c.moe_intermediate_size)
+            inter, prefix = c.moe_intermediate_size * c.n_shared_experts, m + "shared_experts."
+            if not c.n_shared_experts:
+                continue
+        else:
+            inter, prefix = c.intermediate_size, m
+        tensors[prefix + "gate_proj.weight"] = randn(inter, c.hidden_size)
+        tensors[prefix + "up_proj.weight"] = randn(inter, c.hidden_size)
+        tensors[prefix + "down_proj.weight"] = randn(c.hidden_size, inter)
+    tensors["model.norm.weight"] = ones(c.hidden_size)
+    tensors["lm_head.weight"] = randn(c.vocab_size, c.hidden_size)
+    return tensors
+
+
+def iterate_checkpoint(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor of a safetensors file, or of every shard named by a
+    directory's ``*.safetensors.index.json`` (else its ``*.safetensors`` files), one shard open at a time."""
+    from safetensors import safe_open
+
+    if os.path.isdir(path):
+        indexes = sorted(f for f in os.listdir(path) if f.endswith(".safetensors.index.json"))
+        if indexes:
+            with open(os.path.join(path, indexes[0])) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        files = [os.path.join(path, f) for f in files]
+    else:
+        files = [path]
+    for file in files:
+        with safe_open(file, framework="pt") as shard:
+            for name in shard.keys():
+                yield name, shard.get_tensor(name)
