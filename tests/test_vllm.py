@@ -6,12 +6,19 @@ generate)."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from safetensors.torch import save_file
+
 import offtensor as ot
+from offtensor.models import vllm_deepseek as vd
+from offtensor.models.deepseek import DeepSeekConfig, weight_bytes
 
 GiB = 1 << 30
 ROWS, COLS, EXPERTS, INTER = 8, 16, 4, 6
@@ -250,3 +257,98 @@ def test_loader_writes_reach_the_master_and_invalidate_cached_copies_without_pag
         for actual, expected in zip(layer(x), reference(x)):
             # A stale cached copy would give the old values here.
             torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------ item 5: the seed's path
+
+
+def tiny_config(**overrides) -> DeepSeekConfig:
+    fields = dict(
+        vocab_size=256, hidden_size=64, num_layers=3, num_heads=4, q_lora_rank=24, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128, first_k_dense_replace=1,
+    )
+    fields.update(overrides)
+    return DeepSeekConfig(**fields)
+
+
+def write_sharded_checkpoint(tensors: dict, directory, shard_bytes: int) -> int:
+    """safetensors shards of about ``shard_bytes`` each plus the index.json naming them; returns the shard count."""
+    shards, current, size = [], {}, 0
+    for name, t in tensors.items():
+        if current and size + t.numel() * t.element_size() > shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t.contiguous()
+        size += t.numel() * t.element_size()
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(directory, file))
+        weight_map.update({name: file for name in shard})
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return len(shards)
+
+
+def attribute_snapshot(model) -> dict:
+    return {name: (p, type(p), dict(p.__dict__)) for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 24], ids=["q_proj", "fused_qkv_a"])
+def test_vllm_deepseek_wrapped_before_loading_through_its_loaders_gives_unwrapped_tokens(device, tmp_path, q_lora_rank):
+    config = tiny_config(q_lora_rank=q_lora_rank)
+    checkpoint = vd.random_checkpoint(config, seed=0)
+    assert write_sharded_checkpoint(checkpoint, tmp_path, shard_bytes=256 << 10) > 1
+    ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1)).to(device)
+
+    # The reference: built on the device, loaded the same way, never wrapped.
+    with torch.device(device):
+        reference = vd.DeepseekForCausalLM(config)
+    reference.load_weights(vd.iterate_checkpoint(str(tmp_path)))
+    reference.process_weights_after_loading()
+    expected = reference.generate(ids, max_new_tokens=6)
+
+    # As vLLM's cpu_offload_gb does: build (uninitialised, on the CPU), place for the budget, then load.
+    model = vd.DeepseekForCausalLM(config)
+    before = attribute_snapshot(model)
+    budget = 0.3 * weight_bytes(model) / GiB
+    ot.wrap_model(model, budget_gb=budget, device=device)
+    offloaded = {name for name, p in model.named_parameters() if isinstance(p, ot.OffloadedTensor)}
+    assert any("experts.w13_weight" in name for name in offloaded)
+    assert any(isinstance(model.get_parameter(name), vd.ModelWeightParameter) for name in offloaded)
+
+    ot.reset_stats(model)
+    loaded = model.load_weights(vd.iterate_checkpoint(str(tmp_path)))
+    assert loaded == set(before)
+    s = ot.stats(model)
+    assert (s.bytes_h2d, s.page_ins) == (0, 0), f"loading paged weights to the device: {s}"
+
+    model.process_weights_after_loading()
+    tokens = model.generate(ids, max_new_tokens=6)
+    assert torch.equal(tokens, expected)
+    s = ot.stats(model)
+    assert s.bytes_h2d > 0
+    assert s.peak_device_bytes <= s.budget_bytes == int(budget * GiB)
+
+    # Every weight the loaders filled is the same object, of its class, with the same attribute
+    # objects; only o_proj's int8 weight and scale were replaced, by its dequantised Parameter.
+    replaced = {name for name in before if ".o_proj." in name}
+    for name, (obj, cls, attrs) in before.items():
+        if name in replaced:
+            continue
+        param = model.get_parameter(name)
+        assert param is obj and isinstance(param, cls), name
+        assert isinstance(param, ot.OffloadedTensor) == (name in offloaded), name
+        assert_same_attribute_objects(param, attrs)
+    for layer in model.model.layers:
+        o_proj = layer.self_attn.o_proj
+        assert not hasattr(o_proj, "weight_scale") and o_proj.weight.dtype == config.dtype
+        assert o_proj.weight.device.type == torch.device(device).type  # placed by the registration hook
+
+
+def test_load_weights_names_a_checkpoint_tensor_it_cannot_place():
+    model = vd.DeepseekForCausalLM(tiny_config())
+    with pytest.raises(KeyError, match=r"model\.layers\.0\.self_attn\.bogus\.weight.*\(4, 4\).*64 bytes"):
+        model.load_weights([("model.layers.0.self_attn.bogus.weight", torch.zeros(4, 4))])
