@@ -26,7 +26,8 @@ from . import placement
 from .pager import GiB, BudgetError, OffloadStats, Pager, _covering_range, resolve_device
 from .prefetch import Prefetcher
 from .tensor import (
-    OffloadedTensor, _check_offloadable, _master_for, new_host_master, offloaded_class, user_attrs, user_class,
+    _OWN_ATTRS, OffloadedTensor, _check_offloadable, _master_for, new_host_master, offloaded_class, user_attrs,
+    user_class,
 )
 
 # Every submodule of a wrapped model -> the model's state, for the registration hooks.
@@ -188,11 +189,21 @@ def _swap(member: _Member, new: torch.Tensor) -> None:
     member.tensor = new
 
 
+def _check_attribute_names(t: torch.Tensor, what: str) -> None:
+    clash = sorted(_OWN_ATTRS & t.__dict__.keys()) if not isinstance(t, OffloadedTensor) else ()
+    if clash:
+        raise ValueError(
+            f"offtensor: {what} of shape {tuple(t.shape)} ({t.numel() * t.element_size()} bytes) has attributes "
+            f"{clash}, the names an OffloadedTensor keeps its host master under; rename them before wrapping"
+        )
+
+
 def _as_param_like(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """``new`` (an OffloadedTensor, or a plain device tensor when unwrapping) dressed as ``old``: a
     Parameter of ``old``'s own class (vLLM's ``ModelWeightParameter``...) holding the same attribute
     objects (``weight_loader``, ``output_dim``...). ``_swap`` then moves class and ``__dict__`` onto
     ``old``'s object, so the user's references see them too."""
+    _check_attribute_names(old, f"a {type(old).__name__}")
     cls = user_class(old)
     if cls is not None:
         # The user's __new__/__init__ may demand arguments (vLLM's weight_loader); bypass them,
@@ -304,11 +315,14 @@ def wrap_model(model: nn.Module, budget_gb: Optional[float] = None, *, device=No
     device = resolve_device(device)
     groups = _collect(model)
     for g in groups:
+        for member in g:  # before anything moves, so a refusal leaves the model as it was
+            _check_attribute_names(member.tensor, f"'{member.names[0]}'")
         t = g[0].tensor
         if not isinstance(t, OffloadedTensor) and t.is_meta:
             raise ValueError(
                 f"offtensor: '{g[0].names[0]}' ({_group_bytes(g)} bytes) is on the meta device and has no values; "
-                f"use ot.load_safetensors(model, path) for a model built on meta"
+                f"use ot.load_safetensors(model, path) for a model built on meta, or build it on cpu (torch.empty "
+                f"weights take no memory until written) and load it after wrapping"
             )
     plan, by_weight = _plan(groups, device, budget_gb, offload_gb, policy, prefetch)
     pager = Pager(device, plan.budget_bytes)

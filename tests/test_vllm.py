@@ -352,3 +352,12 @@ def test_load_weights_names_a_checkpoint_tensor_it_cannot_place():
     model = vd.DeepseekForCausalLM(tiny_config())
     with pytest.raises(KeyError, match=r"model\.layers\.0\.self_attn\.bogus\.weight.*\(4, 4\).*64 bytes"):
         model.load_weights([("model.layers.0.self_attn.bogus.weight", torch.zeros(4, 4))])
+
+
+def test_attribute_named_like_offloaded_bookkeeping_is_refused_before_anything_moves(device):
+    layer = ToyLayer()
+    layer.bias._master = "user value"
+    with pytest.raises(ValueError, match=r"'bias' of shape \(8,\) \(32 bytes\).*_master.*rename"):
+        wrap_toy(layer, device)
+    assert not any(isinstance(p, ot.OffloadedTensor) for p in layer.parameters())
+    assert layer.bias._master == "user value"
