@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 
 import pytest
 import torch
@@ -169,6 +170,21 @@ def test_attributes_survive_a_second_wrap_after_unwrap(device):
         assert_same_attribute_objects(obj, attrs)
 
 
+def test_parameter_that_cannot_be_swapped_in_place_is_replaced_keeping_class_and_attributes(device):
+    layer = ToyLayer()
+    before = snapshot(layer)
+    # A weak reference makes torch.utils.swap_tensors refuse; wrap then registers a new object.
+    keep_alive = weakref.ref(layer.weight)
+    wrap_toy(layer, device)
+    obj, cls, attrs = before["weight"]
+    assert layer.weight is not obj and keep_alive() is obj
+    assert isinstance(layer.weight, cls) and isinstance(layer.weight, ot.OffloadedTensor)
+    assert_same_attribute_objects(layer.weight, attrs)
+    ot.unwrap_model(layer)
+    assert type(layer.weight) is cls
+    assert_same_attribute_objects(layer.weight, attrs)
+
+
 def test_subclass_assigned_after_wrap_is_placed_keeping_class_and_attributes(device):
     layer = ToyLayer()
     wrap_toy(layer, device)
@@ -296,9 +312,16 @@ def attribute_snapshot(model) -> dict:
     return {name: (p, type(p), dict(p.__dict__)) for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("q_lora_rank", [0, 24], ids=["q_proj", "fused_qkv_a"])
-def test_vllm_deepseek_wrapped_before_loading_through_its_loaders_gives_unwrapped_tokens(device, tmp_path, q_lora_rank):
-    config = tiny_config(q_lora_rank=q_lora_rank)
+@pytest.mark.parametrize(
+    "q_lora_rank, dtype", [(0, torch.float32), (24, torch.float32), (24, torch.bfloat16)],
+    ids=["q_proj", "fused_qkv_a", "fused_qkv_a-bf16-sigmoid"],
+)
+def test_vllm_deepseek_wrapped_before_loading_through_its_loaders_gives_unwrapped_tokens(
+    device, tmp_path, q_lora_rank, dtype
+):
+    bf16 = dtype == torch.bfloat16
+    config = tiny_config(q_lora_rank=q_lora_rank, dtype=dtype, scoring_func="sigmoid" if bf16 else "softmax",
+                         norm_topk_prob=bf16)
     checkpoint = vd.random_checkpoint(config, seed=0)
     assert write_sharded_checkpoint(checkpoint, tmp_path, shard_bytes=256 << 10) > 1
     ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1)).to(device)
