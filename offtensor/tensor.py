@@ -159,9 +159,11 @@ def offloaded_class(user_class: type) -> type:
     made once per class.
 
     OffloadedTensor comes first in the bases, so construction, ``__torch_function__``,
-    ``__torch_dispatch__``, repr and pickling are the offloaded ones, while ``isinstance(p,
-    user_class)``, the user's methods and properties keep working: a loader method writing through
-    ``self.data`` or ``self[i]`` reaches the host master like any write to an OffloadedTensor."""
+    ``__torch_dispatch__``, repr, deepcopy and pickling are OffloadedTensor's (a copy or an unpickled
+    one is a plain OffloadedTensor), while ``isinstance(p, user_class)``, the user's methods and
+    properties keep working: a loader method writing through ``self.data`` or ``self[i]`` reaches the
+    host master like any write to an OffloadedTensor. Views (``p.data``, ``p[i]``) are plain
+    OffloadedTensors, as views of a Parameter are plain tensors."""
     combined = _OFFLOADED_CLASSES.get(user_class)
     if combined is None:
         if not (isinstance(user_class, type) and issubclass(user_class, torch.nn.Parameter)):
