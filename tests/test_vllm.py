@@ -185,6 +185,31 @@ def test_parameter_that_cannot_be_swapped_in_place_is_replaced_keeping_class_and
     assert_same_attribute_objects(layer.weight, attrs)
 
 
+class RewrappingWeight(ShardedWeight):
+    """A subclass with torch's default __torch_function__, which makes op results instances of the
+    subclass (newer vLLM Parameter classes override __torch_function__ too)."""
+
+    __torch_function__ = classmethod(torch.Tensor.__torch_function__.__func__)
+
+
+def test_subclass_with_its_own_torch_function_computes_through_the_offloaded_weight(device):
+    layer = ToyLayer()
+    expected_weight = layer.weight.detach().clone()
+    layer.weight = RewrappingWeight(layer.weight.detach().clone(), weight_loader=layer.weight_loader)
+    x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(4))
+    wrap_toy(layer, device)
+    assert isinstance(layer.weight, RewrappingWeight) and isinstance(layer.weight, ot.OffloadedTensor)
+    with torch.no_grad():
+        out = F.linear(x.to(device), layer.weight)
+        doubled = layer.weight * 2
+    # OffloadedTensor's __torch_function__ comes first: results are plain device tensors.
+    assert type(out) is torch.Tensor and type(doubled) is torch.Tensor
+    torch.testing.assert_close(out.cpu(), F.linear(x, expected_weight), rtol=0, atol=0)
+    torch.testing.assert_close(doubled.cpu(), expected_weight * 2, rtol=0, atol=0)
+    layer.weight.load_shard(torch.zeros(ROWS // 2, COLS), 0, ROWS // 2)
+    assert not layer.weight.cpu()[: ROWS // 2].any()
+
+
 def test_subclass_assigned_after_wrap_is_placed_keeping_class_and_attributes(device):
     layer = ToyLayer()
     wrap_toy(layer, device)
