@@ -2,8 +2,10 @@
 
 A model pages its offloaded weights in the same order every step. The prefetcher records that
 order during one pass and, from then on, whenever an entry is paged it asks the pager to start
-copying the next ``depth`` entries of the recorded order, so the copies run while the device
-computes. A pass is one forward of the wrapped model (wrap_model calls ``step()`` from a forward
+copying the next entries of the recorded order, so the copies run while the device computes. How far
+ahead is a number of bytes, not of entries: as many as the budget holds beside the resident weights
+and the copy in use (the pager refuses a prefetch that would evict a copy still to be used, which
+stops the walk). The order is a cycle, so the tail of one step prefetches the head of the next. A pass is one forward of the wrapped model (wrap_model calls ``step()`` from a forward
 pre-hook); without those marks a pass ends when its first entry is paged again, which is wrong
 when that entry is a routed expert: a "pass" then spans several steps and every expert looks
 used in every pass (on benchmarks/wrap_overhead.py's MoE at 40% this wasted more than half of the
@@ -18,6 +20,7 @@ expert drops below the bar after one pass without it, a hot expert stays above i
 from __future__ import annotations
 
 import weakref
+from typing import Optional
 
 # Per pass, an entry's use frequency moves this far towards 1 (used) or 0 (not used).
 FREQUENCY_STEP = 0.5
@@ -28,8 +31,8 @@ FORGET_FREQUENCY = 0.05  # below this an entry is forgotten, so the table holds 
 
 
 class Prefetcher:
-    def __init__(self, depth: int = 2):
-        self.depth = depth
+    def __init__(self, max_entries: Optional[int] = None):
+        self.max_entries = max_entries  # an optional cap on entries ahead; bytes are the bound
         self._order = []  # keys of the last complete pass, in access order
         self._index = {}  # key -> position in _order
         self._stable = set()  # keys used often enough in recent passes to prefetch
@@ -45,10 +48,20 @@ class Prefetcher:
         if position is None:
             return
         order = self._order
-        for step in range(1, self.depth + 1):
+        budget = pager.budget_bytes
+        if budget is None:
+            return
+        # Bytes in flight the budget can hold: what resident weights and this op's copy leave.
+        room = budget - pager.resident_bytes - _key_bytes(key)
+        ahead = 0
+        limit = len(order) if self.max_entries is None else min(len(order), self.max_entries + 1)
+        for step in range(1, limit):
             nxt = order[(position + step) % len(order)]
             if nxt not in self._stable:
                 continue
+            ahead += _key_bytes(nxt)
+            if ahead > room:
+                break
             ref = self._masters.get(nxt[0])
             target = ref() if ref is not None else None
             if target is None or target.flat is None:
@@ -100,3 +113,9 @@ class Prefetcher:
             if value >= STABLE_FREQUENCY:
                 stable.add(key)
         return stable
+
+
+def _key_bytes(key) -> int:
+    """Bytes of a cache key (master id, dtype, lo, hi): elements [lo, hi) of ``dtype``."""
+    _, dtype, lo, hi = key
+    return (hi - lo) * dtype.itemsize
