@@ -237,13 +237,32 @@ class Timeline:
 
     # -------------------------------------------------------------- replay
 
-    def replay(self, profile=None) -> Replay:
-        """Schedule every record on its in-order stream after the records it waits for."""
+    def replay(self, profile=None, sync: Optional[str] = "device") -> Replay:
+        """Schedule every record on its in-order stream after the records it waits for.
+
+        ``sync`` is what the host does between steps, before it issues the next one:
+        ``"device"`` (``torch.cuda.synchronize()``, how a step is timed: the calibration
+        measurements were taken so) waits for both streams, prefetches in flight included;
+        ``"compute"`` (reading the step's result, e.g. the sampled token) waits for the compute
+        stream only; ``None`` issues the steps back to back."""
+        if sync not in ("device", "compute", None):
+            raise ValueError(f"offtensor: sync must be 'device', 'compute' or None, got {sync!r}")
         profile = get_profile(profile or self.profile or "h200")
         starts, ends = {}, {}
         free = {"copy": 0.0, "compute": 0.0}
+        step, barrier = 0, 0.0
+        barriers = [0.0]  # when the host may issue each step; then when the last one's sync returns
+
+        def synchronised():
+            return max(free.values()) if sync == "device" else free["compute"] if sync == "compute" else None
+
         for r in self.records:
-            ready = free[r.stream]
+            if r.step != step:
+                # The host issues nothing of step r.step before the synchronisation ending the last.
+                step = r.step
+                barrier = synchronised() or 0.0
+                barriers.append(barrier)
+            ready = max(free[r.stream], barrier)
             for w in r.waits:
                 end = ends.get(w)
                 if end is None:
@@ -255,14 +274,20 @@ class Timeline:
         n = self.steps
         if not n:
             raise ValueError("offtensor: the timeline is empty")
-        # A step ends when its last op ends (the result exists); it begins when the previous one ended.
-        last_op_end = [0.0] * n
-        for r in self.records:
-            if r.kind == "op":
-                last_op_end[r.step] = max(last_op_end[r.step], ends[r.id])
-        for s in range(1, n):
-            last_op_end[s] = max(last_op_end[s], last_op_end[s - 1])
-        windows = [(last_op_end[s - 1] if s else 0.0, last_op_end[s]) for s in range(n)]
+        if sync is None:
+            # Back to back, a step ends when its last op ends (the result exists).
+            last_op_end = [0.0] * n
+            for r in self.records:
+                if r.kind == "op":
+                    last_op_end[r.step] = max(last_op_end[r.step], ends[r.id])
+            for s in range(1, n):
+                last_op_end[s] = max(last_op_end[s], last_op_end[s - 1])
+            windows = [(last_op_end[s - 1] if s else 0.0, last_op_end[s]) for s in range(n)]
+        else:
+            # A step lasts from the sync that let the host issue it to the sync that ends it, which
+            # also waits for what the step issued for the next one (a prefetch, under "device").
+            barriers.append(synchronised())
+            windows = list(zip(barriers[:-1], barriers[1:]))
         steps_ms = [b - a for a, b in windows]
         last = n - 1
         lo, hi = windows[last]
@@ -448,12 +473,27 @@ class Recorder(TorchDispatchMode):
         self._last_op = None
         self._measure = measure and torch.cuda.is_available()
         self._events = []  # (record id, start event, end event) when measuring
+        # Inside the pager (allocating a copy's buffer, the copy itself): its work is recorded by
+        # its call sites as copies, not as ops. Set by quiet().
+        self._quiet = 0
+
+    def quiet(self, method):
+        """``method`` (a pager entry point) with this mode's op recording paused while it runs."""
+
+        def run(*args, **kwargs):
+            self._quiet += 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._quiet -= 1
+
+        return run
 
     # -------------------------------------------------------------- ops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _launches_nothing(func):
+        if self._quiet or _launches_nothing(func):
             return func(*args, **kwargs)
         rid = self.tl.new_id()
         self._open_ops.append(rid)
@@ -545,10 +585,16 @@ class timeline:
         self._pagers = []
         self._started = False
 
+    # The pager entry points that allocate and copy through ATen: their ops are the pager's, not the model's.
+    _PAGER_ENTRY_POINTS = ("page", "upload", "copy_out", "prefetch")
+
     def __enter__(self) -> Timeline:
         self._pagers = _pagers_of(self.model)
         for pager in self._pagers:
             pager.recorder = self.recorder
+            for name in self._PAGER_ENTRY_POINTS:
+                # An instance attribute shadows the method while recording; __exit__ deletes it.
+                setattr(pager, name, self.recorder.quiet(getattr(pager, name)))
 
         def new_step(module, args):
             if self._started:
@@ -564,6 +610,8 @@ class timeline:
         self._hook.remove()
         for pager in self._pagers:
             pager.recorder = None
+            for name in self._PAGER_ENTRY_POINTS:
+                pager.__dict__.pop(name, None)
         self.recorder.finish()
         return False
 
