@@ -45,6 +45,9 @@ class Profile:
     hbm_gbps: float  # device memory, bytes read + written per second / 1e9
     launch_us: float  # per-op overhead (kernel launch and drain), added to every op and copy
     source: str = ""
+    # The emulated device runs each op on the host thread that issues the next one: nothing is
+    # issued before the op before it has finished (a GPU's host runs ahead of its streams).
+    host_blocking: bool = False
 
     def op_ms(self, flops: float, nbytes: float, dtype: Optional[str]) -> float:
         """An op takes its roofline time, compute or memory, whichever is longer, plus its overhead."""
@@ -151,6 +154,7 @@ def measure_profile(device=None, name: Optional[str] = None) -> Profile:
         hbm_gbps=hbm,
         launch_us=launch_us,
         source=f"measured by offtensor.measure_profile on {device}, torch {torch.__version__}",
+        host_blocking=not cuda,
     )
 
 
@@ -250,7 +254,7 @@ class Timeline:
         profile = get_profile(profile or self.profile or "h200")
         starts, ends = {}, {}
         free = {"copy": 0.0, "compute": 0.0}
-        step, barrier = 0, 0.0
+        step, barrier, host = 0, 0.0, 0.0
         barriers = [0.0]  # when the host may issue each step; then when the last one's sync returns
 
         def synchronised():
@@ -262,7 +266,7 @@ class Timeline:
                 step = r.step
                 barrier = synchronised() or 0.0
                 barriers.append(barrier)
-            ready = max(free[r.stream], barrier)
+            ready = max(free[r.stream], barrier, host)
             for w in r.waits:
                 end = ends.get(w)
                 if end is None:
@@ -271,6 +275,8 @@ class Timeline:
             dur = profile.copy_ms(r.nbytes) if r.kind == "copy" else profile.op_ms(r.flops, r.nbytes, r.dtype)
             starts[r.id], ends[r.id] = ready, ready + dur
             free[r.stream] = ready + dur
+            if profile.host_blocking and r.stream == "compute":
+                host = ready + dur
         n = self.steps
         if not n:
             raise ValueError("offtensor: the timeline is empty")
@@ -452,6 +458,21 @@ def _op_cost(func, args, kwargs, out):
     return flops, nbytes, dtype
 
 
+_COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+
+
+def _host_to_device_bytes(func, args, out) -> int:
+    """Bytes of a host -> GPU copy (``_to_copy`` or ``copy_`` from a CPU tensor), else 0."""
+    if func not in _COPIES:
+        return 0
+    src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+    dst = args[0] if func is torch.ops.aten.copy_.default else out
+    if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.device.type == "cpu" \
+            and dst.device.type == "cuda":
+        return _tensor_bytes(dst)
+    return 0
+
+
 def _launches_nothing(func) -> bool:
     """Views and metadata ops alias their input: no kernel runs on the device."""
     schema = func._schema
@@ -509,6 +530,13 @@ class Recorder(TorchDispatchMode):
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self._events.append((rid, start, end))
+        h2d = _host_to_device_bytes(func, args, out)
+        if h2d:
+            # A `.to(device)` / `copy_` of host memory outside the pager (vLLM-style offloading): an
+            # H2D copy on the stream that issued it, which is the compute stream here.
+            self.tl.add_copy(h2d, name=str(func.overloadpacket.__name__), stream="compute", id=rid)
+            self._last_op = rid
+            return out
         flops, nbytes, dtype = _op_cost(func, args, kwargs, out)
         waits, self._pending_waits = self._pending_waits, []
         self.tl.add_op(flops, nbytes, dtype, waits=_unique(waits), name=str(func.overloadpacket.__name__), id=rid)
