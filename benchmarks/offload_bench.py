@@ -125,7 +125,11 @@ def resident_variant(wl):
 
 
 def vllm_variant(wl):
-    template = wl.model  # only its structure: functional_call substitutes every parameter
+    # Only the structure: functional_call substitutes every parameter. Not the wrapped model, whose
+    # registration hooks would place the substituted tensors under offtensor's budget.
+    s = wl.sizes
+    with torch.device("meta"):
+        template = DenseStack(s["layers"], s["hidden"], s["ffn"], getattr(torch, s["dtype"]))
     names = [(f"layers.{i}.w1", f"layers.{i}.w2") for i in range(len(wl.weights))]
 
     def step(x):
