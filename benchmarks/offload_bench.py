@@ -43,7 +43,6 @@ from offtensor import _ext  # noqa: E402
 from offtensor.models.dense import DenseStack  # noqa: E402
 from offtensor.pager import GiB, resolve_device  # noqa: E402
 from offtensor.tensor import OffloadedTensor  # noqa: E402
-from offtensor.timeline import Recorder, Timeline  # noqa: E402
 from results_io import save_result  # noqa: E402
 
 GPU_SIZES = dict(layers=24, hidden=8192, ffn=24576, dtype="bfloat16", offload_layers=12, prefill=4096, decode=1)
@@ -298,24 +297,11 @@ def check_outputs(wl, variants, x):
 
 def record(wl, step, x, steps):
     """A timeline of ``steps`` consecutive steps (the pager's copies included)."""
-    tl = Timeline()
-    rec = Recorder(tl)
-    pagers = [wl.pager]
-    for pager in pagers:
-        pager.recorder = rec
-        for name in ("page", "upload", "copy_out", "prefetch"):
-            setattr(pager, name, rec.quiet(getattr(pager, name)))
-    try:
-        with torch.no_grad(), rec:
-            for s in range(steps):
-                if s:
-                    tl.next_step()
-                step(x)
-    finally:
-        for pager in pagers:
-            pager.recorder = None
-            for name in ("page", "upload", "copy_out", "prefetch"):
-                pager.__dict__.pop(name, None)
+    with torch.no_grad(), ot.timeline(pagers=[wl.pager]) as tl:
+        for s in range(steps):
+            if s:
+                tl.next_step()
+            step(x)
     wl.sync()
     return tl
 

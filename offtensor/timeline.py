@@ -603,21 +603,25 @@ def _pagers_of(model: nn.Module):
 class timeline:
     """``with ot.timeline(model) as tl: model(x)``: record every op and copy of the runs inside.
     Each forward of ``model`` is one step. ``measure=True`` on a GPU also keeps CUDA-event times of
-    the ops (``Record.measured_ms``), to put beside the prediction."""
+    the ops (``Record.measured_ms``), to put beside the prediction.
 
-    def __init__(self, model: nn.Module, profile=None, measure: bool = False):
+    ``model=None`` records whatever runs inside (a step function, say); then ``pagers`` names the
+    pagers whose copies to record and the caller marks steps with ``tl.next_step()``."""
+
+    def __init__(self, model: Optional[nn.Module] = None, profile=None, measure: bool = False, pagers=None):
         self.model = model
         self.tl = Timeline(profile)
         self.recorder = Recorder(self.tl, measure)
         self._hook = None
-        self._pagers = []
+        self._pagers = list(pagers) if pagers is not None else None
         self._started = False
 
     # The pager entry points that allocate and copy through ATen: their ops are the pager's, not the model's.
     _PAGER_ENTRY_POINTS = ("page", "upload", "copy_out", "prefetch")
 
     def __enter__(self) -> Timeline:
-        self._pagers = _pagers_of(self.model)
+        if self._pagers is None:
+            self._pagers = _pagers_of(self.model) if self.model is not None else []
         for pager in self._pagers:
             pager.recorder = self.recorder
             for name in self._PAGER_ENTRY_POINTS:
@@ -629,13 +633,15 @@ class timeline:
                 self.tl.next_step()
             self._started = True
 
-        self._hook = self.model.register_forward_pre_hook(new_step)
+        if self.model is not None:
+            self._hook = self.model.register_forward_pre_hook(new_step)
         self.recorder.__enter__()
         return self.tl
 
     def __exit__(self, *exc):
         self.recorder.__exit__(*exc)
-        self._hook.remove()
+        if self._hook is not None:
+            self._hook.remove()
         for pager in self._pagers:
             pager.recorder = None
             for name in self._PAGER_ENTRY_POINTS:

@@ -61,7 +61,7 @@ def test_recording_holds_every_op_every_copy_and_what_each_waits_for(device):
 
 def test_chrome_trace_has_one_complete_event_per_record_on_named_streams(tmp_path):
     model = _linear_stack(4)
-    ot.wrap_model(model, budget_gb=_stack_budget_gb(model, 2), device="cpu")
+    ot.wrap_model(model, budget_gb=_stack_budget_gb(model, 3), device="cpu")
     with torch.no_grad(), ot.timeline(model) as tl:
         model(torch.randn(4, 256))
         model(torch.randn(4, 256))
@@ -70,7 +70,7 @@ def test_chrome_trace_has_one_complete_event_per_record_on_named_streams(tmp_pat
     names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
     assert sorted(names.values()) == ["compute", "copy"]
     events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert len(events) == len(tl.records)
+    assert len(events) == len(tl.records) and {r.stream for r in tl.records} == {"copy", "compute"}
     replay = tl.replay("h200")
     for e, r in zip(events, tl.records):
         assert set(e["args"]) >= {"id", "bytes", "flops", "step", "waits"}
@@ -209,12 +209,12 @@ def h200_workload():
 @pytest.mark.parametrize("offloaded", [6, 12, 18])
 @pytest.mark.parametrize("phase,tokens", [("prefill", 4096), ("decode", 1)])
 def test_default_placement_and_prefetch_reach_the_pcie_bound_on_h200(h200_workload, offloaded, phase, tokens):
-    tl = _plan(h200_workload, offloaded, tokens, profile="h200", steps=2)
+    tl = _plan(h200_workload, offloaded, tokens, profile="h200", steps=3)
     assert len(tl.info["offloaded"]) == 2 * offloaded
     r = tl.replay()
     assert r.ratio_to_bound <= 1.03, f"{offloaded} of 24 offloaded, {phase}: {r}"
     # Steady state: the last two steps take the same time.
-    assert r.steps_ms[-1] == pytest.approx(r.steps_ms[-2], rel=0.02) or r.steps_ms[-1] < r.steps_ms[-2]
+    assert r.steps_ms[-1] == pytest.approx(r.steps_ms[-2], rel=0.005)
 
 
 def test_name_order_placement_would_miss_the_bound(h200_workload):
@@ -274,3 +274,19 @@ def test_the_tail_of_a_step_prefetches_the_head_of_the_next(h200_workload):
     last = tl.steps - 1
     first_reader = next(r for r in tl.records if r.step == last and r.kind == "op" and r.waits)
     assert by_id[first_reader.waits[0]].step == last - 1
+
+
+def test_a_step_function_is_recorded_with_the_pagers_named():
+    # What benchmarks/offload_bench.py does: no model to hook, steps marked by hand.
+    model = _linear_stack(4)
+    ot.wrap_model(model, budget_gb=_stack_budget_gb(model, 3), device="cpu")
+    pager = next(p.pager for p in model.parameters() if isinstance(p, ot.OffloadedTensor))
+    x = torch.randn(4, 256)
+    with torch.no_grad(), ot.timeline(pagers=[pager]) as tl:
+        model(x)
+        tl.next_step()
+        model(x)
+    assert tl.steps == 2
+    assert sum(r.kind == "copy" for r in tl.records) == 2 * 3 and sum(r.kind == "op" for r in tl.records) == 8
+    assert pager.recorder is None and "page" not in vars(pager)  # the pager is as it was
+    ot.unwrap_model(model)
