@@ -290,3 +290,17 @@ def test_a_step_function_is_recorded_with_the_pagers_named():
     assert sum(r.kind == "copy" for r in tl.records) == 2 * 3 and sum(r.kind == "op" for r in tl.records) == 8
     assert pager.recorder is None and "page" not in vars(pager)  # the pager is as it was
     ot.unwrap_model(model)
+
+
+def test_plan_command_prints_the_table_and_writes_the_pngs(tmp_path, capsys):
+    from offtensor.__main__ import main
+
+    png = str(tmp_path / "plan.png")
+    args = ["plan", "--layers", "6", "--hidden", "128", "--ffn", "256", "--dtype", "fp32", "--offload-layers", "3",
+            "--prefill-tokens", "64", "--png", png, "--trace", str(tmp_path / "plan.json")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "| prefill | 64 |" in out and "| decode | 1 |" in out and "6 of 12 weights offloaded" in out
+    for phase in ("prefill", "decode"):
+        assert open(tmp_path / f"plan-{phase}.png", "rb").read(4) == b"\x89PNG"
+        assert json.load(open(tmp_path / f"plan-{phase}.json"))["traceEvents"]
