@@ -136,7 +136,11 @@ def measure_profile(device=None, name: Optional[str] = None) -> Profile:
     copy_bytes = (256 << 20) if cuda else (32 << 20)
     host = _ext.alloc_host(copy_bytes, pin=cuda)
     dev = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
-    h2d = copy_bytes / timed(lambda: dev.copy_(host, non_blocking=True), 10) / GB
+    if cuda:
+        h2d = copy_bytes / timed(lambda: dev.copy_(host, non_blocking=True), 10) / GB
+    else:
+        # The emulated pager copies into a fresh buffer each time, whose pages fault in on first touch.
+        h2d = copy_bytes / timed(lambda: torch.empty_like(dev).copy_(host), 10) / GB
     other = torch.empty_like(dev)
     hbm = 2 * copy_bytes / timed(lambda: other.copy_(dev), 10) / GB
     tflops = {}
