@@ -243,7 +243,7 @@ def _spread(offload: list, free: list, position: dict) -> list:
             replace[id(members[0])] = (members, picked)
     if not replace:
         return offload
-    spread, done = [], set()
+    spread = []
     member_ids = {id(w) for members, _ in replace.values() for w in members}
     for w in offload:
         if id(w) not in member_ids:
