@@ -9,6 +9,7 @@ from . import _ext  # noqa: F401  (loads the native extension, or warns once)
 from .pager import BudgetError, OffloadStats
 from .loading import load_safetensors
 from .tensor import OffloadedTensor, offload
+from .timeline import PROFILES, Profile, Replay, Timeline, get_profile, measure_profile, plan, timeline
 from .wrap import reset_stats, stats, unwrap_model, wrap_model
 
 __all__ = [
@@ -21,4 +22,12 @@ __all__ = [
     "load_safetensors",
     "OffloadStats",
     "BudgetError",
+    "timeline",
+    "plan",
+    "Timeline",
+    "Replay",
+    "Profile",
+    "PROFILES",
+    "get_profile",
+    "measure_profile",
 ]

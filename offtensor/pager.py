@@ -171,6 +171,8 @@ class Pager:
         else:
             self._engine = _ext.CopyEngine()
         self.prefetcher = None  # set by wrap_model when prefetch=True
+        # timeline.Recorder while ot.timeline/ot.plan records; told of copies, uses, releases, frees.
+        self.recorder = None
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -247,8 +249,12 @@ class Pager:
             entry.users += 1
             if self.prefetcher is not None:
                 self.prefetcher.accessed(self, master, key)
+            if self.recorder is not None:  # timeline: the op about to run reads this copy
+                self.recorder.used(entry)
             self._wait_ready(entry)
             return entry.buf.as_strided(shape, stride, offset - base), entry
+        if self.recorder is not None:  # timeline: the op about to run reads this copy
+            self.recorder.used(entry)
         self._wait_ready(entry)
         entry.users += 1
         return entry.buf.as_strided(shape, stride, offset - base), entry
@@ -257,6 +263,8 @@ class Pager:
         """Copy a host tensor (e.g. gathered rows) to the device for one op; accounted like a page."""
         src = src.contiguous()
         entry = self._transient(src.view(-1), src.numel() * src.element_size(), name)
+        if self.recorder is not None:  # timeline: the op about to run reads this copy
+            self.recorder.used(entry)
         self._wait_ready(entry)
         entry.users += 1
         return entry.buf.view(src.shape), entry
@@ -296,6 +304,8 @@ class Pager:
         if self._cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
+        if self.recorder is not None:  # timeline: the op just enqueued is these entries' last reader
+            self.recorder.released(entries)
         for entry in entries:
             entry.users -= 1
             if entry.key is None:
@@ -344,6 +354,8 @@ class Pager:
             buf = torch.empty(src.numel(), dtype=src.dtype, device=self.device)
             ready = self._engine.submit(buf, src)
         entry = _Entry(key, buf, nbytes, ready)
+        if self.recorder is not None:  # timeline: a copy on the copy stream
+            self.recorder.copied(self, entry, nbytes, "copy", prefetch=name == "prefetch")
         self._cache[key] = entry
         self._by_master.setdefault(key[0], []).append(entry)
         self.paged_bytes += nbytes
@@ -360,7 +372,10 @@ class Pager:
         self.stats.page_ins += 1
         self.stats.bytes_h2d += nbytes
         self._note_peak()
-        return _Entry(None, buf, nbytes, None)
+        entry = _Entry(None, buf, nbytes, None)
+        if self.recorder is not None:  # timeline: a copy in line, on the compute stream
+            self.recorder.copied(self, entry, nbytes, "compute", prefetch=False)
+        return entry
 
     def _copy_now(self, buf: torch.Tensor, src: torch.Tensor) -> None:
         if self._cuda:
@@ -421,6 +436,8 @@ class Pager:
                 self._copy_stream.wait_event(entry.last_use)
         elif entry.ready is not None:
             self._engine.wait(entry.ready)
+        if self.recorder is not None:  # timeline: the next copy reuses this block after its last reader
+            self.recorder.freed(entry)
         del self._cache[entry.key]
         siblings = self._by_master[entry.key[0]]
         siblings.remove(entry)

@@ -129,7 +129,10 @@ def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: 
     for w in weights:
         choice = _policy_choice(policy, w.names)
         (forced if choice == "offload" else kept if choice == "keep" else free).append(w)
-    free.sort(key=lambda w: (weight_class(w.name, w.shape, w.nbytes), -w.nbytes, w.name))
+    # Ties break by forward order (registration order: `layers.10` after `layers.9`), not by name;
+    # _spread then picks which of a run of equal weights go.
+    position = {id(w): i for i, w in enumerate(weights)}
+    free.sort(key=lambda w: _tie_key(w, position))
 
     offload = []
     offloaded = 0
@@ -199,6 +202,52 @@ def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: 
             f"offloaded: {' and '.join(needs)}, {total - offloaded + ws} bytes in all. Raise budget_gb"
             + (" or let the policy offload more." if kept else ".")
         )
+    spread = _spread(offload, free, position)
+    if spread is not offload:
+        chosen = offload
+        offload, offloaded, ws, offloaded_by_name = [], 0, 0, {}
+        for w in spread:
+            add(w)
+        if not fits(budget_bytes):  # a weight/bias pairing made the working set larger: keep the first choice
+            offload, offloaded, ws, offloaded_by_name = [], 0, 0, {}
+            for w in chosen:
+                add(w)
     offload_ids = {id(w) for w in offload}
     resident = [w for w in weights if id(w) not in offload_ids]
     return Plan(offload, resident, budget_bytes, total - offloaded, offloaded, ws)
+
+
+def _tie_key(w: Weight, position: dict):
+    return (weight_class(w.name, w.shape, w.nbytes), -w.nbytes, position[id(w)])
+
+
+def _spread(offload: list, free: list, position: dict) -> list:
+    """Of each run of interchangeable free weights (same class, bytes and shape) of which only some
+    are offloaded, offload evenly spaced ones in forward order instead of the first ones.
+
+    A block of consecutive offloaded layers followed by a block of resident ones leaves the copy
+    stream idle while the resident block computes, then the compute stream idle while the offloaded
+    block copies (replayed under the H200 profile: 1.22 x the PCIe bound for 12 of 24 layers).
+    Spread out, every copy overlaps the resident compute before it."""
+    groups = {}
+    for w in free:
+        groups.setdefault((weight_class(w.name, w.shape, w.nbytes), w.nbytes, tuple(w.shape)), []).append(w)
+    chosen_ids = {id(w) for w in offload}
+    replace = {}
+    for members in groups.values():
+        k = sum(id(w) in chosen_ids for w in members)
+        n = len(members)
+        if 0 < k < n:
+            members = sorted(members, key=lambda w: position[id(w)])
+            picked = [members[int((j + 0.5) * n / k)] for j in range(k)]
+            replace[id(members[0])] = (members, picked)
+    if not replace:
+        return offload
+    spread = []
+    member_ids = {id(w) for members, _ in replace.values() for w in members}
+    for w in offload:
+        if id(w) not in member_ids:
+            spread.append(w)
+    for members, picked in replace.values():
+        spread.extend(picked)
+    return spread

@@ -2,8 +2,11 @@
 
 A model pages its offloaded weights in the same order every step. The prefetcher records that
 order during one pass and, from then on, whenever an entry is paged it asks the pager to start
-copying the next ``depth`` entries of the recorded order, so the copies run while the device
-computes. A pass is one forward of the wrapped model (wrap_model calls ``step()`` from a forward
+copying the next entries of the recorded order, so the copies run while the device computes. How
+far ahead is a number of bytes, not of entries: as many as the budget holds beside the resident
+weights and the copy in use (the pager refuses a prefetch that would evict a copy still to be used,
+which stops the walk). The order is a cycle, so the tail of one step prefetches the head of the
+next. A pass is one forward of the wrapped model (wrap_model calls ``step()`` from a forward
 pre-hook); without those marks a pass ends when its first entry is paged again, which is wrong
 when that entry is a routed expert: a "pass" then spans several steps and every expert looks
 used in every pass (on benchmarks/wrap_overhead.py's MoE at 40% this wasted more than half of the
@@ -18,6 +21,7 @@ expert drops below the bar after one pass without it, a hot expert stays above i
 from __future__ import annotations
 
 import weakref
+from typing import Optional
 
 # Per pass, an entry's use frequency moves this far towards 1 (used) or 0 (not used).
 FREQUENCY_STEP = 0.5
@@ -25,13 +29,19 @@ FREQUENCY_STEP = 0.5
 # long use (1 -> 0.5) until it is used twice again.
 STABLE_FREQUENCY = 0.85
 FORGET_FREQUENCY = 0.05  # below this an entry is forgotten, so the table holds recent entries only
+# The walk ahead visits at most this many prefetchable entries: when the budget holds every offloaded
+# weight the byte bound never stops it, and a walk over the whole order on every page would cost
+# O(entries^2) per step (thousands of expert slices in an MoE).
+MAX_WALK = 256
 
 
 class Prefetcher:
-    def __init__(self, depth: int = 2):
-        self.depth = depth
+    def __init__(self, max_entries: Optional[int] = None):
+        self.max_entries = max_entries  # an optional cap on entries ahead; bytes are the bound
         self._order = []  # keys of the last complete pass, in access order
         self._index = {}  # key -> position in _order
+        self._ahead = []  # the stable keys of _order, in order: what the walk visits
+        self._next_ahead = []  # position in _order -> index in _ahead of the first stable key after it
         self._stable = set()  # keys used often enough in recent passes to prefetch
         self._frequency = {}  # key -> moving average of "used in this pass"
         self._recording = []
@@ -44,11 +54,22 @@ class Prefetcher:
         position = self._index.get(key)
         if position is None:
             return
-        order = self._order
-        for step in range(1, self.depth + 1):
-            nxt = order[(position + step) % len(order)]
-            if nxt not in self._stable:
-                continue
+        ahead_keys = self._ahead
+        budget = pager.budget_bytes
+        if budget is None or not ahead_keys:
+            return
+        # Bytes in flight the budget can hold: what resident weights and this op's copy leave.
+        room = budget - pager.resident_bytes - _key_bytes(key)
+        ahead = 0
+        start = self._next_ahead[position]
+        limit = min(len(ahead_keys), MAX_WALK if self.max_entries is None else self.max_entries)
+        for step in range(limit):
+            nxt = ahead_keys[(start + step) % len(ahead_keys)]
+            if nxt == key:
+                break  # round the whole cycle
+            ahead += _key_bytes(nxt)
+            if ahead > room:
+                break
             ref = self._masters.get(nxt[0])
             target = ref() if ref is not None else None
             if target is None or target.flat is None:
@@ -70,6 +91,11 @@ class Prefetcher:
         self._stable = self._pass_done(self._recorded)
         self._order = self._recording
         self._index = {k: i for i, k in enumerate(self._order)}
+        self._ahead = [k for k in self._order if k in self._stable]
+        count, self._next_ahead = 0, []
+        for k in self._order:
+            count += k in self._stable
+            self._next_ahead.append(count)
         self._recording = []
         self._recorded = set()
         live = {k[0] for k in self._order}
@@ -100,3 +126,9 @@ class Prefetcher:
             if value >= STABLE_FREQUENCY:
                 stable.add(key)
         return stable
+
+
+def _key_bytes(key) -> int:
+    """Bytes of a cache key (master id, dtype, lo, hi): elements [lo, hi) of ``dtype``."""
+    _, dtype, lo, hi = key
+    return (hi - lo) * dtype.itemsize

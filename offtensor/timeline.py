@@ -1,0 +1,752 @@
+"""Timelines: what a step does on the copy stream and the compute stream, and how long it takes on a GPU.
+
+A ``Timeline`` is a list of records in issue order. A record is a copy (host->device, on the copy
+stream, or on the compute stream for a copy the op waits for in line) or an op (a kernel on the
+compute stream), with its bytes, its FLOPs (``torch.utils.flop_counter``'s formulas), the step
+(forward) it was issued in and ``waits``: the ids of the records it cannot start before (the copy
+an op reads; the op whose block a copy reuses). ``replay(profile)`` schedules the records on two
+in-order streams under a ``Profile`` (H2D bandwidth, dense TFLOP/s per dtype, HBM bandwidth, a
+per-op overhead), which is what a GPU does with two CUDA streams and events.
+
+Three ways to get a timeline:
+
+- ``with ot.timeline(model) as tl: model(x)`` records a real run (emulated device or GPU): a
+  ``TorchDispatchMode`` sees every op, including ops on plain resident tensors, and the pager tells
+  the recorder about every copy, every use of a paged copy, every release and every eviction;
+- ``ot.plan(model, budget_gb=..., example_inputs=...)`` runs the same placement, pager and
+  prefetcher on the meta device: nothing is allocated or computed, the decisions are the GPU's;
+- ``Timeline()`` and ``add_copy`` / ``add_op`` write a schedule by hand (tests/test_calibration.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+GB = 1e9
+
+# ---------------------------------------------------------------------------- device profiles
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """How fast one GPU moves and computes: what ``replay`` needs to turn records into times."""
+
+    name: str
+    h2d_gbps: float  # pinned host -> device, GB/s (1e9 bytes)
+    tflops: dict  # dtype name ("bfloat16", ...) -> dense TFLOP/s a large matmul sustains
+    hbm_gbps: float  # device memory, bytes read + written per second / 1e9
+    launch_us: float  # per-op overhead (kernel launch and drain), added to every op and copy
+    source: str = ""
+    # The emulated device runs each op on the host thread that issues the next one: nothing is
+    # issued before the op before it has finished (a GPU's host runs ahead of its streams).
+    host_blocking: bool = False
+
+    def op_ms(self, flops: float, nbytes: float, dtype: Optional[str]) -> float:
+        """An op takes its roofline time, compute or memory, whichever is longer, plus its overhead."""
+        rate = self.tflops.get(dtype) or self.tflops.get("float32")
+        compute = flops / (rate * 1e12) if flops else 0.0
+        memory = nbytes / (self.hbm_gbps * GB) if nbytes else 0.0
+        return (max(compute, memory) + self.launch_us * 1e-6) * 1e3
+
+    def copy_ms(self, nbytes: float) -> float:
+        return (nbytes / (self.h2d_gbps * GB) + self.launch_us * 1e-6) * 1e3
+
+
+# The measured H200 figures (DESIGN.md, 2026-11-29, PCIe Gen5 x16, torch 2.11). A bf16 GEMM burst of
+# 8192^3 runs at about 790 TFLOP/s; what a step sustains is lower (clocks under sustained load): the
+# all-resident prefill of 48 GEMMs of 4096 x 8192 x 24576 took 116.1 ms. The profile carries that
+# sustained rate, derived here from the measurement rather than typed in.
+_H200_PREFILL_FLOPS = 48 * 2 * 4096 * 8192 * 24576
+_H200_SUSTAINED_BF16 = _H200_PREFILL_FLOPS / 116.1e-3 / 1e12  # about 682 TFLOP/s
+
+PROFILES = {
+    "h200": Profile(
+        name="h200",
+        h2d_gbps=55.3,
+        tflops={"bfloat16": _H200_SUSTAINED_BF16, "float16": _H200_SUSTAINED_BF16, "float32": 67.0},
+        hbm_gbps=4300.0,
+        launch_us=4.0,
+        source=(
+            "measured on an H200 SXM, torch 2.11, 2026-11-29 (DESIGN.md): pinned H2D 55.3 GB/s; bf16 GEMM "
+            "790 TFLOP/s burst, sustained rate from the 116.1 ms all-resident prefill; device copy 4.3 TB/s "
+            "(read + write); fp32 (no tensor cores) and the 4 us per-op overhead are the datasheet's and a "
+            "typical launch gap, not measured"
+        ),
+    ),
+    "h100": Profile(
+        name="h100",
+        h2d_gbps=64.0,
+        tflops={"bfloat16": 989.4, "float16": 989.4, "float32": 66.9},
+        hbm_gbps=3350.0,
+        launch_us=4.0,
+        source=(
+            "published: NVIDIA H100 Tensor Core GPU datasheet, SXM5 (dense BF16/FP16 989.4 TFLOP/s, FP32 66.9, "
+            "HBM3 3.35 TB/s, PCIe Gen5 x16 128 GB/s both ways = 64 GB/s host->device). Peak figures: "
+            "a replay under them is optimistic (the H200's measured H2D is 86% of 64 GB/s)"
+        ),
+    ),
+}
+
+
+def get_profile(profile) -> Profile:
+    if isinstance(profile, Profile):
+        return profile
+    try:
+        return PROFILES[str(profile).lower()]
+    except KeyError:
+        raise ValueError(
+            f"offtensor: unknown device profile {profile!r}; built in: {sorted(PROFILES)}, "
+            f"or pass a Profile (ot.measure_profile() measures the device at hand)"
+        ) from None
+
+
+def measure_profile(device=None, name: Optional[str] = None) -> Profile:
+    """Measure H2D, matmul TFLOP/s per dtype, device-memory bandwidth and per-op overhead on
+    ``device`` (the current GPU; ``cpu`` measures the emulated device, where a "copy" is a memcpy)."""
+    from .pager import resolve_device
+    from . import _ext
+
+    device = resolve_device(device)
+    cuda = device.type == "cuda"
+
+    def timed(fn, repeat):
+        fn()  # warm-up: allocator, handles, first touch
+        if cuda:
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeat):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / repeat
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        return (time.perf_counter() - t0) / repeat
+
+    copy_bytes = (256 << 20) if cuda else (32 << 20)
+    host = _ext.alloc_host(copy_bytes, pin=cuda)
+    dev = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    if cuda:
+        h2d = copy_bytes / timed(lambda: dev.copy_(host, non_blocking=True), 10) / GB
+    else:
+        # The emulated pager copies into a fresh buffer each time, whose pages fault in on first touch.
+        h2d = copy_bytes / timed(lambda: torch.empty_like(dev).copy_(host), 10) / GB
+    other = torch.empty_like(dev)
+    hbm = 2 * copy_bytes / timed(lambda: other.copy_(dev), 10) / GB
+    tflops = {}
+    n = 8192 if cuda else 1024
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        tflops[str(dtype).removeprefix("torch.")] = 2 * n**3 / timed(lambda: a @ b, 5 if cuda else 2) / 1e12
+    tiny = torch.zeros(16, device=device)
+    launch_us = timed(lambda: tiny.add_(1), 1000) * 1e6
+    return Profile(
+        name=name or (torch.cuda.get_device_name(device) if cuda else "emulated-cpu"),
+        h2d_gbps=h2d,
+        tflops=tflops,
+        hbm_gbps=hbm,
+        launch_us=launch_us,
+        source=f"measured by offtensor.measure_profile on {device}, torch {torch.__version__}",
+        host_blocking=not cuda,
+    )
+
+
+# ---------------------------------------------------------------------------- records and replay
+
+
+@dataclasses.dataclass
+class Record:
+    id: int
+    kind: str  # "copy" or "op"
+    stream: str  # "copy" or "compute"
+    name: str
+    nbytes: int  # copy: bytes moved host->device; op: bytes read + written in device memory
+    flops: int
+    dtype: Optional[str]
+    step: int
+    waits: list
+    key: Optional[tuple] = None  # copy: what it copies (master, dtype, range), so a step counts it once
+    measured_ms: Optional[tuple] = None  # (start, end) from CUDA events, relative to the first record
+
+
+@dataclasses.dataclass
+class Replay:
+    """Predicted times of a timeline under one profile; the figures describe the last step."""
+
+    profile: Profile
+    step_ms: float
+    bound_ms: float
+    ratio_to_bound: float
+    copy_busy: float  # fraction of the last step's time the copy stream was busy
+    compute_busy: float
+    compute_ms: float  # the last step's ops alone, back to back (the compute half of the bound)
+    copy_bound_ms: float  # the last step's distinct copied bytes / H2D (the copy half of the bound)
+    steps_ms: list  # every step's duration
+    starts: dict  # record id -> predicted start, ms
+    ends: dict
+    step_windows: list  # (start, end) of every step, ms
+
+    def __str__(self):
+        return (
+            f"Replay({self.profile.name}: step {self.step_ms:.2f} ms, bound {self.bound_ms:.2f} ms, "
+            f"ratio {self.ratio_to_bound:.3f}, copy busy {self.copy_busy:.1%}, compute busy {self.compute_busy:.1%})"
+        )
+
+
+class Timeline:
+    """Records in issue order. Build one by hand with ``add_copy`` / ``add_op`` / ``next_step``, or
+    get one from ``ot.timeline(model)`` or ``ot.plan(...)``."""
+
+    def __init__(self, profile=None):
+        self.records: list = []
+        self.step = 0
+        self.profile = profile  # the default for replay/save/plot (plan sets it)
+        self.warmup_steps = 0  # leading steps that ran only to warm the prefetcher up (plan)
+        self._next_id = 0
+        self.info: dict = {}  # what produced it (plan: budget, placement), for the table and the JSON
+
+    # -------------------------------------------------------------- building
+
+    def new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def add_copy(self, nbytes: int, waits: Sequence[int] = (), name: str = "copy", stream: str = "copy",
+                 key=None, id: Optional[int] = None) -> int:
+        rid = self.new_id() if id is None else id
+        self.records.append(Record(rid, "copy", stream, name, int(nbytes), 0, None, self.step, list(waits), key))
+        return rid
+
+    def add_op(self, flops: float, nbytes: int, dtype="bfloat16", waits: Sequence[int] = (), name: str = "op",
+               id: Optional[int] = None) -> int:
+        rid = self.new_id() if id is None else id
+        dtype = str(dtype).removeprefix("torch.") if dtype is not None else None
+        self.records.append(Record(rid, "op", "compute", name, int(nbytes), int(flops), dtype, self.step, list(waits)))
+        return rid
+
+    def next_step(self) -> None:
+        if self.records:
+            self.step += 1
+
+    @property
+    def steps(self) -> int:
+        return 1 + max((r.step for r in self.records), default=-1)
+
+    # -------------------------------------------------------------- replay
+
+    def replay(self, profile=None, sync: Optional[str] = "device") -> Replay:
+        """Schedule every record on its in-order stream after the records it waits for.
+
+        ``sync`` is what the host does between steps, before it issues the next one:
+        ``"device"`` (``torch.cuda.synchronize()``, how a step is timed: the calibration
+        measurements were taken so) waits for both streams, prefetches in flight included;
+        ``"compute"`` (reading the step's result, e.g. the sampled token) waits for the compute
+        stream only; ``None`` issues the steps back to back."""
+        if sync not in ("device", "compute", None):
+            raise ValueError(f"offtensor: sync must be 'device', 'compute' or None, got {sync!r}")
+        profile = get_profile(profile or self.profile or "h200")
+        starts, ends = {}, {}
+        free = {"copy": 0.0, "compute": 0.0}
+        step, barrier, host = 0, 0.0, 0.0
+        barriers = [0.0]  # when the host may issue each step; then when the last one's sync returns
+
+        def synchronised():
+            return max(free.values()) if sync == "device" else free["compute"] if sync == "compute" else None
+
+        for r in self.records:
+            if r.step != step:
+                # The host issues nothing of step r.step before the synchronisation ending the last.
+                step = r.step
+                barrier = synchronised() or 0.0
+                barriers.append(barrier)
+            ready = max(free[r.stream], barrier, host)
+            for w in r.waits:
+                end = ends.get(w)
+                if end is None:
+                    raise ValueError(f"offtensor: record {r.id} ({r.name}) waits for {w}, which was not issued before it")
+                ready = max(ready, end)
+            dur = profile.copy_ms(r.nbytes) if r.kind == "copy" else profile.op_ms(r.flops, r.nbytes, r.dtype)
+            starts[r.id], ends[r.id] = ready, ready + dur
+            free[r.stream] = ready + dur
+            if profile.host_blocking and r.stream == "compute":
+                host = ready + dur
+        n = self.steps
+        if not n:
+            raise ValueError("offtensor: the timeline is empty")
+        if sync is None:
+            # Back to back, a step ends when its last op ends (the result exists).
+            last_op_end = [0.0] * n
+            for r in self.records:
+                if r.kind == "op":
+                    last_op_end[r.step] = max(last_op_end[r.step], ends[r.id])
+            for s in range(1, n):
+                last_op_end[s] = max(last_op_end[s], last_op_end[s - 1])
+            windows = [(last_op_end[s - 1] if s else 0.0, last_op_end[s]) for s in range(n)]
+        else:
+            # A step lasts from the sync that let the host issue it to the sync that ends it, which
+            # also waits for what the step issued for the next one (a prefetch, under "device").
+            barriers.append(synchronised())
+            windows = list(zip(barriers[:-1], barriers[1:]))
+        steps_ms = [b - a for a, b in windows]
+        last = n - 1
+        lo, hi = windows[last]
+        busy = {"copy": 0.0, "compute": 0.0}
+        for r in self.records:
+            overlap = min(hi, ends[r.id]) - max(lo, starts[r.id])
+            if overlap > 0:
+                busy[r.stream] += overlap
+        compute_ms = sum(profile.op_ms(r.flops, r.nbytes, r.dtype) for r in self.records if r.kind == "op" and r.step == last)
+        copy_bound_ms = self.step_copy_bytes(last) / (profile.h2d_gbps * GB) * 1e3
+        bound = max(compute_ms, copy_bound_ms)
+        span = hi - lo
+        return Replay(
+            profile, span, bound, span / bound if bound else float("nan"),
+            busy["copy"] / span if span else 0.0, busy["compute"] / span if span else 0.0,
+            compute_ms, copy_bound_ms, steps_ms, starts, ends, windows,
+        )
+
+    def step_copy_bytes(self, step: int) -> int:
+        """Bytes the ops of ``step`` had to have copied: every copy whose first reader is in this
+        step, each copied range once (a prefetch issued in the step before counts here; a copy
+        still cached from an earlier step does not)."""
+        first_reader = {}
+        for r in self.records:
+            if r.kind == "op":
+                for w in r.waits:
+                    first_reader.setdefault(w, r.step)
+        seen, total = set(), 0
+        for r in self.records:
+            if r.kind == "copy" and first_reader.get(r.id) == step:
+                key = r.key if r.key is not None else ("record", r.id)
+                if key not in seen:
+                    seen.add(key)
+                    total += r.nbytes
+        return total
+
+    # -------------------------------------------------------------- export
+
+    def trace(self, profile=None, steps: Optional[int] = None) -> dict:
+        """Chrome trace (Perfetto, chrome://tracing): one complete event per record, ts/dur predicted, µs."""
+        result = self.replay(profile)
+        first = self._first_shown_step(steps)
+        pid = 1
+        events = [
+            {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"offtensor replay ({result.profile.name})"}},
+            {"name": "thread_name", "ph": "M", "pid": pid, "tid": 1, "args": {"name": "compute"}},
+            {"name": "thread_name", "ph": "M", "pid": pid, "tid": 2, "args": {"name": "copy"}},
+        ]
+        tids = {"compute": 1, "copy": 2}
+        for r in self.records:
+            if r.step < first:
+                continue
+            args = {"id": r.id, "bytes": r.nbytes, "flops": r.flops, "step": r.step, "waits": list(r.waits)}
+            if r.measured_ms is not None:
+                args["measured_ts_us"] = r.measured_ms[0] * 1e3
+                args["measured_dur_us"] = (r.measured_ms[1] - r.measured_ms[0]) * 1e3
+            events.append({
+                "name": r.name, "cat": r.kind, "ph": "X", "pid": pid, "tid": tids[r.stream],
+                "ts": result.starts[r.id] * 1e3, "dur": (result.ends[r.id] - result.starts[r.id]) * 1e3, "args": args,
+            })
+        return {
+            "traceEvents": events,
+            "displayTimeUnit": "ms",
+            "otherData": {
+                "profile": dataclasses.asdict(result.profile),
+                "step_ms": result.step_ms, "bound_ms": result.bound_ms, "ratio_to_bound": result.ratio_to_bound,
+                "copy_busy": result.copy_busy, "compute_busy": result.compute_busy, **_jsonable(self.info),
+            },
+        }
+
+    def save(self, path: str, profile=None, steps: Optional[int] = None) -> str:
+        with open(path, "w") as f:
+            json.dump(self.trace(profile, steps), f)
+        return path
+
+    def _first_shown_step(self, steps: Optional[int]) -> int:
+        n = self.steps
+        if steps is None:
+            return min(self.warmup_steps, n - 1) if n else 0
+        return max(0, n - steps)
+
+    def plot(self, path: str, profile=None, steps: Optional[int] = None, title: Optional[str] = None) -> str:
+        """PNG: the compute and copy lanes, idle gaps shaded, each step's bound marked."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        result = self.replay(profile)
+        first = self._first_shown_step(steps)
+        shown = [r for r in self.records if r.step >= first]
+        t0 = result.step_windows[first][0]
+        t1 = result.step_windows[-1][1]
+        fig, ax = plt.subplots(figsize=(14, 3.2))
+        lanes = {"compute": 1, "copy": 0}
+        colors = {("op", "compute"): "#4477aa", ("copy", "copy"): "#ee7733", ("copy", "compute"): "#cc3311"}
+        for lane, y in lanes.items():
+            spans = sorted((result.starts[r.id], result.ends[r.id]) for r in shown if r.stream == lane)
+            ax.broken_barh([(a - t0, b - a) for a, b in spans], (y - 0.35, 0.7),
+                           facecolors=[colors[(r.kind, r.stream)] for r in sorted(
+                               (r for r in shown if r.stream == lane), key=lambda r: result.starts[r.id])],
+                           edgecolor="white", linewidth=0.3)
+            cursor = t0  # idle gaps of this lane
+            gaps = []
+            for a, b in spans:
+                if a > cursor + 1e-9:
+                    gaps.append((cursor - t0, a - cursor))
+                cursor = max(cursor, b)
+            if t1 > cursor:
+                gaps.append((cursor - t0, t1 - cursor))
+            ax.broken_barh(gaps, (y - 0.35, 0.7), facecolors="#dddddd", hatch="//", edgecolor="#999999", linewidth=0)
+        for s in range(first, self.steps):
+            a, b = result.step_windows[s]
+            ax.axvline(b - t0, color="black", linewidth=0.8)
+            bound = self._step_bound(result.profile, s)
+            ax.plot([a - t0, a - t0 + bound], [1.55, 1.55], color="green", linewidth=3,
+                    label="bound" if s == first else None)
+        ax.set_yticks([0, 1])
+        ax.set_yticklabels(["copy", "compute"])
+        ax.set_ylim(-0.6, 1.8)
+        ax.set_xlabel("predicted time, ms")
+        ax.set_title(title or (f"{result.profile.name}: {result.step_ms:.1f} ms/step, bound {result.bound_ms:.1f} ms "
+                               f"(x{result.ratio_to_bound:.3f}), copy busy {result.copy_busy:.0%}, "
+                               f"compute busy {result.compute_busy:.0%}; grey = idle"), fontsize=9)
+        ax.legend(loc="upper right", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+    def _step_bound(self, profile: Profile, step: int) -> float:
+        compute = sum(profile.op_ms(r.flops, r.nbytes, r.dtype) for r in self.records if r.kind == "op" and r.step == step)
+        return max(compute, self.step_copy_bytes(step) / (profile.h2d_gbps * GB) * 1e3)
+
+
+def _jsonable(info: dict) -> dict:
+    return json.loads(json.dumps(info, default=str))
+
+
+# ---------------------------------------------------------------------------- recording
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _op_cost(func, args, kwargs, out):
+    """(FLOPs, device bytes read + written, dtype) of one op, from shapes only."""
+    flops = 0
+    counter = flop_registry.get(func._overloadpacket)
+    if counter is not None:
+        try:
+            flops = int(counter(*args, **kwargs, out_val=out))
+        except Exception:
+            flops = 0  # a formula that does not take this overload's arguments: count bytes only
+    nbytes, dtype = 0, None
+    for t in torch.utils._pytree.tree_leaves((args, kwargs, out)):
+        if isinstance(t, torch.Tensor):
+            nbytes += _tensor_bytes(t)
+            if dtype is None and t.is_floating_point():
+                dtype = str(t.dtype).removeprefix("torch.")
+    return flops, nbytes, dtype
+
+
+_COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+
+
+def _host_to_device_bytes(func, args, out) -> int:
+    """Bytes of a host -> GPU copy (``_to_copy`` or ``copy_`` from a CPU tensor), else 0."""
+    if func not in _COPIES:
+        return 0
+    src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+    dst = args[0] if func is torch.ops.aten.copy_.default else out
+    if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.device.type == "cpu" \
+            and dst.device.type == "cuda":
+        return _tensor_bytes(dst)
+    return 0
+
+
+def _launches_nothing(func) -> bool:
+    """Views and metadata ops alias their input: no kernel runs on the device."""
+    schema = func._schema
+    return bool(schema.returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+class Recorder(TorchDispatchMode):
+    """Fills a Timeline from a running model: ops through this dispatch mode, copies and their
+    lifetimes through the pager's ``recorder`` call sites."""
+
+    def __init__(self, timeline: Timeline, measure: bool = False):
+        super().__init__()
+        self.tl = timeline
+        self._copy_of = {}  # id(pager entry) -> the record id of the copy that filled it
+        self._last_use = {}  # id(pager entry) -> the record id of the last op that read it
+        self._pending_waits = []  # copies the next op reads
+        self._pending_frees = []  # ops whose blocks the next copy reuses
+        self._open_ops = []  # ids reserved for ops running now (their pages are released inside)
+        self._last_op = None
+        self._measure = measure and torch.cuda.is_available()
+        self._events = []  # (record id, start event, end event) when measuring
+        # Inside the pager (allocating a copy's buffer, the copy itself): its work is recorded by
+        # its call sites as copies, not as ops. Set by quiet().
+        self._quiet = 0
+
+    def quiet(self, method):
+        """``method`` (a pager entry point) with this mode's op recording paused while it runs."""
+
+        def run(*args, **kwargs):
+            self._quiet += 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._quiet -= 1
+
+        return run
+
+    # -------------------------------------------------------------- ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._quiet or _launches_nothing(func):
+            return func(*args, **kwargs)
+        rid = self.tl.new_id()
+        self._open_ops.append(rid)
+        start = end = None
+        if self._measure:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self._open_ops.pop()
+        if self._measure:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((rid, start, end))
+        h2d = _host_to_device_bytes(func, args, out)
+        if h2d:
+            # A `.to(device)` / `copy_` of host memory outside the pager (vLLM-style offloading): an
+            # H2D copy on the stream that issued it, which is the compute stream here.
+            self.tl.add_copy(h2d, name=str(func.overloadpacket.__name__), stream="compute", id=rid)
+            self._last_op = rid
+            return out
+        flops, nbytes, dtype = _op_cost(func, args, kwargs, out)
+        waits, self._pending_waits = self._pending_waits, []
+        self.tl.add_op(flops, nbytes, dtype, waits=_unique(waits), name=str(func.overloadpacket.__name__), id=rid)
+        self._last_op = rid
+        return out
+
+    # -------------------------------------------------------------- pager call sites
+
+    def copied(self, pager, entry, nbytes: int, stream: str, prefetch: bool) -> None:
+        waits, self._pending_frees = self._pending_frees, []
+        key = getattr(entry, "key", None)
+        rid = self.tl.add_copy(nbytes, waits=_unique(waits), name="prefetch" if prefetch else "page", stream=stream,
+                               key=(id(pager),) + tuple(key) if key is not None else None)
+        self._copy_of[id(entry)] = rid
+
+    def used(self, entry) -> None:
+        rid = self._copy_of.get(id(entry))
+        if rid is not None:
+            self._pending_waits.append(rid)
+
+    def released(self, entries) -> None:
+        op = self._open_ops[-1] if self._open_ops else self._last_op
+        if op is None:
+            return
+        for entry in entries:
+            self._last_use[id(entry)] = op
+
+    def freed(self, entry) -> None:
+        """A cached copy is dropped: the next copy may take its block once its last reader is done."""
+        op = self._last_use.pop(id(entry), None)
+        self._copy_of.pop(id(entry), None)
+        if op is not None:
+            self._pending_frees.append(op)
+
+    def finish(self) -> None:
+        if not self._events:
+            return
+        torch.cuda.synchronize()
+        t0 = self._events[0][1]
+        by_id = {r.id: r for r in self.tl.records}
+        for rid, start, end in self._events:
+            by_id[rid].measured_ms = (t0.elapsed_time(start), t0.elapsed_time(end))
+
+
+def _unique(ids):
+    return list(dict.fromkeys(ids))
+
+
+def _pagers_of(model: nn.Module):
+    from .wrap import _WRAPPED
+
+    pagers = []
+    state = _WRAPPED.get(model)
+    if state is not None:
+        pagers.append(state.pager)
+    for t in list(model.parameters()) + list(model.buffers()):
+        master = getattr(t, "_master", None)
+        pager = master.pager if master is not None else None
+        if pager is not None and all(pager is not p for p in pagers):
+            pagers.append(pager)
+    return pagers
+
+
+class timeline:
+    """``with ot.timeline(model) as tl: model(x)``: record every op and copy of the runs inside.
+    Each forward of ``model`` is one step. ``measure=True`` on a GPU also keeps CUDA-event times of
+    the ops (``Record.measured_ms``), to put beside the prediction.
+
+    ``model=None`` records whatever runs inside (a step function, say); then ``pagers`` names the
+    pagers whose copies to record and the caller marks steps with ``tl.next_step()``."""
+
+    def __init__(self, model: Optional[nn.Module] = None, profile=None, measure: bool = False, pagers=None):
+        self.model = model
+        self.tl = Timeline(profile)
+        self.recorder = Recorder(self.tl, measure)
+        self._hook = None
+        self._pagers = list(pagers) if pagers is not None else None
+        self._started = False
+
+    # The pager entry points that allocate and copy through ATen: their ops are the pager's, not the model's.
+    _PAGER_ENTRY_POINTS = ("page", "upload", "copy_out", "prefetch")
+
+    def __enter__(self) -> Timeline:
+        if self._pagers is None:
+            self._pagers = _pagers_of(self.model) if self.model is not None else []
+        for pager in self._pagers:
+            pager.recorder = self.recorder
+            for name in self._PAGER_ENTRY_POINTS:
+                # An instance attribute shadows the method while recording; __exit__ deletes it.
+                setattr(pager, name, self.recorder.quiet(getattr(pager, name)))
+
+        def new_step(module, args):
+            if self._started:
+                self.tl.next_step()
+            self._started = True
+
+        if self.model is not None:
+            self._hook = self.model.register_forward_pre_hook(new_step)
+        self.recorder.__enter__()
+        return self.tl
+
+    def __exit__(self, *exc):
+        self.recorder.__exit__(*exc)
+        if self._hook is not None:
+            self._hook.remove()
+        for pager in self._pagers:
+            pager.recorder = None
+            for name in self._PAGER_ENTRY_POINTS:
+                pager.__dict__.pop(name, None)
+        self.recorder.finish()
+        return False
+
+
+# ---------------------------------------------------------------------------- planning on meta
+
+
+class _NoCopies:
+    """The meta device's copy engine: a meta tensor has no bytes, so a copy is done when submitted."""
+
+    def submit(self, dst, src):
+        return 0
+
+    def wait(self, ticket):
+        return None
+
+
+def _meta_pager(budget_bytes: int):
+    from .pager import Pager
+
+    pager = Pager(torch.device("meta"), budget_bytes)
+    pager._engine = _NoCopies()
+    return pager
+
+
+def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(), profile="h200", steps: int = 3, *,
+         offload_gb: Optional[float] = None, policy=None, prefetch: bool = True, warmup: int = 3,
+         forward=None) -> Timeline:
+    """What ``model`` would do on a GPU at this budget: place its weights, run ``warmup + steps``
+    forwards on the meta device with the real pager and prefetcher, and return the recorded
+    timeline (replay it with ``tl.replay()``). Nothing is allocated or computed; ``model`` may be
+    built on meta and is left as it was. ``warmup`` forwards let the prefetcher learn the order
+    before the recorded steps (``tl.replay`` reports the last one)."""
+    from . import wrap
+    from .pager import GiB
+    from .prefetch import Prefetcher
+    from .tensor import OffloadedTensor
+
+    if budget_gb is None and offload_gb is None:
+        raise ValueError("offtensor: plan() needs budget_gb or offload_gb: a meta model has no device to measure")
+    saved = {}  # (module, table, attr) -> the tensor registered there before planning
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for attr, t in table.items():
+                if t is not None and not t.is_meta:
+                    raise ValueError(
+                        f"offtensor: plan() needs a model built on meta (found {type(module).__name__}.{attr} on "
+                        f"{t.device}); build it under `with torch.device('meta'):`"
+                    )
+    groups = wrap._collect(model)
+    placed, by_weight = wrap._plan(groups, torch.device("meta"), budget_gb, offload_gb, policy, prefetch)
+    pager = _meta_pager(placed.budget_bytes)
+    for w in placed.offload:
+        group = by_weight[id(w)]
+        first = group[0].tensor
+        lo, hi = wrap._group_range(group)
+        flat = torch.empty(hi - lo, dtype=first.dtype, device="meta")
+        master = pager.new_master((hi - lo) * first.element_size())
+        master.flat = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device="meta")
+        for member in group:
+            t = member.tensor
+            host = flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
+            new = OffloadedTensor(host, master)
+            if isinstance(t, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=False)
+            for module, attr, is_buffer in member.slots:
+                table = module._buffers if is_buffer else module._parameters
+                saved.setdefault((id(module), is_buffer, attr), (table, attr, t))
+                table[attr] = new  # straight into the table: no registration hook, no re-placement
+    pager.resident_bytes = placed.resident_bytes
+    pager.reset_stats()
+    hooks = []
+    if prefetch and placed.offload:
+        pager.prefetcher = Prefetcher()
+        hooks.append(model.register_forward_pre_hook(lambda m, a: pager.prefetcher.step()))
+    inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    rec = timeline(model, profile)
+    tl = rec.tl
+    tl.warmup_steps = warmup
+    try:
+        with torch.no_grad(), rec:
+            for _ in range(warmup + steps):
+                (forward or model)(*inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+        for table, attr, t in saved.values():
+            table[attr] = t
+    stats = pager.snapshot()
+    tl.info = {
+        "budget_bytes": placed.budget_bytes,
+        "resident_bytes": placed.resident_bytes,
+        "offloaded_bytes": placed.offloaded_bytes,
+        "offloaded": [w.name for w in placed.offload],
+        "peak_device_bytes": stats.peak_device_bytes,
+        "prefetches": stats.prefetches,
+        "prefetch_hits": stats.prefetch_hits,
+        "budget_gb": placed.budget_bytes / GiB,
+    }
+    return tl
