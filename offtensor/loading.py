@@ -610,10 +610,10 @@ def load_safetensors(model: nn.Module, path, budget_gb: Optional[float] = None, 
                 continue
             is_offloaded = id(group) in offloaded
             dests, raw = _destinations(group, pager if is_offloaded else None, device, pin_late)
+            targets.update(dests)  # every alias of the storage, read under its name or not
             for member in group:
                 if id(member) not in chosen:
-                    continue
-                targets[id(member)] = dests[id(member)]
+                    continue  # an alias whose values arrive through another member's name
                 dest = dests[id(member)]
                 host = dest._host if isinstance(dest, OffloadedTensor) else dest
                 for piece in chosen[id(member)][1]:
@@ -628,9 +628,6 @@ def load_safetensors(model: nn.Module, path, budget_gb: Optional[float] = None, 
     for group in groups:
         if any(id(m) in chosen for m in group):
             for member in group:
-                if id(member) not in targets:
-                    # An alias with no name in the files (a view registered apart): it shares the storage.
-                    continue
                 wrap._swap(member, wrap._as_param_like(member.tensor, targets[id(member)]))
         elif id(group) in offloaded:
             wrap._offload_group(group, pager)  # not in the files but has values (a buffer computed at init)
