@@ -147,8 +147,10 @@ def test_pin_host_pins_in_place_only_when_a_gpu_is_present():
         assert _ext.pin_host(t)  # pinning twice is harmless
     assert int(t[123]) == 7
     del t  # freeing a late-pinned allocation unregisters it first
+    numpy = pytest.importorskip("numpy")
+    odd = torch.from_numpy(numpy.zeros(3 * 4096, dtype=numpy.uint8)[1:])  # its storage starts off a page boundary
     with pytest.raises(RuntimeError, match="page-aligned"):
-        torch.ops.offtensor.pin_host(torch.zeros(1 << 20, dtype=torch.uint8)[1:])
+        torch.ops.offtensor.pin_host(odd)
 
 
 # ---------------------------------------------------------------------------- refusals
