@@ -203,13 +203,16 @@ class _Conversions:
         self.renames, self.stacks, self.unsupported = [], [], []
         try:
             from transformers import PreTrainedModel
-            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers import conversion_mapping
         except ImportError:
-            return
+            return  # no transformers, or one from before checkpoint conversions (v4): names are used as they are
         if not isinstance(model, PreTrainedModel):
             return
         try:
-            transforms = get_model_conversion_mapping(model)
+            if hasattr(conversion_mapping, "get_model_conversion_mapping"):
+                transforms = conversion_mapping.get_model_conversion_mapping(model)
+            else:
+                transforms = conversion_mapping.get_checkpoint_conversion_mapping(model.config.model_type) or []
         except Exception as e:  # an API change in transformers: say so instead of failing the load
             self.unsupported.append(f"transformers' conversion mapping could not be read ({e})")
             return
@@ -218,8 +221,8 @@ class _Conversions:
             sources, targets = list(t.source_patterns), list(t.target_patterns)
             scope = getattr(t, "scope_prefix", None) or ""
             if not ops:
-                for s, d in zip(sources, targets):
-                    self.renames.append((scope, re.compile(s), d))
+                for i, source in enumerate(sources):  # several sources may share one target
+                    self.renames.append((scope, re.compile(source), targets[min(i, len(targets) - 1)]))
             elif ops[0] == "MergeModulelist" and len(targets) == 1 and (
                 len(ops) == 1 or (len(ops) == 2 and ops[1] == "Concatenate")
             ):
@@ -418,7 +421,11 @@ def _pread_into(fd: int, offset: int, dst: torch.Tensor, what) -> None:
     view = memoryview(dst.numpy()).cast("B")
     done = 0
     while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as e:
+            raise CheckpointError(f"offtensor: reading {what()} failed at byte {offset + done} of its file, "
+                                  f"{len(view) - done} of {len(view)} bytes still to read: {e}") from e
         if n == 0:
             raise CheckpointError(f"offtensor: reading {what()} stopped at byte {offset + done} of its file, "
                                   f"{len(view) - done} of {len(view)} bytes short: the file was truncated while loading")
