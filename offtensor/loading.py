@@ -467,7 +467,7 @@ class _Reader:
         self.fd(s.file)  # opened here, on one thread, so the jobs only look it up
         if not dest.is_contiguous() or dest.dtype != s.dtype:
             self._expect(pin_after, 1)
-            self.jobs.append((s.nbytes, lambda: self._read_converted(s, dest, what, pin_after)))
+            self.jobs.append(lambda: self._read_converted(s, dest, what, pin_after))
         elif not offloaded and self.staged:
             self._add_staged(s, _as_bytes(dest), what)
         else:
@@ -476,7 +476,7 @@ class _Reader:
             self._expect(pin_after, len(chunks))
             for lo in chunks:
                 hi = min(lo + CHUNK_BYTES, s.nbytes)
-                self.jobs.append((hi - lo, self._direct_job(s, target[lo:hi], lo, what, pin_after)))
+                self.jobs.append(self._direct_job(s, target[lo:hi], lo, what, pin_after))
 
     def _expect(self, raw: Optional[torch.Tensor], jobs: int) -> None:
         if raw is not None:
@@ -506,7 +506,7 @@ class _Reader:
                 self.slots.put((_ext.alloc_host(CHUNK_BYTES, pin=pin), None))
         for lo in range(0, s.nbytes, CHUNK_BYTES):
             hi = min(lo + CHUNK_BYTES, s.nbytes)
-            self.jobs.append((hi - lo, self._staged_job(s, target[lo:hi], lo, what)))
+            self.jobs.append(self._staged_job(s, target[lo:hi], lo, what))
 
     def _staged_job(self, s, target, lo, what):
         def job():
@@ -541,11 +541,11 @@ class _Reader:
     def run(self) -> None:
         try:
             if self.threads <= 1 or len(self.jobs) <= 1:
-                for _, job in self.jobs:
+                for job in self.jobs:
                     job()
             else:
                 with ThreadPoolExecutor(self.threads, thread_name_prefix="offtensor-load") as pool:
-                    futures = [pool.submit(job) for _, job in self.jobs]
+                    futures = [pool.submit(job) for job in self.jobs]
                     done, _ = wait(futures, return_when=FIRST_EXCEPTION)
                     failed = next((f for f in done if f.exception() is not None), None)
                     if failed is not None:
