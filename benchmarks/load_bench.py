@@ -122,6 +122,7 @@ def _preadv_floor(ckpt, ckpt_bytes) -> dict:
             "load_gbps": ckpt_bytes / seconds / 1e9, "first_forward_s": None, "forward_s": None,
             "peak_rss_over_start_bytes": (peak_kb - base_kb) * 1024,
             "peak_rss_over_checkpoint": (peak_kb - base_kb) * 1024 / ckpt_bytes,
+            "load_peak_rss_over_checkpoint": (peak_kb - base_kb) * 1024 / ckpt_bytes,
             "device_peak_bytes": None, "budget_bytes": None, "no_logits": True}
 
 
@@ -173,6 +174,7 @@ def child(args) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     loaded = time.perf_counter()
+    load_peak_kb = _status_kb("VmHWM")  # the load's own peak, before the forward pages anything
     with torch.no_grad():
         logits = model(input_ids=ids.to(device)).logits.float().cpu()
     done = time.perf_counter()
@@ -189,6 +191,7 @@ def child(args) -> dict:
         "forward_s": done - loaded,
         "peak_rss_over_start_bytes": (peak_kb - base_kb) * 1024,
         "peak_rss_over_checkpoint": (peak_kb - base_kb) * 1024 / ckpt_bytes,
+        "load_peak_rss_over_checkpoint": (load_peak_kb - base_kb) * 1024 / ckpt_bytes,
         "device_peak_bytes": device_bytes,
         "budget_bytes": int(budget_gb * GiB) if wrapped else None,
     }
@@ -305,7 +308,7 @@ def main(argv=None) -> int:
             continue
         row = {k: runs[v][0][k] for k in ("variant", "checkpoint_bytes", "budget_bytes")}
         for key in ("load_s", "load_gbps", "first_forward_s", "forward_s", "peak_rss_over_start_bytes",
-                    "peak_rss_over_checkpoint"):
+                    "peak_rss_over_checkpoint", "load_peak_rss_over_checkpoint"):
             values = [x[key] for x in runs[v] if x[key] is not None]
             row[key] = statistics.median(values) if values else None
         device_peaks = [x["device_peak_bytes"] for x in runs[v] if x["device_peak_bytes"] is not None]
@@ -330,7 +333,7 @@ def main(argv=None) -> int:
     }
     print(f"\ncheckpoint {ckpt_bytes / 1e6:.0f} MB in {len(_shards(args.ckpt))} shards, budget "
           f"{args.budget_fraction:.0%}, device {args.device}, medians of {args.repeats}")
-    print(f"{'variant':22s} {'load GB/s':>9s} {'load s':>7s} {'fwd s':>6s} {'1st fwd s':>9s} {'peak RSS/ckpt':>13s} "
+    print(f"{'variant':22s} {'load GB/s':>9s} {'load s':>7s} {'fwd s':>6s} {'1st fwd s':>9s} {'peak RSS/ckpt (load only)':>25s} "
           f"{'device MB':>9s} identical")
     for r in rows:
         if "skipped" in r:
@@ -341,7 +344,8 @@ def main(argv=None) -> int:
         same = r["logits_identical_to_load_state_dict"]
         fwd = f"{r['forward_s']:6.3f}" if r["forward_s"] is not None else f"{'-':>6s}"
         print(f"{r['variant']:22s} {r['load_gbps']:9.2f} {r['load_s']:7.3f} {fwd} {forward} "
-              f"{r['peak_rss_over_checkpoint']:13.2f} {dev:>9s} {'-' if same is None else same}")
+              f"{r['peak_rss_over_checkpoint']:18.2f} ({r['load_peak_rss_over_checkpoint']:.2f}) {dev:>9s} "
+              f"{'-' if same is None else same}")
     if "pinning" in ours:
         print("pinning GB/s:", {k: round(v, 2) for k, v in ours["pinning"].items()})
     print(f"offtensor / usual time to first forward: {checks['time_ratio_to_usual']:.2f}x "

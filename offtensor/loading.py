@@ -583,9 +583,9 @@ def load_safetensors(model: nn.Module, path, budget_gb: Optional[float] = None, 
     Tied names need to be in the files once. With ``strict`` every weight the model lacks values
     for must be in the files and every tensor in the files must belong to the model.
     ``progress``: None shows a bar for loads of at least 256 MB (``OFFTENSOR_PROGRESS=0`` silences
-    it, ``=1`` forces it), True/False force it. ``threads``: readers (default: the CPU count, 4..8, since they mostly wait on page faults;
-    ``OFFTENSOR_LOAD_THREADS``). ``convert_dtypes``: floating tensors of another dtype in the files
-    are converted to the model's instead of refused.
+    it, ``=1`` forces it), True/False force it. ``threads``: readers (default: the CPU count, 4..8,
+    since they mostly wait on page faults; ``OFFTENSOR_LOAD_THREADS``). ``convert_dtypes``: floating
+    tensors of another dtype in the files are converted to the model's instead of refused.
     """
     wrap._check_wrappable(model, budget_gb, offload_gb)
     device = resolve_device(device)
