@@ -162,14 +162,15 @@ def child(args) -> dict:
             if args.variant == "pin_memory":
                 part = {k: v.pin_memory() for k, v in part.items()}
             state.update(part)
-        if args.variant != "pin_memory":
+        if args.variant == "load_state_dict":
             state = {k: v.to(device) for k, v in state.items()}
+        # wrap_model takes the CPU tensors: it copies what stays resident to the device itself.
         model.load_state_dict(state, assign=True, strict=True)
         del state, part
         if args.variant == "load_file+wrap_model":
             ot.wrap_model(model, budget_gb=budget_gb, device=device)
-        elif args.variant == "pin_memory":
-            model.to(device)
+        else:
+            model.to(device)  # buffers made at init (rotary frequencies) too; loaded weights are there already
         model.tie_weights()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
