@@ -276,6 +276,9 @@ def _match(entries: dict, model: nn.Module, groups, convert_dtypes: bool, path, 
         else:
             pieces.setdefault(piece.target, []).append(piece)
 
+    # transformers models name checkpoint tensors they deliberately skip (DeepSeek-V3's MTP layer 61).
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    unmatched = [k for k in unmatched if not any(p.search(k) for p in ignored)]
     problems, missing = [], []
     chosen = {}  # id(member) -> (member, [pieces])
     for group in groups:

@@ -314,6 +314,22 @@ def test_from_pretrained_converts_dtype_on_request(tmp_path):
         assert torch.equal(model(input_ids=ids).logits, expected_model(input_ids=ids).logits)
 
 
+def test_tensors_the_model_declares_ignorable_are_skipped(tmp_path, monkeypatch):
+    reference = _saved("llama_tied", tmp_path)
+    safetensors_torch.save_file({"model.layers.9.mtp.weight": torch.ones(3)}, str(tmp_path / "extra.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"]["model.layers.9.mtp.weight"] = "extra.safetensors"
+    index.write_text(json.dumps(data))
+    with pytest.raises(ot.CheckpointError, match=r"model\.layers\.9\.mtp\.weight"):
+        ot.from_pretrained(tmp_path, budget_gb=1, device="cpu", progress=False)
+    monkeypatch.setattr(type(reference), "_keys_to_ignore_on_load_unexpected", [r"model\.layers\.9\..*"])
+    model = ot.from_pretrained(tmp_path, budget_gb=1, device="cpu", progress=False)
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
 def test_checkpoint_of_another_architecture_is_refused(tmp_path):
     _saved("llama_tied", tmp_path)
     with torch.device("meta"):
