@@ -26,6 +26,7 @@
 #include <system_error>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -120,9 +121,21 @@ void touch_pages_in_parallel(char* base, size_t nbytes, size_t page_bytes) {
   for (auto& thread : threads) thread.join();
 }
 
+#ifdef OFFTENSOR_WITH_CUDA
+// Allocations that pin_host registered after they were filled; their deleter was made before that,
+// so free_host looks them up here to unregister them.
+std::mutex g_late_pinned_mutex;
+std::unordered_set<void*> g_late_pinned;  // base pointers
+
+bool forget_late_pinning(void* ptr) {
+  std::lock_guard<std::mutex> lock(g_late_pinned_mutex);
+  return g_late_pinned.erase(ptr) != 0;
+}
+#endif
+
 void free_host(void* ptr, size_t mapped_bytes, int64_t nbytes, bool registered) {
 #ifdef OFFTENSOR_WITH_CUDA
-  if (registered) {
+  if (registered || forget_late_pinning(ptr)) {
     const int result = ot_cuda_host_unregister(ptr);
     if (result < 0) {  // a deleter cannot throw
       std::fprintf(stderr, "offtensor: cudaHostUnregister of %lld bytes at %p failed: %s\n",
@@ -139,7 +152,10 @@ void free_host(void* ptr, size_t mapped_bytes, int64_t nbytes, bool registered) 
 // Exactly nbytes of page-aligned host memory as a 1-D uint8 tensor. Only the mapping is rounded,
 // to the OS page: allocators that round to powers of two can double the memory that large
 // offloaded weights cost. The memory is returned to the OS when the last tensor using it dies.
-at::Tensor alloc_host(c10::SymInt sym_nbytes, bool pin) {
+// touch=false leaves the pages unfaulted and without huge-page advice, for a caller that fills the
+// memory right away (a read from a file faults each page once, while writing it); pin_host can
+// then pin it once filled.
+at::Tensor alloc_host(c10::SymInt sym_nbytes, bool pin, bool touch) {
   const int64_t nbytes = sym_nbytes.expect_int();
   TORCH_CHECK(nbytes >= 0, "offtensor.alloc_host: nbytes must be >= 0, got ", nbytes);
   const auto options = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
@@ -151,9 +167,12 @@ at::Tensor alloc_host(c10::SymInt sym_nbytes, bool pin) {
   TORCH_CHECK(ptr != MAP_FAILED, "offtensor: could not allocate ", nbytes,
               " bytes of host memory: ", std::strerror(errno));
   // Huge pages cut TLB misses and page-fault counts for multi-GB weights. THP may be disabled on
-  // this machine, in which case madvise fails and ordinary pages are fine.
-  if (mapped_bytes >= kHugePageBytes) madvise(ptr, mapped_bytes, MADV_HUGEPAGE);
-  if (mapped_bytes >= kParallelTouchBytes) {
+  // this machine, in which case madvise fails and ordinary pages are fine. Not for touch=false:
+  // memory filled by a load is always fresh, and a first fault on fresh huge-page memory may
+  // compact memory synchronously (defrag=madvise); on the CPU test VM reads into it ran at
+  // 0.12-0.2 GB/s against 0.6-1.0 GB/s with 4 KiB pages.
+  if (touch && mapped_bytes >= kHugePageBytes) madvise(ptr, mapped_bytes, MADV_HUGEPAGE);
+  if (touch && mapped_bytes >= kParallelTouchBytes) {
     touch_pages_in_parallel(static_cast<char*>(ptr), mapped_bytes, page_bytes);
   }
 
@@ -180,6 +199,40 @@ at::Tensor alloc_host(c10::SymInt sym_nbytes, bool pin) {
 }
 
 int64_t live_host_bytes() { return g_live_host_bytes.load(); }
+
+// Pins (cudaHostRegister) the whole allocation behind host, an alloc_host tensor made with
+// pin=false, after it has been filled: registering touched pages only locks them, while
+// registering fresh ones faults them in on one thread. Its deleter unregisters it. Returns
+// whether the memory is pinned now: false without a GPU (nothing to pin for).
+bool pin_host(const at::Tensor& host) {
+  TORCH_CHECK(host.is_cpu(), "offtensor.pin_host: expected a CPU tensor from alloc_host, got one on ", host.device());
+  const auto& storage = host.storage();
+  void* base = storage.mutable_data();
+  const size_t nbytes = storage.nbytes();
+  if (nbytes == 0) return false;
+  const size_t page_bytes = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % page_bytes == 0, "offtensor.pin_host: the storage of ", nbytes,
+              " bytes at ", base, " is not page-aligned, so it is not an alloc_host allocation");
+#ifdef OFFTENSOR_WITH_CUDA
+  if (cuda_device_count() == 0) return false;
+  const size_t mapped_bytes = (nbytes + page_bytes - 1) / page_bytes * page_bytes;
+  // cudaErrorHostMemoryAlreadyRegistered: allocated with pin=true, or pinned before.
+  constexpr int kAlreadyRegistered = 712;
+  int result;
+  {
+    GilRelease no_gil;
+    result = ot_cuda_host_register(base, mapped_bytes);
+  }
+  if (result == -kAlreadyRegistered) return true;
+  TORCH_CHECK(result >= 0, "offtensor: could not pin ", nbytes, " bytes of host memory at ", base,
+              " (cudaHostRegister: ", ot_cuda_error_string(-result), "). Check `ulimit -l`.");
+  std::lock_guard<std::mutex> lock(g_late_pinned_mutex);
+  g_late_pinned.insert(base);
+  return true;
+#else
+  return false;
+#endif
+}
 
 // ---------------------------------------------------------------------------------------------
 // Copy engine
@@ -470,7 +523,8 @@ bool cuda_compiled() { return kCudaCompiled; }
 }  // namespace offtensor
 
 TORCH_LIBRARY(offtensor, m) {
-  m.def("alloc_host(SymInt nbytes, bool pin) -> Tensor");
+  m.def("alloc_host(SymInt nbytes, bool pin, bool touch=True) -> Tensor");
+  m.def("pin_host(Tensor host) -> bool");
   m.def("copy_async(Tensor(a!) dst, Tensor src, int ticket, int wait_stream) -> ()");
   // Ops without tensor arguments run the same everywhere, so they get one catch-all kernel.
   m.def("copy_query(int ticket) -> bool", &offtensor::copy_query);
@@ -486,7 +540,10 @@ TORCH_LIBRARY(offtensor, m) {
 // kernel) still leaves FakeTensorMode to the fake kernel registered in Python.
 TORCH_LIBRARY_IMPL(offtensor, CompositeExplicitAutograd, m) { m.impl("alloc_host", &offtensor::alloc_host); }
 
-TORCH_LIBRARY_IMPL(offtensor, CPU, m) { m.impl("copy_async", &offtensor::copy_async); }
+TORCH_LIBRARY_IMPL(offtensor, CPU, m) {
+  m.impl("copy_async", &offtensor::copy_async);
+  m.impl("pin_host", &offtensor::pin_host);
+}
 
 TORCH_LIBRARY_IMPL(offtensor, CUDA, m) { m.impl("copy_async", &offtensor::copy_async); }
 

@@ -7,7 +7,7 @@ device. ``wrap_model(model, budget_gb=...)`` does that for a whole model, in pla
 
 from . import _ext  # noqa: F401  (loads the native extension, or warns once)
 from .pager import BudgetError, OffloadStats
-from .loading import load_safetensors
+from .loading import CheckpointError, from_pretrained, load_safetensors
 from .tensor import OffloadedTensor, offload
 from .timeline import PROFILES, Profile, Replay, Timeline, get_profile, measure_profile, plan, timeline
 from .wrap import reset_stats, stats, unwrap_model, wrap_model
@@ -20,6 +20,8 @@ __all__ = [
     "stats",
     "reset_stats",
     "load_safetensors",
+    "from_pretrained",
+    "CheckpointError",
     "OffloadStats",
     "BudgetError",
     "timeline",

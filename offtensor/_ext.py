@@ -6,7 +6,7 @@ cannot be loaded, or ``OFFTENSOR_NO_NATIVE=1`` is set, one warning says so and t
 run on plain PyTorch, only slower. The rest of offtensor uses only the names below:
 
 - ``NATIVE``, ``CUDA_COMPILED``, ``cuda_device_count()``
-- ``alloc_host(nbytes, pin=...)`` and ``live_host_bytes()``
+- ``alloc_host(nbytes, pin=..., touch=...)``, ``pin_host(tensor)`` and ``live_host_bytes()``
 - ``CopyEngine``: ``submit``, ``query``, ``wait``, ``stream_wait``
 """
 
@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-__all__ = ["NATIVE", "CUDA_COMPILED", "cuda_device_count", "alloc_host", "live_host_bytes", "CopyEngine"]
+__all__ = ["NATIVE", "CUDA_COMPILED", "cuda_device_count", "alloc_host", "pin_host", "live_host_bytes", "CopyEngine"]
 
 _BUILD_HINT = "pip install --no-build-isolation -e ."
 
@@ -68,8 +68,12 @@ def cuda_device_count() -> int:
 if NATIVE:
 
     @torch.library.register_fake("offtensor::alloc_host")
-    def _alloc_host_fake(nbytes, pin):
+    def _alloc_host_fake(nbytes, pin, touch=True):
         return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
+
+    @torch.library.register_fake("offtensor::pin_host")
+    def _pin_host_fake(host):
+        return False
 
     @torch.library.register_fake("offtensor::copy_async")
     def _copy_async_fake(dst, src, ticket, wait_stream):
@@ -94,17 +98,19 @@ def _fallback_freed(nbytes: int) -> None:
         _fallback_live_bytes -= nbytes
 
 
-def alloc_host(nbytes: int, *, pin: bool) -> torch.Tensor:
+def alloc_host(nbytes: int, *, pin: bool, touch: bool = True) -> torch.Tensor:
     """A 1-D uint8 CPU tensor of exactly ``nbytes`` bytes, page-aligned, pinned when ``pin`` and a
     GPU is present. Natively the memory is an mmap rounded only to the OS page (allocators that
     round to powers of two can double what large weights cost) and is returned to the OS when the
-    last tensor or view using it dies."""
+    last tensor or view using it dies. ``touch=False`` skips faulting the pages in up front (and the
+    huge-page advice, whose first faults on fresh memory can stall on compaction), for a caller that
+    writes every byte next (a file read): each page is then faulted once, by that write."""
     global _warned_unpinnable, _fallback_live_bytes
     if nbytes < 0:
         raise ValueError(f"offtensor: cannot allocate {nbytes} bytes of host memory")
     wants_torch_pinning = pin and not CUDA_COMPILED and torch.cuda.is_available()
     if NATIVE and not wants_torch_pinning:
-        return torch.ops.offtensor.alloc_host(nbytes, pin)
+        return torch.ops.offtensor.alloc_host(nbytes, pin, touch)
     if NATIVE:
         if not _warned_unpinnable:
             _warned_unpinnable = True
@@ -121,6 +127,20 @@ def alloc_host(nbytes: int, *, pin: bool) -> torch.Tensor:
     # The storage's Python object lives exactly as long as the storage, views included.
     weakref.finalize(tensor.untyped_storage(), _fallback_freed, nbytes)
     return tensor
+
+
+def can_pin_after_fill() -> bool:
+    """Whether ``pin_host`` can pin an ``alloc_host(pin=False)`` allocation in place on this machine."""
+    return CUDA_COMPILED and cuda_device_count() > 0
+
+
+def pin_host(host: torch.Tensor) -> bool:
+    """Pins the whole ``alloc_host(..., pin=False)`` allocation behind ``host`` in place, typically
+    once it has been filled (registering filled pages only locks them). Returns whether it is pinned:
+    False without a GPU, or when the extension cannot register memory (``can_pin_after_fill``)."""
+    if not can_pin_after_fill():
+        return False
+    return torch.ops.offtensor.pin_host(host)
 
 
 def live_host_bytes() -> int:

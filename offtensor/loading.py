@@ -1,22 +1,35 @@
-"""load_safetensors: fill a model built on meta straight from safetensors files, shard by shard.
+"""load_safetensors / from_pretrained: fill a model built on meta straight from safetensors files.
 
 Placement is planned from the meta shapes before a byte is read, so an offloaded weight goes from
-the file into its exact-size host master and never touches the device, and a resident weight goes
-from the file to the device. Every file header is checked against the model first (missing and
-unexpected names, shapes, dtypes), so a bad checkpoint is refused before the model changes.
+the file into its exact-size host master in one pass (``os.preadv`` into the master's memory, which
+is allocated without a first touch: the read is what faults each page in, once), and a resident
+weight goes from the file to the device through a reused staging buffer, the copy of one chunk
+overlapping the read of the next. Several threads read at once; ``preadv`` releases the GIL.
+
+Every file header is parsed here (8-byte little-endian length + JSON) and checked against the file
+size and the model first (missing and unexpected names, shapes, dtypes, offsets), so a bad
+checkpoint is refused before the model changes; a read that fails later also leaves it unchanged,
+because tensors are swapped into the model only after every byte has arrived.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
+import re
+import sys
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Optional
 
 import torch
 from torch import nn
 
 from . import wrap
-from .pager import Pager, resolve_device
+from .pager import Pager, format_bytes, resolve_device
 from .tensor import OffloadedTensor, _master_for
 from . import _ext
 
@@ -24,7 +37,33 @@ _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
 }
+# safetensors refuses headers above 100 MB; a larger length field means a corrupt file.
+_MAX_HEADER_BYTES = 100_000_000
+# One read or one staged copy moves at most this much, so threads share big tensors and the
+# staging buffers stay small.
+CHUNK_BYTES = 32 << 20
+STAGING_SLOTS = 2
+# Loads at least this large show a progress bar unless silenced (progress=False or OFFTENSOR_PROGRESS=0).
+PROGRESS_MIN_BYTES = 256 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is unreadable, or does not fit the model; nothing was changed."""
+
+
+# ---------------------------------------------------------------------------- files and headers
+
+
+class _FileTensor:
+    """One tensor's entry in a safetensors header: where its bytes lie in the file."""
+
+    __slots__ = ("file", "key", "dtype", "dtype_name", "shape", "begin", "nbytes")
+
+    def __init__(self, file, key, dtype, dtype_name, shape, begin, nbytes):
+        self.file, self.key, self.dtype, self.dtype_name = file, key, dtype, dtype_name
+        self.shape, self.begin, self.nbytes = shape, begin, nbytes
 
 
 def _shard_files(path) -> list:
@@ -44,117 +83,574 @@ def _shard_files(path) -> list:
         with open(path) as f:
             try:
                 weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise ValueError(f"offtensor: {path!r} is not a safetensors index (no weight_map): {e}") from None
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"offtensor: {path!r} is not a safetensors index (no weight_map): {e}") from None
         root = os.path.dirname(path)
         files = [os.path.join(root, name) for name in dict.fromkeys(weight_map.values())]
         missing = [f for f in files if not os.path.exists(f)]
         if missing:
-            raise FileNotFoundError(f"offtensor: index {path!r} names shards that do not exist: {missing}")
+            lost = [name for name, file in weight_map.items() if os.path.join(root, file) in missing]
+            raise FileNotFoundError(
+                f"offtensor: index {path!r} names shards that do not exist: {missing}; they hold {len(lost)} tensors, "
+                f"e.g. {lost[:4]}. Download the missing shards or point at a complete checkpoint."
+            )
         return files
     return [path]
 
 
-def _headers(files) -> dict:
-    """name -> (file, shape, dtype) for every tensor in every shard, without reading data."""
-    from safetensors import safe_open
+def read_header(file) -> dict:
+    """key -> _FileTensor for every tensor of one safetensors file, every offset checked against the
+    file's size, without reading any tensor data."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"offtensor: {file!r} is {size} bytes, too short for the 8-byte header length of a "
+                                  f"safetensors file: it is truncated or not a safetensors file")
+        header_bytes = int.from_bytes(head, "little")
+        if header_bytes > min(size - 8, _MAX_HEADER_BYTES):
+            raise CheckpointError(
+                f"offtensor: {file!r} says its header is {header_bytes} bytes, but the file has {size - 8} bytes after "
+                f"the length field (and headers are at most {_MAX_HEADER_BYTES}): the file is truncated or corrupt"
+            )
+        raw = f.read(header_bytes)
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"offtensor: the {header_bytes}-byte header of {file!r} is not a safetensors JSON "
+                              f"header ({e}): the file is corrupt") from None
+    data_start = 8 + header_bytes
+    data_bytes = size - data_start
+    entries = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        where = f"tensor {key!r} in {file!r}"
+        try:
+            dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"offtensor: {where} has a malformed header entry {info!r}: the file is corrupt") from None
+        dtype = _DTYPES.get(dtype_name)
+        if dtype is None:
+            raise CheckpointError(f"offtensor: {where} has dtype {dtype_name!r}, which offtensor cannot load "
+                                  f"(known: {sorted(_DTYPES)})")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise CheckpointError(f"offtensor: {where} has shape {shape!r}: the file is corrupt")
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * dtype.itemsize
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+            raise CheckpointError(f"offtensor: {where} has data offsets [{begin!r}, {end!r}]: the file is corrupt")
+        if end - begin != nbytes:
+            raise CheckpointError(
+                f"offtensor: {where} spans bytes [{begin}, {end}) = {end - begin} bytes of the data section, but its "
+                f"shape {tuple(shape)} in {dtype_name} needs {nbytes} bytes: the file is corrupt"
+            )
+        if end > data_bytes:
+            raise CheckpointError(
+                f"offtensor: {where} ({nbytes} bytes) lies at bytes [{begin}, {end}) of the data section, past the "
+                f"end of the file ({data_bytes} bytes of data): the file is truncated"
+            )
+        entries[key] = _FileTensor(file, key, dtype, dtype_name, tuple(shape), data_start + begin, nbytes)
+    return entries
 
+
+def _headers(files) -> dict:
+    """key -> _FileTensor over every shard; a key in two shards is refused."""
     entries = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                view = f.get_slice(name)
-                dtype = _DTYPES.get(view.get_dtype())
-                if name in entries:
-                    raise ValueError(f"offtensor: tensor {name!r} is in both {entries[name][0]!r} and {file!r}")
-                entries[name] = (file, tuple(view.get_shape()), dtype, view.get_dtype())
+        for key, entry in read_header(file).items():
+            if key in entries:
+                raise CheckpointError(f"offtensor: tensor {key!r} is in both {entries[key].file!r} and {file!r}")
+            entries[key] = entry
     return entries
+
+
+# ---------------------------------------------------------------------------- names: file -> model
+
+
+class _Piece:
+    """A file tensor and the part of a model tensor it fills: the whole tensor, or (for checkpoints
+    that store stacked experts one by one) ``target[index]``, narrowed along ``dim`` to
+    ``[offset, offset + length)`` when several file tensors are concatenated into one."""
+
+    __slots__ = ("source", "target", "index", "part", "dim", "offset")
+
+    def __init__(self, source: _FileTensor, target: str, index=None, part=0, dim=None):
+        self.source, self.target, self.index, self.part, self.dim = source, target, index, part, dim
+        self.offset = 0
+
+    def region(self, t: torch.Tensor) -> torch.Tensor:
+        if self.index is None:
+            return t
+        t = t[self.index]
+        return t if self.dim is None else t.narrow(self.dim, self.offset, self.source.shape[self.dim])
+
+    def describe(self) -> str:
+        return f"{self.source.key!r} in {self.source.file!r}"
+
+
+class _Conversions:
+    """The key renamings and expert stackings transformers applies to a checkpoint of this model
+    (``save_pretrained`` writes Mixtral / DeepSeek / Qwen-MoE experts one tensor per expert, the
+    models hold them stacked). Only renames and stack-then-concatenate are understood; anything
+    else is reported, never guessed."""
+
+    def __init__(self, model: nn.Module):
+        self.renames, self.stacks, self.unsupported = [], [], []
+        try:
+            from transformers import PreTrainedModel
+            from transformers import conversion_mapping
+        except ImportError:
+            return  # no transformers, or one from before checkpoint conversions (v4): names are used as they are
+        if not isinstance(model, PreTrainedModel):
+            return
+        try:
+            if hasattr(conversion_mapping, "get_model_conversion_mapping"):
+                transforms = conversion_mapping.get_model_conversion_mapping(model)
+            else:
+                transforms = conversion_mapping.get_checkpoint_conversion_mapping(model.config.model_type) or []
+        except Exception as e:  # an API change in transformers: say so instead of failing the load
+            self.unsupported.append(f"transformers' conversion mapping could not be read ({e})")
+            return
+        for t in transforms:
+            ops = [type(op).__name__ for op in getattr(t, "operations", ())]
+            sources, targets = list(t.source_patterns), list(t.target_patterns)
+            scope = getattr(t, "scope_prefix", None) or ""
+            if not ops:
+                for i, source in enumerate(sources):  # several sources may share one target
+                    self.renames.append((scope, re.compile(source), targets[min(i, len(targets) - 1)]))
+            elif ops[0] == "MergeModulelist" and len(targets) == 1 and (
+                len(ops) == 1 or (len(ops) == 2 and ops[1] == "Concatenate")
+            ):
+                if getattr(t.operations[0], "dim", 0) != 0:
+                    self.unsupported.append(f"{sources} -> {targets}: MergeModulelist(dim={t.operations[0].dim})")
+                    continue
+                cat_dim = t.operations[1].dim - 1 if len(ops) == 2 else None  # dims of one expert's slice
+                patterns = [re.compile(re.escape(s).replace(r"\*", r"(\d+)")) for s in sources]
+                self.stacks.append((scope, patterns, targets[0], cat_dim))
+            else:
+                self.unsupported.append(f"{sources} -> {targets}: {ops}")
+
+    def piece(self, source: _FileTensor, model_names) -> Optional[_Piece]:
+        key = source.key
+        for scope, pattern, replacement in self.renames:
+            if key.startswith(scope):
+                key = pattern.sub(replacement, key)
+        if key in model_names:
+            return _Piece(source, key)
+        for scope, patterns, target, cat_dim in self.stacks:
+            if not key.startswith(scope):
+                continue
+            for part, pattern in enumerate(patterns):
+                m = pattern.search(key)
+                if m is not None:
+                    name = key[: m.start()] + target + key[m.end():]
+                    if name in model_names:
+                        return _Piece(source, name, index=int(m.group(1)), part=part, dim=cat_dim)
+        return None
+
+
+def _match(entries: dict, model: nn.Module, groups, convert_dtypes: bool, path, strict: bool):
+    """name of each model tensor -> its pieces, and the problems found (all of them, not the first)."""
+    members = {}  # model name -> (group, member)
+    for group in groups:
+        for member in group:
+            for name in member.names:
+                members[name] = (group, member)
+    conversions = None
+    pieces: dict = {}
+    unmatched = []
+    for key, source in entries.items():
+        if key in members:
+            pieces.setdefault(key, []).append(_Piece(source, key))
+            continue
+        if conversions is None:
+            conversions = _Conversions(model)
+        piece = conversions.piece(source, members)
+        if piece is None:
+            unmatched.append(key)
+        else:
+            pieces.setdefault(piece.target, []).append(piece)
+
+    # transformers models name checkpoint tensors they deliberately skip (DeepSeek-V3's MTP layer 61).
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    unmatched = [k for k in unmatched if not any(p.search(k) for p in ignored)]
+    problems, missing = [], []
+    chosen = {}  # id(member) -> (member, [pieces])
+    for group in groups:
+        for member in group:
+            names = [n for n in member.names if n in pieces]
+            if not names:
+                if member.tensor.is_meta:
+                    t = member.tensor
+                    missing.append(f"{member.names[0]} ({tuple(t.shape)}, {t.dtype}, {t.numel() * t.element_size()} bytes)")
+                continue
+            # Tied names stored more than once: the first is read, the others are only known.
+            chosen[id(member)] = (member, pieces[names[0]])
+            problems += _check_pieces(names[0], member.tensor, pieces[names[0]], convert_dtypes)
+    if strict and unmatched:
+        problems.append(f"the files hold {len(unmatched)} tensors the model does not have: {sorted(unmatched)[:8]}"
+                        f"{' ...' if len(unmatched) > 8 else ''} (pass strict=False to ignore them)")
+    if missing:
+        problems.append(f"the files lack {len(missing)} weights the model has no values for: {missing[:8]}"
+                        f"{' ...' if len(missing) > 8 else ''}")
+    if conversions is not None and conversions.unsupported and (unmatched or missing):
+        problems.append(f"transformers converts this checkpoint with steps offtensor does not do: "
+                        f"{conversions.unsupported[:4]}")
+    named = [n for n in members if members[n][1].tensor.is_meta]
+    found = sum(1 for n in named if n in pieces)
+    if named and found < len(named) / 2:
+        problems.append(f"only {found} of the model's {len(named)} weights are in {os.fspath(path)!r}: it looks like "
+                        f"a checkpoint of another architecture (file: {sorted(entries)[:3]}, model: {named[:3]})")
+    return chosen, problems
+
+
+def _check_pieces(name, t: torch.Tensor, pieces, convert_dtypes: bool) -> list:
+    problems = []
+    model_bytes = t.numel() * t.element_size()
+    for p in pieces:
+        s = p.source
+        if s.dtype != t.dtype and not (convert_dtypes and s.dtype.is_floating_point and t.dtype.is_floating_point):
+            problems.append(f"{name}: {p.describe()} has dtype {s.dtype_name} ({s.nbytes} bytes), the model expects "
+                            f"{t.dtype} ({model_bytes} bytes); build the model with the checkpoint's dtype")
+            return problems
+    if len(pieces) == 1 and pieces[0].index is None:
+        s = pieces[0].source
+        if s.shape != tuple(t.shape):
+            problems.append(f"{name}: {pieces[0].describe()} has shape {s.shape} ({s.nbytes} bytes), the model "
+                            f"expects {tuple(t.shape)} ({model_bytes} bytes)")
+        return problems
+    # Stacked from per-expert tensors: every (expert, part) once, parts laid end to end along dim.
+    if any(p.index is None for p in pieces) or t.dim() == 0:
+        return [f"{name}: {len(pieces)} file tensors map onto it ({[p.describe() for p in pieces[:3]]})"]
+    by_part: dict = {}
+    for p in pieces:
+        by_part.setdefault(p.part, {}).setdefault(p.index, []).append(p)
+    experts = t.shape[0]
+    slice_shape = tuple(t.shape[1:])
+    offset = 0
+    for part in sorted(by_part):
+        got = by_part[part]
+        bad = sorted(i for i, ps in got.items() if len(ps) > 1 or not 0 <= i < experts)
+        if bad or len(got) != experts:
+            return [f"{name} ({experts} experts): the files give part {part} for experts {sorted(got)[:8]}"
+                    f"{' ...' if len(got) > 8 else ''}; each expert must appear exactly once"]
+        shapes = {ps[0].source.shape for ps in got.values()}
+        dim = got[0][0].dim
+        width = next(iter(shapes))[dim] if dim is not None and len(shapes) == 1 else None
+        for ps in got.values():
+            ps[0].offset = offset
+        expected = slice_shape if dim is None else slice_shape[:dim] + (width,) + slice_shape[dim + 1:]
+        if len(shapes) != 1 or next(iter(shapes)) != expected:
+            return [f"{name}: expert tensors such as {got[0][0].describe()} have shapes {sorted(shapes)[:3]}, "
+                    f"the model's {tuple(t.shape)} ({model_bytes} bytes) needs {expected}"]
+        offset += width or 0
+    dim = pieces[0].dim
+    if dim is not None and offset != slice_shape[dim]:
+        problems.append(f"{name}: the parts {sorted(by_part)} concatenate to {offset} along dim {dim + 1}, the model "
+                        f"has {slice_shape[dim]} ({tuple(t.shape)}, {model_bytes} bytes)")
+    return problems
+
+
+def _architecture_problem(model: nn.Module, files) -> Optional[str]:
+    """The config.json beside the files names another model type than the model's config."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    config_file = os.path.join(os.path.dirname(os.path.abspath(files[0])), "config.json")
+    if not model_type or not os.path.exists(config_file):
+        return None
+    try:
+        with open(config_file) as f:
+            theirs = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if theirs and theirs != model_type:
+        return (f"{config_file!r} describes a {theirs!r} checkpoint but the model is a {model_type!r} "
+                f"({type(model).__name__}): load it into a {theirs} model (ot.from_pretrained builds the right one)")
+    return None
+
+
+# ---------------------------------------------------------------------------- progress
+
+
+class _Progress:
+    """Bytes read so far, shown with tqdm when the load is large enough (thread-safe)."""
+
+    def __init__(self, total: int, enabled: Optional[bool], what: str):
+        self.total, self.start = total, time.perf_counter()
+        if enabled is None:
+            env = os.environ.get("OFFTENSOR_PROGRESS", "").strip().lower()
+            enabled = env not in ("0", "false", "no", "off") and (env in ("1", "true", "yes", "on")
+                                                                  or total >= PROGRESS_MIN_BYTES)
+        self.enabled = enabled
+        self.bar = None
+        self.lock = threading.Lock()
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                return  # a one-line summary is printed at the end instead
+            # unit_scale with base 1000 turns B/s into MB/s and GB/s, the units the README uses.
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=what, leave=False,
+                            dynamic_ncols=True)
+
+    def update(self, nbytes: int) -> None:
+        if self.bar is not None:
+            with self.lock:
+                self.bar.update(nbytes)
+
+    def close(self, ok: bool) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.enabled and ok:
+            seconds = max(time.perf_counter() - self.start, 1e-9)
+            print(f"offtensor: loaded {format_bytes(self.total)} in {seconds:.2f} s "
+                  f"({self.total / seconds / 1e9:.2f} GB/s)", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a 1-D uint8 view of the same memory."""
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
+
+
+def _pread_into(fd: int, offset: int, dst: torch.Tensor, what) -> None:
+    """Reads ``dst.numel()`` bytes at ``offset`` straight into the CPU uint8 tensor ``dst``."""
+    view = memoryview(dst.numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as e:
+            raise CheckpointError(f"offtensor: reading {what()} failed at byte {offset + done} of its file, "
+                                  f"{len(view) - done} of {len(view)} bytes still to read: {e}") from e
+        if n == 0:
+            raise CheckpointError(f"offtensor: reading {what()} stopped at byte {offset + done} of its file, "
+                                  f"{len(view) - done} of {len(view)} bytes short: the file was truncated while loading")
+        done += n
+
+
+def _stages_resident(device: torch.device) -> bool:
+    """Whether resident weights go through the staging buffers. On the emulated device the device's
+    memory is host memory, so a read lands in it directly; tests force staging there to run the GPU
+    path's pipeline (same slots, same copy engine, same waits)."""
+    return device.type != "cpu"
+
+
+class _Reader:
+    """Reads pieces into their destinations with a pool of threads. Offloaded destinations (CPU,
+    contiguous) are read into directly; device destinations go through ``STAGING_SLOTS`` reused
+    (pinned on a GPU) staging buffers, each chunk's copy overlapping the next chunk's read."""
+
+    def __init__(self, device: torch.device, threads: int, progress: _Progress):
+        self.device, self.threads, self.progress = device, threads, progress
+        self.staged = _stages_resident(device)
+        self.fds: dict = {}
+        self.jobs: list = []
+        self.engine = _ext.CopyEngine()
+        self.slots: Optional[queue.Queue] = None
+        self.submit_lock = threading.Lock()
+        self.pin_lock = threading.Lock()
+        self.pending_pins: dict = {}  # id(raw) -> [chunks left, raw]
+
+    def fd(self, file) -> int:
+        if file not in self.fds:
+            self.fds[file] = os.open(file, os.O_RDONLY)
+        return self.fds[file]
+
+    def add(self, piece: _Piece, dest: torch.Tensor, offloaded: bool, pin_after: Optional[torch.Tensor] = None) -> None:
+        """Schedule ``piece`` into ``dest``, its region of a host master (``offloaded``) or of a
+        device tensor. ``pin_after``: the master's allocation, pinned once all its pieces are in."""
+        s, what = piece.source, piece.describe
+        self.fd(s.file)  # opened here, on one thread, so the jobs only look it up
+        if not dest.is_contiguous() or dest.dtype != s.dtype:
+            self._expect(pin_after, 1)
+            self.jobs.append(lambda: self._read_converted(s, dest, what, pin_after))
+        elif not offloaded and self.staged:
+            self._add_staged(s, _as_bytes(dest), what)
+        else:
+            target = _as_bytes(dest)
+            chunks = range(0, s.nbytes, CHUNK_BYTES)
+            self._expect(pin_after, len(chunks))
+            for lo in chunks:
+                hi = min(lo + CHUNK_BYTES, s.nbytes)
+                self.jobs.append(self._direct_job(s, target[lo:hi], lo, what, pin_after))
+
+    def _expect(self, raw: Optional[torch.Tensor], jobs: int) -> None:
+        if raw is not None:
+            self.pending_pins.setdefault(id(raw), [0, raw])[0] += jobs
+
+    def _direct_job(self, s, target, lo, what, pin_after):
+        def job():
+            _pread_into(self.fd(s.file), s.begin + lo, target, what)
+            self.progress.update(target.numel())
+            if pin_after is not None:
+                self._chunk_done(pin_after)
+        return job
+
+    def _chunk_done(self, raw: torch.Tensor) -> None:
+        with self.pin_lock:
+            entry = self.pending_pins[id(raw)]
+            entry[0] -= 1
+            last = entry[0] == 0
+        if last:
+            _ext.pin_host(raw)  # filled: registering now only locks the pages, it does not fault them
+
+    def _add_staged(self, s: _FileTensor, target: torch.Tensor, what) -> None:
+        if self.slots is None:
+            self.slots = queue.Queue()
+            pin = self.device.type == "cuda"
+            for _ in range(STAGING_SLOTS):
+                self.slots.put((_ext.alloc_host(CHUNK_BYTES, pin=pin), None))
+        for lo in range(0, s.nbytes, CHUNK_BYTES):
+            hi = min(lo + CHUNK_BYTES, s.nbytes)
+            self.jobs.append(self._staged_job(s, target[lo:hi], lo, what))
+
+    def _staged_job(self, s, target, lo, what):
+        def job():
+            buf, ticket = self.slots.get()
+            try:
+                if ticket is not None:
+                    self.engine.wait(ticket)  # the slot's previous copy has left it
+                    ticket = None
+                chunk = buf[: target.numel()]
+                _pread_into(self.fd(s.file), s.begin + lo, chunk, what)
+                with self.submit_lock:
+                    ticket = self.engine.submit(target, chunk)
+            finally:
+                self.slots.put((buf, ticket))
+            self.progress.update(target.numel())
+        return job
+
+    def _read_converted(self, s: _FileTensor, dest: torch.Tensor, what, pin_after) -> None:
+        """A destination that is strided, of another dtype, or not on the CPU: read into a temporary
+        of the file's layout, then one ``copy_`` converts and places it."""
+        raw = _ext.alloc_host(s.nbytes, pin=False, touch=False)
+        for lo in range(0, s.nbytes, CHUNK_BYTES):
+            hi = min(lo + CHUNK_BYTES, s.nbytes)
+            _pread_into(self.fd(s.file), s.begin + lo, raw[lo:hi], what)
+            self.progress.update(hi - lo)
+        values = raw.view(s.dtype).view(s.shape) if s.nbytes else torch.empty(s.shape, dtype=s.dtype)
+        with torch.no_grad():
+            dest.copy_(values)
+        if pin_after is not None:
+            self._chunk_done(pin_after)
+
+    def run(self) -> None:
+        try:
+            if self.threads <= 1 or len(self.jobs) <= 1:
+                for job in self.jobs:
+                    job()
+            else:
+                with ThreadPoolExecutor(self.threads, thread_name_prefix="offtensor-load") as pool:
+                    futures = [pool.submit(job) for job in self.jobs]
+                    done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+                    failed = next((f for f in done if f.exception() is not None), None)
+                    if failed is not None:
+                        for f in futures:
+                            f.cancel()
+                        raise failed.exception()
+            self.drain()
+        finally:
+            for fd in self.fds.values():
+                os.close(fd)
+            self.fds.clear()
+
+    def drain(self) -> None:
+        """Waits for every staged copy, so the staging buffers and the device tensors are settled."""
+        if self.slots is None:
+            return
+        held = [self.slots.get() for _ in range(STAGING_SLOTS)]
+        for buf, ticket in held:
+            if ticket is not None:
+                self.engine.wait(ticket)
+        for buf, _ in held:
+            self.slots.put((buf, None))
+
+
+# ---------------------------------------------------------------------------- public API
 
 
 def load_safetensors(model: nn.Module, path, budget_gb: Optional[float] = None, device=None, *,
                      offload_gb: Optional[float] = None, prefetch: bool = True, policy=None,
-                     strict: bool = True) -> nn.Module:
+                     strict: bool = True, progress: Optional[bool] = None, threads: Optional[int] = None,
+                     convert_dtypes: bool = False) -> nn.Module:
     """Load ``model``'s weights (usually built on meta) from safetensors and wrap it for a budget.
 
     ``path`` is a ``.safetensors`` file, a directory of shards, or a ``*.safetensors.index.json``.
     Tied names need to be in the files once. With ``strict`` every weight the model lacks values
     for must be in the files and every tensor in the files must belong to the model.
+    ``progress``: None shows a bar for loads of at least 256 MB (``OFFTENSOR_PROGRESS=0`` silences
+    it, ``=1`` forces it), True/False force it. ``threads``: readers (default: the CPU count, 4..8,
+    since they mostly wait on page faults; ``OFFTENSOR_LOAD_THREADS``). ``convert_dtypes``: floating
+    tensors of another dtype in the files are converted to the model's instead of refused.
     """
     wrap._check_wrappable(model, budget_gb, offload_gb)
     device = resolve_device(device)
-    entries = _headers(_shard_files(path))
+    files = _shard_files(path)
+    entries = _headers(files)
     groups = wrap._collect(model)
-
-    sources = {}  # id(group) -> [(member, file name)]
-    problems, missing, used = [], [], set()
-    for group in groups:
-        found = []
-        for member in group:
-            name = next((n for n in member.names if n in entries), None)
-            if name is None:
-                if member.tensor.is_meta:
-                    missing.append(f"{member.names[0]} ({tuple(member.tensor.shape)}, {member.tensor.dtype})")
-                continue
-            used.update(n for n in member.names if n in entries)
-            file, shape, dtype, dtype_name = entries[name]
-            t = member.tensor
-            if shape != tuple(t.shape):
-                problems.append(f"{name}: the file has shape {shape}, the model expects {tuple(t.shape)}")
-            elif dtype != t.dtype:
-                problems.append(f"{name}: the file has dtype {dtype_name}, the model expects {t.dtype} "
-                                f"({t.numel() * t.element_size()} bytes); build the model with the checkpoint's dtype")
-            found.append((member, name))
-        sources[id(group)] = found
-    unexpected = sorted(set(entries) - used)
-    if strict and unexpected:
-        problems.append(f"the files hold {len(unexpected)} tensors the model does not have: {unexpected[:8]}"
-                        f"{' ...' if len(unexpected) > 8 else ''} (pass strict=False to ignore them)")
-    if missing:
-        problems.append(f"the files lack {len(missing)} weights the model has no values for: {missing[:8]}"
-                        f"{' ...' if len(missing) > 8 else ''}")
+    chosen, problems = _match(entries, model, groups, convert_dtypes, path, strict)
+    architecture = _architecture_problem(model, files)
+    if architecture:
+        problems.insert(0, architecture)
     if problems:
-        raise ValueError("offtensor: cannot load " + os.fspath(path) + " into " + type(model).__name__ + ":\n  "
-                         + "\n  ".join(problems))
+        raise CheckpointError("offtensor: cannot load " + os.fspath(path) + " into " + type(model).__name__
+                              + " (the model is unchanged):\n  " + "\n  ".join(problems))
 
     plan, by_weight = wrap._plan(groups, device, budget_gb, offload_gb, policy, prefetch)
     pager = Pager(device, plan.budget_bytes)
     offloaded = {id(by_weight[id(w)]) for w in plan.offload}
-    targets = {}  # id(group) -> (member -> destination tensor)
-    for group in groups:
-        if not sources[id(group)]:
-            # Not in the files but has values (a buffer computed at init): place it as wrap_model does.
-            if id(group) in offloaded:
-                wrap._offload_group(group, pager)
-            else:
-                wrap._make_resident(group, device)
-            continue
-        targets[id(group)] = _destinations(group, pager if id(group) in offloaded else None, device)
-
-    # Shard by shard: each tensor is read once, straight into its master or onto the device.
-    from safetensors import safe_open
-
-    by_file = {}
-    for group in groups:
-        for member, name in sources[id(group)]:
-            by_file.setdefault(entries[name][0], []).append((group, member, name))
-    with torch.no_grad():
-        for file, items in by_file.items():
-            with safe_open(file, framework="pt") as f:
-                for group, member, name in items:
-                    dest = targets[id(group)][id(member)]
-                    dest.copy_(f.get_tensor(name))
-    for group in groups:
-        if id(group) in targets:
+    pin_late = device.type == "cuda" and _ext.can_pin_after_fill()
+    if threads is None:
+        threads = int(os.environ.get("OFFTENSOR_LOAD_THREADS", "0")) or min(8, max(4, os.cpu_count() or 4))
+    total = sum(p.source.nbytes for _, ps in chosen.values() for p in ps)
+    progress_bar = _Progress(total, progress, f"offtensor: loading {os.path.basename(os.fspath(path))}")
+    reader = _Reader(device, threads, progress_bar)
+    targets = {}  # id(member) -> destination tensor
+    ok = False
+    try:
+        for group in groups:
+            if not any(id(m) in chosen for m in group):
+                continue
+            is_offloaded = id(group) in offloaded
+            dests, raw = _destinations(group, pager if is_offloaded else None, device, pin_late)
+            targets.update(dests)  # every alias of the storage, read under its name or not
             for member in group:
-                dest = targets[id(group)][id(member)]
-                wrap._swap(member, wrap._as_param_like(member.tensor, dest))
+                if id(member) not in chosen:
+                    continue  # an alias whose values arrive through another member's name
+                dest = dests[id(member)]
+                host = dest._host if isinstance(dest, OffloadedTensor) else dest
+                for piece in chosen[id(member)][1]:
+                    reader.add(piece, piece.region(host), is_offloaded, raw if is_offloaded and pin_late else None)
+        with torch.no_grad():
+            reader.run()
+        ok = True
+    finally:
+        progress_bar.close(ok)
+
+    # Every byte is in place: only now does the model change.
+    for group in groups:
+        if any(id(m) in chosen for m in group):
+            for member in group:
+                wrap._swap(member, wrap._as_param_like(member.tensor, targets[id(member)]))
+        elif id(group) in offloaded:
+            wrap._offload_group(group, pager)  # not in the files but has values (a buffer computed at init)
+        else:
+            wrap._make_resident(group, device)
     wrap._register(model, pager, plan, policy, prefetch)
     return model
 
 
-def _destinations(group, pager: Optional[Pager], device: torch.device) -> dict:
-    """id(member) -> the tensor its values are loaded into: views of one new host master (offloaded)
-    or of one device buffer (resident), laid out like the group's storage so aliases stay aliases."""
+def _destinations(group, pager: Optional[Pager], device: torch.device, pin_late: bool):
+    """(id(member) -> the tensor its values are loaded into, the raw host allocation or None):
+    views of one new host master (offloaded) or of one device buffer (resident), laid out like the
+    group's storage so aliases stay aliases. A master's memory is not touched before the read."""
     first = group[0].tensor
     dense = len(group) == 1
     if dense:
@@ -163,10 +659,17 @@ def _destinations(group, pager: Optional[Pager], device: torch.device) -> dict:
     else:
         lo, hi = wrap._group_range(group)
         numel = hi - lo
-        layouts = {id(m): (tuple(m.tensor.shape), m.tensor.stride(), m.tensor.storage_offset() - lo) for m in group}
+        layouts = {id(m.tensor): (tuple(m.tensor.shape), m.tensor.stride(), m.tensor.storage_offset() - lo)
+                   for m in group}
+    raw = None
     if pager is not None:
-        raw = _ext.alloc_host(numel * first.element_size(), pin=pager.device.type == "cuda")
+        pin_now = pager.device.type == "cuda" and not pin_late
+        raw = _ext.alloc_host(numel * first.element_size(), pin=pin_now, touch=False)
         flat = raw.view(first.dtype) if numel else torch.empty(0, dtype=first.dtype)
+    elif device.type == "cpu":
+        # The emulated device's memory: allocated like a master, so the read is its first touch too.
+        raw_resident = _ext.alloc_host(numel * first.element_size(), pin=False, touch=False)
+        flat = raw_resident.view(first.dtype) if numel else torch.empty(0, dtype=first.dtype)
     else:
         flat = torch.empty(numel, dtype=first.dtype, device=device)
     out = {}
@@ -175,4 +678,75 @@ def _destinations(group, pager: Optional[Pager], device: torch.device) -> dict:
         shape, stride, offset = layouts[id(member.tensor)]
         view = flat.view(shape) if stride is None else flat.as_strided(shape, stride, offset)
         out[id(member)] = OffloadedTensor(view, master) if master is not None else view
-    return out
+    return out, raw
+
+
+# ---------------------------------------------------------------------------- from_pretrained
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Builds parameters on meta and leaves buffers real, like accelerate's
+    ``init_empty_weights(include_buffers=False)``: buffers computed at init (rotary frequencies)
+    are not in checkpoints, so they must keep their values."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            kwargs = dict(module._parameters[name].__dict__)
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+            module._parameters[name].__dict__.update(kwargs)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype: Optional[torch.dtype] = None, *,
+                    offload_gb: Optional[float] = None, prefetch: bool = True, policy=None,
+                    progress: Optional[bool] = None, threads: Optional[int] = None, model_class=None,
+                    trust_remote_code: bool = False, strict: bool = True) -> nn.Module:
+    """A transformers checkpoint directory -> its model built on meta from ``config.json``, every
+    shard read through ``load_safetensors``, wrapped for the budget, in eval mode.
+
+    ``dtype``: None keeps the checkpoint's floating dtype; another floating dtype converts while
+    loading. ``model_class``: a transformers class to build instead of ``config.architectures[0]``
+    (or ``AutoModelForCausalLM`` when the config names none). transformers is needed only here.
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError(
+            "offtensor.from_pretrained needs transformers (pip install transformers) to build the model from "
+            "config.json; without it, build the model on meta yourself and call ot.load_safetensors(model, path)"
+        ) from None
+    root = os.fspath(path)
+    if not os.path.isdir(root) or not os.path.exists(os.path.join(root, "config.json")):
+        raise FileNotFoundError(f"offtensor: {root!r} is not a transformers checkpoint directory (no config.json)")
+    config = transformers.AutoConfig.from_pretrained(root, local_files_only=True, trust_remote_code=trust_remote_code)
+    files = _shard_files(root)
+    if dtype is None:
+        by_dtype: dict = {}
+        for entry in _headers(files).values():
+            if entry.dtype.is_floating_point:
+                by_dtype[entry.dtype] = by_dtype.get(entry.dtype, 0) + entry.nbytes
+        dtype = max(by_dtype, key=by_dtype.get) if by_dtype else torch.get_default_dtype()
+    cls = model_class
+    if cls is None:
+        names = getattr(config, "architectures", None) or []
+        cls = next((getattr(transformers, n) for n in names if hasattr(transformers, n)), None)
+    with _parameters_on_meta():
+        if cls is None:
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                                  trust_remote_code=trust_remote_code)
+        else:
+            model = cls._from_config(config, dtype=dtype)
+    model.tie_weights()  # ties declared by the config (tie_word_embeddings), bound before loading
+    model.eval()
+    index = next((os.path.join(root, f) for f in sorted(os.listdir(root)) if f.endswith(".safetensors.index.json")),
+                 None)
+    return load_safetensors(model, index or root, budget_gb, device, offload_gb=offload_gb, prefetch=prefetch,
+                            policy=policy, strict=strict, progress=progress, threads=threads, convert_dtypes=True)

@@ -1,0 +1,350 @@
+"""The fast load path: safetensors headers parsed and checked by offtensor, bytes read straight into
+unfaulted host masters (or through the staging buffers), corrupt and mismatching files refused with
+the file and the tensor named and the model untouched, progress reporting, and ot.from_pretrained on
+tiny transformers checkpoints saved by save_pretrained."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import offtensor as ot
+from offtensor import _ext, loading
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+GiB = 1 << 30
+
+
+class Net(nn.Module):
+    def __init__(self, hidden=48, layers=3, vocab=96):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+def _bytes(model) -> int:
+    return sum({id(t): t.numel() * t.element_size() for t in model.state_dict().values()}.values())
+
+
+@pytest.fixture
+def reference():
+    torch.manual_seed(0)
+    return Net().eval()
+
+
+def _meta():
+    with torch.device("meta"):
+        return Net().eval()
+
+
+def _unchanged(model) -> bool:
+    return all(p.is_meta and not isinstance(p, ot.OffloadedTensor) for p in model.parameters()) \
+        and not ot.wrap.is_wrapped(model)
+
+
+def _check_same(model, reference, device):
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids.to(device)), reference.to(device)(ids.to(device)), rtol=0, atol=0)
+
+
+def _corrupt(path, mutate):
+    """Rewrite the header of a safetensors file through ``mutate(header dict)`` (data untouched)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        data = f.read()
+    mutate(header)
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw + data)
+
+
+# ---------------------------------------------------------------------------- the read paths
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_chunked_threaded_reads_fill_masters_and_device_weights_exactly(tmp_path, reference, device, monkeypatch, staged):
+    # Tiny chunks: every tensor spans several reads on several threads, and two staging slots are
+    # reused many times, so a slot refilled before its copy finished would corrupt the values.
+    monkeypatch.setattr(loading, "CHUNK_BYTES", 4096)
+    if staged:
+        monkeypatch.setattr(loading, "_stages_resident", lambda device: True)
+    file = tmp_path / "model.safetensors"
+    safetensors_torch.save_model(reference, str(file))
+    model = ot.load_safetensors(_meta(), file, budget_gb=0.5 * _bytes(reference) / GiB, device=device, threads=3)
+    s = ot.stats(model)
+    assert s.offloaded_bytes > 0 and s.resident_bytes > 0
+    assert s.bytes_h2d == 0
+    _check_same(model, reference, device)
+
+
+def test_masters_are_allocated_unfaulted_and_exact_size(tmp_path, reference, monkeypatch):
+    calls = []
+    real = _ext.alloc_host
+
+    def spy(nbytes, *, pin, touch=True):
+        calls.append((nbytes, touch))
+        return real(nbytes, pin=pin, touch=touch)
+
+    monkeypatch.setattr(_ext, "alloc_host", spy)
+    file = tmp_path / "model.safetensors"
+    safetensors_torch.save_model(reference, str(file))
+    model = ot.load_safetensors(_meta(), file, budget_gb=0.5 * _bytes(reference) / GiB, device="cpu")
+    offloaded = [p for p in model.parameters() if isinstance(p, ot.OffloadedTensor)]
+    assert offloaded
+    assert all(touch is False for _, touch in calls)
+    sizes = sorted(n for n, _ in calls)
+    for p in offloaded:
+        assert p.host_nbytes == p.numel() * p.element_size()
+        assert p.host_nbytes in sizes
+
+
+def test_floating_tensors_of_another_dtype_are_converted_on_request(tmp_path, reference, device):
+    state = {k: v.to(torch.bfloat16) for k, v in reference.state_dict().items()}
+    file = tmp_path / "model.safetensors"
+    safetensors_torch.save_file(state, str(file))
+    with pytest.raises(ot.CheckpointError, match=r"BF16"):
+        ot.load_safetensors(_meta(), file, budget_gb=1, device=device)
+    model = ot.load_safetensors(_meta(), file, budget_gb=0.5 * _bytes(reference) / GiB, device=device,
+                                convert_dtypes=True)
+    expected = Net().eval()
+    expected.load_state_dict({k: v.float() for k, v in state.items()})
+    _check_same(model, expected, device)
+
+
+def test_alloc_host_without_touch_is_exact_zeroed_and_passes_opcheck():
+    if not _ext.NATIVE:
+        pytest.skip("the native extension is not built")
+    t = _ext.alloc_host(3 * 4096 + 5, pin=False, touch=False)
+    assert t.numel() == 3 * 4096 + 5 and t.data_ptr() % 4096 == 0
+    assert int(t.sum()) == 0  # fresh anonymous memory reads as zeros
+    torch.library.opcheck(torch.ops.offtensor.alloc_host.default, (8192, False, False))
+
+
+def test_pin_host_pins_in_place_only_when_a_gpu_is_present():
+    if not _ext.NATIVE:
+        pytest.skip("the native extension is not built")
+    t = _ext.alloc_host(2 << 20, pin=False, touch=False)
+    t.fill_(7)
+    pinned = _ext.pin_host(t)
+    assert pinned == _ext.can_pin_after_fill()
+    if pinned:
+        assert t.is_pinned()
+        assert _ext.pin_host(t)  # pinning twice is harmless
+    assert int(t[123]) == 7
+    del t  # freeing a late-pinned allocation unregisters it first
+    numpy = pytest.importorskip("numpy")
+    odd = torch.from_numpy(numpy.zeros(3 * 4096, dtype=numpy.uint8)[1:])  # its storage starts off a page boundary
+    with pytest.raises(RuntimeError, match="page-aligned"):
+        torch.ops.offtensor.pin_host(odd)
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("short", r"too short for the 8-byte header"),
+    ("header_length", r"says its header is \d+ bytes, but the file has \d+ bytes"),
+    ("json", r"header of .* is not a safetensors JSON header"),
+    ("offsets_past_end", r"'layers\.1\.weight' .* past the end of the file .* truncated"),
+    ("offsets_size", r"'layers\.1\.weight' .* spans bytes .* needs \d+ bytes"),
+    ("truncated", r"past the end of the file"),
+])
+def test_corrupt_or_truncated_file_is_refused_naming_file_and_tensor(tmp_path, reference, damage, message):
+    file = tmp_path / "model.safetensors"
+    safetensors_torch.save_model(reference, str(file))
+    size = os.path.getsize(file)
+    if damage == "short":
+        with open(file, "r+b") as f:
+            f.truncate(5)
+    elif damage == "header_length":
+        with open(file, "r+b") as f:
+            f.write((size * 3).to_bytes(8, "little"))
+    elif damage == "json":
+        with open(file, "r+b") as f:
+            f.seek(8)
+            f.write(b"{not json")
+    elif damage == "offsets_past_end":
+        _corrupt(file, lambda h: h["layers.1.weight"].update(data_offsets=[size, size + 48 * 48 * 4]))
+    elif damage == "offsets_size":
+        _corrupt(file, lambda h: h["layers.1.weight"].update(
+            data_offsets=[h["layers.1.weight"]["data_offsets"][0], h["layers.1.weight"]["data_offsets"][1] - 4]))
+    elif damage == "truncated":
+        with open(file, "r+b") as f:
+            f.truncate(size - 1000)
+    model = _meta()
+    with pytest.raises(ot.CheckpointError, match=message) as info:
+        ot.load_safetensors(model, file, budget_gb=1, device="cpu")
+    assert "model.safetensors" in str(info.value)
+    assert _unchanged(model)
+
+
+def test_file_truncated_while_loading_fails_and_leaves_the_model_unchanged(tmp_path, reference, monkeypatch):
+    file = tmp_path / "model.safetensors"
+    safetensors_torch.save_model(reference, str(file))
+    real = loading.read_header
+
+    def then_truncate(path):
+        entries = real(path)
+        with open(path, "r+b") as f:  # the checks passed; the bytes go away before they are read
+            f.truncate(entries["head.weight"].begin + 8)
+        return entries
+
+    monkeypatch.setattr(loading, "read_header", then_truncate)
+    model = _meta()
+    with pytest.raises(ot.CheckpointError, match=r"reading '[\w.]+' in .*model\.safetensors.* bytes short") as info:
+        ot.load_safetensors(model, file, budget_gb=1, device="cpu", threads=2)
+    assert "truncated while loading" in str(info.value)
+    assert _unchanged(model)
+
+
+def test_missing_shard_names_the_shard_and_its_tensors(tmp_path, reference):
+    state = reference.state_dict()
+    names = sorted(state)
+    files = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2:]}
+    for file, keys in files.items():
+        safetensors_torch.save_file({k: state[k] for k in keys}, str(tmp_path / file))
+    with open(tmp_path / "model.safetensors.index.json", "w") as f:
+        json.dump({"weight_map": {k: file for file, keys in files.items() for k in keys}}, f)
+    os.remove(tmp_path / "b.safetensors")
+    model = _meta()
+    with pytest.raises(FileNotFoundError, match=r"b\.safetensors.*" + files["b.safetensors"][0].replace(".", r"\.")):
+        ot.load_safetensors(model, tmp_path, budget_gb=1, device="cpu")
+    assert _unchanged(model)
+
+
+def test_shape_mismatch_names_file_tensor_and_bytes(tmp_path, reference):
+    state = dict(reference.state_dict())
+    state["layers.2.weight"] = torch.zeros(48, 40)
+    file = tmp_path / "model.safetensors"
+    safetensors_torch.save_file(state, str(file))
+    model = _meta()
+    with pytest.raises(ot.CheckpointError, match=r"layers\.2\.weight: 'layers\.2\.weight' in .*model\.safetensors.* "
+                                                r"shape \(48, 40\) \(7680 bytes\).*\(48, 48\) \(9216 bytes\)"):
+        ot.load_safetensors(model, file, budget_gb=1, device="cpu")
+    assert _unchanged(model)
+
+
+# ---------------------------------------------------------------------------- progress
+
+
+def test_progress_reports_bytes_and_rate_and_can_be_silenced(tmp_path, reference, capsys, monkeypatch):
+    file = tmp_path / "model.safetensors"
+    safetensors_torch.save_model(reference, str(file))
+    monkeypatch.setattr(loading, "PROGRESS_MIN_BYTES", 1)  # this small checkpoint counts as large
+    ot.load_safetensors(_meta(), file, budget_gb=1, device="cpu")
+    assert "GB/s" in capsys.readouterr().err
+    monkeypatch.setenv("OFFTENSOR_PROGRESS", "0")
+    ot.load_safetensors(_meta(), file, budget_gb=1, device="cpu")
+    assert capsys.readouterr().err == ""
+    monkeypatch.delenv("OFFTENSOR_PROGRESS")
+    ot.load_safetensors(_meta(), file, budget_gb=1, device="cpu", progress=False)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(loading, "PROGRESS_MIN_BYTES", 1 << 40)
+    ot.load_safetensors(_meta(), file, budget_gb=1, device="cpu")
+    assert capsys.readouterr().err == ""
+
+
+# ---------------------------------------------------------------------------- from_pretrained
+
+transformers = pytest.importorskip("transformers")
+sys.path.insert(0, os.path.dirname(__file__))
+from test_transformers_models import _config  # noqa: E402  (the tiny configs sized for a 30% budget)
+
+
+def _saved(name, root):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(name)).eval()
+    # Several shards, each of a few tensors, written the way users get checkpoints.
+    model.save_pretrained(root, max_shard_size="200KB")
+    return model
+
+
+def _weight_bytes(model) -> int:
+    return sum({id(t): t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())}.values())
+
+
+@pytest.mark.parametrize("name", ["llama_tied", "mixtral", "deepseek_v3"])
+def test_from_pretrained_matches_transformers(tmp_path, device, name):
+    reference = _saved(name, tmp_path)
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 1
+    budget = 0.3 * _weight_bytes(reference) / GiB
+    # grouped_mm, transformers' default MoE kernel, takes only bfloat16 on CUDA: convert while loading.
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else None
+    model = ot.from_pretrained(tmp_path, budget_gb=budget, device=device, dtype=dtype, progress=False)
+    assert type(model) is type(reference) and not model.training
+    assert ot.stats(model).offloaded_bytes > 0
+    if name == "llama_tied":
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    if name != "llama_tied":
+        # The files hold one tensor per expert; the model holds them stacked in one master each.
+        experts = [p for n, p in model.named_parameters() if n.endswith("experts.gate_up_proj")]
+        assert experts and all(isinstance(p, ot.OffloadedTensor) for p in experts)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+    expected_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype or torch.float32)
+    expected_model = expected_model.eval().to(device)
+    with torch.no_grad():
+        expected = expected_model(input_ids=ids.to(device)).logits
+        got = model(input_ids=ids.to(device)).logits
+    assert torch.equal(got, expected)
+    assert ot.stats(model).peak_device_bytes <= ot.stats(model).budget_bytes
+
+
+def test_from_pretrained_converts_dtype_on_request(tmp_path):
+    _saved("llama_tied", tmp_path)
+    model = ot.from_pretrained(tmp_path, budget_gb=1, device="cpu", dtype=torch.bfloat16, progress=False)
+    expected_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, expected_model(input_ids=ids).logits)
+
+
+def test_tensors_the_model_declares_ignorable_are_skipped(tmp_path, monkeypatch):
+    reference = _saved("llama_tied", tmp_path)
+    safetensors_torch.save_file({"model.layers.9.mtp.weight": torch.ones(3)}, str(tmp_path / "extra.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"]["model.layers.9.mtp.weight"] = "extra.safetensors"
+    index.write_text(json.dumps(data))
+    with pytest.raises(ot.CheckpointError, match=r"model\.layers\.9\.mtp\.weight"):
+        ot.from_pretrained(tmp_path, budget_gb=1, device="cpu", progress=False)
+    monkeypatch.setattr(type(reference), "_keys_to_ignore_on_load_unexpected", [r"model\.layers\.9\..*"])
+    model = ot.from_pretrained(tmp_path, budget_gb=1, device="cpu", progress=False)
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_checkpoint_of_another_architecture_is_refused(tmp_path):
+    _saved("llama_tied", tmp_path)
+    with torch.device("meta"):
+        mixtral = transformers.AutoModelForCausalLM.from_config(_config("mixtral"))
+    with pytest.raises(ot.CheckpointError, match=r"config\.json.*'llama'.*'mixtral'") as info:
+        ot.load_safetensors(mixtral, tmp_path, budget_gb=1, device="cpu")
+    assert "another architecture" in str(info.value)
+    assert all(p.is_meta for p in mixtral.parameters())
+    os.remove(tmp_path / "config.json")  # without a config, the names alone give it away
+    with pytest.raises(ot.CheckpointError, match=r"another architecture"):
+        ot.load_safetensors(mixtral, tmp_path, budget_gb=1, device="cpu")
+    assert all(p.is_meta for p in mixtral.parameters())
+
+
+def test_from_pretrained_without_transformers_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match=r"pip install transformers.*ot\.load_safetensors"):
+        ot.from_pretrained(tmp_path, budget_gb=1, device="cpu")
