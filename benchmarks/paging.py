@@ -95,6 +95,8 @@ def dense(device, layers, hidden, tokens, dtype, bandwidth, repeats):
             "offloaded_bytes": s.offloaded_bytes, "h2d_bytes_per_forward": moved,
             "resident_ms": t_resident * 1e3, "wrapped_ms": t_wrapped * 1e3, "bound_ms": bound * 1e3,
             "wrapped_over_bound": t_wrapped / bound, "peak_device_bytes": s.peak_device_bytes,
+            "peak_pool_bytes": s.peak_pool_bytes, "max_memory_allocated": s.max_memory_allocated,
+            "max_memory_reserved": s.max_memory_reserved,
             "prefetches": s.prefetches, "prefetch_hits": s.prefetch_hits}
 
 
@@ -137,6 +139,7 @@ def moe(device, experts, route, hidden, inter, dtype, repeats):
     return {"experts": experts, "route": route, "expert_bytes": expert_bytes, "copy_all_ms": t_all * 1e3,
             "routed_ms": t_routed * 1e3, "routed_over_copy_all": t_routed / t_all,
             "h2d_bytes_per_step": s.bytes_h2d / repeats, "peak_device_bytes": s.peak_device_bytes,
+            "peak_pool_bytes": s.peak_pool_bytes, "max_memory_reserved": s.max_memory_reserved,
             "budget_bytes": budget}
 
 

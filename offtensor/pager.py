@@ -227,9 +227,15 @@ class _SlotPool:
       an order the pager's own events enforce, so the pool's bytes are what is reserved for paging;
     - stable addresses per size (the door to CUDA graphs) and no first-touch of fresh pages on the
       emulated device.
-    The pool holds at most ``cap()`` bytes of slots, in use or idle, unless the slots in use alone
-    need more (they never do: the pager's budget bounds them). Idle slots of other sizes are freed,
-    least recently used first, to make room for a new size.
+    The pool holds at most ``cap`` (budget minus resident) bytes of slots, in use or idle, unless
+    the slots in use alone need more (they never do: the budget bounds them). Idle slots of other
+    sizes are freed, least recently used first, to make room for a new size; exact sizes keep
+    the bound exact, at the price of reallocating when sizes alternate under a tight budget.
+
+    Stated slack of real (reserved) memory over the budget on a GPU: the caching allocator's
+    rounding of each slot (to 2 MiB for large blocks, so at most 2 MiB per slot) plus what ops
+    allocate themselves (activations, gathered-row results), which the budget never counted.
+    ``test_reserved_memory_stays_within_the_budget_plus_slack`` checks budget + 64 MiB on a GPU.
     """
 
     __slots__ = ("_ops", "_idle", "live_bytes", "idle_bytes", "peak_bytes", "allocations")
