@@ -174,10 +174,6 @@ class _DeviceOps:
         else:
             (stream or self.current_stream()).wait_event(token)
 
-    def flush_compute(self) -> None:
-        if self.cuda:
-            self.current_stream().synchronize()
-
     def current_stream(self):
         if self.stream is None:
             self.stream = torch.cuda.current_stream(self.device)
@@ -191,9 +187,22 @@ class _DeviceOps:
                 return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def before_free(self, token) -> None:
+    def slot_token(self, slot: "_Slot", stream):
+        """What work on ``stream`` must wait for before reusing ``slot``. A slot last used by
+        transient copies on a compute stream has no event: on that same stream, order is enough;
+        another stream gets an event recorded now, after everything enqueued there, the last use
+        included. So events are made only where a slot crosses streams, not per op."""
+        token, last = slot.free_after, slot.last_stream
+        slot.free_after = slot.last_stream = None
+        if token is None and last is not None and last != stream:
+            token = torch.cuda.Event()
+            token.record(last)
+        return token
+
+    def before_free(self, slot: "_Slot") -> None:
         """A slot's block goes back to the allocator, which may hand it to the next copy-stream
         allocation at once: that stream (or, emulated, the host) waits for its last use first."""
+        token = self.slot_token(slot, self.copy_stream)
         if token is None:
             return
         if isinstance(token, int):
@@ -209,12 +218,13 @@ class _Slot:
     emulated device) after which nothing reads or writes the buffer's current contents any more;
     whoever takes the slot next orders itself after it."""
 
-    __slots__ = ("buf", "nbytes", "free_after")
+    __slots__ = ("buf", "nbytes", "free_after", "last_stream")
 
     def __init__(self, buf: torch.Tensor, nbytes: int):
         self.buf = buf
         self.nbytes = nbytes
         self.free_after = None
+        self.last_stream = None  # GPU: the compute stream of its last (transient) use, when free_after is None
 
 
 class _SlotPool:
@@ -258,8 +268,7 @@ class _SlotPool:
             if not idle:
                 del self._idle[nbytes]
             self.idle_bytes -= nbytes
-            self._ops.order_after(slot.free_after, stream)
-            slot.free_after = None
+            self._ops.order_after(self._ops.slot_token(slot, stream), stream)
             if self._ops.strict:
                 slot.buf.fill_(0xFF)
         else:
@@ -272,10 +281,12 @@ class _SlotPool:
             self.peak_bytes = total
         return slot
 
-    def give(self, slot: _Slot, free_after, cap: int) -> None:
-        """``slot`` is no longer used once ``free_after`` has completed."""
+    def give(self, slot: _Slot, free_after, cap: int, last_stream=None) -> None:
+        """``slot`` is no longer used once ``free_after`` has completed, or (GPU, ``free_after``
+        None) once the work enqueued so far on ``last_stream`` has."""
         self.live_bytes -= slot.nbytes
         slot.free_after = free_after
+        slot.last_stream = last_stream if free_after is None else None
         if self._ops.strict and self._ops.done(free_after):
             # A reader that outlives its release (an op result aliasing a paged copy) now sees
             # NaN / -1 instead of plausible stale weights. Never waited for here: the wait would
@@ -296,14 +307,13 @@ class _SlotPool:
             if not slots:
                 del self._idle[nbytes]
             self.idle_bytes -= nbytes
-            self._ops.before_free(slot.free_after)
-            slot.free_after = None
+            self._ops.before_free(slot)
 
     def clear(self) -> None:
         self._trim(0)
 
     def tokens(self):
-        return [s.free_after for slots in self._idle.values() for s in slots if s.free_after is not None]
+        return [self._ops.slot_token(s, None) for slots in self._idle.values() for s in slots]
 
 
 class _HostLifetimes:
@@ -312,23 +322,41 @@ class _HostLifetimes:
     DESIGN.md's host-lifetime rule: a master, a gathered-rows buffer or a temporary must outlive
     every asynchronous copy reading it, on a GPU (where freeing would ``cudaHostUnregister`` and
     unmap memory under a DMA) exactly as on the emulated device. A record is
-    ``[storage_ptr, token, src]``; ``token`` is ``None`` while the copy's op has not been released
-    yet (a transient copy on the compute stream completes with the op's release event).
+    ``[storage_ptr, token, src, stream]``. A transient copy on a GPU's compute stream gets no
+    event of its own (``token`` None): once ``SEAL_EVERY`` such records are pending, one event
+    recorded on their stream, after all of them, completes them together.
     """
 
-    __slots__ = ("_ops", "_records")
+    SEAL_EVERY = 32
+    __slots__ = ("_ops", "_records", "_unsealed")
 
     def __init__(self, ops: _DeviceOps):
         self._ops = ops
         self._records: "collections.deque[list]" = collections.deque()
+        self._unsealed = 0
 
-    def keep(self, src: torch.Tensor, token) -> list:
+    def keep(self, src: torch.Tensor, token, stream=None) -> list:
         if _TEST_DROP_SOURCES:
             src = None  # test-only: forget the source, as the code did before (a premature free)
-        record = [_storage_ptr(src), token, src]
+        record = [_storage_ptr(src), token, src, stream]
         self._records.append(record)
+        if token is None:
+            self._unsealed += 1
+            if self._unsealed >= self.SEAL_EVERY:
+                self._seal()
         self.collect()
         return record
+
+    def _seal(self) -> None:
+        events = {}
+        for record in self._records:
+            if record[1] is None:
+                event = events.get(record[3])
+                if event is None:
+                    event = events[record[3]] = torch.cuda.Event()
+                    event.record(record[3])
+                record[1] = event
+        self._unsealed = 0
 
     def collect(self) -> None:
         """Drop the records of finished copies, oldest first (copies mostly finish in order)."""
@@ -342,7 +370,8 @@ class _HostLifetimes:
         for record in self._records:
             if storage_ptr is None or record[0] == storage_ptr:
                 if record[1] is None:
-                    self._ops.flush_compute()  # the op that reads it is still being enqueued
+                    record[3].synchronize()  # a transient copy without an event: its stream
+                    self._unsealed -= 1
                 else:
                     self._ops.block(record[1])
             else:
@@ -372,9 +401,9 @@ def strict_from_env() -> bool:
 class _Entry:
     """One paged copy: the byte range [lo, hi) (in elements of ``dtype``) of a master on the device."""
 
-    __slots__ = ("key", "slot", "buf", "nbytes", "ready", "last_use", "users", "prefetched", "record")
+    __slots__ = ("key", "slot", "buf", "nbytes", "ready", "last_use", "users", "prefetched")
 
-    def __init__(self, key, slot, buf, nbytes, ready, record=None):
+    def __init__(self, key, slot, buf, nbytes, ready):
         self.key = key
         self.slot = slot  # the pool slot holding buf; None for a copy outside the pool
         self.buf = buf
@@ -383,7 +412,6 @@ class _Entry:
         self.last_use = None  # torch.cuda.Event recorded after the last op that read buf
         self.users = 0  # ops currently holding this entry; never evicted while > 0
         self.prefetched = False
-        self.record = record  # the host-lifetime record of a transient copy, completed by release
 
 
 def host_layout(host: torch.Tensor):
@@ -585,22 +613,29 @@ class Pager:
     def release(self, entries) -> None:
         """The op that used ``entries`` has been enqueued: mark when the device is done with them.
 
-        On a GPU this records one event on the op's stream, after the op: it is each cached copy's
-        last use, each transient slot's reuse point and each transient host source's release.
-        Ops that paged nothing never get here (``_Paged.release`` returns first)."""
+        On a GPU an event is recorded on the op's stream, after the op, only when a cached copy was
+        used: it is that copy's last use, which eviction waits for. Transient copies need none:
+        their slots are reused in the op stream's order (``_DeviceOps.slot_token``) and their
+        host sources are released in batches (``_HostLifetimes``)."""
+        stream = self._ops.stream
+        self._ops.stream = None
         event = None
         if self._cuda:
-            event = torch.cuda.Event()
-            event.record(self._ops.current_stream())
-        self._ops.stream = None
+            stream = stream or torch.cuda.current_stream(self.device)
+            for entry in entries:
+                if entry.key is not None:
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    break
         for entry in entries:
             entry.users -= 1
             if entry.key is None:
                 self.paged_bytes -= entry.nbytes
-                if entry.record is not None and entry.record[1] is None:
-                    entry.record[1] = event
                 if entry.slot is not None:
-                    self._pool.give(entry.slot, event if self._cuda else entry.ready, self._cap())
+                    if self._cuda:
+                        self._pool.give(entry.slot, None, self._cap(), stream)
+                    else:
+                        self._pool.give(entry.slot, entry.ready, self._cap())
                     entry.slot = None
             elif event is not None:
                 entry.last_use = event
@@ -668,20 +703,20 @@ class Pager:
             # No budget, no pool: on a GPU the block is allocated on the compute stream, so the
             # allocator reuses it only after the op that reads it.
             slot, buf = None, torch.empty(src.numel(), dtype=src.dtype, device=self.device)
-        record = ready = None
+        ready = None
         if self._cuda:
             buf.copy_(src, non_blocking=True)  # on the compute stream, before the op that reads it
-            record = self._lifetimes.keep(src, None)  # completed by the op's release event
+            self._lifetimes.keep(src, None, stream)
         elif nbytes < SMALL_COPY_BYTES and not self.strict:
             buf.copy_(src)  # handing a copy we wait for anyway to the worker thread costs more than it
         else:
             ready = self._engine.submit(buf, src)
-            record = self._lifetimes.keep(src, ready)
+            self._lifetimes.keep(src, ready)
         self.paged_bytes += nbytes
         self.stats.page_ins += 1
         self.stats.bytes_h2d += nbytes
         self._note_peak()
-        return _Entry(None, slot, buf, nbytes, ready, record)
+        return _Entry(None, slot, buf, nbytes, ready)
 
     def _wait_ready(self, entry: _Entry) -> None:
         ready = entry.ready
@@ -756,7 +791,7 @@ def _teardown(cache, pool, lifetimes) -> None:
                     token.synchronize()
         if pool is not None:
             for token in pool.tokens():
-                if not isinstance(token, int):
+                if token is not None and not isinstance(token, int):
                     token.synchronize()
         lifetimes.wait_for(None)
     except Exception as error:  # e.g. at interpreter exit, after CUDA has shut down

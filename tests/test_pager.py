@@ -266,3 +266,84 @@ def test_an_moe_layer_costs_one_host_sync(device):
     torch.testing.assert_close(got, expected)
     assert pager.snapshot().page_ins > 0
     assert per_layer == 1
+
+
+# ---------------------------------------------------------------------------- the GPU branch, driven on the CPU
+
+
+class _FakeEvent:
+    created = 0
+
+    def __init__(self, *args, **kwargs):
+        type(self).created += 1
+        self.stream = None
+
+    def record(self, stream=None):
+        self.stream = stream
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+class _FakeStream:
+    def __init__(self, name):
+        self.name = name
+        self.waits = []
+
+    def wait_event(self, event):
+        assert event.stream is not None, "waiting for an event that was never recorded"
+        self.waits.append(event)
+
+    def synchronize(self):
+        pass
+
+
+def _gpu_branch_pager(monkeypatch, budget):
+    """A pager whose streams and events are stand-ins, so the code a GPU runs (events, stream
+    waits, slot hand-over between streams) executes here on CPU tensors."""
+    import contextlib
+
+    compute = _FakeStream("compute")
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    pager = Pager(CPU, budget_bytes=budget, strict=False)
+    copy = _FakeStream("copy")
+    pager._engine = pager._ops.engine = None
+    pager._ops.cuda = pager._cuda = True
+    pager._ops.copy_stream = pager._copy_stream = copy
+    return pager, compute, copy
+
+
+def test_gpu_branch_records_events_only_for_cached_copies_and_stream_crossings(monkeypatch):
+    pager, compute, copy = _gpu_branch_pager(monkeypatch, budget=4 * 4096 * 4)
+    ts = [ot.offload(torch.randn(4096), pager=pager) for _ in range(3)]
+    for t in ts:
+        assert torch.equal(t * 1, t._host)  # cached pages: one last-use event per op
+    start = _FakeEvent.created
+    for t in ts:  # cache hits on completed copies: the ready event is cleared, one last-use event each
+        view, entry = pager.page(t._host, t._master)
+        assert entry.ready is None
+        pager.release([entry])
+    assert _FakeEvent.created - start == 3
+    pager._drop_master(ts[1]._master.id)  # its slot goes idle, for the transient pages below
+    start = _FakeEvent.created
+    for _ in range(10):  # private (transient) pages on the compute stream: no event at all
+        view, entry = pager.page(ts[0]._host, ts[0]._master, private=True)
+        assert torch.equal(view, ts[0]._host)
+        pager.release([entry])
+    assert _FakeEvent.created == start
+    # That slot then serves a copy on the copy stream: one event, recorded now, hands it over.
+    copy.waits.clear()
+    view, entry = pager.page(ts[1]._host, ts[1]._master)
+    pager.release([entry])
+    handover = [e for e in copy.waits if e.stream is compute]
+    assert len(handover) == 1 and _FakeEvent.created - start == 3  # handover, copy ready, last use
+    assert torch.equal(view, ts[1]._host)
+    # Host sources of transient copies are released in sealed batches, not one event per copy.
+    assert len(pager._lifetimes) <= pager._lifetimes.SEAL_EVERY
+    pager.wait_copies()
+    assert len(pager._lifetimes) == 0
