@@ -70,7 +70,7 @@ echo "torch==$TORCH_VERSION" >"$CONSTRAINTS"  # no later step may change torch
 if ! "$PY" -c "import importlib.util, sys; sys.exit(None in [importlib.util.find_spec(m) for m in sys.argv[1:]])" \
     "${TEST_PACKAGES[@]}"; then
   echo "setup: installing ${TEST_PACKAGES[*]}"
-  quietly pip install "${WHEELS[@]}" -c "$CONSTRAINTS" "${TEST_PACKAGES[@]}"
+  quietly pip install ${WHEELS[@]+"${WHEELS[@]}"} -c "$CONSTRAINTS" "${TEST_PACKAGES[@]}"
 fi
 
 build() {
