@@ -119,8 +119,14 @@ summary
 # Carried wheels: into a throwaway --target, never into the machine's python.
 if compgen -G ".whl/*.whl" >/dev/null; then
   SITE=$(mktemp -d)
-  step wheels 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-    .whl/*.whl && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  if step wheels 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      .whl/*.whl; then
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    # No pip there: pure-Python wheels (expecttest is one) import straight from the zip file.
+    for wheel in "$ROOT"/.whl/*.whl; do PYTHONPATH="$wheel${PYTHONPATH:+:$PYTHONPATH}"; done
+    export PYTHONPATH
+  fi
 fi
 
 # Build in place (the tests import offtensor from this checkout), unless an extension newer than
