@@ -588,6 +588,7 @@ class Pager:
             self._lifetimes.keep(src, ticket)
             if not _TEST_SKIP_WAITS:
                 self._engine.wait(ticket)  # no streams here: the caller's next op reads buf
+                self._lifetimes.collect()  # the source may be the last reference to its master
         self.stats.page_ins += 1
         self.stats.bytes_h2d += (hi - lo) * host.element_size()
         return buf.as_strided(host.shape, host.stride(), host.storage_offset() - lo)
@@ -730,6 +731,8 @@ class Pager:
         else:
             self._engine.wait(ready)
             entry.ready = None
+            if self._lifetimes:
+                self._lifetimes.collect()  # a waited-for source need not outlive its op
 
     def _make_room(self, nbytes: int, strict: bool, name="tensor", keep_prefetched: bool = False) -> bool:
         """Evict unused copies until ``nbytes`` more fit the budget. ``name`` (a string, or any

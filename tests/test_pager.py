@@ -154,6 +154,7 @@ def test_unwrap_copy_and_materialize_keep_their_source_until_the_copy_is_done():
     gc.collect()
     _ext.StrictCopyEngine.drain()
     assert torch.equal(got, values) and _ext.strict_failures()[before:] == []
+    assert len(pager._lifetimes) == 0  # and not a moment longer: the master's memory is free
 
 
 def test_a_dying_pager_waits_for_its_copies(monkeypatch):
