@@ -348,3 +348,15 @@ def test_gpu_branch_records_events_only_for_cached_copies_and_stream_crossings(m
     assert len(pager._lifetimes) <= pager._lifetimes.SEAL_EVERY
     pager.wait_copies()
     assert len(pager._lifetimes) == 0
+
+
+def test_an_embedding_lookup_of_offloaded_rows_costs_one_host_sync(device):
+    pager = Pager(torch.device(device), budget_bytes=1 << 20)
+    table = torch.randn(100, 16)
+    weight = ot.offload(table, pager=pager)
+    ids = torch.tensor([[3, 7, 3], [99, 0, 7]], device=device)
+    torch.nn.functional.embedding(ids, weight)  # warm-up
+    syncs = dispatch.HOST_SYNCS[0]
+    got = torch.nn.functional.embedding(ids, weight)
+    assert dispatch.HOST_SYNCS[0] - syncs == 1  # reading ids: which rows to page
+    assert torch.equal(got.cpu(), table[ids.cpu()])
