@@ -8,6 +8,11 @@ emulated device), and evicts a copy only once the device has finished every op t
 Everything stateful lives here: the cache, in-flight copies, events and statistics. The layers
 above (dispatch) ask for "the device tensor for this OffloadedTensor" and say when the op that
 used it has been enqueued; nothing below this module knows about modules or names.
+
+The ``Pager`` composes three small objects, each owning one idea: ``_DeviceOps`` (the only place
+the GPU and the emulated device differ: events vs copy-engine tickets), ``_SlotPool`` (the device
+buffers every paged copy lives in) and ``_HostLifetimes`` (host sources kept until the copies
+reading them have completed).
 """
 
 from __future__ import annotations
