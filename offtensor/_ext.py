@@ -8,20 +8,26 @@ run on plain PyTorch, only slower. The rest of offtensor uses only the names bel
 - ``NATIVE``, ``CUDA_COMPILED``, ``cuda_device_count()``
 - ``alloc_host(nbytes, pin=..., touch=...)``, ``pin_host(tensor)`` and ``live_host_bytes()``
 - ``CopyEngine``: ``submit``, ``query``, ``wait``, ``stream_wait``
+- ``StrictCopyEngine`` (same interface): the strict emulated device, ``strict_failures()``
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
+import contextlib
 import importlib
 import os
+import random
 import threading
+import time
 import warnings
 import weakref
 
 import torch
 
-__all__ = ["NATIVE", "CUDA_COMPILED", "cuda_device_count", "alloc_host", "pin_host", "live_host_bytes", "CopyEngine"]
+__all__ = ["NATIVE", "CUDA_COMPILED", "cuda_device_count", "alloc_host", "pin_host", "live_host_bytes", "CopyEngine",
+           "StrictCopyEngine", "strict_failures"]
 
 _BUILD_HINT = "pip install --no-build-isolation -e ."
 
@@ -90,6 +96,7 @@ if NATIVE:
 _fallback_live_bytes = 0
 _fallback_lock = threading.Lock()
 _warned_unpinnable = False
+_warned_register_failed = False
 
 
 def _fallback_freed(nbytes: int) -> None:
@@ -105,13 +112,28 @@ def alloc_host(nbytes: int, *, pin: bool, touch: bool = True) -> torch.Tensor:
     last tensor or view using it dies. ``touch=False`` skips faulting the pages in up front (and the
     huge-page advice, whose first faults on fresh memory can stall on compaction), for a caller that
     writes every byte next (a file read): each page is then faulted once, by that write."""
-    global _warned_unpinnable, _fallback_live_bytes
+    global _warned_unpinnable, _warned_register_failed, _fallback_live_bytes
     if nbytes < 0:
         raise ValueError(f"offtensor: cannot allocate {nbytes} bytes of host memory")
     wants_torch_pinning = pin and not CUDA_COMPILED and torch.cuda.is_available()
     if NATIVE and not wants_torch_pinning:
-        return torch.ops.offtensor.alloc_host(nbytes, pin, touch)
-    if NATIVE:
+        try:
+            return torch.ops.offtensor.alloc_host(nbytes, pin, touch)
+        except RuntimeError as error:
+            # cudaHostRegister can fail (a locked-memory limit, a container without the right
+            # capabilities) where torch's own pinned allocator, cudaHostAlloc, still works.
+            if not (pin and "cudaHostRegister" in str(error) and torch.cuda.is_available()):
+                raise
+            if not _warned_register_failed:
+                _warned_register_failed = True
+                warnings.warn(
+                    f"offtensor: pinning {nbytes} bytes of host memory with cudaHostRegister failed ({error}); "
+                    "host masters now come from torch's pinned allocator, which rounds each block up to a power "
+                    "of two. Check `ulimit -l` to get exact-size pinned memory back.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+    elif NATIVE:
         if not _warned_unpinnable:
             _warned_unpinnable = True
             warnings.warn(
@@ -289,3 +311,164 @@ def _torch_copy(ticket: int, device: torch.device, dst: torch.Tensor, src: torch
         done = torch.cuda.Event()
         done.record(stream)
     _torch_copies[ticket] = _TorchCopy(done, dst, src)
+
+
+# ------------------------------------------------------------------------------------------------
+# The strict emulated device
+# ------------------------------------------------------------------------------------------------
+
+# Messages of copies whose host source died before they ran, in this process (strict engine only).
+_strict_failures: list[str] = []
+
+
+def strict_failures() -> list[str]:
+    """What the strict engine caught so far: copies whose host source was freed before they ran."""
+    return list(_strict_failures)
+
+
+class _StrictJob:
+    __slots__ = ("ticket", "dst", "source", "byte_offset", "nbytes", "error", "done")
+
+    def __init__(self, ticket, dst, source, byte_offset, nbytes):
+        self.ticket, self.dst, self.source = ticket, dst, source
+        self.byte_offset, self.nbytes = byte_offset, nbytes
+        self.error = None
+        self.done = False
+
+
+class _StrictWorker:
+    """One process-wide thread that runs strict copies late and out of order."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.queue: "collections.deque[_StrictJob]" = collections.deque()
+        self.jobs: dict[int, _StrictJob] = {}
+        self.held = 0  # > 0 while a test holds every copy back (StrictCopyEngine.held)
+        self.urgent: set[int] = set()  # tickets someone waits for: they run even while held
+        self.delay_s = float(os.environ.get("OFFTENSOR_STRICT_DELAY_MS", "0.2")) / 1e3
+        self.thread = None
+
+    def start(self):
+        if self.thread is None or not self.thread.is_alive():
+            self.thread = threading.Thread(target=self.run, name="offtensor-strict-copies", daemon=True)
+            self.thread.start()
+
+    def run(self):
+        rng = random.Random(0x0FF7E)
+        while True:
+            with self.cond:
+                while True:
+                    if self.held:
+                        job = next((j for j in self.queue if j.ticket in self.urgent), None)
+                    elif self.queue:
+                        # Out of order: any of the oldest few queued copies may go first.
+                        job = self.queue[rng.randrange(min(len(self.queue), 4))]
+                    else:
+                        job = None
+                    if job is not None:
+                        break
+                    self.cond.wait()
+                self.queue.remove(job)
+            time.sleep(rng.uniform(0, self.delay_s))  # late: the caller has long moved on
+            storage = job.source()
+            if storage is None:
+                job.error = (f"offtensor strict device: the host source of copy {job.ticket} ({job.nbytes} bytes) was "
+                             "freed before the copy ran; on a GPU the DMA would have read freed (unregistered, "
+                             "unmapped) memory. Keep the source alive until the copy's event or ticket completes.")
+                _strict_failures.append(job.error)
+            else:
+                src = torch.empty(0, dtype=torch.uint8).set_(storage, job.byte_offset, (job.nbytes,))
+                _as_bytes(job.dst).copy_(src)
+                del src, storage
+            with self.cond:
+                job.done = True
+                job.dst = None
+                self.urgent.discard(job.ticket)
+                if job.error is None:
+                    self.jobs.pop(job.ticket, None)  # a ticket no longer listed reads as done
+                self.cond.notify_all()
+
+
+_strict_worker = _StrictWorker()
+
+
+class StrictCopyEngine:
+    """The emulated device's strict mode (``OFFTENSOR_STRICT=1``): ``CopyEngine``'s interface, but
+    each copy runs late (a random delay of up to ``OFFTENSOR_STRICT_DELAY_MS``, default 0.2 ms),
+    out of order, on a Python thread, into a destination poisoned (all bytes 0xFF: NaN, -1) when
+    the copy is submitted. Unlike the native engine it holds only a weak reference to the source's
+    storage, as a DMA engine holds nothing: a copy whose source was freed before it ran fails
+    (``wait`` and ``query`` raise, ``strict_failures()`` lists it) instead of passing because the
+    engine kept the memory alive. A missing wait reads poison; a premature free is reported.
+    """
+
+    def submit(self, dst: torch.Tensor, src: torch.Tensor) -> int:
+        _check_copy(dst, src)
+        if dst.is_cuda or src.is_cuda:
+            raise ValueError("offtensor: StrictCopyEngine emulates a device with CPU tensors; got a CUDA tensor")
+        ticket = _next_ticket()
+        _as_bytes(dst).fill_(0xFF)
+        storage = src.untyped_storage()
+        job = _StrictJob(ticket, dst, weakref.ref(storage), src.storage_offset() * src.element_size(), src.nbytes)
+        worker = _strict_worker
+        with worker.cond:
+            worker.jobs[ticket] = job
+            worker.queue.append(job)
+            worker.start()
+            worker.cond.notify_all()
+        return ticket
+
+    def _finish(self, job: _StrictJob) -> bool:
+        if not job.done:
+            return False
+        _strict_worker.jobs.pop(job.ticket, None)
+        if job.error is not None:
+            raise RuntimeError(job.error)
+        return True
+
+    def query(self, ticket: int) -> bool:
+        _check_ticket(ticket)
+        job = _strict_worker.jobs.get(ticket)
+        return True if job is None else self._finish(job)
+
+    def wait(self, ticket: int) -> None:
+        _check_ticket(ticket)
+        worker = _strict_worker
+        job = worker.jobs.get(ticket)
+        if job is None:
+            return
+        with worker.cond:
+            if not job.done:
+                worker.urgent.add(ticket)
+                worker.cond.notify_all()
+                while not job.done:
+                    worker.cond.wait()
+        self._finish(job)
+
+    def stream_wait(self, ticket: int, stream: int) -> None:
+        self.wait(ticket)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def held():
+        """Tests: no copy runs until the block ends, except one that someone waits for."""
+        worker = _strict_worker
+        with worker.cond:
+            worker.held += 1
+        try:
+            yield
+        finally:
+            with worker.cond:
+                worker.held -= 1
+                worker.cond.notify_all()
+
+    @staticmethod
+    def drain() -> None:
+        """Block until every strict copy submitted so far has run."""
+        worker = _strict_worker
+        with worker.cond:
+            for job in list(worker.jobs.values()):
+                worker.urgent.add(job.ticket)
+            worker.cond.notify_all()
+            while any(not j.done for j in worker.jobs.values()):
+                worker.cond.wait()

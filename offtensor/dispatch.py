@@ -18,6 +18,8 @@ arrives as ``t`` + ``addmm``: two Python dispatches for one page-in.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch.utils._mode_utils import no_dispatch
@@ -474,20 +476,53 @@ def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: _Paged) -> torch
         return torch.stack(parts)
     if rows.numel() == 1 and row_bytes >= CACHED_SLICE_BYTES:
         return paged.page(OffloadedTensor(host[int(rows[0])], t._master)).unsqueeze(0)
-    gathered = host.index_select(0, rows)
+    if pager.device.type == "cuda":
+        # Gathered straight into pinned memory, so the upload is an asynchronous DMA (a pageable
+        # source would make it a blocking copy); the pager keeps the buffer until the copy is done.
+        gathered = torch.empty((rows.numel(),) + tuple(host.shape[1:]), dtype=host.dtype, pin_memory=True)
+        torch.index_select(host, 0, rows, out=gathered)
+    else:
+        gathered = host.index_select(0, rows)
     view, entry = pager.upload(gathered, _describe(t))
     paged.entries.append((pager, entry))
     return view
 
 
+# Device->host reads made by the index ops below. On a GPU each one is a host sync: the CPU stops
+# queuing work until the device has caught up, which costs the overlap of copies with compute at
+# that layer. Counted on the emulated device too (where the same reads happen, without a wait),
+# so tests and benchmarks measure the count the GPU would pay.
+#
+# Measured (tests/test_pager.py::test_an_moe_layer_costs_one_host_sync, transformers Qwen3-MoE
+# layer on the grouped_mm path, offloaded experts): 1 sync per MoE layer, the read of the routing
+# offsets that says which experts to page (gate_up and down share it); 1 per embedding lookup of
+# offloaded rows (which rows to page). No other sync: indices go back to the device from pinned
+# memory without blocking, gathered rows are uploaded from pinned memory, group sizes stay on the
+# device.
+HOST_SYNCS = [0]
+
+
+def _read_to_host(t: torch.Tensor) -> torch.Tensor:
+    HOST_SYNCS[0] += 1
+    return t.detach().to("cpu")
+
+
+def _to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small CPU tensor on ``device`` without a host sync: a pinned staging copy and a
+    non-blocking upload (torch's pinned allocator keeps the staging block until the copy is done)."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _unique_rows(index: torch.Tensor, size: int):
     """Unique row ids (CPU, for the host) and every index's position among them (on index's device)."""
-    cpu = index.detach().to("cpu", torch.int64).reshape(-1)
+    cpu = _read_to_host(index).to(torch.int64).reshape(-1)
     cpu = torch.where(cpu < 0, cpu + size, cpu)
     rows, inverse = torch.unique(cpu, return_inverse=True)
     if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= size):
         raise IndexError(f"index {int(rows[-1]) if int(rows[-1]) >= size else int(rows[0])} is out of bounds for dimension 0 with size {size}")
-    return rows, inverse.reshape(index.shape).to(index.device)
+    return rows, _to_device_async(inverse.reshape(index.shape), index.device)
 
 
 @implements(aten.embedding.default)
@@ -558,18 +593,18 @@ def _grouped_mm(func, types, args, kwargs):
     ):
         return _run(func, args, kwargs)
     out_dtype = call.get("out_dtype")
-    # One small device->host read of the group ends; copying every expert would cost far more.
-    ends = offs.tolist()
+    ends = _group_ends(offs)
     starts = [0] + ends[:-1]
     used = [e for e in range(len(ends)) if ends[e] > starts[e]]
-    sizes = torch.tensor([ends[e] - starts[e] for e in used], dtype=offs.dtype, device=offs.device)
+    # Each group's size as a one-element offs, sliced on the device: no host->device copy.
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
     pieces = []
-    for i, e in enumerate(used):
+    for e in used:
         paged = _Paged()
         try:
             expert = paged.page(OffloadedTensor(weight._host[e : e + 1], weight._master))
             expert_bias = None if bias is None else paged.arg(bias[e : e + 1])
-            pieces.append(func(x[starts[e] : ends[e]], expert, sizes[i : i + 1], expert_bias, out_dtype))
+            pieces.append(func(x[starts[e] : ends[e]], expert, sizes[e : e + 1], expert_bias, out_dtype))
         finally:
             paged.release()
     covered = ends[-1] if ends else 0
@@ -578,6 +613,21 @@ def _grouped_mm(func, types, args, kwargs):
         rest = x.shape[0] - covered
         pieces.append(torch.empty((rest, weight.shape[-1]), dtype=out_dtype or x.dtype, device=x.device))
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+_last_offs = (None, -1, None)  # (weakref to offs, its version, its values on the host)
+
+
+def _group_ends(offs: torch.Tensor) -> list:
+    """``offs`` on the host: one small device->host read (copying every expert would cost far more),
+    shared by the calls of one MoE layer that pass the same unchanged ``offs`` (gate_up, down)."""
+    global _last_offs
+    ref, version, ends = _last_offs
+    if ref is not None and ref() is offs and version == offs._version:
+        return ends
+    ends = _read_to_host(offs).tolist()
+    _last_offs = (weakref.ref(offs), offs._version, ends)
+    return ends
 
 
 # ---------------------------------------------------------------------------- whole-op intercepts

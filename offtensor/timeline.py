@@ -663,6 +663,9 @@ class _NoCopies:
     def submit(self, dst, src):
         return 0
 
+    def query(self, ticket):
+        return True
+
     def wait(self, ticket):
         return None
 
@@ -670,8 +673,9 @@ class _NoCopies:
 def _meta_pager(budget_bytes: int):
     from .pager import Pager
 
-    pager = Pager(torch.device("meta"), budget_bytes)
-    pager._engine = _NoCopies()
+    pager = Pager(torch.device("meta"), budget_bytes, strict=False)
+    # The pager's device operations (waits, slot reuse, host lifetimes) ask this engine too.
+    pager._engine = pager._ops.engine = _NoCopies()
     return pager
 
 

@@ -3,8 +3,9 @@
 # itself with its native extension. Safe to run again: each step is skipped when already done.
 #
 # torch is never upgraded or replaced: whatever torch the venv has is pinned for every later pip
-# call, and offtensor builds against it without build isolation. The GPU machine's torch 2.11+cu130
-# therefore stays put.
+# call, and offtensor builds against it without build isolation. When python3 already has torch
+# (the GPU machine's 2.11+cu130), .venv is made to see python3's packages instead of getting a
+# second torch. Wheels in .whl/ (git-ignored; see benchmarks/gpu_suite.sh) are used before any index.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -32,10 +33,22 @@ quietly() {
 }
 
 if [ ! -x .venv/bin/python ]; then
-  echo "setup: creating .venv"
-  quietly python3 -m venv .venv
+  if SYSTEM_TORCH="$(python3 -c 'import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))' 2>/dev/null)"; then
+    echo "setup: python3 already has torch ($SYSTEM_TORCH): creating .venv that sees python3's packages"
+    quietly python3 -m venv --system-site-packages .venv
+    if ! .venv/bin/python -c 'import torch' >/dev/null 2>&1; then
+      # python3 is itself a venv (or similar), whose packages --system-site-packages does not reach:
+      # add its torch's directory at the end of .venv's path.
+      .venv/bin/python -c 'import site, sys; open(site.getsitepackages()[0] + "/offtensor-python3-site.pth", "w").write(sys.argv[1] + "\n")' "$SYSTEM_TORCH"
+    fi
+  else
+    echo "setup: creating .venv"
+    quietly python3 -m venv .venv
+  fi
 fi
 PY="$PWD/.venv/bin/python"
+WHEELS=()
+if [ -d .whl ]; then WHEELS=(--find-links "$PWD/.whl"); fi
 pip() { "$PY" -m pip --disable-pip-version-check "$@"; }
 
 # setuptools 70.1 builds wheels (and editable installs) without the separate `wheel` package.
@@ -57,7 +70,7 @@ echo "torch==$TORCH_VERSION" >"$CONSTRAINTS"  # no later step may change torch
 if ! "$PY" -c "import importlib.util, sys; sys.exit(None in [importlib.util.find_spec(m) for m in sys.argv[1:]])" \
     "${TEST_PACKAGES[@]}"; then
   echo "setup: installing ${TEST_PACKAGES[*]}"
-  quietly pip install -c "$CONSTRAINTS" "${TEST_PACKAGES[@]}"
+  quietly pip install ${WHEELS[@]+"${WHEELS[@]}"} -c "$CONSTRAINTS" "${TEST_PACKAGES[@]}"
 fi
 
 build() {

@@ -2,7 +2,9 @@
 
 ``OFFTENSOR_TEST_DEVICE`` picks the device (default "cpu", the emulated device; the GPU script sets
 "cuda"), so the same tests take the GPU code path on a GPU. ``OFFTENSOR_HYPOTHESIS_EXAMPLES`` sets
-how many examples each property runs (default 60).
+how many examples each property runs (default 60). ``OFFTENSOR_STRICT=1`` runs the emulated device
+strictly (late, out-of-order copies into poisoned buffers; see ``offtensor._ext.StrictCopyEngine``)
+and fails a test whose copies lost their host source.
 """
 
 from __future__ import annotations
@@ -29,6 +31,22 @@ if TEST_DEVICE == "cpu" and "OMP_NUM_THREADS" not in os.environ:
     # default of one compute thread per core, a 2-core machine oversubscribes and single ops
     # run 10-100x slower.
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+
+
+@pytest.fixture(autouse=True)
+def _strict_device_catches_nothing():
+    """Under ``OFFTENSOR_STRICT=1`` every test also proves that no copy lost its host source."""
+    from offtensor import _ext
+    from offtensor.pager import strict_from_env
+
+    if not strict_from_env():
+        yield
+        return
+    before = len(_ext.strict_failures())
+    yield
+    _ext.StrictCopyEngine.drain()
+    new = _ext.strict_failures()[before:]
+    assert not new, "\n".join(new)
 
 
 @pytest.fixture

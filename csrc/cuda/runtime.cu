@@ -119,7 +119,9 @@ extern "C" int ot_cuda_device_count(void) {
 }
 
 extern "C" int ot_cuda_host_register(void* ptr, size_t nbytes) {
-  cudaError_t status = cudaHostRegister(ptr, nbytes, cudaHostRegisterDefault);
+  // Portable: the memory counts as pinned in every CUDA context, not only the current device's, so
+  // copies to any GPU of a multi-GPU box are DMA transfers.
+  cudaError_t status = cudaHostRegister(ptr, nbytes, cudaHostRegisterPortable);
   return status == cudaSuccess ? 0 : fail(status);
 }
 
