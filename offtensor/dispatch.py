@@ -52,7 +52,7 @@ def implements(*ops):
 def torch_dispatch(func, types, args, kwargs):
     handler = _OP_TABLE.get(func)
     if handler is None:
-        handler = _OP_TABLE[func] = _classify(func)
+        handler = _OP_TABLE[func] = _in_pieces_when_short(func, _classify(func))
     return handler(func, types, args, kwargs or {})
 
 
@@ -418,6 +418,103 @@ def _storage_addressing(func, types, args, kwargs):
         paged.release()
 
 
+# ---------------------------------------------------------------------------- ops over lists
+
+# An op reading several offloaded tensors at once needs all of them on the device together. Where
+# the op allows, pieces are paged one at a time instead when the budget's free room is too small:
+# ``cat``/``stack`` copy each input into its slice of the output, ``_foreach_*`` runs per element.
+# Placement then only reserves room for the largest single input (placement.plan's working set).
+
+
+def _offloaded_bytes(values) -> tuple:
+    """(pager, bytes the OffloadedTensors among ``values`` cover) for an op's arguments."""
+    pager, need = None, 0
+    for v in values:
+        for t in v if isinstance(v, (list, tuple)) else (v,):
+            if isinstance(t, OffloadedTensor):
+                pager = pager or t._master.pager
+                lo, hi = host_layout(t._host)[:2]
+                need += (hi - lo) * t.element_size()
+    return pager, need
+
+
+def _short_of_room(pager, need: int) -> bool:
+    """Whether ``need`` bytes of copies do not fit the budget even after evicting unused copies.
+    The cache is scanned (free_bytes) only when the unclaimed room falls short."""
+    if pager is None or pager.budget_bytes is None:
+        return False
+    if need <= pager.budget_bytes - pager.resident_bytes - pager.paged_bytes:
+        return False
+    return need > pager.free_bytes()
+
+
+def _meta(t):
+    if isinstance(t, torch.Tensor):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return t
+
+
+@implements(aten.cat.default, aten.stack.default)
+def _cat_or_stack(func, types, args, kwargs):
+    tensors = args[0]
+    pager, need = _offloaded_bytes(tensors)
+    if not _short_of_room(pager, need):
+        return _run(func, args, kwargs)
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    # The output's shape, dtype (type promotion) and memory format, without computing anything.
+    shape = func([_meta(t) for t in tensors], dim)
+    out = torch.empty_strided(shape.shape, shape.stride(), dtype=shape.dtype, device=pager.device)
+    dim = dim % max(out.dim(), 1)
+    start = 0
+    for i, t in enumerate(tensors):
+        if func is aten.cat.default:
+            if t.dim() == 1 and t.shape[0] == 0:
+                continue  # cat skips legacy empty 1-D inputs
+            target = out.narrow(dim, start, t.shape[dim])
+            start += t.shape[dim]
+        else:
+            target = out.select(dim, i)
+        if not isinstance(t, OffloadedTensor):
+            target.copy_(t)
+            continue
+        paged = _Paged()
+        try:
+            target.copy_(paged.page(t))  # one input on the device at a time
+        finally:
+            paged.release()
+    return out
+
+
+class _ForeachInPieces:
+    """A ``_foreach_*`` op whose offloaded list elements do not fit the free room together: run it
+    once per element (each call pages one element's tensors), which is what the op computes."""
+
+    def __init__(self, func, handler):
+        self.func, self.handler = func, handler
+        self.__name__ = f"in_pieces({getattr(handler, '__name__', func)})"
+
+    def __call__(self, func, types, args, kwargs):
+        pager, need = _offloaded_bytes(list(args) + list(kwargs.values()))
+        if not _short_of_room(pager, need):
+            return self.handler(func, types, args, kwargs)
+        n = len(args[0])
+
+        def piece(v, i):
+            return v[i : i + 1] if isinstance(v, (list, tuple)) and len(v) == n else v
+
+        results = [func(*(piece(a, i) for a in args), **{k: piece(v, i) for k, v in kwargs.items()}) for i in range(n)]
+        if results and isinstance(results[0], (list, tuple)):
+            return [r for result in results for r in result]
+        return None  # in-place _foreach ops return nothing
+
+
+def _in_pieces_when_short(func, handler):
+    arguments = func._schema.arguments
+    if func.name().startswith("aten::_foreach_") and arguments and isinstance(arguments[0].type, torch.ListType):
+        return _ForeachInPieces(func, handler)
+    return handler
+
+
 # ---------------------------------------------------------------------------- index ops
 
 
@@ -576,7 +673,13 @@ def _linear(args, kwargs):
         return NotImplemented
     paged = _Paged()
     try:
-        return torch._C._nn.linear(paged.arg(x), paged.arg(weight), paged.arg(bias))
+        device_weight = paged.arg(weight)
+        if weight.requires_grad and isinstance(weight, OffloadedTensor):
+            # aten::matmul folds a non-contiguous 3-D input into one mm when the weight requires
+            # grad (even under no_grad) and runs bmm otherwise: another kernel, other bits. The
+            # unwrapped model's weight requires grad, so its paged copy must say so too.
+            device_weight = device_weight.detach().requires_grad_()
+        return torch._C._nn.linear(paged.arg(x), device_weight, paged.arg(bias))
     finally:
         paged.release()
 

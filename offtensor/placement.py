@@ -19,9 +19,10 @@ EXPERTS, MLP, ATTENTION, OTHER, LAST = range(5)
 CLASS_NAMES = {EXPERTS: "routed experts", MLP: "dense MLP", ATTENTION: "attention", OTHER: "other", LAST: "last"}
 
 SMALL_BYTES = 1 << 16  # below this a tensor is "small": never worth a page-in per use
-# Stacked experts are paged a few at a time (the routed ones), so their working set is this many
-# slices, not the whole stack.
-EXPERTS_PER_OP = 8
+# Stacked experts are never paged whole: ``_grouped_mm`` pages the routed experts one at a time,
+# eager MoE selects one expert per linear, and index ops page the selected experts in chunks that
+# fit the free room. So one op needs room for this many slices of a stack, not the routed 8.
+EXPERTS_PER_OP = 1
 
 _MLP_PARTS = {"mlp", "ffn", "feed_forward", "shared_expert", "shared_experts", "gate_proj", "up_proj", "down_proj",
               "gate_up_proj", "w1", "w2", "w3", "fc1", "fc2", "c_fc", "dense_h_to_4h", "dense_4h_to_h"}
@@ -134,24 +135,23 @@ def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: 
     offload = []
     offloaded = 0
     ws = 0
-    offloaded_by_name = {}
+
+    offloaded_by_module = {}  # module path -> working set of its offloaded tensors together
+    widest = None  # the module whose offloaded tensors set ``ws``
 
     def add(w):
-        """Offload ``w``; keep ``ws`` = the most one op pages at once. A linear layer pages its
-        weight and bias in the same op, so an offloaded pair counts together."""
-        nonlocal offloaded, ws
+        """Offload ``w``; keep ``ws`` = the most one op pages at once. An op may read every tensor
+        of one module together (weight and bias of a linear, all four weights of an LSTM layer in
+        one cuDNN call, in_proj weight and bias of attention), so a module's offloaded tensors
+        count together; ops over tensors of several modules (``cat`` of two weights) page their
+        inputs one at a time (dispatch's list ops), so they need no more room than one of them."""
+        nonlocal offloaded, ws, widest
         offload.append(w)
         offloaded += w.nbytes
-        need = w.working_set
-        for name in w.names:
-            offloaded_by_name[name] = w
-        for name in w.names:
-            stem, _, leaf = name.rpartition(".")
-            partner = offloaded_by_name.get(f"{stem}.bias" if leaf == "weight" else f"{stem}.weight" if leaf == "bias" else "")
-            if partner is not None and partner is not w:
-                need = w.working_set + partner.working_set
-                break
-        ws = max(ws, need)
+        for stem in {name.rpartition(".")[0] for name in w.names}:
+            together = offloaded_by_module[stem] = offloaded_by_module.get(stem, 0) + w.working_set
+            if together > ws:
+                ws, widest = together, stem
 
     for w in forced:
         add(w)
@@ -193,7 +193,12 @@ def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: 
                 f"the policy keeps {total - offloaded} bytes resident ({len(kept)} tensors, e.g. '{kept[0].name}')"
             )
         if largest is not None:
-            needs.append(f"paging '{largest.name}' needs {ws} bytes on the device at once")
+            together = [n for w in offload for n in w.names if n.rpartition(".")[0] == widest]
+            needs.append(
+                f"paging '{together[0] if together else largest.name}'"
+                + (f" with the other {len(together) - 1} offloaded tensors of '{widest}'" if len(together) > 1 else "")
+                + f" needs {ws} bytes on the device at once"
+            )
         raise BudgetError(
             f"offtensor: a budget of {budget_bytes} bytes cannot hold this model even with every other weight "
             f"offloaded: {' and '.join(needs)}, {total - offloaded + ws} bytes in all. Raise budget_gb"

@@ -176,11 +176,20 @@ def _swap(member: _Member, new: torch.Tensor) -> None:
     """Make ``member.tensor`` become ``new`` in place, so its identity survives; if PyTorch refuses
     (other C++ references exist), register ``new`` in every slot instead."""
     old = member.tensor
+    # nn.LSTM/GRU/RNN keep weak references to their weights (to notice a re-assigned weight), and
+    # swap_tensors refuses a tensor with weak references: drop them for the swap and point them at
+    # the same objects afterwards, so the modules see no change of weights.
+    rnns = [m for m, _, _ in member.slots if isinstance(m, nn.RNNBase) and getattr(m, "_flat_weight_refs", None)]
+    for rnn in rnns:
+        rnn._flat_weight_refs = []
     try:
         torch.utils.swap_tensors(old, new)
         return
     except RuntimeError:
         pass  # e.g. a live autograd graph still references the tensor
+    finally:
+        for rnn in rnns:
+            rnn._flat_weight_refs = [weakref.ref(w) if w is not None else None for w in rnn._flat_weights]
     for module, attr, is_buffer in member.slots:
         (module._buffers if is_buffer else module._parameters)[attr] = new
     member.tensor = new
