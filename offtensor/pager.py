@@ -44,6 +44,9 @@ class OffloadStats:
     cached_bytes: int = 0
     budget_bytes: Optional[int] = None
     peak_device_bytes: int = 0
+    # Part of resident_bytes held by plain tensor attributes of wrapped modules (not Parameters or
+    # buffers: vLLM's W_UV); set by wrap.stats, 0 for a standalone pager.
+    untracked_bytes: int = 0
 
     def __str__(self) -> str:
         size = format_bytes
