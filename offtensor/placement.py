@@ -118,13 +118,41 @@ def _check_choice(choice: str) -> str:
     return choice
 
 
+def tile_working_set(shape: tuple, nbytes: int, working_set: int) -> int:
+    """The least one op must page of a weight when it computes in output tiles (dispatch tiles
+    linear, mm/addmm, bmm and convolution by rows, columns, batches or output channels; index ops
+    page only selected rows): one slice along the shorter of its first two dims."""
+    if len(shape) < 2 or min(shape[0], shape[1]) <= 0:
+        return working_set
+    return min(working_set, nbytes // min(shape[0], shape[1]))
+
+
 def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: Optional[int] = None,
          policy: Policy = None, prefetch: bool = True) -> Plan:
     """Choose what to offload so that resident bytes plus the largest working set fit the budget.
 
     With ``offload_bytes`` (vLLM's ``cpu_offload_gb``) at least that many bytes are offloaded and,
     if no budget was given, the budget becomes what stays resident plus room to page.
+
+    A budget too small for the largest whole working set is planned again with tile working sets:
+    the smallest budget accepted is the largest tile one op needs, not the largest weight.
     """
+    try:
+        return _plan(weights, budget_bytes, offload_bytes, policy, prefetch)
+    except BudgetError:
+        tiles = [dataclasses.replace(w, working_set=tile_working_set(w.shape, w.nbytes, w.working_set)) for w in weights]
+        if all(t.working_set == w.working_set for t, w in zip(tiles, weights)):
+            raise
+        tiled = _plan(tiles, budget_bytes, offload_bytes, policy, prefetch)
+        # Callers key their tensors by these Weight objects: hand back the originals.
+        original = {id(t): w for t, w in zip(tiles, weights)}
+        tiled.offload = [original[id(t)] for t in tiled.offload]
+        tiled.resident = [original[id(t)] for t in tiled.resident]
+        return tiled
+
+
+def _plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: Optional[int] = None,
+          policy: Policy = None, prefetch: bool = True) -> Plan:
     total = sum(w.nbytes for w in weights)
     forced, kept, free = [], [], []
     for w in weights:

@@ -272,3 +272,89 @@ def test_deepcopy_of_a_wrapped_model_is_wrapped_on_its_own_pager(device):
     ot.unwrap_model(twin)
     assert ot.stats(model).offloaded_bytes == original.offloaded_bytes
     assert not any(isinstance(p, ot.OffloadedTensor) for p in twin.parameters())
+
+
+# ---------------------------------------------------------------------------- 2. tiling past the budget
+
+
+def test_ops_with_a_weight_larger_than_the_budget_compute_in_tiles_bit_identically(device):
+    torch.manual_seed(0)
+    budget = 20 * 1024
+    pager = Pager(torch.device(device), budget)
+    w, b = torch.randn(384, 96), torch.randn(384)  # 147 KiB: 7x the budget
+    ow, ob = _offload_under(pager, w), _offload_under(pager, b)
+    w, b = w.to(device), b.to(device)
+    x = torch.randn(5, 96, device=device)
+    x3 = torch.randn(7, 2, 96, device=device).transpose(0, 1)
+    with torch.no_grad():
+        assert torch.equal(F.linear(x, ow, ob), F.linear(x, w, b))
+        assert torch.equal(F.linear(x3, ow, ob), F.linear(x3, w, b))
+        assert torch.equal(F.linear(x3, nn.Parameter(ow), ob), F.linear(x3, nn.Parameter(w), b))
+    assert torch.equal(x @ ow.t(), x @ w.t())  # mm: columns of the transposed weight
+    assert torch.equal(torch.addmm(ob, x, ow.t()), torch.addmm(b, x, w.t()))
+    assert torch.equal(ow @ x.t(), w @ x.t())  # mm: rows of the first operand
+    wt = w.t().contiguous()  # (96, 384): columns are strided in the master, gathered on the host
+    assert torch.equal(x @ _offload_under(pager, wt.cpu()), x @ wt)
+    conv_w, conv_b = torch.randn(64, 8, 3, 3), torch.randn(64)  # 18 KiB + bias, with the input beside
+    img = torch.randn(2, 8, 16, 16, device=device)
+    got = F.conv2d(img, _offload_under(pager, conv_w), _offload_under(pager, conv_b), padding=1)
+    assert torch.equal(got, F.conv2d(img, conv_w.to(device), conv_b.to(device), padding=1))
+    experts = torch.randn(8, 32, 40)  # 40 KiB, 5 KiB per batch
+    xb = torch.randn(8, 3, 32, device=device)
+    assert torch.equal(torch.bmm(xb, _offload_under(pager, experts)), torch.bmm(xb, experts.to(device)))
+    assert pager.stats.peak_device_bytes <= budget
+
+
+def test_tiles_narrower_than_the_kernel_blocks_agree_to_rounding(device):
+    # Room for 2 rows of 8: BLAS runs a matrix-vector kernel per tile, summing in another order.
+    torch.manual_seed(0)
+    pager = Pager(torch.device(device), 2 * 256 * 4)
+    w = torch.randn(64, 256)
+    x = torch.randn(3, 256, device=device)
+    torch.testing.assert_close(F.linear(x, _offload_under(pager, w)), F.linear(x, w.to(device)), rtol=1e-5, atol=1e-5)
+    assert pager.stats.peak_device_bytes <= 2 * 256 * 4
+
+
+def test_an_op_whose_single_slice_exceeds_the_room_raises_a_clear_budget_error(device):
+    pager = Pager(torch.device(device), 4 * 1024)
+    experts = _offload_under(pager, torch.randn(2, 64, 32))  # one batch is 8 KiB
+    with pytest.raises(BudgetError, match=r"aten.bmm.default cannot be tiled.*8192 bytes"):
+        torch.bmm(torch.randn(2, 3, 64, device=device), experts)
+
+
+class _TiedLM(nn.Module):
+    """A tied embedding used as the output layer is the model's largest weight, and a conv stem."""
+
+    def __init__(self, vocab=2048, hidden=64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.conv = nn.Conv1d(hidden, hidden, 3, padding=1)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = h + self.conv(h.transpose(1, 2)).transpose(1, 2)
+        h = h + self.mlp(h)
+        return self.head(self.norm(h))
+
+
+def test_a_model_whose_largest_weight_is_twice_the_budget_runs_with_identical_outputs(device):
+    torch.manual_seed(0)
+    model = _TiedLM().eval().to(device)
+    reference = copy.deepcopy(model)
+    largest = model.embed.weight.numel() * 4  # 512 KiB
+    budget = largest // 2
+    with pytest.raises(BudgetError):
+        ot.wrap_model(copy.deepcopy(model), budget_gb=64 / GiB, device=device)  # not even a tile fits
+    ot.wrap_model(model, budget_gb=budget / GiB, device=device)
+    assert model.head.weight is model.embed.weight and isinstance(model.embed.weight, ot.OffloadedTensor)
+    ids = torch.randint(0, 2048, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        expected = reference(ids)
+        assert torch.equal(model(ids), expected)
+        assert torch.equal(model(ids), expected)
+    s = ot.stats(model)
+    assert s.peak_device_bytes <= budget == s.budget_bytes
