@@ -139,16 +139,36 @@ def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: 
     """
     try:
         return _plan(weights, budget_bytes, offload_bytes, policy, prefetch)
-    except BudgetError:
-        tiles = [dataclasses.replace(w, working_set=tile_working_set(w.shape, w.nbytes, w.working_set)) for w in weights]
-        if all(t.working_set == w.working_set for t, w in zip(tiles, weights)):
-            raise
-        tiled = _plan(tiles, budget_bytes, offload_bytes, policy, prefetch)
+    except BudgetError as whole_error:
+        error = whole_error
+    # Tile the weights with the largest working sets first, 1, 2, 4... of them: the others keep
+    # room for their whole working set (one op, one page, no tiles).
+    tileable = sorted(
+        (w for w in weights if tile_working_set(w.shape, w.nbytes, w.working_set) < w.working_set),
+        key=lambda w: -w.working_set,
+    )
+    count = 1
+    while tileable:
+        count = min(count, len(tileable))
+        tiled_ids = {id(w) for w in tileable[:count]}
+        trial = [
+            dataclasses.replace(w, working_set=tile_working_set(w.shape, w.nbytes, w.working_set)) if id(w) in tiled_ids else w
+            for w in weights
+        ]
+        try:
+            tiled = _plan(trial, budget_bytes, offload_bytes, policy, prefetch)
+        except BudgetError as e:
+            error = e
+            if count == len(tileable):
+                break
+            count *= 2
+            continue
         # Callers key their tensors by these Weight objects: hand back the originals.
-        original = {id(t): w for t, w in zip(tiles, weights)}
+        original = {id(t): w for t, w in zip(trial, weights)}
         tiled.offload = [original[id(t)] for t in tiled.offload]
         tiled.resident = [original[id(t)] for t in tiled.resident]
         return tiled
+    raise error
 
 
 def _plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: Optional[int] = None,
