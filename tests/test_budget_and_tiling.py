@@ -13,6 +13,7 @@ from torch import nn
 import offtensor as ot
 from offtensor.pager import BudgetError, Pager
 from offtensor.tensor import _wrap_host, new_host_master
+from offtensor.wrap import is_wrapped
 
 GiB = 1 << 30
 
@@ -261,7 +262,7 @@ def test_deepcopy_of_a_wrapped_model_is_wrapped_on_its_own_pager(device):
     original = ot.stats(model)
     twin = copy.deepcopy(model)
     assert ot.stats(model).offloaded_bytes == original.offloaded_bytes  # nothing charged to the original
-    assert ot.is_wrapped(twin) if hasattr(ot, "is_wrapped") else ot.wrap.is_wrapped(twin)
+    assert is_wrapped(twin)
     s = ot.stats(twin)
     assert s.offloaded_bytes == original.offloaded_bytes and s.budget_bytes == original.budget_bytes
     offloaded = [p for p in twin.parameters() if isinstance(p, ot.OffloadedTensor)]
