@@ -515,6 +515,8 @@ def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buff
         pager._note_peak()
         return None
     if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
+        ws = placement.tile_working_set(tuple(t.shape), nbytes, ws)  # its ops compute in tiles (dispatch)
+    if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
         raise BudgetError(
             f"offtensor: {full_name} ({nbytes} bytes) needs {ws} bytes on the device to be paged, but only "
             f"{pager.budget_bytes - resident} of the budget's {pager.budget_bytes} bytes are not resident weights"
@@ -694,6 +696,8 @@ def _place_attribute(state: _State, module: nn.Module, name: str, t: torch.Tenso
         return
     without_t = resident - _storage_bytes(t)[1]
     ws = placement.working_set(full_name, tuple(t.shape), nbytes)
+    if without_t + max(ws, state.working_set_bytes) > pager.budget_bytes:
+        ws = placement.tile_working_set(tuple(t.shape), nbytes, ws)  # its ops compute in tiles (dispatch)
     if without_t + max(ws, state.working_set_bytes) > pager.budget_bytes:
         raise BudgetError(
             f"offtensor: the attribute {full_name} ({nbytes} bytes) needs {ws} bytes on the device to be paged, but "

@@ -359,3 +359,17 @@ def test_a_model_whose_largest_weight_is_twice_the_budget_runs_with_identical_ou
         assert torch.equal(model(ids), expected)
     s = ot.stats(model)
     assert s.peak_device_bytes <= budget == s.budget_bytes
+
+
+def test_a_weight_assigned_after_wrap_larger_than_the_budget_is_offloaded_and_tiled(device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    ot.wrap_model(model, budget_gb=16 * 1024 / GiB, device=device)
+    head = nn.Linear(32, 512, bias=False)  # 64 KiB: 4x the budget
+    expected_head = copy.deepcopy(head).to(device)
+    model.head = head
+    assert isinstance(model.head.weight, ot.OffloadedTensor) and model.head is head
+    x = torch.randn(3, 32, device=device)
+    with torch.no_grad():
+        assert torch.equal(model.head(x), expected_head(x))
+    assert ot.stats(model).peak_device_bytes <= 16 * 1024
