@@ -594,6 +594,11 @@ class _StepHook:
         if prefetcher is not None:
             prefetcher.step()
 
+    def __reduce__(self):
+        # torch.save(model) of a wrapped model: the loaded model is adopted like a deepcopy (a
+        # callable policy may not pickle; patterns do).
+        return _StepHook, (self.device, self.budget_bytes, None if callable(self.policy) else self.policy, self.prefetch)
+
     def __deepcopy__(self, memo):
         pager = Pager(self.device, self.budget_bytes)
         original = self.pager_ref() if self.pager_ref is not None else None

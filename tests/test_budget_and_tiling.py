@@ -373,3 +373,16 @@ def test_a_weight_assigned_after_wrap_larger_than_the_budget_is_offloaded_and_ti
     with torch.no_grad():
         assert torch.equal(model.head(x), expected_head(x))
     assert ot.stats(model).peak_device_bytes <= 16 * 1024
+
+
+def test_a_wrapped_model_pickles_whole_and_loads_back_wrapped(device, tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)).to(device)
+    x = torch.randn(3, 64, device=device)
+    expected = model(x).detach()
+    ot.wrap_model(model, budget_gb=0.7 * _weight_bytes(model) / GiB, device=device)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert is_wrapped(loaded) and ot.stats(loaded).budget_bytes == ot.stats(model).budget_bytes
+    with torch.no_grad():
+        assert torch.equal(loaded(x), expected)
