@@ -498,11 +498,19 @@ class _ForeachInPieces:
         if not _short_of_room(pager, need):
             return self.handler(func, types, args, kwargs)
         n = len(args[0])
+        names = [a.name for a in func._schema.arguments]
 
-        def piece(v, i):
-            return v[i : i + 1] if isinstance(v, (list, tuple)) and len(v) == n else v
+        def piece(v, i, name):
+            if isinstance(v, (list, tuple)) and len(v) == n:
+                return v[i : i + 1]
+            if name == "scalars" and isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == n:
+                return v[i : i + 1]  # _foreach_addcmul.Tensor's one scalar per element, as a tensor
+            return v
 
-        results = [func(*(piece(a, i) for a in args), **{k: piece(v, i) for k, v in kwargs.items()}) for i in range(n)]
+        results = [
+            func(*(piece(a, i, name) for a, name in zip(args, names)), **{k: piece(v, i, k) for k, v in kwargs.items()})
+            for i in range(n)
+        ]
         if results and isinstance(results[0], (list, tuple)):
             return [r for result in results for r in result]
         return None  # in-place _foreach ops return nothing

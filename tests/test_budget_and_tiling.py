@@ -68,6 +68,10 @@ def test_foreach_op_over_offloaded_tensors_larger_than_the_free_room_runs_per_el
     oa, ob = _offload_under(pager, a), _offload_under(pager, b)
     for got, want in zip(torch._foreach_mul([oa, ob], 2.0), [a * 2, b * 2]):
         assert torch.equal(got, want.to(device))
+    t1, t2 = [torch.randn(16, 16, device=device) for _ in range(2)], [torch.randn(16, 16, device=device) for _ in range(2)]
+    scalars = torch.tensor([2.0, 3.0])  # one per element, as a tensor: split with the lists
+    for got, want in zip(torch._foreach_addcmul([oa, ob], t1, t2, scalars), torch._foreach_addcmul([a.to(device), b.to(device)], t1, t2, scalars)):
+        assert torch.equal(got, want)
     torch._foreach_add_([oa, ob], [torch.ones(16, 16, device=device)] * 2)
     assert torch.equal(oa.cpu(), a + 1) and torch.equal(ob.cpu(), b + 1)
     assert pager.stats.peak_device_bytes <= 1500
