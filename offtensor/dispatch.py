@@ -433,19 +433,19 @@ def _offloaded_bytes(values) -> tuple:
         for t in v if isinstance(v, (list, tuple)) else (v,):
             if isinstance(t, OffloadedTensor):
                 pager = pager or t._master.pager
-                lo, hi = host_layout(t._host)[:2]
-                need += (hi - lo) * t.element_size()
+                layout = t.__dict__.get("_layout")  # memoized by _Paged.page: this runs per op
+                if layout is None:
+                    layout = t.__dict__["_layout"] = host_layout(t._host)
+                need += (layout[1] - layout[0]) * t._host.element_size()  # _host: no __torch_function__
     return pager, need
 
 
 def _short_of_room(pager, need: int) -> bool:
-    """Whether ``need`` bytes of copies do not fit the budget even after evicting unused copies.
-    The cache is scanned (free_bytes) only when the unclaimed room falls short."""
-    if pager is None or pager.budget_bytes is None:
-        return False
-    if need <= pager.budget_bytes - pager.resident_bytes - pager.paged_bytes:
-        return False
-    return need > pager.free_bytes()
+    """Whether ``need`` bytes of copies cannot fit the budget beside the resident weights. This runs
+    before every linear and mm, so it is O(1): it takes the copies of ops still running as none
+    (true outside a handler that holds pages while it calls further ops; if it is wrong, the
+    pager's BudgetError says so). The tile size itself is taken from ``free_bytes``."""
+    return pager is not None and pager.budget_bytes is not None and need > pager.budget_bytes - pager.resident_bytes
 
 
 def _meta(t):
@@ -597,11 +597,26 @@ def _tiled(weight, dim, others, what, compute, out_dim, sliced=()):
 
 
 def _needs_tiling(big, rest) -> bool:
-    """Whether offloaded ``big`` (plus the offloaded tensors among ``rest``) exceeds the free room."""
-    if not isinstance(big, OffloadedTensor) or big.dim() == 0 or big.shape[0] == 0:
+    """Whether offloaded ``big`` (plus the offloaded tensors among ``rest``) cannot fit the budget
+    beside the resident weights. Runs before every linear and mm: O(1) unless the whole masters
+    involved are larger than that room."""
+    if not isinstance(big, OffloadedTensor):
         return False
-    pager, need = _offloaded_bytes([big, *rest])
-    return _short_of_room(pager, need)
+    master = big._master
+    pager = master.pager
+    if pager.budget_bytes is None:
+        return False
+    room = pager.budget_bytes - pager.resident_bytes
+    bound = master.nbytes  # covers every view of it
+    for t in rest:
+        if isinstance(t, OffloadedTensor):
+            bound += t._master.nbytes
+    if bound <= room:
+        return False
+    host = big._host  # metadata of the plain host view: a wrapper method call costs a __torch_function__
+    if host.dim() == 0 or host.shape[0] == 0:
+        return False
+    return _short_of_room(pager, _offloaded_bytes([big, *rest])[1])
 
 
 def _paged_whole(values, paged: _Paged):
@@ -614,7 +629,7 @@ def _linear_tiled(x, weight, bias):
 
     def compute(start, stop, paged):
         w = _page_slice(weight, 0, start, stop, paged)
-        if weight.requires_grad:
+        if x.dim() >= 3 and not x.is_contiguous() and weight.requires_grad:
             w = w.detach().requires_grad_()  # the same kernel choice as the whole weight (see _linear)
         b = None if bias is None else _page_slice(bias, 0, start, stop, paged)
         return torch._C._nn.linear(paged.arg(x), w, b)
@@ -845,15 +860,16 @@ def _linear(args, kwargs):
         # Let autograd see t + addmm so it saves the OffloadedTensor, not a device copy, and
         # backward pages the weight again.
         return NotImplemented
-    if isinstance(weight, OffloadedTensor) and weight.dim() == 2 and _needs_tiling(weight, [x, bias]):
+    if isinstance(weight, OffloadedTensor) and weight._host.dim() == 2 and _needs_tiling(weight, [x, bias]):
         return _linear_tiled(x, weight, bias)
     paged = _Paged()
     try:
         device_weight = paged.arg(weight)
-        if weight.requires_grad and isinstance(weight, OffloadedTensor):
+        if x.dim() >= 3 and not x.is_contiguous() and weight.requires_grad and isinstance(weight, OffloadedTensor):
             # aten::matmul folds a non-contiguous 3-D input into one mm when the weight requires
             # grad (even under no_grad) and runs bmm otherwise: another kernel, other bits. The
-            # unwrapped model's weight requires grad, so its paged copy must say so too.
+            # unwrapped model's weight requires grad, so its paged copy must say so too. (A
+            # contiguous or 2-D input takes the same kernel either way.)
             device_weight = device_weight.detach().requires_grad_()
         return torch._C._nn.linear(paged.arg(x), device_weight, paged.arg(bias))
     finally:
