@@ -732,16 +732,23 @@ _module_delattr = nn.Module.__delattr__
 def _setattr(module, name, value):
     """nn.Module.__setattr__, plus placement of plain tensor attributes of wrapped modules (no
     registration hook sees those) and a recount when a weight or submodule is set to None."""
-    _module_setattr(module, name, value)
-    if not _WRAPPED:
-        return
-    state = _WRAPPED.get(module)
+    state = _WRAPPED.get(module) if _WRAPPED else None
     if state is None:
-        return
+        return _module_setattr(module, name, value)
+    # Only a weight, submodule or tensor attribute set to None releases bytes (forwards set other
+    # attributes to None often; a recount walks the model).
+    releases = value is None and (
+        module._modules.get(name) is not None
+        or module._parameters.get(name) is not None
+        or module._buffers.get(name) is not None
+        or isinstance(module.__dict__.get(name), torch.Tensor)
+    )
+    old = module._modules.get(name) if releases else None
+    _module_setattr(module, name, value)
     if isinstance(value, torch.Tensor) and module.__dict__.get(name) is value:
         _place_attribute(state, module, name, value)
-    elif value is None:
-        _released(state)
+    elif releases:
+        _released(state, old)
 
 
 def _delattr(module, name):

@@ -390,3 +390,16 @@ def test_a_wrapped_model_pickles_whole_and_loads_back_wrapped(device, tmp_path):
     assert is_wrapped(loaded) and ot.stats(loaded).budget_bytes == ot.stats(model).budget_bytes
     with torch.no_grad():
         assert torch.equal(loaded(x), expected)
+
+
+def test_setting_a_submodule_or_attribute_to_none_releases_its_bytes(device):
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    ot.wrap_model(model, budget_gb=1, device=device)
+    pager = ot.wrap._WRAPPED[model].pager
+    before = pager.resident_bytes
+    model[0].table = torch.randn(128, 256, device=device)  # 128 KiB, resident
+    assert pager.resident_bytes == before + 128 * 256 * 4
+    model[0].table = None
+    assert pager.resident_bytes == before
+    setattr(model, "1", None)
+    assert pager.resident_bytes == before - (64 * 64 + 64) * 4
