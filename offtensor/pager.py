@@ -58,6 +58,9 @@ class OffloadStats:
     # emulated device): the allocator's real figures beside the logical peak_device_bytes.
     max_memory_allocated: Optional[int] = None
     max_memory_reserved: Optional[int] = None
+    # Part of resident_bytes held by plain tensor attributes of wrapped modules (not Parameters or
+    # buffers: vLLM's W_UV); set by wrap.stats, 0 for a standalone pager.
+    untracked_bytes: int = 0
 
     def __str__(self) -> str:
         size = format_bytes

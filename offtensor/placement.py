@@ -19,9 +19,10 @@ EXPERTS, MLP, ATTENTION, OTHER, LAST = range(5)
 CLASS_NAMES = {EXPERTS: "routed experts", MLP: "dense MLP", ATTENTION: "attention", OTHER: "other", LAST: "last"}
 
 SMALL_BYTES = 1 << 16  # below this a tensor is "small": never worth a page-in per use
-# Stacked experts are paged a few at a time (the routed ones), so their working set is this many
-# slices, not the whole stack.
-EXPERTS_PER_OP = 8
+# Stacked experts are never paged whole: ``_grouped_mm`` pages the routed experts one at a time,
+# eager MoE selects one expert per linear, and index ops page the selected experts in chunks that
+# fit the free room. So one op needs room for this many slices of a stack, not the routed 8.
+EXPERTS_PER_OP = 1
 
 _MLP_PARTS = {"mlp", "ffn", "feed_forward", "shared_expert", "shared_experts", "gate_proj", "up_proj", "down_proj",
               "gate_up_proj", "w1", "w2", "w3", "fc1", "fc2", "c_fc", "dense_h_to_4h", "dense_4h_to_h"}
@@ -42,6 +43,11 @@ class Weight:
     nbytes: int
     shape: tuple
     working_set: int  # bytes one op pages from it at most
+    # Whether one op may read every tensor of its module at once: torch.nn's own modules do
+    # (weight and bias of a linear, an LSTM layer's four weights in one cuDNN call). A model's own
+    # module (a layer holding w1 and w2 for x @ w1 @ w2, a stack of experts) reads its weights in
+    # separate ops, with at most its lower-rank tensors (biases) beside the largest.
+    fused: bool = True
 
     @property
     def name(self) -> str:
@@ -117,13 +123,61 @@ def _check_choice(choice: str) -> str:
     return choice
 
 
+def tile_working_set(shape: tuple, nbytes: int, working_set: int) -> int:
+    """The least one op must page of a weight when it computes in output tiles (dispatch tiles
+    linear, mm/addmm, bmm and convolution by rows, columns, batches or output channels; index ops
+    page only selected rows): one slice along the shorter of its first two dims."""
+    if len(shape) < 2 or min(shape[0], shape[1]) <= 0:
+        return working_set
+    return min(working_set, nbytes // min(shape[0], shape[1]))
+
+
 def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: Optional[int] = None,
          policy: Policy = None, prefetch: bool = True) -> Plan:
     """Choose what to offload so that resident bytes plus the largest working set fit the budget.
 
     With ``offload_bytes`` (vLLM's ``cpu_offload_gb``) at least that many bytes are offloaded and,
     if no budget was given, the budget becomes what stays resident plus room to page.
+
+    A budget too small for the largest whole working set is planned again with tile working sets:
+    the smallest budget accepted is the largest tile one op needs, not the largest weight.
     """
+    try:
+        return _plan(weights, budget_bytes, offload_bytes, policy, prefetch)
+    except BudgetError as whole_error:
+        error = whole_error
+    # Tile the weights with the largest working sets first, 1, 2, 4... of them: the others keep
+    # room for their whole working set (one op, one page, no tiles).
+    tileable = sorted(
+        (w for w in weights if tile_working_set(w.shape, w.nbytes, w.working_set) < w.working_set),
+        key=lambda w: -w.working_set,
+    )
+    count = 1
+    while tileable:
+        count = min(count, len(tileable))
+        tiled_ids = {id(w) for w in tileable[:count]}
+        trial = [
+            dataclasses.replace(w, working_set=tile_working_set(w.shape, w.nbytes, w.working_set)) if id(w) in tiled_ids else w
+            for w in weights
+        ]
+        try:
+            tiled = _plan(trial, budget_bytes, offload_bytes, policy, prefetch)
+        except BudgetError as e:
+            error = e
+            if count == len(tileable):
+                break
+            count *= 2
+            continue
+        # Callers key their tensors by these Weight objects: hand back the originals.
+        original = {id(t): w for t, w in zip(trial, weights)}
+        tiled.offload = [original[id(t)] for t in tiled.offload]
+        tiled.resident = [original[id(t)] for t in tiled.resident]
+        return tiled
+    raise error
+
+
+def _plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: Optional[int] = None,
+          policy: Policy = None, prefetch: bool = True) -> Plan:
     total = sum(w.nbytes for w in weights)
     forced, kept, free = [], [], []
     for w in weights:
@@ -137,24 +191,33 @@ def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: 
     offload = []
     offloaded = 0
     ws = 0
-    offloaded_by_name = {}
+
+    offloaded_by_module = {}  # module path -> [(rank, working set, fused)] of its offloaded tensors
+    widest = None  # the module whose offloaded tensors set ``ws``
+
+    def together(tensors) -> int:
+        """The most one op pages of one module's offloaded tensors (see ``Weight.fused``)."""
+        if any(fused for _, _, fused in tensors):
+            return sum(ws for _, ws, _ in tensors)
+        top = max(rank for rank, _, _ in tensors)
+        return max(ws for rank, ws, _ in tensors if rank == top) + sum(ws for rank, ws, _ in tensors if rank < top)
 
     def add(w):
-        """Offload ``w``; keep ``ws`` = the most one op pages at once. A linear layer pages its
-        weight and bias in the same op, so an offloaded pair counts together."""
-        nonlocal offloaded, ws
+        """Offload ``w``; keep ``ws`` = the most one op pages at once. An op may read every tensor
+        of one module together (weight and bias of a linear, all four weights of an LSTM layer in
+        one cuDNN call, in_proj weight and bias of attention), so a module's offloaded tensors
+        count together; ops over tensors of several modules (``cat`` of two weights) page their
+        inputs one at a time (dispatch's list ops), so they need no more room than one of them.
+        A model's own modules count as ``Weight.fused`` says."""
+        nonlocal offloaded, ws, widest
         offload.append(w)
         offloaded += w.nbytes
-        need = w.working_set
-        for name in w.names:
-            offloaded_by_name[name] = w
-        for name in w.names:
-            stem, _, leaf = name.rpartition(".")
-            partner = offloaded_by_name.get(f"{stem}.bias" if leaf == "weight" else f"{stem}.weight" if leaf == "bias" else "")
-            if partner is not None and partner is not w:
-                need = w.working_set + partner.working_set
-                break
-        ws = max(ws, need)
+        for stem in {name.rpartition(".")[0] for name in w.names}:
+            tensors = offloaded_by_module.setdefault(stem, [])
+            tensors.append((len(w.shape), w.working_set, w.fused))
+            need = together(tensors)
+            if need > ws:
+                ws, widest = need, stem
 
     for w in forced:
         add(w)
@@ -196,7 +259,13 @@ def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: 
                 f"the policy keeps {total - offloaded} bytes resident ({len(kept)} tensors, e.g. '{kept[0].name}')"
             )
         if largest is not None:
-            needs.append(f"paging '{largest.name}' needs {ws} bytes on the device at once")
+            of_widest = [w for w in offload if any(n.rpartition(".")[0] == widest for n in w.names)]
+            first = max(of_widest, key=lambda w: w.working_set).name if of_widest else largest.name
+            needs.append(
+                f"paging '{first}'"
+                + (f" (one op of module '{widest}', {len(of_widest)} offloaded tensors)" if len(of_widest) > 1 else "")
+                + f" needs {ws} bytes on the device at once"
+            )
         raise BudgetError(
             f"offtensor: a budget of {budget_bytes} bytes cannot hold this model even with every other weight "
             f"offloaded: {' and '.join(needs)}, {total - offloaded + ws} bytes in all. Raise budget_gb"
@@ -205,11 +274,13 @@ def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: 
     spread = _spread(offload, free, position)
     if spread is not offload:
         chosen = offload
-        offload, offloaded, ws, offloaded_by_name = [], 0, 0, {}
+        offload, offloaded, ws, widest = [], 0, 0, None
+        offloaded_by_module.clear()
         for w in spread:
             add(w)
-        if not fits(budget_bytes):  # a weight/bias pairing made the working set larger: keep the first choice
-            offload, offloaded, ws, offloaded_by_name = [], 0, 0, {}
+        if not fits(budget_bytes):  # a module's tensors together made the working set larger: keep the first choice
+            offload, offloaded, ws, widest = [], 0, 0, None
+            offloaded_by_module.clear()
             for w in chosen:
                 add(w)
     offload_ids = {id(w) for w in offload}

@@ -135,7 +135,8 @@ class OffloadedTensor(torch.Tensor):
             host = torch.empty(0, dtype=self.dtype).set_(
                 new_flat.untyped_storage(), self._host.storage_offset(), self.shape, self.stride()
             )
-        copy = _wrap_host(host, master.pager)
+        # A deepcopy of a wrapped model charges its copies to the copy's own pager (wrap._StepHook).
+        copy = _wrap_host(host, memo.get(("offtensor.pager", id(master.pager))) or master.pager)
         if getattr(self, "_is_param", False):
             copy = torch.nn.Parameter(copy, requires_grad=self.requires_grad)
         else:

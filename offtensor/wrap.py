@@ -169,7 +169,10 @@ def _weight(group) -> placement.Weight:
     names = [n for m in group for n in m.names]
     t = group[0].tensor
     nbytes = _group_bytes(group)
-    return placement.Weight(names, nbytes, tuple(t.shape), placement.working_set(names[0], tuple(t.shape), nbytes))
+    # torch.nn's own modules (Linear, LSTM, MultiheadAttention...) may read all their tensors in one op.
+    fused = any(type(module).__module__.startswith("torch.nn") for m in group for module, _, _ in m.slots)
+    return placement.Weight(names, nbytes, tuple(t.shape), placement.working_set(names[0], tuple(t.shape), nbytes),
+                            fused)
 
 
 # ---------------------------------------------------------------------------- moving tensors
@@ -179,13 +182,25 @@ def _swap(member: _Member, new: torch.Tensor) -> None:
     """Make ``member.tensor`` become ``new`` in place, so its identity survives; if PyTorch refuses
     (other C++ references exist), register ``new`` in every slot instead."""
     old = member.tensor
+    # nn.LSTM/GRU/RNN keep weak references to their weights (to notice a re-assigned weight), and
+    # swap_tensors refuses a tensor with weak references: drop them for the swap and point them at
+    # the same objects afterwards, so the modules see no change of weights.
+    rnns = [m for m, _, _ in member.slots if isinstance(m, nn.RNNBase) and getattr(m, "_flat_weight_refs", None)]
+    for rnn in rnns:
+        rnn._flat_weight_refs = []
     try:
         torch.utils.swap_tensors(old, new)
         return
     except RuntimeError:
         pass  # e.g. a live autograd graph still references the tensor
+    finally:
+        for rnn in rnns:
+            rnn._flat_weight_refs = [weakref.ref(w) if w is not None else None for w in rnn._flat_weights]
     for module, attr, is_buffer in member.slots:
-        (module._buffers if is_buffer else module._parameters)[attr] = new
+        if is_buffer is None:  # a plain tensor attribute
+            module.__dict__[attr] = new
+        else:
+            (module._buffers if is_buffer else module._parameters)[attr] = new
     member.tensor = new
 
 
@@ -274,7 +289,8 @@ def _resident_bytes(model: nn.Module, device: torch.device, skip=frozenset(), ex
 def _resident_storages(model: nn.Module, device: torch.device, skip=frozenset(), extra=()) -> dict:
     """Storage key -> bytes for the tensors ``_resident_bytes`` counts."""
     storages = {}
-    tensors = [_tensors(model, skip)] + [_tensors(e, skip) if isinstance(e, nn.Module) else (e,) for e in extra]
+    tensors = [_tensors(model, skip), (t for _, _, t in _attribute_tensors(model))]
+    tensors += [_tensors(e, skip) if isinstance(e, nn.Module) else (e,) for e in extra]
     for source in tensors:
         for t in source:
             if isinstance(t, OffloadedTensor) or t.device != device or t.is_meta:
@@ -289,6 +305,31 @@ def _storage_bytes(t: torch.Tensor):
     if storage.data_ptr():
         return storage.data_ptr(), storage.nbytes()
     return id(t), t.numel() * t.element_size()
+
+
+def _attribute_tensors(model: nn.Module):
+    """(module, name, tensor) for tensors held as plain attributes (not Parameters or buffers,
+    which nn.Module keeps out of ``__dict__``): weights computed after loading, like vLLM's W_UV."""
+    for module in model.modules():
+        for name, t in module.__dict__.items():
+            if isinstance(t, torch.Tensor) and not t.is_meta and t.layout == torch.strided:
+                yield module, name, t
+
+
+def _untracked_bytes(model: nn.Module, device: torch.device) -> int:
+    """Device bytes of plain tensor attributes whose storage no Parameter or buffer shares."""
+    weights = _resident_storages_of(_tensors(model), device)
+    attributes = _resident_storages_of((t for _, _, t in _attribute_tensors(model)), device)
+    return sum(n for key, n in attributes.items() if key not in weights)
+
+
+def _resident_storages_of(tensors, device: torch.device) -> dict:
+    storages = {}
+    for t in tensors:
+        if not isinstance(t, OffloadedTensor) and t.device == device and not t.is_meta:
+            key, nbytes = _storage_bytes(t)
+            storages[key] = nbytes
+    return storages
 
 
 def _tensors(model: nn.Module, skip=frozenset()):
@@ -386,7 +427,7 @@ def _register(model: nn.Module, pager: Pager, plan: placement.Plan, policy, pref
     pager.reset_stats()
     if prefetch and plan.offload:
         pager.prefetcher = Prefetcher()
-        state.step_hook = model.register_forward_pre_hook(_new_step)
+    state.step_hook = model.register_forward_pre_hook(_StepHook(pager.device, plan.budget_bytes, policy, prefetch, pager))
     _install_hooks()
 
 
@@ -415,7 +456,9 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 def stats(model: nn.Module) -> OffloadStats:
     state = _state(model)
     state.pager.resident_bytes = _resident_bytes(model, state.pager.device)
-    return state.pager.snapshot()
+    s = state.pager.snapshot()
+    s.untracked_bytes = _untracked_bytes(model, state.pager.device)
+    return s
 
 
 def reset_stats(model: nn.Module) -> None:
@@ -423,8 +466,11 @@ def reset_stats(model: nn.Module) -> None:
 
 
 def is_wrapped(model: nn.Module) -> bool:
-    """Whether ``model`` is currently wrapped (by wrap_model or load_safetensors)."""
+    """Whether ``model`` is currently wrapped (by wrap_model or load_safetensors, or is a
+    ``copy.deepcopy`` of a wrapped model, which this registers on its own pager)."""
     state = _WRAPPED.get(model)
+    if state is None or state.model_ref() is not model:
+        state = _adopt_copy(model) if isinstance(model, nn.Module) else None
     return state is not None and state.model_ref() is model
 
 
@@ -505,6 +551,8 @@ def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buff
         pager._note_peak()
         return None
     if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
+        ws = placement.tile_working_set(tuple(t.shape), nbytes, ws)  # its ops compute in tiles (dispatch)
+    if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
         raise BudgetError(
             f"offtensor: {full_name} ({nbytes} bytes) needs {ws} bytes on the device to be paged, but only "
             f"{pager.budget_bytes - resident} of the budget's {pager.budget_bytes} bytes are not resident weights"
@@ -559,12 +607,73 @@ def _module_hook(module, name, submodule):
     return None
 
 
-def _new_step(model, args):
-    """Forward pre-hook of a wrapped model: one forward is one step of the prefetch schedule."""
-    state = _WRAPPED.get(model)
-    prefetcher = state.pager.prefetcher if state is not None else None
-    if prefetcher is not None:
-        prefetcher.step()
+class _StepHook:
+    """Forward pre-hook of a wrapped model: one forward is one step of the prefetch schedule.
+
+    It also carries the wrap's settings through ``copy.deepcopy``: the copy of a wrapped model
+    holds a copy of this hook, and the first time the copy is used (``ot.stats``, a forward...)
+    ``_adopt_copy`` gives it its own pager with the same budget, instead of leaving its new host
+    masters charged to the original's pager."""
+
+    __slots__ = ("device", "budget_bytes", "policy", "prefetch", "pager_ref", "copy_pager")
+
+    def __init__(self, device, budget_bytes, policy, prefetch, pager=None, copy_pager=None):
+        self.device, self.budget_bytes, self.policy, self.prefetch = device, budget_bytes, policy, prefetch
+        self.pager_ref = weakref.ref(pager) if pager is not None else None
+        self.copy_pager = copy_pager  # a deepcopy's pager, until _adopt_copy registers it
+
+    def __call__(self, model, args):
+        state = _WRAPPED.get(model)
+        if state is None or state.model_ref() is not model:
+            state = _adopt_copy(model)
+        prefetcher = state.pager.prefetcher if state is not None else None
+        if prefetcher is not None:
+            prefetcher.step()
+
+    def __reduce__(self):
+        # torch.save(model) of a wrapped model: the loaded model is adopted like a deepcopy (a
+        # callable policy may not pickle; patterns do).
+        return _StepHook, (self.device, self.budget_bytes, None if callable(self.policy) else self.policy, self.prefetch)
+
+    def __deepcopy__(self, memo):
+        pager = Pager(self.device, self.budget_bytes)
+        original = self.pager_ref() if self.pager_ref is not None else None
+        if original is not None:
+            # OffloadedTensor.__deepcopy__ charges the new host masters to this pager, not the original's.
+            memo[("offtensor.pager", id(original))] = pager
+        return _StepHook(self.device, self.budget_bytes, self.policy, self.prefetch, copy_pager=pager)
+
+
+def _adopt_copy(model: nn.Module) -> Optional[_State]:
+    """Register a ``copy.deepcopy`` of a wrapped model as wrapped on its own pager; None when
+    ``model`` holds no copied step hook (it was never a wrapped model)."""
+    hooks = [(key, h) for key, h in model._forward_pre_hooks.items() if isinstance(h, _StepHook)]
+    if not hooks:
+        return None
+    hook = hooks[0][1]
+    for module in model.modules():
+        # The copy's modules carry copies of the original's hooks; _register adds its own.
+        for key in [k for k, h in module._load_state_dict_post_hooks.items() if h is _after_load]:
+            del module._load_state_dict_post_hooks[key]
+        if _WRAPPED.get(module) is not None:
+            del _WRAPPED[module]
+    for key, _ in hooks:
+        del model._forward_pre_hooks[key]
+    pager = hook.copy_pager or Pager(hook.device, hook.budget_bytes)
+    hook.copy_pager = None
+    offloaded = 0
+    groups = _collect(model)
+    for group in groups:
+        if isinstance(group[0].tensor, OffloadedTensor):
+            group[0].tensor._master.move_to(pager)
+            offloaded += group[0].tensor._master.nbytes
+    weights = [_weight(g) for g in groups]
+    offload = [w for w, g in zip(weights, groups) if isinstance(g[0].tensor, OffloadedTensor)]
+    resident = [w for w, g in zip(weights, groups) if not isinstance(g[0].tensor, OffloadedTensor)]
+    ws = placement.plan(offload, None, offload_bytes=0, policy=lambda name: "offload", prefetch=False).working_set_bytes
+    plan = placement.Plan(offload, resident, hook.budget_bytes, _resident_bytes(model, pager.device), offloaded, ws)
+    _register(model, pager, plan, hook.policy, hook.prefetch)
+    return _WRAPPED[model]
 
 
 def _after_load(module, incompatible_keys):
@@ -597,9 +706,116 @@ def _after_load(module, incompatible_keys):
             table[attr] = new
 
 
+def _place_attribute(state: _State, module: nn.Module, name: str, t: torch.Tensor) -> None:
+    """A tensor assigned to a wrapped module as a plain attribute (``self.W_UV = ...`` after
+    loading): counted as resident when it is on the device and fits beside the resident weights and
+    the room paging needs, else offloaded in place (the object stays; its device memory is freed)
+    like a parameter that does not fit. Tensors elsewhere (a CPU mask on a GPU run) hold no device
+    bytes and are left alone."""
+    pager = state.pager
+    model = state.model_ref()
+    if model is None:
+        return
+    if isinstance(t, OffloadedTensor):
+        t._master.move_to(pager)
+        return
+    nbytes = t.numel() * t.element_size()
+    if t.device != pager.device or nbytes < placement.SMALL_BYTES:
+        # Small attributes (often set during forward) are counted by the next recount (ot.stats,
+        # a registration) rather than walking the model on every assignment.
+        return
+    resident = _resident_bytes(model, pager.device)  # with t counted, once per storage
+    full_name = state.qualified_name(module, name)
+    choice = placement._policy_choice(state.policy, [full_name])
+    keep = choice == "keep" or (
+        choice != "offload" and resident + state.working_set_bytes <= pager.budget_bytes
+    )
+    shares_a_weight = _storage_bytes(t)[0] in _resident_storages_of(_tensors(model), pager.device)
+    if keep or shares_a_weight or not _check_offloadable_quietly(t):
+        pager.resident_bytes = resident
+        pager._note_peak()
+        return
+    without_t = resident - _storage_bytes(t)[1]
+    ws = placement.working_set(full_name, tuple(t.shape), nbytes)
+    if without_t + max(ws, state.working_set_bytes) > pager.budget_bytes:
+        ws = placement.tile_working_set(tuple(t.shape), nbytes, ws)  # its ops compute in tiles (dispatch)
+    if without_t + max(ws, state.working_set_bytes) > pager.budget_bytes:
+        raise BudgetError(
+            f"offtensor: the attribute {full_name} ({nbytes} bytes) needs {ws} bytes on the device to be paged, but "
+            f"only {pager.budget_bytes - without_t} of the budget's {pager.budget_bytes} bytes are not resident "
+            f"weights; raise budget_gb or offload more"
+        )
+    state.working_set_bytes = max(state.working_set_bytes, ws)
+    member = _Member(t)
+    member.slots.append((module, name, None))
+    member.names.append(full_name)
+    _offload_group([member], pager)
+    pager.resident_bytes = _resident_bytes(model, pager.device)
+
+
+def _check_offloadable_quietly(t: torch.Tensor) -> bool:
+    try:
+        _check_offloadable(t, "attribute")
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return True
+
+
+_module_setattr = nn.Module.__setattr__
+_module_delattr = nn.Module.__delattr__
+
+
+def _setattr(module, name, value):
+    """nn.Module.__setattr__, plus placement of plain tensor attributes of wrapped modules (no
+    registration hook sees those) and a recount when a weight or submodule is set to None."""
+    state = _WRAPPED.get(module) if _WRAPPED else None
+    if state is None:
+        return _module_setattr(module, name, value)
+    # Only a weight, submodule or tensor attribute set to None releases bytes (forwards set other
+    # attributes to None often; a recount walks the model).
+    releases = value is None and (
+        module._modules.get(name) is not None
+        or module._parameters.get(name) is not None
+        or module._buffers.get(name) is not None
+        or isinstance(module.__dict__.get(name), torch.Tensor)
+    )
+    old = module._modules.get(name) if releases else None
+    _module_setattr(module, name, value)
+    if isinstance(value, torch.Tensor) and module.__dict__.get(name) is value:
+        _place_attribute(state, module, name, value)
+    elif releases:
+        _released(state, old)
+
+
+def _delattr(module, name):
+    """nn.Module.__delattr__, plus releasing a deleted submodule's or weight's bytes at once:
+    resident bytes are recounted, and the submodule no longer places what is assigned into it."""
+    state = _WRAPPED.get(module) if _WRAPPED else None
+    old = module._modules.get(name) if state is not None else None
+    _module_delattr(module, name)
+    if state is not None:
+        _released(state, old)
+
+
+def _released(state: _State, old: Optional[nn.Module] = None) -> None:
+    model = state.model_ref()
+    if model is None:
+        return
+    if old is not None:
+        live = set(model.modules())
+        for m in old.modules():
+            if m not in live and _WRAPPED.get(m) is state:
+                del _WRAPPED[m]
+    state.pager.resident_bytes = _resident_bytes(model, state.pager.device)
+
+
 def _install_hooks() -> None:
     if _hooks:
         return
+    # No hook exists for plain attributes or deletions: every wrapped model needs them seen, so
+    # nn.Module's own methods are extended once (they do nothing more for unwrapped modules).
+    nn.Module.__setattr__ = _setattr
+    nn.Module.__delattr__ = _delattr
     from torch.nn.modules import module as module_mod
 
     _hooks.append(module_mod.register_module_parameter_registration_hook(_param_hook))

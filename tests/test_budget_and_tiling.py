@@ -1,0 +1,432 @@
+"""Any model, any budget (issue 10): working sets as ops really need them, ops over lists paged in
+pieces, bit-identical linear for every input layout, identity of RNN and attention weights."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import offtensor as ot
+from offtensor.pager import BudgetError, Pager
+from offtensor.tensor import _wrap_host, new_host_master
+from offtensor.wrap import is_wrapped
+
+GiB = 1 << 30
+
+
+def _offload_under(pager, t):
+    return _wrap_host(new_host_master(t, pin=False), pager)
+
+
+def _weight_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
+
+
+# ---------------------------------------------------------------------------- 3. bit-identical linear
+
+
+@pytest.mark.parametrize("shape", [(256, 64, 4, 7), (512, 128, 3, 9)])
+def test_linear_with_a_non_contiguous_3d_input_matches_a_weight_that_requires_grad(device, shape):
+    # aten::matmul folds a non-contiguous 3-D input into one mm when the weight requires grad and
+    # runs bmm otherwise, even under no_grad: the paged copy must require grad like the weight.
+    k, n, b, s = shape
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(n, k, device=device))
+    bias = nn.Parameter(torch.randn(n, device=device))
+    x = torch.randn(s, b, k, device=device).transpose(0, 1)
+    assert not x.is_contiguous() and x.dim() == 3
+    offloaded_weight = nn.Parameter(ot.offload(weight.detach().cpu(), device=device))
+    offloaded_bias = nn.Parameter(ot.offload(bias.detach().cpu(), device=device))
+    with torch.no_grad():
+        expected = F.linear(x, weight, bias)
+        assert torch.equal(F.linear(x, offloaded_weight, offloaded_bias), expected)
+        assert torch.equal(F.linear(x, offloaded_weight, bias), expected)
+    assert offloaded_weight.requires_grad
+
+
+# ---------------------------------------------------------------------------- 1. working sets, lists in pieces
+
+
+def test_cat_of_two_offloaded_weights_larger_than_the_free_room_pages_one_at_a_time(device):
+    # mobilebert: torch.cat([decoder.weight.t(), dense.weight]) with room for one weight only.
+    pager = Pager(torch.device(device), 2048)  # holds b (1536 bytes), not a and b (2560)
+    a, b = torch.randn(16, 16), torch.randn(24, 16)
+    oa, ob = _offload_under(pager, a), _offload_under(pager, b)
+    assert torch.equal(torch.cat([oa.t(), ob.t()], 1), torch.cat([a.t(), b.t()], 1).to(device))
+    assert torch.equal(torch.cat([ob, oa]), torch.cat([b, a]).to(device))
+    assert torch.equal(torch.stack([oa, ob[:16]], dim=1), torch.stack([a, b[:16]], dim=1).to(device))
+    assert pager.stats.peak_device_bytes <= 2048
+
+
+def test_foreach_op_over_offloaded_tensors_larger_than_the_free_room_runs_per_element(device):
+    pager = Pager(torch.device(device), 1500)
+    a, b = torch.randn(16, 16), torch.randn(16, 16)
+    oa, ob = _offload_under(pager, a), _offload_under(pager, b)
+    for got, want in zip(torch._foreach_mul([oa, ob], 2.0), [a * 2, b * 2]):
+        assert torch.equal(got, want.to(device))
+    t1, t2 = [torch.randn(16, 16, device=device) for _ in range(2)], [torch.randn(16, 16, device=device) for _ in range(2)]
+    scalars = torch.tensor([2.0, 3.0])  # one per element, as a tensor: split with the lists
+    for got, want in zip(torch._foreach_addcmul([oa, ob], t1, t2, scalars), torch._foreach_addcmul([a.to(device), b.to(device)], t1, t2, scalars)):
+        assert torch.equal(got, want)
+    torch._foreach_add_([oa, ob], [torch.ones(16, 16, device=device)] * 2)
+    assert torch.equal(oa.cpu(), a + 1) and torch.equal(ob.cpu(), b + 1)
+    assert pager.stats.peak_device_bytes <= 1500
+
+
+def test_an_op_that_needs_more_than_the_budget_at_once_still_raises_budget_error(device):
+    pager = Pager(torch.device(device), 1500)
+    a, b = torch.randn(16, 16), torch.randn(16, 16)
+    with pytest.raises(BudgetError, match="needs 1024 bytes"):
+        _offload_under(pager, a) + _offload_under(pager, b)
+
+
+class _CatHead(nn.Module):
+    """mobilebert's prediction head: one op reads two weights of two modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.decoder = nn.Linear(64, 128, bias=False)
+        self.dense = nn.Linear(128, 64, bias=False)
+        self.small = nn.ModuleList(nn.Linear(8, 8) for _ in range(30))
+
+    def forward(self, x):
+        w = torch.cat([self.decoder.weight.t(), self.dense.weight], dim=0)
+        for m in self.small:
+            x = x + m(x[..., :8]).sum()
+        return x @ w.t()
+
+
+def test_a_model_whose_op_concatenates_two_offloaded_weights_runs_within_the_budget(device):
+    torch.manual_seed(0)
+    model = _CatHead().eval()
+    x = torch.randn(3, 128)
+    expected = model(x)
+    model.to(device)
+    ot.wrap_model(model, budget_gb=0.6 * _weight_bytes(model) / GiB, device=device, prefetch=False)
+    assert isinstance(model.decoder.weight, ot.OffloadedTensor) and isinstance(model.dense.weight, ot.OffloadedTensor)
+    with torch.no_grad():
+        assert torch.equal(model(x.to(device)).cpu(), expected.detach())
+    s = ot.stats(model)
+    assert s.peak_device_bytes <= s.budget_bytes
+
+
+def test_every_tensor_of_one_module_counts_in_one_working_set():
+    from offtensor.placement import Weight, plan
+
+    def weight(name, nbytes):
+        return Weight([name], nbytes, (nbytes // 4, 1), nbytes)
+
+    lstm = [weight(f"rnn.{n}", 100_000) for n in ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")]
+    p = plan(lstm + [weight("other.weight", 150_000)], budget_bytes=10**7, offload_bytes=10**6, prefetch=False)
+    assert p.working_set_bytes == 400_000  # the cuDNN LSTM op reads all four at once
+
+
+def test_stacked_experts_count_as_the_experts_one_op_pages_at_once():
+    from offtensor.placement import Weight, plan, working_set
+
+    shape = (64, 32, 16)
+    nbytes = 64 * 32 * 16 * 4
+    assert working_set("model.layers.0.mlp.experts.down_proj", shape, nbytes) == nbytes // 64
+    experts = [Weight([f"l.experts.{n}"], nbytes, shape, nbytes // 64) for n in ("gate_up_proj", "down_proj")]
+    p = plan(experts, budget_bytes=nbytes // 8, prefetch=False)
+    # gate_up and down of one expert (two slices), not 8 routed experts of each stack
+    assert p.working_set_bytes == 2 * nbytes // 64
+
+
+# ---------------------------------------------------------------------------- 4. identity for every module
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn", "mha"])
+def test_rnn_and_attention_modules_keep_their_parameter_objects_through_wrap_and_unwrap(device, kind):
+    torch.manual_seed(0)
+    if kind == "mha":
+        module = nn.MultiheadAttention(32, 4)
+        x = (torch.randn(5, 2, 32),) * 3
+    else:
+        module = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN}[kind](16, 32, num_layers=2)
+        x = (torch.randn(5, 2, 16),)
+    module.eval()
+    objects = dict(module.named_parameters())
+    expected = module(*x)[0].detach()
+    reference = copy.deepcopy(module).to(device)
+    ot.wrap_model(module, offload_gb=1, device=device)  # every weight offloaded
+    assert all(isinstance(p, ot.OffloadedTensor) for p in module.parameters())
+    assert all(p is objects[n] for n, p in module.named_parameters())
+    with torch.no_grad():
+        got = module(*(t.to(device) for t in x))[0]
+        assert torch.equal(got, reference(*(t.to(device) for t in x))[0])
+    torch.testing.assert_close(got.cpu(), expected)
+    assert ot.stats(module).peak_device_bytes <= ot.stats(module).budget_bytes
+    ot.unwrap_model(module)
+    assert all(p is objects[n] for n, p in module.named_parameters())
+    assert not any(isinstance(p, ot.OffloadedTensor) for p in module.parameters())
+    if kind != "mha":
+        assert all(w is objects[n] for w, n in zip(module._flat_weights, module._flat_weights_names))
+
+
+# ---------------------------------------------------------------------------- 5. every device byte counted
+
+
+class _MLA(nn.Module):
+    """vLLM's MLA post-processing: ``kv_b_proj`` (stored quantised: int8 values and a per-row scale)
+    is dequantised and split into W_UK_T and W_UV, kept as plain tensor attributes, not Parameters."""
+
+    def __init__(self, heads=4, nope=64, v=64, rank=128, hidden=128):
+        super().__init__()
+        self.heads, self.nope, self.v, self.rank = heads, nope, v, rank
+        self.q_proj = nn.Linear(hidden, heads * nope, bias=False)
+        self.kv_a = nn.Linear(hidden, rank, bias=False)
+        weight = torch.randn(heads * (nope + v), rank)
+        scale = weight.abs().amax(1, keepdim=True) / 127
+        self.kv_b_proj = nn.Module()
+        self.kv_b_proj.register_buffer("qweight", (weight / scale).round().to(torch.int8))
+        self.kv_b_proj.register_buffer("scale", scale)
+        self.o_proj = nn.Linear(heads * v, hidden, bias=False)
+
+    def process_weights_after_loading(self):
+        b = self.kv_b_proj
+        weight = b.qweight.to(torch.float32) * b.scale  # the dequantise step
+        w_uk, w_uv = weight.view(self.heads, self.nope + self.v, self.rank).split([self.nope, self.v], dim=1)
+        self.W_UK_T = w_uk.permute(0, 2, 1).contiguous()  # (heads, rank, nope), a plain attribute
+        self.W_UV = w_uv.transpose(1, 2).contiguous()  # (heads, rank, v)
+        del self.kv_b_proj
+
+    def forward(self, x):
+        q = self.q_proj(x).view(x.shape[0], self.heads, self.nope).transpose(0, 1)  # (heads, T, nope)
+        latent = self.kv_a(x)  # (T, rank)
+        q_latent = torch.bmm(q, self.W_UK_T.transpose(1, 2))  # absorbed: (heads, T, rank)
+        scores = (q_latent @ latent.t()).softmax(-1)
+        out = torch.bmm(scores @ latent.expand(self.heads, -1, -1), self.W_UV)  # (heads, T, v)
+        return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
+
+
+def test_mla_weights_absorbed_into_plain_attributes_are_counted_and_offloaded(device):
+    torch.manual_seed(0)
+    model = _MLA().to(device)
+    reference = copy.deepcopy(model)
+    reference.process_weights_after_loading()
+    x = torch.randn(6, 128, device=device)
+    expected = reference(x)
+    total = _weight_bytes(model)
+    ot.wrap_model(model, budget_gb=0.5 * total / GiB, device=device)
+    before = ot.stats(model)
+    model.process_weights_after_loading()
+    s = ot.stats(model)
+    # kv_b_proj's buffers are gone at once; W_UK_T and W_UV (128 KiB each) are held by the model
+    assert "kv_b_proj" not in dict(model.named_modules())
+    attributes = {"W_UK_T": model.W_UK_T, "W_UV": model.W_UV}
+    resident = [n for n, t in attributes.items() if not isinstance(t, ot.OffloadedTensor)]
+    assert s.untracked_bytes == sum(attributes[n].numel() * 4 for n in resident)
+    assert s.resident_bytes <= s.budget_bytes and s.resident_bytes + s.cached_bytes <= s.budget_bytes
+    # Both do not fit beside the resident weights and the room paging needs: one is offloaded.
+    assert len(resident) < 2
+    assert s.offloaded_bytes >= before.offloaded_bytes
+    with torch.no_grad():
+        assert torch.equal(model(x), expected.detach())
+    assert ot.stats(model).peak_device_bytes <= s.budget_bytes
+
+
+def test_a_large_plain_attribute_that_fits_is_counted_as_untracked_resident_bytes(device):
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    ot.wrap_model(model, budget_gb=1, device=device)
+    before = ot.stats(model)
+    model[0].table = torch.randn(128, 256, device=device)
+    s = ot.stats(model)
+    assert s.untracked_bytes == 128 * 256 * 4
+    assert s.resident_bytes == before.resident_bytes + 128 * 256 * 4
+    model[0].alias = model[0].weight.detach()  # shares a weight's storage: counted once, not untracked
+    assert ot.stats(model).untracked_bytes == 128 * 256 * 4
+
+
+def test_deleting_a_submodule_releases_its_bytes_at_once(device):
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 256), nn.Linear(256, 64), nn.Linear(64, 64))
+    ot.wrap_model(model, budget_gb=0.7 * _weight_bytes(model) / GiB, device=device, policy={"keep": ["3.*"]})
+    pager = ot.wrap._WRAPPED[model].pager
+    kinds = {i: isinstance(model[i].weight, ot.OffloadedTensor) for i in range(4)}
+    assert True in kinds.values() and False in kinds.values()
+    for i in (3, 1):  # one resident, one offloaded (largest first)
+        before = pager.resident_bytes + pager.offloaded_bytes
+        gone = _weight_bytes(model[i])
+        del model[i]
+        # The pager's own counts, without a recount by ot.stats.
+        assert pager.resident_bytes + pager.offloaded_bytes == before - gone
+    assert pager.resident_bytes + pager.offloaded_bytes == _weight_bytes(model)
+
+
+def test_deepcopy_of_a_wrapped_model_is_wrapped_on_its_own_pager(device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)).to(device)
+    x = torch.randn(3, 64, device=device)
+    expected = model(x).detach()
+    ot.wrap_model(model, budget_gb=0.7 * _weight_bytes(model) / GiB, device=device)
+    original = ot.stats(model)
+    twin = copy.deepcopy(model)
+    assert ot.stats(model).offloaded_bytes == original.offloaded_bytes  # nothing charged to the original
+    assert is_wrapped(twin)
+    s = ot.stats(twin)
+    assert s.offloaded_bytes == original.offloaded_bytes and s.budget_bytes == original.budget_bytes
+    offloaded = [p for p in twin.parameters() if isinstance(p, ot.OffloadedTensor)]
+    assert offloaded and all(p.pager is not model[0].weight.pager for p in offloaded)
+    assert all(p.pager is offloaded[0].pager for p in offloaded)
+    with torch.no_grad():
+        assert torch.equal(twin(x), expected) and torch.equal(model(x), expected)
+    ot.unwrap_model(twin)
+    assert ot.stats(model).offloaded_bytes == original.offloaded_bytes
+    assert not any(isinstance(p, ot.OffloadedTensor) for p in twin.parameters())
+
+
+# ---------------------------------------------------------------------------- 2. tiling past the budget
+
+
+def test_ops_with_a_weight_larger_than_the_budget_compute_in_tiles_bit_identically(device):
+    torch.manual_seed(0)
+    budget = 20 * 1024
+    pager = Pager(torch.device(device), budget)
+    w, b = torch.randn(384, 96), torch.randn(384)  # 147 KiB: 7x the budget
+    ow, ob = _offload_under(pager, w), _offload_under(pager, b)
+    w, b = w.to(device), b.to(device)
+    x = torch.randn(5, 96, device=device)
+    x3 = torch.randn(7, 2, 96, device=device).transpose(0, 1)
+    with torch.no_grad():
+        assert torch.equal(F.linear(x, ow, ob), F.linear(x, w, b))
+        assert torch.equal(F.linear(x3, ow, ob), F.linear(x3, w, b))
+        assert torch.equal(F.linear(x3, nn.Parameter(ow), ob), F.linear(x3, nn.Parameter(w), b))
+    assert torch.equal(x @ ow.t(), x @ w.t())  # mm: columns of the transposed weight
+    assert torch.equal(torch.addmm(ob, x, ow.t()), torch.addmm(b, x, w.t()))
+    assert torch.equal(ow @ x.t(), w @ x.t())  # mm: rows of the first operand
+    wt = w.t().contiguous()  # (96, 384): columns are strided in the master, gathered on the host
+    assert torch.equal(x @ _offload_under(pager, wt.cpu()), x @ wt)
+    conv_w, conv_b = torch.randn(64, 8, 3, 3), torch.randn(64)  # 18 KiB + bias, with the input beside
+    img = torch.randn(2, 8, 16, 16, device=device)
+    got = F.conv2d(img, _offload_under(pager, conv_w), _offload_under(pager, conv_b), padding=1)
+    assert torch.equal(got, F.conv2d(img, conv_w.to(device), conv_b.to(device), padding=1))
+    experts = torch.randn(8, 32, 40)  # 40 KiB, 5 KiB per batch
+    xb = torch.randn(8, 3, 32, device=device)
+    assert torch.equal(torch.bmm(xb, _offload_under(pager, experts)), torch.bmm(xb, experts.to(device)))
+    assert pager.stats.peak_device_bytes <= budget
+
+
+def test_tiles_narrower_than_the_kernel_blocks_agree_to_rounding(device):
+    # Room for 2 rows of 8: BLAS runs a matrix-vector kernel per tile, summing in another order.
+    torch.manual_seed(0)
+    pager = Pager(torch.device(device), 2 * 256 * 4)
+    w = torch.randn(64, 256)
+    x = torch.randn(3, 256, device=device)
+    torch.testing.assert_close(F.linear(x, _offload_under(pager, w)), F.linear(x, w.to(device)), rtol=1e-5, atol=1e-5)
+    assert pager.stats.peak_device_bytes <= 2 * 256 * 4
+
+
+def test_an_op_whose_single_slice_exceeds_the_room_raises_a_clear_budget_error(device):
+    pager = Pager(torch.device(device), 4 * 1024)
+    experts = _offload_under(pager, torch.randn(2, 64, 32))  # one batch is 8 KiB
+    with pytest.raises(BudgetError, match=r"aten.bmm.default cannot be tiled.*8192 bytes"):
+        torch.bmm(torch.randn(2, 3, 64, device=device), experts)
+
+
+class _TiedLM(nn.Module):
+    """A tied embedding used as the output layer is the model's largest weight, and a conv stem."""
+
+    def __init__(self, vocab=2048, hidden=64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.conv = nn.Conv1d(hidden, hidden, 3, padding=1)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = h + self.conv(h.transpose(1, 2)).transpose(1, 2)
+        h = h + self.mlp(h)
+        return self.head(self.norm(h))
+
+
+def test_a_model_whose_largest_weight_is_twice_the_budget_runs_with_identical_outputs(device):
+    torch.manual_seed(0)
+    model = _TiedLM().eval().to(device)
+    reference = copy.deepcopy(model)
+    largest = model.embed.weight.numel() * 4  # 512 KiB
+    budget = largest // 2
+    with pytest.raises(BudgetError):
+        ot.wrap_model(copy.deepcopy(model), budget_gb=64 / GiB, device=device)  # not even a tile fits
+    ot.wrap_model(model, budget_gb=budget / GiB, device=device)
+    assert model.head.weight is model.embed.weight and isinstance(model.embed.weight, ot.OffloadedTensor)
+    ids = torch.randint(0, 2048, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        expected = reference(ids)
+        assert torch.equal(model(ids), expected)
+        assert torch.equal(model(ids), expected)
+    s = ot.stats(model)
+    assert s.peak_device_bytes <= budget == s.budget_bytes
+
+
+def test_a_weight_assigned_after_wrap_larger_than_the_budget_is_offloaded_and_tiled(device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    ot.wrap_model(model, budget_gb=16 * 1024 / GiB, device=device)
+    head = nn.Linear(32, 512, bias=False)  # 64 KiB: 4x the budget
+    expected_head = copy.deepcopy(head).to(device)
+    model.head = head
+    assert isinstance(model.head.weight, ot.OffloadedTensor) and model.head is head
+    x = torch.randn(3, 32, device=device)
+    with torch.no_grad():
+        assert torch.equal(model.head(x), expected_head(x))
+    assert ot.stats(model).peak_device_bytes <= 16 * 1024
+
+
+def test_a_wrapped_model_pickles_whole_and_loads_back_wrapped(device, tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)).to(device)
+    x = torch.randn(3, 64, device=device)
+    expected = model(x).detach()
+    ot.wrap_model(model, budget_gb=0.7 * _weight_bytes(model) / GiB, device=device)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert is_wrapped(loaded) and ot.stats(loaded).budget_bytes == ot.stats(model).budget_bytes
+    with torch.no_grad():
+        assert torch.equal(loaded(x), expected)
+
+
+def test_setting_a_submodule_or_attribute_to_none_releases_its_bytes(device):
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    ot.wrap_model(model, budget_gb=1, device=device)
+    pager = ot.wrap._WRAPPED[model].pager
+    before = pager.resident_bytes
+    model[0].table = torch.randn(128, 256, device=device)  # 128 KiB, resident
+    assert pager.resident_bytes == before + 128 * 256 * 4
+    model[0].table = None
+    assert pager.resident_bytes == before
+    setattr(model, "1", None)
+    assert pager.resident_bytes == before - (64 * 64 + 64) * 4
+
+
+def test_spread_placement_reports_the_working_set_of_one_op_not_a_sum_over_its_replans():
+    # A layer of the model's own (x @ w1 @ w2) reads its weights in separate ops: one weight is the
+    # working set, however often placement re-plans which equal layers to spread the offload over.
+    from offtensor import placement
+
+    layer_weights = [
+        placement.Weight([f"layers.{i}.{name}"], 100_000, (100, 250), 100_000, fused=False)
+        for i in range(12) for name in ("w1", "w2")
+    ]
+    total = 24 * 100_000
+    plan = placement.plan(layer_weights, budget_bytes=total - 6 * 100_000 + 2 * 100_000)
+    assert plan.working_set_bytes == 100_000
+    assert len(plan.offload) == 6
+    offloaded_layers = sorted({int(w.name.split(".")[1]) for w in plan.offload})
+    assert offloaded_layers != list(range(len(offloaded_layers)))  # spread, not the first layers
+
+    # torch.nn's own modules may read all their tensors in one op (an LSTM layer's two weights);
+    # a model's own module reads its same-rank weights one op at a time.
+    for fused, expected in ((True, 200_000), (False, 100_000)):
+        pair = [
+            placement.Weight([f"rnn.weight_{part}_l0"], 100_000, (100, 250), 100_000, fused=fused)
+            for part in ("ih", "hh")
+        ]
+        plan = placement.plan(pair, budget_bytes=200_000, policy=["rnn.*"], prefetch=False)
+        assert plan.working_set_bytes == expected and len(plan.offload) == 2
