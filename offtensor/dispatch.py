@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._mode_utils import no_dispatch
 
+from . import compile as _compile
 from .pager import host_layout
 from .tensor import OffloadedTensor, _check_offloadable, _wrap_host, new_host_master
 
@@ -53,7 +54,23 @@ def torch_dispatch(func, types, args, kwargs):
     handler = _OP_TABLE.get(func)
     if handler is None:
         handler = _OP_TABLE[func] = _classify(func)
+    if (handler in _UNTRACEABLE or type(handler) is _Mutation) and _traced(args, kwargs):
+        # Under torch.compile: writes to a host master and row-selective paging depend on values
+        # that only exist at run time; Dynamo runs this one op eagerly (compile.py).
+        _compile.graph_break(f"{func} on an OffloadedTensor")
     return handler(func, types, args, kwargs or {})
+
+
+def _traced(args, kwargs) -> bool:
+    """Whether an OffloadedTensor argument is a tracing stand-in (torch.compile's fake tensors)."""
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, OffloadedTensor):
+            if _compile.is_traced(a._host):
+                return True
+        elif isinstance(a, (list, tuple)):
+            if any(isinstance(x, OffloadedTensor) and _compile.is_traced(x._host) for x in a):
+                return True
+    return False
 
 
 def torch_function(func, types, args, kwargs):
@@ -80,6 +97,10 @@ class _Paged:
 
     def page(self, t: OffloadedTensor, private: bool = False) -> torch.Tensor:
         pager = t._master.pager
+        if _compile.is_traced(t._host):
+            # Being traced by torch.compile: the graph calls the pager at run time through an
+            # opaque op (compile.py) and owns its result, so there is no entry to release.
+            return _compile.page(t._host, t._master.id, pager.device)
         layout = t.__dict__.get("_layout")
         if layout is None:
             layout = t.__dict__["_layout"] = host_layout(t._host)
@@ -643,6 +664,13 @@ _FUNCTION_TABLE = {
     torch.Tensor.data.__set__: _set_data,
     **_host_read_argument(torch.tensor_split, 1, "indices_or_sections"),
     **_host_read_argument(torch.Tensor.tensor_split, 1, "indices_or_sections"),
+}
+
+
+# Handlers that write host masters or page rows chosen by index values: a graph break under
+# torch.compile (see torch_dispatch).
+_UNTRACEABLE = {
+    _batch_norm, _copy_, _resize_, _set_, _embedding, _index_select, _index, _grouped_mm,
 }
 
 

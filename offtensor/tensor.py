@@ -53,6 +53,11 @@ class OffloadedTensor(torch.Tensor):
     # goes straight to __torch_dispatch__ and results are never re-wrapped.
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if torch.compiler.is_compiling():
+            # Dynamo inlines this method: trace the plain function and let __torch_dispatch__ page
+            # through the graph's opaque op (compile.py) instead of the eager intercepts.
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
         return _dispatch.torch_function(func, types, args, kwargs)
 
     @classmethod
@@ -87,6 +92,11 @@ class OffloadedTensor(torch.Tensor):
 
     def untyped_storage(self) -> torch.UntypedStorage:
         # The host master: lets storage-based tie detection (safetensors, transformers) see aliases.
+        # Not while torch.compile converts this tensor to a fake one: it would then find the inner
+        # host view's storage twice and try to give the device wrapper a host storage.
+        if torch.compiler.is_compiling():
+            with torch._C.DisableTorchFunctionSubclass():
+                return torch._C.TensorBase.untyped_storage(self)
         return self._host.untyped_storage()
 
     def __repr__(self, *, tensor_contents=None) -> str:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from . import compile as _compile
 from . import placement
 from .pager import GiB, BudgetError, OffloadStats, Pager, _covering_range, resolve_device
 from .prefetch import Prefetcher
@@ -529,9 +530,8 @@ def _module_hook(module, name, submodule):
 def _new_step(model, args):
     """Forward pre-hook of a wrapped model: one forward is one step of the prefetch schedule."""
     state = _WRAPPED.get(model)
-    prefetcher = state.pager.prefetcher if state is not None else None
-    if prefetcher is not None:
-        prefetcher.step()
+    if state is not None and state.pager.prefetcher is not None:
+        _compile.new_step(state.pager)  # under torch.compile, an op of the graph
 
 
 def _after_load(module, incompatible_keys):

@@ -1,0 +1,153 @@
+"""Paging inside torch.compile graphs: the ``offtensor::page`` custom op and the tracing rules.
+
+Under ``torch.compile`` an OffloadedTensor is traced as a subclass whose one inner tensor is its
+host view (``__tensor_flatten__``). Dynamo and AOTAutograd run ``__torch_dispatch__`` on fake
+tensors; there every page of an offloaded argument becomes a call of the opaque op
+``offtensor::page(host, master_id, device)``, whose fake kernel only says "a device tensor of the
+host view's shape". The compiled graph therefore takes the host views as inputs and calls the pager
+at run time, every step: cache, prefetch, budget and statistics apply as in eager mode, and nothing
+about paging is baked into the graph, so steps do not recompile.
+
+``page`` returns a device tensor the graph owns (a copy of the pager's cached or freshly paged
+copy), never the cached buffer itself: Inductor reuses a dead buffer's memory for later results
+("buf7 = buf3; del buf3 # reuse") and would otherwise write activations into the cache. The extra
+device-to-device copy runs at device bandwidth, about 50x PCIe.
+
+What cannot be traced graph-breaks at that op instead of crashing (``graph_break``): writes to an
+offloaded tensor, and index ops that page only the rows they select, whose rows are only known from
+the index values. Under CUDA graph capture ``page`` records a host->device copy from the pinned
+master into graph memory, so a replay reads the master's current bytes without any Python running.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .pager import _covering_range
+
+# The op is defined once per process even if this module is reloaded (tests that re-import).
+_LIB_NS = "offtensor"
+
+
+# Renamed (with an "_or_false" for symbolic shapes) after torch 2.11.
+_non_overlapping_and_dense = getattr(
+    torch._prims_common, "is_non_overlapping_and_dense_or_false", None
+) or getattr(torch._prims_common, "is_non_overlapping_and_dense")
+
+
+def _output_strides(host: torch.Tensor):
+    """Strides of ``page``'s output: the host view's own when they describe a dense,
+    non-overlapping block (a weight or its transpose), else contiguous (an expanded or sliced view
+    is copied compactly)."""
+    if _non_overlapping_and_dense(host):
+        return host.stride()
+    return torch._prims_common.make_contiguous_strides_for(host.shape)
+
+
+@torch.library.custom_op(f"{_LIB_NS}::page", mutates_args=())
+def page(host: torch.Tensor, master_id: int, device: torch.device) -> torch.Tensor:
+    """A device tensor with ``host``'s values, paged through its master's pager."""
+    from .tensor import _MASTERS_BY_ID
+
+    master = _MASTERS_BY_ID.get(master_id)
+    if master is None or master.pager is None:
+        raise RuntimeError(
+            f"offtensor: a compiled graph pages host master {master_id} ({tuple(host.shape)}, {host.dtype}), which no "
+            f"longer exists: the OffloadedTensor it was traced with was freed or unwrapped. Compile the model again."
+        )
+    pager = master.pager
+    out = torch.empty_strided(host.shape, _output_strides(host), dtype=host.dtype, device=pager.device)
+    if host.numel() == 0:
+        return out
+    if pager.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # A captured graph replays without Python: the pager's cache cannot be consulted at replay,
+        # so the graph copies from the master itself. Pinned memory keeps a fixed address and the
+        # copy reads whatever the master holds at replay time.
+        if not host.is_pinned():
+            raise RuntimeError(
+                f"offtensor: cannot capture a CUDA graph that pages a {tuple(host.shape)} {host.dtype} weight from "
+                f"pageable host memory; offload it with the default (pinned) allocation"
+            )
+        out.copy_(host, non_blocking=True)
+        lo, hi = _covering_range(host)
+        pager.stats.bytes_h2d += (hi - lo) * host.element_size()
+        return out
+    view, entry = pager.page(host, master, "a compiled graph's weight")
+    try:
+        out.copy_(view)
+    finally:
+        if entry is not None:
+            # On a GPU the release event is recorded after the copy above, so the cached block is
+            # evicted only once the copy has read it.
+            pager.release([entry])
+    return out
+
+
+@page.register_fake
+def _page_fake(host, master_id, device):
+    return torch.empty_strided(host.shape, _output_strides(host), dtype=host.dtype, device=device)
+
+
+# Pagers whose prefetch schedule a compiled graph marks steps of, by a key the graph holds as a constant.
+_PAGERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+
+
+def _pager_key(pager) -> int:
+    # Runs once, while Dynamo traces; the graph keeps the key.
+    _PAGERS[id(pager)] = pager
+    return id(pager)
+
+
+# What torch._dynamo.assume_constant_result sets, without importing Dynamo (seconds) with offtensor:
+# Dynamo calls the function while tracing and puts its result in the graph as a constant.
+_pager_key._dynamo_marked_constant = True
+
+
+@torch.library.custom_op(f"{_LIB_NS}::new_step", mutates_args=())
+def _new_step_op(pager_key: int) -> None:
+    pager = _PAGERS.get(pager_key)
+    prefetcher = pager.prefetcher if pager is not None else None
+    if prefetcher is not None:
+        prefetcher.step()
+
+
+@_new_step_op.register_fake
+def _new_step_fake(pager_key):
+    return None
+
+
+# The op returns nothing: without this, dead-code elimination would drop it from the graph.
+torch.fx.node.has_side_effect(torch.ops.offtensor.new_step.default)
+
+
+def new_step(pager) -> None:
+    """A wrapped model's forward begins (the prefetch schedule's step mark). Called from the model's
+    forward pre-hook; traced by torch.compile into an op that marks the step every time the graph
+    runs, instead of once while tracing."""
+    if torch.compiler.is_compiling():
+        torch.ops.offtensor.new_step(_pager_key(pager))
+    elif pager.prefetcher is not None:
+        pager.prefetcher.step()
+
+
+def is_traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` (an OffloadedTensor's host view) is a tracing stand-in (fake or functional
+    tensor) rather than real host memory. In eager mode ``_host`` is always a plain tensor."""
+    return type(t) is not torch.Tensor
+
+
+def graph_break(what: str) -> None:
+    """Make Dynamo run the current op eagerly (a graph break) instead of tracing it.
+
+    Raised while Dynamo computes the op's example value, ``Unsupported`` ends the graph before the
+    op, which then runs in eager mode, with its real paging, and tracing resumes after it. Past
+    Dynamo (AOTAutograd, export, make_fx) there is no graph to break, so the error says what to do.
+    """
+    from torch._dynamo.exc import Unsupported
+
+    raise Unsupported(
+        f"offtensor: {what} cannot be traced; it runs eagerly. To avoid the break, keep offloaded weights out of "
+        f"this op or wrap the code around it in torch.compiler.disable"
+    )
