@@ -22,6 +22,7 @@ master into graph memory, so a replay reads the master's current bytes without a
 from __future__ import annotations
 
 import weakref
+from typing import Optional
 
 import torch
 
@@ -87,8 +88,156 @@ def page(host: torch.Tensor, master_id: int, device: torch.device) -> torch.Tens
 
 @page.register_fake
 def _page_fake(host, master_id, device):
+    keep_dynamo_out_of_dispatch()
     return torch.empty_strided(host.shape, _output_strides(host), dtype=host.dtype, device=device)
 
+
+# ---------------------------------------------------------------------------- index ops
+#
+# Index ops page only the rows (experts) their index selects, which only the index values say. In a
+# graph each is one opaque op that takes the host view and runs the eager handler (dispatch.py) at
+# run time; its fake kernel is the aten op on a device tensor of the host view's layout.
+
+aten = torch.ops.aten
+
+
+def _offloaded(host: torch.Tensor, master_id: int):
+    from .tensor import _MASTERS_BY_ID, OffloadedTensor
+
+    master = _MASTERS_BY_ID.get(master_id)
+    if master is None or master.pager is None:
+        raise RuntimeError(
+            f"offtensor: a compiled graph reads host master {master_id} ({tuple(host.shape)}, {host.dtype}), which no "
+            f"longer exists: the OffloadedTensor it was traced with was freed or unwrapped. Compile the model again."
+        )
+    return OffloadedTensor(host, master)
+
+
+def _device_like(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+
+
+@torch.library.custom_op(f"{_LIB_NS}::embedding", mutates_args=())
+def embedding(
+    host: torch.Tensor, master_id: int, device: torch.device, indices: torch.Tensor, padding_idx: int,
+    scale_grad_by_freq: bool, sparse: bool,
+) -> torch.Tensor:
+    return aten.embedding.default(_offloaded(host, master_id), indices, padding_idx, scale_grad_by_freq, sparse)
+
+
+@embedding.register_fake
+def _embedding_fake(host, master_id, device, indices, padding_idx, scale_grad_by_freq, sparse):
+    return aten.embedding.default(_device_like(host, device), indices, padding_idx, scale_grad_by_freq, sparse)
+
+
+@torch.library.custom_op(f"{_LIB_NS}::index_select", mutates_args=())
+def index_select(host: torch.Tensor, master_id: int, device: torch.device, dim: int, index: torch.Tensor) -> torch.Tensor:
+    return aten.index_select.default(_offloaded(host, master_id), dim, index)
+
+
+@index_select.register_fake
+def _index_select_fake(host, master_id, device, dim, index):
+    return aten.index_select.default(_device_like(host, device), dim, index)
+
+
+@torch.library.custom_op(f"{_LIB_NS}::index", mutates_args=())
+def index(
+    host: torch.Tensor, master_id: int, device: torch.device, indices: list[Optional[torch.Tensor]]
+) -> torch.Tensor:
+    return aten.index.Tensor(_offloaded(host, master_id), indices)
+
+
+@index.register_fake
+def _index_fake(host, master_id, device, indices):
+    return aten.index.Tensor(_device_like(host, device), indices)
+
+
+@torch.library.custom_op(f"{_LIB_NS}::grouped_mm", mutates_args=())
+def grouped_mm(
+    x: torch.Tensor, host: torch.Tensor, master_id: int, device: torch.device, offs: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor], out_dtype: Optional[torch.dtype],
+) -> torch.Tensor:
+    return aten._grouped_mm.default(x, _offloaded(host, master_id), offs, bias, out_dtype)
+
+
+@grouped_mm.register_fake
+def _grouped_mm_fake(x, host, master_id, device, offs, bias, out_dtype):
+    return aten._grouped_mm.default(x, _device_like(host, device), offs, bias, out_dtype)
+
+
+def _call(schema_names, defaults):
+    def bind(args, kwargs):
+        call = dict(defaults)
+        call.update(zip(schema_names, args))
+        call.update(kwargs)
+        return call
+
+    return bind
+
+
+def _traced_embedding(call):
+    w = call["weight"]
+    return embedding(w._host, w._master.id, w.device, call["indices"], call["padding_idx"],
+                     call["scale_grad_by_freq"], call["sparse"])
+
+
+def _traced_index_select(call):
+    t = call["self"]
+    return index_select(t._host, t._master.id, t.device, call["dim"], call["index"])
+
+
+def _traced_index(call):
+    t = call["self"]
+    return index(t._host, t._master.id, t.device, list(call["indices"]))
+
+
+def _traced_grouped_mm(call):
+    w = call["mat2"]
+    return grouped_mm(call["self"], w._host, w._master.id, w.device, call["offs"], call["bias"], call["out_dtype"])
+
+
+# op -> (argument binder, the one argument that may be offloaded, traced call)
+_TRACED_INDEX_OPS = {
+    aten.embedding.default: (
+        _call(("weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse"),
+              {"padding_idx": -1, "scale_grad_by_freq": False, "sparse": False}),
+        "weight", _traced_embedding,
+    ),
+    aten.index_select.default: (_call(("self", "dim", "index"), {}), "self", _traced_index_select),
+    aten.index.Tensor: (_call(("self", "indices"), {}), "self", _traced_index),
+    aten._grouped_mm.default: (
+        _call(("self", "mat2", "offs", "bias", "out_dtype"), {"offs": None, "bias": None, "out_dtype": None}),
+        "mat2", _traced_grouped_mm,
+    ),
+}
+
+
+def traced_index_op(func, args, kwargs):
+    """The graph's opaque op for an index op whose one offloaded argument is its table (weight,
+    expert stack); None when the call does not have that shape (the caller graph-breaks).
+
+    The ops have no autograd formula: when an argument needs a gradient (training through a
+    compiled MoE), the op runs eagerly instead, where autograd sees the eager handler's ops."""
+    from .tensor import OffloadedTensor
+
+    entry = _TRACED_INDEX_OPS.get(func)
+    if entry is None:
+        return None
+    bind, table, traced = entry
+    call = bind(args, kwargs)
+    for name, value in call.items():
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        for v in values:
+            if isinstance(v, OffloadedTensor) and name != table:
+                return None
+            if isinstance(v, torch.Tensor) and v.requires_grad and torch.is_grad_enabled():
+                return None
+    if not isinstance(call[table], OffloadedTensor):
+        return None
+    return traced(call)
+
+
+# ---------------------------------------------------------------------------- prefetch step marks
 
 # Pagers whose prefetch schedule a compiled graph marks steps of, by a key the graph holds as a constant.
 _PAGERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
@@ -132,6 +281,39 @@ def new_step(pager) -> None:
         pager.prefetcher.step()
 
 
+_dispatch_frames_skipped = False
+
+
+def keep_dynamo_out_of_dispatch() -> None:
+    """Tell Dynamo never to compile OffloadedTensor's ``__torch_dispatch__``/``__torch_function__``
+    frames, nor anything they call.
+
+    After a graph break an op on an OffloadedTensor runs eagerly, but Dynamo still intercepts the
+    Python frames that op enters and would try to compile the pager as user code. Called (once) from
+    code that only runs while Dynamo is tracing, so importing offtensor does not import Dynamo.
+    Dynamo still inlines ``__torch_function__`` symbolically when it traces user code; this only
+    concerns frames that actually run.
+    """
+    global _dispatch_frames_skipped
+    if _dispatch_frames_skipped:
+        return
+    _dispatch_frames_skipped = True
+    from .tensor import OffloadedTensor
+
+    methods = ("__torch_dispatch__", "__torch_function__")
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:  # an older or newer Dynamo: the public (slower) route
+        for name in methods:
+            method = getattr(OffloadedTensor, name).__func__
+            setattr(OffloadedTensor, name, classmethod(torch.compiler.disable(method)))
+        return
+    for name in methods:
+        code = getattr(OffloadedTensor, name).__func__.__code__
+        set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
 def is_traced(t: torch.Tensor) -> bool:
     """Whether ``t`` (an OffloadedTensor's host view) is a tracing stand-in (fake or functional
     tensor) rather than real host memory. In eager mode ``_host`` is always a plain tensor."""
@@ -147,6 +329,7 @@ def graph_break(what: str) -> None:
     """
     from torch._dynamo.exc import Unsupported
 
+    keep_dynamo_out_of_dispatch()
     raise Unsupported(
         f"offtensor: {what} cannot be traced; it runs eagerly. To avoid the break, keep offloaded weights out of "
         f"this op or wrap the code around it in torch.compiler.disable"

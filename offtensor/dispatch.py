@@ -55,8 +55,11 @@ def torch_dispatch(func, types, args, kwargs):
     if handler is None:
         handler = _OP_TABLE[func] = _classify(func)
     if (handler in _UNTRACEABLE or type(handler) is _Mutation) and _traced(args, kwargs):
-        # Under torch.compile: writes to a host master and row-selective paging depend on values
-        # that only exist at run time; Dynamo runs this one op eagerly (compile.py).
+        # Under torch.compile: row-selective paging becomes one opaque op that pages at run time;
+        # writes to a host master (and index ops it cannot express) run eagerly (compile.py).
+        traced = _compile.traced_index_op(func, args, kwargs or {})
+        if traced is not None:
+            return traced
         _compile.graph_break(f"{func} on an OffloadedTensor")
     return handler(func, types, args, kwargs or {})
 
