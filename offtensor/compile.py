@@ -62,11 +62,12 @@ def page(host: torch.Tensor, master_id: int, device: torch.device) -> torch.Tens
     out = torch.empty_strided(host.shape, _output_strides(host), dtype=host.dtype, device=pager.device)
     if host.numel() == 0:
         return out
-    if pager.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing(pager):
         # A captured graph replays without Python: the pager's cache cannot be consulted at replay,
-        # so the graph copies from the master itself. Pinned memory keeps a fixed address and the
-        # copy reads whatever the master holds at replay time.
-        if not host.is_pinned():
+        # so the graph copies from the master itself into memory it owns (the static slot of this
+        # weight). Pinned memory keeps a fixed address and the copy reads whatever the master
+        # holds at replay time.
+        if pager.device.type == "cuda" and not host.is_pinned():
             raise RuntimeError(
                 f"offtensor: cannot capture a CUDA graph that pages a {tuple(host.shape)} {host.dtype} weight from "
                 f"pageable host memory; offload it with the default (pinned) allocation"
@@ -86,6 +87,22 @@ def page(host: torch.Tensor, master_id: int, device: torch.device) -> torch.Tens
     return out
 
 
+def capturing(pager) -> bool:
+    """Whether the op is being recorded into a CUDA graph on ``pager``'s device (tests set it on the
+    emulated device to run the capture path)."""
+    return pager.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _refuse_under_capture(pager, what: str, host: torch.Tensor) -> None:
+    if capturing(pager):
+        raise RuntimeError(
+            f"offtensor: {what} on an offloaded {tuple(host.shape)} {host.dtype} table cannot be captured in a CUDA "
+            f"graph: it pages the rows its index selects, which are only known when the index is read on the host, "
+            f"and a replay runs no Python. Keep this weight resident (wrap_model(..., policy={{'keep': [...]}})) to "
+            f"capture, or run this step without CUDA graphs."
+        )
+
+
 @page.register_fake
 def _page_fake(host, master_id, device):
     keep_dynamo_out_of_dispatch()
@@ -101,7 +118,7 @@ def _page_fake(host, master_id, device):
 aten = torch.ops.aten
 
 
-def _offloaded(host: torch.Tensor, master_id: int):
+def _offloaded(host: torch.Tensor, master_id: int, what: str):
     from .tensor import _MASTERS_BY_ID, OffloadedTensor
 
     master = _MASTERS_BY_ID.get(master_id)
@@ -110,6 +127,8 @@ def _offloaded(host: torch.Tensor, master_id: int):
             f"offtensor: a compiled graph reads host master {master_id} ({tuple(host.shape)}, {host.dtype}), which no "
             f"longer exists: the OffloadedTensor it was traced with was freed or unwrapped. Compile the model again."
         )
+    # Routed experts and embedding rows under CUDA graph capture: excluded, with this error.
+    _refuse_under_capture(master.pager, what, host)
     return OffloadedTensor(host, master)
 
 
@@ -122,7 +141,7 @@ def embedding(
     host: torch.Tensor, master_id: int, device: torch.device, indices: torch.Tensor, padding_idx: int,
     scale_grad_by_freq: bool, sparse: bool,
 ) -> torch.Tensor:
-    return aten.embedding.default(_offloaded(host, master_id), indices, padding_idx, scale_grad_by_freq, sparse)
+    return aten.embedding.default(_offloaded(host, master_id, "embedding"), indices, padding_idx, scale_grad_by_freq, sparse)
 
 
 @embedding.register_fake
@@ -132,7 +151,7 @@ def _embedding_fake(host, master_id, device, indices, padding_idx, scale_grad_by
 
 @torch.library.custom_op(f"{_LIB_NS}::index_select", mutates_args=())
 def index_select(host: torch.Tensor, master_id: int, device: torch.device, dim: int, index: torch.Tensor) -> torch.Tensor:
-    return aten.index_select.default(_offloaded(host, master_id), dim, index)
+    return aten.index_select.default(_offloaded(host, master_id, "index_select"), dim, index)
 
 
 @index_select.register_fake
@@ -144,7 +163,7 @@ def _index_select_fake(host, master_id, device, dim, index):
 def index(
     host: torch.Tensor, master_id: int, device: torch.device, indices: list[Optional[torch.Tensor]]
 ) -> torch.Tensor:
-    return aten.index.Tensor(_offloaded(host, master_id), indices)
+    return aten.index.Tensor(_offloaded(host, master_id, "indexing by a tensor"), indices)
 
 
 @index.register_fake
@@ -157,7 +176,7 @@ def grouped_mm(
     x: torch.Tensor, host: torch.Tensor, master_id: int, device: torch.device, offs: Optional[torch.Tensor],
     bias: Optional[torch.Tensor], out_dtype: Optional[torch.dtype],
 ) -> torch.Tensor:
-    return aten._grouped_mm.default(x, _offloaded(host, master_id), offs, bias, out_dtype)
+    return aten._grouped_mm.default(x, _offloaded(host, master_id, "_grouped_mm (routed experts)"), offs, bias, out_dtype)
 
 
 @grouped_mm.register_fake
