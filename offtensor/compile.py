@@ -262,15 +262,10 @@ def traced_index_op(func, args, kwargs):
 _PAGERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 
 
-def _pager_key(pager) -> int:
-    # Runs once, while Dynamo traces; the graph keeps the key.
+def register_pager(pager) -> int:
+    """The key a compiled graph marks ``pager``'s steps by (an int: Dynamo keeps it as a constant)."""
     _PAGERS[id(pager)] = pager
     return id(pager)
-
-
-# What torch._dynamo.assume_constant_result sets, without importing Dynamo (seconds) with offtensor:
-# Dynamo calls the function while tracing and puts its result in the graph as a constant.
-_pager_key._dynamo_marked_constant = True
 
 
 @torch.library.custom_op(f"{_LIB_NS}::new_step", mutates_args=())
@@ -290,12 +285,12 @@ def _new_step_fake(pager_key):
 torch.fx.node.has_side_effect(torch.ops.offtensor.new_step.default)
 
 
-def new_step(pager) -> None:
+def new_step(pager, key: int) -> None:
     """A wrapped model's forward begins (the prefetch schedule's step mark). Called from the model's
-    forward pre-hook; traced by torch.compile into an op that marks the step every time the graph
-    runs, instead of once while tracing."""
+    forward pre-hook with ``register_pager(pager)``; traced by torch.compile into an op that marks
+    the step every time the graph runs, instead of once while tracing."""
     if torch.compiler.is_compiling():
-        torch.ops.offtensor.new_step(_pager_key(pager))
+        torch.ops.offtensor.new_step(key)
     elif pager.prefetcher is not None:
         pager.prefetcher.step()
 

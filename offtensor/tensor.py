@@ -94,7 +94,8 @@ class OffloadedTensor(torch.Tensor):
         # The host master: lets storage-based tie detection (safetensors, transformers) see aliases.
         # Not while torch.compile converts this tensor to a fake one: it would then find the inner
         # host view's storage twice and try to give the device wrapper a host storage.
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None:
+            # (torch 2.11 reports is_compiling() only inside traced code, not while faking inputs)
             with torch._C.DisableTorchFunctionSubclass():
                 return torch._C.TensorBase.untyped_storage(self)
         return self._host.untyped_storage()
