@@ -285,14 +285,24 @@ def _new_step_fake(pager_key):
 torch.fx.node.has_side_effect(torch.ops.offtensor.new_step.default)
 
 
-def new_step(pager, key: int) -> None:
-    """A wrapped model's forward begins (the prefetch schedule's step mark). Called from the model's
-    forward pre-hook with ``register_pager(pager)``; traced by torch.compile into an op that marks
-    the step every time the graph runs, instead of once while tracing."""
-    if torch.compiler.is_compiling():
-        torch.ops.offtensor.new_step(key)
-    elif pager.prefetcher is not None:
-        pager.prefetcher.step()
+def step_hook(pager):
+    """The forward pre-hook by which a wrapped model marks the steps of ``pager``'s prefetch schedule.
+
+    Under torch.compile it becomes an op of the graph, so the step is marked every time the graph
+    runs rather than once while tracing. It closes over the pager's key instead of looking the model
+    up in a table: Dynamo would guard on that table's entries, which change as models come and go."""
+    key = register_pager(pager)
+    pager_ref = weakref.ref(pager)
+
+    def mark_step(module, args):
+        if torch.compiler.is_compiling():
+            torch.ops.offtensor.new_step(key)
+            return
+        owner = pager_ref()
+        if owner is not None and owner.prefetcher is not None:
+            owner.prefetcher.step()
+
+    return mark_step
 
 
 _dispatch_frames_skipped = False

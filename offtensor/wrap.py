@@ -354,8 +354,7 @@ def _register(model: nn.Module, pager: Pager, plan: placement.Plan, policy, pref
     pager.reset_stats()
     if prefetch and plan.offload:
         pager.prefetcher = Prefetcher()
-        state.pager_key = _compile.register_pager(pager)
-        state.step_hook = model.register_forward_pre_hook(_new_step)
+        state.step_hook = model.register_forward_pre_hook(_compile.step_hook(pager))
     _install_hooks()
 
 
@@ -526,13 +525,6 @@ def _module_hook(module, name, submodule):
                         table[attr] = new
                     placed.append(table[attr])
     return None
-
-
-def _new_step(model, args):
-    """Forward pre-hook of a wrapped model: one forward is one step of the prefetch schedule."""
-    state = _WRAPPED.get(model)
-    if state is not None and state.pager.prefetcher is not None:
-        _compile.new_step(state.pager, state.pager_key)  # under torch.compile, an op of the graph
 
 
 def _after_load(module, incompatible_keys):
