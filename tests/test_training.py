@@ -128,3 +128,20 @@ def test_backward_pages_offloaded_weights_again_instead_of_keeping_copies(device
     # cannot hold them all from forward: backward copies again
     assert after_backward.bytes_h2d > after_forward.bytes_h2d
     assert after_backward.peak_device_bytes <= after_backward.budget_bytes
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_an_offloaded_weight_that_needs_a_gradient_gets_the_unwrapped_one(device, backend):
+    weight = torch.randn(8, 6)
+    offloaded = nn.Parameter(ot.offload(weight, device), requires_grad=True)
+    reference = weight.clone().to(device).requires_grad_()
+    x = torch.randn(3, 8).to(device)
+
+    def loss(x, w):
+        return (x @ w).square().sum()
+
+    run = torch.compile(loss, backend=backend) if backend else loss
+    run(x, offloaded).backward()
+    loss(x, reference).backward()
+    assert not isinstance(offloaded.grad, ot.OffloadedTensor)  # a plain device tensor, like any gradient
+    torch.testing.assert_close(offloaded.grad, reference.grad)
