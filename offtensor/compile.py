@@ -13,10 +13,13 @@ copy), never the cached buffer itself: Inductor reuses a dead buffer's memory fo
 ("buf7 = buf3; del buf3 # reuse") and would otherwise write activations into the cache. The extra
 device-to-device copy runs at device bandwidth, about 50x PCIe.
 
-What cannot be traced graph-breaks at that op instead of crashing (``graph_break``): writes to an
-offloaded tensor, and index ops that page only the rows they select, whose rows are only known from
-the index values. Under CUDA graph capture ``page`` records a host->device copy from the pinned
-master into graph memory, so a replay reads the master's current bytes without any Python running.
+Index ops that page only the rows (experts) they select are opaque ops of their own
+(``offtensor::embedding``, ``index_select``, ``index``, ``grouped_mm``) that run the eager handler at
+run time. What cannot be traced breaks the graph at that one op instead of crashing
+(``graph_break``): writes to an offloaded tensor, and index ops whose arguments need gradients.
+Under CUDA graph capture ``page`` records a host->device copy from the pinned master into graph
+memory, so a replay reads the master's current bytes without any Python running; row-selective
+paging refuses to be captured.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 
 from .pager import _covering_range
 
-# The op is defined once per process even if this module is reloaded (tests that re-import).
+# The extension's namespace: these ops sit beside offtensor::alloc_host and copy_async.
 _LIB_NS = "offtensor"
 
 
@@ -133,6 +136,7 @@ def _offloaded(host: torch.Tensor, master_id: int, what: str):
 
 
 def _device_like(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    keep_dynamo_out_of_dispatch()  # fake kernels run only while tracing
     return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
 
 
