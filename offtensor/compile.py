@@ -8,6 +8,8 @@ host view's shape". The compiled graph therefore takes the host views as inputs 
 at run time, every step: cache, prefetch, budget and statistics apply as in eager mode, and nothing
 about paging is baked into the graph, so steps do not recompile.
 
+An op whose arguments are all tensors (``addmm`` from ``F.linear``, ``mm``, ``mul``...) becomes one
+``offtensor::compute`` op instead, which runs the eager op on the OffloadedTensors at run time.
 ``page`` returns a device tensor the graph owns (a copy of the pager's cached or freshly paged
 copy), never the cached buffer itself: Inductor reuses a dead buffer's memory for later results
 ("buf7 = buf3; del buf3 # reuse") and would otherwise write activations into the cache. The extra
@@ -258,6 +260,78 @@ def traced_index_op(func, args, kwargs):
     if not isinstance(call[table], OffloadedTensor):
         return None
     return traced(call)
+
+
+# ---------------------------------------------------------------------------- whole compute ops
+#
+# A compute op whose arguments are all tensors (mm, addmm with default scalars, bmm, mul, ...) runs
+# as one opaque op: at run time it is the eager op on the OffloadedTensors (page, compute, release),
+# so the graph gets the op's result without first copying each paged weight into memory of its own.
+
+_OPS_BY_NAME: dict = {}
+# Set when an OffloadedTensor is first flattened for tracing, so that eager dispatch only looks for
+# traced arguments once a compile has happened in this process.
+tracing_seen = False
+
+
+def _op_named(name: str):
+    op = _OPS_BY_NAME.get(name)
+    if op is None:
+        qualified, overload = name.rsplit(".", 1)
+        namespace, op_name = qualified.split("::")
+        op = _OPS_BY_NAME[name] = getattr(getattr(getattr(torch.ops, namespace), op_name), overload)
+    return op
+
+
+@torch.library.custom_op(f"{_LIB_NS}::compute", mutates_args=())
+def compute(op: str, device: torch.device, tensors: list[Optional[torch.Tensor]], master_ids: list[int]) -> torch.Tensor:
+    """``op`` on ``tensors``, those with a master id as the OffloadedTensors they are host views of."""
+    if _capturing_any(master_ids):
+        # Under CUDA graph capture each weight is copied from its master into graph memory (page).
+        args = [t if m < 0 else page(t, m, device) for t, m in zip(tensors, master_ids)]
+    else:
+        args = [t if m < 0 else _offloaded(t, m, op) for t, m in zip(tensors, master_ids)]
+    return _op_named(op)(*args)
+
+
+def _capturing_any(master_ids) -> bool:
+    from .tensor import _MASTERS_BY_ID
+
+    for m in master_ids:
+        master = _MASTERS_BY_ID.get(m) if m >= 0 else None
+        if master is not None and master.pager is not None and capturing(master.pager):
+            return True
+    return False
+
+
+@compute.register_fake
+def _compute_fake(op, device, tensors, master_ids):
+    args = [t if m < 0 else _device_like(t, device) for t, m in zip(tensors, master_ids)]
+    return _op_named(op)(*args)
+
+
+def traced_compute(func, args, kwargs):
+    """The graph's opaque op for a compute op on traced OffloadedTensors, or None when its arguments
+    are not all tensors (the caller then pages each argument through ``page``)."""
+    from .tensor import OffloadedTensor
+
+    if kwargs or len(func._schema.returns) != 1 or str(func._schema.returns[0].type) != "Tensor":
+        return None
+    device = None
+    tensors, master_ids = [], []
+    for a in args:
+        if isinstance(a, OffloadedTensor):
+            device = a.device
+            tensors.append(a._host)
+            master_ids.append(a._master.id)
+        elif a is None or isinstance(a, torch.Tensor):
+            tensors.append(a)
+            master_ids.append(-1)
+        else:
+            return None
+    if device is None:
+        return None
+    return compute(f"{func._schema.name}.{func._overloadname}", device, tensors, master_ids)
 
 
 # ---------------------------------------------------------------------------- prefetch step marks

@@ -61,6 +61,10 @@ def torch_dispatch(func, types, args, kwargs):
         if traced is not None:
             return traced
         _compile.graph_break(f"{func} on an OffloadedTensor")
+    if handler is _compute and _compile.tracing_seen and _traced(args, kwargs):
+        traced = _compile.traced_compute(func, args, kwargs)
+        if traced is not None:
+            return traced
     return handler(func, types, args, kwargs or {})
 
 

@@ -19,6 +19,7 @@ from copy import deepcopy as _deepcopy
 import torch
 
 from . import _ext
+from . import compile as _compile
 from .pager import Pager, _Master, resolve_device
 
 # Host storage address -> master, so that tensors rebuilt from the same storage (unpickled aliases,
@@ -116,6 +117,9 @@ class OffloadedTensor(torch.Tensor):
     # ------------------------------------------------------------------ flatten / pickling
 
     def __tensor_flatten__(self):
+        # Only tracing (torch.compile, export) flattens: from now on dispatch looks for traced
+        # arguments (compile.traced_compute).
+        _compile.tracing_seen = True
         return ["_host"], (self._master.id, self.requires_grad)
 
     @staticmethod

@@ -238,6 +238,27 @@ def test_page_op_schema_and_fake_kernel(device):
         torch.testing.assert_close(out, t.materialize())
 
 
+def test_linear_runs_as_one_opaque_op_on_the_host_view_without_an_extra_copy(device):
+    """F.linear of an offloaded weight reaches dispatch as t + addmm: the addmm becomes one
+    offtensor::compute op (page, compute, release at run time), not a page into a graph-owned copy
+    followed by the addmm."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    seen = []
+
+    def forward_compiler(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    w, b = torch.randn(8, 6), torch.randn(8)
+    ow, ob = ot.offload(w, device), ot.offload(b, device)
+    x = torch.randn(3, 6).to(device)
+    f = torch.compile(lambda x, w, b: F.linear(x, w, b).relu(), backend=aot_autograd(fw_compiler=forward_compiler))
+    torch.testing.assert_close(f(x, ow, ob), F.linear(x, w.to(device), b.to(device)).relu())
+    assert "offtensor.compute.default" in seen
+    assert "offtensor.page.default" not in seen
+
+
 def test_inductor_never_reuses_a_cached_copy_for_its_own_buffers(device):
     """Inductor recycles dead buffers for later results; the page op hands the graph its own copy,
     so outputs stay right on steps that hit the cache."""
