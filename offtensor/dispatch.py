@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._mode_utils import no_dispatch
 
+from . import compile as _compile
 from .pager import BudgetError, host_layout
 from .tensor import OffloadedTensor, _check_offloadable, _wrap_host, new_host_master
 
@@ -55,7 +56,30 @@ def torch_dispatch(func, types, args, kwargs):
     handler = _OP_TABLE.get(func)
     if handler is None:
         handler = _OP_TABLE[func] = _in_pieces_when_short(func, _classify(func))
+    if (handler in _UNTRACEABLE or type(handler) is _Mutation) and _traced(args, kwargs):
+        # Under torch.compile: row-selective paging becomes one opaque op that pages at run time;
+        # writes to a host master (and index ops it cannot express) run eagerly (compile.py).
+        traced = _compile.traced_index_op(func, args, kwargs or {})
+        if traced is not None:
+            return traced
+        _compile.graph_break(f"{func} on an OffloadedTensor")
+    if handler in _COMPUTE_HANDLERS and _compile.tracing_seen and _traced(args, kwargs):
+        traced = _compile.traced_compute(func, args, kwargs)
+        if traced is not None:
+            return traced
     return handler(func, types, args, kwargs or {})
+
+
+def _traced(args, kwargs) -> bool:
+    """Whether an OffloadedTensor argument is a tracing stand-in (torch.compile's fake tensors)."""
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, OffloadedTensor):
+            if _compile.is_traced(a._host):
+                return True
+        elif isinstance(a, (list, tuple)):
+            if any(isinstance(x, OffloadedTensor) and _compile.is_traced(x._host) for x in a):
+                return True
+    return False
 
 
 def torch_function(func, types, args, kwargs):
@@ -82,6 +106,10 @@ class _Paged:
 
     def page(self, t: OffloadedTensor, private: bool = False) -> torch.Tensor:
         pager = t._master.pager
+        if _compile.is_traced(t._host):
+            # Being traced by torch.compile: the graph calls the pager at run time through an
+            # opaque op (compile.py) and owns its result, so there is no entry to release.
+            return _compile.page(t._host, t._master.id, pager.device)
         layout = t.__dict__.get("_layout")
         if layout is None:
             layout = t.__dict__["_layout"] = host_layout(t._host)
@@ -258,6 +286,8 @@ def _as_tuple(out, n):
 
 
 def _classify(func):
+    if func.name() == "transformers::grouped_mm_fallback":
+        return _grouped_mm_fallback
     schema = func._schema
     if torch.Tag.inplace_view in func.tags:
         return _inplace_view
@@ -901,6 +931,38 @@ def _grouped_mm(func, types, args, kwargs):
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
+def _grouped_mm_fallback(func, types, args, kwargs):
+    """transformers' own grouped GEMM (``transformers::grouped_mm_fallback``, used under
+    torch.compile and for dtypes ``aten._grouped_mm`` lacks): a custom op, so its per-expert
+    ``torch.mm`` calls never reach this dispatch one by one and the whole stack would be paged.
+    Page only the experts with tokens, as ``_grouped_mm`` does, running the op itself on one
+    expert at a time: each group is the same ``mm`` on the same rows, so results are identical."""
+    call = dict(zip(("input", "weight", "offs"), args), **kwargs)
+    x, weight, offs = call["input"], call["weight"], call["offs"]
+    if (
+        not isinstance(weight, OffloadedTensor)
+        or isinstance(x, OffloadedTensor)
+        or isinstance(offs, OffloadedTensor)
+        or x.dim() != 2
+        or weight.dim() != 3
+    ):
+        return _run(func, args, kwargs)
+    ends = _group_ends(offs)
+    starts = [0] + ends[:-1]
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    out = torch.zeros((x.shape[0], weight.shape[2]), dtype=x.dtype, device=x.device)  # as the op's own
+    for e in range(len(ends)):
+        if ends[e] <= starts[e]:
+            continue
+        paged = _Paged()
+        try:
+            expert = paged.page(OffloadedTensor(weight._host[e : e + 1], weight._master))
+            out[starts[e] : ends[e]] = func(x[starts[e] : ends[e]], expert, sizes[e : e + 1])
+        finally:
+            paged.release()
+    return out
+
+
 _last_offs = (None, -1, None)  # (weakref to offs, its version, its values on the host)
 
 
@@ -1009,6 +1071,17 @@ _FUNCTION_TABLE = {
     torch.Tensor.data.__set__: _set_data,
     **_host_read_argument(torch.tensor_split, 1, "indices_or_sections"),
     **_host_read_argument(torch.Tensor.tensor_split, 1, "indices_or_sections"),
+}
+
+
+# Handlers that write host masters or page rows chosen by index values: a graph break under
+# torch.compile (see torch_dispatch).
+# Handlers that page their arguments and compute (tiling when the room is short): under
+# torch.compile they run inside one opaque offtensor::compute op, which calls them at run time.
+_COMPUTE_HANDLERS = {_compute, _mm, _bmm, _convolution, _grouped_mm_fallback}
+
+_UNTRACEABLE = {
+    _batch_norm, _copy_, _resize_, _set_, _embedding, _index_select, _index, _grouped_mm,
 }
 
 

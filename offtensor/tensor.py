@@ -19,6 +19,7 @@ from copy import deepcopy as _deepcopy
 import torch
 
 from . import _ext
+from . import compile as _compile
 from .pager import Pager, _Master, resolve_device
 
 # Host storage address -> master, so that tensors rebuilt from the same storage (unpickled aliases,
@@ -53,6 +54,11 @@ class OffloadedTensor(torch.Tensor):
     # goes straight to __torch_dispatch__ and results are never re-wrapped.
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if torch.compiler.is_compiling():
+            # Dynamo inlines this method: trace the plain function and let __torch_dispatch__ page
+            # through the graph's opaque op (compile.py) instead of the eager intercepts.
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
         return _dispatch.torch_function(func, types, args, kwargs)
 
     @classmethod
@@ -87,6 +93,12 @@ class OffloadedTensor(torch.Tensor):
 
     def untyped_storage(self) -> torch.UntypedStorage:
         # The host master: lets storage-based tie detection (safetensors, transformers) see aliases.
+        # Not while torch.compile converts this tensor to a fake one: it would then find the inner
+        # host view's storage twice and try to give the device wrapper a host storage.
+        if torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None:
+            # (torch 2.11 reports is_compiling() only inside traced code, not while faking inputs)
+            with torch._C.DisableTorchFunctionSubclass():
+                return torch._C.TensorBase.untyped_storage(self)
         return self._host.untyped_storage()
 
     def __repr__(self, *, tensor_contents=None) -> str:
@@ -105,6 +117,9 @@ class OffloadedTensor(torch.Tensor):
     # ------------------------------------------------------------------ flatten / pickling
 
     def __tensor_flatten__(self):
+        # Only tracing (torch.compile, export) flattens: from now on dispatch looks for traced
+        # arguments (compile.traced_compute).
+        _compile.tracing_seen = True
         return ["_host"], (self._master.id, self.requires_grad)
 
     @staticmethod

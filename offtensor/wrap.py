@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from . import compile as _compile
 from . import placement
 from .pager import GiB, BudgetError, OffloadStats, Pager, _covering_range, resolve_device
 from .prefetch import Prefetcher
@@ -615,14 +616,21 @@ class _StepHook:
     ``_adopt_copy`` gives it its own pager with the same budget, instead of leaving its new host
     masters charged to the original's pager."""
 
-    __slots__ = ("device", "budget_bytes", "policy", "prefetch", "pager_ref", "copy_pager")
+    __slots__ = ("device", "budget_bytes", "policy", "prefetch", "pager_ref", "pager_key", "copy_pager")
 
     def __init__(self, device, budget_bytes, policy, prefetch, pager=None, copy_pager=None):
         self.device, self.budget_bytes, self.policy, self.prefetch = device, budget_bytes, policy, prefetch
         self.pager_ref = weakref.ref(pager) if pager is not None else None
+        # Under torch.compile the step is an op of the graph, keyed by this int (a constant to
+        # Dynamo): looking the model up in _WRAPPED would make Dynamo guard on that table's
+        # entries, which change as models come and go (compile.step_hook).
+        self.pager_key = _compile.register_pager(pager) if pager is not None else None
         self.copy_pager = copy_pager  # a deepcopy's pager, until _adopt_copy registers it
 
     def __call__(self, model, args):
+        if torch.compiler.is_compiling() and self.pager_key is not None:
+            torch.ops.offtensor.new_step(self.pager_key)
+            return
         state = _WRAPPED.get(model)
         if state is None or state.model_ref() is not model:
             state = _adopt_copy(model)

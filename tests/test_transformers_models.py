@@ -124,3 +124,21 @@ def test_model_wrapped_at_30_percent_matches_unwrapped(name, device):
     s = ot.stats(model)
     assert s.peak_device_bytes <= budget
     assert s.cached_bytes <= budget - s.resident_bytes
+
+
+def test_transformers_grouped_mm_fallback_pages_only_the_experts_with_tokens(device):
+    # transformers' compile-friendly grouped GEMM is one custom op: without its own handler the
+    # whole stack would be paged (and refused by a budget that holds one expert).
+    from transformers.integrations import moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+
+    experts, d_in, d_out = 8, 32, 16
+    weight = torch.randn(experts, d_in, d_out)
+    x = torch.randn(10, d_in, device=device)
+    offs = torch.tensor([0, 0, 4, 4, 4, 10, 10, 10], device=device)  # tokens for experts 2 and 5 only
+    expected = torch.ops.transformers.grouped_mm_fallback(x, weight.to(device), offs)
+
+    pager = ot.pager.Pager(torch.device(device), budget_bytes=weight[0].nbytes)
+    offloaded = ot.offload(weight, device, pager=pager)
+    result = torch.ops.transformers.grouped_mm_fallback(x, offloaded, offs)
+    assert torch.equal(result, expected)
+    assert pager.stats.bytes_h2d == 2 * weight[0].nbytes

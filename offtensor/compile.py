@@ -1,0 +1,418 @@
+"""Paging inside torch.compile graphs: the ``offtensor::page`` custom op and the tracing rules.
+
+Under ``torch.compile`` an OffloadedTensor is traced as a subclass whose one inner tensor is its
+host view (``__tensor_flatten__``). Dynamo and AOTAutograd run ``__torch_dispatch__`` on fake
+tensors; there every page of an offloaded argument becomes a call of the opaque op
+``offtensor::page(host, master_id, device)``, whose fake kernel only says "a device tensor of the
+host view's shape". The compiled graph therefore takes the host views as inputs and calls the pager
+at run time, every step: cache, prefetch, budget and statistics apply as in eager mode, and nothing
+about paging is baked into the graph, so steps do not recompile.
+
+An op whose arguments are all tensors (``addmm`` from ``F.linear``, ``mm``, ``mul``...) becomes one
+``offtensor::compute`` op instead, which runs the eager op on the OffloadedTensors at run time.
+``page`` returns a device tensor the graph owns (a copy of the pager's cached or freshly paged
+copy), never the cached buffer itself: Inductor reuses a dead buffer's memory for later results
+("buf7 = buf3; del buf3 # reuse") and would otherwise write activations into the cache. The extra
+device-to-device copy runs at device bandwidth, about 50x PCIe.
+
+Index ops that page only the rows (experts) they select are opaque ops of their own
+(``offtensor::embedding``, ``index_select``, ``index``, ``grouped_mm``) that run the eager handler at
+run time. What cannot be traced breaks the graph at that one op instead of crashing
+(``graph_break``): writes to an offloaded tensor, and index ops whose arguments need gradients.
+Under CUDA graph capture ``page`` records a host->device copy from the pinned master into graph
+memory, so a replay reads the master's current bytes without any Python running; row-selective
+paging refuses to be captured.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+from .pager import _covering_range
+
+# The extension's namespace: these ops sit beside offtensor::alloc_host and copy_async.
+_LIB_NS = "offtensor"
+
+
+# Renamed (with an "_or_false" for symbolic shapes) after torch 2.11.
+_non_overlapping_and_dense = getattr(
+    torch._prims_common, "is_non_overlapping_and_dense_or_false", None
+) or getattr(torch._prims_common, "is_non_overlapping_and_dense")
+
+
+def _output_strides(host: torch.Tensor):
+    """Strides of ``page``'s output: the host view's own when they describe a dense,
+    non-overlapping block (a weight or its transpose), else contiguous (an expanded or sliced view
+    is copied compactly)."""
+    if _non_overlapping_and_dense(host):
+        return host.stride()
+    return torch._prims_common.make_contiguous_strides_for(host.shape)
+
+
+@torch.library.custom_op(f"{_LIB_NS}::page", mutates_args=())
+def page(host: torch.Tensor, master_id: int, device: torch.device) -> torch.Tensor:
+    """A device tensor with ``host``'s values, paged through its master's pager."""
+    from .tensor import _MASTERS_BY_ID
+
+    master = _MASTERS_BY_ID.get(master_id)
+    if master is None or master.pager is None:
+        raise RuntimeError(
+            f"offtensor: a compiled graph pages host master {master_id} ({tuple(host.shape)}, {host.dtype}), which no "
+            f"longer exists: the OffloadedTensor it was traced with was freed or unwrapped. Compile the model again."
+        )
+    pager = master.pager
+    out = torch.empty_strided(host.shape, _output_strides(host), dtype=host.dtype, device=pager.device)
+    if host.numel() == 0:
+        return out
+    if capturing(pager):
+        # A captured graph replays without Python: the pager's cache cannot be consulted at replay,
+        # so the graph copies from the master itself into memory it owns (the static slot of this
+        # weight). Pinned memory keeps a fixed address and the copy reads whatever the master
+        # holds at replay time.
+        if pager.device.type == "cuda" and not host.is_pinned():
+            raise RuntimeError(
+                f"offtensor: cannot capture a CUDA graph that pages a {tuple(host.shape)} {host.dtype} weight from "
+                f"pageable host memory; offload it with the default (pinned) allocation"
+            )
+        out.copy_(host, non_blocking=True)
+        lo, hi = _covering_range(host)
+        pager.stats.bytes_h2d += (hi - lo) * host.element_size()
+        return out
+    view, entry = pager.page(host, master, "a compiled graph's weight")
+    try:
+        out.copy_(view)
+    finally:
+        if entry is not None:
+            # On a GPU the release event is recorded after the copy above, so the cached block is
+            # evicted only once the copy has read it.
+            pager.release([entry])
+    return out
+
+
+def capturing(pager) -> bool:
+    """Whether the op is being recorded into a CUDA graph on ``pager``'s device (tests set it on the
+    emulated device to run the capture path)."""
+    return pager.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _refuse_under_capture(pager, what: str, host: torch.Tensor) -> None:
+    if capturing(pager):
+        raise RuntimeError(
+            f"offtensor: {what} on an offloaded {tuple(host.shape)} {host.dtype} table cannot be captured in a CUDA "
+            f"graph: it pages the rows its index selects, which are only known when the index is read on the host, "
+            f"and a replay runs no Python. Keep this weight resident (wrap_model(..., policy={{'keep': [...]}})) to "
+            f"capture, or run this step without CUDA graphs."
+        )
+
+
+@page.register_fake
+def _page_fake(host, master_id, device):
+    keep_dynamo_out_of_dispatch()
+    return torch.empty_strided(host.shape, _output_strides(host), dtype=host.dtype, device=device)
+
+
+# ---------------------------------------------------------------------------- index ops
+#
+# Index ops page only the rows (experts) their index selects, which only the index values say. In a
+# graph each is one opaque op that takes the host view and runs the eager handler (dispatch.py) at
+# run time; its fake kernel is the aten op on a device tensor of the host view's layout.
+
+aten = torch.ops.aten
+
+
+def _offloaded(host: torch.Tensor, master_id: int, what: str):
+    from .tensor import _MASTERS_BY_ID, OffloadedTensor
+
+    master = _MASTERS_BY_ID.get(master_id)
+    if master is None or master.pager is None:
+        raise RuntimeError(
+            f"offtensor: a compiled graph reads host master {master_id} ({tuple(host.shape)}, {host.dtype}), which no "
+            f"longer exists: the OffloadedTensor it was traced with was freed or unwrapped. Compile the model again."
+        )
+    # Routed experts and embedding rows under CUDA graph capture: excluded, with this error.
+    _refuse_under_capture(master.pager, what, host)
+    return OffloadedTensor(host, master)
+
+
+def _device_like(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    keep_dynamo_out_of_dispatch()  # fake kernels run only while tracing
+    return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+
+
+@torch.library.custom_op(f"{_LIB_NS}::embedding", mutates_args=())
+def embedding(
+    host: torch.Tensor, master_id: int, device: torch.device, indices: torch.Tensor, padding_idx: int,
+    scale_grad_by_freq: bool, sparse: bool,
+) -> torch.Tensor:
+    return aten.embedding.default(_offloaded(host, master_id, "embedding"), indices, padding_idx, scale_grad_by_freq, sparse)
+
+
+@embedding.register_fake
+def _embedding_fake(host, master_id, device, indices, padding_idx, scale_grad_by_freq, sparse):
+    return aten.embedding.default(_device_like(host, device), indices, padding_idx, scale_grad_by_freq, sparse)
+
+
+@torch.library.custom_op(f"{_LIB_NS}::index_select", mutates_args=())
+def index_select(host: torch.Tensor, master_id: int, device: torch.device, dim: int, index: torch.Tensor) -> torch.Tensor:
+    return aten.index_select.default(_offloaded(host, master_id, "index_select"), dim, index)
+
+
+@index_select.register_fake
+def _index_select_fake(host, master_id, device, dim, index):
+    return aten.index_select.default(_device_like(host, device), dim, index)
+
+
+@torch.library.custom_op(f"{_LIB_NS}::index", mutates_args=())
+def index(
+    host: torch.Tensor, master_id: int, device: torch.device, indices: list[Optional[torch.Tensor]]
+) -> torch.Tensor:
+    return aten.index.Tensor(_offloaded(host, master_id, "indexing by a tensor"), indices)
+
+
+@index.register_fake
+def _index_fake(host, master_id, device, indices):
+    return aten.index.Tensor(_device_like(host, device), indices)
+
+
+@torch.library.custom_op(f"{_LIB_NS}::grouped_mm", mutates_args=())
+def grouped_mm(
+    x: torch.Tensor, host: torch.Tensor, master_id: int, device: torch.device, offs: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor], out_dtype: Optional[torch.dtype],
+) -> torch.Tensor:
+    return aten._grouped_mm.default(x, _offloaded(host, master_id, "_grouped_mm (routed experts)"), offs, bias, out_dtype)
+
+
+@grouped_mm.register_fake
+def _grouped_mm_fake(x, host, master_id, device, offs, bias, out_dtype):
+    return aten._grouped_mm.default(x, _device_like(host, device), offs, bias, out_dtype)
+
+
+def _call(schema_names, defaults):
+    def bind(args, kwargs):
+        call = dict(defaults)
+        call.update(zip(schema_names, args))
+        call.update(kwargs)
+        return call
+
+    return bind
+
+
+def _traced_embedding(call):
+    w = call["weight"]
+    return embedding(w._host, w._master.id, w.device, call["indices"], call["padding_idx"],
+                     call["scale_grad_by_freq"], call["sparse"])
+
+
+def _traced_index_select(call):
+    t = call["self"]
+    return index_select(t._host, t._master.id, t.device, call["dim"], call["index"])
+
+
+def _traced_index(call):
+    t = call["self"]
+    return index(t._host, t._master.id, t.device, list(call["indices"]))
+
+
+def _traced_grouped_mm(call):
+    w = call["mat2"]
+    return grouped_mm(call["self"], w._host, w._master.id, w.device, call["offs"], call["bias"], call["out_dtype"])
+
+
+# op -> (argument binder, the one argument that may be offloaded, traced call)
+_TRACED_INDEX_OPS = {
+    aten.embedding.default: (
+        _call(("weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse"),
+              {"padding_idx": -1, "scale_grad_by_freq": False, "sparse": False}),
+        "weight", _traced_embedding,
+    ),
+    aten.index_select.default: (_call(("self", "dim", "index"), {}), "self", _traced_index_select),
+    aten.index.Tensor: (_call(("self", "indices"), {}), "self", _traced_index),
+    aten._grouped_mm.default: (
+        _call(("self", "mat2", "offs", "bias", "out_dtype"), {"offs": None, "bias": None, "out_dtype": None}),
+        "mat2", _traced_grouped_mm,
+    ),
+}
+
+
+def traced_index_op(func, args, kwargs):
+    """The graph's opaque op for an index op whose one offloaded argument is its table (weight,
+    expert stack); None when the call does not have that shape (the caller graph-breaks).
+
+    The ops have no autograd formula: when an argument needs a gradient (training through a
+    compiled MoE), the op runs eagerly instead, where autograd sees the eager handler's ops."""
+    from .tensor import OffloadedTensor
+
+    entry = _TRACED_INDEX_OPS.get(func)
+    if entry is None:
+        return None
+    bind, table, traced = entry
+    call = bind(args, kwargs)
+    for name, value in call.items():
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        for v in values:
+            if isinstance(v, OffloadedTensor) and name != table:
+                return None
+            if isinstance(v, torch.Tensor) and v.requires_grad and torch.is_grad_enabled():
+                return None
+    if not isinstance(call[table], OffloadedTensor):
+        return None
+    return traced(call)
+
+
+# ---------------------------------------------------------------------------- whole compute ops
+#
+# A compute op whose arguments are all tensors (mm, addmm with default scalars, bmm, mul, ...) runs
+# as one opaque op: at run time it is the eager op on the OffloadedTensors (page, compute, release),
+# so the graph gets the op's result without first copying each paged weight into memory of its own.
+
+_OPS_BY_NAME: dict = {}
+# Set when an OffloadedTensor is first flattened for tracing, so that eager dispatch only looks for
+# traced arguments once a compile has happened in this process.
+tracing_seen = False
+
+
+def _op_named(name: str):
+    op = _OPS_BY_NAME.get(name)
+    if op is None:
+        qualified, overload = name.rsplit(".", 1)
+        namespace, op_name = qualified.split("::")
+        op = _OPS_BY_NAME[name] = getattr(getattr(getattr(torch.ops, namespace), op_name), overload)
+    return op
+
+
+@torch.library.custom_op(f"{_LIB_NS}::compute", mutates_args=())
+def compute(op: str, device: torch.device, tensors: list[Optional[torch.Tensor]], master_ids: list[int]) -> torch.Tensor:
+    """``op`` on ``tensors``, those with a master id as the OffloadedTensors they are host views of."""
+    if _capturing_any(master_ids):
+        # Under CUDA graph capture each weight is copied from its master into graph memory (page).
+        args = [t if m < 0 else page(t, m, device) for t, m in zip(tensors, master_ids)]
+    else:
+        args = [t if m < 0 else _offloaded(t, m, op) for t, m in zip(tensors, master_ids)]
+    return _op_named(op)(*args)
+
+
+def _capturing_any(master_ids) -> bool:
+    from .tensor import _MASTERS_BY_ID
+
+    for m in master_ids:
+        master = _MASTERS_BY_ID.get(m) if m >= 0 else None
+        if master is not None and master.pager is not None and capturing(master.pager):
+            return True
+    return False
+
+
+@compute.register_fake
+def _compute_fake(op, device, tensors, master_ids):
+    args = [t if m < 0 else _device_like(t, device) for t, m in zip(tensors, master_ids)]
+    return _op_named(op)(*args)
+
+
+def traced_compute(func, args, kwargs):
+    """The graph's opaque op for a compute op on traced OffloadedTensors, or None when its arguments
+    are not all tensors (the caller then pages each argument through ``page``)."""
+    from .tensor import OffloadedTensor
+
+    if kwargs or len(func._schema.returns) != 1 or str(func._schema.returns[0].type) != "Tensor":
+        return None
+    device = None
+    tensors, master_ids = [], []
+    for a in args:
+        if isinstance(a, OffloadedTensor):
+            device = a.device
+            tensors.append(a._host)
+            master_ids.append(a._master.id)
+        elif a is None or isinstance(a, torch.Tensor):
+            tensors.append(a)
+            master_ids.append(-1)
+        else:
+            return None
+    if device is None:
+        return None
+    return compute(f"{func._schema.name}.{func._overloadname}", device, tensors, master_ids)
+
+
+# ---------------------------------------------------------------------------- prefetch step marks
+
+# Pagers whose prefetch schedule a compiled graph marks steps of, by a key the graph holds as a constant.
+_PAGERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+
+
+def register_pager(pager) -> int:
+    """The key a compiled graph marks ``pager``'s steps by (an int: Dynamo keeps it as a constant)."""
+    _PAGERS[id(pager)] = pager
+    return id(pager)
+
+
+@torch.library.custom_op(f"{_LIB_NS}::new_step", mutates_args=())
+def _new_step_op(pager_key: int) -> None:
+    pager = _PAGERS.get(pager_key)
+    prefetcher = pager.prefetcher if pager is not None else None
+    if prefetcher is not None:
+        prefetcher.step()
+
+
+@_new_step_op.register_fake
+def _new_step_fake(pager_key):
+    return None
+
+
+# The op returns nothing: without this, dead-code elimination would drop it from the graph.
+torch.fx.node.has_side_effect(torch.ops.offtensor.new_step.default)
+
+
+_dispatch_frames_skipped = False
+
+
+def keep_dynamo_out_of_dispatch() -> None:
+    """Tell Dynamo never to compile OffloadedTensor's ``__torch_dispatch__``/``__torch_function__``
+    frames, nor anything they call.
+
+    After a graph break an op on an OffloadedTensor runs eagerly, but Dynamo still intercepts the
+    Python frames that op enters and would try to compile the pager as user code. Called (once) from
+    code that only runs while Dynamo is tracing, so importing offtensor does not import Dynamo.
+    Dynamo still inlines ``__torch_function__`` symbolically when it traces user code; this only
+    concerns frames that actually run.
+    """
+    global _dispatch_frames_skipped
+    if _dispatch_frames_skipped:
+        return
+    _dispatch_frames_skipped = True
+    from .tensor import OffloadedTensor
+
+    methods = ("__torch_dispatch__", "__torch_function__")
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:  # an older or newer Dynamo: the public (slower) route
+        for name in methods:
+            method = getattr(OffloadedTensor, name).__func__
+            setattr(OffloadedTensor, name, classmethod(torch.compiler.disable(method)))
+        return
+    for name in methods:
+        code = getattr(OffloadedTensor, name).__func__.__code__
+        set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
+def is_traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` (an OffloadedTensor's host view) is a tracing stand-in (fake or functional
+    tensor) rather than real host memory. In eager mode ``_host`` is always a plain tensor."""
+    return type(t) is not torch.Tensor
+
+
+def graph_break(what: str) -> None:
+    """Make Dynamo run the current op eagerly (a graph break) instead of tracing it.
+
+    Raised while Dynamo computes the op's example value, ``Unsupported`` ends the graph before the
+    op, which then runs in eager mode, with its real paging, and tracing resumes after it. Past
+    Dynamo (AOTAutograd, export, make_fx) there is no graph to break, so the error says what to do.
+    """
+    from torch._dynamo.exc import Unsupported
+
+    keep_dynamo_out_of_dispatch()
+    raise Unsupported(
+        f"offtensor: {what} cannot be traced; it runs eagerly. To avoid the break, keep offloaded weights out of "
+        f"this op or wrap the code around it in torch.compiler.disable"
+    )

@@ -1,0 +1,147 @@
+"""LoRA-style training through offloaded frozen weights, eager and compiled: adapter gradients
+equal the unwrapped model's, an optimizer step gives the same adapters, the frozen masters stay
+untouched, and autograd keeps no device copy of an offloaded weight between forward and backward
+(backward pages again), so the budget holds across the whole step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+
+import offtensor as ot
+
+GiB = 1 << 30
+IN, OUT, RANK, BATCH = 24, 40, 4, 5
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, in_features, out_features):
+        super().__init__()
+        self.base = nn.Linear(in_features, out_features)
+        self.lora_a = nn.Parameter(torch.randn(RANK, in_features) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(out_features, RANK) * 0.1)
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    # Alternating widths, so no activation has a weight's shape (see _saved_weight_copies).
+    model = nn.Sequential(LoRALinear(IN, OUT), nn.GELU(), LoRALinear(OUT, IN), nn.GELU(), LoRALinear(IN, OUT),
+                          nn.GELU(), LoRALinear(OUT, IN))
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora" in name)
+    return model
+
+
+def _wrap(model, device):
+    """Base weights offloaded; the cache holds half of them, so backward must page again."""
+    base = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".base.weight" in n)
+    rest = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".base.weight" not in n)
+    return ot.wrap_model(model, budget_gb=(rest + base // 2) / GiB, device=device,
+                         policy=lambda name: "offload" if ".base.weight" in name else "keep")
+
+
+def _saved_weight_copies(model, run):
+    """Tensors autograd saves for backward during ``run()`` that hold an offloaded weight's values
+    in device memory (a plain tensor of a weight's shape that is not a view of its host master)."""
+    offloaded = [p for p in model.parameters() if isinstance(p, ot.OffloadedTensor)]
+    shapes = {tuple(p.shape) for p in offloaded} | {tuple(p.shape)[::-1] for p in offloaded}
+    host_storages = {p._host.untyped_storage().data_ptr() for p in offloaded}
+    copies = []
+
+    def pack(t):
+        if (
+            not isinstance(t, ot.OffloadedTensor)
+            and tuple(t.shape) in shapes
+            and t.untyped_storage().data_ptr() not in host_storages
+        ):
+            copies.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = run()
+    return copies, result
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_lora_gradients_and_optimizer_step_equal_the_unwrapped_model(device, backend):
+    model = _model()
+    reference = copy.deepcopy(model).to(device)
+    _wrap(model, device)
+    frozen = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if isinstance(p, ot.OffloadedTensor)}
+    assert frozen
+    run = torch.compile(model, backend=backend) if backend else model
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    reference_optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(2):
+        x = torch.randn(BATCH, IN, generator=generator).to(device)
+        copies, loss = _saved_weight_copies(model, lambda: run(x).square().mean())
+        assert not copies, [tuple(c.shape) for c in copies]
+        loss.backward()
+        reference_loss = reference(x).square().mean()
+        reference_loss.backward()
+        torch.testing.assert_close(loss, reference_loss)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            if p.requires_grad:
+                torch.testing.assert_close(p.grad, q.grad, msg=name)
+            else:
+                assert p.grad is None
+        optimizer.step()
+        reference_optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(p, q, msg=name)
+    for name, p in model.named_parameters():
+        if name in frozen:
+            assert isinstance(p, ot.OffloadedTensor)
+            assert torch.equal(p.cpu(), frozen[name]), name
+    s = ot.stats(model)
+    assert s.peak_device_bytes <= s.budget_bytes
+    assert s.bytes_h2d > 0
+
+
+def test_backward_pages_offloaded_weights_again_instead_of_keeping_copies(device):
+    model = _model()
+    _wrap(model, device)
+    x = torch.randn(BATCH, IN).to(device)
+    loss = model(x).square().mean()
+    after_forward = ot.stats(model)
+    loss.backward()
+    after_backward = ot.stats(model)
+    # every offloaded weight is needed again by backward (grad of the input), and half the cache
+    # cannot hold them all from forward: backward copies again
+    assert after_backward.bytes_h2d > after_forward.bytes_h2d
+    assert after_backward.peak_device_bytes <= after_backward.budget_bytes
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_an_offloaded_weight_that_needs_a_gradient_gets_the_unwrapped_one(device, backend):
+    weight = torch.randn(8, 6)
+    offloaded = nn.Parameter(ot.offload(weight, device), requires_grad=True)
+    reference = weight.clone().to(device).requires_grad_()
+    x = torch.randn(3, 8).to(device)
+
+    def loss(x, w):
+        return (x @ w).square().sum()
+
+    run = torch.compile(loss, backend=backend) if backend else loss
+    run(x, offloaded).backward()
+    loss(x, reference).backward()
+    assert not isinstance(offloaded.grad, ot.OffloadedTensor)  # a plain device tensor, like any gradient
+    torch.testing.assert_close(offloaded.grad, reference.grad)
