@@ -25,6 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import placement
 from .pager import GiB, BudgetError, OffloadStats, Pager, _covering_range, resolve_device
 from .prefetch import Prefetcher
+from . import experts
 from .tensor import (
     _OWN_ATTRS, OffloadedTensor, _check_offloadable, _master_for, new_host_master, offloaded_class, user_attrs,
     user_class,
@@ -386,6 +387,9 @@ def _register(model: nn.Module, pager: Pager, plan: placement.Plan, policy, pref
     pager.reset_stats()
     if prefetch and plan.offload:
         pager.prefetcher = Prefetcher()
+    # Offloaded stacked experts: per-stack stats, expert-aware eviction, routing speculation.
+    experts.attach(model, pager, speculate=prefetch)
+    if pager.prefetcher is not None or pager.experts is not None:
         state.step_hook = model.register_forward_pre_hook(_new_step)
     _install_hooks()
 
@@ -395,6 +399,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     state = _state(model)
     pager = state.pager
     pager.prefetcher = None
+    experts.detach(pager)
     pager.clear()
     for group in _collect(model):
         if isinstance(group[0].tensor, OffloadedTensor):
@@ -562,9 +567,8 @@ def _module_hook(module, name, submodule):
 def _new_step(model, args):
     """Forward pre-hook of a wrapped model: one forward is one step of the prefetch schedule."""
     state = _WRAPPED.get(model)
-    prefetcher = state.pager.prefetcher if state is not None else None
-    if prefetcher is not None:
-        prefetcher.step()
+    if state is not None:
+        state.pager.new_step()
 
 
 def _after_load(module, incompatible_keys):
