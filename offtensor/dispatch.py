@@ -477,7 +477,7 @@ def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: _Paged) -> torch
         # ~50x PCIe, so the pack costs little next to the copies it saves).
         rows = rows.tolist()
         if per_expert:
-            pager.experts.announce(t._master.id, rows)
+            pager.experts.announce(pager, t._master.id, rows)
         parts = [paged.page(OffloadedTensor(host[i], t._master)) for i in rows]
         return torch.stack(parts)
     if rows.numel() == 1 and (row_bytes >= CACHED_SLICE_BYTES or per_expert):
@@ -617,7 +617,8 @@ def _grouped_mm(func, types, args, kwargs):
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
     experts = weight._master.pager.experts
     if experts is not None:
-        experts.announce(weight._master.id, used)  # the layer's other experts may be evicted for these
+        # The layer's missing experts are issued at once, and its other experts may be evicted for them.
+        experts.announce(weight._master.pager, weight._master.id, used)
     pieces = []
     for e in used:
         paged = _Paged()

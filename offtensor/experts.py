@@ -48,6 +48,12 @@ SPECULATE_PRECISION = 0.9
 # (a top-2 guess scores 0, 0.5 or 1: a few lucky layers prove nothing).
 PRECISION_DECAY = 0.95
 SPECULATE_EVIDENCE = 12.0
+# How many guessed experts are copied ahead, the most confident first. The copy stream is idle only
+# between a layer's last expert copy and the next layer's routing read (its attention and router:
+# ~0.3 ms on the DeepSeek-style stack under the H200 profile, less than one 25 MB expert's 0.45 ms
+# copy), so a couple of guesses fill that gap; more are copied at the price of every wrong one
+# (the replay in benchmarks/moe_bench.py: all 8 at 80% accuracy is slower than none).
+SPECULATE_EXPERTS = 2
 ROUTER_NAMES = ("gate", "router")
 
 
@@ -92,7 +98,7 @@ class ExpertStacks:
     """The pager's view of routed experts: stacks by master, counters, use frequency, eviction choice."""
 
     __slots__ = ("by_master", "frequency", "speculator", "position", "_order", "_current", "_needed",
-                 "__weakref__")
+                 "_ahead", "_copying_ahead", "__weakref__")
 
     def __init__(self):
         self.by_master: dict = {}  # master id -> _Stack
@@ -102,6 +108,8 @@ class ExpertStacks:
         self._order: list = []  # stack groups in first-access order, this pass
         self._current = None  # the stack group paged last
         self._needed = None  # keys the current op said it pages (announce), None if it did not say
+        self._ahead = set()  # keys announce copied ahead of their op: misses, though found on the device
+        self._copying_ahead = False
 
     def register(self, name: str, t: torch.Tensor) -> None:
         if t.dim() >= 2 and t.shape[0] > 1:
@@ -117,6 +125,9 @@ class ExpertStacks:
         stack = self.by_master.get(key[0])
         if stack is None:
             return
+        if key in self._ahead:
+            self._ahead.discard(key)
+            hit = False  # copied for this op by announce: a miss the op did not wait for in line
         if hit:
             stack.hits += 1
         else:
@@ -127,15 +138,40 @@ class ExpertStacks:
         if self.speculator is not None:
             self.speculator.used(stack, expert)
 
-    def announce(self, master_id: int, experts) -> None:
-        """The op about to run pages these experts of ``master_id``'s layer (every stack of it):
-        eviction may then take the layer's other experts, whose next use is a step away."""
+    def announce(self, pager, master_id: int, experts) -> None:
+        """The op about to run pages these experts of ``master_id``'s layer (every stack of it).
+
+        Eviction may then take the layer's other experts, whose next use is a step away. The
+        layer's missing experts are all issued now, every stack of the layer, before the op pages
+        them one at a time: the copy stream gets the whole layer at once, and the guess for the
+        next layer (issued right after) queues behind them instead of ahead of them."""
         stack = self.by_master.get(master_id)
         if stack is None:
             return
         self.paging(master_id)
         group = [s for s in self.by_master.values() if s.group == stack.group]
-        self._needed = {s.key_of(int(e)) for s in group for e in experts}
+        experts = [int(e) for e in experts]
+        needed = {s.key_of(e) for s in group for e in experts}
+        if needed == self._needed:
+            return  # the layer's second stack (down after gate_up): already issued
+        self._needed = needed
+        self._copying_ahead = True
+        try:
+            for s in group:
+                master = s.master_ref()
+                if master is None or master.flat is None:
+                    continue
+                for e in experts:
+                    key = s.key_of(e)
+                    if pager.is_cached(key):
+                        continue
+                    if not pager.prefetch(master, *key[1:]):
+                        break  # the budget holds no more at once: the rest is paged in line
+                    self._ahead.add(key)
+        finally:
+            self._copying_ahead = False
+        if self.speculator is not None:
+            self.speculator.issue_ready()
 
     def paging(self, master_id: int) -> None:
         """An op is about to page from ``master_id``: before its lookup, so that eviction for this
@@ -151,7 +187,7 @@ class ExpertStacks:
         stack = self.by_master.get(key[0])
         if stack is not None:
             stack.bytes_h2d += nbytes
-            if prefetch:
+            if prefetch and not self._copying_ahead:
                 stack.prefetched_bytes += nbytes
 
     def evicted(self, key) -> None:
@@ -221,6 +257,12 @@ class ExpertStacks:
         if self._order:
             self.position = {m: i for i, m in enumerate(self._order)}
         self._order, self._current, self._needed = [], None, None
+        self._ahead = set()
+
+    def routed_keys(self) -> dict:
+        """Cache key -> bytes of every expert slice paged since the step began (for the measure
+        "bytes moved vs routed experts that were not cached" in tests and benchmarks)."""
+        return {stack.key_of(e): stack.expert_bytes for stack in self.by_master.values() for e in stack.used}
 
     def reset(self) -> None:
         for stack in self.by_master.values():
@@ -320,8 +362,8 @@ class RoutingSpeculator:
                 self._pending.append((nxt, host, event, router.tokens))
             else:
                 self._pending.append((nxt, ids, None, router.tokens))
-        if ids.device.type != "cuda":
-            self.issue_ready()
+        # Issued from the pager once this layer's own experts are (ExpertStacks.announce), so the
+        # guesses queue behind them on the copy stream.
 
     def used(self, stack: _Stack, expert: int) -> None:
         current = self._current
@@ -346,7 +388,8 @@ class RoutingSpeculator:
             if event is not None and not event.query():
                 keep.append(item)
                 continue
-            self._issue(pager, router, sorted(set(ids.tolist())), tokens)
+            # Token-major, each token's experts by descending score: the most confident first.
+            self._issue(pager, router, list(dict.fromkeys(ids.tolist())), tokens)
         self._pending = keep
 
     def _issue(self, pager, router: _Router, experts: list, tokens: int) -> None:
@@ -356,7 +399,7 @@ class RoutingSpeculator:
         router.copied = {}
         if pager is None or not router.speculating():
             return
-        for expert in experts:
+        for expert in experts[:SPECULATE_EXPERTS]:
             for stack in router.stacks:
                 master = stack.master_ref()
                 if master is None or master.flat is None:

@@ -562,8 +562,10 @@ class Pager:
             experts = self.experts
             if experts is not None:
                 experts.paging(master.id)
-                if experts.speculator is not None:
-                    experts.speculator.issue_ready()  # guessed experts whose ids have reached the host
+                if experts.speculator is not None and experts._needed is None:
+                    # No op announced its experts (a model that selects them one by one): the
+                    # guessed experts whose ids have reached the host are issued now.
+                    experts.speculator.issue_ready()
             entry = self._cache.get(key) or self._find_containing(master.id, host.dtype, lo, hi)
             hit = entry is not None
             if hit:
