@@ -186,10 +186,11 @@ def replay_deepseek_stack(args, out_dir):
     guessed = planned(budget_gb, guess=True)
     r = guessed.replay("h200")
     results["offtensor+guess"] = _replay_row(guessed, r, steps)
-    guessed.plot(os.path.join(out_dir, "moe_bench_replay.png"), profile="h200", steps=2,
-                 title=f"DeepSeek-style stack, {layers} x 64 experts x {one_expert / 1e6:.1f} MB, top-8, budget dense + "
-                       f"{args.cache_gb} GiB, guesses {args.guess_accuracy:.0%} right: {r.step_ms:.1f} ms/step, bound "
-                       f"{r.bound_ms:.1f} ms (x{r.ratio_to_bound:.3f}); v = host sync")
+    if out_dir is not None:
+        guessed.plot(os.path.join(out_dir, "moe_bench_replay.png"), profile="h200", steps=2,
+                     title=f"DeepSeek-style stack, {layers} x 64 experts x {one_expert / 1e6:.1f} MB, top-8, budget dense + "
+                           f"{args.cache_gb} GiB, guesses {args.guess_accuracy:.0%} right: {r.step_ms:.1f} ms/step, bound "
+                           f"{r.bound_ms:.1f} ms (x{r.ratio_to_bound:.3f}); v = host sync")
     nocache = planned(nocache_gb)
     results["offtensor-nocache"] = _replay_row(nocache, nocache.replay("h200"), steps)
     results["copy-all"] = _replay_row_copy_all(tl, expert_bytes)
@@ -502,8 +503,9 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=8, help="layers of the DeepSeek-style stack")
     p.add_argument("--cache-gb", type=float, default=4.0, help="GiB of expert cache beside the stack's dense weights")
     p.add_argument("--zipf", type=float, default=1.0, help="skew of the stack's synthetic routing")
-    p.add_argument("--guess-accuracy", type=float, default=0.8,
-                   help="share of the next layer's experts the replayed guesses get right (a parameter, not a measurement)")
+    p.add_argument("--guess-accuracy", type=float, default=experts_mod.SPECULATE_PRECISION,
+                   help="share of the next layer's experts the replayed guesses get right (a parameter, not a "
+                        "measurement; default: the precision a router must show before offtensor copies its guesses)")
     p.add_argument("--budget-gb", type=float, default=None, help="Qwen3-MoE budget (default: dense + 30%% of experts)")
     p.add_argument("--tokens", type=int, default=None, help="decoded tokens per variant")
     p.add_argument("--replay-only", action="store_true")
