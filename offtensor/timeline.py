@@ -471,8 +471,14 @@ def _op_cost(func, args, kwargs, out):
         except Exception:
             flops = 0  # a formula that does not take this overload's arguments: count bytes only
     nbytes, dtype = 0, None
+    selects = func in _ROW_SELECTS
     for t in torch.utils._pytree.tree_leaves((args, kwargs, out)):
         if isinstance(t, torch.Tensor):
+            if selects and hasattr(t, "_master"):
+                # An offloaded stack indexed by rows: the kernel reads the selected rows (as many
+                # bytes as the output), not the whole stack (64 experts where 8 were routed).
+                nbytes += _tensor_bytes(out) if isinstance(out, torch.Tensor) else 0
+                continue
             nbytes += _tensor_bytes(t)
             if dtype is None and t.is_floating_point():
                 dtype = str(t.dtype).removeprefix("torch.")
@@ -480,6 +486,7 @@ def _op_cost(func, args, kwargs, out):
 
 
 _COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+_ROW_SELECTS = (torch.ops.aten.index_select.default, torch.ops.aten.index.Tensor, torch.ops.aten.embedding.default)
 
 
 def _host_to_device_bytes(func, args, out) -> int:
