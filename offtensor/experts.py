@@ -98,7 +98,7 @@ class ExpertStacks:
     """The pager's view of routed experts: stacks by master, counters, use frequency, eviction choice."""
 
     __slots__ = ("by_master", "frequency", "speculator", "position", "_order", "_current", "_needed",
-                 "_ahead", "_copying_ahead", "__weakref__")
+                 "_ahead", "_copying_ahead", "_announced", "_expected", "__weakref__")
 
     def __init__(self):
         self.by_master: dict = {}  # master id -> _Stack
@@ -110,6 +110,10 @@ class ExpertStacks:
         self._needed = None  # keys the current op said it pages (announce), None if it did not say
         self._ahead = set()  # keys announce copied ahead of their op: misses, though found on the device
         self._copying_ahead = False
+        self._announced = None  # the key set the last announce issued
+        # group -> keys its router's output says the layer will page (RoutingSpeculator.router_output),
+        # for models that select experts one by one and so announce nothing
+        self._expected = {}
 
     def register(self, name: str, t: torch.Tensor) -> None:
         if t.dim() >= 2 and t.shape[0] > 1:
@@ -152,9 +156,9 @@ class ExpertStacks:
         group = [s for s in self.by_master.values() if s.group == stack.group]
         experts = [int(e) for e in experts]
         needed = {s.key_of(e) for s in group for e in experts}
-        if needed == self._needed:
+        if needed == self._announced:
             return  # the layer's second stack (down after gate_up): already issued
-        self._needed = needed
+        self._needed = self._announced = needed
         self._copying_ahead = True
         try:
             for s in group:
@@ -178,10 +182,20 @@ class ExpertStacks:
         very copy knows which layer's stacks are current."""
         stack = self.by_master.get(master_id)
         if stack is not None and stack.group != self._current:
+            if self.speculator is not None and self.speculator._expected:
+                self.speculator.expected_ready()
             self._current = stack.group
-            self._needed = None
+            self._needed = self._expected.pop(stack.group, None)
+            self._announced = None
             if stack.group not in self._order:
                 self._order.append(stack.group)
+
+    def expect(self, stacks: list, experts) -> None:
+        """A router's output says its layer will page these experts of ``stacks``: once the layer
+        starts paging, eviction may take the layer's other experts (as after ``announce``), but
+        nothing is copied ahead, since the model's own routing may differ (bias, groups)."""
+        if stacks:
+            self._expected[stacks[0].group] = {s.key_of(int(e)) for s in stacks for e in experts}
 
     def copied(self, key, nbytes: int, prefetch: bool) -> None:
         stack = self.by_master.get(key[0])
@@ -256,8 +270,9 @@ class ExpertStacks:
             stack.used = set()
         if self._order:
             self.position = {m: i for i, m in enumerate(self._order)}
-        self._order, self._current, self._needed = [], None, None
+        self._order, self._current, self._needed, self._announced = [], None, None, None
         self._ahead = set()
+        self._expected = {}
 
     def routed_keys(self) -> dict:
         """Cache key -> bytes of every expert slice paged since the step began (for the measure
@@ -328,6 +343,7 @@ class RoutingSpeculator:
         self._learned = {}  # router -> stacks paged after it this pass
         self._pending = []  # (router, device ids, host ids or None, event): guesses not yet issued
         self._guessing = {}  # id(_Stack) -> router whose open guess covers it
+        self._expected = []  # GPU: (router, pinned ids, event) of router outputs read back without a sync
         self.hooks = []
 
     # -------------------------------------------------------------- hooks
@@ -364,6 +380,39 @@ class RoutingSpeculator:
                 self._pending.append((nxt, ids, None, router.tokens))
         # Issued from the pager once this layer's own experts are (ExpertStacks.announce), so the
         # guesses queue behind them on the copy stream.
+
+    def router_output(self, router: _Router, output) -> None:
+        """The router ran: its top-k of its scores is what its layer will page (nearly: a model may
+        correct the scores first), told to the expert cache before the layer pages anything."""
+        if not router.stacks or router.top_k is None:
+            return
+        num_experts = router.stacks[0].num_experts
+        candidates = output if isinstance(output, (tuple, list)) else (output,)
+        logits = next((t for t in candidates if isinstance(t, torch.Tensor) and t.dim() >= 1
+                       and t.shape[-1] == num_experts and t.is_floating_point()), None)
+        if logits is None or logits.is_meta:
+            return
+        with torch.no_grad():
+            ids = logits.reshape(-1, num_experts).float().topk(min(router.top_k, num_experts), dim=-1).indices.reshape(-1)
+            if ids.device.type == "cuda":
+                host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+                host.copy_(ids, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                self._expected.append((router, host, event))
+            else:
+                self._stacks.expect(router.stacks, ids.unique().tolist())
+
+    def expected_ready(self) -> None:
+        """GPU: hand the router outputs that have reached the host to the expert cache."""
+        keep = []
+        for item in self._expected:
+            router, host, event = item
+            if event.query():
+                self._stacks.expect(router.stacks, host.unique().tolist())
+            else:
+                keep.append(item)
+        self._expected = keep
 
     def used(self, stack: _Stack, expert: int) -> None:
         current = self._current
@@ -516,7 +565,13 @@ def attach(model: nn.Module, pager, speculate: bool = True) -> Optional[ExpertSt
             if speculator is not None and args and isinstance(args[0], torch.Tensor) and not args[0].is_meta:
                 speculator.router_ran(router, args[0])
 
+        def output_hook(module, args, output, router=router, speculator_ref=weakref.ref(speculator)):
+            speculator = speculator_ref()
+            if speculator is not None:
+                speculator.router_output(router, output)
+
         speculator.hooks.append(module.register_forward_pre_hook(hook))
+        speculator.hooks.append(module.register_forward_hook(output_hook))
     stacks.speculator = speculator
     return stacks
 

@@ -562,7 +562,7 @@ class Pager:
             experts = self.experts
             if experts is not None:
                 experts.paging(master.id)
-                if experts.speculator is not None and experts._needed is None:
+                if experts.speculator is not None and experts._announced is None:
                     # No op announced its experts (a model that selects them one by one): the
                     # guessed experts whose ids have reached the host are issued now.
                     experts.speculator.issue_ready()

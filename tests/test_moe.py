@@ -6,6 +6,7 @@ experts resident, and the timeline shows the host sync an MoE layer still costs.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -107,7 +108,7 @@ def _build(name: str, device):
 # Per model, the share of expert bytes the budget holds beyond the dense weights: enough that
 # placement offloads routed experts only, small enough that a step must evict.
 FRACTIONS = {"reference": 0.5, "deepseek_v3": 0.6, "mixtral": 0.5, "qwen3_moe": 0.5}
-DECODE_STEPS = 6
+DECODE_STEPS = 8
 
 
 @pytest.mark.parametrize("name", list(FRACTIONS))
@@ -121,6 +122,7 @@ def test_decode_moves_only_the_routed_experts_that_were_not_cached(name, device)
 
     wrapped_run, reference_run = _Decoder(model, reference, ids), _Decoder(expected, reference, ids)
     moved = uncached = 0
+    ratios = []
     for step in range(1 + DECODE_STEPS):
         cached = set(pager._cache)
         before = ot.stats(model).bytes_h2d
@@ -131,11 +133,16 @@ def test_decode_moves_only_the_routed_experts_that_were_not_cached(name, device)
         step_bytes = ot.stats(model).bytes_h2d - before
         routed = pager.experts.routed_keys()
         assert routed, "a decode step routes to some experts"
+        step_uncached = sum(b for k, b in routed.items() if k not in cached)
         moved += step_bytes
-        uncached += sum(b for k, b in routed.items() if k not in cached)
-    # Per step, a cached expert evicted for an earlier layer of the same step is paid again, and
-    # a wrong guess of a router that earned speculation is paid too; over the decode, at most 10%.
+        uncached += step_uncached
+        ratios.append(step_bytes / step_uncached if step_uncached else (1.0 if step_bytes == 0 else math.inf))
+    # A cached expert evicted for an earlier layer of the same step is paid twice, and a wrong
+    # guess of a router that earned speculation is paid too. The first decode after the prefill
+    # may do the first (the prefill left the cache full of later layers' experts, and the first
+    # layer must evict some); every later step stays within 10%, and so does the whole decode.
     assert moved <= 1.1 * uncached
+    assert max(ratios[1:]) <= 1.1, ratios
     s = ot.stats(model)
     assert s.peak_device_bytes <= s.budget_bytes
     assert set(s.experts) == {n for n in offloaded}
