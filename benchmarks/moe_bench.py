@@ -217,9 +217,18 @@ def _replay_row(tl, r, steps):
     return {"step_ms": r.step_ms, "bound_ms": r.bound_ms, "ratio_to_bound": r.ratio_to_bound,
             "compute_ms": r.compute_ms, "copy_busy": r.copy_busy, "routed_bytes_not_cached_per_step": routed,
             "bytes_per_token": copied, "host_syncs_per_step": syncs,
+            "expert_hit_rate_all_steps": _hit_rate(tl.info.get("experts")),
             "steps_ms": r.steps_ms[-steps:],
             # Every replayed step against its own bound (routing differs from step to step).
             "ratio_to_bound_per_step": [r.steps_ms[s] / tl._step_bound(r.profile, s) for s in range(tl.steps - steps, tl.steps)]}
+
+
+def _hit_rate(per_stack):
+    if not per_stack:
+        return None
+    hits = sum(r["hits"] for r in per_stack.values())
+    looked_up = hits + sum(r["misses"] for r in per_stack.values())
+    return hits / looked_up if looked_up else None
 
 
 def _replay_row_copy_all(tl, expert_bytes):

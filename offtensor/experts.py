@@ -116,7 +116,9 @@ class ExpertStacks:
         self._expected = {}
 
     def register(self, name: str, t: torch.Tensor) -> None:
-        if t.dim() >= 2 and t.shape[0] > 1:
+        # Experts are whole contiguous slices along dim 0, so an expert's cache key is computable
+        # from its index; a stack viewed with other strides is left to the plain cache.
+        if t.dim() >= 2 and t.shape[0] > 1 and t._host.is_contiguous():
             self.by_master[t._master.id] = _Stack(name, t)
 
     def is_stack(self, master_id: int) -> bool:

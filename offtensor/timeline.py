@@ -786,5 +786,6 @@ def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(),
         "prefetches": stats.prefetches,
         "prefetch_hits": stats.prefetch_hits,
         "budget_gb": placed.budget_bytes / GiB,
+        "experts": stats.experts,  # per stacked-expert tensor: hits, misses, bytes (all planned steps)
     }
     return tl
