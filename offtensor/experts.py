@@ -154,7 +154,7 @@ class ExpertStacks:
         stack = self.by_master.get(master_id)
         if stack is None:
             return
-        self.paging(master_id)
+        self.paging(master_id, issue_guesses=False)  # guesses go behind this layer's copies, below
         group = [s for s in self.by_master.values() if s.group == stack.group]
         experts = [int(e) for e in experts]
         needed = {s.key_of(e) for s in group for e in experts}
@@ -179,18 +179,23 @@ class ExpertStacks:
         if self.speculator is not None:
             self.speculator.issue_ready()
 
-    def paging(self, master_id: int) -> None:
+    def paging(self, master_id: int, issue_guesses: bool = True) -> None:
         """An op is about to page from ``master_id``: before its lookup, so that eviction for this
-        very copy knows which layer's stacks are current."""
+        very copy knows which layer's stacks are current. Where no op of the layer announced its
+        experts (a model that selects them one by one), guesses whose ids have reached the host
+        are issued here."""
         stack = self.by_master.get(master_id)
+        speculator = self.speculator
         if stack is not None and stack.group != self._current:
-            if self.speculator is not None and self.speculator._expected:
-                self.speculator.expected_ready()
+            if speculator is not None:
+                speculator.expected_ready()
             self._current = stack.group
             self._needed = self._expected.pop(stack.group, None)
             self._announced = None
             if stack.group not in self._order:
                 self._order.append(stack.group)
+        if issue_guesses and speculator is not None and self._announced is None:
+            speculator.issue_ready()
 
     def expect(self, stacks: list, experts) -> None:
         """A router's output says its layer will page these experts of ``stacks``: once the layer
@@ -407,6 +412,8 @@ class RoutingSpeculator:
 
     def expected_ready(self) -> None:
         """GPU: hand the router outputs that have reached the host to the expert cache."""
+        if not self._expected:
+            return
         keep = []
         for item in self._expected:
             router, host, event = item

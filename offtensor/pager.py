@@ -561,11 +561,7 @@ class Pager:
             key = (master.id, host.dtype, lo, hi)
             experts = self.experts
             if experts is not None:
-                experts.paging(master.id)
-                if experts.speculator is not None and experts._announced is None:
-                    # No op announced its experts (a model that selects them one by one): the
-                    # guessed experts whose ids have reached the host are issued now.
-                    experts.speculator.issue_ready()
+                experts.paging(master.id)  # before the lookup: eviction for this copy knows the layer
             entry = self._cache.get(key) or self._find_containing(master.id, host.dtype, lo, hi)
             hit = entry is not None
             if hit:
@@ -800,8 +796,8 @@ class Pager:
         if budget is None or self.resident_bytes + self.paged_bytes + nbytes <= budget:
             return True
         while True:
-            # Least recently used first; the few entries the current op holds are skipped. Among
-            # routed experts the least frequently used of the oldest few goes (experts.py).
+            # Least recently used first; the few entries the current op holds are skipped. Routed
+            # experts go by layer order and use frequency (experts.ExpertStacks.victim).
             candidates = (e for e in self._cache.values() if not e.users and not (keep_prefetched and e.prefetched))
             victim = next(candidates, None) if self.experts is None else self.experts.victim(candidates)
             if victim is None:
