@@ -521,7 +521,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     device = resolve_device(args.device)
     if args.tokens is None:
-        args.tokens = 32 if device.type == "cuda" else 12
+        args.tokens = 16 if device.type == "cuda" else 12  # accelerate decodes at ~0.33 tok/s on the H200
     os.makedirs(args.out, exist_ok=True)
     result = {"device": str(device)}
     replay = replay_deepseek_stack(args, args.out)

@@ -5,16 +5,25 @@ The pager already caches every paged byte range by (master, dtype, lo, hi); a ro
 such range of a stacked-expert tensor (``experts.w1[e]``, ``gate_up_proj[e:e+1]``). This module adds
 what that cache does not know about experts, as two small objects the pager composes:
 
-- ``ExpertStacks``: the offloaded stacks by master, per-stack counters (hits, misses, bytes copied,
-  evictions) and a decayed use frequency per cached expert, which the pager's eviction asks for
-  (``victim``): among the least recently used copies it drops the least frequently used expert, so
-  hot experts stay cached across tokens while cold ones cycle through;
-- ``RoutingSpeculator``: forward hooks on the routers. When layer i's router runs, layer i+1's
-  router weight is applied to layer i's router input (the residual stream changes little from one
-  layer to the next, which MoE-Infinity and Pre-gated MoE exploit) and the guessed experts of layer
-  i+1's stacks are prefetched at once. Which modules are routers and which stacks each one selects
-  is learned from the access order of a pass (the stacks paged after a router fires, before the
-  next one); before the first pass, from names (``<prefix>.gate`` selects ``<prefix>.experts.*``).
+- ``ExpertStacks``: the offloaded stacks by master, grouped by layer; per-stack counters (hits,
+  misses, bytes copied, evictions); a decayed use frequency per cached expert; the layer order of
+  the last pass. The pager's eviction asks it for a victim (``victim``): experts of layers that
+  already ran in this step first (their next use is a step away), least used first, so hot experts
+  stay; then the least used of the layers still to run. An op that knows its experts
+  (``_grouped_mm``, the index ops) ``announce``s them: the layer's missing experts are issued at
+  once and its unrouted ones become evictable;
+- ``RoutingSpeculator``: forward hooks on the routers. The top-k of a router's output tells the
+  cache which experts its layer will page (``expect``, for models that select experts one by one).
+  Before layer i's router runs, layer i+1's router weight is applied to its input (the residual
+  stream changes little from one layer to the next, which MoE-Infinity and Pre-gated MoE exploit):
+  a guess of layer i+1's experts, always scored against what layer i+1 pages, and copied (its two
+  most confident experts, behind layer i's own copies) only for a router whose recent guesses were
+  at least 90% right. Which modules are routers and which stacks each one selects is learned from
+  the access order of a pass (the stacks paged after a router fires, before the next one); before
+  the first pass, from names (``<prefix>.gate`` selects ``<prefix>.experts.*``).
+
+On a GPU nothing here adds a host sync: router outputs and guesses come back through pinned
+buffers and events, and are used once the event has completed.
 
 Nothing here reads model code: routers are found by their weight (``[num_experts, hidden]``, the
 leading size of a registered stack) and their names (``gate``/``router``).
@@ -215,8 +224,6 @@ class ExpertStacks:
         stack = self.by_master.get(key[0])
         if stack is not None:
             stack.evictions += 1
-            if self.speculator is not None:
-                self.speculator.dropped(key)
 
     def victim(self, candidates):
         """The evictable copy to drop: a non-expert copy if one comes first in LRU order (dense
@@ -349,7 +356,6 @@ class RoutingSpeculator:
         self._current = None  # the router that fired last: stacks paged now are its
         self._learned = {}  # router -> stacks paged after it this pass
         self._pending = []  # (router, device ids, host ids or None, event): guesses not yet issued
-        self._guessing = {}  # id(_Stack) -> router whose open guess covers it
         self._expected = []  # GPU: (router, pinned ids, event) of router outputs read back without a sync
         self.hooks = []
 
@@ -429,9 +435,6 @@ class RoutingSpeculator:
             learned = self._learned.setdefault(current, [])
             if stack not in learned:
                 learned.append(stack)
-
-    def dropped(self, key) -> None:
-        pass  # wasted bytes are settled when the guess is scored
 
     # -------------------------------------------------------------- issuing and scoring
 
