@@ -349,9 +349,8 @@ def register_pager(pager) -> int:
 @torch.library.custom_op(f"{_LIB_NS}::new_step", mutates_args=())
 def _new_step_op(pager_key: int) -> None:
     pager = _PAGERS.get(pager_key)
-    prefetcher = pager.prefetcher if pager is not None else None
-    if prefetcher is not None:
-        prefetcher.step()
+    if pager is not None:
+        pager.new_step()
 
 
 @_new_step_op.register_fake

@@ -785,12 +785,18 @@ def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: _Paged) -> torch
             finally:
                 chunk.release()
         return out
-    if row_bytes >= CACHED_SLICE_BYTES and pager.budget_bytes is not None and rows.numel() > 1:
+    # Routed experts of a registered stack go through the cache at any size, so hot experts stay
+    # on the device across tokens and the per-stack counters see every lookup.
+    per_expert = pager.experts is not None and pager.experts.is_stack(t._master.id) and pager.budget_bytes is not None
+    if (row_bytes >= CACHED_SLICE_BYTES or per_expert) and pager.budget_bytes is not None and rows.numel() > 1:
         # Experts: each one through the cache, then packed on the device (device bandwidth is
         # ~50x PCIe, so the pack costs little next to the copies it saves).
-        parts = [paged.page(OffloadedTensor(host[i], t._master)) for i in rows.tolist()]
+        rows = rows.tolist()
+        if per_expert:
+            pager.experts.announce(pager, t._master.id, rows)
+        parts = [paged.page(OffloadedTensor(host[i], t._master)) for i in rows]
         return torch.stack(parts)
-    if rows.numel() == 1 and row_bytes >= CACHED_SLICE_BYTES:
+    if rows.numel() == 1 and (row_bytes >= CACHED_SLICE_BYTES or per_expert):
         return paged.page(OffloadedTensor(host[int(rows[0])], t._master)).unsqueeze(0)
     if pager.device.type == "cuda":
         # Gathered straight into pinned memory, so the upload is an asynchronous DMA (a pageable
@@ -815,11 +821,22 @@ def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: _Paged) -> torch
 # offloaded rows (which rows to page). No other sync: indices go back to the device from pinned
 # memory without blocking, gathered rows are uploaded from pinned memory, group sizes stay on the
 # device.
+#
+# Why the one per MoE layer stays (issue 8): the pager's cache, budget and eviction are host state,
+# and a host->device copy is issued by the host with host addresses, so the host must know which
+# experts to page. Removing the read would take a device-side expert->slot table plus a UVA gather
+# kernel that reads the missing experts from pinned memory, but a UVA read (55.2 GB/s, 5.2 ms for
+# 8 x 25 MB on the H200) is 1.4x slower than DMA copies of the same experts (3.68 ms), and in a
+# decode step those copies are the bound. What the sync costs instead is covered by speculation:
+# the next layer's guessed experts are already copying while the host waits (experts.py).
+# The timeline records each read as a host sync (``Timeline.add_sync``), so replays show the gap.
 HOST_SYNCS = [0]
 
 
-def _read_to_host(t: torch.Tensor) -> torch.Tensor:
+def _read_to_host(t: torch.Tensor, pager=None) -> torch.Tensor:
     HOST_SYNCS[0] += 1
+    if pager is not None and pager.recorder is not None:
+        pager.recorder.host_sync()
     return t.detach().to("cpu")
 
 
@@ -831,9 +848,9 @@ def _to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def _unique_rows(index: torch.Tensor, size: int):
+def _unique_rows(index: torch.Tensor, size: int, pager=None):
     """Unique row ids (CPU, for the host) and every index's position among them (on index's device)."""
-    cpu = _read_to_host(index).to(torch.int64).reshape(-1)
+    cpu = _read_to_host(index, pager).to(torch.int64).reshape(-1)
     cpu = torch.where(cpu < 0, cpu + size, cpu)
     rows, inverse = torch.unique(cpu, return_inverse=True)
     if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= size):
@@ -846,7 +863,7 @@ def _embedding(func, types, args, kwargs):
     weight, indices = args[0], args[1]
     if not isinstance(weight, OffloadedTensor) or isinstance(indices, OffloadedTensor):
         return _run(func, args, kwargs)
-    rows, inverse = _unique_rows(indices, weight.shape[0])
+    rows, inverse = _unique_rows(indices, weight.shape[0], weight._master.pager)
     paged = _Paged()
     try:
         selected = _gather_rows(weight, rows, paged)
@@ -860,7 +877,7 @@ def _index_select(func, types, args, kwargs):
     self, dim, index = args[0], args[1], args[2]
     if not isinstance(self, OffloadedTensor) or isinstance(index, OffloadedTensor) or dim % max(self.dim(), 1) != 0 or self.dim() == 0:
         return _run(func, args, kwargs)
-    rows, inverse = _unique_rows(index, self.shape[0])
+    rows, inverse = _unique_rows(index, self.shape[0], self._master.pager)
     paged = _Paged()
     try:
         selected = _gather_rows(self, rows, paged)
@@ -882,7 +899,7 @@ def _index(func, types, args, kwargs):
         or any(i is not None for i in indices[1:])
     ):
         return _run(func, args, kwargs)
-    rows, inverse = _unique_rows(first, self.shape[0])
+    rows, inverse = _unique_rows(first, self.shape[0], self._master.pager)
     paged = _Paged()
     try:
         selected = _gather_rows(self, rows, paged)
@@ -909,11 +926,15 @@ def _grouped_mm(func, types, args, kwargs):
     ):
         return _run(func, args, kwargs)
     out_dtype = call.get("out_dtype")
-    ends = _group_ends(offs)
+    ends = _group_ends(offs, weight._master.pager)
     starts = [0] + ends[:-1]
     used = [e for e in range(len(ends)) if ends[e] > starts[e]]
     # Each group's size as a one-element offs, sliced on the device: no host->device copy.
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    experts = weight._master.pager.experts
+    if experts is not None:
+        # The layer's missing experts are issued at once, and its other experts may be evicted for them.
+        experts.announce(weight._master.pager, weight._master.id, used)
     pieces = []
     for e in used:
         paged = _Paged()
@@ -966,14 +987,14 @@ def _grouped_mm_fallback(func, types, args, kwargs):
 _last_offs = (None, -1, None)  # (weakref to offs, its version, its values on the host)
 
 
-def _group_ends(offs: torch.Tensor) -> list:
+def _group_ends(offs: torch.Tensor, pager=None) -> list:
     """``offs`` on the host: one small device->host read (copying every expert would cost far more),
     shared by the calls of one MoE layer that pass the same unchanged ``offs`` (gate_up, down)."""
     global _last_offs
     ref, version, ends = _last_offs
     if ref is not None and ref() is offs and version == offs._version:
         return ends
-    ends = _read_to_host(offs).tolist()
+    ends = _read_to_host(offs, pager).tolist()
     _last_offs = (weakref.ref(offs), offs._version, ends)
     return ends
 

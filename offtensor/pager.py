@@ -61,6 +61,11 @@ class OffloadStats:
     # Part of resident_bytes held by plain tensor attributes of wrapped modules (not Parameters or
     # buffers: vLLM's W_UV); set by wrap.stats, 0 for a standalone pager.
     untracked_bytes: int = 0
+    # Routed experts (offtensor.experts), when the model has offloaded stacked-expert tensors:
+    # per stack name {hits, misses, hit_rate, bytes_h2d, prefetched_bytes, evictions}, and the
+    # routing guesses {accuracy, recall, prefetched_bytes, wasted_bytes, routers: {name: {...}}}.
+    experts: Optional[dict] = None
+    guesses: Optional[dict] = None
 
     def __str__(self) -> str:
         size = format_bytes
@@ -472,6 +477,9 @@ class Pager:
         self._pool = _SlotPool(ops) if budget_bytes is not None else None
         self._lifetimes = _HostLifetimes(ops)
         self.prefetcher = None  # set by wrap_model when prefetch=True
+        # experts.ExpertStacks when the model has offloaded stacked experts (experts.attach): per-stack
+        # counters, the frequency-aware choice of which expert to evict, routing speculation.
+        self.experts = None
         # timeline.Recorder while ot.timeline/ot.plan records; told of copies, uses, releases, frees.
         self.recorder = None
         # Teardown waits for the last use of every slot and the last copy from every host source
@@ -521,10 +529,16 @@ class Pager:
             # allocator does not tell one pager's blocks from anyone else's.
             s.max_memory_allocated = torch.cuda.max_memory_allocated(self.device)
             s.max_memory_reserved = torch.cuda.max_memory_reserved(self.device)
+        if self.experts is not None:
+            s.experts = self.experts.report()
+            if self.experts.speculator is not None:
+                s.guesses = self.experts.speculator.report()
         return s
 
     def reset_stats(self) -> None:
         self.stats = OffloadStats()
+        if self.experts is not None:
+            self.experts.reset()
         if self._pool is not None:
             self._pool.peak_bytes = self._pool.live_bytes + self._pool.idle_bytes
         self._note_peak()
@@ -548,8 +562,12 @@ class Pager:
             base = lo
         else:
             key = (master.id, host.dtype, lo, hi)
+            experts = self.experts
+            if experts is not None:
+                experts.paging(master.id)  # before the lookup: eviction for this copy knows the layer
             entry = self._cache.get(key) or self._find_containing(master.id, host.dtype, lo, hi)
-            if entry is not None:
+            hit = entry is not None
+            if hit:
                 self._cache.move_to_end(entry.key)
                 self.stats.hits += 1
                 if entry.prefetched:
@@ -557,6 +575,8 @@ class Pager:
                     self.stats.prefetch_hits += 1
             else:
                 entry = self._insert(key, host.as_strided((hi - lo,), (1,), lo), nbytes, name)
+            if experts is not None:
+                experts.accessed(entry.key, hit)
             base = entry.key[2]
             # Held before prefetching: a prefetch makes room by evicting unused entries, and this
             # one must survive until its op is enqueued (on a GPU its block would be reused).
@@ -608,6 +628,17 @@ class Pager:
         self.stats.page_ins += 1
         self.stats.bytes_h2d += (hi - lo) * host.element_size()
         return buf.as_strided(host.shape, host.stride(), host.storage_offset() - lo)
+
+    def new_step(self) -> None:
+        """A forward of the wrapped model begins: one pass of the prefetch schedule and of the
+        expert statistics ends."""
+        if self.prefetcher is not None:
+            self.prefetcher.step()
+        if self.experts is not None:
+            self.experts.step()
+
+    def is_cached(self, key) -> bool:
+        return key in self._cache
 
     def prefetch(self, master: _Master, dtype: torch.dtype, lo: int, hi: int) -> bool:
         """Start copying elements [lo, hi) of ``master`` unless cached; never evicts an entry that
@@ -708,6 +739,8 @@ class Pager:
             self.recorder.copied(self, entry, nbytes, "copy", prefetch=name == "prefetch")
         self._cache[key] = entry
         self._by_master.setdefault(key[0], []).append(entry)
+        if self.experts is not None:
+            self.experts.copied(key, nbytes, prefetch=name == "prefetch")
         self.paged_bytes += nbytes
         self.stats.page_ins += 1
         self.stats.bytes_h2d += nbytes
@@ -766,8 +799,10 @@ class Pager:
         if budget is None or self.resident_bytes + self.paged_bytes + nbytes <= budget:
             return True
         while True:
-            # Least recently used first; the few entries the current op holds are skipped.
-            victim = next((e for e in self._cache.values() if not e.users and not (keep_prefetched and e.prefetched)), None)
+            # Least recently used first; the few entries the current op holds are skipped. Routed
+            # experts go by layer order and use frequency (experts.ExpertStacks.victim).
+            candidates = (e for e in self._cache.values() if not e.users and not (keep_prefetched and e.prefetched))
+            victim = next(candidates, None) if self.experts is None else self.experts.victim(candidates)
             if victim is None:
                 break
             self._evict(victim)
@@ -785,6 +820,8 @@ class Pager:
         )
 
     def _evict(self, entry: _Entry) -> None:
+        if self.experts is not None:
+            self.experts.evicted(entry.key)
         self._remove(entry)
         self.stats.evictions += 1
 

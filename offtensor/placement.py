@@ -23,6 +23,11 @@ SMALL_BYTES = 1 << 16  # below this a tensor is "small": never worth a page-in p
 # eager MoE selects one expert per linear, and index ops page the selected experts in chunks that
 # fit the free room. So one op needs room for this many slices of a stack, not the routed 8.
 EXPERTS_PER_OP = 1
+# With prefetch, the room beside the working set should hold one layer's routed experts (DeepSeek
+# routes 8; every stack of the layer: gate_up and down), so the expert cache can take a layer's misses at once and keep hot experts across
+# tokens. Only a preference: placement offloads more experts for it when the budget allows, never
+# refuses a budget for it.
+EXPERTS_PER_STEP = 8
 
 _MLP_PARTS = {"mlp", "ffn", "feed_forward", "shared_expert", "shared_experts", "gate_proj", "up_proj", "down_proj",
               "gate_up_proj", "w1", "w2", "w3", "fc1", "fc2", "c_fc", "dense_h_to_4h", "dense_4h_to_h"}
@@ -224,9 +229,20 @@ def _plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes:
     candidates = iter(free)
 
     def room_needed():
-        return ws * (2 if prefetch else 1)
+        return ws + (prefetch_room() if prefetch else 0)
+
+    def prefetch_room():
+        """Room for copies ahead of the current op: another working set, or a layer's routed experts."""
+        routed = {}  # a layer's experts module -> bytes of its stacks' routed experts together
+        for w in offload:
+            if len(w.shape) >= 3 and w.shape[0] > 0 and "experts" in w.name.split("."):
+                stem = w.name.rpartition(".")[0]
+                routed[stem] = routed.get(stem, 0) + w.nbytes // w.shape[0] * min(w.shape[0], EXPERTS_PER_STEP)
+        return max([ws, *routed.values()])
 
     def fits(budget, copies=1):
+        if copies == 2:
+            return total - offloaded + ws + prefetch_room() <= budget
         return total - offloaded + copies * ws <= budget
 
     if offload_bytes is not None:

@@ -50,6 +50,10 @@ class Prefetcher:
         self._marked = False  # passes are delimited by step() calls
 
     def accessed(self, pager, master, key) -> None:
+        if pager.experts is not None and pager.experts.is_stack(key[0]):
+            # Routed experts are the expert cache's and the routing guess's (experts.py): a hot
+            # expert stays cached there, and one copied ahead from history alone is often wasted.
+            return
         self._record(master, key)
         position = self._index.get(key)
         if position is None:

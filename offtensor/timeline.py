@@ -235,6 +235,14 @@ class Timeline:
         self.records.append(Record(rid, "op", "compute", name, int(nbytes), int(flops), dtype, self.step, list(waits)))
         return rid
 
+    def add_sync(self, name: str = "host sync", id: Optional[int] = None) -> int:
+        """The host waits for the compute stream (a device->host read it needs, such as which experts
+        were routed): nothing issued after this record starts before the compute work issued before
+        it has finished. Takes no time on either stream itself."""
+        rid = self.new_id() if id is None else id
+        self.records.append(Record(rid, "sync", "host", name, 0, 0, None, self.step, []))
+        return rid
+
     def next_step(self) -> None:
         if self.records:
             self.step += 1
@@ -270,6 +278,10 @@ class Timeline:
                 step = r.step
                 barrier = synchronised() or 0.0
                 barriers.append(barrier)
+            if r.kind == "sync":
+                host = max(host, free["compute"])
+                starts[r.id] = ends[r.id] = host
+                continue
             ready = max(free[r.stream], barrier, host)
             for w in r.waits:
                 end = ends.get(w)
@@ -304,7 +316,7 @@ class Timeline:
         busy = {"copy": 0.0, "compute": 0.0}
         for r in self.records:
             overlap = min(hi, ends[r.id]) - max(lo, starts[r.id])
-            if overlap > 0:
+            if overlap > 0 and r.stream in busy:
                 busy[r.stream] += overlap
         compute_ms = sum(profile.op_ms(r.flops, r.nbytes, r.dtype) for r in self.records if r.kind == "op" and r.step == last)
         copy_bound_ms = self.step_copy_bytes(last) / (profile.h2d_gbps * GB) * 1e3
@@ -346,7 +358,9 @@ class Timeline:
             {"name": "thread_name", "ph": "M", "pid": pid, "tid": 1, "args": {"name": "compute"}},
             {"name": "thread_name", "ph": "M", "pid": pid, "tid": 2, "args": {"name": "copy"}},
         ]
-        tids = {"compute": 1, "copy": 2}
+        if any(r.kind == "sync" for r in self.records):
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": 3, "args": {"name": "host syncs"}})
+        tids = {"compute": 1, "copy": 2, "host": 3}
         for r in self.records:
             if r.step < first:
                 continue
@@ -409,6 +423,9 @@ class Timeline:
             if t1 > cursor:
                 gaps.append((cursor - t0, t1 - cursor))
             ax.broken_barh(gaps, (y - 0.35, 0.7), facecolors="#dddddd", hatch="//", edgecolor="#999999", linewidth=0)
+        syncs = [result.starts[r.id] - t0 for r in shown if r.kind == "sync"]
+        if syncs:  # the host waited for the compute stream here (a device->host read)
+            ax.plot(syncs, [1.45] * len(syncs), "v", color="#cc3311", markersize=4, label="host sync")
         for s in range(first, self.steps):
             a, b = result.step_windows[s]
             ax.axvline(b - t0, color="black", linewidth=0.8)
@@ -454,8 +471,14 @@ def _op_cost(func, args, kwargs, out):
         except Exception:
             flops = 0  # a formula that does not take this overload's arguments: count bytes only
     nbytes, dtype = 0, None
+    selects = func in _ROW_SELECTS
     for t in torch.utils._pytree.tree_leaves((args, kwargs, out)):
         if isinstance(t, torch.Tensor):
+            if selects and hasattr(t, "_master"):
+                # An offloaded stack indexed by rows: the kernel reads the selected rows (as many
+                # bytes as the output), not the whole stack (64 experts where 8 were routed).
+                nbytes += _tensor_bytes(out) if isinstance(out, torch.Tensor) else 0
+                continue
             nbytes += _tensor_bytes(t)
             if dtype is None and t.is_floating_point():
                 dtype = str(t.dtype).removeprefix("torch.")
@@ -463,6 +486,7 @@ def _op_cost(func, args, kwargs, out):
 
 
 _COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+_ROW_SELECTS = (torch.ops.aten.index_select.default, torch.ops.aten.index.Tensor, torch.ops.aten.embedding.default)
 
 
 def _host_to_device_bytes(func, args, out) -> int:
@@ -574,6 +598,10 @@ class Recorder(TorchDispatchMode):
         self._copy_of.pop(id(entry), None)
         if op is not None:
             self._pending_frees.append(op)
+
+    def host_sync(self) -> None:
+        """The host reads a device value (dispatch._read_to_host) and waits for the compute stream."""
+        self.tl.add_sync()
 
     def finish(self) -> None:
         if not self._events:
@@ -728,7 +756,13 @@ def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(),
     hooks = []
     if prefetch and placed.offload:
         pager.prefetcher = Prefetcher()
-        hooks.append(model.register_forward_pre_hook(lambda m, a: pager.prefetcher.step()))
+    from . import experts
+
+    # Routed experts take the wrapped model's eviction and statistics; speculation needs router
+    # values, which meta tensors do not have, so its hooks do nothing here.
+    experts.attach(model, pager, speculate=False)
+    if pager.prefetcher is not None or pager.experts is not None:
+        hooks.append(model.register_forward_pre_hook(lambda m, a: pager.new_step()))
     inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
     rec = timeline(model, profile)
     tl = rec.tl
@@ -752,5 +786,6 @@ def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(),
         "prefetches": stats.prefetches,
         "prefetch_hits": stats.prefetch_hits,
         "budget_gb": placed.budget_bytes / GiB,
+        "experts": stats.experts,  # per stacked-expert tensor: hits, misses, bytes (all planned steps)
     }
     return tl

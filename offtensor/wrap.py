@@ -26,6 +26,7 @@ from . import compile as _compile
 from . import placement
 from .pager import GiB, BudgetError, OffloadStats, Pager, _covering_range, resolve_device
 from .prefetch import Prefetcher
+from . import experts
 from .tensor import (
     _OWN_ATTRS, OffloadedTensor, _check_offloadable, _master_for, new_host_master, offloaded_class, user_attrs,
     user_class,
@@ -428,6 +429,8 @@ def _register(model: nn.Module, pager: Pager, plan: placement.Plan, policy, pref
     pager.reset_stats()
     if prefetch and plan.offload:
         pager.prefetcher = Prefetcher()
+    # Offloaded stacked experts: per-stack stats, expert-aware eviction, routing speculation.
+    experts.attach(model, pager, speculate=prefetch)
     state.step_hook = model.register_forward_pre_hook(_StepHook(pager.device, plan.budget_bytes, policy, prefetch, pager))
     _install_hooks()
 
@@ -437,6 +440,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     state = _state(model)
     pager = state.pager
     pager.prefetcher = None
+    experts.detach(pager)
     pager.clear()
     for group in _collect(model):
         if isinstance(group[0].tensor, OffloadedTensor):
@@ -634,9 +638,8 @@ class _StepHook:
         state = _WRAPPED.get(model)
         if state is None or state.model_ref() is not model:
             state = _adopt_copy(model)
-        prefetcher = state.pager.prefetcher if state is not None else None
-        if prefetcher is not None:
-            prefetcher.step()
+        if state is not None:
+            state.pager.new_step()  # one pass of the prefetch schedule and of the expert statistics
 
     def __reduce__(self):
         # torch.save(model) of a wrapped model: the loaded model is adopted like a deepcopy (a

@@ -430,3 +430,22 @@ def test_spread_placement_reports_the_working_set_of_one_op_not_a_sum_over_its_r
         ]
         plan = placement.plan(pair, budget_bytes=200_000, policy=["rnn.*"], prefetch=False)
         assert plan.working_set_bytes == expected and len(plan.offload) == 2
+
+
+def test_placement_prefers_room_for_a_layers_routed_experts_but_runs_with_one():
+    # One op pages one expert, so a budget with room for one expert is accepted; with prefetch,
+    # when the budget allows, placement offloads more stacks to leave room for a layer's routed
+    # experts (8 of each stack of the layer), which the expert cache fills in one go.
+    from offtensor import placement
+
+    expert = 10_000
+    stacks = [
+        placement.Weight([f"layers.{i}.mlp.experts.{name}"], 16 * expert, (16, 50, 50), expert, fused=False)
+        for i in range(4) for name in ("gate_up_proj", "down_proj")
+    ]
+    total = sum(w.nbytes for w in stacks)
+    roomy = placement.plan(stacks, budget_bytes=total - 2 * 16 * expert + expert)
+    assert roomy.working_set_bytes == expert
+    assert total - roomy.offloaded_bytes + expert + 2 * 8 * expert <= roomy.budget_bytes
+    tight = placement.plan(stacks, budget_bytes=2 * expert)  # everything offloaded, one expert of room
+    assert len(tight.offload) == len(stacks) and tight.working_set_bytes == expert
