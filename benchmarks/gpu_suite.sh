@@ -169,6 +169,9 @@ step other_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m "not opinfo" test
 step bench_vllm 90 "$PY" benchmarks/vllm_path.py --device "$DEVICE" --out "$OUT"
 step bench_dispatch 60 "$PY" benchmarks/dispatch.py --device "$DEVICE" --out "$OUT"
 if [ "$DRY" = 0 ]; then
+  # The 15 GB Qwen3-MoE at a 4 GiB budget against resident, copy-all, accelerate and UVA (3-5 min:
+  # usually a second call, OFFTENSOR_SUITE_ONLY="bench_moe ...").
+  step bench_moe 300 "$PY" benchmarks/moe_bench.py --device "$DEVICE" --out "$OUT" --budget-gb 4
   step bench_load 240 "$PY" benchmarks/load_bench.py --device "$DEVICE" --out "$OUT" --layers 16 --hidden 2048 --repeats 2
   step demo 150 "$PY" -m offtensor demo --device "$DEVICE"
   step bench_wrap 150 "$PY" benchmarks/wrap_overhead.py --device "$DEVICE" --out "$OUT"
