@@ -537,7 +537,6 @@ def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buff
         key, storage_bytes = _storage_bytes(t)
         with_t = resident + (0 if key in storages else storage_bytes)
     choice = placement._policy_choice(state.policy, [full_name])
-    ws = placement.working_set(full_name, tuple(t.shape), nbytes)
     keep = choice == "keep" or (choice != "offload" and with_t + state.working_set_bytes <= pager.budget_bytes)
     if keep:
         if with_t > pager.budget_bytes:
@@ -555,20 +554,31 @@ def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buff
         pager.resident_bytes = with_t
         pager._note_peak()
         return None
-    if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
-        ws = placement.tile_working_set(tuple(t.shape), nbytes, ws)  # its ops compute in tiles (dispatch)
-    if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
-        raise BudgetError(
-            f"offtensor: {full_name} ({nbytes} bytes) needs {ws} bytes on the device to be paged, but only "
-            f"{pager.budget_bytes - resident} of the budget's {pager.budget_bytes} bytes are not resident weights"
-        )
-    state.working_set_bytes = max(state.working_set_bytes, ws)
+    _reserve_paging_room(state, full_name, t, resident)
     member.names.append(full_name)
     source = t.detach()
     _offload_group([member], pager)
     state.remember(source, member.tensor)
     pager.resident_bytes = resident
     return member.tensor
+
+
+def _reserve_paging_room(state: _State, full_name: str, t: torch.Tensor, resident: int, kind: str = "") -> None:
+    """Before ``t`` is offloaded beside ``resident`` bytes of resident weights: make sure the budget
+    can page it, whole or in tiles (dispatch computes linear, mm, bmm and conv ops on a weight larger
+    than the room in output tiles), and reserve that working set."""
+    pager = state.pager
+    nbytes = t.numel() * t.element_size()
+    ws = placement.working_set(full_name, tuple(t.shape), nbytes)
+    if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
+        ws = placement.tile_working_set(tuple(t.shape), nbytes, ws)
+    if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
+        raise BudgetError(
+            f"offtensor: {kind}{full_name} ({nbytes} bytes) needs {ws} bytes on the device to be paged, but only "
+            f"{pager.budget_bytes - resident} of the budget's {pager.budget_bytes} bytes are not resident "
+            f"weights; raise budget_gb or offload more"
+        )
+    state.working_set_bytes = max(state.working_set_bytes, ws)
 
 
 def _param_hook(module, name, param):
@@ -747,16 +757,7 @@ def _place_attribute(state: _State, module: nn.Module, name: str, t: torch.Tenso
         pager._note_peak()
         return
     without_t = resident - _storage_bytes(t)[1]
-    ws = placement.working_set(full_name, tuple(t.shape), nbytes)
-    if without_t + max(ws, state.working_set_bytes) > pager.budget_bytes:
-        ws = placement.tile_working_set(tuple(t.shape), nbytes, ws)  # its ops compute in tiles (dispatch)
-    if without_t + max(ws, state.working_set_bytes) > pager.budget_bytes:
-        raise BudgetError(
-            f"offtensor: the attribute {full_name} ({nbytes} bytes) needs {ws} bytes on the device to be paged, but "
-            f"only {pager.budget_bytes - without_t} of the budget's {pager.budget_bytes} bytes are not resident "
-            f"weights; raise budget_gb or offload more"
-        )
-    state.working_set_bytes = max(state.working_set_bytes, ws)
+    _reserve_paging_room(state, full_name, t, without_t, kind="the attribute ")
     member = _Member(t)
     member.slots.append((module, name, None))
     member.names.append(full_name)
