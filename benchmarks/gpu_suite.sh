@@ -16,8 +16,9 @@
 #   build, 30 s probe, core tests on the device, paging benchmark, small demo, then the rest.
 # - Output under $OUT (at most 8 files come back from the device machine): suite.log gets every
 #   step's output as it runs (tee), summary.json is rewritten before and after every step, so a
-#   killed step still leaves its log and a summary that says "running"; plus probe.json and the
-#   benchmarks' JSON.
+#   killed step still leaves its log and a summary that says "running". The probe's and the
+#   benchmarks' JSON are embedded in summary.json, and all their files (JSON, PNG) are packed into
+#   results.tgz after every step: four files in all, whatever the benchmarks write.
 # - OFFTENSOR_SUITE_ONLY="step step ...": run only those steps (build always), for a second call
 #   that picks up where a first one hit its deadline.
 set -uo pipefail
@@ -37,6 +38,7 @@ DEADLINE=${OFFTENSOR_SUITE_DEADLINE:-530}
 OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
 STATE=$(mktemp -d)
+RESULTS=$(mktemp -d)  # the benchmarks' own files; packed into $OUT/results.tgz after every step
 : >"$OUT/suite.log"
 : >"$STATE/steps.tsv"
 export PYTHONUNBUFFERED=1 MAX_JOBS="${MAX_JOBS:-16}"
@@ -54,9 +56,10 @@ export OFFTENSOR_TEST_DEVICE="$DEVICE"
 
 # Writes summary.json from the steps so far; cheap (no torch import), so it runs around every step.
 summary() {
-  "$PY" - "$STATE/steps.tsv" "$OUT" "$DEVICE" "$DRY" "$DEADLINE" "$((SECONDS - START))" <<'EOF' || true
+  tar czf "$OUT/.results.tgz.tmp" -C "$RESULTS" . 2>/dev/null && mv "$OUT/.results.tgz.tmp" "$OUT/results.tgz"
+  "$PY" - "$STATE/steps.tsv" "$OUT" "$DEVICE" "$DRY" "$DEADLINE" "$((SECONDS - START))" "$RESULTS" <<'EOF' || true
 import json, os, sys
-steps_file, out, device, dry, deadline, elapsed = sys.argv[1:]
+steps_file, out, device, dry, deadline, elapsed, results = sys.argv[1:]
 steps = []
 current = os.path.join(os.path.dirname(steps_file), "current")
 lines = list(open(steps_file)) + (list(open(current)) if os.path.exists(current) else [])
@@ -65,10 +68,10 @@ for line in lines:
     steps.append({"step": name, "status": status, "rc": None if rc == "" else int(rc),
                   "seconds": int(seconds), "limit_s": int(limit), "command": command})
 figures = {}
-for name in sorted(os.listdir(out)):
-    if name.endswith(".json") and name != "summary.json":
+for name in sorted(os.listdir(results)):
+    if name.endswith(".json"):
         try:
-            figures[name] = json.load(open(os.path.join(out, name)))
+            figures[name] = json.load(open(os.path.join(results, name)))
         except (OSError, ValueError) as error:
             figures[name] = f"unreadable: {error}"
 summary = {"device": device, "dry_run": dry == "1", "deadline_s": int(deadline), "elapsed_s": int(elapsed),
@@ -150,31 +153,31 @@ export -f build
 export PY
 step build 240 bash -c build
 
-step probe 30 "$PY" benchmarks/gpu_probe.py --device "$DEVICE" --out "$OUT"
+step probe 30 "$PY" benchmarks/gpu_probe.py --device "$DEVICE" --out "$RESULTS"
 
 CORE=(tests/test_ext.py tests/test_pager.py tests/test_semantics.py tests/test_wrap.py tests/test_models.py)
 step core_tests 200 "$PY" -m pytest -q -p no:cacheprovider "${CORE[@]}"
 
-step bench_paging 120 "$PY" benchmarks/paging.py --device "$DEVICE" --out "$OUT" --repeats 3
+step bench_paging 120 "$PY" benchmarks/paging.py --device "$DEVICE" --out "$RESULTS" --repeats 3
 
 step demo_small 90 "$PY" -m offtensor demo --device "$DEVICE" --size small --tokens 16
 
 # The schedule against the PCIe bound and the other offloaders (issue 7's GPU figure).
-step bench_offload 150 "$PY" benchmarks/offload_bench.py --device "$DEVICE" --out "$OUT"
+step bench_offload 150 "$PY" benchmarks/offload_bench.py --device "$DEVICE" --out "$RESULTS"
 
 # The rest, most useful first, as far as the deadline allows.
 IGNORE=(--ignore tests/test_gpu_suite.py)  # this suite's own dry run
 for f in "${CORE[@]}"; do IGNORE+=(--ignore "$f"); done
 step other_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m "not opinfo" tests "${IGNORE[@]}"
-step bench_vllm 90 "$PY" benchmarks/vllm_path.py --device "$DEVICE" --out "$OUT"
-step bench_dispatch 60 "$PY" benchmarks/dispatch.py --device "$DEVICE" --out "$OUT"
+step bench_vllm 90 "$PY" benchmarks/vllm_path.py --device "$DEVICE" --out "$RESULTS"
+step bench_dispatch 60 "$PY" benchmarks/dispatch.py --device "$DEVICE" --out "$RESULTS"
 if [ "$DRY" = 0 ]; then
   # The 15 GB Qwen3-MoE at a 4 GiB budget against resident, copy-all, accelerate and UVA (3-5 min:
   # usually a second call, OFFTENSOR_SUITE_ONLY="bench_moe ...").
-  step bench_moe 300 "$PY" benchmarks/moe_bench.py --device "$DEVICE" --out "$OUT" --budget-gb 4
-  step bench_load 240 "$PY" benchmarks/load_bench.py --device "$DEVICE" --out "$OUT" --layers 16 --hidden 2048 --repeats 2
+  step bench_moe 300 "$PY" benchmarks/moe_bench.py --device "$DEVICE" --out "$RESULTS" --budget-gb 4
+  step bench_load 240 "$PY" benchmarks/load_bench.py --device "$DEVICE" --out "$RESULTS" --layers 16 --hidden 2048 --repeats 2
   step demo 150 "$PY" -m offtensor demo --device "$DEVICE"
-  step bench_wrap 150 "$PY" benchmarks/wrap_overhead.py --device "$DEVICE" --out "$OUT"
+  step bench_wrap 150 "$PY" benchmarks/wrap_overhead.py --device "$DEVICE" --out "$RESULTS"
   step opinfo 240 "$PY" -m pytest -q -p no:cacheprovider -m opinfo tests/test_opinfo.py
 fi
 
@@ -183,5 +186,5 @@ echo "offtensor gpu suite on $DEVICE in $((SECONDS - START)) s (deadline $DEADLI
 cat "$OUT/machine.txt"
 awk -F'\t' '{ printf "%-16s %-18s rc=%-4s %4ss (limit %ss)\n", $1, $2, $3, $4, $5 }' "$STATE/steps.tsv"
 summary
-rm -rf "$STATE"
+rm -rf "$STATE" "$RESULTS"
 exit 0

@@ -43,6 +43,8 @@ def test_dry_suite_keeps_its_deadline_and_leaves_logs_and_a_summary(tmp_path):
     if "wheels" in steps:
         assert steps["wheels"]["status"] == "ok"
     assert any(s["status"] in ("timeout", "skipped: deadline") for s in summary["steps"])
+    # At most 8 files come back from the device machine: four, whatever the benchmarks write.
+    assert {p.name for p in tmp_path.iterdir()} <= {"suite.log", "summary.json", "machine.txt", "results.tgz"}
     probe = summary["figures"]["probe.json"]
     assert probe["native"] is True and probe["pinned_h2d_GB_per_s"] > 0
     log = (tmp_path / "suite.log").read_text()
