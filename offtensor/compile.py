@@ -55,14 +55,7 @@ def _output_strides(host: torch.Tensor):
 @torch.library.custom_op(f"{_LIB_NS}::page", mutates_args=())
 def page(host: torch.Tensor, master_id: int, device: torch.device) -> torch.Tensor:
     """A device tensor with ``host``'s values, paged through its master's pager."""
-    from .tensor import _MASTERS_BY_ID
-
-    master = _MASTERS_BY_ID.get(master_id)
-    if master is None or master.pager is None:
-        raise RuntimeError(
-            f"offtensor: a compiled graph pages host master {master_id} ({tuple(host.shape)}, {host.dtype}), which no "
-            f"longer exists: the OffloadedTensor it was traced with was freed or unwrapped. Compile the model again."
-        )
+    master = _live_master(master_id, host)
     pager = master.pager
     out = torch.empty_strided(host.shape, _output_strides(host), dtype=host.dtype, device=pager.device)
     if host.numel() == 0:
@@ -90,6 +83,19 @@ def page(host: torch.Tensor, master_id: int, device: torch.device) -> torch.Tens
             # evicted only once the copy has read it.
             pager.release([entry])
     return out
+
+
+def _live_master(master_id: int, host: torch.Tensor):
+    """The master a graph traced ``host`` with, or a clear error when it has since been freed."""
+    from .tensor import _MASTERS_BY_ID
+
+    master = _MASTERS_BY_ID.get(master_id)
+    if master is None or master.pager is None:
+        raise RuntimeError(
+            f"offtensor: a compiled graph reads host master {master_id} ({tuple(host.shape)}, {host.dtype}), which no "
+            f"longer exists: the OffloadedTensor it was traced with was freed or unwrapped. Compile the model again."
+        )
+    return master
 
 
 def capturing(pager) -> bool:
@@ -124,14 +130,9 @@ aten = torch.ops.aten
 
 
 def _offloaded(host: torch.Tensor, master_id: int, what: str):
-    from .tensor import _MASTERS_BY_ID, OffloadedTensor
+    from .tensor import OffloadedTensor
 
-    master = _MASTERS_BY_ID.get(master_id)
-    if master is None or master.pager is None:
-        raise RuntimeError(
-            f"offtensor: a compiled graph reads host master {master_id} ({tuple(host.shape)}, {host.dtype}), which no "
-            f"longer exists: the OffloadedTensor it was traced with was freed or unwrapped. Compile the model again."
-        )
+    master = _live_master(master_id, host)
     # Routed experts and embedding rows under CUDA graph capture: excluded, with this error.
     _refuse_under_capture(master.pager, what, host)
     return OffloadedTensor(host, master)

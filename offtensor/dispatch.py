@@ -672,18 +672,12 @@ def _needs_tiling(big, rest) -> bool:
     return _short_of_room(pager, _offloaded_bytes([big, *rest])[1])
 
 
-def _paged_whole(values, paged: _Paged):
-    return [paged.arg(v) for v in values]
-
-
 def _linear_tiled(x, weight, bias):
     """F.linear with a weight larger than the free room: output features in tiles."""
     _, others = _offloaded_bytes([x])
 
     def compute(start, stop, paged):
-        w = _page_slice(weight, 0, start, stop, paged)
-        if x.dim() >= 3 and not x.is_contiguous() and weight.requires_grad:
-            w = w.detach().requires_grad_()  # the same kernel choice as the whole weight (see _linear)
+        w = _as_linear_weight(x, weight, _page_slice(weight, 0, start, stop, paged))
         b = None if bias is None else _page_slice(bias, 0, start, stop, paged)
         return torch._C._nn.linear(paged.arg(x), w, b)
 
@@ -926,25 +920,16 @@ def _grouped_mm(func, types, args, kwargs):
     ):
         return _run(func, args, kwargs)
     out_dtype = call.get("out_dtype")
-    ends = _group_ends(offs, weight._master.pager)
-    starts = [0] + ends[:-1]
-    used = [e for e in range(len(ends)) if ends[e] > starts[e]]
-    # Each group's size as a one-element offs, sliced on the device: no host->device copy.
-    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
-    experts = weight._master.pager.experts
-    if experts is not None:
-        # The layer's missing experts are issued at once, and its other experts may be evicted for them.
-        experts.announce(weight._master.pager, weight._master.id, used)
+    groups, sizes, covered = _routed_groups(weight, offs)
     pieces = []
-    for e in used:
+    for e, start, end in groups:
         paged = _Paged()
         try:
             expert = paged.page(OffloadedTensor(weight._host[e : e + 1], weight._master))
             expert_bias = None if bias is None else paged.arg(bias[e : e + 1])
-            pieces.append(func(x[starts[e] : ends[e]], expert, sizes[e : e + 1], expert_bias, out_dtype))
+            pieces.append(func(x[start:end], expert, sizes[e : e + 1], expert_bias, out_dtype))
         finally:
             paged.release()
-    covered = ends[-1] if ends else 0
     if covered < x.shape[0] or not pieces:
         # Rows after the last group belong to no expert; _grouped_mm leaves them uninitialised too.
         rest = x.shape[0] - covered
@@ -968,20 +953,31 @@ def _grouped_mm_fallback(func, types, args, kwargs):
         or weight.dim() != 3
     ):
         return _run(func, args, kwargs)
-    ends = _group_ends(offs)
-    starts = [0] + ends[:-1]
-    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    groups, sizes, _ = _routed_groups(weight, offs)
     out = torch.zeros((x.shape[0], weight.shape[2]), dtype=x.dtype, device=x.device)  # as the op's own
-    for e in range(len(ends)):
-        if ends[e] <= starts[e]:
-            continue
+    for e, start, end in groups:
         paged = _Paged()
         try:
             expert = paged.page(OffloadedTensor(weight._host[e : e + 1], weight._master))
-            out[starts[e] : ends[e]] = func(x[starts[e] : ends[e]], expert, sizes[e : e + 1])
+            out[start:end] = func(x[start:end], expert, sizes[e : e + 1])
         finally:
             paged.release()
     return out
+
+
+def _routed_groups(weight: OffloadedTensor, offs: torch.Tensor):
+    """For a grouped GEMM of tokens sorted by expert: (expert, first row, end row) of each expert
+    with tokens, every group's size as a device tensor (sliced per expert, so no host->device copy),
+    and the rows the groups cover. The layer's experts are announced to the expert cache, which
+    issues the missing ones at once and may evict the layer's others for them."""
+    pager = weight._master.pager
+    ends = _group_ends(offs, pager)
+    starts = [0] + ends[:-1]
+    groups = [(e, starts[e], ends[e]) for e in range(len(ends)) if ends[e] > starts[e]]
+    if pager.experts is not None:
+        pager.experts.announce(pager, weight._master.id, [e for e, _, _ in groups])
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    return groups, sizes, ends[-1] if ends else 0
 
 
 _last_offs = (None, -1, None)  # (weakref to offs, its version, its values on the host)
@@ -1002,6 +998,16 @@ def _group_ends(offs: torch.Tensor, pager=None) -> list:
 # ---------------------------------------------------------------------------- whole-op intercepts
 
 
+def _as_linear_weight(x, weight: OffloadedTensor, device_weight: torch.Tensor) -> torch.Tensor:
+    """The paged copy (or tile) of ``weight`` that ``F.linear`` gets. aten::matmul folds a
+    non-contiguous 3-D input into one mm when the weight requires grad (even under no_grad) and runs
+    bmm otherwise: another kernel, other bits. The unwrapped model's weight requires grad, so its
+    paged copy must say so too. (A contiguous or 2-D input takes the same kernel either way.)"""
+    if x.dim() >= 3 and not x.is_contiguous() and weight.requires_grad:
+        return device_weight.detach().requires_grad_()
+    return device_weight
+
+
 def _linear(args, kwargs):
     x = args[0] if args else kwargs["input"]
     weight = args[1] if len(args) > 1 else kwargs["weight"]
@@ -1019,12 +1025,8 @@ def _linear(args, kwargs):
     paged = _Paged()
     try:
         device_weight = paged.arg(weight)
-        if x.dim() >= 3 and not x.is_contiguous() and weight.requires_grad and isinstance(weight, OffloadedTensor):
-            # aten::matmul folds a non-contiguous 3-D input into one mm when the weight requires
-            # grad (even under no_grad) and runs bmm otherwise: another kernel, other bits. The
-            # unwrapped model's weight requires grad, so its paged copy must say so too. (A
-            # contiguous or 2-D input takes the same kernel either way.)
-            device_weight = device_weight.detach().requires_grad_()
+        if isinstance(weight, OffloadedTensor):
+            device_weight = _as_linear_weight(x, weight, device_weight)
         return torch._C._nn.linear(paged.arg(x), device_weight, paged.arg(bias))
     finally:
         paged.release()
@@ -1095,12 +1097,12 @@ _FUNCTION_TABLE = {
 }
 
 
-# Handlers that write host masters or page rows chosen by index values: a graph break under
-# torch.compile (see torch_dispatch).
 # Handlers that page their arguments and compute (tiling when the room is short): under
 # torch.compile they run inside one opaque offtensor::compute op, which calls them at run time.
 _COMPUTE_HANDLERS = {_compute, _mm, _bmm, _convolution, _grouped_mm_fallback}
 
+# Handlers that write host masters or page rows chosen by index values: a graph break under
+# torch.compile (see torch_dispatch).
 _UNTRACEABLE = {
     _batch_norm, _copy_, _resize_, _set_, _embedding, _index_select, _index, _grouped_mm,
 }

@@ -13,6 +13,7 @@ under the same budget instead of letting it land on the device unaccounted.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import weakref
@@ -290,16 +291,9 @@ def _resident_bytes(model: nn.Module, device: torch.device, skip=frozenset(), ex
 
 def _resident_storages(model: nn.Module, device: torch.device, skip=frozenset(), extra=()) -> dict:
     """Storage key -> bytes for the tensors ``_resident_bytes`` counts."""
-    storages = {}
-    tensors = [_tensors(model, skip), (t for _, _, t in _attribute_tensors(model))]
-    tensors += [_tensors(e, skip) if isinstance(e, nn.Module) else (e,) for e in extra]
-    for source in tensors:
-        for t in source:
-            if isinstance(t, OffloadedTensor) or t.device != device or t.is_meta:
-                continue
-            key, nbytes = _storage_bytes(t)
-            storages[key] = nbytes
-    return storages
+    sources = [_tensors(model, skip), (t for _, _, t in _attribute_tensors(model))]
+    sources += [_tensors(e, skip) if isinstance(e, nn.Module) else (e,) for e in extra]
+    return _resident_storages_of(itertools.chain.from_iterable(sources), device)
 
 
 def _storage_bytes(t: torch.Tensor):
