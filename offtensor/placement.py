@@ -15,8 +15,8 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 
 from .pager import BudgetError
 
-EXPERTS, MLP, ATTENTION, OTHER, LAST = range(5)
-CLASS_NAMES = {EXPERTS: "routed experts", MLP: "dense MLP", ATTENTION: "attention", OTHER: "other", LAST: "last"}
+EXPERTS, ROWS, MLP, ATTENTION, OTHER, LAST = range(6)
+CLASS_NAMES = {EXPERTS: "routed experts", ROWS: "read by rows", MLP: "dense MLP", ATTENTION: "attention", OTHER: "other", LAST: "last"}
 
 SMALL_BYTES = 1 << 16  # below this a tensor is "small": never worth a page-in per use
 # Stacked experts are never paged whole: ``_grouped_mm`` pages the routed experts one at a time,
@@ -53,6 +53,9 @@ class Weight:
     # module (a layer holding w1 and w2 for x @ w1 @ w2, a stack of experts) reads its weights in
     # separate ops, with at most its lower-rank tensors (biases) beside the largest.
     fused: bool = True
+    # Whether every use is an index op that pages only the selected rows (the weight of an
+    # nn.Embedding and nothing else): offloaded first, whatever its name says.
+    indexed: bool = False
 
     @property
     def name(self) -> str:
@@ -85,7 +88,17 @@ def weight_class(name: str, shape: tuple, nbytes: int) -> int:
     return OTHER
 
 
-def working_set(name: str, shape: tuple, nbytes: int) -> int:
+def weight_kind(w: Weight) -> int:
+    """``w``'s class in the offload order (``weight_class``, or ROWS for a table read by rows)."""
+    if w.indexed and w.nbytes >= SMALL_BYTES:
+        return ROWS
+    return weight_class(w.name, w.shape, w.nbytes)
+
+
+def working_set(name: str, shape: tuple, nbytes: int, indexed: bool = False) -> int:
+    if indexed and len(shape) >= 1 and shape[0] > 0:
+        # ``_gather_rows`` pages the selected rows in chunks that fit the free room: one row at least.
+        return nbytes // shape[0]
     if "experts" in name.split(".") and len(shape) >= 3 and shape[0] > 0:
         return nbytes // shape[0] * min(shape[0], EXPERTS_PER_OP)
     return nbytes
@@ -264,7 +277,7 @@ def _plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes:
         # Room for a second copy lets the next weight's copy overlap the current op's compute.
         # Offloading one more weight of the same kind frees about that much, so this costs about one
         # weight's bytes per forward; never worth it for the last class (touched by every token).
-        while pending and not fits(budget_bytes, 2) and weight_class(pending[0].name, pending[0].shape, pending[0].nbytes) != LAST:
+        while pending and not fits(budget_bytes, 2) and weight_kind(pending[0]) != LAST:
             add(pending.pop(0))
     if not fits(budget_bytes):
         # Every weight the policy allows is offloaded by now: what stays resident is what it keeps.
@@ -305,7 +318,7 @@ def _plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes:
 
 
 def _tie_key(w: Weight, position: dict):
-    return (weight_class(w.name, w.shape, w.nbytes), -w.nbytes, position[id(w)])
+    return (weight_kind(w), -w.nbytes, position[id(w)])
 
 
 def _spread(offload: list, free: list, position: dict) -> list:
@@ -318,7 +331,7 @@ def _spread(offload: list, free: list, position: dict) -> list:
     Spread out, every copy overlaps the resident compute before it."""
     groups = {}
     for w in free:
-        groups.setdefault((weight_class(w.name, w.shape, w.nbytes), w.nbytes, tuple(w.shape)), []).append(w)
+        groups.setdefault((weight_kind(w), w.nbytes, tuple(w.shape)), []).append(w)
     chosen_ids = {id(w) for w in offload}
     replace = {}
     for members in groups.values():

@@ -174,8 +174,16 @@ def _weight(group) -> placement.Weight:
     nbytes = _group_bytes(group)
     # torch.nn's own modules (Linear, LSTM, MultiheadAttention...) may read all their tensors in one op.
     fused = any(type(module).__module__.startswith("torch.nn") for m in group for module, _, _ in m.slots)
-    return placement.Weight(names, nbytes, tuple(t.shape), placement.working_set(names[0], tuple(t.shape), nbytes),
-                            fused)
+    # An embedding table nothing else reads (a tied LM head registers it under a Linear too) is
+    # only ever paged by rows. max_norm would renormalise the looked-up rows in place; rare, and
+    # kept on the ordinary path.
+    indexed = all(
+        isinstance(module, nn.Embedding) and attr == "weight" and module.max_norm is None
+        for m in group for module, attr, _ in m.slots
+    ) and any(m.slots for m in group)
+    shape = tuple(t.shape)
+    return placement.Weight(names, nbytes, shape, placement.working_set(names[0], shape, nbytes, indexed), fused,
+                            indexed)
 
 
 # ---------------------------------------------------------------------------- moving tensors

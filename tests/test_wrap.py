@@ -478,6 +478,32 @@ def test_default_order_offloads_experts_then_dense_mlp_then_attention_then_the_r
         assert (name in names) == (cls in offloaded), name
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_an_embedding_table_read_only_by_rows_is_offloaded_before_dense_weights(device, tie):
+    model = _model(tie=tie)
+    reference = copy.deepcopy(model).to(device)
+    sizes = _class_bytes(model)
+    table = model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    ot.wrap_model(model, offload_gb=(sizes["experts"] + table) / GiB, device=device)
+    names = _offloaded_names(model)
+    experts = {n for n, _ in model.named_parameters() if ".experts." in n}
+    if tie:
+        # Tied to the LM head, the table is read whole every token: dense MLP weights go instead.
+        assert "embed_tokens.weight" not in names and experts < names
+        assert names - experts <= {n for n, _ in model.named_parameters() if ".mlp." in n}
+        return
+    assert names == experts | {"embed_tokens.weight"}  # the LM head and every dense weight stay resident
+    ids = _ids(device)
+    _run(model, ids)  # warm: the routed experts of these ids are cached now
+    ot.reset_stats(model)
+    assert torch.equal(_run(model, ids), _run(reference, ids))
+    s = ot.stats(model)
+    rows = ids.unique().numel() * HIDDEN * model.embed_tokens.weight.element_size()
+    # A forward pages the looked-up rows of the table, never the table.
+    table_bytes = s.bytes_h2d - sum(stack["bytes_h2d"] for stack in s.experts.values())
+    assert 0 < table_bytes <= rows < table, (table_bytes, rows)
+
+
 def test_policy_dict_offloads_and_keeps_by_pattern(device):
     model = _model()
     reference = copy.deepcopy(model).to(device)
