@@ -29,13 +29,11 @@ GiB = 1 << 30
 
 
 def _deepseek():
-    from offtensor.models import DeepSeekConfig, DeepSeekForCausalLM
+    import dataclasses
 
-    config = DeepSeekConfig(
-        vocab_size=256, hidden_size=64, num_layers=3, num_heads=4, q_lora_rank=0, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
-        num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128, first_k_dense_replace=1,
-    )
+    from offtensor.models import CONFIGS, DeepSeekForCausalLM
+
+    config = dataclasses.replace(CONFIGS["tiny"], q_lora_rank=0)
     return DeepSeekForCausalLM.empty(config).init_weights(seed=0), 256
 
 

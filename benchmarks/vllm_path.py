@@ -22,14 +22,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import offtensor as ot  # noqa: E402
 from offtensor.models import CONFIGS  # noqa: E402
 from offtensor.models import vllm_deepseek as vd  # noqa: E402
 from offtensor.models.deepseek import weight_bytes  # noqa: E402
 from offtensor.pager import resolve_device  # noqa: E402
 from results_io import save_result  # noqa: E402
-from test_vllm import tiny_config, write_sharded_checkpoint  # noqa: E402
 
 GiB = 1 << 30
 
@@ -57,7 +55,7 @@ def _decode(model, ids, steps, device, h2d):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=None)
-    parser.add_argument("--size", default="small", choices=["tiny", *CONFIGS])
+    parser.add_argument("--size", default="small", choices=list(CONFIGS))
     parser.add_argument("--fraction", type=float, default=0.3)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -66,13 +64,13 @@ def main(argv=None):
     if device.type == "cpu":
         # The emulated device's copy worker needs a core of its own (as in tests/conftest.py).
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
-    config = tiny_config() if args.size == "tiny" else CONFIGS[args.size]
+    config = CONFIGS[args.size]
     ids = torch.randint(0, config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1)).to(device)
 
     with tempfile.TemporaryDirectory() as directory:
         checkpoint = vd.random_checkpoint(config, seed=0)
         checkpoint_bytes = sum(t.numel() * t.element_size() for t in checkpoint.values())
-        shards = write_sharded_checkpoint(checkpoint, directory, shard_bytes=max(checkpoint_bytes // 4, 1))
+        shards = vd.write_sharded_checkpoint(checkpoint, directory, shard_bytes=max(checkpoint_bytes // 4, 1))
         del checkpoint
 
         with torch.device(device):

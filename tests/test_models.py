@@ -5,6 +5,7 @@ weight absorption, with only routed experts paged and tied embeddings kept tied.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import weakref
 
@@ -13,19 +14,13 @@ import torch
 
 import offtensor as ot
 from offtensor import _ext
-from offtensor.models import DeepSeekConfig, DeepSeekForCausalLM, LatentCache, weight_bytes
+from offtensor.models import CONFIGS, DeepSeekConfig, DeepSeekForCausalLM, LatentCache, weight_bytes
 
 GiB = 1 << 30
 
 
 def tiny_config(**overrides) -> DeepSeekConfig:
-    fields = dict(
-        vocab_size=256, hidden_size=64, num_layers=3, num_heads=4, q_lora_rank=0, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
-        num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128, first_k_dense_replace=1,
-    )
-    fields.update(overrides)
-    return DeepSeekConfig(**fields)
+    return dataclasses.replace(CONFIGS["tiny"], **{"q_lora_rank": 0, **overrides})
 
 
 def reference_model(config: DeepSeekConfig, device) -> DeepSeekForCausalLM:

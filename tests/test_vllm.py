@@ -6,7 +6,7 @@ generate)."""
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import weakref
 
@@ -15,11 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from safetensors.torch import save_file
-
 import offtensor as ot
 from offtensor.models import vllm_deepseek as vd
-from offtensor.models.deepseek import DeepSeekConfig, weight_bytes
+from offtensor.models.deepseek import CONFIGS, DeepSeekConfig, weight_bytes
 
 GiB = 1 << 30
 ROWS, COLS, EXPERTS, INTER = 8, 16, 4, 6
@@ -304,33 +302,7 @@ def test_loader_writes_reach_the_master_and_invalidate_cached_copies_without_pag
 
 
 def tiny_config(**overrides) -> DeepSeekConfig:
-    fields = dict(
-        vocab_size=256, hidden_size=64, num_layers=3, num_heads=4, q_lora_rank=24, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
-        num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128, first_k_dense_replace=1,
-    )
-    fields.update(overrides)
-    return DeepSeekConfig(**fields)
-
-
-def write_sharded_checkpoint(tensors: dict, directory, shard_bytes: int) -> int:
-    """safetensors shards of about ``shard_bytes`` each plus the index.json naming them; returns the shard count."""
-    shards, current, size = [], {}, 0
-    for name, t in tensors.items():
-        if current and size + t.numel() * t.element_size() > shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = t.contiguous()
-        size += t.numel() * t.element_size()
-    shards.append(current)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(directory, file))
-        weight_map.update({name: file for name in shard})
-    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    return len(shards)
+    return dataclasses.replace(CONFIGS["tiny"], **overrides)
 
 
 def attribute_snapshot(model) -> dict:
@@ -348,7 +320,7 @@ def test_vllm_deepseek_wrapped_before_loading_through_its_loaders_gives_unwrappe
     config = tiny_config(q_lora_rank=q_lora_rank, dtype=dtype, scoring_func="sigmoid" if bf16 else "softmax",
                          norm_topk_prob=bf16)
     checkpoint = vd.random_checkpoint(config, seed=0)
-    assert write_sharded_checkpoint(checkpoint, tmp_path, shard_bytes=256 << 10) > 1
+    assert vd.write_sharded_checkpoint(checkpoint, tmp_path, shard_bytes=256 << 10) > 1
     ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1)).to(device)
 
     # The reference: built on the device, loaded the same way, never wrapped.

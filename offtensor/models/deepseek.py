@@ -431,6 +431,12 @@ def weight_bytes(model: nn.Module) -> int:
 
 # Sizes for tests and the demo. Parameter counts (and bytes) are printed by the demo.
 CONFIGS = {
+    # ~0.5 MB in float32: unit tests (MLA with q_lora, shared and routed experts, one dense layer).
+    "tiny": DeepSeekConfig(
+        vocab_size=256, hidden_size=64, num_layers=3, num_heads=4, q_lora_rank=24, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128, first_k_dense_replace=1,
+    ),
     # ~190 MB in float32: a quick look.
     "small": DeepSeekConfig(
         vocab_size=8192, hidden_size=512, num_layers=6, num_heads=8, q_lora_rank=256, kv_lora_rank=128,

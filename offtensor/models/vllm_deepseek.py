@@ -620,3 +620,26 @@ def iterate_checkpoint(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
         with safe_open(file, framework="pt") as shard:
             for name in shard.keys():
                 yield name, shard.get_tensor(name)
+
+
+def write_sharded_checkpoint(tensors: dict, directory, shard_bytes: int) -> int:
+    """safetensors shards of about ``shard_bytes`` each plus the index.json naming them, the layout
+    ``iterate_checkpoint`` (and vLLM, and ``ot.load_safetensors``) read; returns the shard count."""
+    from safetensors.torch import save_file
+
+    shards, current, size = [], {}, 0
+    for name, t in tensors.items():
+        if current and size + t.numel() * t.element_size() > shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t.contiguous()
+        size += t.numel() * t.element_size()
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(directory, file))
+        weight_map.update({name: file for name in shard})
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return len(shards)
