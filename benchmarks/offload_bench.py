@@ -413,7 +413,7 @@ def main(argv=None) -> int:
         }
         print(f"\n{phase} ({tokens} tokens): bound {bound:.1f} ms (copy {copy_ms:.1f} at {h2d_gbps:.1f} GB/s, "
               f"all-resident {resident_ms:.1f})")
-        print(f"| variant | ms/step | x bound | GB/s | predicted ms | measured/predicted | peak extra MB |")
+        print("| variant | ms/step | x bound | GB/s | predicted ms | measured/predicted | peak extra MB |")
         print("|---|---|---|---|---|---|---|")
         for name, row in rows.items():
             pred = f"{row['predicted_ms']:.1f}" if row["predicted_ms"] else "-"

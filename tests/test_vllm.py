@@ -7,7 +7,6 @@ generate)."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import weakref
 
 import pytest
