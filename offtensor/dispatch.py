@@ -828,10 +828,14 @@ HOST_SYNCS = [0]
 
 
 def _read_to_host(t: torch.Tensor, pager=None) -> torch.Tensor:
+    _host_sync(pager)
+    return t.detach().to("cpu")
+
+
+def _host_sync(pager=None) -> None:
     HOST_SYNCS[0] += 1
     if pager is not None and pager.recorder is not None:
         pager.recorder.host_sync()
-    return t.detach().to("cpu")
 
 
 def _to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -844,6 +848,12 @@ def _to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _unique_rows(index: torch.Tensor, size: int, pager=None):
     """Unique row ids (CPU, for the host) and every index's position among them (on index's device)."""
+    if index.is_meta:
+        # Planning on meta (ot.plan): the values are unknown, so every index is taken to select a
+        # row of its own, the most a lookup can page. The GPU would read the index here: the host
+        # sync is recorded all the same.
+        _host_sync(pager)
+        return torch.arange(min(index.numel(), size)), torch.empty(index.shape, dtype=torch.int64, device="meta")
     cpu = _read_to_host(index, pager).to(torch.int64).reshape(-1)
     cpu = torch.where(cpu < 0, cpu + size, cpu)
     rows, inverse = torch.unique(cpu, return_inverse=True)

@@ -197,6 +197,42 @@ def test_plan_takes_the_decisions_a_real_run_takes():
     ot.unwrap_model(real)
 
 
+class _TableLM(nn.Module):
+    def __init__(self, vocab=1000, hidden=64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
+def test_plan_pages_an_offloaded_embedding_as_one_row_per_token_with_its_host_sync():
+    # On meta the token ids have no values: the plan takes each to select its own row, which is
+    # what a real run with distinct ids pages, sync and bytes alike.
+    def table_copies(tl):
+        return [(r.step, r.nbytes) for r in tl.records if r.kind == "copy"]
+
+    def syncs(tl):
+        return [r.step for r in tl.records if r.kind == "sync"]
+
+    with torch.device("meta"):
+        meta = _TableLM()
+    budget = 1.25 * meta.head.weight.numel() * 4 / GiB  # the head stays, the table is offloaded first
+    ids = torch.randperm(1000, generator=torch.Generator().manual_seed(0))[:16].reshape(2, 8)
+    planned = ot.plan(meta, budget_gb=budget, example_inputs=(ids,), steps=2, warmup=1)
+    assert planned.info["offloaded"] == ["embed.weight"]
+    assert table_copies(planned) == [(s, 16 * 64 * 4) for s in range(3)]
+    assert syncs(planned) == [0, 1, 2]
+
+    real = _TableLM()
+    ot.wrap_model(real, budget_gb=budget, device="cpu")
+    with torch.no_grad(), ot.timeline(real) as recorded:
+        for _ in range(3):
+            real(ids)
+    assert table_copies(recorded) == table_copies(planned) and syncs(recorded) == syncs(planned)
+
+
 H200_LAYERS, H200_HIDDEN, H200_FFN = 24, 8192, 24576
 
 
