@@ -7,7 +7,7 @@ import sys
 import time
 
 USAGE = """usage: python -m offtensor demo [--device cpu|cuda] [--tokens N] [--budget-fraction F] [--size small|medium|large]
-       python -m offtensor plan [--layers 24 --hidden 8192 --ffn 24576 | --config config.json] [--dtype bf16]
+       python -m offtensor plan [--layers 24 --hidden 8192 --ffn 24576 | --config config.json|checkpoint_dir] [--dtype bf16]
                                 [--budget-gb G | --offload-layers N | --offload-gb G] [--profile h200|h100]
                                 [--prefill-tokens 4096] [--decode-tokens 1] [--steps 2] [--no-prefetch]
                                 [--png plan.png] [--trace plan.json]"""
@@ -17,19 +17,20 @@ DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float1
 
 
 def plan_main(argv) -> int:
-    """What a dense model does on a GPU profile at a budget, predicted on this machine: placement,
-    pager and prefetch run on the meta device (nothing is allocated), the replay gives the times."""
+    """What a model does on a GPU profile at a budget, predicted on this machine: placement, pager
+    and prefetch run on the meta device (nothing is allocated), the replay gives the times. The
+    model is a dense stack of MLP layers, or with --config a whole transformers model."""
     parser = argparse.ArgumentParser(prog="python -m offtensor plan", description=plan_main.__doc__)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=8192)
     parser.add_argument("--ffn", type=int, default=24576)
-    parser.add_argument("--config", help="a transformers config.json: its hidden_size, intermediate_size and "
-                        "num_hidden_layers size the dense stack (the MLP weights only)")
+    parser.add_argument("--config", help="a transformers config.json, or a checkpoint directory holding one: the "
+                        "whole model (AutoModelForCausalLM.from_config on meta; needs transformers)")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--budget-gb", type=float, help="device budget, GiB")
+    budget.add_argument("--budget-gb", type=float, help="device budget, GiB (default: half the weights)")
     budget.add_argument("--offload-layers", type=int, default=None,
-                        help="a budget that makes the default placement offload this many layers (default: half)")
+                        help="dense stack only: a budget that makes the default placement offload this many layers")
     budget.add_argument("--offload-gb", type=float, help="offload at least this many GiB (vLLM's cpu_offload_gb)")
     parser.add_argument("--profile", default="h200")
     parser.add_argument("--prefill-tokens", type=int, default=4096)
@@ -39,39 +40,35 @@ def plan_main(argv) -> int:
     parser.add_argument("--png", default="plan.png", help="timeline PNG; one per phase: plan-prefill.png, ...")
     parser.add_argument("--trace", default=None, help="Chrome trace JSON, one per phase like --png")
     args = parser.parse_args(argv)
+    if args.config and args.offload_layers is not None:
+        parser.error("--offload-layers sizes the dense stack's budget; with --config give --budget-gb or --offload-gb")
 
     import torch
 
-    from .models.dense import DenseStack
     from .pager import GiB, format_bytes
     from .timeline import get_profile, plan
 
-    layers, hidden, ffn = args.layers, args.hidden, args.ffn
-    if args.config:
-        with open(args.config) as f:
-            config = json.load(f)
-        layers, hidden, ffn = config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]
     dtype = getattr(torch, DTYPES[args.dtype])
     profile = get_profile(args.profile)
     started = time.perf_counter()
-    with torch.device("meta"):
-        model = DenseStack(layers, hidden, ffn, dtype)
-    layer_bytes = model.layer_bytes()
-    total = layer_bytes * layers
+    model, described, total, inputs = (_transformers_model if args.config else _dense_stack)(args, dtype)
     budget_gb, offload_gb = args.budget_gb, args.offload_gb
     if budget_gb is None and offload_gb is None:
-        offload_layers = layers // 2 if args.offload_layers is None else args.offload_layers
-        # What stays resident plus room for two weights: the one in use and the next one's copy.
-        budget_gb = (total - offload_layers * layer_bytes + layer_bytes) / GiB
-    print(f"dense stack: {layers} layers x (x @ W1 {hidden}x{ffn} @ W2 {ffn}x{hidden}), {args.dtype}, "
-          f"{format_bytes(total)}; profile {profile.name}: H2D {profile.h2d_gbps} GB/s, "
+        if args.config:
+            budget_gb = total / 2 / GiB
+        else:
+            layer_bytes = total // args.layers
+            offload_layers = args.layers // 2 if args.offload_layers is None else args.offload_layers
+            # What stays resident plus room for two weights: the one in use and the next one's copy.
+            budget_gb = (total - offload_layers * layer_bytes + layer_bytes) / GiB
+    weights = sum(1 for _ in model.parameters())
+    print(f"{described}, {args.dtype}, {format_bytes(total)}; profile {profile.name}: H2D {profile.h2d_gbps} GB/s, "
           f"{profile.tflops.get(str(dtype).removeprefix('torch.'), 0):.0f} TFLOP/s, HBM {profile.hbm_gbps:.0f} GB/s")
     rows = []
     stem, ext = os.path.splitext(args.png)
     for phase, tokens in (("prefill", args.prefill_tokens), ("decode", args.decode_tokens)):
-        x = torch.empty(tokens, hidden, dtype=dtype, device="meta")
-        tl = plan(model, budget_gb=budget_gb, offload_gb=offload_gb, example_inputs=(x,), profile=profile,
-                  steps=args.steps, prefetch=not args.no_prefetch)
+        tl = plan(model, budget_gb=budget_gb, offload_gb=offload_gb, example_inputs=(inputs(tokens),),
+                  profile=profile, steps=args.steps, prefetch=not args.no_prefetch)
         r = tl.replay()
         png = tl.plot(f"{stem}-{phase}{ext or '.png'}", title=f"{phase}, {tokens} tokens: {r}")
         if args.trace:
@@ -80,7 +77,7 @@ def plan_main(argv) -> int:
         copied = tl.step_copy_bytes(tl.steps - 1)
         rows.append((phase, tokens, len(tl.info["offloaded"]), tl.info["budget_bytes"], tl.info["offloaded_bytes"], r,
                      copied / r.step_ms / 1e6 if r.step_ms else 0.0, png))
-    print(f"budget {format_bytes(rows[0][3])} ({rows[0][3] / GiB:.2f} GiB): {rows[0][2]} of {2 * layers} weights "
+    print(f"budget {format_bytes(rows[0][3])} ({rows[0][3] / GiB:.2f} GiB): {rows[0][2]} of {weights} weights "
           f"offloaded ({format_bytes(rows[0][4])})")
     header = ("phase", "tokens", "ms/step", "bound ms", "x bound", "copy busy", "compute busy", "H2D GB/s", "PNG")
     print("| " + " | ".join(header) + " |")
@@ -90,6 +87,42 @@ def plan_main(argv) -> int:
               f"{r.copy_busy:.0%} | {r.compute_busy:.0%} | {gbps:.1f} | {png} |")
     print(f"planned in {time.perf_counter() - started:.1f} s; nothing was allocated (meta device)")
     return 0
+
+
+def _dense_stack(args, dtype):
+    import torch
+
+    from .models.dense import DenseStack
+
+    with torch.device("meta"):
+        model = DenseStack(args.layers, args.hidden, args.ffn, dtype)
+    described = f"dense stack: {args.layers} layers x (x @ W1 {args.hidden}x{args.ffn} @ W2 {args.ffn}x{args.hidden})"
+    return model, described, model.layer_bytes() * args.layers, (
+        lambda tokens: torch.empty(tokens, args.hidden, dtype=dtype, device="meta"))
+
+
+def _transformers_model(args, dtype):
+    """The whole causal LM of a transformers config, built on meta; its input is ``tokens`` ids of
+    one sequence (distinct, as far as an offloaded embedding's paging is concerned)."""
+    import torch
+
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit("offtensor plan --config needs transformers (pip install transformers)") from None
+    path = args.config
+    if not os.path.exists(path):
+        raise SystemExit(f"offtensor plan: no config at {path!r}")
+    config = transformers.AutoConfig.from_pretrained(os.path.dirname(path) if path.endswith(".json") else path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    seen = {}
+    for t in model.parameters():
+        seen[id(t)] = t.numel() * t.element_size()
+    total = sum(seen.values())
+    layers = getattr(config, "num_hidden_layers", "?")
+    return model, f"{type(model).__name__}: {layers} layers", total, (
+        lambda tokens: torch.zeros(1, tokens, dtype=torch.long, device="meta"))
 
 
 def main(argv=None) -> int:

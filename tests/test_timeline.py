@@ -328,6 +328,25 @@ def test_a_step_function_is_recorded_with_the_pagers_named():
     ot.unwrap_model(model)
 
 
+def test_plan_command_plans_a_whole_transformers_model_from_its_config(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from offtensor.__main__ import main
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 2048, "hidden_size": 64,
+              "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 128, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    png = str(tmp_path / "plan.png")
+    assert main(["plan", "--config", str(tmp_path), "--dtype", "fp32", "--prefill-tokens", "32", "--png", png]) == 0
+    out = capsys.readouterr().out
+    # The default budget is half the weights: the 512 KiB embedding table goes first, the head stays.
+    assert "LlamaForCausalLM: 2 layers" in out and "| prefill | 32 |" in out and "| decode | 1 |" in out
+    assert " of 21 weights offloaded" in out
+    assert open(tmp_path / "plan-decode.png", "rb").read(4) == b"\x89PNG"
+    with pytest.raises(SystemExit):
+        main(["plan", "--config", str(tmp_path), "--offload-layers", "1"])
+
+
 def test_plan_command_prints_the_table_and_writes_the_pngs(tmp_path, capsys):
     from offtensor.__main__ import main
 
