@@ -975,7 +975,7 @@ def _routed_groups(weight: OffloadedTensor, offs: torch.Tensor):
     starts = [0] + ends[:-1]
     groups = [(e, starts[e], ends[e]) for e in range(len(ends)) if ends[e] > starts[e]]
     if pager.experts is not None:
-        pager.experts.announce(pager, weight._master.id, [e for e, _, _ in groups])
+        pager.experts.announce(pager, weight._master.id, [e for e, _, _ in groups], [b - a for _, a, b in groups])
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
     return groups, sizes, ends[-1] if ends else 0
 

@@ -137,12 +137,13 @@ def test_decode_moves_only_the_routed_experts_that_were_not_cached(name, device)
         moved += step_bytes
         uncached += step_uncached
         ratios.append(step_bytes / step_uncached if step_uncached else (1.0 if step_bytes == 0 else math.inf))
-    # A cached expert evicted for an earlier layer of the same step is paid twice, and a wrong
-    # guess of a router that earned speculation is paid too. The first decode after the prefill
-    # may do the first (the prefill left the cache full of later layers' experts, and the first
-    # layer must evict some); every later step stays within 10%, and so does the whole decode.
+    # Bytes beyond the uncached routed experts are an expert cached at the step's start but
+    # evicted for an earlier layer of the same step and paid twice (what LRU does in a cycle of
+    # layers), or a wrong guess of a router that earned speculation. Every step stays within 10%,
+    # the first decode after the prefill included (the prefill routes to most experts of every
+    # layer, and the cache must leave the first layer room of its own for the next token).
     assert moved <= 1.1 * uncached
-    assert max(ratios[1:]) <= 1.1, ratios
+    assert max(ratios) <= 1.1, ratios
     s = ot.stats(model)
     assert s.peak_device_bytes <= s.budget_bytes
     assert set(s.experts) == {n for n in offloaded}
@@ -206,7 +207,7 @@ def test_hot_experts_stay_cached_across_tokens(device, eviction, monkeypatch):
     ot.wrap_model(model, budget_gb=8 * slice_bytes / GiB, device=device, policy={"offload": ["*.experts.*"]},
                   prefetch=False)
     if eviction == "lru":  # what the pager did before: the least recently used copy goes
-        monkeypatch.setattr(ot_experts.ExpertStacks, "victim", lambda self, candidates: next(candidates, None))
+        monkeypatch.setattr(ot_experts.ExpertStacks, "victim", lambda self, candidates, *_: next(candidates, None))
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(1, size, device=device)
     for token in range(24):
