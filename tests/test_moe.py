@@ -367,10 +367,13 @@ def test_detach_removes_router_hooks(device):
 # ------------------------------------------------------------------------------------ the H200 replay
 
 
-def test_deepseek_style_stack_replays_near_its_bound_and_far_ahead_of_copy_all():
-    """benchmarks/moe_bench.py's stack (64 experts x 25 MB, top-8), 4 layers, planned on meta: a
-    decode step with guesses as accurate as speculation requires stays within 1.1 x its bound
-    (uncached routed bytes / H2D) on average, and beats copying every expert by 7 x or more."""
+def test_deepseek_style_stack_replays_every_decode_step_near_its_bound_without_guesses():
+    """benchmarks/moe_bench.py's stack (64 experts x 25 MB, top-8, experts run by
+    ``torch._grouped_mm``), 4 layers, planned on meta with no guesses at all: every replayed
+    decode step stays within 1.1 x its own bound (uncached routed bytes / H2D; offtensor runs one
+    expert's kernel as soon as its copy lands, so the copy stream idles only while the next
+    layer's attention and router run), and copying every offloaded expert at the same budget is
+    7 x slower or more. The variant with guesses of an assumed accuracy is reported beside it."""
     import argparse
     import importlib.util
     import os
@@ -381,11 +384,15 @@ def test_deepseek_style_stack_replays_near_its_bound_and_far_ahead_of_copy_all()
     spec.loader.exec_module(moe_bench)
     args = argparse.Namespace(layers=4, cache_gb=2.0, zipf=1.0, guess_accuracy=ot_experts.SPECULATE_PRECISION)
     result = moe_bench.replay_deepseek_stack(args, None)
-    guessed = result["variants"]["offtensor+guess"]
-    ratios = guessed["ratio_to_bound_per_step"]
-    assert sum(ratios) / len(ratios) <= 1.1
-    assert guessed["host_syncs_per_step"] == 4  # one routing read per MoE layer
+    honest = result["variants"]["offtensor"]
+    assert len(honest["ratio_to_bound_per_step"]) == 6
+    assert max(honest["ratio_to_bound_per_step"]) <= 1.1, honest["ratio_to_bound_per_step"]
+    assert honest["wasted_copy_bytes_per_step"] == 0  # no guesses: every copy is read
+    assert honest["host_syncs_per_step"] == 4  # one routing read per MoE layer
     assert result["speedup_vs_copy_all"] >= 7
+    assumed = result["variants"][f"offtensor+assumed-guesses-{args.guess_accuracy:.0%}"]
+    assert assumed["issued_guesses_routed"] == pytest.approx(args.guess_accuracy, abs=0.1)
+    assert result["guess_accuracy_measured"] is None  # meta has no router values to guess from
     # Without the cache every routed expert is copied: more bytes than with it.
     nocache = result["variants"]["offtensor-nocache"]
-    assert nocache["routed_bytes_not_cached_per_step"] > guessed["routed_bytes_not_cached_per_step"]
+    assert nocache["routed_bytes_not_cached_per_step"] > honest["routed_bytes_not_cached_per_step"]
