@@ -11,10 +11,17 @@ and transformers Qwen3-MoE run for real (emulated device here, GPU when there is
    recorded decode steps are replayed under the ``h200`` profile. Routing on meta has no values, so
    each token's experts are drawn per layer from a skewed popularity (Zipf, ``--zipf``), seeded;
    each layer reads its routing once (the host sync a GPU pays), recorded as a sync. Variants:
-   ``offtensor`` (expert cache in the budget), ``offtensor-nocache`` (budget = one op's working
-   set twice: every routed expert copied), ``copy-all`` (vLLM's cpu_offload: every offloaded
-   expert copied on the compute stream each forward, then the same ops), ``resident``.
-   Speculation is not replayed (a guess needs router values).
+   ``offtensor`` (default placement, expert cache in the rest of the budget, no guesses: the
+   honest figure), ``offtensor-all-experts-paged`` (every expert stack offloaded by policy, so the
+   whole budget beyond the dense weights is expert cache), ``offtensor+assumed-guesses-NN%``
+   (next-layer guesses of an ASSUMED accuracy, copied as the routing speculator copies them: meta
+   has no router values to guess from, so no guess accuracy is measured here),
+   ``offtensor-nocache`` (budget = one op's working set twice: every routed expert copied),
+   ``copy-all`` (vLLM's cpu_offload at the same budget: the offloaded experts copied on the
+   compute stream each forward, then the same ops), ``resident``. Experts run as transformers v5
+   runs them, ``torch._grouped_mm`` over rows sorted by expert; offtensor runs it one expert per
+   kernel, each waiting for its own copy, and the timeline records those kernels. Reported per
+   variant: every replayed step's ratio to its bound, bytes copied that no op read.
 2. **transformers Qwen3-MoE**, decode (batch 1) and small-batch prefill, random weights. Variants:
    ``resident``; ``copy-all`` (vLLM-style: offloaded expert stacks copied each forward into a
    state dict for ``torch.func.functional_call``); ``accelerate`` (GPU: ``dispatch_model`` with
@@ -65,8 +72,11 @@ class _MLP(nn.Module):
 
 
 class _StackLayer(nn.Module):
-    """A resident dense block standing in for attention/MLA, a router, 64 stacked experts, a shared
-    expert. ``route`` (host int64 [tokens, top_k]) is the routing the router would give."""
+    """A resident dense block standing in for attention/MLA, a router, 64 stacked experts in
+    transformers v5's layout (``gate_up_proj`` [E, hidden, 2 inter], ``down_proj`` [E, inter,
+    hidden], run by ``torch._grouped_mm`` over rows sorted by expert, as transformers' grouped-mm
+    experts do), a shared expert. ``route`` (host int64 [tokens, top_k]) is the routing the
+    router would give."""
 
     def __init__(self, hidden, experts, inter, dtype):
         super().__init__()
@@ -76,27 +86,27 @@ class _StackLayer(nn.Module):
         self.mlp = nn.Module()
         self.mlp.gate = nn.Linear(hidden, experts, bias=False, dtype=dtype)
         self.mlp.experts = nn.Module()
-        self.mlp.experts.w1 = nn.Parameter(torch.empty(experts, inter, hidden, dtype=dtype), requires_grad=False)
-        self.mlp.experts.w3 = nn.Parameter(torch.empty(experts, inter, hidden, dtype=dtype), requires_grad=False)
-        self.mlp.experts.w2 = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype), requires_grad=False)
+        self.mlp.experts.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * inter, dtype=dtype),
+                                                     requires_grad=False)
+        self.mlp.experts.down_proj = nn.Parameter(torch.empty(experts, inter, hidden, dtype=dtype), requires_grad=False)
         self.mlp.shared_experts = _MLP(hidden, inter, dtype)
+        self.inter = inter
 
-    def forward(self, x, route, speculate=lambda: None):
+    def forward(self, x, route, after_gate_up=lambda: None):
         x = x + self.self_attn.o_proj(self.self_attn.q_proj(x))
         self.mlp.gate(x)  # the router's compute (its values decide nothing on meta)
         e = self.mlp.experts
         tokens, top_k = route.shape
-        flat = route.reshape(-1)
-        # One read of the routing per layer (index_select reads its host copy: the sync a GPU
-        # pays); the other stacks select the same experts by the ids the host now has.
-        w1 = e.w1.index_select(0, flat)
-        speculate()  # this layer's experts are issued: the next layer's guess queues behind them
-        ids = flat.tolist()
-        w3 = torch.stack([e.w3[i] for i in ids])
-        w2 = torch.stack([e.w2[i] for i in ids])
-        xs = x.repeat_interleave(top_k, 0).unsqueeze(-1)
-        h = F.silu(torch.bmm(w1, xs)) * torch.bmm(w3, xs)
-        y = torch.bmm(w2, h).squeeze(-1).view(tokens, top_k, -1).sum(1)
+        experts = e.gate_up_proj.shape[0]
+        # Rows sorted by expert; ``offs`` ends each expert's group. offtensor's _grouped_mm reads
+        # it once per layer (the host sync a GPU pays; the down projection reuses the read),
+        # issues the layer's missing experts and runs one expert's kernel at a time.
+        offs = torch.bincount(route.reshape(-1), minlength=experts).cumsum(0).to(torch.int32)
+        rows = x.repeat_interleave(top_k, 0)  # on meta the order of the rows costs nothing
+        h = torch._grouped_mm(rows, e.gate_up_proj, offs=offs)
+        after_gate_up()
+        h = F.silu(h[:, : self.inter]) * h[:, self.inter :]
+        y = torch._grouped_mm(h, e.down_proj, offs=offs).view(tokens, top_k, -1).sum(1)
         return x + y + self.mlp.shared_experts(x)
 
 
@@ -105,31 +115,18 @@ class DeepSeekStyleStack(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(_StackLayer(hidden, experts, inter, dtype) for _ in range(layers))
 
-    def forward(self, x, routes, guesses=None):
+    def forward(self, x, routes, speculate=None):
+        """``speculate(i)``: called once layer i's gate_up experts are issued (the assumed-guess
+        variant copies layer i+1's guesses there)."""
         for i, (layer, route) in enumerate(zip(self.layers, routes)):
-            x = layer(x, route, lambda: _speculate(self.layers, i + 1, guesses))
+            x = layer(x, route, (lambda i=i: speculate(i)) if speculate is not None else (lambda: None))
         return x
 
 
-def _speculate(layers, i, guesses):
-    """Start copying layer ``i``'s guessed experts, as the routing speculator does once layer i-1's
-    experts are issued (experts.RoutingSpeculator; on meta there are no router values to guess
-    from, so the guess is given)."""
-    if guesses is None or i >= len(layers):
-        return
-    e = layers[i].mlp.experts
-    for w in (e.w1, e.w3, e.w2):
-        if not isinstance(w, ot.OffloadedTensor):
-            continue  # kept resident by placement
-        pager = w._master.pager
-        stack = pager.experts.by_master[w._master.id]
-        for expert in guesses[i][: experts_mod.SPECULATE_EXPERTS]:
-            pager.prefetch(w._master, *stack.key_of(expert)[1:])
-
-
 def _guesses(routes, experts, accuracy, seed):
-    """Per step and layer, the routed experts in a random order (standing for the router's
-    confidence) with ``1 - accuracy`` of them swapped for others, each with that chance."""
+    """ASSUMED guesses (a parameter, not a measurement: on meta there are no router values to
+    guess from): per step and layer, the routed experts in a random order (standing for the
+    router's confidence) with ``1 - accuracy`` of them swapped for others, each with that chance."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for step in routes:
@@ -141,6 +138,36 @@ def _guesses(routes, experts, accuracy, seed):
             layers.append([e if ok else next(others) for e, ok in zip(ids, right.tolist())])
         out.append(layers)
     return out
+
+
+class _AssumedSpeculation:
+    """Copies layer i+1's given guesses once layer i's gate_up experts are issued, with the rule
+    offtensor's RoutingSpeculator follows (its most confident ``SPECULATE_EXPERTS``, into room no
+    op of the step still needs), and counts how many of the issued guesses the layer routed."""
+
+    def __init__(self, model, guesses):
+        self.model, self.guesses = model, guesses
+        self.issued = self.right = 0
+
+    def __call__(self, step, layer):
+        if layer + 1 >= len(self.model.layers):
+            return
+        e = self.model.layers[layer + 1].mlp.experts
+        guess = self.guesses[step][layer + 1][: experts_mod.SPECULATE_EXPERTS]
+        routed = set(self.routes[step][layer + 1].reshape(-1).tolist())
+        self.issued += len(guess)
+        self.right += len(set(guess) & routed)
+        for w in (e.gate_up_proj, e.down_proj):
+            if not isinstance(w, ot.OffloadedTensor):
+                continue  # kept resident by placement
+            pager = w._master.pager
+            stack = pager.experts.by_master[w._master.id]
+            pager.experts._ahead_of_use = True
+            try:
+                for expert in guess:
+                    pager.prefetch(w._master, *stack.key_of(expert)[1:])
+            finally:
+                pager.experts._ahead_of_use = False
 
 
 def _zipf_routes(layers, experts, top_k, steps, s, seed):
@@ -168,32 +195,44 @@ def replay_deepseek_stack(args, out_dir):
     # which placement needs; nothing survives from one step to the next.
     nocache_gb = (dense_bytes + 2 * 8 * one_expert // 3 + 1) / GiB
 
-    guesses = _guesses(routes, experts, args.guess_accuracy, seed=1)
-
-    def planned(budget, guess=False):
+    def planned(budget, speculation=None, policy=None):
         step = iter(range(10**9))
 
         def forward(x):
             i = next(step)
-            return model(x, routes[i], guesses[i] if guess else None)
+            return model(x, routes[i], (lambda layer: speculation(i, layer)) if speculation is not None else None)
 
         return ot.plan(model, budget_gb=budget, example_inputs=(x,), steps=steps, warmup=warmup, prefetch=False,
-                       forward=forward)
+                       policy=policy, forward=forward)
 
     results = {}
+    # The honest variant: default placement, no guesses; every copy is one the code issued for a
+    # routing it had read.
     tl = planned(budget_gb)
-    results["offtensor"] = _replay_row(tl, tl.replay("h200"), steps)
-    guessed = planned(budget_gb, guess=True)
-    r = guessed.replay("h200")
-    results["offtensor+guess"] = _replay_row(guessed, r, steps)
+    r = tl.replay("h200")
+    results["offtensor"] = _replay_row(tl, r, steps)
     if out_dir is not None:
-        guessed.plot(os.path.join(out_dir, "moe_bench_replay.png"), profile="h200", steps=2,
-                     title=f"DeepSeek-style stack, {layers} x 64 experts x {one_expert / 1e6:.1f} MB, top-8, budget dense + "
-                           f"{args.cache_gb} GiB, guesses {args.guess_accuracy:.0%} right: {r.step_ms:.1f} ms/step, bound "
-                           f"{r.bound_ms:.1f} ms (x{r.ratio_to_bound:.3f}); v = host sync")
+        tl.plot(os.path.join(out_dir, "moe_bench_replay.png"), profile="h200", steps=2,
+                title=f"DeepSeek-style stack, {layers} x 64 experts x {one_expert / 1e6:.1f} MB, top-8, budget dense + "
+                      f"{args.cache_gb} GiB, no guesses: {r.step_ms:.1f} ms/step, bound {r.bound_ms:.1f} ms "
+                      f"(x{r.ratio_to_bound:.3f}); v = host sync")
+    # Every expert stack offloaded (policy), so the whole budget beyond the dense weights is expert
+    # cache, instead of default placement keeping whole stacks resident.
+    cached = planned(budget_gb, policy={"offload": ["*.experts.*"]})
+    results["offtensor-all-experts-paged"] = _replay_row(cached, cached.replay("h200"), steps)
+    # Guesses of ASSUMED accuracy (meta has no router values to guess from): named for it.
+    speculation = _AssumedSpeculation(model, _guesses(routes, experts, args.guess_accuracy, seed=1))
+    speculation.routes = routes
+    guessed = planned(budget_gb, speculation)
+    name = f"offtensor+assumed-guesses-{args.guess_accuracy:.0%}"
+    results[name] = _replay_row(guessed, guessed.replay("h200"), steps)
+    results[name]["guess_accuracy_assumed"] = args.guess_accuracy
+    results[name]["issued_guesses_routed"] = speculation.right / speculation.issued if speculation.issued else None
     nocache = planned(nocache_gb)
     results["offtensor-nocache"] = _replay_row(nocache, nocache.replay("h200"), steps)
-    results["copy-all"] = _replay_row_copy_all(tl, expert_bytes)
+    # At the same budget vLLM's cpu_offload keeps as much resident as fits and copies the rest
+    # every forward: the bytes placement offloaded for the offtensor variant.
+    results["copy-all"] = _replay_row_copy_all(tl, tl.info["offloaded_bytes"])
     results["resident"] = {"step_ms": r.compute_ms, "bound_ms": r.compute_ms, "ratio_to_bound": 1.0,
                            "routed_bytes_not_cached_per_step": 0}
     for row in results.values():
@@ -201,26 +240,37 @@ def replay_deepseek_stack(args, out_dir):
     return {
         "workload": {"layers": layers, "experts": experts, "top_k": top_k, "expert_bytes": one_expert,
                      "expert_bytes_total": expert_bytes, "dense_bytes": dense_bytes, "zipf": args.zipf,
-                     "guess_accuracy": args.guess_accuracy, "budget_bytes": int(budget_gb * GiB), "nocache_budget_bytes": int(nocache_gb * GiB),
-                     "profile": "h200", "decode_steps_replayed": steps, "warmup_steps": warmup},
+                     "expert_kernel": "torch._grouped_mm (transformers v5 layout), one expert per kernel",
+                     "assumed_guess_accuracy": args.guess_accuracy, "budget_bytes": int(budget_gb * GiB),
+                     "nocache_budget_bytes": int(nocache_gb * GiB), "profile": "h200",
+                     "decode_steps_replayed": steps, "warmup_steps": warmup},
         "variants": results,
-        "speedup_vs_copy_all": results["copy-all"]["step_ms"] / results["offtensor+guess"]["step_ms"],
-        "speedup_vs_copy_all_without_guesses": results["copy-all"]["step_ms"] / results["offtensor"]["step_ms"],
+        # Measured guesses need router values, which a meta plan has none of: the replay has none.
+        "guess_accuracy_measured": None,
+        "speedup_vs_copy_all": results["copy-all"]["step_ms"] / results["offtensor"]["step_ms"],
+        "speedup_vs_copy_all_with_assumed_guesses": results["copy-all"]["step_ms"] / results[name]["step_ms"],
     }
 
 
 def _replay_row(tl, r, steps):
     last = tl.steps - 1
+    first = tl.steps - steps
     routed = tl.step_copy_bytes(last)
     syncs = sum(1 for rec in tl.records if rec.kind == "sync" and rec.step == last)
     copied = sum(rec.nbytes for rec in tl.records if rec.kind == "copy" and rec.step == last)
+    read = {w for rec in tl.records if rec.kind == "op" for w in rec.waits}
+    # Copies no op ever read (a guess that was wrong, or a copy evicted before its use): bytes the
+    # copy stream spent for nothing, over the replayed steps.
+    wasted = sum(rec.nbytes for rec in tl.records if rec.kind == "copy" and rec.step >= first and rec.id not in read)
+    ratios = [r.steps_ms[s] / tl._step_bound(r.profile, s) for s in range(first, tl.steps)]
     return {"step_ms": r.step_ms, "bound_ms": r.bound_ms, "ratio_to_bound": r.ratio_to_bound,
             "compute_ms": r.compute_ms, "copy_busy": r.copy_busy, "routed_bytes_not_cached_per_step": routed,
             "bytes_per_token": copied, "host_syncs_per_step": syncs,
             "expert_hit_rate_all_steps": _hit_rate(tl.info.get("experts")),
+            "wasted_copy_bytes_per_step": wasted / steps,
             "steps_ms": r.steps_ms[-steps:],
             # Every replayed step against its own bound (routing differs from step to step).
-            "ratio_to_bound_per_step": [r.steps_ms[s] / tl._step_bound(r.profile, s) for s in range(tl.steps - steps, tl.steps)]}
+            "ratio_to_bound_per_step": ratios, "max_ratio_to_bound": max(ratios)}
 
 
 def _hit_rate(per_stack):
@@ -513,8 +563,9 @@ def main(argv=None):
     p.add_argument("--cache-gb", type=float, default=4.0, help="GiB of expert cache beside the stack's dense weights")
     p.add_argument("--zipf", type=float, default=1.0, help="skew of the stack's synthetic routing")
     p.add_argument("--guess-accuracy", type=float, default=experts_mod.SPECULATE_PRECISION,
-                   help="share of the next layer's experts the replayed guesses get right (a parameter, not a "
-                        "measurement; default: the precision a router must show before offtensor copies its guesses)")
+                   help="share of the next layer's experts the ASSUMED guesses of the replay's "
+                        "offtensor+assumed-guesses variant get right (a parameter, not a measurement; default: the "
+                        "precision a router must show before offtensor copies its guesses)")
     p.add_argument("--budget-gb", type=float, default=None, help="Qwen3-MoE budget (default: dense + 30%% of experts)")
     p.add_argument("--tokens", type=int, default=None, help="decoded tokens per variant")
     p.add_argument("--replay-only", action="store_true")

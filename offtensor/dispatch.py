@@ -931,13 +931,18 @@ def _grouped_mm(func, types, args, kwargs):
         return _run(func, args, kwargs)
     out_dtype = call.get("out_dtype")
     groups, sizes, covered = _routed_groups(weight, offs)
+    recorder = weight._master.pager.recorder
     pieces = []
     for e, start, end in groups:
         paged = _Paged()
         try:
             expert = paged.page(OffloadedTensor(weight._host[e : e + 1], weight._master))
             expert_bias = None if bias is None else paged.arg(bias[e : e + 1])
-            pieces.append(func(x[start:end], expert, sizes[e : e + 1], expert_bias, out_dtype))
+            if recorder is None:
+                pieces.append(func(x[start:end], expert, sizes[e : e + 1], expert_bias, out_dtype))
+            else:
+                with recorder.kernels():  # timeline: this expert's kernel waits for its copy only
+                    pieces.append(func(x[start:end], expert, sizes[e : e + 1], expert_bias, out_dtype))
         finally:
             paged.release()
     if covered < x.shape[0] or not pieces:
@@ -964,12 +969,17 @@ def _grouped_mm_fallback(func, types, args, kwargs):
     ):
         return _run(func, args, kwargs)
     groups, sizes, _ = _routed_groups(weight, offs)
+    recorder = weight._master.pager.recorder
     out = torch.zeros((x.shape[0], weight.shape[2]), dtype=x.dtype, device=x.device)  # as the op's own
     for e, start, end in groups:
         paged = _Paged()
         try:
             expert = paged.page(OffloadedTensor(weight._host[e : e + 1], weight._master))
-            out[start:end] = func(x[start:end], expert, sizes[e : e + 1])
+            if recorder is None:
+                out[start:end] = func(x[start:end], expert, sizes[e : e + 1])
+            else:
+                with recorder.kernels():  # timeline: this expert's kernel waits for its copy only
+                    out[start:end] = func(x[start:end], expert, sizes[e : e + 1])
         finally:
             paged.release()
     return out
@@ -985,7 +995,7 @@ def _routed_groups(weight: OffloadedTensor, offs: torch.Tensor):
     starts = [0] + ends[:-1]
     groups = [(e, starts[e], ends[e]) for e in range(len(ends)) if ends[e] > starts[e]]
     if pager.experts is not None:
-        pager.experts.announce(pager, weight._master.id, [e for e, _, _ in groups])
+        pager.experts.announce(pager, weight._master.id, [e for e, _, _ in groups], [b - a for _, a, b in groups])
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
     return groups, sizes, ends[-1] if ends else 0
 

@@ -6,12 +6,15 @@ such range of a stacked-expert tensor (``experts.w1[e]``, ``gate_up_proj[e:e+1]`
 what that cache does not know about experts, as two small objects the pager composes:
 
 - ``ExpertStacks``: the offloaded stacks by master, grouped by layer; per-stack counters (hits,
-  misses, bytes copied, evictions); a decayed use frequency per cached expert; the layer order of
-  the last pass. The pager's eviction asks it for a victim (``victim``): experts of layers that
-  already ran in this step first (their next use is a step away), least used first, so hot experts
-  stay; then the least used of the layers still to run. An op that knows its experts
-  (``_grouped_mm``, the index ops) ``announce``s them: the layer's missing experts are issued at
-  once and its unrouted ones become evictable;
+  misses, bytes copied, evictions); a decayed use frequency per cached expert (weighted by the
+  expert's share of the layer's tokens where the op knows it); the layer order of the last pass.
+  The pager's eviction asks it for a victim (``victim``), approximating Belady's furthest next use
+  in the cyclic layer order: experts of layers that already ran in this step first (their next
+  use is a step away), each such layer keeping what it routed (up to its fair share) so that it
+  can swap in place at its next turn; then experts of layers still to run; coldest first within
+  each, so hot experts stay. An op that knows its experts (``_grouped_mm``, the index ops)
+  ``announce``s them: the layer's missing experts are issued at once, into room that no later
+  layer of the step needs, and its unrouted ones become evictable;
 - ``RoutingSpeculator``: forward hooks on the routers. The top-k of a router's output tells the
   cache which experts its layer will page (``expect``, for models that select experts one by one).
   Before layer i's router runs, layer i+1's router weight is applied to its input (the residual
@@ -31,6 +34,7 @@ leading size of a registered stack) and their names (``gate``/``router``).
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Optional
 
@@ -64,6 +68,8 @@ SPECULATE_EVIDENCE = 12.0
 # (the replay in benchmarks/moe_bench.py: all 8 at 80% accuracy is slower than none).
 SPECULATE_EXPERTS = 2
 ROUTER_NAMES = ("gate", "router")
+# Victim score of a copy eviction must not take while anything else can go.
+_KEEP = (4, 0.0)
 
 
 class _Stack:
@@ -107,7 +113,8 @@ class ExpertStacks:
     """The pager's view of routed experts: stacks by master, counters, use frequency, eviction choice."""
 
     __slots__ = ("by_master", "frequency", "speculator", "position", "_order", "_current", "_needed",
-                 "_ahead", "_copying_ahead", "_announced", "_expected", "__weakref__")
+                 "_ahead", "_copying_ahead", "_ahead_of_use", "_announced", "_expected", "_shares",
+                 "_stack_bytes", "__weakref__")
 
     def __init__(self):
         self.by_master: dict = {}  # master id -> _Stack
@@ -119,7 +126,12 @@ class ExpertStacks:
         self._needed = None  # keys the current op said it pages (announce), None if it did not say
         self._ahead = set()  # keys announce copied ahead of their op: misses, though found on the device
         self._copying_ahead = False
+        # Copying ahead of use (announce, guesses): such a copy may only take room that no op of
+        # this step will miss (ExpertStacks.victim).
+        self._ahead_of_use = False
+        self._stack_bytes = 0  # bytes of every registered stack, for each one's fair share of the cache
         self._announced = None  # the key set the last announce issued
+        self._shares = {}  # expert -> its share of the current layer's tokens (announce), most routed = 1
         # group -> keys its router's output says the layer will page (RoutingSpeculator.router_output),
         # for models that select experts one by one and so announce nothing
         self._expected = {}
@@ -128,7 +140,8 @@ class ExpertStacks:
         # Experts are whole contiguous slices along dim 0, so an expert's cache key is computable
         # from its index; a stack viewed with other strides is left to the plain cache.
         if t.dim() >= 2 and t.shape[0] > 1 and t._host.is_contiguous():
-            self.by_master[t._master.id] = _Stack(name, t)
+            stack = self.by_master[t._master.id] = _Stack(name, t)
+            self._stack_bytes += stack.expert_bytes * stack.num_experts
 
     def is_stack(self, master_id: int) -> bool:
         return master_id in self.by_master
@@ -147,14 +160,21 @@ class ExpertStacks:
             stack.hits += 1
         else:
             stack.misses += 1
-        self.frequency[key] = self.frequency.get(key, 0.0) + 1.0
         expert = stack.expert_of(key)
+        share = self._shares.get(expert, 1.0) if stack.group == self._current else 1.0
+        self.frequency[key] = self.frequency.get(key, 0.0) + share
         stack.used.add(expert)
         if self.speculator is not None:
             self.speculator.used(stack, expert)
 
-    def announce(self, pager, master_id: int, experts) -> None:
-        """The op about to run pages these experts of ``master_id``'s layer (every stack of it).
+    def announce(self, pager, master_id: int, experts, tokens=None) -> None:
+        """The op about to run pages these experts of ``master_id``'s layer (every stack of it),
+        ``tokens[i]`` tokens routed to ``experts[i]`` where the op knows the counts.
+
+        A use counts towards an expert's frequency in proportion to its tokens (the most routed
+        expert of the op counts 1): after a prefill, which routes its tokens to most experts of a
+        layer, the experts that took many tokens are the likelier picks of the next token, and
+        the frequency should say so rather than rank them all alike.
 
         Eviction may then take the layer's other experts, whose next use is a step away. The
         layer's missing experts are all issued now, every stack of the layer, before the op pages
@@ -166,11 +186,16 @@ class ExpertStacks:
         self.paging(master_id, issue_guesses=False)  # guesses go behind this layer's copies, below
         group = [s for s in self.by_master.values() if s.group == stack.group]
         experts = [int(e) for e in experts]
+        if tokens is not None and len(tokens) == len(experts) and max(tokens, default=0) > 0:
+            most = max(tokens)
+            self._shares = {e: n / most for e, n in zip(experts, tokens)}
+        else:
+            self._shares = {}
         needed = {s.key_of(e) for s in group for e in experts}
         if needed == self._announced:
             return  # the layer's second stack (down after gate_up): already issued
         self._needed = self._announced = needed
-        self._copying_ahead = True
+        self._copying_ahead = self._ahead_of_use = True
         try:
             for s in group:
                 master = s.master_ref()
@@ -184,7 +209,7 @@ class ExpertStacks:
                         break  # the budget holds no more at once: the rest is paged in line
                     self._ahead.add(key)
         finally:
-            self._copying_ahead = False
+            self._copying_ahead = self._ahead_of_use = False
         if self.speculator is not None:
             self.speculator.issue_ready()
 
@@ -199,6 +224,7 @@ class ExpertStacks:
             if speculator is not None:
                 speculator.expected_ready()
             self._current = stack.group
+            self._shares = {}
             self._needed = self._expected.pop(stack.group, None)
             self._announced = None
             if stack.group not in self._order:
@@ -225,23 +251,48 @@ class ExpertStacks:
         if stack is not None:
             stack.evictions += 1
 
-    def victim(self, candidates):
+    def victim(self, candidates, cached: dict, room: int):
         """The evictable copy to drop: a non-expert copy if one comes first in LRU order (dense
-        weights are re-paged once per step whatever happens), else the expert least likely to be
-        needed soon.
+        weights are re-paged once per step whatever happens), else the expert whose next use is
+        expected furthest away (Belady's rule, with the future estimated), in three tiers.
 
         Layers run in a cycle, so plain LRU evicts exactly the experts of the layer that runs next
         (the least recently used) and keeps those of the layers that just ran, whose next use is a
         whole step away: a decode step would copy experts again that were cached when it began.
-        So experts of layers that already ran in this step go first (their next use is next step,
-        as with Belady's furthest-next-use rule), the least frequently used of them first (hot
-        experts stay); then experts of layers still to run, least used (least likely routed in
-        this step) first and, among equals, of the layer running last (Belady again, in the
-        learned layer order). Experts of the layer being paged now (the current op may still need them) and
-        prefetched copies not yet used are kept while anything else can go."""
-        position, count = self.position, len(self.position)
+        Here, an expert of the layer ``d`` places ahead in the learned cyclic layer order (the
+        layer being paged now: ``d = L``, a whole cycle; the layer that ran last: ``L - 1``) is
+        next needed after ``d`` layers if its layer routes to it at its next turn, which it does
+        with probability ``p`` (its decayed use frequency), else a cycle later, and so on: an
+        expected next use ``d + L (1 - p) / p`` layers ahead, the largest evicted first within a
+        tier (so cold experts go before hot ones, which stay across tokens). The tiers:
+
+        0. experts of the current layer that its op does not page, and those a layer that already
+           ran in this step holds beyond its floor: their next use is a step away;
+        1. a ran layer's floor, and the current layer's experts its op has paged already. The floor
+           is what the layer routed in this step, at most its fair share of the cache (``room``
+           bytes, shared in proportion to the stacks' sizes): keeping it lets the layer swap its
+           own unrouted experts for new picks at its next turn. The first layer of a step has no
+           layer that ran before it to take from, so without floors (or after a prefill that
+           filled the cache with the last layer's experts) it would take from layers still to
+           run, which may be routed to them and pay them twice in one step;
+        2. experts of layers still to run in this step.
+
+        Experts the current op may still page and prefetched copies not yet used are kept while
+        anything else can go. A copy made ahead of its use (``announce``'s, a guess's) takes tier-0
+        room only: it returns None rather than evict anything this step may still read."""
+        position = self.position
+        count = len(position)
         here = position.get(self._current)
         ran = self._order
+        if here is None:
+            # The first pass (or a layer new to it): no cycle learned yet. Layers seen in this
+            # pass are placed in their order, the current one last, unseen ones just ahead.
+            count = max(len(ran), 1)
+            position = {group: i for i, group in enumerate(ran)}
+            here = position.get(self._current, count - 1)
+        current, needed, frequency = self._current, self._needed, self.frequency
+        fair = room / self._stack_bytes if self._stack_bytes else 0.0  # share of each stack's experts
+        keep_weight = 1.0 - FREQUENCY_DECAY
         best, best_score = None, None
         for seen, entry in enumerate(candidates):
             if seen >= VICTIM_WINDOW:
@@ -250,23 +301,37 @@ class ExpertStacks:
             if stack is None:
                 if not entry.prefetched:
                     return entry
-                score = (2, 0, 0.0)
-                if best is None or score < best_score:
-                    best, best_score = entry, score
-                continue
-            group = stack.group
-            if entry.prefetched or group == self._current and (self._needed is None or entry.key in self._needed):
-                score = (2, 0, 0.0)
+                score = _KEEP
             else:
-                use = min(1.0, self.frequency.get(entry.key, 0.0) * (1 - FREQUENCY_DECAY)) + UNSEEN_USE
-                if group in ran or group == self._current:
-                    score = (0, 0, use)
+                group = stack.group
+                if entry.prefetched:
+                    score = _KEEP
                 else:
-                    where = position.get(group)
-                    distance = (where - here) % count if here is not None and where is not None else 0
-                    score = (1, use, -distance)
+                    if group == current:
+                        distance = count
+                        if needed is None:
+                            tier = 3  # the op did not say what it pages: any of the layer's may be next
+                        elif entry.key not in needed:
+                            tier = 0
+                        else:
+                            tier = 1 if stack.expert_of(entry.key) in stack.used else 3
+                    else:
+                        where = position.get(group)
+                        distance = (where - here) % count or count if where is not None else 0.5
+                        if group not in ran:
+                            tier = 2
+                        else:
+                            floor = min(len(stack.used), int(fair * stack.num_experts))
+                            tier = 0 if len(cached.get(entry.key[0], ())) > floor else 1
+                    if tier == 3:
+                        score = _KEEP
+                    else:
+                        use = min(1.0, max(frequency.get(entry.key, 0.0) * keep_weight, UNSEEN_USE))
+                        score = (tier, -(distance + count * (1.0 - use) / use))
             if best is None or score < best_score:
                 best, best_score = entry, score
+        if self._ahead_of_use and best is not None and best_score[0] > 0:
+            return None
         return best
 
     def step(self) -> None:
@@ -460,19 +525,23 @@ class RoutingSpeculator:
         router.copied = {}
         if pager is None or not router.speculating():
             return
-        for expert in experts[:SPECULATE_EXPERTS]:
-            for stack in router.stacks:
-                master = stack.master_ref()
-                if master is None or master.flat is None:
-                    continue
-                key = stack.key_of(expert)
-                cached = pager.is_cached(key)
-                if not pager.prefetch(master, *key[1:]):
-                    return  # the budget holds no more without evicting copies still to be used
-                if not cached:
-                    nbytes = stack.expert_bytes
-                    router.copied[expert] = router.copied.get(expert, 0) + nbytes
-                    router.prefetched_bytes += nbytes
+        self._stacks._ahead_of_use = True
+        try:
+            for expert in experts[:SPECULATE_EXPERTS]:
+                for stack in router.stacks:
+                    master = stack.master_ref()
+                    if master is None or master.flat is None:
+                        continue
+                    key = stack.key_of(expert)
+                    cached = pager.is_cached(key)
+                    if not pager.prefetch(master, *key[1:]):
+                        return  # no room without evicting copies this step may still read
+                    if not cached:
+                        nbytes = stack.expert_bytes
+                        router.copied[expert] = router.copied.get(expert, 0) + nbytes
+                        router.prefetched_bytes += nbytes
+        finally:
+            self._stacks._ahead_of_use = False
 
     def _score(self, router: _Router) -> None:
         """Close ``router``'s open guess against the experts its stacks actually paged."""

@@ -802,7 +802,7 @@ class Pager:
             # Least recently used first; the few entries the current op holds are skipped. Routed
             # experts go by layer order and use frequency (experts.ExpertStacks.victim).
             candidates = (e for e in self._cache.values() if not e.users and not (keep_prefetched and e.prefetched))
-            victim = next(candidates, None) if self.experts is None else self.experts.victim(candidates)
+            victim = next(candidates, None) if self.experts is None else self.experts.victim(candidates, self._by_master, self._cap())
             if victim is None:
                 break
             self._evict(victim)

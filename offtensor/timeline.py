@@ -20,6 +20,7 @@ Three ways to get a timeline:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -465,15 +466,26 @@ def _op_cost(func, args, kwargs, out):
     """(FLOPs, device bytes read + written, dtype) of one op, from shapes only."""
     flops = 0
     counter = flop_registry.get(func._overloadpacket)
-    if counter is not None:
+    if func is torch.ops.aten._grouped_mm.default and isinstance(out, torch.Tensor) and args[0].dim() == 2:
+        # torch's flop counter has no formula for it: every row of x meets one group's [K, N] matrix.
+        flops = 2 * args[0].shape[0] * args[0].shape[1] * out.shape[-1]
+    elif counter is not None:
         try:
             flops = int(counter(*args, **kwargs, out_val=out))
         except Exception:
             flops = 0  # a formula that does not take this overload's arguments: count bytes only
     nbytes, dtype = 0, None
     selects = func in _ROW_SELECTS
+    grouped = func is torch.ops.aten._grouped_mm.default and len(args) > 1 and isinstance(args[1], torch.Tensor) \
+        and args[1].dim() == 3
     for t in torch.utils._pytree.tree_leaves((args, kwargs, out)):
         if isinstance(t, torch.Tensor):
+            if grouped and t is args[1]:
+                # A grouped GEMM reads the matrices of the groups that have rows, at most one per row
+                # (8 of 64 experts at a one-token decode), not the whole stack.
+                groups = min(t.shape[0], args[0].shape[0])
+                nbytes += groups * (_tensor_bytes(t) // max(t.shape[0], 1))
+                continue
             if selects and hasattr(t, "_master"):
                 # An offloaded stack indexed by rows: the kernel reads the selected rows (as many
                 # bytes as the output), not the whole stack (64 experts where 8 were routed).
@@ -525,6 +537,7 @@ class Recorder(TorchDispatchMode):
         # Inside the pager (allocating a copy's buffer, the copy itself): its work is recorded by
         # its call sites as copies, not as ops. Set by quiet().
         self._quiet = 0
+        self._split = set()  # open ops whose handler runs their kernels one by one (kernels())
 
     def quiet(self, method):
         """``method`` (a pager entry point) with this mode's op recording paused while it runs."""
@@ -537,6 +550,19 @@ class Recorder(TorchDispatchMode):
                 self._quiet -= 1
 
         return run
+
+    @contextlib.contextmanager
+    def kernels(self):
+        """Inside an op being recorded, whose handler splits it into kernels that each read only
+        their own paged copies (``_grouped_mm``: one expert at a time): the kernels run in the
+        block are recorded as ops of their own, each waiting for its own copies, as the compute
+        stream runs them on a GPU (expert j computes while expert j+1 is still copying). The op
+        itself is then recorded without cost (its kernels carry it) and with what its handler
+        does after them (the concatenation of the pieces)."""
+        if self._open_ops:
+            self._split.add(self._open_ops[-1])
+        with self:  # this mode is off while it dispatches the outer op: back on for the kernels
+            yield
 
     # -------------------------------------------------------------- ops
 
@@ -565,7 +591,13 @@ class Recorder(TorchDispatchMode):
             self.tl.add_copy(h2d, name=str(func.overloadpacket.__name__), stream="compute", id=rid)
             self._last_op = rid
             return out
-        flops, nbytes, dtype = _op_cost(func, args, kwargs, out)
+        if rid in self._split:
+            self._split.discard(rid)
+            flops, nbytes = 0, 0
+            dtype = next((str(t.dtype).removeprefix("torch.") for t in torch.utils._pytree.tree_leaves(out)
+                          if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+        else:
+            flops, nbytes, dtype = _op_cost(func, args, kwargs, out)
         waits, self._pending_waits = self._pending_waits, []
         self.tl.add_op(flops, nbytes, dtype, waits=_unique(waits), name=str(func.overloadpacket.__name__), id=rid)
         self._last_op = rid
@@ -586,7 +618,9 @@ class Recorder(TorchDispatchMode):
             self._pending_waits.append(rid)
 
     def released(self, entries) -> None:
-        op = self._open_ops[-1] if self._open_ops else self._last_op
+        # The last reader is the op running now, or, inside an op split into kernels, the kernel
+        # just recorded.
+        op = self._open_ops[-1] if self._open_ops and self._open_ops[-1] not in self._split else self._last_op
         if op is None:
             return
         for entry in entries:

@@ -137,12 +137,13 @@ def test_decode_moves_only_the_routed_experts_that_were_not_cached(name, device)
         moved += step_bytes
         uncached += step_uncached
         ratios.append(step_bytes / step_uncached if step_uncached else (1.0 if step_bytes == 0 else math.inf))
-    # A cached expert evicted for an earlier layer of the same step is paid twice, and a wrong
-    # guess of a router that earned speculation is paid too. The first decode after the prefill
-    # may do the first (the prefill left the cache full of later layers' experts, and the first
-    # layer must evict some); every later step stays within 10%, and so does the whole decode.
+    # Bytes beyond the uncached routed experts are an expert cached at the step's start but
+    # evicted for an earlier layer of the same step and paid twice (what LRU does in a cycle of
+    # layers), or a wrong guess of a router that earned speculation. Every step stays within 10%,
+    # the first decode after the prefill included (the prefill routes to most experts of every
+    # layer, and the cache must leave the first layer room of its own for the next token).
     assert moved <= 1.1 * uncached
-    assert max(ratios[1:]) <= 1.1, ratios
+    assert max(ratios) <= 1.1, ratios
     s = ot.stats(model)
     assert s.peak_device_bytes <= s.budget_bytes
     assert set(s.experts) == {n for n in offloaded}
@@ -206,7 +207,7 @@ def test_hot_experts_stay_cached_across_tokens(device, eviction, monkeypatch):
     ot.wrap_model(model, budget_gb=8 * slice_bytes / GiB, device=device, policy={"offload": ["*.experts.*"]},
                   prefetch=False)
     if eviction == "lru":  # what the pager did before: the least recently used copy goes
-        monkeypatch.setattr(ot_experts.ExpertStacks, "victim", lambda self, candidates: next(candidates, None))
+        monkeypatch.setattr(ot_experts.ExpertStacks, "victim", lambda self, candidates, *_: next(candidates, None))
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(1, size, device=device)
     for token in range(24):
@@ -366,10 +367,13 @@ def test_detach_removes_router_hooks(device):
 # ------------------------------------------------------------------------------------ the H200 replay
 
 
-def test_deepseek_style_stack_replays_near_its_bound_and_far_ahead_of_copy_all():
-    """benchmarks/moe_bench.py's stack (64 experts x 25 MB, top-8), 4 layers, planned on meta: a
-    decode step with guesses as accurate as speculation requires stays within 1.1 x its bound
-    (uncached routed bytes / H2D) on average, and beats copying every expert by 7 x or more."""
+def test_deepseek_style_stack_replays_every_decode_step_near_its_bound_without_guesses():
+    """benchmarks/moe_bench.py's stack (64 experts x 25 MB, top-8, experts run by
+    ``torch._grouped_mm``), 4 layers, planned on meta with no guesses at all: every replayed
+    decode step stays within 1.1 x its own bound (uncached routed bytes / H2D; offtensor runs one
+    expert's kernel as soon as its copy lands, so the copy stream idles only while the next
+    layer's attention and router run), and copying every offloaded expert at the same budget is
+    7 x slower or more. The variant with guesses of an assumed accuracy is reported beside it."""
     import argparse
     import importlib.util
     import os
@@ -380,11 +384,15 @@ def test_deepseek_style_stack_replays_near_its_bound_and_far_ahead_of_copy_all()
     spec.loader.exec_module(moe_bench)
     args = argparse.Namespace(layers=4, cache_gb=2.0, zipf=1.0, guess_accuracy=ot_experts.SPECULATE_PRECISION)
     result = moe_bench.replay_deepseek_stack(args, None)
-    guessed = result["variants"]["offtensor+guess"]
-    ratios = guessed["ratio_to_bound_per_step"]
-    assert sum(ratios) / len(ratios) <= 1.1
-    assert guessed["host_syncs_per_step"] == 4  # one routing read per MoE layer
+    honest = result["variants"]["offtensor"]
+    assert len(honest["ratio_to_bound_per_step"]) == 6
+    assert max(honest["ratio_to_bound_per_step"]) <= 1.1, honest["ratio_to_bound_per_step"]
+    assert honest["wasted_copy_bytes_per_step"] == 0  # no guesses: every copy is read
+    assert honest["host_syncs_per_step"] == 4  # one routing read per MoE layer
     assert result["speedup_vs_copy_all"] >= 7
+    assumed = result["variants"][f"offtensor+assumed-guesses-{args.guess_accuracy:.0%}"]
+    assert assumed["issued_guesses_routed"] == pytest.approx(args.guess_accuracy, abs=0.1)
+    assert result["guess_accuracy_measured"] is None  # meta has no router values to guess from
     # Without the cache every routed expert is copied: more bytes than with it.
     nocache = result["variants"]["offtensor-nocache"]
-    assert nocache["routed_bytes_not_cached_per_step"] > guessed["routed_bytes_not_cached_per_step"]
+    assert nocache["routed_bytes_not_cached_per_step"] > honest["routed_bytes_not_cached_per_step"]
