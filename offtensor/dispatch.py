@@ -930,7 +930,7 @@ def _grouped_mm(func, types, args, kwargs):
     ):
         return _run(func, args, kwargs)
     out_dtype = call.get("out_dtype")
-    groups, sizes, covered = _routed_groups(weight, offs)
+    groups, sizes, covered = _routed_groups(weight, offs, x.shape[0])
     recorder = weight._master.pager.recorder
     pieces = []
     for e, start, end in groups:
@@ -968,7 +968,7 @@ def _grouped_mm_fallback(func, types, args, kwargs):
         or weight.dim() != 3
     ):
         return _run(func, args, kwargs)
-    groups, sizes, _ = _routed_groups(weight, offs)
+    groups, sizes, _ = _routed_groups(weight, offs, x.shape[0])
     recorder = weight._master.pager.recorder
     out = torch.zeros((x.shape[0], weight.shape[2]), dtype=x.dtype, device=x.device)  # as the op's own
     for e, start, end in groups:
@@ -985,13 +985,13 @@ def _grouped_mm_fallback(func, types, args, kwargs):
     return out
 
 
-def _routed_groups(weight: OffloadedTensor, offs: torch.Tensor):
+def _routed_groups(weight: OffloadedTensor, offs: torch.Tensor, rows: int):
     """For a grouped GEMM of tokens sorted by expert: (expert, first row, end row) of each expert
     with tokens, every group's size as a device tensor (sliced per expert, so no host->device copy),
     and the rows the groups cover. The layer's experts are announced to the expert cache, which
     issues the missing ones at once and may evict the layer's others for them."""
     pager = weight._master.pager
-    ends = _group_ends(offs, pager)
+    ends = _group_ends(offs, pager, rows)
     starts = [0] + ends[:-1]
     groups = [(e, starts[e], ends[e]) for e in range(len(ends)) if ends[e] > starts[e]]
     if pager.experts is not None:
@@ -1003,15 +1003,38 @@ def _routed_groups(weight: OffloadedTensor, offs: torch.Tensor):
 _last_offs = (None, -1, None)  # (weakref to offs, its version, its values on the host)
 
 
-def _group_ends(offs: torch.Tensor, pager=None) -> list:
+def _group_ends(offs: torch.Tensor, pager=None, rows: int = 0) -> list:
     """``offs`` on the host: one small device->host read (copying every expert would cost far more),
     shared by the calls of one MoE layer that pass the same unchanged ``offs`` (gate_up, down)."""
     global _last_offs
     ref, version, ends = _last_offs
     if ref is not None and ref() is offs and version == offs._version:
         return ends
-    ends = _read_to_host(offs, pager).tolist()
+    if offs.is_meta:
+        _host_sync(pager)  # the GPU reads the routing here
+        ends = _planned_ends(offs.numel(), rows)
+    else:
+        ends = _read_to_host(offs, pager).tolist()
     _last_offs = (weakref.ref(offs), offs._version, ends)
+    return ends
+
+
+_PLANNED_ROUTING = torch.Generator().manual_seed(0)
+
+
+def _planned_ends(experts: int, rows: int) -> list:
+    """Planning on meta (ot.plan): routing has no values, so ``rows`` routed rows go to
+    min(experts, rows) distinct experts drawn uniformly at random (no locality: what an expert
+    cache gains from skewed routing is not assumed), as evenly as they divide. Seeded once per
+    process, so a plan is reproducible within it."""
+    chosen = sorted(torch.randperm(experts, generator=_PLANNED_ROUTING)[: min(experts, rows)].tolist())
+    counts = [0] * experts
+    for i, e in enumerate(chosen):
+        counts[e] = rows // len(chosen) + (i < rows % len(chosen))
+    ends, total = [], 0
+    for c in counts:
+        total += c
+        ends.append(total)
     return ends
 
 
