@@ -87,6 +87,17 @@ class _State:
         # into them is recognised without walking the model.
         self.resident_ptrs: set = set()
         self.prefixes: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+        # An expert stack was assigned, replaced or removed after wrapping (load_state_dict with
+        # assign=True, a new experts module): the pager's expert registry names dead masters and
+        # misses the new ones, so it is rebuilt before the next forward or stats read.
+        self.experts_stale = False
+
+    def refresh_experts(self) -> None:
+        self.experts_stale = False
+        model = self.model_ref()
+        if model is not None:
+            experts.detach(self.pager)
+            experts.attach(model, self.pager, speculate=self.prefetch)
 
     def qualified_name(self, module: nn.Module, attr: str) -> str:
         """``module``'s tensor ``attr`` under its name in the model, as policies and placement see it."""
@@ -462,6 +473,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 def stats(model: nn.Module) -> OffloadStats:
     state = _state(model)
+    if state.experts_stale:
+        state.refresh_experts()
     state.pager.resident_bytes = _resident_bytes(model, state.pager.device)
     s = state.pager.snapshot()
     s.untracked_bytes = _untracked_bytes(model, state.pager.device)
@@ -504,6 +517,8 @@ def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buff
     ``attaching`` = (tensors placed so far, slots replaced) while a submodule is attached: the
     submodule's tensors already placed count as resident, those of the submodule it replaces do not."""
     pager = state.pager
+    if not state.experts_stale and "experts" in state.qualified_name(module, name).split("."):
+        state.experts_stale = True
     if isinstance(t, OffloadedTensor):
         t._master.move_to(pager)
         return None
@@ -651,6 +666,8 @@ class _StepHook:
         if state is None or state.model_ref() is not model:
             state = _adopt_copy(model)
         if state is not None:
+            if state.experts_stale:
+                state.refresh_experts()
             state.pager.new_step()  # one pass of the prefetch schedule and of the expert statistics
 
     def __reduce__(self):
@@ -821,6 +838,8 @@ def _released(state: _State, old: Optional[nn.Module] = None) -> None:
             if m not in live and _WRAPPED.get(m) is state:
                 del _WRAPPED[m]
     state.pager.resident_bytes = _resident_bytes(model, state.pager.device)
+    if state.pager.experts is not None:
+        state.experts_stale = True  # a registered stack may be what was deleted
 
 
 def _install_hooks() -> None:

@@ -176,6 +176,26 @@ def test_expert_stats_count_hits_misses_and_bytes_per_stacked_tensor(device):
     assert sum(r["evictions"] for r in per_stack.values()) == s.evictions
 
 
+def test_expert_stacks_assigned_after_wrapping_are_the_ones_the_cache_and_stats_track(device):
+    # load_state_dict(assign=True) into a wrapped model places new stacks on new masters: the
+    # expert registry must follow them, not keep naming the replaced (dead) masters.
+    model, reference, ids = _build("qwen3_moe", device)
+    state_dict = {k: v.clone() for k, v in model.state_dict().items()}
+    ot.wrap_model(model, budget_gb=_budget_gb(model, 0.5), device=device, prefetch=False)
+    before = set(_state(model).pager.experts.by_master)
+    model.load_state_dict(state_dict, assign=True)
+    run = _Decoder(model, reference, ids)
+    for _ in range(3):
+        run.step()
+    live = {n: p._master.id for n, p in model.named_parameters() if isinstance(p, ot.OffloadedTensor) and ".experts." in n}
+    assert live and not before & set(live.values())  # new masters
+    pager = _state(model).pager
+    assert set(pager.experts.by_master) == set(live.values())
+    s = ot.stats(model)
+    assert set(s.experts) == set(live)
+    assert all(r["hits"] + r["misses"] > 0 for r in s.experts.values())
+
+
 # ------------------------------------------------------------------------------------ the cache
 
 
