@@ -106,15 +106,19 @@ class _Paged:
         self.private = []  # (OffloadedTensor, its private device copy), for arguments the op writes
 
     def page(self, t: OffloadedTensor, private: bool = False) -> torch.Tensor:
-        pager = t._master.pager
-        if _compile.is_traced(t._host):
+        # Every compute op runs this once per offloaded argument: one __dict__ read instead of
+        # three attribute lookups through torch.Tensor's type.
+        own = t.__dict__
+        host, master = own["_host"], own["_master"]
+        pager = master.pager
+        if type(host) is not torch.Tensor:  # compile.is_traced, inlined
             # Being traced by torch.compile: the graph calls the pager at run time through an
             # opaque op (compile.py) and owns its result, so there is no entry to release.
-            return _compile.page(t._host, t._master.id, pager.device)
-        layout = t.__dict__.get("_layout")
+            return _compile.page(host, master.id, pager.device)
+        layout = own.get("_layout")
         if layout is None:
-            layout = t.__dict__["_layout"] = host_layout(t._host)
-        view, entry = pager.page(t._host, t._master, t, private, layout)  # t's repr names it in a BudgetError
+            layout = own["_layout"] = host_layout(host)
+        view, entry = pager.page(host, master, t, private, layout)  # t's repr names it in a BudgetError
         if entry is not None:
             self.entries.append((pager, entry))
         if private:
@@ -131,6 +135,10 @@ class _Paged:
     def release(self) -> None:
         entries, self.entries = self.entries, []
         if not entries:
+            return
+        if len(entries) == 1:  # most ops page one weight
+            pager, entry = entries[0]
+            pager.release((entry,))
             return
         first = entries[0][0]
         if all(pager is first for pager, _ in entries):
@@ -152,8 +160,13 @@ def _run(func, args, kwargs, written=()):
     tensors, write mutated arguments back to their host masters."""
     paged = _Paged()
     try:
-        new_args = tuple(paged.arg(a, i in written) for i, a in enumerate(args))
-        new_kwargs = {k: paged.arg(v, k in written) for k, v in kwargs.items()} if kwargs else kwargs
+        if written:
+            new_args = [paged.arg(a, i in written) for i, a in enumerate(args)]
+            new_kwargs = {k: paged.arg(v, k in written) for k, v in kwargs.items()} if kwargs else kwargs
+        else:  # the common case, without the per-argument membership tests
+            arg = paged.arg
+            new_args = [arg(a) for a in args]
+            new_kwargs = {k: arg(v) for k, v in kwargs.items()} if kwargs else kwargs
         out = func(*new_args, **new_kwargs)
         for t, device_copy in paged.private:
             _write_back(t, device_copy)
