@@ -83,15 +83,6 @@ def _traced(args, kwargs) -> bool:
     return False
 
 
-def torch_function(func, types, args, kwargs):
-    handler = _FUNCTION_TABLE.get(func)
-    if handler is not None:
-        result = handler(args, kwargs or {})
-        if result is not NotImplemented:
-            return result
-    return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
-
-
 # ---------------------------------------------------------------------------- paging helpers
 
 
