@@ -12,8 +12,9 @@ table below names it explicitly:
 - everything else: page what each argument covers, run the op on plain device tensors, return
   plain results.
 
-Only ``F.linear`` is intercepted at the ``__torch_function__`` level, because it otherwise
-arrives as ``t`` + ``addmm``: two Python dispatches for one page-in.
+``F.linear`` is intercepted at the ``__torch_function__`` level, because it otherwise arrives as
+``t`` + ``addmm``: two Python dispatches for one page-in; so are ``matmul`` / ``mm`` with grad off
+where that pages the same bytes (one Python pass instead of matmul's composite dispatching back).
 """
 
 from __future__ import annotations
@@ -1081,6 +1082,52 @@ def _linear(args, kwargs):
         paged.release()
 
 
+def _matrix_product(product):
+    """Handler for ``torch.matmul`` / ``torch.mm`` (and their Tensor methods; ``a @ b`` arrives as
+    ``Tensor.matmul``) of an OffloadedTensor with grad off: page once and run ``product`` on plain
+    tensors, instead of matmul's composite dispatching mm (or mv, dot) back into Python through
+    ``__torch_dispatch__``. ``x @ w.t()`` in a decode step is this.
+
+    Taken only where the dispatch path would page exactly the same bytes in one op, so paging,
+    stats and results stay those of that path: both operands at most 2-D, or a contiguous plain
+    first operand of 3 or more dims times a second of at most 2, which matmul folds into one mm
+    whether or not the second requires grad (aten::matmul's should_fold), and mm of two matrices.
+    Everything else (broadcast batches, out=, tiling, autograd, torch.compile's tracing, a
+    timeline being recorded) takes the normal dispatch."""
+    is_mm = product is torch.mm
+
+    def handler(args, kwargs):
+        if kwargs or len(args) != 2:
+            return NotImplemented
+        a, b = args
+        offloaded = [t for t in args if isinstance(t, OffloadedTensor)]
+        if len(offloaded) + sum(type(t) is torch.Tensor for t in args) != 2:
+            return NotImplemented  # another subclass, or not a tensor: its own rules apply
+        # Metadata from the host views: a wrapper's dim() would cost a __torch_function__ call.
+        hosts = [t.__dict__["_host"] if isinstance(t, OffloadedTensor) else t for t in args]
+        for t in offloaded:
+            own = t.__dict__
+            if own["_master"].pager.recorder is not None or type(own["_host"]) is not torch.Tensor:
+                return NotImplemented  # timeline records and traced graphs stay as they were
+        a_dim, b_dim = hosts[0].dim(), hosts[1].dim()
+        if is_mm:
+            if a_dim != 2 or b_dim != 2:
+                return NotImplemented  # mm's own error
+        elif b_dim > 2 or (a_dim > 2 and (a is not hosts[0] or not a.is_contiguous())):
+            return NotImplemented
+        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+            return NotImplemented  # autograd must see the OffloadedTensor (see _linear)
+        if _needs_tiling(b, [a]) or _needs_tiling(a, [b]):
+            return NotImplemented  # _mm computes it in tiles
+        paged = _Paged()
+        try:
+            return product(paged.arg(a), paged.arg(b))
+        finally:
+            paged.release()
+
+    return handler
+
+
 def _cpu(args, kwargs):
     self = args[0]
     if not isinstance(self, OffloadedTensor) or self.device.type != "cpu":
@@ -1138,6 +1185,10 @@ def _host_read_argument(function, position: int, name: str):
 _FUNCTION_TABLE = {
     F.linear: _linear,
     torch._C._nn.linear: _linear,
+    torch.matmul: _matrix_product(torch.matmul),
+    torch.Tensor.matmul: _matrix_product(torch.matmul),  # also what `a @ b` arrives as
+    torch.mm: _matrix_product(torch.mm),
+    torch.Tensor.mm: _matrix_product(torch.mm),
     torch.Tensor.cpu: _cpu,
     torch.Tensor.tolist: _tolist,
     torch.Tensor.data.__set__: _set_data,
