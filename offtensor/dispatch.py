@@ -12,8 +12,9 @@ table below names it explicitly:
 - everything else: page what each argument covers, run the op on plain device tensors, return
   plain results.
 
-Only ``F.linear`` is intercepted at the ``__torch_function__`` level, because it otherwise
-arrives as ``t`` + ``addmm``: two Python dispatches for one page-in.
+``F.linear`` is intercepted at the ``__torch_function__`` level, because it otherwise arrives as
+``t`` + ``addmm``: two Python dispatches for one page-in; so are ``matmul`` / ``mm`` with grad off
+where that pages the same bytes (one Python pass instead of matmul's composite dispatching back).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from torch.utils._mode_utils import no_dispatch
 
 from . import compile as _compile
 from .pager import BudgetError, host_layout
-from .tensor import OffloadedTensor, _check_offloadable, _wrap_host, new_host_master
+from .tensor import OffloadedTensor, _check_offloadable, _wrap_host, new_host_master, new_view
 
 aten = torch.ops.aten
+_functionalize_unsafe_set = torch._functionalize_unsafe_set
 
 # Rows (or experts) at least this large are paged one by one through the cache, so an expert used
 # by consecutive tokens is copied once; smaller rows are gathered on the host and sent together.
@@ -82,15 +84,6 @@ def _traced(args, kwargs) -> bool:
     return False
 
 
-def torch_function(func, types, args, kwargs):
-    handler = _FUNCTION_TABLE.get(func)
-    if handler is not None:
-        result = handler(args, kwargs or {})
-        if result is not NotImplemented:
-            return result
-    return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
-
-
 # ---------------------------------------------------------------------------- paging helpers
 
 
@@ -105,15 +98,19 @@ class _Paged:
         self.private = []  # (OffloadedTensor, its private device copy), for arguments the op writes
 
     def page(self, t: OffloadedTensor, private: bool = False) -> torch.Tensor:
-        pager = t._master.pager
-        if _compile.is_traced(t._host):
+        # Every compute op runs this once per offloaded argument: one __dict__ read instead of
+        # three attribute lookups through torch.Tensor's type.
+        own = t.__dict__
+        host, master = own["_host"], own["_master"]
+        pager = master.pager
+        if type(host) is not torch.Tensor:  # compile.is_traced, inlined
             # Being traced by torch.compile: the graph calls the pager at run time through an
             # opaque op (compile.py) and owns its result, so there is no entry to release.
-            return _compile.page(t._host, t._master.id, pager.device)
-        layout = t.__dict__.get("_layout")
+            return _compile.page(host, master.id, pager.device)
+        layout = own.get("_layout")
         if layout is None:
-            layout = t.__dict__["_layout"] = host_layout(t._host)
-        view, entry = pager.page(t._host, t._master, t, private, layout)  # t's repr names it in a BudgetError
+            layout = own["_layout"] = host_layout(host)
+        view, entry = pager.page(host, master, t, private, layout)  # t's repr names it in a BudgetError
         if entry is not None:
             self.entries.append((pager, entry))
         if private:
@@ -130,6 +127,10 @@ class _Paged:
     def release(self) -> None:
         entries, self.entries = self.entries, []
         if not entries:
+            return
+        if len(entries) == 1:  # most ops page one weight
+            pager, entry = entries[0]
+            pager.release((entry,))
             return
         first = entries[0][0]
         if all(pager is first for pager, _ in entries):
@@ -151,8 +152,13 @@ def _run(func, args, kwargs, written=()):
     tensors, write mutated arguments back to their host masters."""
     paged = _Paged()
     try:
-        new_args = tuple(paged.arg(a, i in written) for i, a in enumerate(args))
-        new_kwargs = {k: paged.arg(v, k in written) for k, v in kwargs.items()} if kwargs else kwargs
+        if written:
+            new_args = [paged.arg(a, i in written) for i, a in enumerate(args)]
+            new_kwargs = {k: paged.arg(v, k in written) for k, v in kwargs.items()} if kwargs else kwargs
+        else:  # the common case, without the per-argument membership tests
+            arg = paged.arg
+            new_args = [arg(a) for a in args]
+            new_kwargs = {k: arg(v) for k, v in kwargs.items()} if kwargs else kwargs
         out = func(*new_args, **new_kwargs)
         for t, device_copy in paged.private:
             _write_back(t, device_copy)
@@ -185,16 +191,17 @@ def _view(func, types, args, kwargs):
     out = func(self._host, *args[1:], **kwargs)
     master = self._master
     if isinstance(out, torch.Tensor):
-        return _alias_of(self, OffloadedTensor(out, master))
-    return type(out)(_alias_of(self, OffloadedTensor(o, master)) for o in out)
+        return _alias_of(self, new_view(out, master))
+    return type(out)(_alias_of(self, new_view(o, master)) for o in out)
 
 
 def _alias_of(base: OffloadedTensor, view: OffloadedTensor) -> OffloadedTensor:
     # Give the view the base's wrapper storage too (what return_and_correct_aliasing does): C++
     # composites test aliasing with is_alias_of, e.g. matmul's out= path writes through
     # out.view(...) and copies back only when the view is not an alias of out.
-    with no_dispatch():
-        torch._functionalize_unsafe_set(view, base)
+    # _functionalize_unsafe_set is no dispatcher op (return_and_correct_aliasing calls it as is), so
+    # no no_dispatch() guard: that would cost 0.5 µs per view op.
+    _functionalize_unsafe_set(view, base)
     return view
 
 
@@ -1075,6 +1082,52 @@ def _linear(args, kwargs):
         paged.release()
 
 
+def _matrix_product(product):
+    """Handler for ``torch.matmul`` / ``torch.mm`` (and their Tensor methods; ``a @ b`` arrives as
+    ``Tensor.matmul``) of an OffloadedTensor with grad off: page once and run ``product`` on plain
+    tensors, instead of matmul's composite dispatching mm (or mv, dot) back into Python through
+    ``__torch_dispatch__``. ``x @ w.t()`` in a decode step is this.
+
+    Taken only where the dispatch path would page exactly the same bytes in one op, so paging,
+    stats and results stay those of that path: both operands at most 2-D, or a contiguous plain
+    first operand of 3 or more dims times a second of at most 2, which matmul folds into one mm
+    whether or not the second requires grad (aten::matmul's should_fold), and mm of two matrices.
+    Everything else (broadcast batches, out=, tiling, autograd, torch.compile's tracing, a
+    timeline being recorded) takes the normal dispatch."""
+    is_mm = product is torch.mm
+
+    def handler(args, kwargs):
+        if kwargs or len(args) != 2:
+            return NotImplemented
+        a, b = args
+        offloaded = [t for t in args if isinstance(t, OffloadedTensor)]
+        if len(offloaded) + sum(type(t) is torch.Tensor for t in args) != 2:
+            return NotImplemented  # another subclass, or not a tensor: its own rules apply
+        # Metadata from the host views: a wrapper's dim() would cost a __torch_function__ call.
+        hosts = [t.__dict__["_host"] if isinstance(t, OffloadedTensor) else t for t in args]
+        for t in offloaded:
+            own = t.__dict__
+            if own["_master"].pager.recorder is not None or type(own["_host"]) is not torch.Tensor:
+                return NotImplemented  # timeline records and traced graphs stay as they were
+        a_dim, b_dim = hosts[0].dim(), hosts[1].dim()
+        if is_mm:
+            if a_dim != 2 or b_dim != 2:
+                return NotImplemented  # mm's own error
+        elif b_dim > 2 or (a_dim > 2 and (a is not hosts[0] or not a.is_contiguous())):
+            return NotImplemented
+        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+            return NotImplemented  # autograd must see the OffloadedTensor (see _linear)
+        if _needs_tiling(b, [a]) or _needs_tiling(a, [b]):
+            return NotImplemented  # _mm computes it in tiles
+        paged = _Paged()
+        try:
+            return product(paged.arg(a), paged.arg(b))
+        finally:
+            paged.release()
+
+    return handler
+
+
 def _cpu(args, kwargs):
     self = args[0]
     if not isinstance(self, OffloadedTensor) or self.device.type != "cpu":
@@ -1132,6 +1185,10 @@ def _host_read_argument(function, position: int, name: str):
 _FUNCTION_TABLE = {
     F.linear: _linear,
     torch._C._nn.linear: _linear,
+    torch.matmul: _matrix_product(torch.matmul),
+    torch.Tensor.matmul: _matrix_product(torch.matmul),  # also what `a @ b` arrives as
+    torch.mm: _matrix_product(torch.mm),
+    torch.Tensor.mm: _matrix_product(torch.mm),
     torch.Tensor.cpu: _cpu,
     torch.Tensor.tolist: _tolist,
     torch.Tensor.data.__set__: _set_data,

@@ -556,16 +556,16 @@ class Pager:
         if host.numel() == 0:
             return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device), None
         lo, hi, shape, stride, offset = layout or host_layout(host)
-        nbytes = (hi - lo) * host.element_size()
         if private or self.budget_bytes is None:
-            entry = self._transient(host.as_strided((hi - lo,), (1,), lo), nbytes, name)
+            entry = self._transient(host.as_strided((hi - lo,), (1,), lo), (hi - lo) * host.element_size(), name)
             base = lo
         else:
-            key = (master.id, host.dtype, lo, hi)
+            dtype = host.dtype
+            key = (master.id, dtype, lo, hi)
             experts = self.experts
             if experts is not None:
                 experts.paging(master.id)  # before the lookup: eviction for this copy knows the layer
-            entry = self._cache.get(key) or self._find_containing(master.id, host.dtype, lo, hi)
+            entry = self._cache.get(key) or self._find_containing(master.id, dtype, lo, hi)
             hit = entry is not None
             if hit:
                 self._cache.move_to_end(entry.key)
@@ -574,6 +574,7 @@ class Pager:
                     entry.prefetched = False
                     self.stats.prefetch_hits += 1
             else:
+                nbytes = (hi - lo) * host.element_size()
                 entry = self._insert(key, host.as_strided((hi - lo,), (1,), lo), nbytes, name)
             if experts is not None:
                 experts.accessed(entry.key, hit)
@@ -585,7 +586,8 @@ class Pager:
                 self.prefetcher.accessed(self, master, key)
             if self.recorder is not None:  # timeline: the op about to run reads this copy
                 self.recorder.used(entry)
-            self._wait_ready(entry)
+            if entry.ready is not None:  # a cache hit on a completed copy skips the call
+                self._wait_ready(entry)
             return entry.buf.as_strided(shape, stride, offset - base), entry
         if self.recorder is not None:  # timeline: the op about to run reads this copy
             self.recorder.used(entry)

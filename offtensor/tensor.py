@@ -22,6 +22,9 @@ from . import _ext
 from . import compile as _compile
 from .pager import Pager, _Master, resolve_device
 
+_is_compiling = torch.compiler.is_compiling
+_disabled_torch_function_impl = torch._C._disabled_torch_function_impl
+
 # Host storage address -> master, so that tensors rebuilt from the same storage (unpickled aliases,
 # unflattened views) share one master and one set of cached copies.
 _MASTERS_BY_PTR: "weakref.WeakValueDictionary[int, _Master]" = weakref.WeakValueDictionary()
@@ -52,14 +55,22 @@ class OffloadedTensor(torch.Tensor):
 
     # Only whole ops that save a dispatch are intercepted (dispatch.FUNCTION_TABLE); everything else
     # goes straight to __torch_dispatch__ and results are never re-wrapped.
+    # Every Python-level call on an OffloadedTensor runs this method, so it reads module globals
+    # rather than attribute chains (torch.compiler.is_compiling is the same function object, which
+    # Dynamo recognises).
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             # Dynamo inlines this method: trace the plain function and let __torch_dispatch__ page
             # through the graph's opaque op (compile.py) instead of the eager intercepts.
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        return _dispatch.torch_function(func, types, args, kwargs)
+        handler = _FUNCTION_TABLE.get(func)
+        if handler is not None:
+            result = handler(args, kwargs or {})
+            if result is not NotImplemented:
+                return result
+        return _disabled_torch_function_impl(func, types, args, kwargs or {})
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -223,6 +234,26 @@ def _master_for(host: torch.Tensor, pager: Pager) -> _Master:
     return master
 
 
+_make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+
+
+def new_view(host: torch.Tensor, master: _Master) -> OffloadedTensor:
+    """``OffloadedTensor(host, master)`` without the Python ``__new__`` and ``__init__`` calls: view
+    ops make one per call, and the two calls cost about 0.5 µs of a view op's 12."""
+    t = _make_wrapper_subclass(
+        OffloadedTensor,
+        host.shape,
+        strides=host.stride(),
+        storage_offset=host.storage_offset(),
+        dtype=host.dtype,
+        device=master.pager.device,
+    )
+    own = t.__dict__
+    own["_host"] = host
+    own["_master"] = master
+    return t
+
+
 def _wrap_host(host: torch.Tensor, pager: Pager, requires_grad: bool = False) -> OffloadedTensor:
     return OffloadedTensor(host, _master_for(host, pager), requires_grad)
 
@@ -322,3 +353,5 @@ def _rebuild_offloaded(host: torch.Tensor, device: str, requires_grad: bool, is_
 torch.serialization.add_safe_globals([OffloadedTensor, _rebuild_offloaded])
 
 from . import dispatch as _dispatch  # noqa: E402  (dispatch needs the class defined above)
+
+_FUNCTION_TABLE = _dispatch._FUNCTION_TABLE  # the whole ops that __torch_function__ intercepts
