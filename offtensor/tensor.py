@@ -39,15 +39,7 @@ class OffloadedTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, host: torch.Tensor, master: _Master, requires_grad: bool = False):
-        return torch.Tensor._make_wrapper_subclass(
-            cls,
-            host.shape,
-            strides=host.stride(),
-            storage_offset=host.storage_offset(),
-            dtype=host.dtype,
-            device=master.pager.device,
-            requires_grad=requires_grad,
-        )
+        return _wrapper(cls, host, master, requires_grad)
 
     def __init__(self, host: torch.Tensor, master: _Master, requires_grad: bool = False):
         self._host = host
@@ -237,17 +229,23 @@ def _master_for(host: torch.Tensor, pager: Pager) -> _Master:
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 
 
-def new_view(host: torch.Tensor, master: _Master) -> OffloadedTensor:
-    """``OffloadedTensor(host, master)`` without the Python ``__new__`` and ``__init__`` calls: view
-    ops make one per call, and the two calls cost about 0.5 µs of a view op's 12."""
-    t = _make_wrapper_subclass(
-        OffloadedTensor,
+def _wrapper(cls, host: torch.Tensor, master: _Master, requires_grad: bool = False):
+    """The wrapper tensor: ``host``'s metadata on the pager's device, no storage of its own."""
+    return _make_wrapper_subclass(
+        cls,
         host.shape,
         strides=host.stride(),
         storage_offset=host.storage_offset(),
         dtype=host.dtype,
         device=master.pager.device,
+        requires_grad=requires_grad,
     )
+
+
+def new_view(host: torch.Tensor, master: _Master) -> OffloadedTensor:
+    """``OffloadedTensor(host, master)`` without the Python ``__new__`` and ``__init__`` calls: view
+    ops make one per call, and the two calls cost about 0.5 µs of a view op's 12."""
+    t = _wrapper(OffloadedTensor, host, master)
     own = t.__dict__
     own["_host"] = host
     own["_master"] = master
