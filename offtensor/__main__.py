@@ -1,7 +1,6 @@
 """``python -m offtensor <command>``: ``demo`` (offtensor/demo.py) and ``plan`` (below)."""
 
 import argparse
-import json
 import os
 import sys
 import time

@@ -804,7 +804,7 @@ class Pager:
             # Least recently used first; the few entries the current op holds are skipped. Routed
             # experts go by layer order and use frequency (experts.ExpertStacks.victim).
             candidates = (e for e in self._cache.values() if not e.users and not (keep_prefetched and e.prefetched))
-            victim = next(candidates, None) if self.experts is None else self.experts.victim(candidates, self._by_master, self._cap())
+            victim = next(candidates, None) if self.experts is None else self.experts.victim(self._cache, self._by_master, self._cap(), candidates)
             if victim is None:
                 break
             self._evict(victim)

@@ -227,7 +227,7 @@ def test_hot_experts_stay_cached_across_tokens(device, eviction, monkeypatch):
     ot.wrap_model(model, budget_gb=8 * slice_bytes / GiB, device=device, policy={"offload": ["*.experts.*"]},
                   prefetch=False)
     if eviction == "lru":  # what the pager did before: the least recently used copy goes
-        monkeypatch.setattr(ot_experts.ExpertStacks, "victim", lambda self, candidates, *_: next(candidates, None))
+        monkeypatch.setattr(ot_experts.ExpertStacks, "victim", lambda self, *args: next(args[-1], None))
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(1, size, device=device)
     for token in range(24):
