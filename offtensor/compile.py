@@ -104,12 +104,14 @@ def capturing(pager) -> bool:
     return pager.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _refuse_under_capture(pager, what: str, host: torch.Tensor) -> None:
+def _refuse_under_capture(pager, what: str, host: torch.Tensor, name=None) -> None:
     if capturing(pager):
         raise RuntimeError(
-            f"offtensor: {what} on an offloaded {tuple(host.shape)} {host.dtype} table cannot be captured in a CUDA "
+            f"offtensor: {what} on an offloaded {tuple(host.shape)} {host.dtype} table"
+            f"{'' if name is None else ' ' + repr(name)} cannot be captured in a CUDA "
             f"graph: it pages the rows its index selects, which are only known when the index is read on the host, "
-            f"and a replay runs no Python. Keep this weight resident (wrap_model(..., policy={{'keep': [...]}})) to "
+            f"and a replay runs no Python. Keep this weight resident (wrap_model(..., policy={{'keep': "
+            f"[{'...' if name is None else repr(name)}]}})) to "
             f"capture, or run this step without CUDA graphs."
         )
 
@@ -134,7 +136,7 @@ def _offloaded(host: torch.Tensor, master_id: int, what: str):
 
     master = _live_master(master_id, host)
     # Routed experts and embedding rows under CUDA graph capture: excluded, with this error.
-    _refuse_under_capture(master.pager, what, host)
+    _refuse_under_capture(master.pager, what, host, master.name)
     return OffloadedTensor(host, master)
 
 

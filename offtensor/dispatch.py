@@ -144,7 +144,8 @@ class _Paged:
 
 
 def _describe(t: OffloadedTensor) -> str:
-    return f"an OffloadedTensor of shape {tuple(t.shape)} and dtype {t.dtype}"
+    name = t._master.name
+    return f"an OffloadedTensor{'' if name is None else ' of ' + repr(name)} of shape {tuple(t.shape)} and dtype {t.dtype}"
 
 
 def _run(func, args, kwargs, written=()):

@@ -674,6 +674,8 @@ def _destinations(group, pager: Optional[Pager], device: torch.device, pin_late:
         flat = torch.empty(numel, dtype=first.dtype, device=device)
     out = {}
     master = _master_for(flat, pager) if pager is not None else None
+    if master is not None:
+        master.name = next((n for m in group for n in m.names), None)
     for member in group:
         shape, stride, offset = layouts[id(member.tensor)]
         view = flat.view(shape) if stride is None else flat.as_strided(shape, stride, offset)

@@ -104,13 +104,15 @@ class _Master:
     a later allocation can never hit a stale copy.
     """
 
-    __slots__ = ("id", "nbytes", "flat", "_owner", "__weakref__")
+    __slots__ = ("id", "nbytes", "flat", "name", "_owner", "__weakref__")
     _ids = itertools.count(1)
 
     def __init__(self, pager: "Pager", nbytes: int):
         self.id = next(_Master._ids)
         self.nbytes = nbytes
         self.flat = None  # the master's whole storage as bytes, for prefetches (set by the tensor layer)
+        # The weight's name in its model (set by wrap and load), so that errors name the tensor.
+        self.name = None
         # A one-element list shared with the finalizer, so the finalizer always reaches the
         # current owner without holding a reference to this object.
         self._owner = [weakref.ref(pager)]

@@ -106,9 +106,10 @@ class OffloadedTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None) -> str:
         grad = ", requires_grad=True" if self.requires_grad else ""
+        name = self._master.name
         return (
-            f"OffloadedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
-            f"host_bytes={self.host_nbytes}{grad})"
+            f"OffloadedTensor({'' if name is None else repr(name) + ', '}shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"device={self.device}, host_bytes={self.host_nbytes}{grad})"
         )
 
     def __format__(self, format_spec: str) -> str:
@@ -155,6 +156,7 @@ class OffloadedTensor(torch.Tensor):
             )
         # A deepcopy of a wrapped model charges its copies to the copy's own pager (wrap._StepHook).
         copy = _wrap_host(host, memo.get(("offtensor.pager", id(master.pager))) or master.pager)
+        copy._master.name = master.name
         if getattr(self, "_is_param", False):
             copy = torch.nn.Parameter(copy, requires_grad=self.requires_grad)
         else:

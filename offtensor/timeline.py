@@ -774,6 +774,7 @@ def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(),
         lo, hi = wrap._group_range(group)
         flat = torch.empty(hi - lo, dtype=first.dtype, device="meta")
         master = pager.new_master((hi - lo) * first.element_size())
+        master.name = w.name
         master.flat = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device="meta")
         for member in group:
             t = member.tensor

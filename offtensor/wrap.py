@@ -270,6 +270,7 @@ def _offload_group(group, pager: Pager) -> None:
     flat = first.detach().as_strided((hi - lo,), (1,), lo)
     host_flat = new_host_master(flat, pin=pager.device.type == "cuda")
     master = _master_for(host_flat, pager)
+    master.name = next((n for m in group for n in m.names), None)
     for member in group:
         t = member.tensor
         host = host_flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)

@@ -5,6 +5,7 @@ placement order and error messages."""
 from __future__ import annotations
 
 import copy
+import re
 import os
 
 import pytest
@@ -14,7 +15,7 @@ from torch import nn
 
 import offtensor as ot
 from offtensor.pager import resolve_device
-from offtensor.wrap import is_wrapped
+from offtensor.wrap import _state, is_wrapped
 
 GiB = 1 << 30
 VOCAB, HIDDEN, INTER, EXPERTS = 256, 128, 256, 4
@@ -448,6 +449,18 @@ def test_offload_gb_offloads_at_least_that_many_bytes(device):
     ids = _ids(device)
     assert torch.equal(_run(model, ids), _run(reference, ids))
     assert ot.stats(model).peak_device_bytes <= s.budget_bytes
+
+
+def test_offloaded_weights_carry_their_names_into_reprs_and_budget_errors(device):
+    model = _model()
+    ot.wrap_model(model, budget_gb=_budget_gb(model, 0.3), device=device)
+    name, weight = next((n, p) for n, p in model.named_parameters() if isinstance(p, ot.OffloadedTensor))
+    assert repr(name) in repr(weight) and repr(name) in repr(weight.t())  # a view names its weight
+    copy_of = copy.deepcopy(model)
+    assert repr(name) in repr(dict(copy_of.named_parameters())[name])
+    _state(model).pager.budget_bytes = 1  # a budget shrunk under the model: paging must fail
+    with pytest.raises(ot.BudgetError, match=re.escape(repr(name))):
+        _run(model, _ids(device))
 
 
 def test_budget_gb_and_offload_gb_together_raise(device):
