@@ -196,6 +196,21 @@ def test_expert_stacks_assigned_after_wrapping_are_the_ones_the_cache_and_stats_
     assert all(r["hits"] + r["misses"] > 0 for r in s.experts.values())
 
 
+def test_an_experts_module_replaced_after_wrapping_is_tracked_and_the_old_one_forgotten(device):
+    model, reference, ids = _build("qwen3_moe", device)
+    expected = copy.deepcopy(model)
+    ot.wrap_model(model, budget_gb=_budget_gb(model, 0.5), device=device, prefetch=False)
+    layer = model.model.layers[0].mlp
+    old = {id(p._master) for p in layer.experts.parameters() if isinstance(p, ot.OffloadedTensor)}
+    layer.experts = copy.deepcopy(expected.model.layers[0].mlp.experts)  # placed on assignment
+    logits = _Decoder(model, reference, ids).step()
+    assert torch.equal(logits, _Decoder(expected, reference, ids).step())
+    live = {n: p._master.id for n, p in model.named_parameters() if isinstance(p, ot.OffloadedTensor) and ".experts." in n}
+    assert set(_state(model).pager.experts.by_master) == set(live.values())
+    assert not old & {id(p._master) for p in layer.experts.parameters() if isinstance(p, ot.OffloadedTensor)}
+    assert set(ot.stats(model).experts) == set(live)
+
+
 # ------------------------------------------------------------------------------------ the cache
 
 
