@@ -72,6 +72,12 @@ ROUTER_NAMES = ("gate", "router")
 _KEEP = (4, 0.0)
 
 
+def _distance(where, here: int, count: int) -> float:
+    """Layers from the current one (at ``here``) to the layer at ``where`` in a cycle of ``count``:
+    a whole cycle for the current layer itself, half a layer for one not yet placed."""
+    return (where - here) % count or count if where is not None else 0.5
+
+
 def _rank(record) -> tuple:
     return record[0], record[1]
 
@@ -338,17 +344,9 @@ class ExpertStacks:
                     plain, plain_tick = entry, tick
         if plain is not None:
             return plain
-        position = self.position
-        count = len(position)
-        here = position.get(self._current)
-        ran = self._order
-        if here is None:
-            count = max(len(ran), 1)
-            position = {group: i for i, group in enumerate(ran)}
-            here = position.get(self._current, count - 1)
-        current, needed, frequency = self._current, self._needed, self.frequency
-        fair = room / self._stack_bytes if self._stack_bytes else 0.0
-        keep_weight = 1.0 - FREQUENCY_DECAY
+        position, count, here = self._cycle()
+        ran, current, needed = self._order, self._current, self._needed
+        fair = room / self._stack_bytes if self._stack_bytes else 0.0  # share of each stack's experts
         # Each stack's tier and distance first (the current layer's tier is its best case, 0),
         # then the stacks from the most promising down: a stack's best possible score is its
         # coldest copy at UNSEEN_USE, so once the best found beats the next stack's best possible,
@@ -367,8 +365,7 @@ class ExpertStacks:
                         continue  # the op did not say what it pages: any of the layer's may be next
                     tier, distance = 0, count
                 else:
-                    where = position.get(group)
-                    distance = (where - here) % count or count if where is not None else 0.5
+                    distance = _distance(position.get(group), here, count)
                     tier = self._tier(stack, entries, ran, fair)
                 ranked.append((tier, -distance, master_id, stack))
             ranked.sort(key=_rank)
@@ -396,7 +393,7 @@ class ExpertStacks:
                 entry, _ = self._coldest_of(stack, cache, None)
             if entry is None:
                 continue
-            use = min(1.0, max(frequency.get(entry.key, 0.0) * keep_weight, UNSEEN_USE))
+            use = self._use(entry.key)
             score = (tier, minus_distance - count * (1.0 - use) / use, last.get(entry.key, -1))
             if best is None or score < best_score:
                 best, best_score = entry, score
@@ -407,6 +404,23 @@ class ExpertStacks:
         if self._ahead_of_use and best_score[0] > 0:
             return None
         return best
+
+    def _cycle(self):
+        """(group -> place in the cyclic layer order, the cycle's length, the current layer's place)."""
+        position = self.position
+        here = position.get(self._current)
+        if here is not None:
+            return position, len(position), here
+        # The first pass (or a layer new to it): no cycle learned yet. Layers seen in this pass
+        # are placed in their order, the current one last, unseen ones just ahead.
+        ran = self._order
+        count = max(len(ran), 1)
+        position = {group: i for i, group in enumerate(ran)}
+        return position, count, position.get(self._current, count - 1)
+
+    def _use(self, key) -> float:
+        """The chance ``key``'s layer routes to it at its next turn, estimated from its decayed use."""
+        return min(1.0, max(self.frequency.get(key, 0.0) * (1.0 - FREQUENCY_DECAY), UNSEEN_USE))
 
     @staticmethod
     def _tier(stack: _Stack, entries, ran, fair: float) -> int:
@@ -448,20 +462,12 @@ class ExpertStacks:
         return found, tier
 
     def _victim_scan(self, candidates, cached: dict, room: int):
-        """``victim`` by comparing the evictable copies one by one, least recently used first."""
-        position = self.position
-        count = len(position)
-        here = position.get(self._current)
-        ran = self._order
-        if here is None:
-            # The first pass (or a layer new to it): no cycle learned yet. Layers seen in this
-            # pass are placed in their order, the current one last, unseen ones just ahead.
-            count = max(len(ran), 1)
-            position = {group: i for i, group in enumerate(ran)}
-            here = position.get(self._current, count - 1)
-        current, needed, frequency = self._current, self._needed, self.frequency
-        fair = room / self._stack_bytes if self._stack_bytes else 0.0  # share of each stack's experts
-        keep_weight = 1.0 - FREQUENCY_DECAY
+        """``victim`` by comparing the evictable copies one by one, least recently used first: the
+        fallback when the indexes offer nothing (copies the index has no record of, such as those
+        cached before the registry was rebuilt, or only copies to keep)."""
+        position, count, here = self._cycle()
+        ran, current, needed = self._order, self._current, self._needed
+        fair = room / self._stack_bytes if self._stack_bytes else 0.0
         best, best_score = None, None
         for seen, entry in enumerate(candidates):
             if seen >= VICTIM_WINDOW:
@@ -485,17 +491,12 @@ class ExpertStacks:
                         else:
                             tier = 1 if stack.expert_of(entry.key) in stack.used else 3
                     else:
-                        where = position.get(group)
-                        distance = (where - here) % count or count if where is not None else 0.5
-                        if group not in ran:
-                            tier = 2
-                        else:
-                            floor = min(len(stack.used), int(fair * stack.num_experts))
-                            tier = 0 if len(cached.get(entry.key[0], ())) > floor else 1
+                        distance = _distance(position.get(group), here, count)
+                        tier = self._tier(stack, cached.get(entry.key[0], ()), ran, fair)
                     if tier == 3:
                         score = _KEEP
                     else:
-                        use = min(1.0, max(frequency.get(entry.key, 0.0) * keep_weight, UNSEEN_USE))
+                        use = self._use(entry.key)
                         score = (tier, -(distance + count * (1.0 - use) / use))
             if best is None or score < best_score:
                 best, best_score = entry, score
