@@ -38,19 +38,9 @@ def _deepseek():
 
 
 def _transformers(name):
-    import transformers
+    from offtensor.models.tiny import tiny_transformers
 
-    small = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, max_position_embeddings=64)
-    if name == "llama":
-        config = transformers.LlamaConfig(**small, num_hidden_layers=2, num_key_value_heads=2, intermediate_size=256,
-                                          tie_word_embeddings=True)
-    else:
-        config = transformers.Qwen3MoeConfig(**small, num_hidden_layers=2, num_key_value_heads=2, head_dim=16,
-                                             intermediate_size=256, moe_intermediate_size=64, num_experts=16,
-                                             num_experts_per_tok=4, decoder_sparse_step=1, mlp_only_layers=[])
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    return model, 128
+    return tiny_transformers(name), 128
 
 
 MODELS = {"deepseek_reference": _deepseek, "llama": lambda: _transformers("llama"),

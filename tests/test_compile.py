@@ -368,19 +368,9 @@ def test_capture_path_copies_from_the_master_without_the_cache(device, monkeypat
 
 
 transformers = pytest.importorskip("transformers")
+from offtensor.models.tiny import tiny_transformers as _tiny  # noqa: E402
 
 
-def _tiny(name):
-    small = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, max_position_embeddings=64)
-    if name == "llama":
-        config = transformers.LlamaConfig(**small, num_hidden_layers=2, num_key_value_heads=2, intermediate_size=256,
-                                          tie_word_embeddings=True)
-    else:
-        config = transformers.Qwen3MoeConfig(**small, num_hidden_layers=2, num_key_value_heads=2, head_dim=16,
-                                             intermediate_size=256, moe_intermediate_size=64, num_experts=16,
-                                             num_experts_per_tok=4, decoder_sparse_step=1, mlp_only_layers=[])
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
