@@ -306,19 +306,23 @@ class MoE(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
-        router_logits = self.gate(x).float()  # routing decided in float32, as DeepSeek does
-        if self.scoring_func == "softmax":
-            scores = router_logits.softmax(dim=-1)
-        else:
-            scores = router_logits.sigmoid()
-        routing_weights, selected = scores.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            routing_weights = routing_weights / routing_weights.sum(dim=-1, keepdim=True)
-        routing_weights = (routing_weights * self.routed_scaling_factor).to(x.dtype)
+        routing_weights, selected = route(self, self.gate(x), x.dtype)
         out = self.experts(x, selected, routing_weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(shape)
+
+
+def route(moe: nn.Module, router_logits: torch.Tensor, dtype: torch.dtype):
+    """(routing weights in ``dtype``, selected experts) of DeepSeek's router for ``moe``'s settings
+    (``scoring_func``, ``top_k``, ``norm_topk_prob``, ``routed_scaling_factor``), decided in float32
+    as DeepSeek does."""
+    logits = router_logits.float()
+    scores = logits.softmax(dim=-1) if moe.scoring_func == "softmax" else logits.sigmoid()
+    routing_weights, selected = scores.topk(moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        routing_weights = routing_weights / routing_weights.sum(dim=-1, keepdim=True)
+    return (routing_weights * moe.routed_scaling_factor).to(dtype), selected
 
 
 class DecoderLayer(nn.Module):

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .deepseek import DeepSeekConfig, LatentCache, RMSNorm, RotaryEmbedding, apply_rotary
+from .deepseek import DeepSeekConfig, LatentCache, RMSNorm, RotaryEmbedding, apply_rotary, route
 
 
 # ------------------------------------------------------------------------------------ parameters
@@ -422,12 +422,7 @@ class MoE(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
-        logits = self.gate(x).float()
-        scores = logits.softmax(dim=-1) if self.scoring_func == "softmax" else logits.sigmoid()
-        routing_weights, selected = scores.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            routing_weights = routing_weights / routing_weights.sum(dim=-1, keepdim=True)
-        routing_weights = (routing_weights * self.routed_scaling_factor).to(x.dtype)
+        routing_weights, selected = route(self, self.gate(x), x.dtype)
         out = self.experts(x, selected, routing_weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
