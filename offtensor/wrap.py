@@ -518,7 +518,8 @@ def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buff
     ``attaching`` = (tensors placed so far, slots replaced) while a submodule is attached: the
     submodule's tensors already placed count as resident, those of the submodule it replaces do not."""
     pager = state.pager
-    if not state.experts_stale and "experts" in state.qualified_name(module, name).split("."):
+    full_name = state.qualified_name(module, name)
+    if not state.experts_stale and "experts" in full_name.split("."):
         state.experts_stale = True
     if isinstance(t, OffloadedTensor):
         t._master.move_to(pager)
@@ -541,7 +542,6 @@ def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buff
     model = state.model_ref()
     if model is None:
         return None  # the wrapped model is gone; nothing left to account against
-    full_name = state.qualified_name(module, name)
     extra, skip = attaching or ((), frozenset())
     skip = skip | {(module, name)}
     storages = _resident_storages(model, pager.device, skip, extra)
