@@ -27,6 +27,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from . import compile as _compile
 from .pager import BudgetError, host_layout
+from .placement import TILE_ALIGN  # tiles are cut to multiples of the width placement plans room for
 from .tensor import OffloadedTensor, _check_offloadable, _wrap_host, new_host_master, new_view
 
 aten = torch.ops.aten
@@ -594,10 +595,6 @@ def _in_pieces_when_short(func, handler):
 # narrower output: on CPU (MKL/oneDNN) that held for every tile at least TILE_ALIGN wide in
 # test_budget_and_tiling; tiles narrower than that (a budget with room for only a few rows) may
 # make BLAS pick a matrix-vector kernel, which differs in the last bits (tested to a tolerance).
-
-
-# Tiles are made multiples of this many outputs wide when the room allows (see _tiled).
-TILE_ALIGN = 16
 
 
 def _slice_bytes(t: OffloadedTensor, dim: int) -> int:

@@ -588,8 +588,9 @@ def _reserve_paging_room(state: _State, full_name: str, t: torch.Tensor, residen
     pager = state.pager
     nbytes = t.numel() * t.element_size()
     ws = placement.working_set(full_name, tuple(t.shape), nbytes)
-    if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
-        ws = placement.tile_working_set(tuple(t.shape), nbytes, ws)
+    for slices in (placement.TILE_ALIGN, 1):  # bit-identical tiles first (see tile_working_set)
+        if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
+            ws = placement.tile_working_set(tuple(t.shape), nbytes, ws, slices)
     if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
         raise BudgetError(
             f"offtensor: {kind}{full_name} ({nbytes} bytes) needs {ws} bytes on the device to be paged, but only "
