@@ -389,10 +389,12 @@ class _Progress:
         self.bar = None
         self.lock = threading.Lock()
         if enabled:
-            try:
-                from tqdm.auto import tqdm
-            except ImportError:
+            from ._optional import optional_import
+
+            tqdm_auto = optional_import("tqdm.auto", "progress bars")
+            if tqdm_auto is None:
                 return  # a one-line summary is printed at the end instead
+            tqdm = tqdm_auto.tqdm
             # unit_scale with base 1000 turns B/s into MB/s and GB/s, the units the README uses.
             self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=what, leave=False,
                             dynamic_ncols=True)
