@@ -81,7 +81,7 @@ class _State:
         self.working_set_bytes = plan.working_set_bytes
         self.plan = plan
         self.placed: dict = {}  # source storage (_cdata) -> _Placed
-        self.load_hooks = []  # handles of the load_state_dict post-hooks on every module
+        self.load_hooks = []  # handles of the load_state_dict and state_dict post-hooks on every module
         self.step_hook = None  # forward pre-hook on the model that marks prefetch passes
         # Storages of the resident weights placed so far, so that a load that only copied values
         # into them is recognised without walking the model.
@@ -434,6 +434,7 @@ def _register(model: nn.Module, pager: Pager, plan: placement.Plan, policy, pref
     for module in model.modules():
         _WRAPPED[module] = state
         state.load_hooks.append(module.register_load_state_dict_post_hook(_after_load))
+        state.load_hooks.append(module.register_state_dict_post_hook(_portable_state_dict))
     state.resident_ptrs = {
         t.untyped_storage().data_ptr()
         for t in _tensors(model)
@@ -630,6 +631,7 @@ def _module_hook(module, name, submodule):
             continue
         _WRAPPED[child] = state
         state.load_hooks.append(child.register_load_state_dict_post_hook(_after_load))
+        state.load_hooks.append(child.register_state_dict_post_hook(_portable_state_dict))
         for table, is_buffer in ((child._parameters, False), (child._buffers, True)):
             for attr, t in list(table.items()):
                 if t is not None:
@@ -696,6 +698,8 @@ def _adopt_copy(model: nn.Module) -> Optional[_State]:
         # The copy's modules carry copies of the original's hooks; _register adds its own.
         for key in [k for k, h in module._load_state_dict_post_hooks.items() if h is _after_load]:
             del module._load_state_dict_post_hooks[key]
+        for key in [k for k, h in module._state_dict_hooks.items() if h is _portable_state_dict]:
+            del module._state_dict_hooks[key]
         if _WRAPPED.get(module) is not None:
             del _WRAPPED[module]
     for key, _ in hooks:
@@ -745,6 +749,20 @@ def _after_load(module, incompatible_keys):
         new = _place(state, module, attr, t, is_buffer, attaching=((), frozenset(pending)))
         if new is not None:
             table[attr] = new
+
+
+def _portable_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    """state_dict post-hook: the OffloadedTensors this module put in ``state_dict`` (detached views
+    of its weights, so ``load_state_dict`` and in-place writes through them still reach the
+    masters) are marked to pickle as the plain CPU tensors they hold. ``torch.save(model.state_dict())``
+    then writes a file any process loads with ``torch.load(weights_only=True)``, offtensor or
+    not, each tie once, with nothing paged. ``keep_vars=True`` values are the Parameters
+    themselves and keep their class when pickled, as a Parameter saved on its own does."""
+    for table in (module._parameters, module._buffers):
+        for name, t in table.items():
+            value = state_dict.get(prefix + name)
+            if value is not t and isinstance(value, OffloadedTensor):
+                value.__dict__["_portable"] = True
 
 
 def _place_attribute(state: _State, module: nn.Module, name: str, t: torch.Tensor) -> None:
