@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import warnings
 import weakref
 from typing import Optional
 
@@ -166,10 +167,25 @@ def _group_bytes(group) -> int:
     t = group[0].tensor
     if isinstance(t, OffloadedTensor):
         return t._master.nbytes
-    if len(group) == 1:
+    if len(group) == 1 and (t.is_meta or not _expanded(t)):
         return t.numel() * t.element_size()
+    # Several aliases, or an expanded (stride-0) tensor: the storage range they cover, which is
+    # what a host master or a resident copy of them holds (256 B for 256 B expanded to 16 KiB).
     lo, hi = _group_range(group)
     return (hi - lo) * t.element_size()
+
+
+def _expanded(t: torch.Tensor) -> bool:
+    """Some dim of ``t`` repeats its elements (stride 0, size > 1), as ``expand`` makes."""
+    return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape))
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """The bytes ``t``'s values take: its covering storage range when expanded, else numel bytes."""
+    if t.layout == torch.strided and not t.is_meta and t.numel() and _expanded(t):
+        lo, hi = _covering_range(t)
+        return (hi - lo) * t.element_size()
+    return t.numel() * t.element_size()
 
 
 def _group_range(group):
@@ -414,6 +430,19 @@ def _plan(groups, device, budget_gb, offload_gb, policy, prefetch):
     weights = [_weight(g) for g in groups]
     budget_bytes = None if budget_gb is None else int(budget_gb * GiB)
     offload_bytes = None if offload_gb is None else int(offload_gb * GiB)
+    names = [n for w in weights for n in w.names]
+    for pattern, choice in placement.unmatched_patterns(policy, names):
+        warnings.warn(
+            f"offtensor: the policy's {choice!r} pattern {pattern!r} matches none of the model's {len(names)} tensor "
+            f"names (such as {names[:3]}), so it decides nothing; patterns are fnmatch globs on full names like "
+            f"'layers.0.mlp.weight' (a tensor assigned later is matched when it is placed)", UserWarning, stacklevel=3)
+    total = _device_total_bytes(device) if budget_bytes is not None else None
+    if total is not None and budget_bytes > total:
+        memory = "GPU memory (torch.cuda.mem_get_info)" if device.type == "cuda" else "RAM on this machine"
+        warnings.warn(
+            f"offtensor: budget_gb={budget_gb} ({budget_bytes} bytes) is more than the {total} bytes "
+            f"({total / GiB:.2f} GiB) of {memory} that {device} has: the budget cannot hold, and weights it lets stay "
+            f"resident may not fit; give a budget below the device's memory", UserWarning, stacklevel=3)
     if budget_bytes is None and offload_bytes is None:
         budget_bytes = _free_device_bytes(device) - DEFAULT_MARGIN_BYTES
     already = {id(w) for w, g in zip(weights, groups) if isinstance(g[0].tensor, OffloadedTensor)}
@@ -502,6 +531,19 @@ def _state(model: nn.Module) -> _State:
     return _WRAPPED[model]
 
 
+def _device_total_bytes(device: torch.device) -> Optional[int]:
+    """All the memory of ``device`` (a GPU's total, the emulated device's: the machine's RAM), or
+    None where it is not known (meta)."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[1]
+        if device.type == "cpu":
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (RuntimeError, ValueError, OSError):
+        return None
+    return None
+
+
 def _free_device_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -587,7 +629,7 @@ def _reserve_paging_room(state: _State, full_name: str, t: torch.Tensor, residen
     can page it, whole or in tiles (dispatch computes linear, mm, bmm and conv ops on a weight larger
     than the room in output tiles), and reserve that working set."""
     pager = state.pager
-    nbytes = t.numel() * t.element_size()
+    nbytes = _tensor_bytes(t)  # offloading keeps an expanded tensor's stride-0 layout
     ws = placement.working_set(full_name, tuple(t.shape), nbytes)
     if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
         ws = placement.tile_working_set(tuple(t.shape), nbytes, ws)
