@@ -243,6 +243,18 @@ def test_header_padded_with_spaces_as_safetensors_writes_it_loads(tmp_path, devi
     _loads(path, device)
 
 
+def test_nesting_safetensors_refuses_but_python_parses_is_accepted_only_where_nothing_reads_it(tmp_path, device):
+    # serde_json stops at 128 levels; Python's json parses up to its recursion limit (deeper is
+    # refused above). A valid value can only be that deep in an entry's unknown field, which
+    # nothing reads (dtype, shape, offsets and __metadata__ refuse any nesting), so accepting it
+    # cannot change a weight. This is the one file here that safetensors refuses and offtensor loads.
+    deep = "[" * 300 + "]" * 300
+    text = json.dumps(_entries())[:-2] + ', "note": ' + deep + "}}"
+    path = _write(tmp_path / "model.safetensors", text)
+    _loads(path, device)
+    _safetensors_refuses(path)
+
+
 class WithEmpty(nn.Module):
     def __init__(self):
         super().__init__()
