@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import re
 import warnings
 from typing import Callable, Iterable, Optional, Sequence, Union
 
@@ -132,6 +133,24 @@ def _policy_choice(policy: Policy, names: Iterable[str]) -> Optional[str]:
         if any(fnmatch.fnmatchcase(name, pattern) for name in names):
             return choice
     return None
+
+
+def unmatched_patterns(policy: Policy, names: Iterable[str]) -> list:
+    """(pattern, "offload" | "keep") for each pattern of a pattern policy that matches none of
+    ``names`` (a callable policy has no patterns to check)."""
+    if policy is None or callable(policy):
+        return []
+    if isinstance(policy, dict):
+        rules = [(p, "keep") for p in _patterns(policy.get("keep"))] + [(p, "offload") for p in _patterns(policy.get("offload"))]
+    else:
+        rules = [(p, "offload") for p in _patterns(policy)]
+    names = list(names)
+    unmatched = []
+    for pattern, choice in rules:
+        match = re.compile(fnmatch.translate(pattern)).match if isinstance(pattern, str) else None
+        if match is not None and not any(map(match, names)):
+            unmatched.append((pattern, choice))
+    return unmatched
 
 
 def _patterns(value) -> list:
