@@ -662,8 +662,12 @@ def _module_hook(module, name, submodule):
     if state is None or submodule is None:
         return None
     old = module._modules.get(name)
+    # Slots of the module being replaced stop counting, except those of its submodules that the new
+    # one keeps (peft's LoRA layer holds the Linear it replaces as ``base_layer``): they stay resident.
+    kept = set(submodule.modules())
     replaced = frozenset(
-        (m, attr) for m in (old.modules() if old is not None else ()) for attr in (*m._parameters, *m._buffers)
+        (m, attr) for m in (old.modules() if old is not None else ()) if m not in kept
+        for attr in (*m._parameters, *m._buffers)
     )
     parent = state.qualified_name(module, name)
     for path, child in submodule.named_modules(remove_duplicate=False):

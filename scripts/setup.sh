@@ -89,7 +89,7 @@ if [ -n "$OPTIONAL" ]; then
   echo "setup: installing the optional $OPTIONAL"
   # shellcheck disable=SC2086
   if ! pip install -q ${WHEELS[@]+"${WHEELS[@]}"} -c "$LOCK" -c "$CONSTRAINTS" $OPTIONAL >/dev/null 2>&1; then
-    echo "setup: could not install the optional $OPTIONAL: plots, progress bars or the parallel build are skipped"
+    echo "setup: could not install the optional $OPTIONAL: plots, progress bars, the parallel build or the client tests are skipped"
   fi
 fi
 
