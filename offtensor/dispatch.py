@@ -1047,13 +1047,24 @@ def _planned_ends(experts: int, rows: int) -> list:
 
 
 def _as_linear_weight(x, weight: OffloadedTensor, device_weight: torch.Tensor) -> torch.Tensor:
-    """The paged copy (or tile) of ``weight`` that ``F.linear`` gets. aten::matmul folds a
-    non-contiguous 3-D input into one mm when the weight requires grad (even under no_grad) and runs
-    bmm otherwise: another kernel, other bits. The unwrapped model's weight requires grad, so its
-    paged copy must say so too. (A contiguous or 2-D input takes the same kernel either way.)"""
-    if x.dim() >= 3 and not x.is_contiguous() and weight.requires_grad:
+    """The paged copy (or tile) of ``weight`` that ``F.linear`` gets. aten::matmul folds a 3-D
+    input into one mm when the weight requires grad (even under no_grad), and otherwise only when
+    the fold needs no copy; else it runs bmm: another kernel, other bits. The unwrapped model's
+    weight requires grad, so its paged copy must say so too wherever that changes the kernel."""
+    if x.dim() >= 3 and weight.requires_grad and not _folds_without_copy(x):
         return device_weight.detach().requires_grad_()
     return device_weight
+
+
+def _folds_without_copy(x: torch.Tensor) -> bool:
+    """aten::matmul's ``should_fold`` for an input whose weight does not require grad:
+    ``x.view(-1, x.size(-1))`` needs no copy. Not ``is_contiguous()``: a size-1 dimension with any
+    stride is contiguous, but its stride still decides the fold (fsmt's (2, 1, 32) decoder state
+    with strides (32, 64, 1) runs bmm unless the weight requires grad)."""
+    if x.numel() == 0:
+        return True
+    sizes, strides = x.shape, x.stride()
+    return all(strides[i] == strides[i + 1] * sizes[i + 1] for i in range(x.dim() - 2))
 
 
 def _linear(args, kwargs):
@@ -1087,9 +1098,10 @@ def _matrix_product(product):
     ``__torch_dispatch__``. ``x @ w.t()`` in a decode step is this.
 
     Taken only where the dispatch path would page exactly the same bytes in one op, so paging,
-    stats and results stay those of that path: both operands at most 2-D, or a contiguous plain
-    first operand of 3 or more dims times a second of at most 2, which matmul folds into one mm
-    whether or not the second requires grad (aten::matmul's should_fold), and mm of two matrices.
+    stats and results stay those of that path: both operands at most 2-D, or a plain first operand
+    of 3 or more dims that folds without a copy times a second of at most 2, which matmul folds into
+    one mm whether or not the second requires grad (aten::matmul's should_fold), and mm of two
+    matrices.
     Everything else (broadcast batches, out=, tiling, autograd, torch.compile's tracing, a
     timeline being recorded) takes the normal dispatch."""
     is_mm = product is torch.mm
@@ -1111,7 +1123,7 @@ def _matrix_product(product):
         if is_mm:
             if a_dim != 2 or b_dim != 2:
                 return NotImplemented  # mm's own error
-        elif b_dim > 2 or (a_dim > 2 and (a is not hosts[0] or not a.is_contiguous())):
+        elif b_dim > 2 or (a_dim > 2 and (a is not hosts[0] or not _folds_without_copy(a))):
             return NotImplemented
         if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
             return NotImplemented  # autograd must see the OffloadedTensor (see _linear)

@@ -48,6 +48,19 @@ def test_linear_with_a_non_contiguous_3d_input_matches_a_weight_that_requires_gr
     assert offloaded_weight.requires_grad
 
 
+def test_linear_with_a_contiguous_3d_input_whose_unit_dim_has_another_stride_matches_a_weight_that_requires_grad(device):
+    # fsmt on transformers 5.17: a (2, 1, 32) decoder state with strides (32, 64, 1) counts as
+    # contiguous, yet aten::matmul folds it only when the weight requires grad (2.98e-08 apart).
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(96, 32, device=device))
+    x = torch.randn(1, 2, 32, device=device).transpose(0, 1)
+    assert x.is_contiguous() and x.stride() == (32, 64, 1)
+    offloaded_weight = nn.Parameter(ot.offload(weight.detach().cpu(), device=device))
+    with torch.no_grad():
+        assert torch.equal(F.linear(x, offloaded_weight), F.linear(x, weight))
+        assert torch.equal(x @ offloaded_weight.t(), x @ weight.t())
+
+
 # ---------------------------------------------------------------------------- 1. working sets, lists in pieces
 
 
