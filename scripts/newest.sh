@@ -14,6 +14,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 SPEC="transformers${1:+==$1}"
 rm -rf .newest
+# torch's own dependencies and numpy stay at their pins: .newest/ goes first on the path, and a
+# newer numpy there would test torch against it rather than transformers against offtensor.
+KEEP="$(mktemp)"
+trap 'rm -f "$KEEP"' EXIT
+grep -iE '^(numpy|filelock|fsspec|typing_extensions|sympy|networkx|jinja2|markupsafe|mpmath|setuptools)==' \
+  requirements-test.txt | sed 's/ *#.*//' >"$KEEP"
 echo "newest: installing $SPEC into .newest/"
-.venv/bin/python -m pip install --disable-pip-version-check -q --target .newest --upgrade "$SPEC"
-exec .venv/bin/python scripts/sweep_compare.py .newest --json .newest/sweeps.json
+.venv/bin/python -m pip install --disable-pip-version-check -q --target .newest --upgrade -c "$KEEP" "$SPEC"
+.venv/bin/python scripts/sweep_compare.py .newest --json .newest/sweeps.json
