@@ -30,7 +30,6 @@ from torch import nn
 
 from .config import OffloadConfig, Policy
 from .pager import GiB, BudgetError, host_layout
-from .tensor import OffloadedTensor
 
 EXPERTS, ROWS, MLP, ATTENTION, OTHER, LAST = range(6)
 CLASS_NAMES = {EXPERTS: "routed experts", ROWS: "read by rows", MLP: "dense MLP", ATTENTION: "attention", OTHER: "other", LAST: "last"}
@@ -209,7 +208,7 @@ class StorageGroup(list):
 
     @property
     def is_offloaded(self) -> bool:
-        return isinstance(self[0].tensor, OffloadedTensor)
+        return _is_offloaded(self[0].tensor)
 
     def element_range(self):
         """Elements [lo, hi) of the storage that the members cover together."""
@@ -221,7 +220,7 @@ class StorageGroup(list):
     @property
     def nbytes(self) -> int:
         t = self[0].tensor
-        if isinstance(t, OffloadedTensor):
+        if _is_offloaded(t):
             return t._master.nbytes
         if len(self) == 1:
             return t.numel() * t.element_size()
@@ -267,8 +266,16 @@ def collect_groups(model: nn.Module) -> list:
     return list(groups.values())
 
 
+def _is_offloaded(t: torch.Tensor) -> bool:
+    # tensor.py is imported here, not at the top: dispatch.py reads TILE_ALIGN from this module and
+    # tensor.py imports dispatch.py, so a top-level import would close a circle.
+    from .tensor import OffloadedTensor
+
+    return isinstance(t, OffloadedTensor)
+
+
 def _storage_key(t: torch.Tensor):
-    if isinstance(t, OffloadedTensor):
+    if _is_offloaded(t):
         return ("master", t._master.id)
     if t.is_meta or t.layout != torch.strided or t.untyped_storage().data_ptr() == 0:
         return ("object", id(t))
