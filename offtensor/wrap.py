@@ -42,7 +42,7 @@ from .tensor import (
     user_class,
 )
 
-# Every submodule of a wrapped model -> the model's state, for the registration hooks.
+# Every submodule of a wrapped model -> the model's state, read by the wrapping classes' methods.
 _WRAPPED: "weakref.WeakKeyDictionary[nn.Module, _State]" = weakref.WeakKeyDictionary()
 
 
