@@ -133,15 +133,52 @@ def main(argv=None) -> int:
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2
+    size, config = _model_config(args, device)
+    clock = _Clock(device)
+    _announce(args, size, device)
+
+    with clock.step("building the reference model on the host (random weights)"):
+        reference = DeepSeekForCausalLM.empty(config).init_weights(args.seed)
+    total_bytes = weight_bytes(reference)
+    params = sum(p.numel() for p in reference.parameters())
+    budget_gb = args.budget_fraction * total_bytes / GiB
+    print(f"          {params / 1e6:.1f} M parameters, {format_bytes(total_bytes)} of weights; "
+          f"budget {format_bytes(budget_gb * GiB)} ({budget_gb:.3f} GiB)", flush=True)
+    model = _wrapped_copy(reference, config, budget_gb, device, clock)
+    if model is None:
+        return 2
+    placed = ot.stats(model)
+
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    prompt = torch.randint(0, config.vocab_size, (1, PROMPT_LENGTH), generator=generator).to(device)
+    expected, reference_gpu_peak = _reference_run(reference, prompt, args.tokens, clock, device)
+    del reference
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    got, wrapped_gpu_peak = _wrapped_run(model, prompt, args.tokens, clock, device)
+    s = ot.stats(model)
+
+    tokens_equal = torch.equal(got.tokens, expected.tokens)
+    within_budget = s.peak_device_bytes <= s.budget_bytes
+    _print_table(args, size, total_bytes, placed, s, expected, got, reference_gpu_peak, wrapped_gpu_peak,
+                 tokens_equal, within_budget)
+    print(f"total {time.perf_counter() - clock.start:.1f} s")
+    return _verdict(expected, got, s, tokens_equal, within_budget)
+
+
+def _model_config(args, device: torch.device):
+    """The model size and its config for ``device``: bf16 on a GPU as models are served; float32 on
+    the CPU, where bf16 matmuls are slow, except for the GPU-sized model, which would need 13.6 GB
+    per copy in float32."""
     on_gpu = device.type == "cuda"
     size = args.size or ("large" if on_gpu else "medium")
-    # bf16 on a GPU as models are served; float32 on the CPU, where bf16 matmuls are slow, except for
-    # the GPU-sized model, which would need 13.6 GB per copy in float32.
     dtype = torch.bfloat16 if on_gpu or size == "large" else torch.float32
-    config = dataclasses.replace(CONFIGS[size], dtype=dtype)
-    clock = _Clock(device)
-    where = "GPU" if on_gpu else "emulated device (cpu)"
-    if not on_gpu:
+    return size, dataclasses.replace(CONFIGS[size], dtype=dtype)
+
+
+def _announce(args, size: str, device: torch.device) -> None:
+    where = "GPU" if device.type == "cuda" else "emulated device (cpu)"
+    if device.type != "cuda":
         # The emulated device's copy engine is a worker thread: leave it a core. With every core
         # given to intra-op threads, their spin-waits and the copies starve each other (seconds per
         # token on 2 cores instead of tens of milliseconds), for the unwrapped run as well.
@@ -153,31 +190,28 @@ def main(argv=None) -> int:
     print(f"offtensor demo: '{size}' DeepSeek-style model on {device} ({where}), {args.tokens} new tokens, "
           f"budget {args.budget_fraction:.0%} of the weights", flush=True)
 
-    with clock.step("building the reference model on the host (random weights)"):
-        reference = DeepSeekForCausalLM.empty(config).init_weights(args.seed)
-    total_bytes = weight_bytes(reference)
-    params = sum(p.numel() for p in reference.parameters())
-    budget_gb = args.budget_fraction * total_bytes / GiB
-    print(f"          {params / 1e6:.1f} M parameters, {format_bytes(total_bytes)} of weights; "
-          f"budget {format_bytes(budget_gb * GiB)} ({budget_gb:.3f} GiB)", flush=True)
 
+def _wrapped_copy(reference, config, budget_gb: float, device: torch.device, clock: _Clock):
+    """An empty model wrapped for the budget, then loaded and absorbed as an engine does; None
+    (with the error printed) when the budget cannot hold it."""
     with clock.step(f"wrapping an empty copy for {device} under the budget"):
         model = DeepSeekForCausalLM.empty(config)
         try:
             ot.wrap_model(model, budget_gb=budget_gb, device=device)
         except ot.BudgetError as error:
             print(f"{error}\nTry a larger --budget-fraction.", file=sys.stderr)
-            return 2
+            return None
     with clock.step("loading the reference weights into it (load_state_dict)"):
         model.load_state_dict(reference.state_dict())
     with clock.step("MLA absorption (process_weights_after_loading) on the wrapped model"):
         model.process_weights_after_loading()
-    placed = ot.stats(model)
+    return model
 
-    generator = torch.Generator().manual_seed(args.seed + 1)
-    prompt = torch.randint(0, config.vocab_size, (1, PROMPT_LENGTH), generator=generator).to(device)
 
-    with clock.step(f"reference run: unwrapped model on {device}, absorbed, {args.tokens} tokens"):
+def _reference_run(reference, prompt, tokens: int, clock: _Clock, device: torch.device):
+    """The unwrapped model's tokens on ``device``, and the GPU memory its run added (None on cpu)."""
+    on_gpu = device.type == "cuda"
+    with clock.step(f"reference run: unwrapped model on {device}, absorbed, {tokens} tokens"):
         # The wrapped model's resident weights are already on the device; the unwrapped run's peak
         # counts only what it adds (its weights and activations), or it would look bigger than it is.
         others_gpu_bytes = torch.cuda.memory_allocated(device) if on_gpu else 0
@@ -186,26 +220,25 @@ def main(argv=None) -> int:
         reference.generate(prompt, WARMUP_TOKENS)
         if on_gpu:
             torch.cuda.reset_peak_memory_stats(device)
-        expected = _generate(reference, prompt, args.tokens, clock, "unwrapped", wrapped=False)
-        reference_gpu_peak = torch.cuda.max_memory_allocated(device) - others_gpu_bytes if on_gpu else None
-    del reference
-    if on_gpu:
-        torch.cuda.empty_cache()
+        expected = _generate(reference, prompt, tokens, clock, "unwrapped", wrapped=False)
+        gpu_peak = torch.cuda.max_memory_allocated(device) - others_gpu_bytes if on_gpu else None
+    return expected, gpu_peak
 
-    with clock.step(f"wrapped run: {args.tokens} tokens"):
+
+def _wrapped_run(model, prompt, tokens: int, clock: _Clock, device: torch.device):
+    """The wrapped model's tokens, and the GPU memory in use at its peak (None on cpu)."""
+    on_gpu = device.type == "cuda"
+    with clock.step(f"wrapped run: {tokens} tokens"):
         model.generate(prompt, WARMUP_TOKENS)  # as for the reference: first-call costs, and the prefetcher's first pass
         if on_gpu:
             torch.cuda.reset_peak_memory_stats(device)
-        got = _generate(model, prompt, args.tokens, clock, "wrapped", wrapped=True)
+        got = _generate(model, prompt, tokens, clock, "wrapped", wrapped=True)
         # Everything on the device now is the wrapped model's: resident weights, slots, activations.
-        wrapped_gpu_peak = torch.cuda.max_memory_allocated(device) if on_gpu else None
-    s = ot.stats(model)
+        gpu_peak = torch.cuda.max_memory_allocated(device) if on_gpu else None
+    return got, gpu_peak
 
-    tokens_equal = torch.equal(got.tokens, expected.tokens)
-    within_budget = s.peak_device_bytes <= s.budget_bytes
-    _print_table(args, size, total_bytes, placed, s, expected, got, reference_gpu_peak, wrapped_gpu_peak,
-                 tokens_equal, within_budget)
-    print(f"total {time.perf_counter() - clock.start:.1f} s")
+
+def _verdict(expected: _Run, got: _Run, s, tokens_equal: bool, within_budget: bool) -> int:
     if not tokens_equal:
         new_expected = expected.tokens[0, PROMPT_LENGTH:].tolist()
         new_got = got.tokens[0, PROMPT_LENGTH:].tolist()

@@ -29,10 +29,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import wrap
-from .pager import Pager, format_bytes, resolve_device
-from .tensor import OffloadedTensor, _master_for
 from . import _ext
+from . import placement
+from . import wrap
+from .config import OffloadConfig
+from .pager import Pager, format_bytes, resolve_device
+from .placement import StorageGroup
+from .tensor import OffloadedTensor, _master_for
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -48,7 +51,7 @@ _MAX_INDEX_BYTES = 100_000_000
 # staging buffers stay small.
 CHUNK_BYTES = 32 << 20
 STAGING_SLOTS = 2
-# Loads at least this large show a progress bar unless silenced (progress=False or OFFTENSOR_PROGRESS=0).
+# Loads at least this large show a progress bar when OffloadConfig.progress is None (the default).
 PROGRESS_MIN_BYTES = 256 << 20
 
 
@@ -587,11 +590,10 @@ class _Progress:
     """Bytes read so far, shown with tqdm when the load is large enough (thread-safe)."""
 
     def __init__(self, total: int, enabled: Optional[bool], what: str):
+        """``enabled``: True, False, or None for loads of ``PROGRESS_MIN_BYTES`` or more."""
         self.total, self.start = total, time.perf_counter()
         if enabled is None:
-            env = os.environ.get("OFFTENSOR_PROGRESS", "").strip().lower()
-            enabled = env not in ("0", "false", "no", "off") and (env in ("1", "true", "yes", "on")
-                                                                  or total >= PROGRESS_MIN_BYTES)
+            enabled = total >= PROGRESS_MIN_BYTES
         self.enabled = enabled
         self.bar = None
         self.lock = threading.Lock()
@@ -800,13 +802,23 @@ def load_safetensors(model: nn.Module, path, budget_gb: Optional[float] = None, 
     tensors of another dtype in the files are converted to the model's instead of refused.
     ``allow_outside_paths``: an index may name shards outside its own directory (absolute paths,
     ``..``, symlinks leading elsewhere); by default such an index is refused, except for
-    huggingface_hub's cache layout (``snapshots/<rev>/*`` linking to ``../../blobs``).
+    huggingface_hub's cache layout (``snapshots/<rev>/*`` linking to ``../../blobs``). The
+    placement arguments, ``progress`` and ``threads`` make an ``OffloadConfig``.
     """
-    wrap._check_wrappable(model, budget_gb, offload_gb)
-    device = resolve_device(device)
+    wrap.check_wrappable(model)
+    config = OffloadConfig.from_arguments(budget_gb=budget_gb, offload_gb=offload_gb, device=device, prefetch=prefetch,
+                                          policy=policy, progress=progress, load_threads=threads)
+    return _load(model, path, config, strict, convert_dtypes, allow_outside_paths)
+
+
+def _load(model: nn.Module, path, config: OffloadConfig, strict: bool, convert_dtypes: bool,
+          allow_outside_paths: bool) -> nn.Module:
+    """``load_safetensors`` once its arguments are settings: check every header against the model,
+    choose the placement, read every byte into its destination, and only then change the model."""
+    device = resolve_device(config.device)
     files = _shard_files(path, allow_outside_paths)
     entries = _headers(files)
-    groups = wrap._collect(model)
+    groups = placement.collect_groups(model)
     chosen, problems = _match(entries, model, groups, convert_dtypes, path, strict)
     architecture = _architecture_problem(model, files)
     if architecture:
@@ -815,51 +827,45 @@ def load_safetensors(model: nn.Module, path, budget_gb: Optional[float] = None, 
         raise CheckpointError("offtensor: cannot load " + os.fspath(path) + " into " + type(model).__name__
                               + " (the model is unchanged):\n  " + "\n  ".join(problems))
 
-    plan, by_weight = wrap._plan(groups, device, budget_gb, offload_gb, policy, prefetch)
-    pager = Pager(device, plan.budget_bytes)
-    offloaded = {id(by_weight[id(w)]) for w in plan.offload}
-    pin_late = device.type == "cuda" and _ext.can_pin_after_fill()
-    if threads is None:
-        threads = int(os.environ.get("OFFTENSOR_LOAD_THREADS", "0")) or min(8, max(4, os.cpu_count() or 4))
+    placed = placement.choose_model_placement(groups, config, device)
+    pager = Pager(device, placed.budget_bytes, strict=config.strict)
     total = sum(p.source.nbytes for _, ps in chosen.values() for p in ps)
-    progress_bar = _Progress(total, progress, f"offtensor: loading {os.path.basename(os.fspath(path))}")
-    reader = _Reader(device, threads, progress_bar)
-    targets = {}  # id(member) -> destination tensor
+    progress_bar = _Progress(total, config.progress, f"offtensor: loading {os.path.basename(os.fspath(path))}")
     ok = False
     try:
-        for group in groups:
-            if not any(id(m) in chosen for m in group):
-                continue
-            is_offloaded = id(group) in offloaded
-            dests, raw = _destinations(group, pager if is_offloaded else None, device, pin_late)
-            targets.update(dests)  # every alias of the storage, read under its name or not
-            for member in group:
-                if id(member) not in chosen:
-                    continue  # an alias whose values arrive through another member's name
-                dest = dests[id(member)]
-                host = dest._host if isinstance(dest, OffloadedTensor) else dest
-                for piece in chosen[id(member)][1]:
-                    reader.add(piece, piece.region(host), is_offloaded, raw if is_offloaded and pin_late else None)
-        with torch.no_grad():
-            reader.run()
+        loaded = _read(groups, chosen, placed, pager, _Reader(device, config.load_threads, progress_bar))
         ok = True
     finally:
         progress_bar.close(ok)
-
     # Every byte is in place: only now does the model change.
+    return wrap.apply_placement(model, placed, pager, config, loaded)
+
+
+def _read(groups, chosen: dict, placed: placement.ModelPlacement, pager: Pager, reader: "_Reader") -> dict:
+    """Read every chosen piece into a new destination; id(member) -> its destination tensor, for
+    every member of the groups read (aliases read under another name included)."""
+    device = pager.device
+    pin_late = device.type == "cuda" and _ext.can_pin_after_fill()
+    targets = {}
     for group in groups:
-        if any(id(m) in chosen for m in group):
-            for member in group:
-                wrap._swap(member, wrap._as_param_like(member.tensor, targets[id(member)]))
-        elif id(group) in offloaded:
-            wrap._offload_group(group, pager)  # not in the files but has values (a buffer computed at init)
-        else:
-            wrap._make_resident(group, device)
-    wrap._register(model, pager, plan, policy, prefetch)
-    return model
+        if not any(id(m) in chosen for m in group):
+            continue
+        is_offloaded = placed.offloads(group)
+        dests, raw = _destinations(group, pager if is_offloaded else None, device, pin_late)
+        targets.update(dests)  # every alias of the storage, read under its name or not
+        for member in group:
+            if id(member) not in chosen:
+                continue  # an alias whose values arrive through another member's name
+            dest = dests[id(member)]
+            host = dest._host if isinstance(dest, OffloadedTensor) else dest
+            for piece in chosen[id(member)][1]:
+                reader.add(piece, piece.region(host), is_offloaded, raw if is_offloaded and pin_late else None)
+    with torch.no_grad():
+        reader.run()
+    return targets
 
 
-def _destinations(group, pager: Optional[Pager], device: torch.device, pin_late: bool):
+def _destinations(group: StorageGroup, pager: Optional[Pager], device: torch.device, pin_late: bool):
     """(id(member) -> the tensor its values are loaded into, the raw host allocation or None):
     views of one new host master (offloaded) or of one device buffer (resident), laid out like the
     group's storage so aliases stay aliases. A master's memory is not touched before the read."""
@@ -869,7 +875,7 @@ def _destinations(group, pager: Optional[Pager], device: torch.device, pin_late:
         numel = first.numel()
         layouts = {id(first): (tuple(first.shape), None, 0)}  # the file's values are contiguous
     else:
-        lo, hi = wrap._group_range(group)
+        lo, hi = group.element_range()
         numel = hi - lo
         layouts = {id(m.tensor): (tuple(m.tensor.shape), m.tensor.stride(), m.tensor.storage_offset() - lo)
                    for m in group}
@@ -898,25 +904,51 @@ def _destinations(group, pager: Optional[Pager], device: torch.device, pin_late:
 # ---------------------------------------------------------------------------- from_pretrained
 
 
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """Builds parameters on meta and leaves buffers real, like accelerate's
-    ``init_empty_weights(include_buffers=False)``: buffers computed at init (rotary frequencies)
-    are not in checkpoints, so they must keep their values."""
-    register = nn.Module.register_parameter
+class _ParametersOnMeta:
+    """``with _parameters_on_meta():`` builds parameters on meta and leaves buffers real, like
+    accelerate's ``init_empty_weights(include_buffers=False)``: buffers computed at init (rotary
+    frequencies) are not in checkpoints, so they must keep their values.
 
-    def on_meta(module, name, param):
-        register(module, name, param)
-        if param is not None and not param.is_meta:
-            kwargs = dict(module._parameters[name].__dict__)
-            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-            module._parameters[name].__dict__.update(kwargs)
+    Only the thread inside the block is affected: a parameter registration hook (torch's public
+    ``register_module_parameter_registration_hook``) acts for threads that are building, and is
+    registered only while one is (``nn.Module`` itself is never changed). A module built meanwhile
+    in another thread gets ordinary weights; concurrent builds each see their own."""
 
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
+    def __init__(self):
+        self.building = threading.local()
+        self.lock = threading.Lock()
+        self.threads_building = 0
+        self.hook = None
+
+    @contextlib.contextmanager
+    def __call__(self):
+        with self.lock:
+            self.threads_building += 1
+            if self.hook is None:
+                from torch.nn.modules import module as module_mod
+
+                self.hook = module_mod.register_module_parameter_registration_hook(self.on_meta)
+        depth = getattr(self.building, "depth", 0)
+        self.building.depth = depth + 1
+        try:
+            yield
+        finally:
+            self.building.depth = depth
+            with self.lock:
+                self.threads_building -= 1
+                if not self.threads_building:
+                    self.hook.remove()
+                    self.hook = None
+
+    def on_meta(self, module, name, param):
+        if not getattr(self.building, "depth", 0) or param is None or param.is_meta:
+            return None
+        on_meta = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        on_meta.__dict__.update(param.__dict__)
+        return on_meta
+
+
+_parameters_on_meta = _ParametersOnMeta()
 
 
 def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype: Optional[torch.dtype] = None, *,
@@ -942,7 +974,10 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
     root = os.fspath(path)
     if not os.path.isdir(root) or not os.path.isfile(os.path.join(root, "config.json")):  # isfile: not a FIFO
         raise FileNotFoundError(f"offtensor: {root!r} is not a transformers checkpoint directory (no config.json)")
-    config = transformers.AutoConfig.from_pretrained(root, local_files_only=True, trust_remote_code=trust_remote_code)
+    config = OffloadConfig.from_arguments(budget_gb=budget_gb, offload_gb=offload_gb, device=device, prefetch=prefetch,
+                                          policy=policy, progress=progress, load_threads=threads)
+    model_config = transformers.AutoConfig.from_pretrained(root, local_files_only=True,
+                                                           trust_remote_code=trust_remote_code)
     files = _shard_files(root, allow_outside_paths)
     if dtype is None:
         by_dtype: dict = {}
@@ -952,18 +987,16 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
         dtype = max(by_dtype, key=by_dtype.get) if by_dtype else torch.get_default_dtype()
     cls = model_class
     if cls is None:
-        names = getattr(config, "architectures", None) or []
+        names = getattr(model_config, "architectures", None) or []
         cls = next((getattr(transformers, n) for n in names if hasattr(transformers, n)), None)
     with _parameters_on_meta():
         if cls is None:
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype,
+            model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=dtype,
                                                                   trust_remote_code=trust_remote_code)
         else:
-            model = cls._from_config(config, dtype=dtype)
+            model = cls._from_config(model_config, dtype=dtype)
     model.tie_weights()  # ties declared by the config (tie_word_embeddings), bound before loading
     model.eval()
     index = next((os.path.join(root, f) for f in sorted(os.listdir(root)) if f.endswith(".safetensors.index.json")),
                  None)
-    return load_safetensors(model, index or root, budget_gb, device, offload_gb=offload_gb, prefetch=prefetch,
-                            policy=policy, strict=strict, progress=progress, threads=threads, convert_dtypes=True,
-                            allow_outside_paths=allow_outside_paths)
+    return _load(model, index or root, config, strict, convert_dtypes=True, allow_outside_paths=allow_outside_paths)

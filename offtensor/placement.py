@@ -1,6 +1,16 @@
-"""Which weights stay resident on the device and which are offloaded, for a budget and a policy.
+"""Which weights stay resident on the device and which are offloaded, for a budget and a policy:
+the one placement API that ``wrap_model``, ``load_safetensors`` and ``ot.plan`` share.
 
-Pure planning: no tensors are moved here. The default order offloads the weights whose bytes are
+- ``collect_groups(model)``: the model's tensors as ``StorageGroup`` s, one per storage (tied names
+  and aliases of one storage together), each a list of ``Member`` s (a tensor object and every
+  module slot it is registered in);
+- ``choose_model_placement(groups, config, device)``: which groups to offload for an
+  ``OffloadConfig`` (a ``ModelPlacement``);
+- ``choose_placement(weights, budget_bytes, ...)``: the same choice on bare ``Weight`` records;
+- ``policy_choice``, ``working_set`` and ``tile_working_set``: the rules that re-placement after
+  wrapping applies to one tensor at a time.
+
+Decisions only: no tensor is moved here. The default order offloads the weights whose bytes are
 largest and used least per token first: routed MoE experts (only the routed ones are paged), then
 dense MLP weights, then attention, then everything else; embeddings, norms, routers and small
 tensors go last because they are touched by every token and cost a page-in each time for few
@@ -11,11 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import os
 import re
 import warnings
-from typing import Callable, Iterable, Optional, Sequence, Union
+from typing import Iterable, Optional, Sequence
 
-from .pager import BudgetError
+import torch
+from torch import nn
+
+from .config import OffloadConfig, Policy
+from .pager import GiB, BudgetError, host_layout
 
 EXPERTS, ROWS, MLP, ATTENTION, OTHER, LAST = range(6)
 CLASS_NAMES = {EXPERTS: "routed experts", ROWS: "read by rows", MLP: "dense MLP", ATTENTION: "attention", OTHER: "other", LAST: "last"}
@@ -45,7 +60,8 @@ _ATTENTION_PARTS = {"attn", "self_attn", "attention", "self_attention", "q_proj"
 _LAST_PARTS = {"embed_tokens", "embed", "embeddings", "wte", "wpe", "tok_embeddings", "word_embeddings", "lm_head",
                "gate", "router", "norm", "e_score_correction_bias"}
 
-Policy = Union[None, Sequence[str], dict, Callable[[str], Optional[str]]]
+# Kept free for activations when the budget is derived from free device memory.
+DEFAULT_MARGIN_BYTES = 2 * GiB
 
 
 @dataclasses.dataclass
@@ -71,7 +87,9 @@ class Weight:
 
 
 @dataclasses.dataclass
-class Plan:
+class Placement:
+    """Which of a list of ``Weight`` s are offloaded, and what that leaves on the device."""
+
     offload: list  # Weight objects to offload, in the order chosen
     resident: list
     budget_bytes: int
@@ -112,7 +130,7 @@ def working_set(name: str, shape: tuple, nbytes: int, indexed: bool = False) -> 
     return nbytes
 
 
-def _policy_choice(policy: Policy, names: Iterable[str]) -> Optional[str]:
+def policy_choice(policy: Policy, names: Iterable[str]) -> Optional[str]:
     """"offload", "keep" or None (no opinion) for a weight with these names."""
     if policy is None:
         return None
@@ -181,23 +199,224 @@ def tile_working_set(shape: tuple, nbytes: int, working_set: int, slices: int = 
     return min(working_set, nbytes // n * min(slices, n))
 
 
-def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: Optional[int] = None,
-         policy: Policy = None, prefetch: bool = True) -> Plan:
+# ---------------------------------------------------------------------------- a model's tensors
+
+
+class Member:
+    """One tensor object and every (module, attribute, is_buffer) slot it is registered in;
+    ``is_buffer`` is None for a plain tensor attribute."""
+
+    __slots__ = ("tensor", "slots", "names")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.slots = []
+        self.names = []
+
+
+class StorageGroup(list):
+    """The ``Member`` s of a model that alias one storage (or one host master): placed together."""
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self[0].tensor
+
+    @property
+    def names(self) -> list:
+        return [n for m in self for n in m.names]
+
+    @property
+    def is_offloaded(self) -> bool:
+        return _is_offloaded(self[0].tensor)
+
+    def element_range(self):
+        """Elements [lo, hi) of the storage that the members cover together."""
+        ranges = [host_layout(m.tensor)[:2] for m in self if m.tensor.numel()]
+        if not ranges:
+            return 0, 0
+        return min(r[0] for r in ranges), max(r[1] for r in ranges)
+
+    @property
+    def nbytes(self) -> int:
+        t = self[0].tensor
+        if _is_offloaded(t):
+            return t._master.nbytes
+        if len(self) == 1 and (t.is_meta or not is_expanded(t)):
+            return t.numel() * t.element_size()
+        # Several aliases, or an expanded (stride-0) tensor: the storage range they cover, which is
+        # what a host master or a resident copy of them holds (256 B for 256 B expanded to 16 KiB).
+        lo, hi = self.element_range()
+        return (hi - lo) * t.element_size()
+
+    def weight(self) -> Weight:
+        """This group as placement sees it."""
+        names = self.names
+        nbytes = self.nbytes
+        slots = [(module, attr) for m in self for module, attr, _ in m.slots]
+        # torch.nn's own modules (Linear, LSTM, MultiheadAttention...) may read all their tensors in one op.
+        fused = any(type(module).__module__.startswith("torch.nn") for module, _ in slots)
+        # An embedding table nothing else reads (a tied LM head registers it under a Linear too) is
+        # only ever paged by rows. max_norm would renormalise the looked-up rows in place; rare, and
+        # kept on the ordinary path.
+        indexed = bool(slots) and all(
+            isinstance(module, nn.Embedding) and attr == "weight" and module.max_norm is None for module, attr in slots
+        )
+        shape = tuple(self[0].tensor.shape)
+        return Weight(names, nbytes, shape, working_set(names[0], shape, nbytes, indexed), fused, indexed)
+
+
+def is_expanded(t: torch.Tensor) -> bool:
+    """Some dim of ``t`` repeats its elements (stride 0, size > 1), as ``expand`` makes."""
+    return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape))
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """The bytes ``t``'s values take: its covering storage range when expanded (offloading keeps
+    the stride-0 layout), else numel bytes."""
+    if t.layout == torch.strided and not t.is_meta and t.numel() and is_expanded(t):
+        lo, hi = host_layout(t)[:2]
+        return (hi - lo) * t.element_size()
+    return t.numel() * t.element_size()
+
+
+def collect_groups(model: nn.Module) -> list:
+    """Every parameter and buffer of ``model`` once, grouped by storage: a list of StorageGroups."""
+    members = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for table, is_buffer in ((module._parameters, False), (module._buffers, True)):
+            for attr, t in table.items():
+                if t is None:
+                    continue
+                member = members.get(id(t))
+                if member is None:
+                    member = members[id(t)] = Member(t)
+                name = f"{prefix}.{attr}" if prefix else attr
+                if (module, attr) not in [(m, a) for m, a, _ in member.slots]:
+                    member.slots.append((module, attr, is_buffer))
+                if name not in member.names:
+                    member.names.append(name)
+    groups = {}
+    for member in members.values():
+        groups.setdefault(_storage_key(member.tensor), StorageGroup()).append(member)
+    return list(groups.values())
+
+
+def _is_offloaded(t: torch.Tensor) -> bool:
+    # tensor.py is imported here, not at the top: dispatch.py reads TILE_ALIGN from this module and
+    # tensor.py imports dispatch.py, so a top-level import would close a circle.
+    from .tensor import OffloadedTensor
+
+    return isinstance(t, OffloadedTensor)
+
+
+def _storage_key(t: torch.Tensor):
+    if _is_offloaded(t):
+        return ("master", t._master.id)
+    if t.is_meta or t.layout != torch.strided or t.untyped_storage().data_ptr() == 0:
+        return ("object", id(t))
+    return (t.device, t.untyped_storage().data_ptr(), t.dtype)
+
+
+@dataclasses.dataclass
+class ModelPlacement:
+    """A model's storage groups and the placement chosen for them."""
+
+    groups: list  # every StorageGroup, in registration order
+    choice: Placement  # the same decision on the groups' Weights: budget and bytes
+    offloaded: list  # the StorageGroups to offload, in the order chosen
+    resident: list
+
+    def __post_init__(self):
+        self._offloaded_ids = {id(g) for g in self.offloaded}
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.choice.budget_bytes
+
+    def offloads(self, group: StorageGroup) -> bool:
+        return id(group) in self._offloaded_ids
+
+
+def choose_model_placement(groups: Sequence[StorageGroup], config: OffloadConfig,
+                           device: torch.device) -> ModelPlacement:
+    """Which of ``groups`` to offload under ``config``'s budget (or ``offload_gb``; neither: the free
+    memory of ``device`` less ``DEFAULT_MARGIN_BYTES``) and policy. Groups the user offloaded by
+    hand stay offloaded."""
+    weights = [g.weight() for g in groups]
+    budget_bytes, offload_bytes = config.budget_bytes, config.offload_bytes
+    _warn_unmatched_patterns(config.policy, [n for w in weights for n in w.names])
+    _warn_budget_over_memory(config, device)
+    if budget_bytes is None and offload_bytes is None:
+        budget_bytes = free_device_bytes(device) - DEFAULT_MARGIN_BYTES
+    policy = config.policy
+    already = {n for w, g in zip(weights, groups) if g.is_offloaded for n in w.names}
+    if already:
+        def policy(name, _user=policy):
+            return "offload" if name in already else policy_choice(_user, [name])
+
+    choice = choose_placement(weights, budget_bytes, offload_bytes, policy, config.prefetch)
+    group_of = {id(w): g for w, g in zip(weights, groups)}
+    return ModelPlacement(list(groups), choice, [group_of[id(w)] for w in choice.offload],
+                          [group_of[id(w)] for w in choice.resident])
+
+
+def _warn_unmatched_patterns(policy: Policy, names: list) -> None:
+    for pattern, choice in unmatched_patterns(policy, names):
+        warnings.warn(
+            f"offtensor: the policy's {choice!r} pattern {pattern!r} matches none of the model's {len(names)} tensor "
+            f"names (such as {names[:3]}), so it decides nothing; patterns are fnmatch globs on full names like "
+            f"'layers.0.mlp.weight' (a tensor assigned later is matched when it is placed)", UserWarning, stacklevel=4)
+
+
+def _warn_budget_over_memory(config: OffloadConfig, device: torch.device) -> None:
+    total = device_total_bytes(device) if config.budget_bytes is not None else None
+    if total is not None and config.budget_bytes > total:
+        memory = "GPU memory (torch.cuda.mem_get_info)" if device.type == "cuda" else "RAM on this machine"
+        warnings.warn(
+            f"offtensor: budget_gb={config.budget_gb} ({config.budget_bytes} bytes) is more than the {total} bytes "
+            f"({total / GiB:.2f} GiB) of {memory} that {device} has: the budget cannot hold, and weights it lets stay "
+            f"resident may not fit; give a budget below the device's memory", UserWarning, stacklevel=4)
+
+
+def device_total_bytes(device: torch.device) -> Optional[int]:
+    """All the memory of ``device`` (a GPU's total, the emulated device's: the machine's RAM), or
+    None where it is not known (meta)."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[1]
+        if device.type == "cpu":
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (RuntimeError, ValueError, OSError):
+        return None
+    return None
+
+
+def free_device_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+# ---------------------------------------------------------------------------- choosing
+
+
+def choose_placement(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: Optional[int] = None,
+                     policy: Policy = None, prefetch: bool = True) -> Placement:
     """Choose what to offload so that resident bytes plus the largest working set fit the budget.
 
     With ``offload_bytes`` (vLLM's ``cpu_offload_gb``) at least that many bytes are offloaded and,
     if no budget was given, the budget becomes what stays resident plus room to page.
 
-    A budget too small for the largest whole working set is planned again with tile working sets:
+    A budget too small for the largest whole working set is chosen again with tile working sets:
     the smallest budget accepted is the largest tile one op needs, not the largest weight.
     """
     try:
-        return _plan(weights, budget_bytes, offload_bytes, policy, prefetch)
+        return _choose_untiled(weights, budget_bytes, offload_bytes, policy, prefetch)
     except BudgetError as whole_error:
         error = whole_error
     for slices in (TILE_ALIGN, 1):
         try:
-            tiled = _plan_tiled(weights, budget_bytes, offload_bytes, policy, prefetch, slices)
+            tiled = _choose_tiled(weights, budget_bytes, offload_bytes, policy, prefetch, slices)
         except BudgetError as e:
             error = e
             continue
@@ -211,8 +430,9 @@ def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: 
     raise error
 
 
-def _plan_tiled(weights: Sequence[Weight], budget_bytes, offload_bytes, policy, prefetch, slices: int) -> Plan:
-    """``_plan`` with the weights of the largest working sets computed in tiles of ``slices``
+def _choose_tiled(weights: Sequence[Weight], budget_bytes, offload_bytes, policy, prefetch,
+                  slices: int) -> Placement:
+    """``_choose_untiled`` with the weights of the largest working sets computed in tiles of ``slices``
     slices, 1, 2, 4... of them: the others keep room for their whole working set (one op, one page,
     no tiles). The last BudgetError when no count fits."""
     tileable = sorted(
@@ -230,7 +450,7 @@ def _plan_tiled(weights: Sequence[Weight], budget_bytes, offload_bytes, policy, 
             for w in weights
         ]
         try:
-            tiled = _plan(trial, budget_bytes, offload_bytes, policy, prefetch)
+            tiled = _choose_untiled(trial, budget_bytes, offload_bytes, policy, prefetch)
         except BudgetError as e:
             error = e
             if count == len(tileable):
@@ -245,127 +465,137 @@ def _plan_tiled(weights: Sequence[Weight], budget_bytes, offload_bytes, policy, 
     raise error
 
 
-def _plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: Optional[int] = None,
-          policy: Policy = None, prefetch: bool = True) -> Plan:
-    total = sum(w.nbytes for w in weights)
+class _Offloading:
+    """The weights chosen for offloading so far, and the most one op pages of them at once."""
+
+    def __init__(self, total_bytes: int):
+        self.total_bytes = total_bytes
+        self.clear()
+
+    def clear(self) -> None:
+        self.weights = []
+        self.nbytes = 0
+        self.working_set = 0
+        self.widest = None  # the module whose offloaded tensors set ``working_set``
+        self.by_module = {}  # module path -> [(rank, working set, fused)] of its offloaded tensors
+
+    def add(self, w: Weight) -> None:
+        """Offload ``w``. An op may read every tensor of one module together (weight and bias of a
+        linear, all four weights of an LSTM layer in one cuDNN call, in_proj weight and bias of
+        attention), so a module's offloaded tensors count together; ops over tensors of several
+        modules (``cat`` of two weights) page their inputs one at a time (dispatch's list ops), so
+        they need no more room than one of them. A model's own modules count as ``Weight.fused`` says."""
+        self.weights.append(w)
+        self.nbytes += w.nbytes
+        for stem in {name.rpartition(".")[0] for name in w.names}:
+            tensors = self.by_module.setdefault(stem, [])
+            tensors.append((len(w.shape), w.working_set, w.fused))
+            need = _together(tensors)
+            if need > self.working_set:
+                self.working_set, self.widest = need, stem
+
+    def replace_all(self, weights) -> None:
+        self.clear()
+        for w in weights:
+            self.add(w)
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.total_bytes - self.nbytes
+
+    def prefetch_room(self) -> int:
+        """Room for copies ahead of the current op: another working set, or a layer's routed experts."""
+        routed = {}  # a layer's experts module -> bytes of its stacks' routed experts together
+        for w in self.weights:
+            if len(w.shape) >= 3 and w.shape[0] > 0 and "experts" in w.name.split("."):
+                stem = w.name.rpartition(".")[0]
+                routed[stem] = routed.get(stem, 0) + w.nbytes // w.shape[0] * min(w.shape[0], EXPERTS_PER_STEP)
+        return max([self.working_set, *routed.values()])
+
+    def room_needed(self, prefetch: bool) -> int:
+        return self.working_set + (self.prefetch_room() if prefetch else 0)
+
+    def fits(self, budget: int, copies: int = 1) -> bool:
+        if copies == 2:
+            return self.resident_bytes + self.working_set + self.prefetch_room() <= budget
+        return self.resident_bytes + copies * self.working_set <= budget
+
+
+def _together(tensors) -> int:
+    """The most one op pages of one module's offloaded tensors (see ``Weight.fused``)."""
+    if any(fused for _, _, fused in tensors):
+        return sum(ws for _, ws, _ in tensors)
+    top = max(rank for rank, _, _ in tensors)
+    return max(ws for rank, ws, _ in tensors if rank == top) + sum(ws for rank, ws, _ in tensors if rank < top)
+
+
+def _choose_untiled(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: Optional[int] = None,
+                    policy: Policy = None, prefetch: bool = True) -> Placement:
+    """``choose_placement`` with every working set as given (no tiling)."""
     forced, kept, free = [], [], []
     for w in weights:
-        choice = _policy_choice(policy, w.names)
+        choice = policy_choice(policy, w.names)
         (forced if choice == "offload" else kept if choice == "keep" else free).append(w)
     # Ties break by forward order (registration order: `layers.10` after `layers.9`), not by name;
     # _spread then picks which of a run of equal weights go.
     position = {id(w): i for i, w in enumerate(weights)}
     free.sort(key=lambda w: _tie_key(w, position))
 
-    offload = []
-    offloaded = 0
-    ws = 0
-
-    offloaded_by_module = {}  # module path -> [(rank, working set, fused)] of its offloaded tensors
-    widest = None  # the module whose offloaded tensors set ``ws``
-
-    def together(tensors) -> int:
-        """The most one op pages of one module's offloaded tensors (see ``Weight.fused``)."""
-        if any(fused for _, _, fused in tensors):
-            return sum(ws for _, ws, _ in tensors)
-        top = max(rank for rank, _, _ in tensors)
-        return max(ws for rank, ws, _ in tensors if rank == top) + sum(ws for rank, ws, _ in tensors if rank < top)
-
-    def add(w):
-        """Offload ``w``; keep ``ws`` = the most one op pages at once. An op may read every tensor
-        of one module together (weight and bias of a linear, all four weights of an LSTM layer in
-        one cuDNN call, in_proj weight and bias of attention), so a module's offloaded tensors
-        count together; ops over tensors of several modules (``cat`` of two weights) page their
-        inputs one at a time (dispatch's list ops), so they need no more room than one of them.
-        A model's own modules count as ``Weight.fused`` says."""
-        nonlocal offloaded, ws, widest
-        offload.append(w)
-        offloaded += w.nbytes
-        for stem in {name.rpartition(".")[0] for name in w.names}:
-            tensors = offloaded_by_module.setdefault(stem, [])
-            tensors.append((len(w.shape), w.working_set, w.fused))
-            need = together(tensors)
-            if need > ws:
-                ws, widest = need, stem
-
+    chosen = _Offloading(sum(w.nbytes for w in weights))
     for w in forced:
-        add(w)
-    candidates = iter(free)
-
-    def room_needed():
-        return ws + (prefetch_room() if prefetch else 0)
-
-    def prefetch_room():
-        """Room for copies ahead of the current op: another working set, or a layer's routed experts."""
-        routed = {}  # a layer's experts module -> bytes of its stacks' routed experts together
-        for w in offload:
-            if len(w.shape) >= 3 and w.shape[0] > 0 and "experts" in w.name.split("."):
-                stem = w.name.rpartition(".")[0]
-                routed[stem] = routed.get(stem, 0) + w.nbytes // w.shape[0] * min(w.shape[0], EXPERTS_PER_STEP)
-        return max([ws, *routed.values()])
-
-    def fits(budget, copies=1):
-        if copies == 2:
-            return total - offloaded + ws + prefetch_room() <= budget
-        return total - offloaded + copies * ws <= budget
-
+        chosen.add(w)
+    pending = list(free)
     if offload_bytes is not None:
-        for w in candidates:
-            if offloaded >= offload_bytes:
-                free_left = [w] + list(candidates)
-                candidates = iter(free_left)
-                break
-            add(w)
+        while pending and chosen.nbytes < offload_bytes:
+            chosen.add(pending.pop(0))
         if budget_bytes is None:
-            budget_bytes = total - offloaded + room_needed()
+            budget_bytes = chosen.resident_bytes + chosen.room_needed(prefetch)
     if budget_bytes is None:
-        raise ValueError("offtensor: plan() needs a budget or offload_bytes")
+        raise ValueError("offtensor: choose_placement() needs a budget or offload_bytes")
 
-    pending = list(candidates)
-    while pending and not fits(budget_bytes):
-        add(pending.pop(0))
-    if prefetch and fits(budget_bytes):
+    while pending and not chosen.fits(budget_bytes):
+        chosen.add(pending.pop(0))
+    if prefetch and chosen.fits(budget_bytes):
         # Room for a second copy lets the next weight's copy overlap the current op's compute.
         # Offloading one more weight of the same kind frees about that much, so this costs about one
         # weight's bytes per forward; never worth it for the last class (touched by every token).
-        while pending and not fits(budget_bytes, 2) and weight_kind(pending[0]) != LAST:
-            add(pending.pop(0))
-    if not fits(budget_bytes):
+        while pending and not chosen.fits(budget_bytes, 2) and weight_kind(pending[0]) != LAST:
+            chosen.add(pending.pop(0))
+    if not chosen.fits(budget_bytes):
         # Every weight the policy allows is offloaded by now: what stays resident is what it keeps.
-        largest = max(offload, key=lambda w: w.working_set, default=None)
-        needs = []
-        if kept:
-            needs.append(
-                f"the policy keeps {total - offloaded} bytes resident ({len(kept)} tensors, e.g. '{kept[0].name}')"
-            )
-        if largest is not None:
-            of_widest = [w for w in offload if any(n.rpartition(".")[0] == widest for n in w.names)]
-            first = max(of_widest, key=lambda w: w.working_set).name if of_widest else largest.name
-            needs.append(
-                f"paging '{first}'"
-                + (f" (one op of module '{widest}', {len(of_widest)} offloaded tensors)" if len(of_widest) > 1 else "")
-                + f" needs {ws} bytes on the device at once"
-            )
-        raise BudgetError(
-            f"offtensor: a budget of {budget_bytes} bytes cannot hold this model even with every other weight "
-            f"offloaded: {' and '.join(needs)}, {total - offloaded + ws} bytes in all. Raise budget_gb"
-            + (" or let the policy offload more." if kept else ".")
-        )
-    spread = _spread(offload, free, position)
-    if spread is not offload:
-        chosen = offload
-        offload, offloaded, ws, widest = [], 0, 0, None
-        offloaded_by_module.clear()
-        for w in spread:
-            add(w)
-        if not fits(budget_bytes):  # a module's tensors together made the working set larger: keep the first choice
-            offload, offloaded, ws, widest = [], 0, 0, None
-            offloaded_by_module.clear()
-            for w in chosen:
-                add(w)
-    offload_ids = {id(w) for w in offload}
+        raise _budget_error(chosen, kept, budget_bytes)
+    first_choice = list(chosen.weights)
+    spread = _spread(first_choice, free, position)
+    if spread is not first_choice:
+        chosen.replace_all(spread)
+        if not chosen.fits(budget_bytes):  # a module's tensors together made the working set larger: keep the first choice
+            chosen.replace_all(first_choice)
+    offload_ids = {id(w) for w in chosen.weights}
     resident = [w for w in weights if id(w) not in offload_ids]
-    return Plan(offload, resident, budget_bytes, total - offloaded, offloaded, ws)
+    return Placement(chosen.weights, resident, budget_bytes, chosen.resident_bytes, chosen.nbytes,
+                     chosen.working_set)
+
+
+def _budget_error(chosen: _Offloading, kept: list, budget_bytes: int) -> BudgetError:
+    """What keeps a budget from holding the model with every weight the policy allows offloaded."""
+    largest = max(chosen.weights, key=lambda w: w.working_set, default=None)
+    resident, ws, widest = chosen.resident_bytes, chosen.working_set, chosen.widest
+    needs = []
+    if kept:
+        needs.append(f"the policy keeps {resident} bytes resident ({len(kept)} tensors, e.g. '{kept[0].name}')")
+    if largest is not None:
+        of_widest = [w for w in chosen.weights if any(n.rpartition(".")[0] == widest for n in w.names)]
+        first = max(of_widest, key=lambda w: w.working_set).name if of_widest else largest.name
+        needs.append(
+            f"paging '{first}'"
+            + (f" (one op of module '{widest}', {len(of_widest)} offloaded tensors)" if len(of_widest) > 1 else "")
+            + f" needs {ws} bytes on the device at once"
+        )
+    return BudgetError(
+        f"offtensor: a budget of {budget_bytes} bytes cannot hold this model even with every other weight "
+        f"offloaded: {' and '.join(needs)}, {resident + ws} bytes in all. Raise budget_gb"
+        + (" or let the policy offload more." if kept else ".")
+    )
 
 
 def _tie_key(w: Weight, position: dict):

@@ -31,6 +31,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from . import experts
+from . import placement
+from .config import OffloadConfig
+from .pager import GiB, Pager
+from .prefetch import Prefetcher
+from .tensor import OffloadedTensor
+from .wrap import pager_of
+
 GB = 1e9
 
 # ---------------------------------------------------------------------------- device profiles
@@ -654,12 +662,10 @@ def _unique(ids):
 
 
 def _pagers_of(model: nn.Module):
-    from .wrap import _WRAPPED
-
     pagers = []
-    state = _WRAPPED.get(model)
-    if state is not None:
-        pagers.append(state.pager)
+    wrapped = pager_of(model)
+    if wrapped is not None:
+        pagers.append(wrapped)
     for t in list(model.parameters()) + list(model.buffers()):
         master = getattr(t, "_master", None)
         pager = master.pager if master is not None else None
@@ -735,8 +741,6 @@ class _NoCopies:
 
 
 def _meta_pager(budget_bytes: int):
-    from .pager import Pager
-
     pager = Pager(torch.device("meta"), budget_bytes, strict=False)
     # The pager's device operations (waits, slot reuse, host lifetimes) ask this engine too.
     pager._engine = pager._ops.engine = _NoCopies()
@@ -751,55 +755,15 @@ def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(),
     timeline (replay it with ``tl.replay()``). Nothing is allocated or computed; ``model`` may be
     built on meta and is left as it was. ``warmup`` forwards let the prefetcher learn the order
     before the recorded steps (``tl.replay`` reports the last one)."""
-    from . import wrap
-    from .pager import GiB
-    from .prefetch import Prefetcher
-    from .tensor import OffloadedTensor
-
     if budget_gb is None and offload_gb is None:
         raise ValueError("offtensor: plan() needs budget_gb or offload_gb: a meta model has no device to measure")
-    saved = {}  # (module, table, attr) -> the tensor registered there before planning
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for attr, t in table.items():
-                if t is not None and not t.is_meta:
-                    raise ValueError(
-                        f"offtensor: plan() needs a model built on meta (found {type(module).__name__}.{attr} on "
-                        f"{t.device}); build it under `with torch.device('meta'):`"
-                    )
-    groups = wrap._collect(model)
-    placed, by_weight = wrap._plan(groups, torch.device("meta"), budget_gb, offload_gb, policy, prefetch)
+    config = OffloadConfig(budget_gb=budget_gb, offload_gb=offload_gb, device=torch.device("meta"), prefetch=prefetch,
+                           policy=policy, strict=False)
+    _check_built_on_meta(model)
+    placed = placement.choose_model_placement(placement.collect_groups(model), config, config.device)
     pager = _meta_pager(placed.budget_bytes)
-    for w in placed.offload:
-        group = by_weight[id(w)]
-        first = group[0].tensor
-        lo, hi = wrap._group_range(group)
-        flat = torch.empty(hi - lo, dtype=first.dtype, device="meta")
-        master = pager.new_master((hi - lo) * first.element_size())
-        master.name = w.name
-        master.flat = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device="meta")
-        for member in group:
-            t = member.tensor
-            host = flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
-            new = OffloadedTensor(host, master)
-            if isinstance(t, nn.Parameter):
-                new = nn.Parameter(new, requires_grad=False)
-            for module, attr, is_buffer in member.slots:
-                table = module._buffers if is_buffer else module._parameters
-                saved.setdefault((id(module), is_buffer, attr), (table, attr, t))
-                table[attr] = new  # straight into the table: no registration hook, no re-placement
-    pager.resident_bytes = placed.resident_bytes
-    pager.reset_stats()
-    hooks = []
-    if prefetch and placed.offload:
-        pager.prefetcher = Prefetcher()
-    from . import experts
-
-    # Routed experts take the wrapped model's eviction and statistics; speculation needs router
-    # values, which meta tensors do not have, so its hooks do nothing here.
-    experts.attach(model, pager, speculate=False)
-    if pager.prefetcher is not None or pager.experts is not None:
-        hooks.append(model.register_forward_pre_hook(lambda m, a: pager.new_step()))
+    saved = _offload_on_meta(placed, pager)
+    hooks = _attach_schedule(model, pager, prefetch and bool(placed.choice.offload))
     inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
     rec = timeline(model, profile)
     tl = rec.tl
@@ -813,16 +777,68 @@ def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(),
             h.remove()
         for table, attr, t in saved.values():
             table[attr] = t
-    stats = pager.snapshot()
-    tl.info = {
-        "budget_bytes": placed.budget_bytes,
-        "resident_bytes": placed.resident_bytes,
-        "offloaded_bytes": placed.offloaded_bytes,
-        "offloaded": [w.name for w in placed.offload],
+    tl.info = _planned_info(placed.choice, pager.snapshot())
+    return tl
+
+
+def _check_built_on_meta(model: nn.Module) -> None:
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for attr, t in table.items():
+                if t is not None and not t.is_meta:
+                    raise ValueError(
+                        f"offtensor: plan() needs a model built on meta (found {type(module).__name__}.{attr} on "
+                        f"{t.device}); build it under `with torch.device('meta'):`"
+                    )
+
+
+def _offload_on_meta(placed: placement.ModelPlacement, pager) -> dict:
+    """Register a meta OffloadedTensor on ``pager`` in every slot of each offloaded group, straight
+    into the modules' tables (no re-placement); returns (module, table, attr) -> what was there."""
+    saved = {}
+    for group in placed.offloaded:
+        first = group.tensor
+        lo, hi = group.element_range()
+        flat = torch.empty(hi - lo, dtype=first.dtype, device="meta")
+        master = pager.new_master((hi - lo) * first.element_size())
+        master.name = group.names[0]
+        master.flat = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device="meta")
+        for member in group:
+            t = member.tensor
+            host = flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
+            new = OffloadedTensor(host, master)
+            if isinstance(t, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=False)
+            for module, attr, is_buffer in member.slots:
+                table = module._buffers if is_buffer else module._parameters
+                saved.setdefault((id(module), is_buffer, attr), (table, attr, t))
+                table[attr] = new
+    pager.resident_bytes = placed.choice.resident_bytes
+    pager.reset_stats()
+    return saved
+
+
+def _attach_schedule(model: nn.Module, pager, prefetch: bool) -> list:
+    """The wrapped model's prefetcher and expert cache on the meta pager; the hooks to remove after."""
+    if prefetch:
+        pager.prefetcher = Prefetcher()
+    # Routed experts take the wrapped model's eviction and statistics; speculation needs router
+    # values, which meta tensors do not have, so its hooks do nothing here.
+    experts.attach(model, pager, speculate=False)
+    if pager.prefetcher is not None or pager.experts is not None:
+        return [model.register_forward_pre_hook(lambda m, a: pager.new_step())]
+    return []
+
+
+def _planned_info(choice: placement.Placement, stats) -> dict:
+    return {
+        "budget_bytes": choice.budget_bytes,
+        "resident_bytes": choice.resident_bytes,
+        "offloaded_bytes": choice.offloaded_bytes,
+        "offloaded": [w.name for w in choice.offload],
         "peak_device_bytes": stats.peak_device_bytes,
         "prefetches": stats.prefetches,
         "prefetch_hits": stats.prefetch_hits,
-        "budget_gb": placed.budget_bytes / GiB,
+        "budget_gb": choice.budget_bytes / GiB,
         "experts": stats.experts,  # per stacked-expert tensor: hits, misses, bytes (all planned steps)
     }
-    return tl

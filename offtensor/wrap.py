@@ -6,17 +6,23 @@ names (tied embedding and lm_head) or several Parameters viewing one storage bec
 host master, and each Parameter object is swapped in place (``torch.utils.swap_tensors``) so the
 modules, the optimizer and the user's own references all see the new tensor.
 
-After wrapping, a global registration hook places any parameter, buffer or submodule assigned
-into the model (post-load rewrites, quantisation repacking, ``load_state_dict(assign=True)``)
-under the same budget instead of letting it land on the device unaccounted.
+Which tensors go is ``placement``'s decision (``choose_model_placement``); this module carries it
+out (``apply_placement``, which ``load_safetensors`` calls too once its bytes are read).
+
+After wrapping, every module of the model takes a subclass of its own class, made once per class
+(``_wrapping_class``): its ``__setattr__``, ``__delattr__``, ``register_parameter``,
+``register_buffer`` and ``add_module`` place any parameter, buffer, submodule or plain tensor
+attribute assigned into the model (post-load rewrites, quantisation repacking,
+``load_state_dict(assign=True)``) under the same budget instead of letting it land on the device
+unaccounted. Nothing outside the wrapped model changes: ``nn.Module`` and torch's global hooks are
+left alone, and ``unwrap_model`` gives every module its own class back.
 """
 
 from __future__ import annotations
 
+import copyreg
 import itertools
-import math
-import os
-import warnings
+import threading
 import weakref
 from typing import Optional
 
@@ -25,32 +31,19 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import compile as _compile
-from . import placement
-from .pager import GiB, BudgetError, OffloadStats, Pager, _covering_range, resolve_device
-from .prefetch import Prefetcher
 from . import experts
+from . import placement
+from .config import OffloadConfig
+from .pager import BudgetError, OffloadStats, Pager, host_layout, resolve_device
+from .placement import Member, ModelPlacement, StorageGroup
+from .prefetch import Prefetcher
 from .tensor import (
     _OWN_ATTRS, OffloadedTensor, _check_offloadable, _master_for, new_host_master, offloaded_class, user_attrs,
     user_class,
 )
 
-# Every submodule of a wrapped model -> the model's state, for the registration hooks.
+# Every submodule of a wrapped model -> the model's state, read by the wrapping classes' methods.
 _WRAPPED: "weakref.WeakKeyDictionary[nn.Module, _State]" = weakref.WeakKeyDictionary()
-_hooks = []
-
-# Kept free for activations when the budget is derived from free device memory.
-DEFAULT_MARGIN_BYTES = 2 * GiB
-
-
-class _Member:
-    """One tensor object and every (module, attribute) slot it is registered in."""
-
-    __slots__ = ("tensor", "slots", "names")
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-        self.slots = []  # (module, attribute, is_buffer)
-        self.names = []
 
 
 class _Placed:
@@ -64,7 +57,7 @@ class _Placed:
         self.source = StorageWeakRef(source.untyped_storage())
         self.target = weakref.ref(target)
         self.dtype = source.dtype
-        self.lo, self.hi = _covering_range(source)
+        self.lo, self.hi = host_layout(source)[:2]
         self.view = (tuple(source.shape), source.stride(), source.storage_offset())
         # target storage offset - source storage offset, the same for every element of [lo, hi)
         if isinstance(target, OffloadedTensor):
@@ -74,13 +67,12 @@ class _Placed:
 
 
 class _State:
-    def __init__(self, model, pager: Pager, plan: placement.Plan, policy, prefetch: bool):
+    def __init__(self, model, pager: Pager, choice: placement.Placement, config: OffloadConfig):
         self.model_ref = weakref.ref(model)
         self.pager = pager
-        self.policy = policy
-        self.prefetch = prefetch
-        self.working_set_bytes = plan.working_set_bytes
-        self.plan = plan
+        self.config = config
+        self.working_set_bytes = choice.working_set_bytes
+        self.choice = choice
         self.placed: dict = {}  # source storage (_cdata) -> _Placed
         self.load_hooks = []  # handles of the load_state_dict and state_dict post-hooks on every module
         self.step_hook = None  # forward pre-hook on the model that marks prefetch passes
@@ -98,7 +90,7 @@ class _State:
         model = self.model_ref()
         if model is not None:
             experts.detach(self.pager)
-            experts.attach(model, self.pager, speculate=self.prefetch)
+            experts.attach(model, self.pager, speculate=self.config.prefetch)
 
     def qualified_name(self, module: nn.Module, attr: str) -> str:
         """``module``'s tensor ``attr`` under its name in the model, as policies and placement see it."""
@@ -123,100 +115,16 @@ class _State:
         placed = self.placed.get(t.untyped_storage()._cdata)
         if placed is None or placed.dtype != t.dtype or not t.numel():
             return None
-        lo, hi = _covering_range(t)
+        lo, hi = host_layout(t)[:2]
         if lo < placed.lo or hi > placed.hi:
             return None
         return placed
 
 
-# ---------------------------------------------------------------------------- collection
-
-
-def _collect(model: nn.Module):
-    """Unique tensors grouped by storage: a list of lists of _Member that alias one storage."""
-    members = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for table, is_buffer in ((module._parameters, False), (module._buffers, True)):
-            for attr, t in table.items():
-                if t is None:
-                    continue
-                member = members.get(id(t))
-                if member is None:
-                    member = members[id(t)] = _Member(t)
-                name = f"{prefix}.{attr}" if prefix else attr
-                if (module, attr) not in [(m, a) for m, a, _ in member.slots]:
-                    member.slots.append((module, attr, is_buffer))
-                if name not in member.names:
-                    member.names.append(name)
-    groups = {}
-    for member in members.values():
-        t = member.tensor
-        groups.setdefault(_storage_key(t), []).append(member)
-    return list(groups.values())
-
-
-def _storage_key(t: torch.Tensor):
-    if isinstance(t, OffloadedTensor):
-        return ("master", t._master.id)
-    if t.is_meta or t.layout != torch.strided or t.untyped_storage().data_ptr() == 0:
-        return ("object", id(t))
-    return (t.device, t.untyped_storage().data_ptr(), t.dtype)
-
-
-def _group_bytes(group) -> int:
-    t = group[0].tensor
-    if isinstance(t, OffloadedTensor):
-        return t._master.nbytes
-    if len(group) == 1 and (t.is_meta or not _expanded(t)):
-        return t.numel() * t.element_size()
-    # Several aliases, or an expanded (stride-0) tensor: the storage range they cover, which is
-    # what a host master or a resident copy of them holds (256 B for 256 B expanded to 16 KiB).
-    lo, hi = _group_range(group)
-    return (hi - lo) * t.element_size()
-
-
-def _expanded(t: torch.Tensor) -> bool:
-    """Some dim of ``t`` repeats its elements (stride 0, size > 1), as ``expand`` makes."""
-    return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape))
-
-
-def _tensor_bytes(t: torch.Tensor) -> int:
-    """The bytes ``t``'s values take: its covering storage range when expanded, else numel bytes."""
-    if t.layout == torch.strided and not t.is_meta and t.numel() and _expanded(t):
-        lo, hi = _covering_range(t)
-        return (hi - lo) * t.element_size()
-    return t.numel() * t.element_size()
-
-
-def _group_range(group):
-    ranges = [_covering_range(m.tensor) for m in group if m.tensor.numel()]
-    if not ranges:
-        return 0, 0
-    return min(r[0] for r in ranges), max(r[1] for r in ranges)
-
-
-def _weight(group) -> placement.Weight:
-    names = [n for m in group for n in m.names]
-    t = group[0].tensor
-    nbytes = _group_bytes(group)
-    # torch.nn's own modules (Linear, LSTM, MultiheadAttention...) may read all their tensors in one op.
-    fused = any(type(module).__module__.startswith("torch.nn") for m in group for module, _, _ in m.slots)
-    # An embedding table nothing else reads (a tied LM head registers it under a Linear too) is
-    # only ever paged by rows. max_norm would renormalise the looked-up rows in place; rare, and
-    # kept on the ordinary path.
-    indexed = all(
-        isinstance(module, nn.Embedding) and attr == "weight" and module.max_norm is None
-        for m in group for module, attr, _ in m.slots
-    ) and any(m.slots for m in group)
-    shape = tuple(t.shape)
-    return placement.Weight(names, nbytes, shape, placement.working_set(names[0], shape, nbytes, indexed), fused,
-                            indexed)
-
-
 # ---------------------------------------------------------------------------- moving tensors
 
 
-def _swap(member: _Member, new: torch.Tensor) -> None:
+def _swap(member: Member, new: torch.Tensor) -> None:
     """Make ``member.tensor`` become ``new`` in place, so its identity survives; if PyTorch refuses
     (other C++ references exist), register ``new`` in every slot instead."""
     old = member.tensor
@@ -275,14 +183,14 @@ def _as_param_like(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return result
 
 
-def _offload_group(group, pager: Pager) -> None:
+def _offload_group(group: StorageGroup, pager: Pager) -> None:
     first = group[0].tensor
     if isinstance(first, OffloadedTensor):
         first._master.move_to(pager)
         return
     for member in group:
         _check_offloadable(member.tensor, f"'{member.names[0]}'")
-    lo, hi = _group_range(group)
+    lo, hi = group.element_range()
     flat = first.detach().as_strided((hi - lo,), (1,), lo)
     host_flat = new_host_master(flat, pin=pager.device.type == "cuda")
     master = _master_for(host_flat, pager)
@@ -293,12 +201,12 @@ def _offload_group(group, pager: Pager) -> None:
         _swap(member, _as_param_like(t, OffloadedTensor(host, master)))
 
 
-def _make_resident(group, device: torch.device) -> None:
+def _make_resident(group: StorageGroup, device: torch.device) -> None:
     first = group[0].tensor
     if isinstance(first, OffloadedTensor):
         host_group = [(m, m.tensor._host) for m in group]
-        lo = min(_covering_range(h)[0] for _, h in host_group)
-        hi = max(_covering_range(h)[1] for _, h in host_group)
+        lo = min(host_layout(h)[0] for _, h in host_group)
+        hi = max(host_layout(h)[1] for _, h in host_group)
         flat = first._master.pager.copy_out(first._host.as_strided((hi - lo,), (1,), lo))
         for member, host in host_group:
             view = flat.as_strided(host.shape, host.stride(), host.storage_offset() - lo)
@@ -308,10 +216,10 @@ def _make_resident(group, device: torch.device) -> None:
         return
     if first.is_meta:
         raise ValueError(
-            f"offtensor: '{group[0].names[0]}' ({_group_bytes(group)} bytes) is on the meta device and has no values; "
+            f"offtensor: '{group[0].names[0]}' ({group.nbytes} bytes) is on the meta device and has no values; "
             f"load its weights first (ot.load_safetensors) or build the model on cpu"
         )
-    lo, hi = _group_range(group)
+    lo, hi = group.element_range()
     flat = first.detach().as_strided((hi - lo,), (1,), lo).to(device)
     for member in group:
         t = member.tensor
@@ -382,32 +290,30 @@ def wrap_model(model: nn.Module, budget_gb: Optional[float] = None, *, device=No
     Weights that fit stay plain device tensors; the rest become OffloadedTensors paged per op.
     ``budget_gb`` (GiB) caps resident weights + paged copies + prefetches; ``offload_gb`` instead
     offloads at least that many GiB (vLLM's ``cpu_offload_gb``). With neither, the budget is the
-    free device memory minus a margin for activations.
+    free device memory minus a margin for activations. The arguments make an ``OffloadConfig``.
     """
-    _check_wrappable(model, budget_gb, offload_gb)
-    device = resolve_device(device)
-    groups = _collect(model)
+    check_wrappable(model)
+    config = OffloadConfig.from_arguments(budget_gb=budget_gb, offload_gb=offload_gb, device=device,
+                                          prefetch=prefetch, policy=policy)
+    device = resolve_device(config.device)
+    groups = placement.collect_groups(model)
     for g in groups:
         for member in g:  # before anything moves, so a refusal leaves the model as it was
             _check_attribute_names(member.tensor, f"'{member.names[0]}'")
         t = g[0].tensor
         if not isinstance(t, OffloadedTensor) and t.is_meta:
             raise ValueError(
-                f"offtensor: '{g[0].names[0]}' ({_group_bytes(g)} bytes) is on the meta device and has no values; "
+                f"offtensor: '{g[0].names[0]}' ({g.nbytes} bytes) is on the meta device and has no values; "
                 f"use ot.load_safetensors(model, path) for a model built on meta, or build it on cpu (torch.empty "
                 f"weights take no memory until written) and load it after wrapping"
             )
-    plan, by_weight = _plan(groups, device, budget_gb, offload_gb, policy, prefetch)
-    pager = Pager(device, plan.budget_bytes)
-    for w in plan.offload:
-        _offload_group(by_weight[id(w)], pager)
-    for w in plan.resident:
-        _make_resident(by_weight[id(w)], device)
-    _register(model, pager, plan, policy, prefetch)
-    return model
+    placed = placement.choose_model_placement(groups, config, device)
+    pager = Pager(device, placed.budget_bytes, strict=config.strict)
+    return apply_placement(model, placed, pager, config)
 
 
-def _check_wrappable(model, budget_gb, offload_gb) -> None:
+def check_wrappable(model) -> None:
+    """Refuse what ``wrap_model`` and ``load_safetensors`` cannot take: not a module, or wrapped already."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"offtensor: expected an nn.Module, got {type(model).__name__}")
     if model in _WRAPPED:
@@ -416,54 +322,34 @@ def _check_wrappable(model, budget_gb, offload_gb) -> None:
             f"offtensor: {type(model).__name__} is already wrapped (budget {state.pager.budget_bytes} bytes on "
             f"{state.pager.device}); call ot.unwrap_model(model) before wrapping it again"
         )
-    if budget_gb is not None and offload_gb is not None:
-        raise ValueError("offtensor: give budget_gb or offload_gb, not both")
-    for label, value in (("budget_gb", budget_gb), ("offload_gb", offload_gb)):
-        if value is not None and (
-            not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0
-        ):
-            raise ValueError(f"offtensor: {label} must be a non-negative number of GiB, got {value!r}")
 
 
-def _plan(groups, device, budget_gb, offload_gb, policy, prefetch):
-    """The placement plan for these storage groups, and weight -> group."""
-    weights = [_weight(g) for g in groups]
-    budget_bytes = None if budget_gb is None else int(budget_gb * GiB)
-    offload_bytes = None if offload_gb is None else int(offload_gb * GiB)
-    names = [n for w in weights for n in w.names]
-    for pattern, choice in placement.unmatched_patterns(policy, names):
-        warnings.warn(
-            f"offtensor: the policy's {choice!r} pattern {pattern!r} matches none of the model's {len(names)} tensor "
-            f"names (such as {names[:3]}), so it decides nothing; patterns are fnmatch globs on full names like "
-            f"'layers.0.mlp.weight' (a tensor assigned later is matched when it is placed)", UserWarning, stacklevel=3)
-    total = _device_total_bytes(device) if budget_bytes is not None else None
-    if total is not None and budget_bytes > total:
-        memory = "GPU memory (torch.cuda.mem_get_info)" if device.type == "cuda" else "RAM on this machine"
-        warnings.warn(
-            f"offtensor: budget_gb={budget_gb} ({budget_bytes} bytes) is more than the {total} bytes "
-            f"({total / GiB:.2f} GiB) of {memory} that {device} has: the budget cannot hold, and weights it lets stay "
-            f"resident may not fit; give a budget below the device's memory", UserWarning, stacklevel=3)
-    if budget_bytes is None and offload_bytes is None:
-        budget_bytes = _free_device_bytes(device) - DEFAULT_MARGIN_BYTES
-    already = {id(w) for w, g in zip(weights, groups) if isinstance(g[0].tensor, OffloadedTensor)}
-    if already:
-        # Tensors the user offloaded by hand stay offloaded.
-        names = {n for w in weights if id(w) in already for n in w.names}
+def apply_placement(model: nn.Module, placed: ModelPlacement, pager: Pager, config: OffloadConfig,
+                    loaded: Optional[dict] = None) -> nn.Module:
+    """Make ``model``'s tensors what ``placed`` chose, on ``pager``, and mark the model wrapped.
 
-        def policy(name, _user=policy):
-            return "offload" if name in names else placement._policy_choice(_user, [name])
-
-    plan = placement.plan(weights, budget_bytes, offload_bytes, policy, prefetch)
-    return plan, {id(w): g for w, g in zip(weights, groups)}
+    ``loaded``: id(member) -> the tensor a loader already filled for it (a view of a host master on
+    ``pager``, or a device tensor), for every member of the groups it read: those members become
+    these tensors (same Parameter objects); the other groups are offloaded or moved to the device."""
+    loaded = loaded or {}
+    for group in placed.offloaded + placed.resident:
+        if id(group[0]) in loaded:
+            for member in group:
+                _swap(member, _as_param_like(member.tensor, loaded[id(member)]))
+        elif placed.offloads(group):
+            _offload_group(group, pager)  # for a load: not in the files but has values (a buffer computed at init)
+        else:
+            _make_resident(group, pager.device)
+    _register(model, pager, placed.choice, config)
+    return model
 
 
-def _register(model: nn.Module, pager: Pager, plan: placement.Plan, policy, prefetch: bool) -> None:
+def _register(model: nn.Module, pager: Pager, choice: placement.Placement, config: OffloadConfig) -> None:
     """Mark ``model`` as wrapped: its modules now place whatever is assigned into them."""
-    state = _State(model, pager, plan, policy, prefetch)
+    config = config.replace(device=pager.device)
+    state = _State(model, pager, choice, config)
     for module in model.modules():
-        _WRAPPED[module] = state
-        state.load_hooks.append(module.register_load_state_dict_post_hook(_after_load))
-        state.load_hooks.append(module.register_state_dict_post_hook(_portable_state_dict))
+        _enter(module, state)
     state.resident_ptrs = {
         t.untyped_storage().data_ptr()
         for t in _tensors(model)
@@ -471,12 +357,25 @@ def _register(model: nn.Module, pager: Pager, plan: placement.Plan, policy, pref
     }
     pager.resident_bytes = _resident_bytes(model, pager.device)
     pager.reset_stats()
-    if prefetch and plan.offload:
+    if config.prefetch and choice.offload:
         pager.prefetcher = Prefetcher()
     # Offloaded stacked experts: per-stack stats, expert-aware eviction, routing speculation.
-    experts.attach(model, pager, speculate=prefetch)
-    state.step_hook = model.register_forward_pre_hook(_StepHook(pager.device, plan.budget_bytes, policy, prefetch, pager))
-    _install_hooks()
+    experts.attach(model, pager, speculate=config.prefetch)
+    state.step_hook = model.register_forward_pre_hook(_StepHook(config, choice.budget_bytes, pager))
+
+
+def _enter(module: nn.Module, state: _State) -> None:
+    """``module`` joins a wrapped model: it places what is assigned into it and what it loads."""
+    _WRAPPED[module] = state
+    state.load_hooks.append(module.register_load_state_dict_post_hook(_after_load))
+    state.load_hooks.append(module.register_state_dict_post_hook(_portable_state_dict))
+    _give_wrapping_class(module)
+
+
+def _leave(module: nn.Module) -> None:
+    """``module`` is no longer part of a wrapped model: its own class back, no placement."""
+    del _WRAPPED[module]
+    _give_user_class(module)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -486,12 +385,12 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     pager.prefetcher = None
     experts.detach(pager)
     pager.clear()
-    for group in _collect(model):
-        if isinstance(group[0].tensor, OffloadedTensor):
+    for group in placement.collect_groups(model):
+        if group.is_offloaded:
             _make_resident(group, pager.device)
     for module in list(_WRAPPED.keys()):
         if _WRAPPED.get(module) is state:
-            del _WRAPPED[module]
+            _leave(module)
     for handle in state.load_hooks:
         handle.remove()
     state.load_hooks.clear()
@@ -525,29 +424,16 @@ def is_wrapped(model: nn.Module) -> bool:
     return state is not None and state.model_ref() is model
 
 
+def pager_of(model: nn.Module) -> Optional[Pager]:
+    """The pager of the wrapped model that ``model`` is (or is a module of), or None."""
+    state = _WRAPPED.get(model)
+    return state.pager if state is not None else None
+
+
 def _state(model: nn.Module) -> _State:
     if not is_wrapped(model):
         raise ValueError(f"offtensor: this {type(model).__name__} is not wrapped; call ot.wrap_model(model, ...) first")
     return _WRAPPED[model]
-
-
-def _device_total_bytes(device: torch.device) -> Optional[int]:
-    """All the memory of ``device`` (a GPU's total, the emulated device's: the machine's RAM), or
-    None where it is not known (meta)."""
-    try:
-        if device.type == "cuda":
-            return torch.cuda.mem_get_info(device)[1]
-        if device.type == "cpu":
-            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (RuntimeError, ValueError, OSError):
-        return None
-    return None
-
-
-def _free_device_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 # ---------------------------------------------------------------------------- re-placement
@@ -569,7 +455,7 @@ def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buff
         return None
     if t.is_meta or t.layout != torch.strided:
         return None
-    member = _Member(t)
+    member = Member(t)
     member.slots.append((module, name, is_buffer))
     placed = state.placement_of(t)
     if placed is not None:
@@ -597,7 +483,7 @@ def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buff
         # Already on the device: it may share storage with resident weights (a re-assigned tie).
         key, storage_bytes = _storage_bytes(t)
         with_t = resident + (0 if key in storages else storage_bytes)
-    choice = placement._policy_choice(state.policy, [full_name])
+    choice = placement.policy_choice(state.config.policy, [full_name])
     keep = choice == "keep" or (choice != "offload" and with_t + state.working_set_bytes <= pager.budget_bytes)
     if keep:
         if with_t > pager.budget_bytes:
@@ -618,7 +504,7 @@ def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buff
     _reserve_paging_room(state, full_name, t, resident)
     member.names.append(full_name)
     source = t.detach()
-    _offload_group([member], pager)
+    _offload_group(StorageGroup([member]), pager)
     state.remember(source, member.tensor)
     pager.resident_bytes = resident
     return member.tensor
@@ -629,7 +515,7 @@ def _reserve_paging_room(state: _State, full_name: str, t: torch.Tensor, residen
     can page it, whole or in tiles (dispatch computes linear, mm, bmm and conv ops on a weight larger
     than the room in output tiles), and reserve that working set."""
     pager = state.pager
-    nbytes = _tensor_bytes(t)  # offloading keeps an expanded tensor's stride-0 layout
+    nbytes = placement.tensor_bytes(t)  # offloading keeps an expanded tensor's stride-0 layout
     ws = placement.working_set(full_name, tuple(t.shape), nbytes)
     for slices in (placement.TILE_ALIGN, 1):  # bit-identical tiles first (see tile_working_set)
         if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
@@ -643,24 +529,9 @@ def _reserve_paging_room(state: _State, full_name: str, t: torch.Tensor, residen
     state.working_set_bytes = max(state.working_set_bytes, ws)
 
 
-def _param_hook(module, name, param):
-    state = _WRAPPED.get(module)
-    if state is None or param is None:
-        return None
-    return _place(state, module, name, param, is_buffer=False)
-
-
-def _buffer_hook(module, name, buffer):
-    state = _WRAPPED.get(module)
-    if state is None or buffer is None:
-        return None
-    return _place(state, module, name, buffer, is_buffer=True)
-
-
-def _module_hook(module, name, submodule):
-    state = _WRAPPED.get(module)
-    if state is None or submodule is None:
-        return None
+def _attach_submodule(state: _State, module: nn.Module, name: str, submodule: nn.Module) -> None:
+    """``submodule`` is being set as ``module.name`` of a wrapped model: its modules join the model
+    and its tensors are placed, those of the submodule it replaces no longer counting."""
     old = module._modules.get(name)
     # Slots of the module being replaced stop counting, except those of its submodules that the new
     # one keeps (peft's LoRA layer holds the Linear it replaces as ``base_layer``): they stay resident.
@@ -676,9 +547,7 @@ def _module_hook(module, name, submodule):
     for child in submodule.modules():
         if _WRAPPED.get(child) is state:
             continue
-        _WRAPPED[child] = state
-        state.load_hooks.append(child.register_load_state_dict_post_hook(_after_load))
-        state.load_hooks.append(child.register_state_dict_post_hook(_portable_state_dict))
+        _enter(child, state)
         for table, is_buffer in ((child._parameters, False), (child._buffers, True)):
             for attr, t in list(table.items()):
                 if t is not None:
@@ -686,7 +555,6 @@ def _module_hook(module, name, submodule):
                     if new is not None:
                         table[attr] = new
                     placed.append(table[attr])
-    return None
 
 
 class _StepHook:
@@ -697,10 +565,10 @@ class _StepHook:
     ``_adopt_copy`` gives it its own pager with the same budget, instead of leaving its new host
     masters charged to the original's pager."""
 
-    __slots__ = ("device", "budget_bytes", "policy", "prefetch", "pager_ref", "pager_key", "copy_pager")
+    __slots__ = ("config", "budget_bytes", "pager_ref", "pager_key", "copy_pager")
 
-    def __init__(self, device, budget_bytes, policy, prefetch, pager=None, copy_pager=None):
-        self.device, self.budget_bytes, self.policy, self.prefetch = device, budget_bytes, policy, prefetch
+    def __init__(self, config: OffloadConfig, budget_bytes: int, pager=None, copy_pager=None):
+        self.config, self.budget_bytes = config, budget_bytes  # config.device: the device resolved
         self.pager_ref = weakref.ref(pager) if pager is not None else None
         # Under torch.compile the step is an op of the graph, keyed by this int (a constant to
         # Dynamo): looking the model up in _WRAPPED would make Dynamo guard on that table's
@@ -723,15 +591,20 @@ class _StepHook:
     def __reduce__(self):
         # torch.save(model) of a wrapped model: the loaded model is adopted like a deepcopy (a
         # callable policy may not pickle; patterns do).
-        return _StepHook, (self.device, self.budget_bytes, None if callable(self.policy) else self.policy, self.prefetch)
+        config = self.config.replace(policy=None) if callable(self.config.policy) else self.config
+        return _StepHook, (config, self.budget_bytes)
+
+    def new_pager(self) -> Pager:
+        """A pager with the wrapped model's device, budget and strictness, for a copy of the model."""
+        return Pager(self.config.device, self.budget_bytes, strict=self.config.strict)
 
     def __deepcopy__(self, memo):
-        pager = Pager(self.device, self.budget_bytes)
+        pager = self.new_pager()
         original = self.pager_ref() if self.pager_ref is not None else None
         if original is not None:
             # OffloadedTensor.__deepcopy__ charges the new host masters to this pager, not the original's.
             memo[("offtensor.pager", id(original))] = pager
-        return _StepHook(self.device, self.budget_bytes, self.policy, self.prefetch, copy_pager=pager)
+        return _StepHook(self.config, self.budget_bytes, copy_pager=pager)
 
 
 def _adopt_copy(model: nn.Module) -> Optional[_State]:
@@ -748,23 +621,25 @@ def _adopt_copy(model: nn.Module) -> Optional[_State]:
         for key in [k for k, h in module._state_dict_hooks.items() if h is _portable_state_dict]:
             del module._state_dict_hooks[key]
         if _WRAPPED.get(module) is not None:
-            del _WRAPPED[module]
+            _leave(module)
     for key, _ in hooks:
         del model._forward_pre_hooks[key]
-    pager = hook.copy_pager or Pager(hook.device, hook.budget_bytes)
+    pager = hook.copy_pager or hook.new_pager()
     hook.copy_pager = None
     offloaded = 0
-    groups = _collect(model)
+    groups = placement.collect_groups(model)
     for group in groups:
-        if isinstance(group[0].tensor, OffloadedTensor):
+        if group.is_offloaded:
             group[0].tensor._master.move_to(pager)
             offloaded += group[0].tensor._master.nbytes
-    weights = [_weight(g) for g in groups]
-    offload = [w for w, g in zip(weights, groups) if isinstance(g[0].tensor, OffloadedTensor)]
-    resident = [w for w, g in zip(weights, groups) if not isinstance(g[0].tensor, OffloadedTensor)]
-    ws = placement.plan(offload, None, offload_bytes=0, policy=lambda name: "offload", prefetch=False).working_set_bytes
-    plan = placement.Plan(offload, resident, hook.budget_bytes, _resident_bytes(model, pager.device), offloaded, ws)
-    _register(model, pager, plan, hook.policy, hook.prefetch)
+    weights = [g.weight() for g in groups]
+    offload = [w for w, g in zip(weights, groups) if g.is_offloaded]
+    resident = [w for w, g in zip(weights, groups) if not g.is_offloaded]
+    ws = placement.choose_placement(offload, None, offload_bytes=0, policy=lambda name: "offload",
+                                    prefetch=False).working_set_bytes
+    choice = placement.Placement(offload, resident, hook.budget_bytes, _resident_bytes(model, pager.device), offloaded,
+                                 ws)
+    _register(model, pager, choice, hook.config)
     return _WRAPPED[model]
 
 
@@ -832,7 +707,7 @@ def _place_attribute(state: _State, module: nn.Module, name: str, t: torch.Tenso
         return
     resident = _resident_bytes(model, pager.device)  # with t counted, once per storage
     full_name = state.qualified_name(module, name)
-    choice = placement._policy_choice(state.policy, [full_name])
+    choice = placement.policy_choice(state.config.policy, [full_name])
     keep = choice == "keep" or (
         choice != "offload" and resident + state.working_set_bytes <= pager.budget_bytes
     )
@@ -843,10 +718,10 @@ def _place_attribute(state: _State, module: nn.Module, name: str, t: torch.Tenso
         return
     without_t = resident - _storage_bytes(t)[1]
     _reserve_paging_room(state, full_name, t, without_t, kind="the attribute ")
-    member = _Member(t)
+    member = Member(t)
     member.slots.append((module, name, None))
     member.names.append(full_name)
-    _offload_group([member], pager)
+    _offload_group(StorageGroup([member]), pager)
     pager.resident_bytes = _resident_bytes(model, pager.device)
 
 
@@ -858,16 +733,13 @@ def _check_offloadable_quietly(t: torch.Tensor) -> bool:
     return True
 
 
-_module_setattr = nn.Module.__setattr__
-_module_delattr = nn.Module.__delattr__
-
-
-def _setattr(module, name, value):
-    """nn.Module.__setattr__, plus placement of plain tensor attributes of wrapped modules (no
-    registration hook sees those) and a recount when a weight or submodule is set to None."""
-    state = _WRAPPED.get(module) if _WRAPPED else None
+def _set_attribute(set_attribute, module: nn.Module, name: str, value) -> None:
+    """``module.name = value`` through the module class's own ``set_attribute``, plus what a wrapped
+    model needs: a submodule's tensors placed, a plain tensor attribute placed (no registration
+    method sees those) and a recount when a weight or submodule is set to None."""
+    state = _WRAPPED.get(module)
     if state is None:
-        return _module_setattr(module, name, value)
+        return set_attribute(name, value)
     # Only a weight, submodule or tensor attribute set to None releases bytes (forwards set other
     # attributes to None often; a recount walks the model).
     releases = value is None and (
@@ -877,21 +749,55 @@ def _setattr(module, name, value):
         or isinstance(module.__dict__.get(name), torch.Tensor)
     )
     old = module._modules.get(name) if releases else None
-    _module_setattr(module, name, value)
+    if isinstance(value, nn.Module):
+        _attach_submodule(state, module, name, value)
+    set_attribute(name, value)  # a Parameter or buffer goes through register_parameter / register_buffer
     if isinstance(value, torch.Tensor) and module.__dict__.get(name) is value:
         _place_attribute(state, module, name, value)
     elif releases:
         _released(state, old)
 
 
-def _delattr(module, name):
-    """nn.Module.__delattr__, plus releasing a deleted submodule's or weight's bytes at once:
+def _delete_attribute(delete_attribute, module: nn.Module, name: str) -> None:
+    """``del module.name``, plus releasing a deleted submodule's or weight's bytes at once:
     resident bytes are recounted, and the submodule no longer places what is assigned into it."""
-    state = _WRAPPED.get(module) if _WRAPPED else None
+    state = _WRAPPED.get(module)
     old = module._modules.get(name) if state is not None else None
-    _module_delattr(module, name)
+    delete_attribute(name)
     if state is not None:
         _released(state, old)
+
+
+_ABSENT = object()
+
+
+def _register_tensor(register, module: nn.Module, table: dict, name: str, t, is_buffer: bool) -> None:
+    """``register(name, t)``, the module class's own ``register_parameter`` / ``register_buffer``
+    (which checks the name and the tensor), then the placement of ``t`` into the wrapped model. If
+    placing fails (over budget), the slot goes back to what it held."""
+    state = _WRAPPED.get(module)
+    if state is None or t is None:
+        return register(name, t)
+    before = table.get(name, _ABSENT)
+    register(name, t)
+    try:
+        new = _place(state, module, name, t, is_buffer)
+    except BaseException:
+        if before is _ABSENT:
+            table.pop(name, None)
+        else:
+            table[name] = before
+        raise
+    if new is not None:
+        table[name] = new
+
+
+def _add_submodule(add_module, module: nn.Module, name: str, submodule) -> None:
+    """``module.add_module(name, submodule)``, its tensors placed first when ``module`` is wrapped."""
+    state = _WRAPPED.get(module)
+    if state is not None and isinstance(submodule, nn.Module):
+        _attach_submodule(state, module, name, submodule)
+    add_module(name, submodule)
 
 
 def _released(state: _State, old: Optional[nn.Module] = None) -> None:
@@ -902,21 +808,81 @@ def _released(state: _State, old: Optional[nn.Module] = None) -> None:
         live = set(model.modules())
         for m in old.modules():
             if m not in live and _WRAPPED.get(m) is state:
-                del _WRAPPED[m]
+                _leave(m)
     state.pager.resident_bytes = _resident_bytes(model, state.pager.device)
     if state.pager.experts is not None:
         state.experts_stale = True  # a registered stack may be what was deleted
 
 
-def _install_hooks() -> None:
-    if _hooks:
-        return
-    # No hook exists for plain attributes or deletions: every wrapped model needs them seen, so
-    # nn.Module's own methods are extended once (they do nothing more for unwrapped modules).
-    nn.Module.__setattr__ = _setattr
-    nn.Module.__delattr__ = _delattr
-    from torch.nn.modules import module as module_mod
+# ---------------------------------------------------------------------------- wrapped modules' classes
 
-    _hooks.append(module_mod.register_module_parameter_registration_hook(_param_hook))
-    _hooks.append(module_mod.register_module_buffer_registration_hook(_buffer_hook))
-    _hooks.append(module_mod.register_module_module_registration_hook(_module_hook))
+
+# A user's module class -> the subclass its instances take while wrapped, made once per class.
+_WRAPPING_CLASSES: dict = {}
+_WRAPPING_CLASSES_LOCK = threading.Lock()
+
+
+def _wrapping_class(user_class: type) -> type:
+    """The subclass of ``user_class`` that the modules of a wrapped model take while wrapped.
+
+    Its ``__setattr__``, ``__delattr__``, ``register_parameter``, ``register_buffer`` and
+    ``add_module`` do what ``user_class``'s do, plus the placement of what is assigned (no torch
+    hook sees plain tensor attributes or deletions). It has ``user_class``'s name, qualified name
+    and module (so reprs and ``type(m).__name__`` checks see no change) and no slots of its own
+    (so ``module.__class__`` can be swapped both ways); it pickles and deep-copies as ``user_class``.
+    A module's ops never go through it: forwards cost what they cost unwrapped."""
+    if "_offtensor_user_class" in user_class.__dict__:
+        return user_class
+    with _WRAPPING_CLASSES_LOCK:
+        cls = _WRAPPING_CLASSES.get(user_class)
+        if cls is None:
+            cls = _WRAPPING_CLASSES[user_class] = _make_wrapping_class(user_class)
+    return cls
+
+
+def _make_wrapping_class(user_class: type) -> type:
+    def __setattr__(self, name, value):
+        _set_attribute(super(cls, self).__setattr__, self, name, value)
+
+    def __delattr__(self, name):
+        _delete_attribute(super(cls, self).__delattr__, self, name)
+
+    def register_parameter(self, name, param):
+        _register_tensor(super(cls, self).register_parameter, self, self._parameters, name, param, False)
+
+    def register_buffer(self, name, tensor, persistent=True):
+        own = super(cls, self).register_buffer
+        register = own if persistent else (lambda n, t: own(n, t, persistent=False))
+        _register_tensor(register, self, self._buffers, name, tensor, True)
+
+    def add_module(self, name, module):
+        _add_submodule(super(cls, self).add_module, self, name, module)
+
+    def __reduce_ex__(self, protocol):
+        reduced = super(cls, self).__reduce_ex__(protocol)
+        if isinstance(reduced, tuple) and reduced[0] is copyreg.__newobj__ and reduced[1] == (cls,):
+            # pickle insists that __newobj__ builds the object's own class: rebuild the user's
+            # class as protocols 0 and 1 do instead.
+            reduced = (copyreg._reconstructor, (user_class, object, None), *reduced[2:])
+        return reduced
+
+    namespace = {
+        "__module__": user_class.__module__, "__qualname__": user_class.__qualname__, "__slots__": (),
+        "_offtensor_user_class": user_class, "__setattr__": __setattr__, "__delattr__": __delattr__,
+        "register_parameter": register_parameter, "register_buffer": register_buffer, "add_module": add_module,
+        "__reduce_ex__": __reduce_ex__,
+    }
+    cls = type(user_class)(user_class.__name__, (user_class,), namespace)
+    return cls
+
+
+def _give_wrapping_class(module: nn.Module) -> None:
+    cls = type(module)
+    if "_offtensor_user_class" not in cls.__dict__:
+        module.__class__ = _wrapping_class(cls)
+
+
+def _give_user_class(module: nn.Module) -> None:
+    user_class = type(module).__dict__.get("_offtensor_user_class")
+    if user_class is not None:
+        module.__class__ = user_class

@@ -128,24 +128,24 @@ def test_a_model_whose_op_concatenates_two_offloaded_weights_runs_within_the_bud
 
 
 def test_every_tensor_of_one_module_counts_in_one_working_set():
-    from offtensor.placement import Weight, plan
+    from offtensor.placement import Weight, choose_placement
 
     def weight(name, nbytes):
         return Weight([name], nbytes, (nbytes // 4, 1), nbytes)
 
     lstm = [weight(f"rnn.{n}", 100_000) for n in ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")]
-    p = plan(lstm + [weight("other.weight", 150_000)], budget_bytes=10**7, offload_bytes=10**6, prefetch=False)
+    p = choose_placement(lstm + [weight("other.weight", 150_000)], budget_bytes=10**7, offload_bytes=10**6, prefetch=False)
     assert p.working_set_bytes == 400_000  # the cuDNN LSTM op reads all four at once
 
 
 def test_stacked_experts_count_as_the_experts_one_op_pages_at_once():
-    from offtensor.placement import Weight, plan, working_set
+    from offtensor.placement import Weight, choose_placement, working_set
 
     shape = (64, 32, 16)
     nbytes = 64 * 32 * 16 * 4
     assert working_set("model.layers.0.mlp.experts.down_proj", shape, nbytes) == nbytes // 64
     experts = [Weight([f"l.experts.{n}"], nbytes, shape, nbytes // 64) for n in ("gate_up_proj", "down_proj")]
-    p = plan(experts, budget_bytes=nbytes // 8, prefetch=False)
+    p = choose_placement(experts, budget_bytes=nbytes // 8, prefetch=False)
     # gate_up and down of one expert (two slices), not 8 routed experts of each stack
     assert p.working_set_bytes == 2 * nbytes // 64
 
@@ -458,7 +458,7 @@ def test_spread_placement_reports_the_working_set_of_one_op_not_a_sum_over_its_r
         for i in range(12) for name in ("w1", "w2")
     ]
     total = 24 * 100_000
-    plan = placement.plan(layer_weights, budget_bytes=total - 6 * 100_000 + 2 * 100_000)
+    plan = placement.choose_placement(layer_weights, budget_bytes=total - 6 * 100_000 + 2 * 100_000)
     assert plan.working_set_bytes == 100_000
     assert len(plan.offload) == 6
     offloaded_layers = sorted({int(w.name.split(".")[1]) for w in plan.offload})
@@ -471,7 +471,7 @@ def test_spread_placement_reports_the_working_set_of_one_op_not_a_sum_over_its_r
             placement.Weight([f"rnn.weight_{part}_l0"], 100_000, (100, 250), 100_000, fused=fused)
             for part in ("ih", "hh")
         ]
-        plan = placement.plan(pair, budget_bytes=200_000, policy=["rnn.*"], prefetch=False)
+        plan = placement.choose_placement(pair, budget_bytes=200_000, policy=["rnn.*"], prefetch=False)
         assert plan.working_set_bytes == expected and len(plan.offload) == 2
 
 
@@ -487,8 +487,8 @@ def test_placement_prefers_room_for_a_layers_routed_experts_but_runs_with_one():
         for i in range(4) for name in ("gate_up_proj", "down_proj")
     ]
     total = sum(w.nbytes for w in stacks)
-    roomy = placement.plan(stacks, budget_bytes=total - 2 * 16 * expert + expert)
+    roomy = placement.choose_placement(stacks, budget_bytes=total - 2 * 16 * expert + expert)
     assert roomy.working_set_bytes == expert
     assert total - roomy.offloaded_bytes + expert + 2 * 8 * expert <= roomy.budget_bytes
-    tight = placement.plan(stacks, budget_bytes=2 * expert)  # everything offloaded, one expert of room
+    tight = placement.choose_placement(stacks, budget_bytes=2 * expert)  # everything offloaded, one expert of room
     assert len(tight.offload) == len(stacks) and tight.working_set_bytes == expert

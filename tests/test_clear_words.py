@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import offtensor as ot
-from offtensor import OffloadedTensor, wrap
+from offtensor import OffloadedTensor, placement, wrap
 
 GiB = 1 << 30
 
@@ -64,7 +64,7 @@ def test_the_warning_points_at_the_callers_line(device):
 
 
 def test_a_budget_above_the_devices_memory_is_named_in_a_warning(device):
-    total = wrap._device_total_bytes(torch.device(device))
+    total = placement.device_total_bytes(torch.device(device))
     assert total and total > 0
     memory = "GPU memory" if torch.device(device).type == "cuda" else "RAM on this machine"
     with pytest.warns(UserWarning, match=rf"budget_gb=1000000.0 \(\d+ bytes\) is more than the {total} bytes "

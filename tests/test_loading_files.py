@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -286,7 +287,9 @@ def test_from_pretrained_matches_transformers(tmp_path, device, name):
     # grouped_mm, transformers' default MoE kernel, takes only bfloat16 on CUDA: convert while loading.
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else None
     model = ot.from_pretrained(tmp_path, budget_gb=budget, device=device, dtype=dtype, progress=False)
-    assert type(model) is type(reference) and not model.training
+    # While wrapped, a module's class is a same-named subclass of its own (wrap._wrapping_class).
+    assert isinstance(model, type(reference)) and type(model).__name__ == type(reference).__name__
+    assert type(model).__mro__[1] is type(reference) and not model.training
     assert ot.stats(model).offloaded_bytes > 0
     if name == "llama_tied":
         assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -348,3 +351,100 @@ def test_from_pretrained_without_transformers_says_what_to_do(tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError, match=r"pip install transformers.*ot\.load_safetensors"):
         ot.from_pretrained(tmp_path, budget_gb=1, device="cpu")
+
+
+# ---------------------------------------------------------------------------- no process-wide patches
+
+
+def _registration_state():
+    """What torch keeps process-wide about module registration: nn.Module's own methods and the
+    global registration hooks."""
+    from torch.nn.modules import module as module_mod
+
+    hooks = (module_mod._global_parameter_registration_hooks, module_mod._global_buffer_registration_hooks,
+             module_mod._global_module_registration_hooks)
+    return dict(vars(nn.Module)), [dict(h) for h in hooks]
+
+
+def _from_pretrained_calling(tmp_path, on_build, budget):
+    """``load(key)``: from_pretrained into ``results[key]`` with a model class that calls
+    ``on_build()`` while it is being built on meta."""
+    llama = type(transformers.AutoModelForCausalLM.from_config(_config("llama_tied")))
+
+    class Building(llama):
+        def __init__(self, config):
+            super().__init__(config)
+            on_build()
+
+    results = {}
+
+    def load(key):
+        results[key] = ot.from_pretrained(tmp_path, budget_gb=budget, device="cpu", progress=False,
+                                          model_class=Building)
+
+    return load, results
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_a_module_built_in_another_thread_during_from_pretrained_is_an_ordinary_cpu_module(tmp_path):
+    reference = _saved("llama_tied", tmp_path)
+    budget = 0.3 * _weight_bytes(reference) / GiB
+    inside, built = threading.Event(), threading.Event()
+
+    def on_build():
+        inside.set()  # the meta build is running in the loading thread now
+        assert built.wait(30)
+
+    load, results = _from_pretrained_calling(tmp_path, on_build, budget)
+    loader = threading.Thread(target=load, args=("model",))
+    loader.start()
+    assert inside.wait(30)
+    other = nn.Linear(16, 16)  # built in this thread while the loader's model is being built on meta
+    built.set()
+    loader.join(60)
+    assert other.weight.device.type == "cpu" and not other.weight.is_meta and not other.bias.is_meta
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(_logits(results["model"], ids), _logits(reference, ids))
+
+
+def test_concurrent_from_pretrained_calls_both_load_and_leave_no_patch_behind(tmp_path):
+    reference = _saved("llama_tied", tmp_path)
+    budget = 0.3 * _weight_bytes(reference) / GiB
+    before = _registration_state()
+    # "a" starts building first and finishes first, while "b" is still building: the order in which
+    # a save-and-restore patch of nn.Module is left in place for good.
+    a_inside, b_inside, a_done = threading.Event(), threading.Event(), threading.Event()
+
+    def on_build():
+        if threading.current_thread().name == "a":
+            a_inside.set()
+            assert b_inside.wait(30)
+        else:
+            b_inside.set()
+            assert a_done.wait(30)
+
+    load, results = _from_pretrained_calling(tmp_path, on_build, budget)
+
+    def load_a():
+        try:
+            load("a")
+        finally:
+            a_done.set()
+
+    loader_a = threading.Thread(target=load_a, name="a")
+    loader_b = threading.Thread(target=load, args=("b",), name="b")
+    loader_a.start()
+    assert a_inside.wait(30)
+    loader_b.start()
+    for t in (loader_a, loader_b):
+        t.join(120)
+    assert sorted(results) == ["a", "b"] and results["a"] is not results["b"]
+    assert _registration_state() == before
+    assert not nn.Linear(4, 4).weight.is_meta
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+    expected = _logits(reference, ids)
+    assert torch.equal(_logits(results["a"], ids), expected) and torch.equal(_logits(results["b"], ids), expected)

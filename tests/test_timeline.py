@@ -271,13 +271,13 @@ def test_placement_offloads_equal_weights_evenly_spread_in_forward_order():
     mb = 1 << 20
     names = [f"layers.{i}.mlp.weight" for i in range(24)]
     weights = [placement.Weight([n], mb, (512, 512), mb) for n in names]
-    plan = placement.plan(weights, budget_bytes=(24 - 12 + 2) * mb)
+    plan = placement.choose_placement(weights, budget_bytes=(24 - 12 + 2) * mb)
     assert sorted(int(w.name.split(".")[1]) for w in plan.offload) == list(range(1, 24, 2))
-    quarter = placement.plan(weights, budget_bytes=(24 - 6 + 2) * mb)
+    quarter = placement.choose_placement(weights, budget_bytes=(24 - 6 + 2) * mb)
     assert sorted(int(w.name.split(".")[1]) for w in quarter.offload) == [2, 6, 10, 14, 18, 22]
     # Forward order, not name order: of layers 0-11, a third spread out is 1, 4, 7, 10 (by name
     # order "layers.10" and "layers.11" would come third and fourth).
-    third = placement.plan(weights[:12], budget_bytes=(12 - 4 + 2) * mb)
+    third = placement.choose_placement(weights[:12], budget_bytes=(12 - 4 + 2) * mb)
     assert sorted(int(w.name.split(".")[1]) for w in third.offload) == [1, 4, 7, 10]
 
 

@@ -714,3 +714,38 @@ def test_unwrap_removes_every_hook_it_added(device):
     for name, module in model.named_modules():
         assert not module._forward_pre_hooks, name
         assert not module._load_state_dict_post_hooks, name
+
+
+def _module_machinery():
+    """Everything torch keeps process-wide about modules: nn.Module's attributes and the global
+    registration hooks."""
+    from torch.nn.modules import module as module_mod
+
+    hooks = (module_mod._global_parameter_registration_hooks, module_mod._global_buffer_registration_hooks,
+             module_mod._global_module_registration_hooks)
+    return dict(vars(nn.Module)), [dict(h) for h in hooks]
+
+
+def test_wrap_and_unwrap_change_nothing_in_nn_module_and_give_every_module_its_class_back(device):
+    pristine = {name: getattr(nn.Module, name).__module__
+                for name in ("__setattr__", "__delattr__", "register_parameter", "register_buffer", "add_module")}
+    assert set(pristine.values()) == {"torch.nn.modules.module"}
+    before = _module_machinery()
+    model = _model()
+    classes = {name: type(m) for name, m in model.named_modules()}
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0)).to(device)
+    expected = _run(copy.deepcopy(model).to(device), ids)
+    ot.wrap_model(model, budget_gb=_budget_gb(model, 0.3), device=device)
+    assert _module_machinery() == before
+    # Only the wrapped model's own modules place what is assigned into them: a module built now is untouched.
+    outside = nn.Linear(HIDDEN, HIDDEN)
+    assert type(outside) is nn.Linear and type(outside).__setattr__ is nn.Module.__setattr__
+    assert all(isinstance(m, classes[name]) and type(m).__name__ == classes[name].__name__
+               for name, m in model.named_modules())
+    model.layers[0].mlp.table = torch.randn(128, 256, device=device)  # seen while wrapped
+    assert ot.stats(model).untracked_bytes == 128 * 256 * 4
+    assert torch.equal(_run(model, ids), expected)
+    ot.unwrap_model(model)
+    assert {name: type(m) for name, m in model.named_modules()} == classes
+    assert _module_machinery() == before
+    assert torch.equal(_run(model, ids), expected)

@@ -1,0 +1,108 @@
+"""OffloadConfig: every setting of an offloaded model in one documented, immutable object.
+
+``wrap_model``, ``load_safetensors``, ``from_pretrained`` and ``ot.plan`` keep their keyword
+arguments (DESIGN.md's contract); each call builds one ``OffloadConfig`` from them and hands that
+object on, so placement, the pager, the loader and the step hook all read the same settings
+(diffusers' ``GroupOffloadingConfig`` does the same). Environment variables only fill defaults:
+
+| setting | default | environment variable |
+| --- | --- | --- |
+| ``strict`` | False | ``OFFTENSOR_STRICT=1`` |
+| ``progress`` | None (a bar for loads of 256 MB or more) | ``OFFTENSOR_PROGRESS=0`` / ``=1`` |
+| ``load_threads`` | the CPU count, clamped to 4..8 | ``OFFTENSOR_LOAD_THREADS=N`` |
+
+An argument given explicitly always wins over its environment variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+# A placement policy: offload patterns, {"offload": [...], "keep": [...]}, or name -> "offload" | "keep" | None.
+Policy = Union[None, Sequence[str], dict, Callable[[str], Optional[str]]]
+
+_FALSE_WORDS = ("", "0", "false", "no", "off")
+_TRUE_WORDS = ("1", "true", "yes", "on")
+
+
+def strict_from_env() -> bool:
+    """``OFFTENSOR_STRICT=1``: the emulated device completes copies late and out of order into
+    poisoned buffers (``_ext.StrictCopyEngine``), so a missing wait fails instead of passing by luck."""
+    return os.environ.get("OFFTENSOR_STRICT", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def progress_from_env() -> Optional[bool]:
+    """``OFFTENSOR_PROGRESS``: ``0`` silences the load progress bar, ``1`` forces it; unset (None):
+    shown for large loads only."""
+    word = os.environ.get("OFFTENSOR_PROGRESS", "").strip().lower()
+    if word in _TRUE_WORDS:
+        return True
+    if word and word in _FALSE_WORDS:
+        return False
+    return None
+
+
+def load_threads_from_env() -> int:
+    """``OFFTENSOR_LOAD_THREADS``, else the CPU count clamped to 4..8: readers mostly wait on page
+    faults, so a few more than the cores keep the disk busy."""
+    return int(os.environ.get("OFFTENSOR_LOAD_THREADS", "0")) or min(8, max(4, os.cpu_count() or 4))
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    """The settings of one offloaded model (see the module docstring for the environment defaults).
+
+    - ``budget_gb``: GiB (2**30 bytes) of device memory this model's weights may hold at once:
+      resident weights + paged copies alive + prefetches in flight.
+    - ``offload_gb``: vLLM's ``cpu_offload_gb``: offload at least this many GiB, keep the rest
+      resident. Give ``budget_gb`` or ``offload_gb`` or neither (then: free device memory minus a
+      margin for activations).
+    - ``device``: None is ``cuda`` (current device) when available, else ``cpu``, the emulated device.
+    - ``prefetch``: copy the next weights ahead of use, and leave room in the budget for that.
+    - ``policy``: which weights to offload or keep, by name (``Policy``).
+    - ``strict``: the emulated device's strict mode (late, out-of-order copies). Not the
+      ``strict=`` of ``load_safetensors``, which is about names in the checkpoint.
+    - ``progress``: the load progress bar: True, False, or None for loads of 256 MB or more.
+    - ``load_threads``: reader threads of ``load_safetensors``.
+    """
+
+    budget_gb: Optional[float] = None
+    offload_gb: Optional[float] = None
+    device: Union[None, str, torch.device] = None
+    prefetch: bool = True
+    policy: Policy = None
+    strict: bool = dataclasses.field(default_factory=strict_from_env)
+    progress: Optional[bool] = dataclasses.field(default_factory=progress_from_env)
+    load_threads: int = dataclasses.field(default_factory=load_threads_from_env)
+
+    def __post_init__(self):
+        if self.budget_gb is not None and self.offload_gb is not None:
+            raise ValueError("offtensor: give budget_gb or offload_gb, not both")
+        for label, value in (("budget_gb", self.budget_gb), ("offload_gb", self.offload_gb)):
+            if value is not None and (
+                not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0
+            ):
+                raise ValueError(f"offtensor: {label} must be a non-negative number of GiB, got {value!r}")
+
+    @classmethod
+    def from_arguments(cls, **arguments) -> "OffloadConfig":
+        """The settings of a public call's keyword arguments: an argument left at None takes its
+        default (for ``strict``, ``progress`` and ``load_threads``: the environment's)."""
+        from_env = ("strict", "progress", "load_threads")
+        return cls(**{k: v for k, v in arguments.items() if not (k in from_env and v is None)})
+
+    @property
+    def budget_bytes(self) -> Optional[int]:
+        return None if self.budget_gb is None else int(self.budget_gb * (1 << 30))
+
+    @property
+    def offload_bytes(self) -> Optional[int]:
+        return None if self.offload_gb is None else int(self.offload_gb * (1 << 30))
+
+    def replace(self, **changes) -> "OffloadConfig":
+        return dataclasses.replace(self, **changes)
