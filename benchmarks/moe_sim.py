@@ -141,7 +141,7 @@ def record_trace(model, ids, prefix: int, steps: int) -> dict:
             current = []
             logits = run.step()
             if t > 0:
-                nll += F.cross_entropy(logits[0, -1:].float(), ids[prefix + t - 1: prefix + t]).item()
+                nll += F.cross_entropy(logits[0, -1:].float(), ids[prefix + t: prefix + t + 1]).item()
             trace.append(current)
     finally:
         for h in handles:
@@ -344,13 +344,43 @@ def replay_ours(trace, fraction: float, speculate: bool = False) -> dict:
     return out
 
 
+SPECULATION_KNOBS = ("SPECULATE_PRECISION", "SPECULATE_EXPERTS", "SPECULATE_VICTIM_CYCLES")
+# The gates tried for the coverage-against-waste curve: the bin precision a guess must have shown.
+CURVE = [{"SPECULATE_PRECISION": p} for p in (0.5, 0.6, 0.7, 0.8, 0.9, 1.01)]
+TIMELINE_STEPS = 8
+
+
+def speculation_curve(trace, fraction: float, settings) -> list:
+    """The real speculator on the trace under other gates: each of ``settings`` (a dict of
+    ``offtensor.experts`` SPECULATION_KNOBS) replayed, restored afterwards. One point per setting:
+    the share of misses its copies covered against the share of its copied bytes wasted."""
+    from offtensor import experts as experts_mod
+
+    saved = {k: getattr(experts_mod, k) for k in SPECULATION_KNOBS}
+    points = []
+    try:
+        for setting in settings:
+            for k, v in {**saved, **setting}.items():
+                setattr(experts_mod, k, v)
+            r = replay_ours(trace, fraction, speculate=True)
+            g = r["guesses"]
+            points.append({**setting, "hit_rate": r["hit_rate"], "covered_misses": g["covered_misses"],
+                           "wasted_share": g["wasted_share"], "uncached_precision": g["uncached_precision"],
+                           "miss_coverage": g["miss_coverage"], "prefetched_bytes": g["prefetched_bytes"]})
+    finally:
+        for k, v in saved.items():
+            setattr(experts_mod, k, v)
+    return points
+
+
 # ---------------------------------------------------------------------------- the real wrapped run
 
 
-def real_run(model, ids, prefix: int, steps: int, fraction: float, speculate: bool = True) -> dict:
+def real_run(model, ids, prefix: int, steps: int, fraction: float, speculate: bool = True, device="cpu",
+             timeline_steps: int = 0) -> dict:
     """The trained model wrapped at ``fraction`` of its experts cached against the unwrapped one,
     teacher-forced: identical logits at every step, and the measured hit rates."""
-    wrapped = ot.wrap_model(copy.deepcopy(model), budget_gb=budget_gb(model, fraction), device="cpu",
+    wrapped = ot.wrap_model(copy.deepcopy(model), budget_gb=budget_gb(model, fraction), device=device,
                             prefetch=speculate, policy=EXPERTS_PAGED)
     a, b = _Decoder(wrapped, ids, prefix), _Decoder(model, ids, prefix)
     identical = True
@@ -363,6 +393,16 @@ def real_run(model, ids, prefix: int, steps: int, fraction: float, speculate: bo
     out = _wrapped_report(wrapped, L)
     out["identical_logits_every_step"] = identical
     out["seconds"] = time.perf_counter() - t0
+    if timeline_steps:
+        # A few more decode steps recorded and replayed under the H200 profile (the tiny model's
+        # own sizes: 74 KB experts, so per-op overheads weigh more than on a real model).
+        with ot.timeline(wrapped) as tl:
+            for _ in range(timeline_steps):
+                identical &= bool(torch.equal(a.step(), b.step()))
+        r = tl.replay("h200")
+        out["h200_replay"] = {"steps": timeline_steps, "step_ms_mean": sum(r.steps_ms) / len(r.steps_ms),
+                              "bound_ms_last": r.bound_ms, "copy_busy_last": r.copy_busy}
+        out["identical_logits_every_step"] = identical
     ot.unwrap_model(wrapped)
     return out
 
@@ -373,7 +413,7 @@ def real_run(model, ids, prefix: int, steps: int, fraction: float, speculate: bo
 def evaluate(name: str, args) -> dict:
     torch.set_num_threads(args.threads)
     model = load_model(name)
-    ids = heldout_ids(args.start, args.prefix + args.steps + 1)
+    ids = heldout_ids(args.start, args.prefix + args.steps + 1 + TIMELINE_STEPS)
     t0 = time.perf_counter()
     trace = record_trace(model, ids, args.prefix, args.steps)
     result = {"model": name, "trace_seconds": time.perf_counter() - t0,
@@ -385,9 +425,12 @@ def evaluate(name: str, args) -> dict:
         cap = int(round(fraction * total))
         row = {"capacity_experts": cap, "lru": simulate_lru(trace, cap), "belady": simulate_belady(trace, cap),
                "ours": replay_ours(trace, fraction), "ours_speculating": replay_ours(trace, fraction, True)}
+        row["speculation_curve"] = speculation_curve(trace, fraction, CURVE)
         if not args.no_real:
-            row["real"] = real_run(model, ids, args.prefix, args.steps, fraction, speculate=False)
-            row["real_speculating"] = real_run(model, ids, args.prefix, args.steps, fraction, speculate=True)
+            row["real"] = real_run(model, ids, args.prefix, args.steps, fraction, speculate=False,
+                                   timeline_steps=TIMELINE_STEPS)
+            row["real_speculating"] = real_run(model, ids, args.prefix, args.steps, fraction, speculate=True,
+                                               timeline_steps=TIMELINE_STEPS)
         result["cache"][f"{fraction:.0%}"] = row
         print(f"{name} {fraction:.0%}: " + ", ".join(f"{k} {v['hit_rate']:.3f}" for k, v in row.items()
                                                      if isinstance(v, dict) and "hit_rate" in v), flush=True)
