@@ -346,7 +346,11 @@ def replay_ours(trace, fraction: float, speculate: bool = False) -> dict:
 
 SPECULATION_KNOBS = ("SPECULATE_PRECISION", "SPECULATE_EXPERTS", "SPECULATE_VICTIM_CYCLES")
 # The gates tried for the coverage-against-waste curve: the bin precision a guess must have shown.
-CURVE = [{"SPECULATE_PRECISION": p} for p in (0.5, 0.6, 0.7, 0.8, 0.9, 1.01)]
+# 1.01: no guess copied (the cache alone). Then the room a guess may take: a victim whose expected
+# next use is at least SPECULATE_VICTIM_CYCLES cycles away (a stricter limit copies fewer guesses
+# and so evicts fewer copies that are read again soon: fewer bytes, fewer misses covered).
+CURVE = [{"SPECULATE_PRECISION": p} for p in (0.5, 0.6, 0.7, 0.8, 0.9, 1.01)] + \
+    [{"SPECULATE_VICTIM_CYCLES": c} for c in (3.0, 4.0, 6.0)]
 TIMELINE_STEPS = 8
 
 
@@ -364,7 +368,8 @@ def speculation_curve(trace, fraction: float, settings) -> list:
                 setattr(experts_mod, k, v)
             r = replay_ours(trace, fraction, speculate=True)
             g = r["guesses"]
-            points.append({**setting, "hit_rate": r["hit_rate"], "covered_misses": g["covered_misses"],
+            points.append({**setting, "hit_rate": r["hit_rate"], "bytes_h2d": r["bytes_h2d"],
+                           "covered_misses": g["covered_misses"],
                            "wasted_share": g["wasted_share"], "uncached_precision": g["uncached_precision"],
                            "miss_coverage": g["miss_coverage"], "prefetched_bytes": g["prefetched_bytes"]})
     finally:
