@@ -9,19 +9,21 @@ what that cache does not know about experts, as two small objects the pager comp
   misses, bytes copied, evictions); a decayed use frequency per cached expert (weighted by the
   expert's share of the layer's tokens where the op knows it); the layer order of the last pass.
   The pager's eviction asks it for a victim (``victim``), approximating Belady's furthest next use
-  in the cyclic layer order: experts of layers that already ran in this step first (their next
-  use is a step away), each such layer keeping what it routed (up to its fair share) so that it
-  can swap in place at its next turn; then experts of layers still to run; coldest first within
-  each, so hot experts stay. An op that knows its experts (``_grouped_mm``, the index ops)
-  ``announce``s them: the layer's missing experts are issued at once, into room that no later
-  layer of the step needs, and its unrouted ones become evictable;
+  in the cyclic layer order with one score for every layer: an expert ``d`` layers ahead is next
+  used after ``d + (1 - p) L / q`` layers, ``q`` its decayed use frequency and ``p`` its chance at
+  its layer's next turn (``q``, or the layer's measured token-to-token reuse rate for an expert
+  the layer routed at its last turn), so the cache goes to the layers whose tokens reuse experts.
+  An op that knows its experts (``_grouped_mm``, the index ops) ``announce``s them: the layer's
+  missing experts are issued at once and its unrouted ones become evictable;
 - ``RoutingSpeculator``: forward hooks on the routers. The top-k of a router's output tells the
   cache which experts its layer will page (``expect``, for models that select experts one by one).
   Before layer i's router runs, layer i+1's router weight is applied to its input (the residual
   stream changes little from one layer to the next, which MoE-Infinity and Pre-gated MoE exploit):
-  a guess of layer i+1's experts, always scored against what layer i+1 pages, and copied (its two
-  most confident experts, behind layer i's own copies) only for a router whose recent guesses were
-  at least 90% right. Which modules are routers and which stacks each one selects is learned from
+  a guess of layer i+1's experts, always scored against what layer i+1 pages. Guesses of experts
+  not cached when guessed (the only ones a copy can save) are scored apart per router and
+  confidence bin; such a guess is copied (at most two per layer, behind layer i's own copies, and
+  only into the room of a copy expected to be read much later) when its bin's recent guesses were
+  at least 60% right. Which modules are routers and which stacks each one selects is learned from
   the access order of a pass (the stacks paged after a router fires, before the next one); before
   the first pass, from names (``<prefix>.gate`` selects ``<prefix>.experts.*``).
 
