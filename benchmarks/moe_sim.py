@@ -27,6 +27,9 @@ offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a 
 5. **Speculation**, scored on what it saves: guesses of experts NOT cached (precision), the share
    of the layer's misses they cover, bytes copied ahead, bytes wasted, misses left on the critical
    path; and the offline coverage-against-waste curve of gates on the look-ahead probability.
+6. **H200 replay** (``h200_sized``): the trace through the replay model with experts of
+   Qwen3-30B-A3B's bytes (9.4 MB) and a resident attention stand-in per layer, the last 16 decode
+   steps recorded (``ot.timeline``) and replayed under ``h200``, with guesses and without.
 
 JSON: ``benchmarks/results/moe_sim.json``.
 """
@@ -41,6 +44,7 @@ import os
 import sys
 import time
 from collections import OrderedDict
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -262,17 +266,23 @@ class _ReplayRouter(nn.Module):
 
 
 class _ReplayLayer(nn.Module):
-    def __init__(self, experts: int, top_k: int, inter: int):
+    def __init__(self, experts: int, top_k: int, inter: int, hidden: int, dense: bool):
         super().__init__()
+        if dense:  # resident stand-in for attention: the compute a layer does before its router
+            self.self_attn = nn.Module()
+            self.self_attn.q_proj = nn.Linear(hidden, hidden, bias=False)
+            self.self_attn.o_proj = nn.Linear(hidden, hidden, bias=False)
         self.mlp = nn.Module()
         self.mlp.gate = _ReplayRouter(experts, top_k)
         self.mlp.experts = nn.Module()
-        h = experts
-        self.mlp.experts.gate_up_proj = nn.Parameter(torch.randn(experts, h, 2 * inter) * 0.1, requires_grad=False)
-        self.mlp.experts.down_proj = nn.Parameter(torch.randn(experts, inter, h) * 0.1, requires_grad=False)
+        w = torch.zeros if dense else lambda *shape: torch.randn(*shape) * 0.1
+        self.mlp.experts.gate_up_proj = nn.Parameter(w(experts, hidden, 2 * inter), requires_grad=False)
+        self.mlp.experts.down_proj = nn.Parameter(w(experts, inter, hidden), requires_grad=False)
         self.inter = inter
 
     def forward(self, x, rec, ahead):
+        if hasattr(self, "self_attn"):
+            x = x + self.self_attn.o_proj(self.self_attn.q_proj(x))
         gate = self.mlp.gate
         gate.logits = rec["logits"]
         gate(ahead)  # hooks: the speculator sees the recorded look-ahead, the cache the routing
@@ -286,25 +296,51 @@ class _ReplayLayer(nn.Module):
         h = torch._grouped_mm(rows, e.gate_up_proj, offs=offs)
         h = F.silu(h[:, : self.inter]) * h[:, self.inter:]
         y = torch._grouped_mm(h, e.down_proj, offs=offs)
-        return x + y.view(tokens * k, -1).sum(0, keepdim=True) * 0
+        return x + y.view(tokens, k, -1).sum(1) * 0
 
 
 class ReplayModel(nn.Module):
-    """Stacked experts of the traced model's count and top-k (tiny: the pager's decisions do not
-    depend on an expert's size, only on how many fit), driven by a recorded trace."""
+    """Stacked experts of the traced model's count and top-k, driven by a recorded trace. By
+    default tiny (the pager's decisions do not depend on an expert's size, only on how many fit);
+    with ``hidden`` and ``inter`` (and ``dense``: a resident attention stand-in per layer) sized
+    for a timeline replayed under a GPU profile."""
 
-    def __init__(self, trace, inter: int = 8):
+    def __init__(self, trace, inter: int = 8, hidden: Optional[int] = None, dense: bool = False):
         super().__init__()
-        self.layers = nn.ModuleList(_ReplayLayer(trace["experts"], trace["top_k"], inter)
+        self.hidden = hidden or trace["experts"]
+        self.layers = nn.ModuleList(_ReplayLayer(trace["experts"], trace["top_k"], inter, self.hidden, dense)
                                     for _ in range(trace["layers"]))
 
     def forward(self, step):
-        E = self.layers[0].mlp.gate.weight.shape[0]
-        x = torch.zeros(step[0]["routed"].shape[0], E)
+        x = torch.zeros(step[0]["routed"].shape[0], self.hidden)
         for i, (layer, rec) in enumerate(zip(self.layers, step)):
             ahead = rec["ahead"] if rec["ahead"] is not None else torch.zeros_like(rec["logits"])
             x = layer(x, rec, ahead)
         return x
+
+
+def h200_replay(trace, fraction: float, speculate: bool, hidden: int = 1024, inter: int = 768,
+                recorded: int = 16) -> dict:
+    """The trace's decode through experts sized like Qwen3-30B-A3B's (1024 x 768 fp32 = 9.4 MB,
+    its bf16 2048 x 768 experts' bytes) and a resident attention stand-in, run on the emulated
+    device; the last ``recorded`` steps recorded and replayed under the ``h200`` profile."""
+    model = ReplayModel(trace, inter=inter, hidden=hidden, dense=True)
+    ot.wrap_model(model, budget_gb=budget_gb(model, fraction), device="cpu", prefetch=speculate,
+                  policy=EXPERTS_PAGED)
+    steps = trace["steps"]
+    with torch.no_grad():
+        for step in steps[:-recorded]:
+            model(step)
+        ot.reset_stats(model)
+        with ot.timeline(model) as tl:
+            for step in steps[-recorded:]:
+                model(step)
+    r = tl.replay("h200")
+    s = ot.stats(model)
+    ot.unwrap_model(model)
+    return {"expert_bytes": 3 * hidden * inter * 4, "recorded_steps": recorded,
+            "step_ms_mean": sum(r.steps_ms) / len(r.steps_ms), "bound_ms_last": r.bound_ms,
+            "copy_busy_last": r.copy_busy, "bytes_h2d_per_step": s.bytes_h2d / recorded}
 
 
 def _layer_of(name: str) -> int:
@@ -431,6 +467,8 @@ def evaluate(name: str, args) -> dict:
         row = {"capacity_experts": cap, "lru": simulate_lru(trace, cap), "belady": simulate_belady(trace, cap),
                "ours": replay_ours(trace, fraction), "ours_speculating": replay_ours(trace, fraction, True)}
         row["speculation_curve"] = speculation_curve(trace, fraction, CURVE)
+        row["h200_sized"] = {"cache_alone": h200_replay(trace, fraction, False),
+                             "with_guesses": h200_replay(trace, fraction, True)}
         if not args.no_real:
             row["real"] = real_run(model, ids, args.prefix, args.steps, fraction, speculate=False,
                                    timeline_steps=TIMELINE_STEPS)
