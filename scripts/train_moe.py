@@ -112,7 +112,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--out", default=None)
-    p.add_argument("--steps", type=int, default=None, help="stop after this many steps (timing runs)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="stop after this many steps, the learning rate scheduled by steps (reproducible)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = args.out or os.path.join(DATA, f"moe_{args.model}")
@@ -144,9 +145,11 @@ def main(argv=None):
     step, log, ema = 0, [], None
     while True:
         elapsed = time.perf_counter() - t0
-        if elapsed >= budget or (args.steps is not None and step >= args.steps):
+        if (args.steps is None and elapsed >= budget) or (args.steps is not None and step >= args.steps):
             break
-        frac = elapsed / budget
+        # The learning rate follows the time budget, or with --steps the step count (then the run
+        # is deterministic: the committed checkpoints came from time budgets, see train_log.json).
+        frac = step / args.steps if args.steps else elapsed / budget
         lr = args.lr * min(1.0, (step + 1) / 100) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
             g["lr"] = lr
