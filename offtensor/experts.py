@@ -9,19 +9,21 @@ what that cache does not know about experts, as two small objects the pager comp
   misses, bytes copied, evictions); a decayed use frequency per cached expert (weighted by the
   expert's share of the layer's tokens where the op knows it); the layer order of the last pass.
   The pager's eviction asks it for a victim (``victim``), approximating Belady's furthest next use
-  in the cyclic layer order: experts of layers that already ran in this step first (their next
-  use is a step away), each such layer keeping what it routed (up to its fair share) so that it
-  can swap in place at its next turn; then experts of layers still to run; coldest first within
-  each, so hot experts stay. An op that knows its experts (``_grouped_mm``, the index ops)
-  ``announce``s them: the layer's missing experts are issued at once, into room that no later
-  layer of the step needs, and its unrouted ones become evictable;
+  in the cyclic layer order with one score for every layer: an expert ``d`` layers ahead is next
+  used after ``d + (1 - p) L / q`` layers, ``q`` its decayed use frequency and ``p`` its chance at
+  its layer's next turn (``q``, or the layer's measured token-to-token reuse rate for an expert
+  the layer routed at its last turn), so the cache goes to the layers whose tokens reuse experts.
+  An op that knows its experts (``_grouped_mm``, the index ops) ``announce``s them: the layer's
+  missing experts are issued at once and its unrouted ones become evictable;
 - ``RoutingSpeculator``: forward hooks on the routers. The top-k of a router's output tells the
   cache which experts its layer will page (``expect``, for models that select experts one by one).
   Before layer i's router runs, layer i+1's router weight is applied to its input (the residual
   stream changes little from one layer to the next, which MoE-Infinity and Pre-gated MoE exploit):
-  a guess of layer i+1's experts, always scored against what layer i+1 pages, and copied (its two
-  most confident experts, behind layer i's own copies) only for a router whose recent guesses were
-  at least 90% right. Which modules are routers and which stacks each one selects is learned from
+  a guess of layer i+1's experts, always scored against what layer i+1 pages. Guesses of experts
+  not cached when guessed (the only ones a copy can save) are scored apart per router and
+  confidence bin; such a guess is copied (at most two per layer, behind layer i's own copies, and
+  only into the room of a copy expected to be read much later) when its bin's recent guesses were
+  at least 60% right. Which modules are routers and which stacks each one selects is learned from
   the access order of a pass (the stacks paged after a router fires, before the next one); before
   the first pass, from names (``<prefix>.gate`` selects ``<prefix>.experts.*``).
 
@@ -44,32 +46,48 @@ from torch import nn
 
 # Per step an expert's use count decays by this factor: a frequency over roughly the last
 # 1 / (1 - DECAY) steps, so an expert hot a hundred tokens ago does not stay pinned forever.
-FREQUENCY_DECAY = 0.5
+# (benchmarks/moe_sim.py on the trained test models: 0.5 to 0.95 moves the decode hit rate at 25%
+# cached from 0.70 to 0.74; recency is carried by REUSE below, so the frequency can be long.)
+FREQUENCY_DECAY = 0.95
+# Token-to-token locality: the share of a layer's experts at one token that its next token routes
+# to again, measured per layer (an exponential average over decode steps, REUSE_DECAY per step),
+# starting from REUSE_PRIOR (the trained test models: 0.31 to 0.48 by layer; chance is k / E).
+REUSE_PRIOR = 0.4
+REUSE_DECAY = 0.9
 # How many evictable copies eviction compares, least recently used first (bounds its cost in a
 # cache of thousands of experts; a copy it passes over is evicted later).
 VICTIM_WINDOW = 512
 # Probability of use given to an expert with no recorded use, so the cyclic distance still orders them.
-UNSEEN_USE = 0.05
-# Speculative copies are issued only for a router whose guesses were right at least this often
-# (an exponential average over its layers' guesses). In a decode step the copy engine is the
-# bottleneck (the bound is uncached routed bytes / H2D), so a wrong guess costs its full copy
-# time; at 0.9 the wasted bytes stay under ~11% of the useful ones. Guesses are still made and
-# scored below the bar, so a router whose guesses get better is speculated on again.
-SPECULATE_PRECISION = 0.9
-# The precision is correct / guessed over the router's recent guesses: both counts decay by this
-# factor per scored guess, and at least SPECULATE_EVIDENCE guessed experts must stand behind it
-# (a top-2 guess scores 0, 0.5 or 1: a few lucky layers prove nothing).
-PRECISION_DECAY = 0.95
-SPECULATE_EVIDENCE = 12.0
-# How many guessed experts are copied ahead, the most confident first. The copy stream is idle only
-# between a layer's last expert copy and the next layer's routing read (its attention and router:
-# ~0.3 ms on the DeepSeek-style stack under the H200 profile, less than one 25 MB expert's 0.45 ms
-# copy), so a couple of guesses fill that gap; more are copied at the price of every wrong one
-# (the replay in benchmarks/moe_bench.py: all 8 at 80% accuracy is slower than none).
+UNSEEN_USE = 0.02
+# Speculation is scored on what it can save: only a guess of an expert that is NOT cached when the
+# guess is made costs a copy, so a router's guesses are scored apart by their confidence (the
+# look-ahead probability of the guessed expert, in CONFIDENCE_BINS bins) on uncached experts only.
+# An uncached guess is copied only when the guesses of its router and bin have been right at least
+# SPECULATE_PRECISION of the time: its copy then saves a miss on the critical path more often than
+# it spends the copy stream for nothing. Guesses are scored whether or not they were copied, so a
+# bin earns (or loses) speculation by its record before any byte is spent on it.
+# benchmarks/moe_sim.py on the trained Qwen3-MoE test model at 25% cached, the real speculator on a
+# recorded trace (share of misses covered / share of copied bytes wasted / decode hit rate):
+# 0.5: 0.51 / 0.23 / 0.769; 0.6: 0.36 / 0.21 / 0.778; 0.7: 0.27 / 0.14 / 0.772; 0.9: 0.13 / 0.03 /
+# 0.761. Below 0.6 the extra copies evict more than they save.
+SPECULATE_PRECISION = 0.6
+# Upper edges of the confidence bins (a guess's look-ahead probability; top-k of a softmax over
+# E experts: 1 / E is chance).
+CONFIDENCE_BINS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# A bin's precision is correct / guessed over its recent uncached guesses: both counts decay by
+# this factor per scored guess, and at least SPECULATE_EVIDENCE guesses must stand behind it.
+PRECISION_DECAY = 0.98
+SPECULATE_EVIDENCE = 8.0
+# At most this many guessed experts per layer are copied ahead, the most confident first. The copy
+# stream is idle only between a layer's last expert copy and the next layer's routing read (its
+# attention and router: ~0.3 ms on the DeepSeek-style stack under the H200 profile, less than one
+# 25 MB expert's 0.45 ms copy), so a couple of guesses fill that gap; more are copied at the price
+# of every wrong one (the replay in benchmarks/moe_bench.py: all 8 at 80% accuracy is slower than none).
 SPECULATE_EXPERTS = 2
+# A guess's copy may evict only a copy whose next use is expected at least this many cycles of
+# layers away: one that is likelier to be read before the guess is never given up for it.
+SPECULATE_VICTIM_CYCLES = 2.0
 ROUTER_NAMES = ("gate", "router")
-# Victim score of a copy eviction must not take while anything else can go.
-_KEEP = (4, 0.0)
 
 
 def _distance(where, here: int, count: int) -> float:
@@ -78,15 +96,11 @@ def _distance(where, here: int, count: int) -> float:
     return (where - here) % count or count if where is not None else 0.5
 
 
-def _rank(record) -> tuple:
-    return record[0], record[1]
-
-
 class _Stack:
     """One offloaded stacked-expert tensor: experts along dim 0."""
 
     __slots__ = ("name", "group", "master_ref", "master_id", "dtype", "base", "expert_bytes", "num_experts",
-                 "hits", "misses", "bytes_h2d", "prefetched_bytes", "evictions", "used")
+                 "hits", "misses", "bytes_h2d", "prefetched_bytes", "evictions", "used", "last_used")
 
     def __init__(self, name: str, t: torch.Tensor):
         host = t._host
@@ -102,6 +116,7 @@ class _Stack:
         self.num_experts = host.shape[0]
         self.hits = self.misses = self.bytes_h2d = self.prefetched_bytes = self.evictions = 0
         self.used = set()  # experts paged in the current step
+        self.last_used = set()  # experts paged in the step before
 
     def expert_of(self, key) -> int:
         return (key[2] - self.base) * key[1].itemsize // self.expert_bytes
@@ -124,8 +139,8 @@ class ExpertStacks:
 
     __slots__ = ("by_master", "frequency", "speculator", "position", "_order", "_current", "_needed",
                  "_ahead", "_copying_ahead", "_ahead_of_use", "_announced", "_expected", "_shares",
-                 "_stack_bytes", "_clock", "_last", "_coldest", "_scale", "_ranked", "_ranked_sig",
-                 "_ranked_masters", "_dirty", "__weakref__")
+                 "_stack_bytes", "_clock", "_last", "_coldest", "_scale", "_reuse", "_ahead_distance",
+                 "__weakref__")
 
     def __init__(self):
         self.by_master: dict = {}  # master id -> _Stack
@@ -137,10 +152,10 @@ class ExpertStacks:
         self._needed = None  # keys the current op said it pages (announce), None if it did not say
         self._ahead = set()  # keys announce copied ahead of their op: misses, though found on the device
         self._copying_ahead = False
-        # Copying ahead of use (announce, guesses): such a copy may only take room that no op of
-        # this step will miss (ExpertStacks.victim).
+        # Copying a guess ahead of its use: such a copy may only take a copy whose next use is
+        # expected far away (ExpertStacks.victim).
         self._ahead_of_use = False
-        self._stack_bytes = 0  # bytes of every registered stack, for each one's fair share of the cache
+        self._stack_bytes = 0  # bytes of every registered stack
         self._announced = None  # the key set the last announce issued
         self._shares = {}  # expert -> its share of the current layer's tokens (announce), most routed = 1
         # group -> keys its router's output says the layer will page (RoutingSpeculator.router_output),
@@ -155,13 +170,10 @@ class ExpertStacks:
         self._last: dict = {}  # cache key -> tick of its last use or copy
         self._coldest: dict = {}  # master id -> heap of records
         self._scale = 1.0
-        # victim's ranking of the stacks, reused while the layer, its announced experts, the cycle
-        # and the set of stacks with copies stay the same; stacks that gained or lost a copy since
-        # (_dirty) have their tier recomputed.
-        self._ranked: list = []
-        self._ranked_sig = None
-        self._ranked_masters: set = set()
-        self._dirty: set = set()
+        self._reuse: dict = {}  # stack group -> its measured token-to-token locality (REUSE_PRIOR until measured)
+        # A guess's copy may evict only a copy whose expected next use is this many layers away or
+        # more (None: twice the cycle); set by the speculator per guess.
+        self._ahead_distance = None
 
     def register(self, name: str, t: torch.Tensor) -> None:
         # Experts are whole contiguous slices along dim 0, so an expert's cache key is computable
@@ -225,7 +237,9 @@ class ExpertStacks:
         if needed == self._announced:
             return  # the layer's second stack (down after gate_up): already issued
         self._needed = self._announced = needed
-        self._copying_ahead = self._ahead_of_use = True
+        # The layer's own experts are paged right after anyway: they take the victims in-line paging
+        # would (no _ahead_of_use restriction), only sooner.
+        self._copying_ahead = True
         try:
             for s in group:
                 master = s.master_ref()
@@ -239,7 +253,7 @@ class ExpertStacks:
                         break  # the budget holds no more at once: the rest is paged in line
                     self._ahead.add(key)
         finally:
-            self._copying_ahead = self._ahead_of_use = False
+            self._copying_ahead = False
         if self.speculator is not None:
             self.speculator.issue_ready()
 
@@ -278,14 +292,12 @@ class ExpertStacks:
             if prefetch and not self._copying_ahead:
                 stack.prefetched_bytes += nbytes
             self._push(key)
-            self._dirty.add(key[0])
 
     def evicted(self, key) -> None:
         self._last.pop(key, None)
         stack = self.by_master.get(key[0])
         if stack is not None:
             stack.evictions += 1
-            self._dirty.add(key[0])
 
     def _push(self, key) -> None:
         heap = self._coldest.get(key[0])
@@ -301,36 +313,56 @@ class ExpertStacks:
     def victim(self, cache, cached: dict, room: int, candidates):
         """The evictable copy to drop: a non-expert copy if one comes first in LRU order (dense
         weights are re-paged once per step whatever happens), else the expert whose next use is
-        expected furthest away (Belady's rule, with the future estimated), in three tiers.
+        expected furthest away (Belady's rule, with the future estimated).
 
         Layers run in a cycle, so plain LRU evicts exactly the experts of the layer that runs next
         (the least recently used) and keeps those of the layers that just ran, whose next use is a
-        whole step away: a decode step would copy experts again that were cached when it began.
-        Here, an expert of the layer ``d`` places ahead in the learned cyclic layer order (the
-        layer being paged now: ``d = L``, a whole cycle; the layer that ran last: ``L - 1``) is
-        next needed after ``d`` layers if its layer routes to it at its next turn, which it does
-        with probability ``p`` (its decayed use frequency), else a cycle later, and so on: an
-        expected next use ``d + L (1 - p) / p`` layers ahead, the largest evicted first within a
-        tier (so cold experts go before hot ones, which stay across tokens). The tiers:
-
-        0. experts of the current layer that its op does not page, and those a layer that already
-           ran in this step holds beyond its floor: their next use is a step away;
-        1. a ran layer's floor, and the current layer's experts its op has paged already. The floor
-           is what the layer routed in this step, at most its fair share of the cache (``room``
-           bytes, shared in proportion to the stacks' sizes): keeping it lets the layer swap its
-           own unrouted experts for new picks at its next turn. The first layer of a step has no
-           layer that ran before it to take from, so without floors (or after a prefill that
-           filled the cache with the last layer's experts) it would take from layers still to
-           run, which may be routed to them and pay them twice in one step;
-        2. experts of layers still to run in this step.
+        whole step away. Here an expert of the layer ``d`` places ahead in the learned cyclic
+        layer order (the layer being paged now: ``d = L``, a whole cycle) is used at its layer's
+        next turn with probability ``p``, else at a later turn with probability ``q`` per turn:
+        an expected next use ``d + (1 - p) L / q`` layers ahead (``_next_use``). ``q`` is its
+        decayed use frequency; ``p`` is ``q``, or for an expert its layer routed at its last turn,
+        the larger of ``q`` and the rate at which that layer reuses its last token's experts
+        (token-to-token locality, measured per layer). One score for every layer: the cache is
+        shared by need, not by equal parts, and a layer whose tokens reuse their experts keeps them.
 
         Experts the current op may still page and prefetched copies not yet used are kept while
-        anything else can go. A copy made ahead of its use (``announce``'s, a guess's) takes tier-0
-        room only: it returns None rather than evict anything this step may still read."""
+        anything else can go. A copy made ahead of its use by a guess (``_ahead_of_use``) takes
+        only a copy whose expected next use is at least ``_ahead_distance`` layers away: it returns
+        None rather than evict anything likelier to be read soon than the guess itself."""
         # Found through indexes rather than by comparing every cached copy: each stack's coldest
-        # evictable copy comes off its heap (its tier and distance are the stack's), so a call
-        # costs one look per stack with cached copies, not one per copy (with thousands of experts
-        # cached, a scan cost 1.6 ms per eviction). Ties go to the least recently used, as in LRU.
+        # evictable copies come off its heap (the distance is the stack's), so a call costs a look
+        # or two per stack with cached copies, not one per copy.
+        plain = self._plain_victim(cached)
+        if plain is not None:
+            return plain
+        position, count, here = self._cycle()
+        current, needed = self._current, self._needed
+        best, best_score = None, None
+        for master_id, entries in cached.items():
+            stack = self.by_master.get(master_id)
+            if stack is None or not entries:
+                continue
+            if stack.group == current:
+                if needed is None:
+                    continue  # the op did not say what it pages: any of the layer's may be next
+                distance = count
+            else:
+                distance = _distance(position.get(stack.group), here, count)
+            for entry, recent in self._coldest_of(stack, cache, needed if stack.group == current else None):
+                score = (self._next_use(entry.key, stack, distance, count, recent), -self._last.get(entry.key, -1))
+                if best is None or score > best_score:
+                    best, best_score = entry, score
+        if best is None:
+            # Only copies to keep are left (prefetched, or the current layer's own): the scan
+            # below ranks them, or refuses for a copy made ahead of its use.
+            return self._victim_scan(candidates, cached, room)
+        if self._ahead_of_use and best_score[0] < self._ahead_limit(count):
+            return None
+        return best
+
+    def _plain_victim(self, cached: dict):
+        """The least recently used evictable copy that is not an expert, if any."""
         by_master, last = self.by_master, self._last
         plain, plain_tick = None, None
         for master_id, entries in cached.items():
@@ -342,68 +374,12 @@ class ExpertStacks:
                 tick = last.get(entry.key, -1)
                 if plain is None or tick < plain_tick:
                     plain, plain_tick = entry, tick
-        if plain is not None:
-            return plain
-        position, count, here = self._cycle()
-        ran, current, needed = self._order, self._current, self._needed
-        fair = room / self._stack_bytes if self._stack_bytes else 0.0  # share of each stack's experts
-        # Each stack's tier and distance first (the current layer's tier is its best case, 0),
-        # then the stacks from the most promising down: a stack's best possible score is its
-        # coldest copy at UNSEEN_USE, so once the best found beats the next stack's best possible,
-        # no later stack can win.
-        sig = (current, id(needed), len(ran), id(position), count, room)
-        ranked = self._ranked
-        if sig != self._ranked_sig or cached.keys() != self._ranked_masters:
-            ranked = []
-            for master_id, entries in cached.items():
-                stack = by_master.get(master_id)
-                if stack is None or not entries:
-                    continue
-                group = stack.group
-                if group == current:
-                    if needed is None:
-                        continue  # the op did not say what it pages: any of the layer's may be next
-                    tier, distance = 0, count
-                else:
-                    distance = _distance(position.get(group), here, count)
-                    tier = self._tier(stack, entries, ran, fair)
-                ranked.append((tier, -distance, master_id, stack))
-            ranked.sort(key=_rank)
-            self._ranked, self._ranked_sig, self._ranked_masters = ranked, sig, set(cached)
-        elif self._dirty:
-            dirty = self._dirty
-            changed = False
-            for i, (tier, minus_distance, master_id, stack) in enumerate(ranked):
-                if master_id in dirty and stack.group != current:
-                    new_tier = self._tier(stack, cached[master_id], ran, fair)
-                    if new_tier != tier:
-                        ranked[i] = (new_tier, minus_distance, master_id, stack)
-                        changed = True
-            if changed:
-                ranked.sort(key=_rank)
-        self._dirty = set()
-        coldest = count * (1.0 - UNSEEN_USE) / UNSEEN_USE
-        best, best_score = None, None
-        for tier, minus_distance, _, stack in ranked:
-            if best is not None and (tier, minus_distance - coldest) > best_score[:2]:
-                break
-            if stack.group == current:
-                entry, tier = self._coldest_of(stack, cache, needed)
-            else:
-                entry, _ = self._coldest_of(stack, cache, None)
-            if entry is None:
-                continue
-            use = self._use(entry.key)
-            score = (tier, minus_distance - count * (1.0 - use) / use, last.get(entry.key, -1))
-            if best is None or score < best_score:
-                best, best_score = entry, score
-        if best is None:
-            # Only copies to keep are left (prefetched, or the current layer's own): the scan
-            # below ranks them, or refuses for a copy made ahead of its use.
-            return self._victim_scan(candidates, cached, room)
-        if self._ahead_of_use and best_score[0] > 0:
-            return None
-        return best
+        return plain
+
+    def _ahead_limit(self, count: int) -> float:
+        """How far away (layers) a victim's expected next use must be for a copy ahead of use."""
+        limit = self._ahead_distance
+        return limit if limit is not None else SPECULATE_VICTIM_CYCLES * count
 
     def _cycle(self):
         """(group -> place in the cyclic layer order, the cycle's length, the current layer's place)."""
@@ -419,26 +395,41 @@ class ExpertStacks:
         return position, count, position.get(self._current, count - 1)
 
     def _use(self, key) -> float:
-        """The chance ``key``'s layer routes to it at its next turn, estimated from its decayed use."""
+        """The chance per turn that ``key``'s layer routes to it, estimated from its decayed use."""
         return min(1.0, max(self.frequency.get(key, 0.0) * (1.0 - FREQUENCY_DECAY), UNSEEN_USE))
 
-    @staticmethod
-    def _tier(stack: _Stack, entries, ran, fair: float) -> int:
-        """A stack's tier for eviction when its layer is not the current one (see victim)."""
-        if stack.group not in ran:
-            return 2
-        floor = min(len(stack.used), int(fair * stack.num_experts))
-        return 0 if len(entries) > floor else 1
+    def _recent(self, stack: _Stack) -> set:
+        """The experts ``stack``'s layer routed at its last turn: this step's if it has run in it."""
+        return stack.used if stack.group in self._order else stack.last_used
+
+    def _next_use(self, key, stack: _Stack, distance: float, count: int, recent: bool) -> float:
+        """Expected layers until ``key`` is next used (see victim)."""
+        q = self._use(key)
+        p = max(q, self._reuse.get(stack.group, REUSE_PRIOR)) if recent else q
+        return distance + (1.0 - p) * count / q
 
     def _coldest_of(self, stack: _Stack, cache, needed):
-        """(``stack``'s least used evictable copy, its tier): with ``needed`` (the current layer's),
-        the coldest not needed (tier 0), else the coldest needed one its op has paged (tier 1)."""
+        """``stack``'s candidates for eviction, as (entry, routed at its layer's last turn): the
+        least used evictable copy its layer did not route at its last turn (off the heap) and the
+        least used one it did (few: scanned). With ``needed`` (the current layer's), what its op
+        pages is kept."""
+        recent = self._recent(stack)
+        out = []
+        best = None
+        for e in recent:
+            key = stack.key_of(e)
+            entry = cache.get(key)
+            if entry is None or entry.users or entry.prefetched or (needed is not None and key in needed):
+                continue
+            if best is None or self.frequency.get(key, 0.0) < self.frequency.get(best.key, 0.0):
+                best = entry
+        if best is not None:
+            out.append((best, True))
         heap = self._coldest.get(stack.master_id)
         if not heap:
-            return None, None
+            return out
         last = self._last
         aside = []
-        found, tier, paged = None, None, None
         while heap:
             _, tick, key = record = heap[0]
             entry = cache.get(key)
@@ -447,27 +438,22 @@ class ExpertStacks:
                 continue
             heapq.heappop(heap)
             aside.append(record)
-            if entry.users or entry.prefetched:
+            if entry.users or entry.prefetched or (needed is not None and key in needed) \
+                    or stack.expert_of(key) in recent:
                 continue
-            if needed is not None and key in needed:
-                if paged is None and stack.expert_of(key) in stack.used:
-                    paged = entry
-                continue
-            found, tier = entry, 0
+            out.append((entry, False))
             break
         for record in aside:
             heapq.heappush(heap, record)
-        if found is None and paged is not None:
-            found, tier = paged, 1
-        return found, tier
+        return out
 
     def _victim_scan(self, candidates, cached: dict, room: int):
         """``victim`` by comparing the evictable copies one by one, least recently used first: the
         fallback when the indexes offer nothing (copies the index has no record of, such as those
-        cached before the registry was rebuilt, or only copies to keep)."""
+        cached before the registry was rebuilt, or only copies to keep). Copies to keep (unused
+        prefetches, the current op's experts) rank below every other, the furthest expected first."""
         position, count, here = self._cycle()
-        ran, current, needed = self._order, self._current, self._needed
-        fair = room / self._stack_bytes if self._stack_bytes else 0.0
+        current, needed = self._current, self._needed
         best, best_score = None, None
         for seen, entry in enumerate(candidates):
             if seen >= VICTIM_WINDOW:
@@ -476,31 +462,16 @@ class ExpertStacks:
             if stack is None:
                 if not entry.prefetched:
                     return entry
-                score = _KEEP
+                score = (0, 0.0)
             else:
-                group = stack.group
-                if entry.prefetched:
-                    score = _KEEP
-                else:
-                    if group == current:
-                        distance = count
-                        if needed is None:
-                            tier = 3  # the op did not say what it pages: any of the layer's may be next
-                        elif entry.key not in needed:
-                            tier = 0
-                        else:
-                            tier = 1 if stack.expert_of(entry.key) in stack.used else 3
-                    else:
-                        distance = _distance(position.get(group), here, count)
-                        tier = self._tier(stack, cached.get(entry.key[0], ()), ran, fair)
-                    if tier == 3:
-                        score = _KEEP
-                    else:
-                        use = self._use(entry.key)
-                        score = (tier, -(distance + count * (1.0 - use) / use))
-            if best is None or score < best_score:
+                current_layer = stack.group == current
+                keep = entry.prefetched or (current_layer and (needed is None or entry.key in needed))
+                distance = count if current_layer else _distance(position.get(stack.group), here, count)
+                recent = stack.expert_of(entry.key) in self._recent(stack)
+                score = (0 if keep else 1, self._next_use(entry.key, stack, distance, count, recent))
+            if best is None or score > best_score:
                 best, best_score = entry, score
-        if self._ahead_of_use and best is not None and best_score[0] > 0:
+        if self._ahead_of_use and best is not None and (best_score[0] == 0 or best_score[1] < self._ahead_limit(count)):
             return None
         return best
 
@@ -522,13 +493,26 @@ class ExpertStacks:
                 heapq.heapify(heap)
         if self.speculator is not None:
             self.speculator.step()
+        self._measure_reuse()
         for stack in self.by_master.values():
-            stack.used = set()
+            stack.last_used, stack.used = stack.used, set()
         if self._order:
             self.position = {m: i for i, m in enumerate(self._order)}
         self._order, self._current, self._needed, self._announced = [], None, None, None
         self._ahead = set()
         self._expected = {}
+
+    def _measure_reuse(self) -> None:
+        """Update each layer's token-to-token locality from the step that ended: the share of its
+        last step's experts that it routed again. Only steps that routed as many experts as the one
+        before count (one-token decode steps; a prefill routes to most experts of a layer)."""
+        seen = set()
+        for stack in self.by_master.values():
+            if stack.group in seen or not stack.used or len(stack.used) != len(stack.last_used):
+                continue
+            seen.add(stack.group)
+            share = len(stack.used & stack.last_used) / len(stack.used)
+            self._reuse[stack.group] = REUSE_DECAY * self._reuse.get(stack.group, REUSE_PRIOR) + (1 - REUSE_DECAY) * share
 
     def routed_keys(self) -> dict:
         """Cache key -> bytes of every expert slice paged since the step began (for the measure
@@ -546,36 +530,70 @@ class ExpertStacks:
 
 
 class _Router:
-    __slots__ = ("name", "module_ref", "stacks", "top_k", "recent_correct", "recent_guessed", "guessed", "correct", "routed",
-                 "prefetched_bytes", "wasted_bytes", "tokens", "guess", "copied", "guess_tokens")
+    __slots__ = ("name", "module_ref", "stacks", "top_k", "bin_correct", "bin_guessed", "guessed", "correct",
+                 "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts", "copied_correct",
+                 "prefetched_bytes", "wasted_bytes", "tokens", "guess", "cached", "copied", "guess_tokens")
 
     def __init__(self, name: str, module: nn.Module):
         self.name = name
         self.module_ref = weakref.ref(module)
         self.stacks: list = []  # _Stack objects this router selects experts of
         self.top_k = _attribute_top_k(module)
-        self.recent_correct = 0.0  # decayed counts behind its running precision
-        self.recent_guessed = 0.0
+        # Decayed counts of its uncached guesses per confidence bin (their running precision).
+        self.bin_correct = [0.0] * len(CONFIDENCE_BINS)
+        self.bin_guessed = [0.0] * len(CONFIDENCE_BINS)
         self.guessed = self.correct = self.routed = self.prefetched_bytes = self.wasted_bytes = 0
+        # Guesses of experts not cached when guessed, how many were routed, the routed experts not
+        # cached at guess time (the misses a guess could cover), guesses copied and routed.
+        self.uncached_guessed = self.uncached_correct = self.misses = self.copied_experts = self.copied_correct = 0
         self.tokens = 0  # tokens of its last real routing
-        self.guess = None  # open guess: set of experts, scored when the step ends
+        self.guess = None  # open guess: expert -> confidence bin, scored when the step ends
+        self.cached = frozenset()  # experts cached (every stack) when the open guess was made
         self.copied = {}  # expert -> bytes the open guess copied for it
         self.guess_tokens = 0
 
+    def pays(self, confidence_bin: int) -> bool:
+        """Whether an uncached guess in this bin is right often enough to be worth its copy."""
+        guessed = self.bin_guessed[confidence_bin]
+        return guessed >= SPECULATE_EVIDENCE and self.bin_correct[confidence_bin] >= SPECULATE_PRECISION * guessed
+
     def speculating(self) -> bool:
-        # Guesses are scored whether or not their copies were issued, so a router earns
-        # speculation by its record before any byte is spent on it.
-        return (self.recent_guessed >= SPECULATE_EVIDENCE
-                and self.recent_correct >= SPECULATE_PRECISION * self.recent_guessed)
+        return any(self.pays(b) for b in range(len(CONFIDENCE_BINS)))
 
     def report(self) -> dict:
-        return {
-            "guessed": self.guessed, "correct": self.correct, "routed": self.routed,
-            "accuracy": self.correct / self.guessed if self.guessed else None,
-            "recall": self.correct / self.routed if self.routed else None,
-            "prefetched_bytes": self.prefetched_bytes, "wasted_bytes": self.wasted_bytes,
-            "speculating": self.speculating(),
-        }
+        return _guess_report(self.guessed, self.correct, self.routed, self.uncached_guessed, self.uncached_correct,
+                             self.misses, self.copied_experts, self.copied_correct, self.prefetched_bytes,
+                             self.wasted_bytes) | {"speculating": self.speculating()}
+
+
+def _ratio(a, b):
+    return a / b if b else None
+
+
+def _guess_report(guessed, correct, routed, uncached_guessed, uncached_correct, misses, copied, copied_correct,
+                  prefetched_bytes, wasted_bytes) -> dict:
+    """``accuracy``/``recall``: all guesses against the routed experts. What speculation can save:
+    ``uncached_precision`` (guesses of experts not cached when guessed that were routed),
+    ``miss_coverage`` (share of the misses, routed experts not cached at guess time, that those
+    guesses named: what copying every guess would cover), ``covered_misses`` (share of the misses
+    a copied guess covered), ``wasted_share`` (copied bytes no op read)."""
+    return {
+        "guessed": guessed, "correct": correct, "routed": routed,
+        "accuracy": _ratio(correct, guessed), "recall": _ratio(correct, routed),
+        "uncached_guessed": uncached_guessed, "uncached_correct": uncached_correct,
+        "uncached_precision": _ratio(uncached_correct, uncached_guessed),
+        "misses": misses, "miss_coverage": _ratio(uncached_correct, misses),
+        "copied_experts": copied, "copied_correct": copied_correct, "covered_misses": _ratio(copied_correct, misses),
+        "prefetched_bytes": prefetched_bytes, "wasted_bytes": wasted_bytes,
+        "wasted_share": _ratio(wasted_bytes, prefetched_bytes),
+    }
+
+
+def _confidence_bin(p: float) -> int:
+    for i, edge in enumerate(CONFIDENCE_BINS):
+        if p <= edge:
+            return i
+    return len(CONFIDENCE_BINS) - 1
 
 
 def _attribute_top_k(module: nn.Module) -> Optional[int]:
@@ -620,19 +638,26 @@ class RoutingSpeculator:
             scores = F.linear(x.reshape(-1, x.shape[-1]).to(weight.dtype), weight).float()
             bias = getattr(module, "e_score_correction_bias", None)
             if isinstance(bias, torch.Tensor) and not hasattr(bias, "_master"):
-                scores = scores.sigmoid() + bias.float()  # DeepSeek-V3 selects on biased sigmoid scores
-            ids = scores.topk(min(nxt.top_k, scores.shape[-1]), dim=-1).indices.reshape(-1)
-            if ids.device.type == "cuda":
+                scores = scores.sigmoid()
+                confidence = scores / scores.sum(-1, keepdim=True)
+                scores = scores + bias.float()  # DeepSeek-V3 selects on biased sigmoid scores
+            else:
+                confidence = scores.softmax(-1)
+            top = scores.topk(min(nxt.top_k, scores.shape[-1]), dim=-1).indices
+            # [2, tokens * k]: the guessed ids (exact as floats) and each one's confidence, token-major,
+            # each token's experts by descending score.
+            packed = torch.stack((top.float(), confidence.gather(-1, top))).reshape(2, -1)
+            if packed.device.type == "cuda":
                 # Read back without a host sync: a pinned staging copy and an event; the copies are
                 # issued from the pager's next call once the event has completed (by then the
                 # layer's own routing read has waited for the router anyway).
-                host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-                host.copy_(ids, non_blocking=True)
+                host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+                host.copy_(packed, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
                 self._pending.append((nxt, host, event, router.tokens))
             else:
-                self._pending.append((nxt, ids, None, router.tokens))
+                self._pending.append((nxt, packed, None, router.tokens))
         # Issued from the pager once this layer's own experts are (ExpertStacks.announce), so the
         # guesses queue behind them on the copy stream.
 
@@ -687,24 +712,38 @@ class RoutingSpeculator:
         pager = self._pager()
         keep = []
         for item in self._pending:
-            router, ids, event, tokens = item
+            router, packed, event, tokens = item
             if event is not None and not event.query():
                 keep.append(item)
                 continue
-            # Token-major, each token's experts by descending score: the most confident first.
-            self._issue(pager, router, list(dict.fromkeys(ids.tolist())), tokens)
+            confidence = {}  # expert -> its highest confidence over the tokens, most confident first
+            for e, p in sorted(zip(packed[0].long().tolist(), packed[1].tolist()), key=lambda ep: -ep[1]):
+                confidence.setdefault(e, p)
+            self._issue(pager, router, confidence, tokens)
         self._pending = keep
 
-    def _issue(self, pager, router: _Router, experts: list, tokens: int) -> None:
+    def _cached_experts(self, pager, router: _Router) -> frozenset:
+        """The experts of ``router``'s layer with every stack cached."""
+        stacks = router.stacks
+        if pager is None or not stacks:
+            return frozenset()
+        return frozenset(e for e in range(stacks[0].num_experts)
+                         if all(pager.is_cached(s.key_of(e)) for s in stacks))
+
+    def _issue(self, pager, router: _Router, confidence: dict, tokens: int) -> None:
+        """Open ``router``'s guess (scored at the step's end) and copy the guessed experts that are
+        not cached and whose confidence bin has paid (``_Router.pays``), the most confident first."""
         self._score(router)
-        router.guess = set(experts)
+        router.guess = {e: _confidence_bin(p) for e, p in confidence.items()}
+        router.cached = self._cached_experts(pager, router)
         router.guess_tokens = tokens
         router.copied = {}
-        if pager is None or not router.speculating():
+        if pager is None:
             return
+        worth = [e for e, b in router.guess.items() if e not in router.cached and router.pays(b)]
         self._stacks._ahead_of_use = True
         try:
-            for expert in experts[:SPECULATE_EXPERTS]:
+            for expert in worth[:SPECULATE_EXPERTS]:
                 for stack in router.stacks:
                     master = stack.master_ref()
                     if master is None or master.flat is None:
@@ -731,13 +770,21 @@ class RoutingSpeculator:
             used |= stack.used
         if not used:
             return  # its layer has not run yet (a forward cut short): nothing to score against
-        correct = len(guess & used)
         router.guessed += len(guess)
-        router.correct += correct
+        router.correct += len(guess.keys() & used)
         router.routed += len(used)
+        router.misses += len(used - router.cached)
+        for e, b in guess.items():
+            if e in router.cached:
+                continue  # a guess of a cached expert costs nothing and saves nothing
+            right = e in used
+            router.uncached_guessed += 1
+            router.uncached_correct += right
+            router.bin_correct[b] = PRECISION_DECAY * router.bin_correct[b] + right
+            router.bin_guessed[b] = PRECISION_DECAY * router.bin_guessed[b] + 1.0
+        router.copied_experts += len(router.copied)
+        router.copied_correct += len(router.copied.keys() & used)
         router.wasted_bytes += sum(b for e, b in router.copied.items() if e not in used)
-        router.recent_correct = PRECISION_DECAY * router.recent_correct + correct
-        router.recent_guessed = PRECISION_DECAY * router.recent_guessed + len(guess)
         if router.guess_tokens == 1 and len(used) and router.top_k is None:
             router.top_k = len(used)
 
@@ -762,19 +809,14 @@ class RoutingSpeculator:
     def reset(self) -> None:
         for r in self.routers:
             r.guessed = r.correct = r.routed = r.prefetched_bytes = r.wasted_bytes = 0
+            r.uncached_guessed = r.uncached_correct = r.misses = r.copied_experts = r.copied_correct = 0
 
     def report(self) -> dict:
-        reports = {r.name: r.report() for r in self.routers if r.stacks}
-        guessed = sum(r.guessed for r in self.routers)
-        correct = sum(r.correct for r in self.routers)
-        routed = sum(r.routed for r in self.routers)
-        return {
-            "accuracy": correct / guessed if guessed else None,
-            "recall": correct / routed if routed else None,
-            "prefetched_bytes": sum(r.prefetched_bytes for r in self.routers),
-            "wasted_bytes": sum(r.wasted_bytes for r in self.routers),
-            "routers": reports,
-        }
+        rs = self.routers
+        total = _guess_report(*(sum(getattr(r, f) for r in rs) for f in (
+            "guessed", "correct", "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts",
+            "copied_correct", "prefetched_bytes", "wasted_bytes")))
+        return total | {"routers": {r.name: r.report() for r in rs if r.stacks}}
 
     def remove(self) -> None:
         for h in self.hooks:

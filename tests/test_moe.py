@@ -138,12 +138,16 @@ def test_decode_moves_only_the_routed_experts_that_were_not_cached(name, device)
         uncached += step_uncached
         ratios.append(step_bytes / step_uncached if step_uncached else (1.0 if step_bytes == 0 else math.inf))
     # Bytes beyond the uncached routed experts are an expert cached at the step's start but
-    # evicted for an earlier layer of the same step and paid twice (what LRU does in a cycle of
-    # layers), or a wrong guess of a router that earned speculation. Every step stays within 10%,
-    # the first decode after the prefill included (the prefill routes to most experts of every
-    # layer, and the cache must leave the first layer room of its own for the next token).
-    assert moved <= 1.1 * uncached
-    assert max(ratios) <= 1.1, ratios
+    # evicted for an earlier layer of the same step and paid twice, or a wrong guess of a router
+    # that earned speculation. LRU in a cycle of layers pays twice whatever the next layers need
+    # (every step, every layer); the expert cache evicts by expected next use, one score for every
+    # layer, so a cold expert of a layer still to run can go before a warm one of a layer that ran,
+    # and is paid twice only when its layer routes to it after all. That trade (issue 20) lifts the
+    # decode hit rate on the trained test models (tests/test_moe_trained.py) by 6-8 points at 25%
+    # cached; here it costs at most one expert of a few in the first decode after the prefill
+    # (which routes to most experts of every layer) and a few percent over the decode.
+    assert moved <= 1.2 * uncached
+    assert max(ratios) <= 1.5, ratios
     s = ot.stats(model)
     assert s.peak_device_bytes <= s.budget_bytes
     assert set(s.experts) == {n for n in offloaded}
@@ -326,8 +330,9 @@ def test_unreliable_guesses_are_scored_but_cost_no_bytes(device):
     for a, b in zip(_decode(model, ids, 8), _decode(reference, ids, 8)):
         assert torch.equal(a, b)
     g = ot.stats(model).guesses
-    assert g["guessed"] if "guessed" in g else g["accuracy"] is not None
-    assert g["accuracy"] < ot_experts.SPECULATE_PRECISION
+    assert g["guessed"] and g["accuracy"] is not None
+    # Only guesses of experts not cached cost a copy: those are scored apart, and stay below the bar.
+    assert g["uncached_guessed"] and g["uncached_precision"] < ot_experts.SPECULATE_PRECISION, g
     assert g["prefetched_bytes"] == 0 and g["wasted_bytes"] == 0  # never earned speculation
     assert not any(r["speculating"] for r in g["routers"].values())
 
@@ -417,7 +422,7 @@ def test_deepseek_style_stack_replays_every_decode_step_near_its_bound_without_g
     spec = importlib.util.spec_from_file_location("moe_bench", path)
     moe_bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(moe_bench)
-    args = argparse.Namespace(layers=4, cache_gb=2.0, zipf=1.0, guess_accuracy=ot_experts.SPECULATE_PRECISION)
+    args = argparse.Namespace(layers=4, cache_gb=2.0, zipf=1.0, guess_accuracy=0.9)
     result = moe_bench.replay_deepseek_stack(args, None)
     honest = result["variants"]["offtensor"]
     assert len(honest["ratio_to_bound_per_step"]) == 6
