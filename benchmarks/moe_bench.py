@@ -360,7 +360,7 @@ class _Counter:
         model.register_forward_hook(self._after)
 
     def _before(self, module, args):
-        self._cached = set(self.pager._cache)
+        self._cached = set(self.pager.cache.entries)
 
     def _after(self, module, args, out):
         routed = self.pager.experts.routed_keys() if self.pager.experts is not None else {}

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch.utils._mode_utils import no_dispatch
 
 from . import compile as _compile
-from .pager import BudgetError, host_layout
-from .tensor import OffloadedTensor, _check_offloadable, _wrap_host, new_host_master, new_view
+from .pager import BudgetError, host_layout, pins_host_memory, upload_small
+from .tensor import TRACED_ALIVE, OffloadedTensor, check_offloadable, new_host_master, new_view, wrap_host
 
 aten = torch.ops.aten
 _functionalize_unsafe_set = torch._functionalize_unsafe_set
@@ -65,7 +65,7 @@ def torch_dispatch(func, types, args, kwargs):
         if traced is not None:
             return traced
         _compile.graph_break(f"{func} on an OffloadedTensor")
-    if handler in _COMPUTE_HANDLERS and _compile.tracing_seen and _traced(args, kwargs):
+    if handler in _COMPUTE_HANDLERS and TRACED_ALIVE[0] and _traced(args, kwargs):
         traced = _compile.traced_compute(func, args, kwargs)
         if traced is not None:
             return traced
@@ -181,7 +181,7 @@ def _write_back(t: OffloadedTensor, values: torch.Tensor) -> None:
     pager.before_write(t._master)
     with no_dispatch():
         t._host.copy_(values)
-    pager.stats.bytes_d2h += t._host.numel() * t._host.element_size()
+    pager.count_write_back(t._host.numel() * t._host.element_size())
 
 
 # ---------------------------------------------------------------------------- handlers by kind
@@ -358,7 +358,7 @@ def _copy_(func, types, args, kwargs):
         # page-in (on the copy stream) read the master's old bytes.
         dst._host.copy_(source)
     if source.device.type != "cpu":
-        pager.stats.bytes_d2h += dst._host.numel() * dst._host.element_size()
+        pager.count_write_back(dst._host.numel() * dst._host.element_size())
     return dst
 
 
@@ -379,7 +379,7 @@ def _index_put_(func, types, args, kwargs):
     with no_dispatch():
         self._host.index_put_(indices, values, *args[3:], **kwargs)
     if args[2].device.type != "cpu":
-        pager.stats.bytes_d2h += values.numel() * values.element_size()
+        pager.count_write_back(values.numel() * values.element_size())
     return self
 
 
@@ -391,7 +391,7 @@ def _clone(func, types, args, kwargs):
     if memory_format not in (None, torch.preserve_format):
         host = host.contiguous(memory_format=memory_format)
     pager = self._master.pager
-    return _wrap_host(new_host_master(host, pin=pager.device.type == "cuda"), pager)
+    return wrap_host(new_host_master(host, pin=pins_host_memory(pager.device)), pager)
 
 
 @implements(aten._to_copy.default)
@@ -800,13 +800,7 @@ def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: _Paged) -> torch
         return torch.stack(parts)
     if rows.numel() == 1 and (row_bytes >= CACHED_SLICE_BYTES or per_expert):
         return paged.page(OffloadedTensor(host[int(rows[0])], t._master)).unsqueeze(0)
-    if pager.device.type == "cuda":
-        # Gathered straight into pinned memory, so the upload is an asynchronous DMA (a pageable
-        # source would make it a blocking copy); the pager keeps the buffer until the copy is done.
-        gathered = torch.empty((rows.numel(),) + tuple(host.shape[1:]), dtype=host.dtype, pin_memory=True)
-        torch.index_select(host, 0, rows, out=gathered)
-    else:
-        gathered = host.index_select(0, rows)
+    gathered = pager.device_ops.gather_rows(host, rows)  # into pinned memory on a GPU: an async upload
     view, entry = pager.upload(gathered, _describe(t))
     paged.entries.append((pager, entry))
     return view
@@ -846,14 +840,6 @@ def _host_sync(pager=None) -> None:
         pager.recorder.host_sync()
 
 
-def _to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small CPU tensor on ``device`` without a host sync: a pinned staging copy and a
-    non-blocking upload (torch's pinned allocator keeps the staging block until the copy is done)."""
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def _unique_rows(index: torch.Tensor, size: int, pager=None):
     """Unique row ids (CPU, for the host) and every index's position among them (on index's device)."""
     if index.is_meta:
@@ -867,7 +853,7 @@ def _unique_rows(index: torch.Tensor, size: int, pager=None):
     rows, inverse = torch.unique(cpu, return_inverse=True)
     if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= size):
         raise IndexError(f"index {int(rows[-1]) if int(rows[-1]) >= size else int(rows[0])} is out of bounds for dimension 0 with size {size}")
-    return rows, _to_device_async(inverse.reshape(index.shape), index.device)
+    return rows, upload_small(inverse.reshape(index.shape), index.device)
 
 
 @implements(aten.embedding.default)
@@ -1008,14 +994,11 @@ def _routed_groups(weight: OffloadedTensor, offs: torch.Tensor, rows: int):
     return groups, sizes, ends[-1] if ends else 0
 
 
-_last_offs = (None, -1, None)  # (weakref to offs, its version, its values on the host)
-
-
-def _group_ends(offs: torch.Tensor, pager=None, rows: int = 0) -> list:
+def _group_ends(offs: torch.Tensor, pager, rows: int = 0) -> list:
     """``offs`` on the host: one small device->host read (copying every expert would cost far more),
-    shared by the calls of one MoE layer that pass the same unchanged ``offs`` (gate_up, down)."""
-    global _last_offs
-    ref, version, ends = _last_offs
+    shared by the calls of one MoE layer that pass the same unchanged ``offs`` (gate_up, down): the
+    pager keeps the last read (``Pager.routing_read``)."""
+    ref, version, ends = pager.routing_read
     if ref is not None and ref() is offs and version == offs._version:
         return ends
     if offs.is_meta:
@@ -1023,7 +1006,7 @@ def _group_ends(offs: torch.Tensor, pager=None, rows: int = 0) -> list:
         ends = _planned_ends(offs.numel(), rows)
     else:
         ends = _read_to_host(offs, pager).tolist()
-    _last_offs = (weakref.ref(offs), offs._version, ends)
+    pager.routing_read = (weakref.ref(offs), offs._version, ends)
     return ends
 
 
@@ -1154,9 +1137,9 @@ def _set_data(args, kwargs):
     if not isinstance(self, OffloadedTensor) or not isinstance(value, torch.Tensor):
         return NotImplemented
     if not isinstance(value, OffloadedTensor):
-        _check_offloadable(value)
+        check_offloadable(value)
         pager = self._master.pager
-        value = _wrap_host(new_host_master(value, pin=pager.device.type == "cuda"), pager)
+        value = wrap_host(new_host_master(value, pin=pins_host_memory(pager.device)), pager)
     with torch._C.DisableTorchFunctionSubclass():
         torch.Tensor.data.__set__(self, value)  # the wrapper's sizes, strides and dtype
     self._host, self._master = value._host, value._master
@@ -1209,5 +1192,4 @@ _UNTRACEABLE = {
 }
 
 
-def materialize(t: OffloadedTensor) -> torch.Tensor:
-    return t._master.pager.copy_out(t._host)
+OffloadedTensor.set_op_handlers(torch_dispatch, _FUNCTION_TABLE)

@@ -34,6 +34,7 @@ leading size of a registered stack) and their names (``gate``/``router``).
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import weakref
 from typing import Optional
@@ -41,6 +42,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .pager import cache_key
 
 # Per step an expert's use count decays by this factor: a frequency over roughly the last
 # 1 / (1 - DECAY) steps, so an expert hot a hundred tokens ago does not stay pinned forever.
@@ -104,12 +107,12 @@ class _Stack:
         self.used = set()  # experts paged in the current step
 
     def expert_of(self, key) -> int:
-        return (key[2] - self.base) * key[1].itemsize // self.expert_bytes
+        return (key.lo - self.base) * key.dtype.itemsize // self.expert_bytes
 
     def key_of(self, expert: int):
         step = self.expert_bytes // self.dtype.itemsize
         lo = self.base + expert * step
-        return (self.master_id, self.dtype, lo, lo + step)
+        return cache_key(self.master_id, self.dtype, lo, lo + step)
 
     def report(self) -> dict:
         looked_up = self.hits + self.misses
@@ -123,7 +126,7 @@ class ExpertStacks:
     """The pager's view of routed experts: stacks by master, counters, use frequency, eviction choice."""
 
     __slots__ = ("by_master", "frequency", "speculator", "position", "_order", "_current", "_needed",
-                 "_ahead", "_copying_ahead", "_ahead_of_use", "_announced", "_expected", "_shares",
+                 "_issued_for_op", "_announcing", "_spare_room_only", "_announced", "_expected", "_shares",
                  "_stack_bytes", "_clock", "_last", "_coldest", "_scale", "_ranked", "_ranked_sig",
                  "_ranked_masters", "_dirty", "__weakref__")
 
@@ -135,11 +138,12 @@ class ExpertStacks:
         self._order: list = []  # stack groups in first-access order, this pass
         self._current = None  # the stack group paged last
         self._needed = None  # keys the current op said it pages (announce), None if it did not say
-        self._ahead = set()  # keys announce copied ahead of their op: misses, though found on the device
-        self._copying_ahead = False
+        # keys announce copied ahead of their op: misses, though found on the device
+        self._issued_for_op = set()
+        self._announcing = False  # announce is issuing its layer's copies: no prefetched bytes
         # Copying ahead of use (announce, guesses): such a copy may only take room that no op of
-        # this step will miss (ExpertStacks.victim).
-        self._ahead_of_use = False
+        # this step will miss, tier 0 (ExpertStacks.victim).
+        self._spare_room_only = False
         self._stack_bytes = 0  # bytes of every registered stack, for each one's fair share of the cache
         self._announced = None  # the key set the last announce issued
         self._shares = {}  # expert -> its share of the current layer's tokens (announce), most routed = 1
@@ -182,8 +186,8 @@ class ExpertStacks:
         stack = self.by_master.get(key[0])
         if stack is None:
             return
-        if key in self._ahead:
-            self._ahead.discard(key)
+        if key in self._issued_for_op:
+            self._issued_for_op.discard(key)
             hit = False  # copied for this op by announce: a miss the op did not wait for in line
         if hit:
             stack.hits += 1
@@ -225,7 +229,7 @@ class ExpertStacks:
         if needed == self._announced:
             return  # the layer's second stack (down after gate_up): already issued
         self._needed = self._announced = needed
-        self._copying_ahead = self._ahead_of_use = True
+        self._announcing = self._spare_room_only = True
         try:
             for s in group:
                 master = s.master_ref()
@@ -237,9 +241,9 @@ class ExpertStacks:
                         continue
                     if not pager.prefetch(master, *key[1:]):
                         break  # the budget holds no more at once: the rest is paged in line
-                    self._ahead.add(key)
+                    self._issued_for_op.add(key)
         finally:
-            self._copying_ahead = self._ahead_of_use = False
+            self._announcing = self._spare_room_only = False
         if self.speculator is not None:
             self.speculator.issue_ready()
 
@@ -275,7 +279,7 @@ class ExpertStacks:
         stack = self.by_master.get(key[0])
         if stack is not None:
             stack.bytes_h2d += nbytes
-            if prefetch and not self._copying_ahead:
+            if prefetch and not self._announcing:
                 stack.prefetched_bytes += nbytes
             self._push(key)
             self._dirty.add(key[0])
@@ -298,7 +302,7 @@ class ExpertStacks:
             heap[:] = [r for r in heap if last.get(r[2]) == r[1]]
             heapq.heapify(heap)
 
-    def victim(self, cache, cached: dict, room: int, candidates):
+    def victim(self, cache, room: int, candidates):
         """The evictable copy to drop: a non-expert copy if one comes first in LRU order (dense
         weights are re-paged once per step whatever happens), else the expert whose next use is
         expected furthest away (Belady's rule, with the future estimated), in three tiers.
@@ -326,11 +330,33 @@ class ExpertStacks:
 
         Experts the current op may still page and prefetched copies not yet used are kept while
         anything else can go. A copy made ahead of its use (``announce``'s, a guess's) takes tier-0
-        room only: it returns None rather than evict anything this step may still read."""
+        room only: it returns None rather than evict anything this step may still read.
+
+        The pager's eviction policy (``pager.cache``): ``cache`` is its read-only view of the cached
+        copies, ``candidates`` the evictable ones, least recently used first."""
         # Found through indexes rather than by comparing every cached copy: each stack's coldest
         # evictable copy comes off its heap (its tier and distance are the stack's), so a call
         # costs one look per stack with cached copies, not one per copy (with thousands of experts
         # cached, a scan cost 1.6 ms per eviction). Ties go to the least recently used, as in LRU.
+        copies, cached = cache.copies, cache.by_master
+        plain = self._least_recent_plain(cached)
+        if plain is not None:
+            return plain
+        position, count, here = self._cycle()
+        fair = room / self._stack_bytes if self._stack_bytes else 0.0  # share of each stack's experts
+        ranked = self._ranked_stacks(cached, position, count, here, fair, room)
+        best, best_score = self._coldest_expert(ranked, copies, count)
+        if best is None:
+            # Only copies to keep are left (prefetched, or the current layer's own): the scan
+            # below ranks them, or refuses for a copy made ahead of its use.
+            return self._victim_scan(candidates, cached, room)
+        if self._spare_room_only and best_score[0] > 0:
+            return None
+        return best
+
+    def _least_recent_plain(self, cached):
+        """The least recently used evictable copy that is no expert (dense weights are re-paged once
+        per step whatever happens), or None."""
         by_master, last = self.by_master, self._last
         plain, plain_tick = None, None
         for master_id, entries in cached.items():
@@ -342,15 +368,15 @@ class ExpertStacks:
                 tick = last.get(entry.key, -1)
                 if plain is None or tick < plain_tick:
                     plain, plain_tick = entry, tick
-        if plain is not None:
-            return plain
-        position, count, here = self._cycle()
+        return plain
+
+    def _ranked_stacks(self, cached, position, count: int, here: int, fair: float, room: int) -> list:
+        """(tier, -distance, master id, stack) of every stack with cached copies, the most promising
+        victims first (the current layer's tier is its best case, 0). Reused while the layer, its
+        announced experts, the cycle and the set of stacks with copies stay the same; stacks that
+        gained or lost a copy since (``_dirty``) have their tier recomputed."""
         ran, current, needed = self._order, self._current, self._needed
-        fair = room / self._stack_bytes if self._stack_bytes else 0.0  # share of each stack's experts
-        # Each stack's tier and distance first (the current layer's tier is its best case, 0),
-        # then the stacks from the most promising down: a stack's best possible score is its
-        # coldest copy at UNSEEN_USE, so once the best found beats the next stack's best possible,
-        # no later stack can win.
+        by_master = self.by_master
         sig = (current, id(needed), len(ran), id(position), count, room)
         ranked = self._ranked
         if sig != self._ranked_sig or cached.keys() != self._ranked_masters:
@@ -382,28 +408,38 @@ class ExpertStacks:
             if changed:
                 ranked.sort(key=_rank)
         self._dirty = set()
+        return ranked
+
+    def _coldest_expert(self, ranked: list, copies, count: int):
+        """(the expert copy with the best victim score, that score) over the ``ranked`` stacks, or
+        (None, None). A stack's best possible score is its coldest copy at UNSEEN_USE, so once the
+        best found beats the next stack's best possible, no later stack can win."""
+        current, needed, last = self._current, self._needed, self._last
         coldest = count * (1.0 - UNSEEN_USE) / UNSEEN_USE
         best, best_score = None, None
         for tier, minus_distance, _, stack in ranked:
             if best is not None and (tier, minus_distance - coldest) > best_score[:2]:
                 break
             if stack.group == current:
-                entry, tier = self._coldest_of(stack, cache, needed)
+                entry, tier = self._coldest_of(stack, copies, needed)
             else:
-                entry, _ = self._coldest_of(stack, cache, None)
+                entry, _ = self._coldest_of(stack, copies, None)
             if entry is None:
                 continue
             use = self._use(entry.key)
             score = (tier, minus_distance - count * (1.0 - use) / use, last.get(entry.key, -1))
             if best is None or score < best_score:
                 best, best_score = entry, score
-        if best is None:
-            # Only copies to keep are left (prefetched, or the current layer's own): the scan
-            # below ranks them, or refuses for a copy made ahead of its use.
-            return self._victim_scan(candidates, cached, room)
-        if self._ahead_of_use and best_score[0] > 0:
-            return None
-        return best
+        return best, best_score
+
+    @contextlib.contextmanager
+    def in_spare_room_only(self):
+        """Copies issued inside (guesses) are ahead of their use: they take tier-0 room only."""
+        self._spare_room_only = True
+        try:
+            yield
+        finally:
+            self._spare_room_only = False
 
     def _cycle(self):
         """(group -> place in the cyclic layer order, the cycle's length, the current layer's place)."""
@@ -500,7 +536,7 @@ class ExpertStacks:
                         score = (tier, -(distance + count * (1.0 - use) / use))
             if best is None or score < best_score:
                 best, best_score = entry, score
-        if self._ahead_of_use and best is not None and best_score[0] > 0:
+        if self._spare_room_only and best is not None and best_score[0] > 0:
             return None
         return best
 
@@ -527,7 +563,7 @@ class ExpertStacks:
         if self._order:
             self.position = {m: i for i, m in enumerate(self._order)}
         self._order, self._current, self._needed, self._announced = [], None, None, None
-        self._ahead = set()
+        self._issued_for_op = set()
         self._expected = {}
 
     def routed_keys(self) -> dict:
@@ -702,8 +738,7 @@ class RoutingSpeculator:
         router.copied = {}
         if pager is None or not router.speculating():
             return
-        self._stacks._ahead_of_use = True
-        try:
+        with self._stacks.in_spare_room_only():
             for expert in experts[:SPECULATE_EXPERTS]:
                 for stack in router.stacks:
                     master = stack.master_ref()
@@ -717,8 +752,6 @@ class RoutingSpeculator:
                         nbytes = stack.expert_bytes
                         router.copied[expert] = router.copied.get(expert, 0) + nbytes
                         router.prefetched_bytes += nbytes
-        finally:
-            self._stacks._ahead_of_use = False
 
     def _score(self, router: _Router) -> None:
         """Close ``router``'s open guess against the experts its stacks actually paged."""

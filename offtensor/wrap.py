@@ -25,7 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import compile as _compile
 from . import placement
-from .pager import GiB, BudgetError, OffloadStats, Pager, _covering_range, resolve_device
+from .pager import GiB, BudgetError, OffloadStats, Pager, covering_range, pins_host_memory, resolve_device
 from .prefetch import Prefetcher
 from . import experts
 from .tensor import (
@@ -63,7 +63,7 @@ class _Placed:
         self.source = StorageWeakRef(source.untyped_storage())
         self.target = weakref.ref(target)
         self.dtype = source.dtype
-        self.lo, self.hi = _covering_range(source)
+        self.lo, self.hi = covering_range(source)
         self.view = (tuple(source.shape), source.stride(), source.storage_offset())
         # target storage offset - source storage offset, the same for every element of [lo, hi)
         if isinstance(target, OffloadedTensor):
@@ -122,7 +122,7 @@ class _State:
         placed = self.placed.get(t.untyped_storage()._cdata)
         if placed is None or placed.dtype != t.dtype or not t.numel():
             return None
-        lo, hi = _covering_range(t)
+        lo, hi = covering_range(t)
         if lo < placed.lo or hi > placed.hi:
             return None
         return placed
@@ -173,7 +173,7 @@ def _group_bytes(group) -> int:
 
 
 def _group_range(group):
-    ranges = [_covering_range(m.tensor) for m in group if m.tensor.numel()]
+    ranges = [covering_range(m.tensor) for m in group if m.tensor.numel()]
     if not ranges:
         return 0, 0
     return min(r[0] for r in ranges), max(r[1] for r in ranges)
@@ -268,7 +268,7 @@ def _offload_group(group, pager: Pager) -> None:
         _check_offloadable(member.tensor, f"'{member.names[0]}'")
     lo, hi = _group_range(group)
     flat = first.detach().as_strided((hi - lo,), (1,), lo)
-    host_flat = new_host_master(flat, pin=pager.device.type == "cuda")
+    host_flat = new_host_master(flat, pin=pins_host_memory(pager.device))
     master = _master_for(host_flat, pager)
     master.name = next((n for m in group for n in m.names), None)
     for member in group:
@@ -281,8 +281,8 @@ def _make_resident(group, device: torch.device) -> None:
     first = group[0].tensor
     if isinstance(first, OffloadedTensor):
         host_group = [(m, m.tensor._host) for m in group]
-        lo = min(_covering_range(h)[0] for _, h in host_group)
-        hi = max(_covering_range(h)[1] for _, h in host_group)
+        lo = min(covering_range(h)[0] for _, h in host_group)
+        hi = max(covering_range(h)[1] for _, h in host_group)
         flat = first._master.pager.copy_out(first._host.as_strided((hi - lo,), (1,), lo))
         for member, host in host_group:
             view = flat.as_strided(host.shape, host.stride(), host.storage_offset() - lo)
@@ -439,7 +439,7 @@ def _register(model: nn.Module, pager: Pager, plan: placement.Plan, policy, pref
         for t in _tensors(model)
         if not isinstance(t, OffloadedTensor) and t.device == pager.device and not t.is_meta
     }
-    pager.resident_bytes = _resident_bytes(model, pager.device)
+    pager.budget.recount_resident(_resident_bytes(model, pager.device))
     pager.reset_stats()
     if prefetch and plan.offload:
         pager.prefetcher = Prefetcher()
@@ -468,7 +468,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     if state.step_hook is not None:
         state.step_hook.remove()
         state.step_hook = None
-    pager.resident_bytes = _resident_bytes(model, pager.device)
+    pager.budget.recount_resident(_resident_bytes(model, pager.device))
     return model
 
 
@@ -476,7 +476,7 @@ def stats(model: nn.Module) -> OffloadStats:
     state = _state(model)
     if state.experts_stale:
         state.refresh_experts()
-    state.pager.resident_bytes = _resident_bytes(model, state.pager.device)
+    state.pager.budget.recount_resident(_resident_bytes(model, state.pager.device))
     s = state.pager.snapshot()
     s.untracked_bytes = _untracked_bytes(model, state.pager.device)
     return s
@@ -569,15 +569,14 @@ def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buff
                 t.data = t.data.to(pager.device)
             state.remember(source, t)
         state.resident_ptrs.add(t.untyped_storage().data_ptr())
-        pager.resident_bytes = with_t
-        pager._note_peak()
+        pager.budget.hold_resident(with_t)
         return None
     _reserve_paging_room(state, full_name, t, resident)
     member.names.append(full_name)
     source = t.detach()
     _offload_group([member], pager)
     state.remember(source, member.tensor)
-    pager.resident_bytes = resident
+    pager.budget.recount_resident(resident)
     return member.tensor
 
 
@@ -736,7 +735,7 @@ def _after_load(module, incompatible_keys):
         return  # values were copied into the weights already placed (the usual load_state_dict)
     resident = _resident_bytes(model, pager.device)
     if all(t.device == pager.device for *_, t in plain) and resident + state.working_set_bytes <= pager.budget_bytes:
-        pager.resident_bytes = resident
+        pager.budget.recount_resident(resident)
         return
     # Tensors of this module not placed yet do not count as resident while their siblings are placed.
     pending = {(module, attr) for _, attr, _, _ in plain}
@@ -773,8 +772,7 @@ def _place_attribute(state: _State, module: nn.Module, name: str, t: torch.Tenso
     )
     shares_a_weight = _storage_bytes(t)[0] in _resident_storages_of(_tensors(model), pager.device)
     if keep or shares_a_weight or not _check_offloadable_quietly(t):
-        pager.resident_bytes = resident
-        pager._note_peak()
+        pager.budget.hold_resident(resident)
         return
     without_t = resident - _storage_bytes(t)[1]
     _reserve_paging_room(state, full_name, t, without_t, kind="the attribute ")
@@ -782,7 +780,7 @@ def _place_attribute(state: _State, module: nn.Module, name: str, t: torch.Tenso
     member.slots.append((module, name, None))
     member.names.append(full_name)
     _offload_group([member], pager)
-    pager.resident_bytes = _resident_bytes(model, pager.device)
+    pager.budget.recount_resident(_resident_bytes(model, pager.device))
 
 
 def _check_offloadable_quietly(t: torch.Tensor) -> bool:
@@ -838,7 +836,7 @@ def _released(state: _State, old: Optional[nn.Module] = None) -> None:
         for m in old.modules():
             if m not in live and _WRAPPED.get(m) is state:
                 del _WRAPPED[m]
-    state.pager.resident_bytes = _resident_bytes(model, state.pager.device)
+    state.pager.budget.recount_resident(_resident_bytes(model, state.pager.device))
     if state.pager.experts is not None:
         state.experts_stale = True  # a registered stack may be what was deleted
 
