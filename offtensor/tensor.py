@@ -26,8 +26,8 @@ _is_compiling = torch.compiler.is_compiling
 _disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 _Tensor = torch.Tensor
 
-# The whole ops that __torch_function__ intercepts (torch function -> handler(args, kwargs)), filled
-# by dispatch.py through set_op_handlers. A module global: __torch_function__ reads it on every call.
+# The whole ops that __torch_function__ intercepts (torch function -> handler(args, kwargs)): dispatch's
+# table, installed by set_op_handlers. A module global: __torch_function__ reads it on every call.
 _FUNCTION_TABLE: dict = {}
 
 # OffloadedTensors alive whose host view is a tracing stand-in (torch.compile's fake tensors): while
@@ -78,10 +78,11 @@ class OffloadedTensor(torch.Tensor):
     def set_op_handlers(torch_dispatch, function_table: dict) -> None:
         """Install what ops do: ``torch_dispatch(func, types, args, kwargs)`` for every aten op and
         the whole functions ``__torch_function__`` intercepts. Called once, by dispatch.py."""
+        global _FUNCTION_TABLE
         if OffloadedTensor._op_dispatch is not None:
             raise RuntimeError("offtensor: OffloadedTensor's op handlers are already set")
         OffloadedTensor._op_dispatch = staticmethod(torch_dispatch)
-        _FUNCTION_TABLE.update(function_table)
+        _FUNCTION_TABLE = function_table  # dispatch's own table: one dict, read here on every call
 
     # ------------------------------------------------------------------ public methods
 
