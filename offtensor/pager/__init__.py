@@ -8,7 +8,8 @@ paging lives in this package; the layers above (dispatch, compile) ask for "the 
 this host view" and say when the op that used it has been enqueued; nothing here knows about
 modules or names.
 
-One owner per file, each used only by the ones listed after it:
+One owner per file. ``pager.py`` composes the others; none of them imports another (the device
+operations reach slots and lifetimes only as objects handed to them):
 
     stats.py      OffloadStats, the counters; format_bytes
     budget.py     Budget: budget, resident, paged and offloaded bytes, the peak; BudgetError
