@@ -65,11 +65,23 @@ def torch_dispatch(func, types, args, kwargs):
         if traced is not None:
             return traced
         _compile.graph_break(f"{func} on an OffloadedTensor")
-    if handler in _COMPUTE_HANDLERS and TRACED_ALIVE[0] and _traced(args, kwargs):
+    if handler in _COMPUTE_HANDLERS and TRACED_ALIVE[0] and _tracing() and _traced(args, kwargs):
         traced = _compile.traced_compute(func, args, kwargs)
         if traced is not None:
             return traced
     return handler(func, types, args, kwargs or {})
+
+
+_get_dispatch_mode = torch._C._get_dispatch_mode
+_FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE
+
+
+def _tracing() -> bool:
+    """Whether a trace is running now: torch.compile, export and make_fx run ops on fake tensors
+    under a FakeTensorMode. Asked only while traced OffloadedTensors are alive (a compiled model's
+    guards keep its traced weights), so eager ops in a process that once compiled do not scan their
+    arguments for traced ones."""
+    return _get_dispatch_mode(_FAKE_MODE) is not None
 
 
 def _traced(args, kwargs) -> bool:
