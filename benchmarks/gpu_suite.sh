@@ -25,7 +25,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-WHEELS=("expecttest==0.3.0")  # torch.testing._internal and torch.library.opcheck import it
+WHEELS=("$(grep -o "^expecttest==[^ ]*" requirements-test.txt)")  # torch.testing._internal and torch.library.opcheck import it
 if [ "${1:-}" = "--fetch-wheels" ]; then
   grep -qx '/.whl/' .gitignore || echo '/.whl/' >>.git/info/exclude
   exec python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -240,11 +240,12 @@ def _run_child(args, variant, logits_path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _plot(rows, path, title, device_limit=None) -> None:
-    import matplotlib
+def _plot(rows, path, title, device_limit=None) -> bool:
+    from offtensor._optional import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:  # no matplotlib: warned once, the PNG is skipped
+        return False
 
     rows = [r for r in rows if "skipped" not in r]
     names = [r["variant"] for r in rows]
@@ -273,6 +274,8 @@ def _plot(rows, path, title, device_limit=None) -> None:
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def main(argv=None) -> int:
@@ -387,9 +390,9 @@ def main(argv=None) -> int:
                  "budget_fraction": args.budget_fraction, "repeats": args.repeats, "variants": rows,
                  "checks": checks})
     png = os.path.join(args.out, name + ".png")
-    _plot(rows, png, f"load {ckpt_bytes / 1e6:.0f} MB, {args.device}, budget {args.budget_fraction:.0%}",
-          rss_limit / ckpt_bytes if device_extra else None)
-    print(f"wrote {png}")
+    if _plot(rows, png, f"load {ckpt_bytes / 1e6:.0f} MB, {args.device}, budget {args.budget_fraction:.0%}",
+             rss_limit / ckpt_bytes if device_extra else None):
+        print(f"wrote {png}")
     return 0 if checks["logits_identical"] and checks["time_ratio_ok"] and checks["rss_ok"] else 1
 
 

@@ -516,10 +516,11 @@ def _uva_variant(base, device, record):
 
 
 def plot(result, path):
-    import matplotlib
+    from offtensor._optional import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:  # no matplotlib: warned once, the PNG is skipped
+        return None
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     replay = result["deepseek_stack_replay"]["variants"]

@@ -446,10 +446,11 @@ def main(argv=None) -> int:
 
 
 def plot(results, path, title):
-    import matplotlib
+    from offtensor._optional import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:  # no matplotlib: warned once, the PNG is skipped
+        return None
 
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 3.6), squeeze=False)
     for ax, (phase, res) in zip(axes[0], results.items()):

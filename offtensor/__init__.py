@@ -9,13 +9,15 @@ from . import _ext  # noqa: F401  (loads the native extension, or warns once)
 from . import dispatch  # noqa: F401  (gives OffloadedTensor its op handlers)
 from .pager import BudgetError, OffloadStats
 from .loading import CheckpointError, from_pretrained, load_safetensors
-from .tensor import OffloadedTensor, offload
+from .tensor import OffloadedTensor, add_safe_globals, offload, safe_globals
 from .timeline import PROFILES, Profile, Replay, Timeline, get_profile, measure_profile, plan, timeline
 from .wrap import reset_stats, stats, unwrap_model, wrap_model
 
 __all__ = [
     "OffloadedTensor",
     "offload",
+    "safe_globals",
+    "add_safe_globals",
     "wrap_model",
     "unwrap_model",
     "stats",

@@ -83,7 +83,7 @@ def plan_main(argv) -> int:
     print("|" + "---|" * len(header))
     for phase, tokens, _, _, _, r, gbps, png in rows:
         print(f"| {phase} | {tokens} | {r.step_ms:.1f} | {r.bound_ms:.1f} | {r.ratio_to_bound:.3f} | "
-              f"{r.copy_busy:.0%} | {r.compute_busy:.0%} | {gbps:.1f} | {png} |")
+              f"{r.copy_busy:.0%} | {r.compute_busy:.0%} | {gbps:.1f} | {png or 'skipped: no matplotlib'} |")
     print(f"planned in {time.perf_counter() - started:.1f} s; nothing was allocated (meta device)")
     return 0
 

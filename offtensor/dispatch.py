@@ -27,6 +27,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from . import compile as _compile
 from .pager import BudgetError, host_layout, pins_host_memory, upload_small
+from .placement import TILE_ALIGN  # tiles are cut to multiples of the width placement plans room for
 from .tensor import TRACED_ALIVE, OffloadedTensor, check_offloadable, new_host_master, new_view, wrap_host
 
 aten = torch.ops.aten
@@ -606,10 +607,6 @@ def _in_pieces_when_short(func, handler):
 # narrower output: on CPU (MKL/oneDNN) that held for every tile at least TILE_ALIGN wide in
 # test_budget_and_tiling; tiles narrower than that (a budget with room for only a few rows) may
 # make BLAS pick a matrix-vector kernel, which differs in the last bits (tested to a tolerance).
-
-
-# Tiles are made multiples of this many outputs wide when the room allows (see _tiled).
-TILE_ALIGN = 16
 
 
 def _slice_bytes(t: OffloadedTensor, dim: int) -> int:

@@ -11,12 +11,20 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import re
+import warnings
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 from .pager import BudgetError
 
 EXPERTS, ROWS, MLP, ATTENTION, OTHER, LAST = range(6)
 CLASS_NAMES = {EXPERTS: "routed experts", ROWS: "read by rows", MLP: "dense MLP", ATTENTION: "attention", OTHER: "other", LAST: "last"}
+
+# Output tiles at least this many slices wide (rows of a linear weight, columns of mm's operand,
+# output channels, bmm batches) are bit-identical to the whole op on CPU BLAS (MKL/oneDNN, see
+# test_budget_and_tiling); narrower ones may get a matrix-vector kernel that sums in another order.
+# Placement reserves room for tiles this wide, and dispatch cuts tiles to multiples of it.
+TILE_ALIGN = 16
 
 SMALL_BYTES = 1 << 16  # below this a tensor is "small": never worth a page-in per use
 # Stacked experts are never paged whole: ``_grouped_mm`` pages the routed experts one at a time,
@@ -127,6 +135,24 @@ def _policy_choice(policy: Policy, names: Iterable[str]) -> Optional[str]:
     return None
 
 
+def unmatched_patterns(policy: Policy, names: Iterable[str]) -> list:
+    """(pattern, "offload" | "keep") for each pattern of a pattern policy that matches none of
+    ``names`` (a callable policy has no patterns to check)."""
+    if policy is None or callable(policy):
+        return []
+    if isinstance(policy, dict):
+        rules = [(p, "keep") for p in _patterns(policy.get("keep"))] + [(p, "offload") for p in _patterns(policy.get("offload"))]
+    else:
+        rules = [(p, "offload") for p in _patterns(policy)]
+    names = list(names)
+    unmatched = []
+    for pattern, choice in rules:
+        match = re.compile(fnmatch.translate(pattern)).match if isinstance(pattern, str) else None
+        if match is not None and not any(map(match, names)):
+            unmatched.append((pattern, choice))
+    return unmatched
+
+
 def _patterns(value) -> list:
     if value is None:
         return []
@@ -141,13 +167,18 @@ def _check_choice(choice: str) -> str:
     return choice
 
 
-def tile_working_set(shape: tuple, nbytes: int, working_set: int) -> int:
+def tile_working_set(shape: tuple, nbytes: int, working_set: int, slices: int = TILE_ALIGN) -> int:
     """The least one op must page of a weight when it computes in output tiles (dispatch tiles
     linear, mm/addmm, bmm and convolution by rows, columns, batches or output channels; index ops
-    page only selected rows): one slice along the shorter of its first two dims."""
+    page only selected rows): ``slices`` slices along the shorter of its first two dims.
+
+    Placement plans for tiles ``TILE_ALIGN`` slices wide: narrower output tiles make BLAS pick
+    another kernel (matrix-vector for a few rows), which sums in another order and differs from the
+    whole op in the last bits. One slice is the fallback for a budget with no room for that."""
     if len(shape) < 2 or min(shape[0], shape[1]) <= 0:
         return working_set
-    return min(working_set, nbytes // min(shape[0], shape[1]))
+    n = min(shape[0], shape[1])
+    return min(working_set, nbytes // n * min(slices, n))
 
 
 def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: Optional[int] = None,
@@ -164,18 +195,38 @@ def plan(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: 
         return _plan(weights, budget_bytes, offload_bytes, policy, prefetch)
     except BudgetError as whole_error:
         error = whole_error
-    # Tile the weights with the largest working sets first, 1, 2, 4... of them: the others keep
-    # room for their whole working set (one op, one page, no tiles).
+    for slices in (TILE_ALIGN, 1):
+        try:
+            tiled = _plan_tiled(weights, budget_bytes, offload_bytes, policy, prefetch, slices)
+        except BudgetError as e:
+            error = e
+            continue
+        if slices < TILE_ALIGN:
+            warnings.warn(
+                f"offtensor: the budget of {budget_bytes} bytes leaves room for output tiles narrower than "
+                f"{TILE_ALIGN} slices of the largest weights only; such tiles are summed in another order, so "
+                "results may differ from the unwrapped model's in the last bits. Raise budget_gb for "
+                "bit-identical results.", stacklevel=3)
+        return tiled
+    raise error
+
+
+def _plan_tiled(weights: Sequence[Weight], budget_bytes, offload_bytes, policy, prefetch, slices: int) -> Plan:
+    """``_plan`` with the weights of the largest working sets computed in tiles of ``slices``
+    slices, 1, 2, 4... of them: the others keep room for their whole working set (one op, one page,
+    no tiles). The last BudgetError when no count fits."""
     tileable = sorted(
-        (w for w in weights if tile_working_set(w.shape, w.nbytes, w.working_set) < w.working_set),
+        (w for w in weights if tile_working_set(w.shape, w.nbytes, w.working_set, slices) < w.working_set),
         key=lambda w: -w.working_set,
     )
+    error = BudgetError(f"offtensor: no weight can be tiled in {slices}-slice tiles to fit {budget_bytes} bytes")
     count = 1
     while tileable:
         count = min(count, len(tileable))
         tiled_ids = {id(w) for w in tileable[:count]}
         trial = [
-            dataclasses.replace(w, working_set=tile_working_set(w.shape, w.nbytes, w.working_set)) if id(w) in tiled_ids else w
+            dataclasses.replace(w, working_set=tile_working_set(w.shape, w.nbytes, w.working_set, slices))
+            if id(w) in tiled_ids else w
             for w in weights
         ]
         try:

@@ -150,6 +150,11 @@ class OffloadedTensor(torch.Tensor):
     def __reduce_ex__(self, protocol):
         # Pickle the host view: torch.save then stores each host storage once, so tied tensors and
         # aliases are saved once and come back as aliases of one master.
+        if self.__dict__.get("_portable"):
+            # A value of a wrapped model's state_dict() (wrap.py marks them): saved as the plain CPU
+            # tensor it holds, which any process loads, with or without offtensor, weights_only or
+            # not; aliases still share one storage in the file. Nothing is paged.
+            return self._host.__reduce_ex__(protocol)
         is_param = bool(getattr(self, "_is_param", False))
         return (_rebuild_offloaded, (self._host, str(self.device), self.requires_grad, is_param))
 
@@ -184,7 +189,7 @@ class OffloadedTensor(torch.Tensor):
 
 # What an OffloadedTensor keeps in its own ``__dict__``; everything else there is the user's
 # (vLLM's ``weight_loader``, ``output_dim``...), carried across wrap, re-placement and unwrap.
-_OWN_ATTRS = frozenset({"_host", "_master", "_layout", "_is_param"})
+_OWN_ATTRS = frozenset({"_host", "_master", "_layout", "_is_param", "_portable"})
 
 # User subclass of nn.Parameter -> the OffloadedTensor class whose instances are also instances of it.
 _OFFLOADED_CLASSES: dict = {}
@@ -379,4 +384,22 @@ def _rebuild_offloaded(host: torch.Tensor, device: str, requires_grad: bool, is_
 _check_offloadable = check_offloadable  # the name wrap.py used
 
 
-torch.serialization.add_safe_globals([OffloadedTensor, _rebuild_offloaded])
+# What torch.load(weights_only=True) must allow to rebuild a pickled OffloadedTensor. Importing
+# offtensor allows nothing process-wide; the user opts in (safe_globals / add_safe_globals).
+SAFE_GLOBALS = (OffloadedTensor, _rebuild_offloaded)
+
+
+def safe_globals():
+    """A context manager under which ``torch.load(..., weights_only=True)`` rebuilds pickled
+    OffloadedTensors (``torch.save`` of an OffloadedTensor keeps its class); outside it, such a
+    file is refused as weights_only refuses any unknown global. A wrapped model's ``state_dict()``
+    needs no opt-in: its values are saved as plain CPU tensors.
+
+    ``with ot.safe_globals(): x = torch.load(path, weights_only=True)``"""
+    return torch.serialization.safe_globals(list(SAFE_GLOBALS))
+
+
+def add_safe_globals() -> None:
+    """Allow ``torch.load(weights_only=True)`` to rebuild OffloadedTensors in this whole process
+    (``torch.serialization.add_safe_globals``): the process-wide form of :func:`safe_globals`."""
+    torch.serialization.add_safe_globals(list(SAFE_GLOBALS))

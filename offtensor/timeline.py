@@ -395,11 +395,13 @@ class Timeline:
         return max(0, n - steps)
 
     def plot(self, path: str, profile=None, steps: Optional[int] = None, title: Optional[str] = None) -> str:
-        """PNG: the compute and copy lanes, idle gaps shaded, each step's bound marked."""
-        import matplotlib
+        """PNG: the compute and copy lanes, idle gaps shaded, each step's bound marked. Returns its
+        path, or None without matplotlib (one warning per process; JSON and replays need none)."""
+        from ._optional import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
+        if plt is None:  # no matplotlib: warned once, the PNG is skipped
+            return None
 
         result = self.replay(profile)
         first = self._first_shown_step(steps)

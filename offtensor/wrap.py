@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import warnings
 import weakref
 from typing import Optional
 
@@ -81,7 +82,7 @@ class _State:
         self.working_set_bytes = plan.working_set_bytes
         self.plan = plan
         self.placed: dict = {}  # source storage (_cdata) -> _Placed
-        self.load_hooks = []  # handles of the load_state_dict post-hooks on every module
+        self.load_hooks = []  # handles of the load_state_dict and state_dict post-hooks on every module
         self.step_hook = None  # forward pre-hook on the model that marks prefetch passes
         # Storages of the resident weights placed so far, so that a load that only copied values
         # into them is recognised without walking the model.
@@ -166,10 +167,25 @@ def _group_bytes(group) -> int:
     t = group[0].tensor
     if isinstance(t, OffloadedTensor):
         return t._master.nbytes
-    if len(group) == 1:
+    if len(group) == 1 and (t.is_meta or not _expanded(t)):
         return t.numel() * t.element_size()
+    # Several aliases, or an expanded (stride-0) tensor: the storage range they cover, which is
+    # what a host master or a resident copy of them holds (256 B for 256 B expanded to 16 KiB).
     lo, hi = _group_range(group)
     return (hi - lo) * t.element_size()
+
+
+def _expanded(t: torch.Tensor) -> bool:
+    """Some dim of ``t`` repeats its elements (stride 0, size > 1), as ``expand`` makes."""
+    return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape))
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """The bytes ``t``'s values take: its covering storage range when expanded, else numel bytes."""
+    if t.layout == torch.strided and not t.is_meta and t.numel() and _expanded(t):
+        lo, hi = _covering_range(t)
+        return (hi - lo) * t.element_size()
+    return t.numel() * t.element_size()
 
 
 def _group_range(group):
@@ -414,6 +430,19 @@ def _plan(groups, device, budget_gb, offload_gb, policy, prefetch):
     weights = [_weight(g) for g in groups]
     budget_bytes = None if budget_gb is None else int(budget_gb * GiB)
     offload_bytes = None if offload_gb is None else int(offload_gb * GiB)
+    names = [n for w in weights for n in w.names]
+    for pattern, choice in placement.unmatched_patterns(policy, names):
+        warnings.warn(
+            f"offtensor: the policy's {choice!r} pattern {pattern!r} matches none of the model's {len(names)} tensor "
+            f"names (such as {names[:3]}), so it decides nothing; patterns are fnmatch globs on full names like "
+            f"'layers.0.mlp.weight' (a tensor assigned later is matched when it is placed)", UserWarning, stacklevel=3)
+    total = _device_total_bytes(device) if budget_bytes is not None else None
+    if total is not None and budget_bytes > total:
+        memory = "GPU memory (torch.cuda.mem_get_info)" if device.type == "cuda" else "RAM on this machine"
+        warnings.warn(
+            f"offtensor: budget_gb={budget_gb} ({budget_bytes} bytes) is more than the {total} bytes "
+            f"({total / GiB:.2f} GiB) of {memory} that {device} has: the budget cannot hold, and weights it lets stay "
+            f"resident may not fit; give a budget below the device's memory", UserWarning, stacklevel=3)
     if budget_bytes is None and offload_bytes is None:
         budget_bytes = _free_device_bytes(device) - DEFAULT_MARGIN_BYTES
     already = {id(w) for w, g in zip(weights, groups) if isinstance(g[0].tensor, OffloadedTensor)}
@@ -434,6 +463,7 @@ def _register(model: nn.Module, pager: Pager, plan: placement.Plan, policy, pref
     for module in model.modules():
         _WRAPPED[module] = state
         state.load_hooks.append(module.register_load_state_dict_post_hook(_after_load))
+        state.load_hooks.append(module.register_state_dict_post_hook(_portable_state_dict))
     state.resident_ptrs = {
         t.untyped_storage().data_ptr()
         for t in _tensors(model)
@@ -499,6 +529,19 @@ def _state(model: nn.Module) -> _State:
     if not is_wrapped(model):
         raise ValueError(f"offtensor: this {type(model).__name__} is not wrapped; call ot.wrap_model(model, ...) first")
     return _WRAPPED[model]
+
+
+def _device_total_bytes(device: torch.device) -> Optional[int]:
+    """All the memory of ``device`` (a GPU's total, the emulated device's: the machine's RAM), or
+    None where it is not known (meta)."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[1]
+        if device.type == "cpu":
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (RuntimeError, ValueError, OSError):
+        return None
+    return None
 
 
 def _free_device_bytes(device: torch.device) -> int:
@@ -585,10 +628,11 @@ def _reserve_paging_room(state: _State, full_name: str, t: torch.Tensor, residen
     can page it, whole or in tiles (dispatch computes linear, mm, bmm and conv ops on a weight larger
     than the room in output tiles), and reserve that working set."""
     pager = state.pager
-    nbytes = t.numel() * t.element_size()
+    nbytes = _tensor_bytes(t)  # offloading keeps an expanded tensor's stride-0 layout
     ws = placement.working_set(full_name, tuple(t.shape), nbytes)
-    if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
-        ws = placement.tile_working_set(tuple(t.shape), nbytes, ws)
+    for slices in (placement.TILE_ALIGN, 1):  # bit-identical tiles first (see tile_working_set)
+        if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
+            ws = placement.tile_working_set(tuple(t.shape), nbytes, ws, slices)
     if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
         raise BudgetError(
             f"offtensor: {kind}{full_name} ({nbytes} bytes) needs {ws} bytes on the device to be paged, but only "
@@ -617,8 +661,12 @@ def _module_hook(module, name, submodule):
     if state is None or submodule is None:
         return None
     old = module._modules.get(name)
+    # Slots of the module being replaced stop counting, except those of its submodules that the new
+    # one keeps (peft's LoRA layer holds the Linear it replaces as ``base_layer``): they stay resident.
+    kept = set(submodule.modules())
     replaced = frozenset(
-        (m, attr) for m in (old.modules() if old is not None else ()) for attr in (*m._parameters, *m._buffers)
+        (m, attr) for m in (old.modules() if old is not None else ()) if m not in kept
+        for attr in (*m._parameters, *m._buffers)
     )
     parent = state.qualified_name(module, name)
     for path, child in submodule.named_modules(remove_duplicate=False):
@@ -629,6 +677,7 @@ def _module_hook(module, name, submodule):
             continue
         _WRAPPED[child] = state
         state.load_hooks.append(child.register_load_state_dict_post_hook(_after_load))
+        state.load_hooks.append(child.register_state_dict_post_hook(_portable_state_dict))
         for table, is_buffer in ((child._parameters, False), (child._buffers, True)):
             for attr, t in list(table.items()):
                 if t is not None:
@@ -695,6 +744,8 @@ def _adopt_copy(model: nn.Module) -> Optional[_State]:
         # The copy's modules carry copies of the original's hooks; _register adds its own.
         for key in [k for k, h in module._load_state_dict_post_hooks.items() if h is _after_load]:
             del module._load_state_dict_post_hooks[key]
+        for key in [k for k, h in module._state_dict_hooks.items() if h is _portable_state_dict]:
+            del module._state_dict_hooks[key]
         if _WRAPPED.get(module) is not None:
             del _WRAPPED[module]
     for key, _ in hooks:
@@ -744,6 +795,20 @@ def _after_load(module, incompatible_keys):
         new = _place(state, module, attr, t, is_buffer, attaching=((), frozenset(pending)))
         if new is not None:
             table[attr] = new
+
+
+def _portable_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    """state_dict post-hook: the OffloadedTensors this module put in ``state_dict`` (detached views
+    of its weights, so ``load_state_dict`` and in-place writes through them still reach the
+    masters) are marked to pickle as the plain CPU tensors they hold. ``torch.save(model.state_dict())``
+    then writes a file any process loads with ``torch.load(weights_only=True)``, offtensor or
+    not, each tie once, with nothing paged. ``keep_vars=True`` values are the Parameters
+    themselves and keep their class when pickled, as a Parameter saved on its own does."""
+    for table in (module._parameters, module._buffers):
+        for name, t in table.items():
+            value = state_dict.get(prefix + name)
+            if value is not t and isinstance(value, OffloadedTensor):
+                value.__dict__["_portable"] = True
 
 
 def _place_attribute(state: _State, module: nn.Module, name: str, t: torch.Tensor) -> None:

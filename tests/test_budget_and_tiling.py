@@ -12,14 +12,14 @@ from torch import nn
 
 import offtensor as ot
 from offtensor.pager import BudgetError, Pager
-from offtensor.tensor import _wrap_host, new_host_master
+from offtensor.tensor import new_host_master, wrap_host
 from offtensor.wrap import is_wrapped
 
 GiB = 1 << 30
 
 
 def _offload_under(pager, t):
-    return _wrap_host(new_host_master(t, pin=False), pager)
+    return wrap_host(new_host_master(t, pin=False), pager)
 
 
 def _weight_bytes(model) -> int:
@@ -308,6 +308,36 @@ def test_ops_with_a_weight_larger_than_the_budget_compute_in_tiles_bit_identical
     xb = torch.randn(8, 3, 32, device=device)
     assert torch.equal(torch.bmm(xb, _offload_under(pager, experts)), torch.bmm(xb, experts.to(device)))
     assert pager.stats.peak_device_bytes <= budget
+
+
+class _WideHead(nn.Module):
+    """ultrabert's pattern (transformers 5.24): small resident layers, then a prediction head whose
+    two 96 KiB weights are each larger than a 30% budget's room, read by 3-D activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(18)])
+        self.up = nn.Linear(32, 768, bias=False)
+        self.down = nn.Linear(768, 32, bias=False)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(self.layers(x))))
+
+
+def test_placement_leaves_room_for_tiles_wide_enough_to_be_bit_identical(device):
+    # Planning room for one-row tiles left the 32-row head weight 4 rows a tile, which BLAS sums in
+    # another order (2.3e-09 off on ultrabert); placement now offloads more so tiles are 16 rows.
+    torch.manual_seed(0)
+    model = _WideHead()
+    reference = copy.deepcopy(model).to(device)
+    budget = int(0.3 * _weight_bytes(model))
+    ot.wrap_model(model, budget_gb=budget / GiB, device=device)
+    x = torch.randn(2, 8, 32, device=device)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    s = ot.stats(model)
+    assert s.peak_device_bytes <= budget
+    assert s.budget_bytes - s.resident_bytes >= 16 * 768 * 4  # room for a 16-row tile of `down`
 
 
 def test_tiles_narrower_than_the_kernel_blocks_agree_to_rounding(device):

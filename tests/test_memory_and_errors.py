@@ -81,7 +81,8 @@ def _loaded(device):
     buffer = io.BytesIO()
     torch.save(ot.offload(torch.randn(3, 3), device=device), buffer)
     buffer.seek(0)
-    x = torch.load(buffer, weights_only=True)
+    with ot.safe_globals():
+        x = torch.load(buffer, weights_only=True)
     return x, [x]
 
 
@@ -306,7 +307,8 @@ def test_data_ptr_is_the_host_address_only_where_the_device_can_address_it(devic
     buffer = io.BytesIO()
     torch.save(x, buffer)
     buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=True)
+    with ot.safe_globals():
+        loaded = torch.load(buffer, weights_only=True)
     if loaded.device.type == "cpu":
         assert loaded.data_ptr() == loaded.untyped_storage().data_ptr()
     else:

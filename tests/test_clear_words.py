@@ -1,0 +1,128 @@
+"""Clear words for the smaller gaps (issue 19, item 7): a policy pattern that matches nothing is
+named in a warning; a budget above the device's memory is named in a warning; an expanded
+(stride-0) parameter of a wrapped model keeps its layout in the host master and is counted by the
+bytes it takes. (``ot.offload(t)`` of an expanded tensor still makes a writable master of numel
+elements, as tests/test_properties.py's "expanded" layout states: a copy the caller may write.)"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import offtensor as ot
+from offtensor import OffloadedTensor, wrap
+
+GiB = 1 << 30
+
+
+def _offtensor_warnings(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in caught if str(w.message).startswith("offtensor:")]
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+
+
+# ---------------------------------------------------------------------------- policy patterns
+
+
+@pytest.mark.parametrize("policy, pattern, choice", [
+    ({"offload": ["*.expert.*", "2.weight"]}, "*.expert.*", "offload"),
+    ({"keep": ["embed_tokens*"], "offload": ["0.*"]}, "embed_tokens*", "keep"),
+    (["0.weight", "layers.*"], "layers.*", "offload"),
+    ("lm_head.weight", "lm_head.weight", "offload"),
+])
+def test_a_policy_pattern_matching_nothing_is_named_in_a_warning(device, policy, pattern, choice):
+    with pytest.warns(UserWarning, match=rf"the policy's '{choice}' pattern '{re.escape(pattern)}' matches none of the model's "
+                                         rf"4 tensor names \(such as \['0\.weight', '0\.bias', '2\.weight'\]\)") as record:
+        ot.wrap_model(_model(), budget_gb=1, device=device, policy=policy)
+    assert len([w for w in record if "matches none" in str(w.message)]) == 1  # the patterns that match say nothing
+
+
+def test_matching_patterns_and_callable_policies_warn_nothing(device):
+    assert not _offtensor_warnings(lambda: ot.wrap_model(_model(), budget_gb=1, device=device,
+                                                         policy={"offload": ["*.weight"], "keep": ["0.bias"]}))
+    assert not _offtensor_warnings(lambda: ot.wrap_model(_model(), budget_gb=1, device=device,
+                                                         policy=lambda name: None))
+
+
+def test_the_warning_points_at_the_callers_line(device):
+    with pytest.warns(UserWarning, match="matches none") as record:
+        ot.wrap_model(_model(), budget_gb=1, device=device, policy=["nothing.*"])
+    assert record[0].filename == __file__
+
+
+# ---------------------------------------------------------------------------- budget vs device memory
+
+
+def test_a_budget_above_the_devices_memory_is_named_in_a_warning(device):
+    total = wrap._device_total_bytes(torch.device(device))
+    assert total and total > 0
+    memory = "GPU memory" if torch.device(device).type == "cuda" else "RAM on this machine"
+    with pytest.warns(UserWarning, match=rf"budget_gb=1000000.0 \(\d+ bytes\) is more than the {total} bytes "
+                                         rf"\([\d.]+ GiB\) of {memory}"):
+        ot.wrap_model(_model(), budget_gb=1e6, device=device)
+
+
+def test_a_budget_within_the_devices_memory_warns_nothing(device):
+    assert not _offtensor_warnings(lambda: ot.wrap_model(_model(), budget_gb=0.5, device=device))
+
+
+# ---------------------------------------------------------------------------- expanded parameters
+
+
+def _expanded(seed=0):
+    # 64 distinct float32 values (256 B) seen as 64 x 64 (16 KiB) with stride (0, 1).
+    return torch.randn(1, 64, generator=torch.Generator().manual_seed(seed)).expand(64, 64)
+
+
+class WithExpanded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = nn.Parameter(_expanded(), requires_grad=False)
+        self.d = nn.Parameter(torch.randn(64, 64, generator=torch.Generator().manual_seed(1)), requires_grad=False)
+
+    def forward(self, x):
+        return (x @ self.e) @ self.d.t() + x @ self.e.t()
+
+
+def test_a_wrapped_expanded_parameter_takes_its_256_bytes_offloaded_and_is_counted_so(device):
+    reference, model = WithExpanded(), WithExpanded()  # (a deepcopy would clone e into 16 KiB)
+    ot.wrap_model(model, budget_gb=40_000 / GiB, device=device, policy={"offload": ["e"]})
+    assert isinstance(model.e, OffloadedTensor) and isinstance(model.e, nn.Parameter)
+    assert model.e.host_nbytes == 256 and model.e.stride() == (0, 1) and model.e._host.stride() == (0, 1)
+    assert torch.equal(model.e.cpu(), reference.e.detach())
+    stats = ot.stats(model)
+    assert stats.offloaded_bytes == 256
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    ot.reset_stats(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x.to(device)).cpu(), reference(x), rtol=0, atol=0)
+    assert ot.stats(model).bytes_h2d <= 2 * 256  # each page of e moves its 256 bytes, not 16 KiB
+
+
+def test_placement_counts_an_expanded_parameter_by_the_bytes_it_takes(device):
+    # 16 KiB dense + 256 B expanded fit a 17,000-byte budget; counted as 16 KiB, e would not.
+    model = WithExpanded()
+    ot.wrap_model(model, budget_gb=17_000 / GiB, device=device)
+    assert not any(isinstance(p, OffloadedTensor) for p in model.parameters())
+    assert model.e.stride() == (0, 1)
+    assert ot.stats(model).resident_bytes == 64 * 64 * 4 + 256
+
+
+def test_an_expanded_parameter_assigned_after_wrapping_is_offloaded_in_256_bytes(device):
+    model = nn.Module()
+    model.d = nn.Parameter(torch.randn(64, 64), requires_grad=False)
+    ot.wrap_model(model, budget_gb=17_000 / GiB, device=device, policy=lambda name: "offload" if name == "e" else None)
+    values = _expanded(3)
+    model.e = nn.Parameter(values, requires_grad=False)  # paging room reserved for 256 B, not 16 KiB
+    assert isinstance(model.e, OffloadedTensor) and model.e.host_nbytes == 256 and model.e.stride() == (0, 1)
+    assert torch.equal(model.e.cpu(), values)

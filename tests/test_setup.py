@@ -1,0 +1,116 @@
+"""Set-up on any fresh machine (issue 16): every test and demo package pinned exactly, installed only
+when missing or too old; optional packages (matplotlib, tqdm) degrade to a warning and a skipped
+PNG or progress bar, never a failure."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import offtensor as ot
+from offtensor import _optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("deps", os.path.join(ROOT, "scripts", "deps.py"))
+deps = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(deps)
+
+
+def test_every_package_in_the_lock_is_pinned_exactly_and_each_floor_is_below_its_pin():
+    pins = deps.read_lock()
+    names = [name.lower() for name, *_ in pins]
+    assert len(names) == len(set(names)), "a package is pinned twice"
+    direct = {name: (pin, floor) for name, pin, floor, _ in pins if floor is not None}
+    assert {"transformers", "accelerate", "safetensors", "numpy", "hypothesis", "pytest", "expecttest",
+            "tqdm", "matplotlib"} <= set(direct)
+    assert "torch" not in names  # kept when present, torch==2.13.0 otherwise (scripts/setup.sh)
+    for name, (pin, floor) in direct.items():
+        assert deps.version_key(floor) <= deps.version_key(pin), name
+
+
+def test_a_lock_line_that_is_not_an_exact_pin_is_refused(tmp_path):
+    lock = tmp_path / "lock.txt"
+    lock.write_text("transformers>=5.17  # direct, floor 5.17\n")
+    with pytest.raises(SystemExit, match=r"lock.txt:1: not an exact pin"):
+        deps.read_lock(str(lock))
+
+
+def test_only_packages_missing_or_older_than_their_floor_are_installed(monkeypatch):
+    pins = [("transformers", "5.24.0", "5.17", False), ("numpy", "2.4.6", "1.26", False),
+            ("tqdm", "4.70.1", "4.60", True), ("regex", "2026.11.19", None, False)]
+    installed = {"transformers": "5.17.0", "numpy": "1.25.2", "regex": None}
+    monkeypatch.setattr(deps, "installed", lambda name: installed.get(name))
+    # 5.17 is accepted as it is (the GPU machine's), numpy 1.25 is too old, tqdm is missing, and a
+    # dependency-only pin (regex) is never installed on its own.
+    assert deps.missing(pins) == ["numpy==2.4.6", "tqdm==4.70.1"]
+    assert deps.missing(pins, "required") == ["numpy==2.4.6"]
+    assert deps.missing(pins, "optional") == ["tqdm==4.70.1"]
+    assert deps.version_key("2.13.0+cpu") == (2, 13, 0) and deps.version_key("5.24.0rc1") == (5, 24, 0)
+
+
+def test_this_environment_holds_every_required_package_at_or_above_its_floor():
+    assert deps.missing(deps.read_lock(), "required") == []
+
+
+@pytest.fixture
+def without(monkeypatch):
+    """Makes ``import name`` fail for the given top-level packages, as on a machine without them."""
+    def hide(*packages):
+        for name in list(sys.modules):
+            if name.partition(".")[0] in packages:
+                monkeypatch.delitem(sys.modules, name)
+        for package in packages:
+            monkeypatch.setitem(sys.modules, package, None)  # import raises ImportError
+        monkeypatch.setattr(_optional, "_warned", set())
+    return hide
+
+
+def test_without_matplotlib_a_plot_is_skipped_with_one_warning_and_the_trace_still_saved(without, tmp_path):
+    without("matplotlib")
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+    tl = ot.plan(model, budget_gb=300_000 / (1 << 30), example_inputs=(torch.empty(2, 256, device="meta"),), steps=2)
+    with pytest.warns(UserWarning, match="matplotlib is not installed, so PNG plots are skipped"):
+        assert tl.plot(str(tmp_path / "plan.png")) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        assert tl.plot(str(tmp_path / "again.png")) is None
+    assert not list(tmp_path.glob("*.png"))
+    assert os.path.getsize(tl.save(str(tmp_path / "trace.json"))) > 0
+    assert tl.replay("h200").step_ms > 0
+
+
+def test_plan_command_without_matplotlib_prints_its_table(tmp_path):
+    code = ("import sys, runpy; sys.modules['matplotlib'] = None; "
+            "sys.argv = ['offtensor', 'plan', '--layers', '4', '--hidden', '256', '--ffn', '512', '--steps', '2', "
+            f"'--png', {str(tmp_path / 'plan.png')!r}, '--trace', {str(tmp_path / 'plan.json')!r}]; "
+            "runpy.run_module('offtensor', run_name='__main__')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert "| decode |" in run.stdout and "skipped: no matplotlib" in run.stdout
+    assert "matplotlib is not installed" in run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan-decode.json", "plan-prefill.json"]
+
+
+def test_without_tqdm_a_load_warns_once_and_still_loads(without, tmp_path, device):
+    from safetensors.torch import save_file
+
+    without("tqdm")
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    save_file(reference.state_dict(), str(tmp_path / "model.safetensors"))
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    with pytest.warns(UserWarning, match="tqdm is not installed, so progress bars are skipped"):
+        ot.load_safetensors(model, str(tmp_path / "model.safetensors"), budget_gb=20_000 / (1 << 30), device=device,
+                            progress=True)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.equal(model(x.to(device)).cpu(), reference(x))
