@@ -183,7 +183,7 @@ def _expanded(t: torch.Tensor) -> bool:
 def _tensor_bytes(t: torch.Tensor) -> int:
     """The bytes ``t``'s values take: its covering storage range when expanded, else numel bytes."""
     if t.layout == torch.strided and not t.is_meta and t.numel() and _expanded(t):
-        lo, hi = _covering_range(t)
+        lo, hi = covering_range(t)
         return (hi - lo) * t.element_size()
     return t.numel() * t.element_size()
 
