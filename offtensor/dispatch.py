@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.utils._mode_utils import no_dispatch
 
 from . import compile as _compile
-from .pager import BudgetError, host_layout, pins_host_memory, upload_small
+from .pager import BudgetError, host_layout, page_layout, pins_host_memory, upload_small
 from .placement import TILE_ALIGN  # tiles are cut to multiples of the width placement plans room for
 from .tensor import TRACED_ALIVE, OffloadedTensor, check_offloadable, new_host_master, new_view, wrap_host
 
@@ -122,7 +122,7 @@ class _Paged:
             return _compile.page(host, master.id, pager.device)
         layout = own.get("_layout")
         if layout is None:
-            layout = own["_layout"] = host_layout(host)
+            layout = own["_layout"] = page_layout(host, master.id)
         view, entry = pager.page(host, master, t, private, layout)  # t's repr names it in a BudgetError
         if entry is not None:
             self.entries.append((pager, entry))
@@ -509,7 +509,7 @@ def _offloaded_bytes(values) -> tuple:
                 pager = pager or t._master.pager
                 layout = t.__dict__.get("_layout")  # memoized by _Paged.page: this runs per op
                 if layout is None:
-                    layout = t.__dict__["_layout"] = host_layout(t._host)
+                    layout = t.__dict__["_layout"] = page_layout(t._host, t._master.id)
                 need += (layout[1] - layout[0]) * t._host.element_size()  # _host: no __torch_function__
     return pager, need
 

@@ -30,8 +30,8 @@ _Tensor = torch.Tensor
 # table, installed by set_op_handlers. A module global: __torch_function__ reads it on every call.
 _FUNCTION_TABLE: dict = {}
 
-# OffloadedTensors alive whose host view is a tracing stand-in (torch.compile's fake tensors): while
-# there are any, dispatch looks for traced arguments; once the traces are gone, eager ops stop looking.
+# OffloadedTensors rebuilt for tracing (``__tensor_unflatten__`` with a fake host view) still alive:
+# only while there are any does dispatch ask whether a trace is running.
 TRACED_ALIVE = [0]
 
 
@@ -145,7 +145,11 @@ class OffloadedTensor(torch.Tensor):
         master = registered_master(master_id)
         if master is None:
             raise KeyError(master_id)
-        return OffloadedTensor(inner_tensors["_host"], master, requires_grad)
+        host = inner_tensors["_host"]
+        t = OffloadedTensor(host, master, requires_grad)
+        if type(host) is not _Tensor:  # a tracing stand-in: torch.compile, export or make_fx is tracing
+            _count_traced(t)
+        return t
 
     def __reduce_ex__(self, protocol):
         # Pickle the host view: torch.save then stores each host storage once, so tied tensors and
@@ -251,8 +255,6 @@ def _wrapper(cls, host: torch.Tensor, master: Master, requires_grad: bool = Fals
         device=master.pager.device,
         requires_grad=requires_grad,
     )
-    if type(host) is not _Tensor:
-        _count_traced(t)
     return t
 
 

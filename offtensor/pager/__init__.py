@@ -24,7 +24,9 @@ operations reach slots and lifetimes only as objects handed to them):
 """
 
 from .budget import GiB, Budget, BudgetError
-from .cache import CacheKey, CachedCopy, CacheView, LeastRecentlyUsed, cache_key, covering_range, host_layout
+from .cache import (
+    CacheKey, CachedCopy, CacheView, LeastRecentlyUsed, cache_key, covering_range, host_layout, page_layout,
+)
 from .device import pins_host_memory, resolve_device, strict_from_env, upload_small
 from .masters import Master, master_for, registered_master
 from .pager import Pager
@@ -32,6 +34,6 @@ from .stats import OffloadStats, format_bytes
 
 __all__ = [
     "GiB", "Budget", "BudgetError", "CacheKey", "CachedCopy", "CacheView", "LeastRecentlyUsed", "cache_key",
-    "covering_range", "host_layout", "pins_host_memory", "resolve_device", "strict_from_env", "upload_small",
+    "covering_range", "host_layout", "page_layout", "pins_host_memory", "resolve_device", "strict_from_env", "upload_small",
     "Master", "master_for", "registered_master", "Pager", "OffloadStats", "format_bytes",
 ]

@@ -50,6 +50,14 @@ def host_layout(host: torch.Tensor):
     return lo, hi, shape, stride, offset
 
 
+def page_layout(host: torch.Tensor, master_id: int):
+    """``host_layout(host)`` and the ``CacheKey`` of the range it covers: what ``Pager.page`` needs,
+    which the dispatch layer memoizes per OffloadedTensor (its master and metadata are fixed until
+    an in-place view or ``.data =`` drops the memo)."""
+    lo, hi, shape, stride, offset = host_layout(host)
+    return lo, hi, shape, stride, offset, _new_key(CacheKey, (master_id, host.dtype, lo, hi))
+
+
 def covering_range(host: torch.Tensor):
     """Elements [lo, hi) of the master storage that a (possibly strided) view touches."""
     return host_layout(host)[:2]

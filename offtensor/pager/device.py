@@ -91,6 +91,9 @@ def upload_small(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+_NOTHING_AFTER = (None, None)
+
+
 class EmulatedDevice:
     """The emulated device: copies on the extension's worker thread, tokens are its tickets.
 
@@ -141,9 +144,10 @@ class EmulatedDevice:
         """The stream the op being paged runs on: none here."""
         return None
 
-    def take_op_stream(self):
-        """The op's stream for ``release``, forgetting it for the next op."""
-        return None
+    def after_op(self, entries):
+        """For ``release``: (the op's stream, forgotten for the next op; the token after which the
+        op no longer reads ``entries``). Neither exists here: the op has run."""
+        return _NOTHING_AFTER
 
     # ------------------------------------------------------------------ memory
 
@@ -198,11 +202,6 @@ class EmulatedDevice:
         entry.ready = None
         if lifetimes:
             lifetimes.collect()  # a waited-for source need not outlive its op
-
-    def last_use(self, entries, stream):
-        """The token after which the op just enqueued no longer reads ``entries``: none needed
-        here, the op has run."""
-        return None
 
     def transient_free_after(self, entry):
         """The token after which a transient copy's slot is free for reuse."""
@@ -290,9 +289,10 @@ class CudaDevice(EmulatedDevice):
             self.stream = torch.cuda.current_stream(self.device)
         return self.stream
 
-    def take_op_stream(self):
+    def after_op(self, entries):
         stream, self.stream = self.stream, None
-        return stream or torch.cuda.current_stream(self.device)
+        stream = stream or torch.cuda.current_stream(self.device)
+        return stream, self.last_use(entries, stream)
 
     # ------------------------------------------------------------------ memory
 

@@ -19,14 +19,21 @@ import torch
 
 from . import device as _device
 from .budget import Budget
-from .cache import LRU, CachedCopy, CacheKey, DeviceCache, covering_range, host_layout
+from .cache import LRU, CachedCopy, CacheKey, DeviceCache, covering_range, page_layout
 from .lifetimes import HostLifetimes, storage_ptr
 from .masters import Master
 from .observers import Observers
 from .slots import SlotPool
 from .stats import OffloadStats
 
-_new_key = tuple.__new__  # cache_key() without its call: the cached page builds a key per op
+_new_key = tuple.__new__  # cache_key() without its call
+
+
+class _NoObservers:
+    paging = accessed = reading = ()
+
+
+_NO_OBSERVERS = _NoObservers()  # what the hot path loops over when no observer is set
 
 
 class Pager:
@@ -57,6 +64,7 @@ class Pager:
         self.pool = SlotPool(ops) if budget_bytes is not None else None
         self.lifetimes = HostLifetimes(ops)
         self.observers = Observers()
+        self._observed = False  # whether any observer is set: the hot path then skips every event
         self._policy = LRU
         self._experts = self._prefetcher = self._recorder = None
         # dispatch's host read of a grouped GEMM's routing offsets, shared by the calls of one MoE
@@ -89,7 +97,7 @@ class Pager:
     def experts(self, stacks) -> None:
         self._experts = stacks
         self._policy = LRU if stacks is None else stacks
-        self.observers.set("experts", stacks)
+        self._observe("experts", stacks)
 
     @property
     def prefetcher(self):
@@ -99,7 +107,7 @@ class Pager:
     @prefetcher.setter
     def prefetcher(self, prefetcher) -> None:
         self._prefetcher = prefetcher
-        self.observers.set("prefetcher", prefetcher)
+        self._observe("prefetcher", prefetcher)
 
     @property
     def recorder(self):
@@ -109,7 +117,11 @@ class Pager:
     @recorder.setter
     def recorder(self, recorder) -> None:
         self._recorder = recorder
-        self.observers.set("recorder", recorder)
+        self._observe("recorder", recorder)
+
+    def _observe(self, role: str, observer) -> None:
+        self.observers.set(role, observer)
+        self._observed = any(self.observers.get(r) is not None for r in ("experts", "prefetcher", "recorder"))
 
     # ------------------------------------------------------------------ accounting
 
@@ -174,18 +186,17 @@ class Pager:
         ``private=True`` (the op will write to it) the copy bypasses the cache. The caller must
         ``release`` the entry once its op is enqueued; until then the entry cannot be evicted.
         ``what`` describes the tensor in a ``BudgetError``: a string, or any object whose repr does
-        (formatted only for the error). ``layout`` is ``host_layout(host)`` if the caller has it
-        already (it memoizes it per tensor).
+        (formatted only for the error). ``layout`` is ``page_layout(host, master.id)`` if the caller
+        has it already (it memoizes it per tensor).
         """
         if host.numel() == 0:
             return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device), None
-        lo, hi, shape, stride, offset = layout or host_layout(host)
-        observers = self.observers
+        lo, hi, shape, stride, offset, key = layout or page_layout(host, master.id)
+        observers = self.observers if self._observed else _NO_OBSERVERS
         if private or self.budget_bytes is None:
             entry = self._transient(host.as_strided((hi - lo,), (1,), lo), (hi - lo) * host.element_size(), what)
             base = lo
         else:
-            key = _new_key(CacheKey, (master.id, host.dtype, lo, hi))
             for notify in observers.paging:  # before the lookup: eviction for this copy knows the layer
                 notify(master.id)
             entry = self._entries.get(key) or self.cache.find_containing(master.id, host.dtype, lo, hi)
@@ -285,10 +296,10 @@ class Pager:
         """The op that used ``entries`` has been enqueued: mark when the device is done with them
         (on a GPU, an event after the op when a cached copy was used: ``CudaDevice.last_use``)."""
         ops = self.device_ops
-        stream = ops.take_op_stream()
-        last_use = ops.last_use(entries, stream)
-        for notify in self.observers.released:  # timeline: the op just enqueued is their last reader
-            notify(entries)
+        stream, last_use = ops.after_op(entries)
+        if self._observed:
+            for notify in self.observers.released:  # timeline: the op just enqueued is their last reader
+                notify(entries)
         budget = self.budget
         for entry in entries:
             entry.users -= 1
