@@ -519,7 +519,7 @@ def _short_of_room(pager, need: int) -> bool:
     before every linear and mm, so it is O(1): it takes the copies of ops still running as none
     (true outside a handler that holds pages while it calls further ops; if it is wrong, the
     pager's BudgetError says so). The tile size itself is taken from ``free_bytes``."""
-    return pager is not None and pager.budget_bytes is not None and need > pager.budget_bytes - pager.resident_bytes
+    return pager is not None and pager.budget_bytes is not None and need > pager.budget_bytes - pager.budget.resident_bytes
 
 
 def _meta(t):
@@ -676,7 +676,7 @@ def _needs_tiling(big, rest) -> bool:
     pager = master.pager
     if pager.budget_bytes is None:
         return False
-    room = pager.budget_bytes - pager.resident_bytes
+    room = pager.budget_bytes - pager.budget.resident_bytes
     bound = master.nbytes  # covers every view of it
     for t in rest:
         if isinstance(t, OffloadedTensor):
@@ -784,7 +784,7 @@ def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: _Paged) -> torch
     # Scanning the cache for evictable bytes (free_bytes) only when the unclaimed room falls short.
     room = None
     if rows.numel() > 1 and pager.budget_bytes is not None:
-        if need > pager.budget_bytes - pager.resident_bytes - pager.paged_bytes:
+        if need > pager.budget_bytes - pager.budget.resident_bytes - pager.budget.paged_bytes:
             room = pager.free_bytes()
     if room is not None and need > room:
         per_chunk = max(1, room // max(row_bytes, 1))

@@ -65,7 +65,7 @@ class Prefetcher:
         if budget is None or not ahead_keys:
             return
         # Bytes in flight the budget can hold: what resident weights and this op's copy leave.
-        room = budget - pager.resident_bytes - key.nbytes
+        room = budget - pager.budget.resident_bytes - key.nbytes
         ahead = 0
         start = self._next_stable[position]
         limit = min(len(ahead_keys), MAX_WALK if self.max_entries is None else self.max_entries)

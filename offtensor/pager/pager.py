@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import weakref
+from operator import attrgetter as _attrgetter
 from typing import Optional
 
 import torch
@@ -64,9 +65,9 @@ class Pager:
         self.pool = SlotPool(ops) if budget_bytes is not None else None
         self.lifetimes = HostLifetimes(ops)
         self.observers = Observers()
-        self._observed = False  # whether any observer is set: the hot path then skips every event
-        self._policy = LRU
-        self._experts = self._prefetcher = self._recorder = None
+        self._observed = False  # whether any observer is set: the hot path skips every event otherwise
+        self._policy = LRU  # the eviction policy: LRU, or the expert cache's order
+        self.experts = self.prefetcher = self.recorder = None
         # dispatch's host read of a grouped GEMM's routing offsets, shared by the calls of one MoE
         # layer that pass the same unchanged offsets: (weakref to offs, its version, its values).
         self.routing_read = (None, -1, None)
@@ -87,55 +88,28 @@ class Pager:
     def new_master(self, nbytes: int) -> Master:
         return Master(self, nbytes)
 
-    @property
-    def experts(self):
-        """``experts.ExpertStacks`` when the model has offloaded stacked experts (``experts.attach``):
-        per-stack counters, the frequency-aware eviction policy, routing speculation."""
-        return self._experts
+    # ``experts`` (``experts.ExpertStacks`` when the model has offloaded stacked experts: per-stack
+    # counters, the frequency-aware eviction policy, routing speculation), ``prefetcher``
+    # (``prefetch.Prefetcher``, set by wrap_model when ``prefetch=True``) and ``recorder``
+    # (``timeline.Recorder`` while ``ot.timeline`` / ``ot.plan`` records) are plain attributes,
+    # read on every op; setting one updates the observers (and, for experts, the eviction policy).
+    _ROLES = frozenset(("experts", "prefetcher", "recorder"))
 
-    @experts.setter
-    def experts(self, stacks) -> None:
-        self._experts = stacks
-        self._policy = LRU if stacks is None else stacks
-        self._observe("experts", stacks)
-
-    @property
-    def prefetcher(self):
-        """``prefetch.Prefetcher``, set by wrap_model when ``prefetch=True``."""
-        return self._prefetcher
-
-    @prefetcher.setter
-    def prefetcher(self, prefetcher) -> None:
-        self._prefetcher = prefetcher
-        self._observe("prefetcher", prefetcher)
-
-    @property
-    def recorder(self):
-        """``timeline.Recorder`` while ``ot.timeline`` / ``ot.plan`` records."""
-        return self._recorder
-
-    @recorder.setter
-    def recorder(self, recorder) -> None:
-        self._recorder = recorder
-        self._observe("recorder", recorder)
-
-    def _observe(self, role: str, observer) -> None:
-        self.observers.set(role, observer)
-        self._observed = any(self.observers.get(r) is not None for r in ("experts", "prefetcher", "recorder"))
+    def __setattr__(self, name, value) -> None:
+        object.__setattr__(self, name, value)
+        if name in Pager._ROLES:
+            if name == "experts":
+                object.__setattr__(self, "_policy", LRU if value is None else value)
+            self.observers.set(name, value)
+            object.__setattr__(self, "_observed", any(self.observers.get(r) is not None for r in Pager._ROLES))
 
     # ------------------------------------------------------------------ accounting
 
-    @property
-    def resident_bytes(self) -> int:
-        return self.budget.resident_bytes
-
-    @property
-    def paged_bytes(self) -> int:
-        return self.budget.paged_bytes
-
-    @property
-    def offloaded_bytes(self) -> int:
-        return self.budget.offloaded_bytes
+    # The budget's counts, read-only here: the placing layer changes resident bytes through
+    # ``pager.budget.recount_resident`` / ``hold_resident``.
+    resident_bytes = property(_attrgetter("budget.resident_bytes"))
+    paged_bytes = property(_attrgetter("budget.paged_bytes"))
+    offloaded_bytes = property(_attrgetter("budget.offloaded_bytes"))
 
     def free_bytes(self) -> Optional[int]:
         """Bytes an op could page right now, evicting every cached copy no op is using; None
@@ -163,16 +137,16 @@ class Pager:
         figures = self.device_ops.memory_figures()
         if figures is not None:  # the real figures beside the logical ones
             s.max_memory_allocated, s.max_memory_reserved = figures
-        if self._experts is not None:
-            s.experts = self._experts.report()
-            if self._experts.speculator is not None:
-                s.guesses = self._experts.speculator.report()
+        if self.experts is not None:
+            s.experts = self.experts.report()
+            if self.experts.speculator is not None:
+                s.guesses = self.experts.speculator.report()
         return s
 
     def reset_stats(self) -> None:
         self.stats = self.budget.stats = OffloadStats()
-        if self._experts is not None:
-            self._experts.reset()
+        if self.experts is not None:
+            self.experts.reset()
         if self.pool is not None:
             self.pool.peak_bytes = self.pool.live_bytes + self.pool.idle_bytes
         self.budget.note_peak()
