@@ -161,12 +161,9 @@ class _AssumedSpeculation:
                 continue  # kept resident by placement
             pager = w._master.pager
             stack = pager.experts.by_master[w._master.id]
-            pager.experts._ahead_of_use = True
-            try:
+            with pager.experts.in_spare_room_only():  # guesses take only room no op of the step needs
                 for expert in guess:
                     pager.prefetch(w._master, *stack.key_of(expert)[1:])
-            finally:
-                pager.experts._ahead_of_use = False
 
 
 def _zipf_routes(layers, experts, top_k, steps, s, seed):
@@ -360,7 +357,7 @@ class _Counter:
         model.register_forward_hook(self._after)
 
     def _before(self, module, args):
-        self._cached = set(self.pager._cache)
+        self._cached = set(self.pager.cache.entries)
 
     def _after(self, module, args, out):
         routed = self.pager.experts.routed_keys() if self.pager.experts is not None else {}

@@ -7,7 +7,10 @@ run on plain PyTorch, only slower. The rest of offtensor uses only the names bel
 
 - ``NATIVE``, ``CUDA_COMPILED``, ``cuda_device_count()``
 - ``alloc_host(nbytes, pin=..., touch=...)``, ``pin_host(tensor)`` and ``live_host_bytes()``
-- ``CopyEngine``: ``submit``, ``query``, ``wait``, ``stream_wait``
+- ``CopyEngine``: ``submit``, ``query``, ``wait``, ``stream_wait``. The pager's device layer
+  (``pager/device.py``) uses it as the emulated device's worker thread; copies on a GPU side stream,
+  the pager's and the loader's, are that layer's own (torch streams and events), so its CUDA path
+  serves only the extension's tests and tools
 - ``StrictCopyEngine`` (same interface): the strict emulated device, ``strict_failures()``
 """
 

@@ -31,7 +31,8 @@ from typing import Optional
 
 import torch
 
-from .pager import _covering_range
+from .pager import registered_master
+from .tensor import OffloadedTensor
 
 # The extension's namespace: these ops sit beside offtensor::alloc_host and copy_async.
 _LIB_NS = "offtensor"
@@ -65,14 +66,7 @@ def page(host: torch.Tensor, master_id: int, device: torch.device) -> torch.Tens
         # so the graph copies from the master itself into memory it owns (the static slot of this
         # weight). Pinned memory keeps a fixed address and the copy reads whatever the master
         # holds at replay time.
-        if pager.device.type == "cuda" and not host.is_pinned():
-            raise RuntimeError(
-                f"offtensor: cannot capture a CUDA graph that pages a {tuple(host.shape)} {host.dtype} weight from "
-                f"pageable host memory; offload it with the default (pinned) allocation"
-            )
-        out.copy_(host, non_blocking=True)
-        lo, hi = _covering_range(host)
-        pager.stats.bytes_h2d += (hi - lo) * host.element_size()
+        pager.copy_into_graph(out, host)
         return out
     view, entry = pager.page(host, master, "a compiled graph's weight")
     try:
@@ -87,9 +81,7 @@ def page(host: torch.Tensor, master_id: int, device: torch.device) -> torch.Tens
 
 def _live_master(master_id: int, host: torch.Tensor):
     """The master a graph traced ``host`` with, or a clear error when it has since been freed."""
-    from .tensor import _MASTERS_BY_ID
-
-    master = _MASTERS_BY_ID.get(master_id)
+    master = registered_master(master_id)
     if master is None or master.pager is None:
         raise RuntimeError(
             f"offtensor: a compiled graph reads host master {master_id} ({tuple(host.shape)}, {host.dtype}), which no "
@@ -101,7 +93,7 @@ def _live_master(master_id: int, host: torch.Tensor):
 def capturing(pager) -> bool:
     """Whether the op is being recorded into a CUDA graph on ``pager``'s device (tests set it on the
     emulated device to run the capture path)."""
-    return pager.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return pager.capturing()
 
 
 def _refuse_under_capture(pager, what: str, host: torch.Tensor, name=None) -> None:
@@ -132,8 +124,6 @@ aten = torch.ops.aten
 
 
 def _offloaded(host: torch.Tensor, master_id: int, what: str):
-    from .tensor import OffloadedTensor
-
     master = _live_master(master_id, host)
     # Routed experts and embedding rows under CUDA graph capture: excluded, with this error.
     _refuse_under_capture(master.pager, what, host, master.name)
@@ -246,8 +236,6 @@ def traced_index_op(func, args, kwargs):
 
     The ops have no autograd formula: when an argument needs a gradient (training through a
     compiled MoE), the op runs eagerly instead, where autograd sees the eager handler's ops."""
-    from .tensor import OffloadedTensor
-
     entry = _TRACED_INDEX_OPS.get(func)
     if entry is None:
         return None
@@ -272,9 +260,6 @@ def traced_index_op(func, args, kwargs):
 # so the graph gets the op's result without first copying each paged weight into memory of its own.
 
 _OPS_BY_NAME: dict = {}
-# Set when an OffloadedTensor is first flattened for tracing, so that eager dispatch only looks for
-# traced arguments once a compile has happened in this process.
-tracing_seen = False
 
 
 def _op_named(name: str):
@@ -298,10 +283,8 @@ def compute(op: str, device: torch.device, tensors: list[Optional[torch.Tensor]]
 
 
 def _capturing_any(master_ids) -> bool:
-    from .tensor import _MASTERS_BY_ID
-
     for m in master_ids:
-        master = _MASTERS_BY_ID.get(m) if m >= 0 else None
+        master = registered_master(m) if m >= 0 else None
         if master is not None and master.pager is not None and capturing(master.pager):
             return True
     return False
@@ -316,8 +299,6 @@ def _compute_fake(op, device, tensors, master_ids):
 def traced_compute(func, args, kwargs):
     """The graph's opaque op for a compute op on traced OffloadedTensors, or None when its arguments
     are not all tensors (the caller then pages each argument through ``page``)."""
-    from .tensor import OffloadedTensor
-
     if kwargs or len(func._schema.returns) != 1 or str(func._schema.returns[0].type) != "Tensor":
         return None
     device = None
@@ -382,8 +363,6 @@ def keep_dynamo_out_of_dispatch() -> None:
     if _dispatch_frames_skipped:
         return
     _dispatch_frames_skipped = True
-    from .tensor import OffloadedTensor
-
     methods = ("__torch_dispatch__", "__torch_function__")
     try:
         from torch._dynamo.eval_frame import set_code_exec_strategy

@@ -26,9 +26,8 @@ import torch.nn.functional as F
 from torch.utils._mode_utils import no_dispatch
 
 from . import compile as _compile
-from .pager import BudgetError, host_layout
-from .placement import TILE_ALIGN  # tiles are cut to multiples of the width placement plans room for
-from .tensor import OffloadedTensor, _check_offloadable, _wrap_host, new_host_master, new_view
+from .pager import BudgetError, host_layout, page_layout, pins_host_memory, upload_small
+from .tensor import TRACED_ALIVE, OffloadedTensor, check_offloadable, new_host_master, new_view, wrap_host
 
 aten = torch.ops.aten
 _functionalize_unsafe_set = torch._functionalize_unsafe_set
@@ -66,11 +65,23 @@ def torch_dispatch(func, types, args, kwargs):
         if traced is not None:
             return traced
         _compile.graph_break(f"{func} on an OffloadedTensor")
-    if handler in _COMPUTE_HANDLERS and _compile.tracing_seen and _traced(args, kwargs):
+    if handler in _COMPUTE_HANDLERS and TRACED_ALIVE[0] and _tracing() and _traced(args, kwargs):
         traced = _compile.traced_compute(func, args, kwargs)
         if traced is not None:
             return traced
     return handler(func, types, args, kwargs or {})
+
+
+_get_dispatch_mode = torch._C._get_dispatch_mode
+_FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE
+
+
+def _tracing() -> bool:
+    """Whether a trace is running now: torch.compile, export and make_fx run ops on fake tensors
+    under a FakeTensorMode. Asked only while traced OffloadedTensors are alive (a compiled model's
+    guards keep its traced weights), so eager ops in a process that once compiled do not scan their
+    arguments for traced ones."""
+    return _get_dispatch_mode(_FAKE_MODE) is not None
 
 
 def _traced(args, kwargs) -> bool:
@@ -110,7 +121,7 @@ class _Paged:
             return _compile.page(host, master.id, pager.device)
         layout = own.get("_layout")
         if layout is None:
-            layout = own["_layout"] = host_layout(host)
+            layout = own["_layout"] = page_layout(host, master.id)
         view, entry = pager.page(host, master, t, private, layout)  # t's repr names it in a BudgetError
         if entry is not None:
             self.entries.append((pager, entry))
@@ -182,7 +193,7 @@ def _write_back(t: OffloadedTensor, values: torch.Tensor) -> None:
     pager.before_write(t._master)
     with no_dispatch():
         t._host.copy_(values)
-    pager.stats.bytes_d2h += t._host.numel() * t._host.element_size()
+    pager.count_write_back(t._host.numel() * t._host.element_size())
 
 
 # ---------------------------------------------------------------------------- handlers by kind
@@ -359,7 +370,7 @@ def _copy_(func, types, args, kwargs):
         # page-in (on the copy stream) read the master's old bytes.
         dst._host.copy_(source)
     if source.device.type != "cpu":
-        pager.stats.bytes_d2h += dst._host.numel() * dst._host.element_size()
+        pager.count_write_back(dst._host.numel() * dst._host.element_size())
     return dst
 
 
@@ -380,7 +391,7 @@ def _index_put_(func, types, args, kwargs):
     with no_dispatch():
         self._host.index_put_(indices, values, *args[3:], **kwargs)
     if args[2].device.type != "cpu":
-        pager.stats.bytes_d2h += values.numel() * values.element_size()
+        pager.count_write_back(values.numel() * values.element_size())
     return self
 
 
@@ -392,7 +403,7 @@ def _clone(func, types, args, kwargs):
     if memory_format not in (None, torch.preserve_format):
         host = host.contiguous(memory_format=memory_format)
     pager = self._master.pager
-    return _wrap_host(new_host_master(host, pin=pager.device.type == "cuda"), pager)
+    return wrap_host(new_host_master(host, pin=pins_host_memory(pager.device)), pager)
 
 
 @implements(aten._to_copy.default)
@@ -497,7 +508,7 @@ def _offloaded_bytes(values) -> tuple:
                 pager = pager or t._master.pager
                 layout = t.__dict__.get("_layout")  # memoized by _Paged.page: this runs per op
                 if layout is None:
-                    layout = t.__dict__["_layout"] = host_layout(t._host)
+                    layout = t.__dict__["_layout"] = page_layout(t._host, t._master.id)
                 need += (layout[1] - layout[0]) * t._host.element_size()  # _host: no __torch_function__
     return pager, need
 
@@ -507,7 +518,7 @@ def _short_of_room(pager, need: int) -> bool:
     before every linear and mm, so it is O(1): it takes the copies of ops still running as none
     (true outside a handler that holds pages while it calls further ops; if it is wrong, the
     pager's BudgetError says so). The tile size itself is taken from ``free_bytes``."""
-    return pager is not None and pager.budget_bytes is not None and need > pager.budget_bytes - pager.resident_bytes
+    return pager is not None and pager.budget_bytes is not None and need > pager.budget_bytes - pager.budget.resident_bytes
 
 
 def _meta(t):
@@ -595,6 +606,11 @@ def _in_pieces_when_short(func, handler):
 # narrower output: on CPU (MKL/oneDNN) that held for every tile at least TILE_ALIGN wide in
 # test_budget_and_tiling; tiles narrower than that (a budget with room for only a few rows) may
 # make BLAS pick a matrix-vector kernel, which differs in the last bits (tested to a tolerance).
+# Placement reserves room for tiles TILE_ALIGN wide (placement.tile_working_set), so a wrapped
+# model's tiles stay bit-identical; narrower ones are its fallback, with a warning.
+
+# Tiles are cut to multiples of this many outputs wide when the room allows (see _tiled).
+TILE_ALIGN = 16
 
 
 def _slice_bytes(t: OffloadedTensor, dim: int) -> int:
@@ -664,7 +680,7 @@ def _needs_tiling(big, rest) -> bool:
     pager = master.pager
     if pager.budget_bytes is None:
         return False
-    room = pager.budget_bytes - pager.resident_bytes
+    room = pager.budget_bytes - pager.budget.resident_bytes
     bound = master.nbytes  # covers every view of it
     for t in rest:
         if isinstance(t, OffloadedTensor):
@@ -772,7 +788,7 @@ def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: _Paged) -> torch
     # Scanning the cache for evictable bytes (free_bytes) only when the unclaimed room falls short.
     room = None
     if rows.numel() > 1 and pager.budget_bytes is not None:
-        if need > pager.budget_bytes - pager.resident_bytes - pager.paged_bytes:
+        if need > pager.budget_bytes - pager.budget.resident_bytes - pager.budget.paged_bytes:
             room = pager.free_bytes()
     if room is not None and need > room:
         per_chunk = max(1, room // max(row_bytes, 1))
@@ -797,13 +813,7 @@ def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: _Paged) -> torch
         return torch.stack(parts)
     if rows.numel() == 1 and (row_bytes >= CACHED_SLICE_BYTES or per_expert):
         return paged.page(OffloadedTensor(host[int(rows[0])], t._master)).unsqueeze(0)
-    if pager.device.type == "cuda":
-        # Gathered straight into pinned memory, so the upload is an asynchronous DMA (a pageable
-        # source would make it a blocking copy); the pager keeps the buffer until the copy is done.
-        gathered = torch.empty((rows.numel(),) + tuple(host.shape[1:]), dtype=host.dtype, pin_memory=True)
-        torch.index_select(host, 0, rows, out=gathered)
-    else:
-        gathered = host.index_select(0, rows)
+    gathered = pager.device_ops.gather_rows(host, rows)  # into pinned memory on a GPU: an async upload
     view, entry = pager.upload(gathered, _describe(t))
     paged.entries.append((pager, entry))
     return view
@@ -843,14 +853,6 @@ def _host_sync(pager=None) -> None:
         pager.recorder.host_sync()
 
 
-def _to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small CPU tensor on ``device`` without a host sync: a pinned staging copy and a
-    non-blocking upload (torch's pinned allocator keeps the staging block until the copy is done)."""
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def _unique_rows(index: torch.Tensor, size: int, pager=None):
     """Unique row ids (CPU, for the host) and every index's position among them (on index's device)."""
     if index.is_meta:
@@ -864,7 +866,7 @@ def _unique_rows(index: torch.Tensor, size: int, pager=None):
     rows, inverse = torch.unique(cpu, return_inverse=True)
     if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= size):
         raise IndexError(f"index {int(rows[-1]) if int(rows[-1]) >= size else int(rows[0])} is out of bounds for dimension 0 with size {size}")
-    return rows, _to_device_async(inverse.reshape(index.shape), index.device)
+    return rows, upload_small(inverse.reshape(index.shape), index.device)
 
 
 @implements(aten.embedding.default)
@@ -1005,14 +1007,11 @@ def _routed_groups(weight: OffloadedTensor, offs: torch.Tensor, rows: int):
     return groups, sizes, ends[-1] if ends else 0
 
 
-_last_offs = (None, -1, None)  # (weakref to offs, its version, its values on the host)
-
-
-def _group_ends(offs: torch.Tensor, pager=None, rows: int = 0) -> list:
+def _group_ends(offs: torch.Tensor, pager, rows: int = 0) -> list:
     """``offs`` on the host: one small device->host read (copying every expert would cost far more),
-    shared by the calls of one MoE layer that pass the same unchanged ``offs`` (gate_up, down)."""
-    global _last_offs
-    ref, version, ends = _last_offs
+    shared by the calls of one MoE layer that pass the same unchanged ``offs`` (gate_up, down): the
+    pager keeps the last read (``Pager.routing_read``)."""
+    ref, version, ends = pager.routing_read
     if ref is not None and ref() is offs and version == offs._version:
         return ends
     if offs.is_meta:
@@ -1020,7 +1019,7 @@ def _group_ends(offs: torch.Tensor, pager=None, rows: int = 0) -> list:
         ends = _planned_ends(offs.numel(), rows)
     else:
         ends = _read_to_host(offs, pager).tolist()
-    _last_offs = (weakref.ref(offs), offs._version, ends)
+    pager.routing_read = (weakref.ref(offs), offs._version, ends)
     return ends
 
 
@@ -1163,9 +1162,9 @@ def _set_data(args, kwargs):
     if not isinstance(self, OffloadedTensor) or not isinstance(value, torch.Tensor):
         return NotImplemented
     if not isinstance(value, OffloadedTensor):
-        _check_offloadable(value)
+        check_offloadable(value)
         pager = self._master.pager
-        value = _wrap_host(new_host_master(value, pin=pager.device.type == "cuda"), pager)
+        value = wrap_host(new_host_master(value, pin=pins_host_memory(pager.device)), pager)
     with torch._C.DisableTorchFunctionSubclass():
         torch.Tensor.data.__set__(self, value)  # the wrapper's sizes, strides and dtype
     self._host, self._master = value._host, value._master
@@ -1218,5 +1217,4 @@ _UNTRACEABLE = {
 }
 
 
-def materialize(t: OffloadedTensor) -> torch.Tensor:
-    return t._master.pager.copy_out(t._host)
+OffloadedTensor.set_op_handlers(torch_dispatch, _FUNCTION_TABLE)

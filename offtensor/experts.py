@@ -36,6 +36,7 @@ leading size of a registered stack) and their names (``gate``/``router``).
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import weakref
 from typing import Optional
@@ -43,6 +44,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .pager import cache_key
 
 # Per step an expert's use count decays by this factor: a frequency over roughly the last
 # 1 / (1 - DECAY) steps, so an expert hot a hundred tokens ago does not stay pinned forever.
@@ -124,7 +127,7 @@ class _Stack:
     def key_of(self, expert: int):
         step = self.expert_bytes // self.dtype.itemsize
         lo = self.base + expert * step
-        return (self.master_id, self.dtype, lo, lo + step)
+        return cache_key(self.master_id, self.dtype, lo, lo + step)
 
     def report(self) -> dict:
         looked_up = self.hits + self.misses
@@ -138,7 +141,7 @@ class ExpertStacks:
     """The pager's view of routed experts: stacks by master, counters, use frequency, eviction choice."""
 
     __slots__ = ("by_master", "frequency", "speculator", "position", "_order", "_current", "_needed",
-                 "_ahead", "_copying_ahead", "_ahead_of_use", "_announced", "_expected", "_shares",
+                 "_issued_for_op", "_announcing", "_spare_room_only", "_announced", "_expected", "_shares",
                  "_stack_bytes", "_clock", "_last", "_coldest", "_scale", "_reuse", "_ahead_distance",
                  "__weakref__")
 
@@ -150,11 +153,11 @@ class ExpertStacks:
         self._order: list = []  # stack groups in first-access order, this pass
         self._current = None  # the stack group paged last
         self._needed = None  # keys the current op said it pages (announce), None if it did not say
-        self._ahead = set()  # keys announce copied ahead of their op: misses, though found on the device
-        self._copying_ahead = False
+        self._issued_for_op = set()  # keys announce copied ahead of their op: misses, though found on the device
+        self._announcing = False
         # Copying a guess ahead of its use: such a copy may only take a copy whose next use is
         # expected far away (ExpertStacks.victim).
-        self._ahead_of_use = False
+        self._spare_room_only = False
         self._stack_bytes = 0  # bytes of every registered stack
         self._announced = None  # the key set the last announce issued
         self._shares = {}  # expert -> its share of the current layer's tokens (announce), most routed = 1
@@ -194,8 +197,8 @@ class ExpertStacks:
         stack = self.by_master.get(key[0])
         if stack is None:
             return
-        if key in self._ahead:
-            self._ahead.discard(key)
+        if key in self._issued_for_op:
+            self._issued_for_op.discard(key)
             hit = False  # copied for this op by announce: a miss the op did not wait for in line
         if hit:
             stack.hits += 1
@@ -238,8 +241,8 @@ class ExpertStacks:
             return  # the layer's second stack (down after gate_up): already issued
         self._needed = self._announced = needed
         # The layer's own experts are paged right after anyway: they take the victims in-line paging
-        # would (no _ahead_of_use restriction), only sooner.
-        self._copying_ahead = True
+        # would (no _spare_room_only restriction), only sooner.
+        self._announcing = True
         try:
             for s in group:
                 master = s.master_ref()
@@ -251,9 +254,9 @@ class ExpertStacks:
                         continue
                     if not pager.prefetch(master, *key[1:]):
                         break  # the budget holds no more at once: the rest is paged in line
-                    self._ahead.add(key)
+                    self._issued_for_op.add(key)
         finally:
-            self._copying_ahead = False
+            self._announcing = False
         if self.speculator is not None:
             self.speculator.issue_ready()
 
@@ -289,7 +292,7 @@ class ExpertStacks:
         stack = self.by_master.get(key[0])
         if stack is not None:
             stack.bytes_h2d += nbytes
-            if prefetch and not self._copying_ahead:
+            if prefetch and not self._announcing:
                 stack.prefetched_bytes += nbytes
             self._push(key)
 
@@ -310,7 +313,7 @@ class ExpertStacks:
             heap[:] = [r for r in heap if last.get(r[2]) == r[1]]
             heapq.heapify(heap)
 
-    def victim(self, cache, cached: dict, room: int, candidates):
+    def victim(self, view, room: int, candidates):
         """The evictable copy to drop: a non-expert copy if one comes first in LRU order (dense
         weights are re-paged once per step whatever happens), else the expert whose next use is
         expected furthest away (Belady's rule, with the future estimated).
@@ -327,9 +330,13 @@ class ExpertStacks:
         shared by need, not by equal parts, and a layer whose tokens reuse their experts keeps them.
 
         Experts the current op may still page and prefetched copies not yet used are kept while
-        anything else can go. A copy made ahead of its use by a guess (``_ahead_of_use``) takes
+        anything else can go. A copy made ahead of its use by a guess (``_spare_room_only``) takes
         only a copy whose expected next use is at least ``_ahead_distance`` layers away: it returns
-        None rather than evict anything likelier to be read soon than the guess itself."""
+        None rather than evict anything likelier to be read soon than the guess itself.
+
+        The pager's eviction policy (``pager.cache``): ``view`` is its read-only view of the cached
+        copies, ``candidates`` the evictable ones, least recently used first."""
+        cache, cached = view.copies, view.by_master
         # Found through indexes rather than by comparing every cached copy: each stack's coldest
         # evictable copies come off its heap (the distance is the stack's), so a call costs a look
         # or two per stack with cached copies, not one per copy.
@@ -357,9 +364,19 @@ class ExpertStacks:
             # Only copies to keep are left (prefetched, or the current layer's own): the scan
             # below ranks them, or refuses for a copy made ahead of its use.
             return self._victim_scan(candidates, cached, room)
-        if self._ahead_of_use and best_score[0] < self._ahead_limit(count):
+        if self._spare_room_only and best_score[0] < self._ahead_limit(count):
             return None
         return best
+
+    @contextlib.contextmanager
+    def in_spare_room_only(self):
+        """Copies issued inside (guesses) are ahead of their use: they take only room whose next use
+        is expected far away (see ``victim``)."""
+        self._spare_room_only = True
+        try:
+            yield
+        finally:
+            self._spare_room_only = False
 
     def _plain_victim(self, cached: dict):
         """The least recently used evictable copy that is not an expert, if any."""
@@ -471,7 +488,7 @@ class ExpertStacks:
                 score = (0 if keep else 1, self._next_use(entry.key, stack, distance, count, recent))
             if best is None or score > best_score:
                 best, best_score = entry, score
-        if self._ahead_of_use and best is not None and (best_score[0] == 0 or best_score[1] < self._ahead_limit(count)):
+        if self._spare_room_only and best is not None and (best_score[0] == 0 or best_score[1] < self._ahead_limit(count)):
             return None
         return best
 
@@ -499,7 +516,7 @@ class ExpertStacks:
         if self._order:
             self.position = {m: i for i, m in enumerate(self._order)}
         self._order, self._current, self._needed, self._announced = [], None, None, None
-        self._ahead = set()
+        self._issued_for_op = set()
         self._expected = {}
 
     def _measure_reuse(self) -> None:
@@ -741,8 +758,7 @@ class RoutingSpeculator:
         if pager is None:
             return
         worth = [e for e, b in router.guess.items() if e not in router.cached and router.pays(b)]
-        self._stacks._ahead_of_use = True
-        try:
+        with self._stacks.in_spare_room_only():
             for expert in worth[:SPECULATE_EXPERTS]:
                 for stack in router.stacks:
                     master = stack.master_ref()
@@ -756,8 +772,6 @@ class RoutingSpeculator:
                         nbytes = stack.expert_bytes
                         router.copied[expert] = router.copied.get(expert, 0) + nbytes
                         router.prefetched_bytes += nbytes
-        finally:
-            self._stacks._ahead_of_use = False
 
     def _score(self, router: _Router) -> None:
         """Close ``router``'s open guess against the experts its stacks actually paged."""

@@ -33,9 +33,10 @@ from . import _ext
 from . import placement
 from . import wrap
 from .config import OffloadConfig
-from .pager import Pager, format_bytes, resolve_device
+from .pager import Pager, format_bytes, master_for, pins_host_memory, resolve_device
+from .pager.device import for_device
 from .placement import StorageGroup
-from .tensor import OffloadedTensor, _master_for
+from .tensor import OffloadedTensor
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -663,7 +664,9 @@ class _Reader:
         self.staged = _stages_resident(device)
         self.fds: dict = {}
         self.jobs: list = []
-        self.engine = _ext.CopyEngine()
+        # Staged copies go through the pager's device layer, the one owner of copies on a side stream
+        # (pager/device.py says why): a copy, then a wait before the staging buffer is reused.
+        self.copies = for_device(device, strict=False)
         self.slots: Optional[queue.Queue] = None
         self.submit_lock = threading.Lock()
         self.pin_lock = threading.Lock()
@@ -715,7 +718,7 @@ class _Reader:
     def _add_staged(self, s: _FileTensor, target: torch.Tensor, what) -> None:
         if self.slots is None:
             self.slots = queue.Queue()
-            pin = self.device.type == "cuda"
+            pin = pins_host_memory(self.device)
             for _ in range(STAGING_SLOTS):
                 self.slots.put((_ext.alloc_host(CHUNK_BYTES, pin=pin), None))
         for lo in range(0, s.nbytes, CHUNK_BYTES):
@@ -727,12 +730,12 @@ class _Reader:
             buf, ticket = self.slots.get()
             try:
                 if ticket is not None:
-                    self.engine.wait(ticket)  # the slot's previous copy has left it
+                    self.copies.block(ticket)  # the slot's previous copy has left it
                     ticket = None
                 chunk = buf[: target.numel()]
                 _pread_into(self.fd(s.file), s.begin + lo, chunk, what)
                 with self.submit_lock:
-                    ticket = self.engine.submit(target, chunk)
+                    ticket = self.copies.load_copy(target, chunk)
             finally:
                 self.slots.put((buf, ticket))
             self.progress.update(target.numel())
@@ -779,7 +782,7 @@ class _Reader:
         held = [self.slots.get() for _ in range(STAGING_SLOTS)]
         for buf, ticket in held:
             if ticket is not None:
-                self.engine.wait(ticket)
+                self.copies.block(ticket)
         for buf, _ in held:
             self.slots.put((buf, None))
 
@@ -845,7 +848,7 @@ def _read(groups, chosen: dict, placed: placement.ModelPlacement, pager: Pager, 
     """Read every chosen piece into a new destination; id(member) -> its destination tensor, for
     every member of the groups read (aliases read under another name included)."""
     device = pager.device
-    pin_late = device.type == "cuda" and _ext.can_pin_after_fill()
+    pin_late = pins_host_memory(device) and _ext.can_pin_after_fill()
     targets = {}
     for group in groups:
         if not any(id(m) in chosen for m in group):
@@ -881,7 +884,7 @@ def _destinations(group: StorageGroup, pager: Optional[Pager], device: torch.dev
                    for m in group}
     raw = None
     if pager is not None:
-        pin_now = pager.device.type == "cuda" and not pin_late
+        pin_now = pins_host_memory(pager.device) and not pin_late
         raw = _ext.alloc_host(numel * first.element_size(), pin=pin_now, touch=False)
         flat = raw.view(first.dtype) if numel else torch.empty(0, dtype=first.dtype)
     elif device.type == "cpu":
@@ -891,7 +894,7 @@ def _destinations(group: StorageGroup, pager: Optional[Pager], device: torch.dev
     else:
         flat = torch.empty(numel, dtype=first.dtype, device=device)
     out = {}
-    master = _master_for(flat, pager) if pager is not None else None
+    master = master_for(flat, pager) if pager is not None else None
     if master is not None:
         master.name = next((n for m in group for n in m.names), None)
     for member in group:

@@ -30,16 +30,12 @@ import torch
 from torch import nn
 
 from .config import OffloadConfig, Policy
+from .dispatch import TILE_ALIGN  # the tile width dispatch cuts; room is planned for it
 from .pager import GiB, BudgetError, host_layout
+from .tensor import OffloadedTensor
 
 EXPERTS, ROWS, MLP, ATTENTION, OTHER, LAST = range(6)
 CLASS_NAMES = {EXPERTS: "routed experts", ROWS: "read by rows", MLP: "dense MLP", ATTENTION: "attention", OTHER: "other", LAST: "last"}
-
-# Output tiles at least this many slices wide (rows of a linear weight, columns of mm's operand,
-# output channels, bmm batches) are bit-identical to the whole op on CPU BLAS (MKL/oneDNN, see
-# test_budget_and_tiling); narrower ones may get a matrix-vector kernel that sums in another order.
-# Placement reserves room for tiles this wide, and dispatch cuts tiles to multiples of it.
-TILE_ALIGN = 16
 
 SMALL_BYTES = 1 << 16  # below this a tensor is "small": never worth a page-in per use
 # Stacked experts are never paged whole: ``_grouped_mm`` pages the routed experts one at a time,
@@ -302,10 +298,6 @@ def collect_groups(model: nn.Module) -> list:
 
 
 def _is_offloaded(t: torch.Tensor) -> bool:
-    # tensor.py is imported here, not at the top: dispatch.py reads TILE_ALIGN from this module and
-    # tensor.py imports dispatch.py, so a top-level import would close a circle.
-    from .tensor import OffloadedTensor
-
     return isinstance(t, OffloadedTensor)
 
 

@@ -40,8 +40,8 @@ class Prefetcher:
         self.max_entries = max_entries  # an optional cap on entries ahead; bytes are the bound
         self._order = []  # keys of the last complete pass, in access order
         self._index = {}  # key -> position in _order
-        self._ahead = []  # the stable keys of _order, in order: what the walk visits
-        self._next_ahead = []  # position in _order -> index in _ahead of the first stable key after it
+        self._stable_order = []  # the stable keys of _order, in order: what the walk visits
+        self._next_stable = []  # position in _order -> index in _stable_order of the first stable key after it
         self._stable = set()  # keys used often enough in recent passes to prefetch
         self._frequency = {}  # key -> moving average of "used in this pass"
         self._recording = []
@@ -50,7 +50,9 @@ class Prefetcher:
         self._marked = False  # passes are delimited by step() calls
 
     def accessed(self, pager, master, key) -> None:
-        if pager.experts is not None and pager.experts.is_stack(key[0]):
+        """``pager`` paged ``key`` (a ``pager.CacheKey``) of ``master`` for an op: record it and copy
+        the next entries of the recorded order ahead."""
+        if pager.experts is not None and pager.experts.is_stack(key.master_id):
             # Routed experts are the expert cache's and the routing guess's (experts.py): a hot
             # expert stays cached there, and one copied ahead from history alone is often wasted.
             return
@@ -58,23 +60,23 @@ class Prefetcher:
         position = self._index.get(key)
         if position is None:
             return
-        ahead_keys = self._ahead
+        ahead_keys = self._stable_order
         budget = pager.budget_bytes
         if budget is None or not ahead_keys:
             return
         # Bytes in flight the budget can hold: what resident weights and this op's copy leave.
-        room = budget - pager.resident_bytes - _key_bytes(key)
+        room = budget - pager.budget.resident_bytes - key.nbytes
         ahead = 0
-        start = self._next_ahead[position]
+        start = self._next_stable[position]
         limit = min(len(ahead_keys), MAX_WALK if self.max_entries is None else self.max_entries)
         for step in range(limit):
             nxt = ahead_keys[(start + step) % len(ahead_keys)]
             if nxt == key:
                 break  # round the whole cycle
-            ahead += _key_bytes(nxt)
+            ahead += nxt.nbytes
             if ahead > room:
                 break
-            ref = self._masters.get(nxt[0])
+            ref = self._masters.get(nxt.master_id)
             target = ref() if ref is not None else None
             if target is None or target.flat is None:
                 continue
@@ -95,14 +97,14 @@ class Prefetcher:
         self._stable = self._pass_done(self._recorded)
         self._order = self._recording
         self._index = {k: i for i, k in enumerate(self._order)}
-        self._ahead = [k for k in self._order if k in self._stable]
-        count, self._next_ahead = 0, []
+        self._stable_order = [k for k in self._order if k in self._stable]
+        count, self._next_stable = 0, []
         for k in self._order:
             count += k in self._stable
-            self._next_ahead.append(count)
+            self._next_stable.append(count)
         self._recording = []
         self._recorded = set()
-        live = {k[0] for k in self._order}
+        live = {k.master_id for k in self._order}
         self._masters = {i: r for i, r in self._masters.items() if i in live}
 
     def _record(self, master, key) -> None:
@@ -130,9 +132,3 @@ class Prefetcher:
             if value >= STABLE_FREQUENCY:
                 stable.add(key)
         return stable
-
-
-def _key_bytes(key) -> int:
-    """Bytes of a cache key (master id, dtype, lo, hi): elements [lo, hi) of ``dtype``."""
-    _, dtype, lo, hi = key
-    return (hi - lo) * dtype.itemsize

@@ -8,7 +8,8 @@ ops on ``_host``, writes to ``_host`` are visible through every alias, and the b
 needs is the range ``_host`` covers. ``_master`` names the allocation for the pager's cache.
 
 This module owns construction, metadata, flatten/unflatten and pickling; ``dispatch.py`` owns
-what ops do.
+what ops do and registers it on the class (``set_op_handlers``), so this module imports neither
+dispatch nor compile: the import graph runs dispatch -> compile -> tensor -> pager.
 """
 
 from __future__ import annotations
@@ -19,33 +20,38 @@ from copy import deepcopy as _deepcopy
 import torch
 
 from . import _ext
-from . import compile as _compile
-from .pager import Pager, _Master, resolve_device
+from .pager import Master, Pager, master_for, pins_host_memory, registered_master, resolve_device
 
 _is_compiling = torch.compiler.is_compiling
 _disabled_torch_function_impl = torch._C._disabled_torch_function_impl
+_Tensor = torch.Tensor
 
-# Host storage address -> master, so that tensors rebuilt from the same storage (unpickled aliases,
-# unflattened views) share one master and one set of cached copies.
-_MASTERS_BY_PTR: "weakref.WeakValueDictionary[int, _Master]" = weakref.WeakValueDictionary()
-_MASTERS_BY_ID: "weakref.WeakValueDictionary[int, _Master]" = weakref.WeakValueDictionary()
+# The whole ops that __torch_function__ intercepts (torch function -> handler(args, kwargs)): dispatch's
+# table, installed by set_op_handlers. A module global: __torch_function__ reads it on every call.
+_FUNCTION_TABLE: dict = {}
+
+# OffloadedTensors rebuilt for tracing (``__tensor_unflatten__`` with a fake host view) still alive:
+# only while there are any does dispatch ask whether a trace is running.
+TRACED_ALIVE = [0]
 
 
 class OffloadedTensor(torch.Tensor):
     """A ``torch.Tensor`` on ``device`` whose values live in host memory (see DESIGN.md)."""
 
     _host: torch.Tensor
-    _master: _Master
+    _master: Master
+    # What ops do (dispatch.torch_dispatch), set by dispatch.py: set_op_handlers.
+    _op_dispatch = None
 
     @staticmethod
-    def __new__(cls, host: torch.Tensor, master: _Master, requires_grad: bool = False):
+    def __new__(cls, host: torch.Tensor, master: Master, requires_grad: bool = False):
         return _wrapper(cls, host, master, requires_grad)
 
-    def __init__(self, host: torch.Tensor, master: _Master, requires_grad: bool = False):
+    def __init__(self, host: torch.Tensor, master: Master, requires_grad: bool = False):
         self._host = host
         self._master = master
 
-    # Only whole ops that save a dispatch are intercepted (dispatch.FUNCTION_TABLE); everything else
+    # Only whole ops that save a dispatch are intercepted (_FUNCTION_TABLE); everything else
     # goes straight to __torch_dispatch__ and results are never re-wrapped.
     # Every Python-level call on an OffloadedTensor runs this method, so it reads module globals
     # rather than attribute chains (torch.compiler.is_compiling is the same function object, which
@@ -66,7 +72,17 @@ class OffloadedTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch.torch_dispatch(func, types, args, kwargs)
+        return cls._op_dispatch(func, types, args, kwargs)
+
+    @staticmethod
+    def set_op_handlers(torch_dispatch, function_table: dict) -> None:
+        """Install what ops do: ``torch_dispatch(func, types, args, kwargs)`` for every aten op and
+        the whole functions ``__torch_function__`` intercepts. Called once, by dispatch.py."""
+        global _FUNCTION_TABLE
+        if OffloadedTensor._op_dispatch is not None:
+            raise RuntimeError("offtensor: OffloadedTensor's op handlers are already set")
+        OffloadedTensor._op_dispatch = staticmethod(torch_dispatch)
+        _FUNCTION_TABLE = function_table  # dispatch's own table: one dict, read here on every call
 
     # ------------------------------------------------------------------ public methods
 
@@ -81,7 +97,7 @@ class OffloadedTensor(torch.Tensor):
 
     def materialize(self) -> torch.Tensor:
         """A plain tensor on ``self.device`` with this tensor's values (a copy, never cached)."""
-        return _dispatch.materialize(self)
+        return self._master.pager.copy_out(self._host)
 
     def data_ptr(self) -> int:
         # On the emulated device the host master *is* the tensor's memory. On a GPU, pinned
@@ -121,16 +137,19 @@ class OffloadedTensor(torch.Tensor):
     # ------------------------------------------------------------------ flatten / pickling
 
     def __tensor_flatten__(self):
-        # Only tracing (torch.compile, export) flattens: from now on dispatch looks for traced
-        # arguments (compile.traced_compute).
-        _compile.tracing_seen = True
         return ["_host"], (self._master.id, self.requires_grad)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
         master_id, requires_grad = meta
-        master = _MASTERS_BY_ID[master_id]
-        return OffloadedTensor(inner_tensors["_host"], master, requires_grad)
+        master = registered_master(master_id)
+        if master is None:
+            raise KeyError(master_id)
+        host = inner_tensors["_host"]
+        t = OffloadedTensor(host, master, requires_grad)
+        if type(host) is not _Tensor:  # a tracing stand-in: torch.compile, export or make_fx is tracing
+            _count_traced(t)
+        return t
 
     def __reduce_ex__(self, protocol):
         # Pickle the host view: torch.save then stores each host storage once, so tied tensors and
@@ -151,7 +170,7 @@ class OffloadedTensor(torch.Tensor):
         master = self._master
         new_flat = memo.get(id(master))
         if new_flat is None:
-            new_flat = _ext.alloc_host(master.nbytes, pin=master.pager.device.type == "cuda")
+            new_flat = _ext.alloc_host(master.nbytes, pin=pins_host_memory(master.pager.device))
             with torch.no_grad():
                 new_flat.copy_(master.flat)
             memo[id(master)] = new_flat
@@ -160,7 +179,7 @@ class OffloadedTensor(torch.Tensor):
                 new_flat.untyped_storage(), self._host.storage_offset(), self.shape, self.stride()
             )
         # A deepcopy of a wrapped model charges its copies to the copy's own pager (wrap._StepHook).
-        copy = _wrap_host(host, memo.get(("offtensor.pager", id(master.pager))) or master.pager)
+        copy = wrap_host(host, memo.get(("offtensor.pager", id(master.pager))) or master.pager)
         copy._master.name = master.name
         if getattr(self, "_is_param", False):
             copy = torch.nn.Parameter(copy, requires_grad=self.requires_grad)
@@ -219,26 +238,15 @@ def user_attrs(t: torch.Tensor) -> dict:
     return {k: v for k, v in t.__dict__.items() if k not in _OWN_ATTRS}
 
 
-def _master_for(host: torch.Tensor, pager: Pager) -> _Master:
-    """The master of ``host``'s storage, creating (and registering) one if it has none yet."""
-    storage = host.untyped_storage()
-    ptr = storage.data_ptr()
-    master = _MASTERS_BY_PTR.get(ptr) if ptr else None
-    if master is None:
-        master = pager.new_master(storage.nbytes())
-        master.flat = torch.empty(0, dtype=torch.uint8).set_(storage)
-        if ptr:
-            _MASTERS_BY_PTR[ptr] = master
-        _MASTERS_BY_ID[master.id] = master
-    return master
+_master_for = master_for  # the name wrap.py and loading.py used before the registry moved to the pager
 
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 
 
-def _wrapper(cls, host: torch.Tensor, master: _Master, requires_grad: bool = False):
+def _wrapper(cls, host: torch.Tensor, master: Master, requires_grad: bool = False):
     """The wrapper tensor: ``host``'s metadata on the pager's device, no storage of its own."""
-    return _make_wrapper_subclass(
+    t = _make_wrapper_subclass(
         cls,
         host.shape,
         strides=host.stride(),
@@ -247,9 +255,24 @@ def _wrapper(cls, host: torch.Tensor, master: _Master, requires_grad: bool = Fal
         device=master.pager.device,
         requires_grad=requires_grad,
     )
+    return t
 
 
-def new_view(host: torch.Tensor, master: _Master) -> OffloadedTensor:
+def _count_traced(t: torch.Tensor) -> None:
+    TRACED_ALIVE[0] += 1
+    weakref.finalize(t, _traced_died)
+
+
+def _traced_died() -> None:
+    TRACED_ALIVE[0] -= 1
+
+
+def tracing_now() -> bool:
+    """Whether an OffloadedTensor traced by torch.compile (a fake host view) is alive."""
+    return TRACED_ALIVE[0] > 0
+
+
+def new_view(host: torch.Tensor, master: Master) -> OffloadedTensor:
     """``OffloadedTensor(host, master)`` without the Python ``__new__`` and ``__init__`` calls: view
     ops make one per call, and the two calls cost about 0.5 µs of a view op's 12."""
     t = _wrapper(OffloadedTensor, host, master)
@@ -259,8 +282,12 @@ def new_view(host: torch.Tensor, master: _Master) -> OffloadedTensor:
     return t
 
 
-def _wrap_host(host: torch.Tensor, pager: Pager, requires_grad: bool = False) -> OffloadedTensor:
-    return OffloadedTensor(host, _master_for(host, pager), requires_grad)
+def wrap_host(host: torch.Tensor, pager: Pager, requires_grad: bool = False) -> OffloadedTensor:
+    """An OffloadedTensor viewing ``host`` (host memory), of its storage's master."""
+    return OffloadedTensor(host, master_for(host, pager), requires_grad)
+
+
+_wrap_host = wrap_host
 
 
 def _dense_strides(t: torch.Tensor):
@@ -292,7 +319,8 @@ def new_host_master(t: torch.Tensor, pin: bool) -> torch.Tensor:
     return host
 
 
-def _check_offloadable(t, what: str = "tensor") -> None:
+def check_offloadable(t, what: str = "tensor") -> None:
+    """Raise a clear error when ``t`` cannot become an OffloadedTensor (meta, nested, sparse, a subclass)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"offtensor: can only offload a torch.Tensor, got {type(t).__name__}")
     if t.is_meta:
@@ -333,13 +361,13 @@ def offload(t: torch.Tensor, device=None, *, pager: Pager | None = None) -> Offl
             f"offtensor: tensor of shape {tuple(t.shape)} is already offloaded to {t.device}; "
             f"cannot offload it again to {target}"
         )
-    _check_offloadable(t)
+    check_offloadable(t)
     if pager is None:
         pager = Pager.default(resolve_device(device))
     elif device is not None and resolve_device(device) != pager.device:
         raise ValueError(f"offtensor: device {device} does not match the pager's device {pager.device}")
-    host = new_host_master(t, pin=pager.device.type == "cuda")
-    return _wrap_host(host, pager, requires_grad=t.requires_grad)
+    host = new_host_master(t, pin=pins_host_memory(pager.device))
+    return wrap_host(host, pager, requires_grad=t.requires_grad)
 
 
 def _rebuild_offloaded(host: torch.Tensor, device: str, requires_grad: bool, is_param: bool):
@@ -349,10 +377,13 @@ def _rebuild_offloaded(host: torch.Tensor, device: str, requires_grad: bool, is_
         # Saved on a GPU, loaded without one: the values are all in ``host``, so keep them and
         # emulate the device rather than refuse to load.
         target = resolve_device(None)
-    t = _wrap_host(host, Pager.default(target), requires_grad and not is_param)
+    t = wrap_host(host, Pager.default(target), requires_grad and not is_param)
     if is_param:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     return t
+
+
+_check_offloadable = check_offloadable  # the name wrap.py used
 
 
 # What torch.load(weights_only=True) must allow to rebuild a pickled OffloadedTensor. Importing
@@ -374,7 +405,3 @@ def add_safe_globals() -> None:
     """Allow ``torch.load(weights_only=True)`` to rebuild OffloadedTensors in this whole process
     (``torch.serialization.add_safe_globals``): the process-wide form of :func:`safe_globals`."""
     torch.serialization.add_safe_globals(list(SAFE_GLOBALS))
-
-from . import dispatch as _dispatch  # noqa: E402  (dispatch needs the class defined above)
-
-_FUNCTION_TABLE = _dispatch._FUNCTION_TABLE  # the whole ops that __torch_function__ intercepts

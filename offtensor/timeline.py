@@ -727,24 +727,9 @@ class timeline:
 # ---------------------------------------------------------------------------- planning on meta
 
 
-class _NoCopies:
-    """The meta device's copy engine: a meta tensor has no bytes, so a copy is done when submitted."""
-
-    def submit(self, dst, src):
-        return 0
-
-    def query(self, ticket):
-        return True
-
-    def wait(self, ticket):
-        return None
-
-
 def _meta_pager(budget_bytes: int):
-    pager = Pager(torch.device("meta"), budget_bytes, strict=False)
-    # The pager's device operations (waits, slot reuse, host lifetimes) ask this engine too.
-    pager._engine = pager._ops.engine = _NoCopies()
-    return pager
+    # On meta every copy is done when issued (pager/device.py: MetaDevice).
+    return Pager(torch.device("meta"), budget_bytes, strict=False)
 
 
 def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(), profile="h200", steps: int = 3, *,
@@ -813,7 +798,7 @@ def _offload_on_meta(placed: placement.ModelPlacement, pager) -> dict:
                 table = module._buffers if is_buffer else module._parameters
                 saved.setdefault((id(module), is_buffer, attr), (table, attr, t))
                 table[attr] = new
-    pager.resident_bytes = placed.choice.resident_bytes
+    pager.budget.recount_resident(placed.choice.resident_bytes)
     pager.reset_stats()
     return saved
 

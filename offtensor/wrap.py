@@ -34,7 +34,7 @@ from . import compile as _compile
 from . import experts
 from . import placement
 from .config import OffloadConfig
-from .pager import BudgetError, OffloadStats, Pager, host_layout, resolve_device
+from .pager import BudgetError, OffloadStats, Pager, covering_range, pins_host_memory, resolve_device
 from .placement import Member, ModelPlacement, StorageGroup
 from .prefetch import Prefetcher
 from .tensor import (
@@ -57,7 +57,7 @@ class _Placed:
         self.source = StorageWeakRef(source.untyped_storage())
         self.target = weakref.ref(target)
         self.dtype = source.dtype
-        self.lo, self.hi = host_layout(source)[:2]
+        self.lo, self.hi = covering_range(source)
         self.view = (tuple(source.shape), source.stride(), source.storage_offset())
         # target storage offset - source storage offset, the same for every element of [lo, hi)
         if isinstance(target, OffloadedTensor):
@@ -115,7 +115,7 @@ class _State:
         placed = self.placed.get(t.untyped_storage()._cdata)
         if placed is None or placed.dtype != t.dtype or not t.numel():
             return None
-        lo, hi = host_layout(t)[:2]
+        lo, hi = covering_range(t)
         if lo < placed.lo or hi > placed.hi:
             return None
         return placed
@@ -192,7 +192,7 @@ def _offload_group(group: StorageGroup, pager: Pager) -> None:
         _check_offloadable(member.tensor, f"'{member.names[0]}'")
     lo, hi = group.element_range()
     flat = first.detach().as_strided((hi - lo,), (1,), lo)
-    host_flat = new_host_master(flat, pin=pager.device.type == "cuda")
+    host_flat = new_host_master(flat, pin=pins_host_memory(pager.device))
     master = _master_for(host_flat, pager)
     master.name = next((n for m in group for n in m.names), None)
     for member in group:
@@ -205,8 +205,8 @@ def _make_resident(group: StorageGroup, device: torch.device) -> None:
     first = group[0].tensor
     if isinstance(first, OffloadedTensor):
         host_group = [(m, m.tensor._host) for m in group]
-        lo = min(host_layout(h)[0] for _, h in host_group)
-        hi = max(host_layout(h)[1] for _, h in host_group)
+        lo = min(covering_range(h)[0] for _, h in host_group)
+        hi = max(covering_range(h)[1] for _, h in host_group)
         flat = first._master.pager.copy_out(first._host.as_strided((hi - lo,), (1,), lo))
         for member, host in host_group:
             view = flat.as_strided(host.shape, host.stride(), host.storage_offset() - lo)
@@ -355,7 +355,7 @@ def _register(model: nn.Module, pager: Pager, choice: placement.Placement, confi
         for t in _tensors(model)
         if not isinstance(t, OffloadedTensor) and t.device == pager.device and not t.is_meta
     }
-    pager.resident_bytes = _resident_bytes(model, pager.device)
+    pager.budget.recount_resident(_resident_bytes(model, pager.device))
     pager.reset_stats()
     if config.prefetch and choice.offload:
         pager.prefetcher = Prefetcher()
@@ -397,7 +397,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     if state.step_hook is not None:
         state.step_hook.remove()
         state.step_hook = None
-    pager.resident_bytes = _resident_bytes(model, pager.device)
+    pager.budget.recount_resident(_resident_bytes(model, pager.device))
     return model
 
 
@@ -405,7 +405,7 @@ def stats(model: nn.Module) -> OffloadStats:
     state = _state(model)
     if state.experts_stale:
         state.refresh_experts()
-    state.pager.resident_bytes = _resident_bytes(model, state.pager.device)
+    state.pager.budget.recount_resident(_resident_bytes(model, state.pager.device))
     s = state.pager.snapshot()
     s.untracked_bytes = _untracked_bytes(model, state.pager.device)
     return s
@@ -498,15 +498,14 @@ def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buff
                 t.data = t.data.to(pager.device)
             state.remember(source, t)
         state.resident_ptrs.add(t.untyped_storage().data_ptr())
-        pager.resident_bytes = with_t
-        pager._note_peak()
+        pager.budget.hold_resident(with_t)
         return None
     _reserve_paging_room(state, full_name, t, resident)
     member.names.append(full_name)
     source = t.detach()
     _offload_group(StorageGroup([member]), pager)
     state.remember(source, member.tensor)
-    pager.resident_bytes = resident
+    pager.budget.recount_resident(resident)
     return member.tensor
 
 
@@ -662,7 +661,7 @@ def _after_load(module, incompatible_keys):
         return  # values were copied into the weights already placed (the usual load_state_dict)
     resident = _resident_bytes(model, pager.device)
     if all(t.device == pager.device for *_, t in plain) and resident + state.working_set_bytes <= pager.budget_bytes:
-        pager.resident_bytes = resident
+        pager.budget.recount_resident(resident)
         return
     # Tensors of this module not placed yet do not count as resident while their siblings are placed.
     pending = {(module, attr) for _, attr, _, _ in plain}
@@ -713,8 +712,7 @@ def _place_attribute(state: _State, module: nn.Module, name: str, t: torch.Tenso
     )
     shares_a_weight = _storage_bytes(t)[0] in _resident_storages_of(_tensors(model), pager.device)
     if keep or shares_a_weight or not _check_offloadable_quietly(t):
-        pager.resident_bytes = resident
-        pager._note_peak()
+        pager.budget.hold_resident(resident)
         return
     without_t = resident - _storage_bytes(t)[1]
     _reserve_paging_room(state, full_name, t, without_t, kind="the attribute ")
@@ -722,7 +720,7 @@ def _place_attribute(state: _State, module: nn.Module, name: str, t: torch.Tenso
     member.slots.append((module, name, None))
     member.names.append(full_name)
     _offload_group(StorageGroup([member]), pager)
-    pager.resident_bytes = _resident_bytes(model, pager.device)
+    pager.budget.recount_resident(_resident_bytes(model, pager.device))
 
 
 def _check_offloadable_quietly(t: torch.Tensor) -> bool:
@@ -809,7 +807,7 @@ def _released(state: _State, old: Optional[nn.Module] = None) -> None:
         for m in old.modules():
             if m not in live and _WRAPPED.get(m) is state:
                 _leave(m)
-    state.pager.resident_bytes = _resident_bytes(model, state.pager.device)
+    state.pager.budget.recount_resident(_resident_bytes(model, state.pager.device))
     if state.pager.experts is not None:
         state.experts_stale = True  # a registered stack may be what was deleted
 

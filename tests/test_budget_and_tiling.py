@@ -12,14 +12,14 @@ from torch import nn
 
 import offtensor as ot
 from offtensor.pager import BudgetError, Pager
-from offtensor.tensor import _wrap_host, new_host_master
+from offtensor.tensor import new_host_master, wrap_host
 from offtensor.wrap import is_wrapped
 
 GiB = 1 << 30
 
 
 def _offload_under(pager, t):
-    return _wrap_host(new_host_master(t, pin=False), pager)
+    return wrap_host(new_host_master(t, pin=False), pager)
 
 
 def _weight_bytes(model) -> int:

@@ -119,6 +119,20 @@ def test_compiled_function_of_offloaded_tensors_and_their_views(device):
     torch.testing.assert_close(torch.compile(f, backend="aot_eager")(x, ow, ob), expected)
 
 
+def test_eager_ops_after_a_compile_do_not_look_for_traced_arguments(device, monkeypatch):
+    from offtensor import dispatch as ot_dispatch
+
+    w = ot.offload(torch.randn(16, 8), device)
+    x = torch.randn(5, 8).to(device)
+    compiled = torch.compile(lambda x, w: (x @ w.t()).relu(), backend="aot_eager")
+    torch.testing.assert_close(compiled(x, w), (x @ w.t()).relu())  # the compiled graph is still alive
+    looked = []
+    real = ot_dispatch._traced
+    monkeypatch.setattr(ot_dispatch, "_traced", lambda args, kwargs: looked.append(1) or real(args, kwargs))
+    torch.testing.assert_close(w * 2, w.cpu().to(device) * 2)
+    assert looked == []
+
+
 def test_values_written_to_a_master_after_compiling_are_read_by_the_graph_without_recompiling(device):
     w = ot.offload(torch.randn(8, 8), device)
     counter = GraphCounter()

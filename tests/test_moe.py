@@ -124,7 +124,7 @@ def test_decode_moves_only_the_routed_experts_that_were_not_cached(name, device)
     moved = uncached = 0
     ratios = []
     for step in range(1 + DECODE_STEPS):
-        cached = set(pager._cache)
+        cached = set(pager.cache.entries)
         before = ot.stats(model).bytes_h2d
         logits = wrapped_run.step()
         assert torch.equal(logits, reference_run.step())  # the same kernels on the same values

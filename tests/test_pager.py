@@ -9,8 +9,9 @@ import torch
 
 import offtensor as ot
 from offtensor import _ext, dispatch
-from offtensor import pager as pager_module
 from offtensor.pager import Pager, host_layout
+from offtensor.pager import device as device_module
+from offtensor.pager.lifetimes import HostLifetimes
 
 CPU = torch.device("cpu")
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -36,7 +37,7 @@ def test_a_prefetch_never_evicts_the_copy_its_op_is_about_to_use(device):
     b = ot.offload(torch.randn(1024), pager=pager)
     pager.prefetcher = _PrefetchOther(b)
     view, entry = pager.page(a._host, a._master)
-    assert entry.key in pager._cache and entry.users == 1
+    assert entry.key in pager.cache.entries and entry.users == 1
     assert pager.prefetcher.started == [False]
     assert torch.equal(view.cpu(), a._host)
     pager.release([entry])
@@ -52,7 +53,7 @@ def test_a_prefetch_may_evict_copies_no_op_is_using(device):
     pager.prefetcher = _PrefetchOther(c)
     view, entry = pager.page(a._host, a._master)  # a hit; b is the least recently used
     assert pager.prefetcher.started == [True]
-    assert entry.key in pager._cache
+    assert entry.key in pager.cache.entries
     assert pager.snapshot().evictions == 1 and pager.snapshot().prefetches == 1
     pager.release([entry])
     hits = pager.snapshot().hits
@@ -114,7 +115,9 @@ def test_a_master_freed_under_an_in_flight_prefetch_lives_until_the_copy_is_done
 def test_strict_device_reports_a_host_source_freed_under_a_copy(monkeypatch):
     # Proves the strict mode can fail: without the pager keeping copy sources alive (the code
     # before the host-lifetime fix), the copy finds its source freed.
-    monkeypatch.setattr(pager_module, "_TEST_DROP_SOURCES", True)
+    keep = HostLifetimes.keep
+    # Forget every source, as the code did before (a premature free).
+    monkeypatch.setattr(HostLifetimes, "keep", lambda self, src, token, stream=None: keep(self, None, token, stream))
     failures = _prefetch_then_drop_the_master()
     assert len(failures) == 1 and "freed before the copy ran" in failures[0]
     _ext._strict_failures.clear()  # reported on purpose; conftest checks that none remain
@@ -125,7 +128,7 @@ def test_strict_device_turns_a_missing_wait_into_wrong_values(monkeypatch):
     t = ot.offload(torch.randn(4096), pager=pager)
     assert torch.equal(t * 1, t._host)
     pager.clear()
-    monkeypatch.setattr(pager_module, "_TEST_SKIP_WAITS", True)
+    monkeypatch.setattr(device_module.EmulatedDevice, "wait_ready", lambda self, entry, lifetimes: None)
     with _ext.StrictCopyEngine.held():
         got = t * 1  # the copy has not run: the op reads the poisoned slot
     assert got.isnan().all()
@@ -138,10 +141,10 @@ def test_before_write_waits_for_the_copies_of_that_master_only():
     with _ext.StrictCopyEngine.held():
         _prefetch_whole(pager, a)
         _prefetch_whole(pager, b)
-        ready_b = pager._cache[next(k for k in pager._cache if k[0] == b._master.id)].ready
+        ready_b = pager.cache.entries[next(k for k in pager.cache.entries if k[0] == b._master.id)].ready
         pager.before_write(a._master)
-        assert not any(k[0] == a._master.id for k in pager._cache)
-        assert not pager._engine.query(ready_b)  # b's copy was not waited for
+        assert not any(k[0] == a._master.id for k in pager.cache.entries)
+        assert not pager.device_ops.engine.query(ready_b)  # b's copy was not waited for
     a.copy_(torch.ones(4096))
     assert torch.equal(a * 1, torch.ones(4096)) and torch.equal(b * 1, b._host)
 
@@ -154,7 +157,7 @@ def test_unwrap_copy_and_materialize_keep_their_source_until_the_copy_is_done():
     gc.collect()
     _ext.StrictCopyEngine.drain()
     assert torch.equal(got, values) and _ext.strict_failures()[before:] == []
-    assert len(pager._lifetimes) == 0  # and not a moment longer: the master's memory is free
+    assert len(pager.lifetimes) == 0  # and not a moment longer: the master's memory is free
 
 
 def test_a_dying_pager_waits_for_its_copies(monkeypatch):
@@ -163,8 +166,8 @@ def test_a_dying_pager_waits_for_its_copies(monkeypatch):
     source = t._master.flat
     with _ext.StrictCopyEngine.held():
         _prefetch_whole(pager, t)
-        ticket = next(iter(pager._cache.values())).ready
-        engine = pager._engine
+        ticket = next(iter(pager.cache.entries.values())).ready
+        engine = pager.device_ops.engine
         del pager
         gc.collect()
         assert engine.query(ticket)  # the finalizer waited for the copy before its slot went
@@ -195,7 +198,7 @@ def test_paged_copies_reuse_pool_slots_and_the_pool_stays_within_the_budget(devi
     for _ in range(3):
         for t in ts:
             assert torch.equal((t * 2).cpu(), t._host * 2)
-    assert pager.snapshot().page_ins == 15 and pager._pool.allocations == 3
+    assert pager.snapshot().page_ins == 15 and pager.pool.allocations == 3
 
 
 def test_a_completed_copy_is_not_waited_for_again(device):
@@ -311,11 +314,10 @@ def _gpu_branch_pager(monkeypatch, budget):
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    pager = Pager(CPU, budget_bytes=budget, strict=False)
     copy = _FakeStream("copy")
-    pager._engine = pager._ops.engine = None
-    pager._ops.cuda = pager._cuda = True
-    pager._ops.copy_stream = pager._copy_stream = copy
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: copy)
+    monkeypatch.setattr(device_module, "for_device", lambda device, strict: device_module.CudaDevice(device))
+    pager = Pager(CPU, budget_bytes=budget, strict=False)
     return pager, compute, copy
 
 
@@ -330,7 +332,7 @@ def test_gpu_branch_records_events_only_for_cached_copies_and_stream_crossings(m
         assert entry.ready is None
         pager.release([entry])
     assert _FakeEvent.created - start == 3
-    pager._drop_master(ts[1]._master.id)  # its slot goes idle, for the transient pages below
+    pager.forget_master(ts[1]._master.id)  # its slot goes idle, for the transient pages below
     start = _FakeEvent.created
     for _ in range(10):  # private (transient) pages on the compute stream: no event at all
         view, entry = pager.page(ts[0]._host, ts[0]._master, private=True)
@@ -345,9 +347,9 @@ def test_gpu_branch_records_events_only_for_cached_copies_and_stream_crossings(m
     assert len(handover) == 1 and _FakeEvent.created - start == 3  # handover, copy ready, last use
     assert torch.equal(view, ts[1]._host)
     # Host sources of transient copies are released in sealed batches, not one event per copy.
-    assert len(pager._lifetimes) <= pager._lifetimes.SEAL_EVERY
+    assert len(pager.lifetimes) <= pager.lifetimes.SEAL_EVERY
     pager.wait_copies()
-    assert len(pager._lifetimes) == 0
+    assert len(pager.lifetimes) == 0
 
 
 def test_an_embedding_lookup_of_offloaded_rows_costs_one_host_sync(device):

@@ -880,7 +880,7 @@ def test_torch_function_intercepts_linear_with_one_page_in(device, monkeypatch):
         dispatched.append(func)
         return real_dispatch(func, types, args, kwargs)
 
-    monkeypatch.setattr(ot_dispatch, "torch_dispatch", counting_dispatch)
+    monkeypatch.setattr(OffloadedTensor, "_op_dispatch", staticmethod(counting_dispatch))
     before = counters(pager)
     with torch.no_grad():
         result = F.linear(inputs, offloaded, bias.to(device))
@@ -942,7 +942,8 @@ def test_matmul_intercept_matches_the_dispatch_path(device, monkeypatch, name, r
                 if not intercept:
                     for function in (torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm):
                         patch.delitem(ot_dispatch._FUNCTION_TABLE, function)
-                patch.setattr(ot_dispatch, "torch_dispatch", lambda f, *a: dispatched.append(f) or real_dispatch(f, *a))
+                patch.setattr(OffloadedTensor, "_op_dispatch",
+                              staticmethod(lambda f, *a: dispatched.append(f) or real_dispatch(f, *a)))
                 result = fn(*args)
         after = (*counters(pager), pager.stats.hits)
         return result, [a - b for a, b in zip(after, before)], dispatched

@@ -1,0 +1,73 @@
+"""Device-memory arithmetic of one pager: what the budget holds and what is left of it.
+
+Three amounts share a budget: resident weights (plain device tensors the model keeps, counted by
+the layer that places them, ``wrap``), copies of host masters paged onto the device (cached,
+transient, in flight), and nothing else. The high-water mark of resident + paged is
+``stats.peak_device_bytes``. The layers above change the resident count only through
+``recount_resident`` / ``hold_resident``; the pager moves ``paged_bytes``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+GiB = 1 << 30
+
+
+class BudgetError(RuntimeError):
+    """The budget cannot hold what an op needs at once."""
+
+
+class Budget:
+    """``budget_bytes`` (None: no budget, nothing cached) and the bytes counted against it."""
+
+    __slots__ = ("budget_bytes", "resident_bytes", "paged_bytes", "offloaded_bytes", "stats")
+
+    def __init__(self, budget_bytes: Optional[int], stats):
+        self.budget_bytes = budget_bytes
+        self.resident_bytes = 0  # plain weights on the device, as the placing layer counted them
+        self.paged_bytes = 0  # copies of host masters on the device: cached, transient, in flight
+        self.offloaded_bytes = 0  # bytes of the host masters this pager pages from
+        self.stats = stats  # the pager's live OffloadStats, whose peak_device_bytes is kept here
+
+    # ------------------------------------------------------------------ the placing layer's calls
+
+    def recount_resident(self, nbytes: int) -> None:
+        """Resident weights now hold ``nbytes`` (a recount after placing, unwrapping or deleting
+        weights); the peak is left alone, as a recount is no new allocation of paged copies."""
+        self.resident_bytes = nbytes
+
+    def hold_resident(self, nbytes: int) -> None:
+        """Resident weights grew to ``nbytes`` (a weight moved onto the device): counted in the peak."""
+        self.resident_bytes = nbytes
+        self.note_peak()
+
+    # ------------------------------------------------------------------ the pager's
+
+    def room(self) -> int:
+        """Bytes of copies the budget holds beside the resident weights (the slot pool's cap)."""
+        return max(0, self.budget_bytes - self.resident_bytes)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more copies fit now, without evicting anything."""
+        return self.budget_bytes is None or self.resident_bytes + self.paged_bytes + nbytes <= self.budget_bytes
+
+    def add_paged(self, nbytes: int) -> None:
+        self.paged_bytes += nbytes
+        self.note_peak()
+
+    def note_peak(self) -> None:
+        used = self.resident_bytes + self.paged_bytes
+        if used > self.stats.peak_device_bytes:
+            self.stats.peak_device_bytes = used
+
+    def shortfall_error(self, what: str, nbytes: int, in_use: int, device) -> BudgetError:
+        """The error for an op whose ``nbytes`` do not fit beside the resident weights and the
+        ``in_use`` bytes of copies the current op holds."""
+        budget = self.budget_bytes
+        return BudgetError(
+            f"offtensor: paging {what} needs {nbytes} bytes on {device}, but the budget of {budget} bytes "
+            f"holds {self.resident_bytes} bytes of resident weights and {in_use} bytes of copies that the "
+            f"current op is using, leaving {budget - self.resident_bytes - in_use} bytes. "
+            f"Raise budget_gb, or offload more weights so fewer stay resident."
+        )

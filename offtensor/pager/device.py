@@ -1,0 +1,389 @@
+"""Issuing and waiting for copies, per kind of device: the only place a GPU and the emulated device
+differ.
+
+A copy's completion token is a ``torch.cuda.Event`` on a GPU and a copy-engine ticket (an int) on
+the emulated device. Everything else in the pager (waiting, eviction, slot reuse, host lifetimes,
+accounting) only asks ``done``, ``block`` and ``order_after`` about tokens and calls the copy
+methods below, so the same code runs on both kinds and what the CPU suite proves holds on the GPU.
+
+- ``EmulatedDevice`` (``device="cpu"``): copies run on the extension's C++ worker thread
+  (``_ext.CopyEngine``; ``_ext.StrictCopyEngine`` in strict mode: late, out of order, into
+  poisoned buffers). Ops run when they are called, so "a stream waits" means the host waits.
+- ``CudaDevice``: copies ahead of use on one dedicated copy stream per pager, copies an op waits for
+  in line on the op's own stream, with events where work crosses streams.
+- ``MetaDevice`` (``ot.plan``): meta tensors have no bytes, so every copy is done when issued.
+
+One owner for copies on a side stream: this module. The loader (loading.py) stages resident
+weights through ``load_copy`` / ``block`` here too, rather than through the extension's CUDA copy
+engine: the pager needs events that compose with torch's streams and are legal during CUDA graph
+capture, which torch's stream copies give, and the loader needs only "copy, then wait", a subset.
+The extension's copy engine stays the emulated device's worker thread.
+
+``pins_host_memory(device)`` is the one decision whether host masters and staging buffers for a
+device are pinned.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import _ext
+
+# On the emulated device, copies this small that the caller waits for are done inline.
+SMALL_COPY_BYTES = 1 << 20
+
+
+def pins_host_memory(device) -> bool:
+    """Whether host memory that feeds ``device`` is pinned: on a GPU, so copies are asynchronous DMAs
+    (a pageable source makes each one a blocking copy through a staging buffer); never on the
+    emulated device, whose "device memory" is host memory already."""
+    return torch.device(device).type == "cuda"
+
+
+def strict_from_env() -> bool:
+    """``OFFTENSOR_STRICT=1``: emulated-device pagers use the strict copy engine (late, out-of-order
+    copies into poisoned buffers; see ``_ext.StrictCopyEngine``)."""
+    return os.environ.get("OFFTENSOR_STRICT", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def resolve_device(device) -> torch.device:
+    """``None`` -> the current CUDA device when there is one, else the emulated device (cpu)."""
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"offtensor: {device!r} is not a device: {e}") from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise ValueError(
+            f"offtensor: device {device} is not supported; offload to 'cuda' (or 'cpu', the emulated device)"
+        )
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = torch.cuda.current_device() if device.index is None and count else device.index or 0
+    if index >= count:
+        raise ValueError(
+            f"offtensor: device {device} does not exist: this machine has {count} CUDA device(s). "
+            f"Use device='cpu' for the emulated device."
+        )
+    return torch.device("cuda", index)
+
+
+def for_device(device: torch.device, strict: bool) -> "EmulatedDevice":
+    """The device operations for ``device``'s kind (``strict`` applies to the emulated device only)."""
+    if device.type == "cuda":
+        return CudaDevice(device)
+    if device.type == "meta":
+        return MetaDevice(device)
+    return EmulatedDevice(device, strict)
+
+
+def upload_small(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small CPU tensor on ``device`` without a host sync: a pinned staging copy and a
+    non-blocking upload (torch's pinned allocator keeps the staging block until the copy is done)."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+_NOTHING_AFTER = (None, None)
+
+
+class EmulatedDevice:
+    """The emulated device: copies on the extension's worker thread, tokens are its tickets.
+
+    Owned by one pager; its slot pool and lifetime records hold this object, not the pager, so the
+    pager's finalizer can run."""
+
+    gpu = False
+    __slots__ = ("device", "strict", "engine", "copy_stream", "stream")
+
+    def __init__(self, device: torch.device, strict: bool = False):
+        self.device = device
+        self.strict = strict
+        self.engine = self._engine(strict)
+        self.copy_stream = None  # GPU only: the stream copies ahead of use run on
+        self.stream = None  # GPU only: the compute stream of the op being paged, looked up once per op
+
+    @staticmethod
+    def _engine(strict: bool):
+        return _ext.StrictCopyEngine() if strict else _ext.CopyEngine()
+
+    # ------------------------------------------------------------------ tokens
+
+    def done(self, token) -> bool:
+        return token is None or self.engine.query(token)
+
+    def block(self, token) -> None:
+        """The host waits for ``token``."""
+        if token is not None:
+            self.engine.wait(token)
+
+    def order_after(self, token, stream=None) -> None:
+        """Work enqueued next (on ``stream``, on a GPU) runs after ``token``; here ops run as they
+        are called, so the host waits."""
+        if token is not None:
+            self.engine.wait(token)
+
+    def settle(self, token) -> None:
+        """A dying pager's wait for a cached copy's last use: tickets are settled by the lifetime
+        records, which wait for every copy still reading a host source."""
+
+    def block_stream(self, stream) -> None:
+        raise AssertionError("the emulated device has no streams")  # only GPU records carry one
+
+    def new_event(self, stream):
+        raise AssertionError("the emulated device has no events")
+
+    def op_stream(self):
+        """The stream the op being paged runs on: none here."""
+        return None
+
+    def after_op(self, entries):
+        """For ``release``: (the op's stream, forgotten for the next op; the token after which the
+        op no longer reads ``entries``). Neither exists here: the op has run."""
+        return _NOTHING_AFTER
+
+    # ------------------------------------------------------------------ memory
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def slot_token(self, slot, stream):
+        """What work on ``stream`` must wait for before reusing ``slot``: its last use's token."""
+        token = slot.free_after
+        slot.free_after = slot.last_stream = None
+        return token
+
+    def before_free(self, slot) -> None:
+        """A slot's block goes back to the allocator: the host waits for its last use first."""
+        token = self.slot_token(slot, None)
+        if token is not None:
+            self.engine.wait(token)
+
+    def gather_rows(self, host: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``host[rows]`` in host memory, ready to upload."""
+        return host.index_select(0, rows)
+
+    def memory_figures(self):
+        """(max allocated, max reserved) bytes of the device's allocator; None here."""
+        return None
+
+    # ------------------------------------------------------------------ copies
+
+    def copy_ahead(self, buf: torch.Tensor, src: torch.Tensor):
+        """Start copying ``src`` into ``buf`` off the op's path (a cached page or a prefetch)."""
+        return self.engine.submit(buf, src)
+
+    def copy_in_line(self, buf: torch.Tensor, src: torch.Tensor, nbytes: int, lifetimes):
+        """Copy ``src`` into ``buf`` for the op about to run; the ready token (None: complete)."""
+        if nbytes < SMALL_COPY_BYTES and not self.strict:
+            buf.copy_(src)  # handing a copy we wait for anyway to the worker thread costs more than it
+            return None
+        ready = self.engine.submit(buf, src)
+        lifetimes.keep(src, ready)
+        return ready
+
+    def copy_out(self, buf: torch.Tensor, src: torch.Tensor, lifetimes) -> None:
+        """Copy ``src`` into ``buf``, a device tensor the caller owns and reads next."""
+        ticket = self.engine.submit(buf, src)
+        lifetimes.keep(src, ticket)
+        self.engine.wait(ticket)  # no streams here: the caller's next op reads buf
+        lifetimes.collect()  # the source may be the last reference to its master
+
+    def wait_ready(self, entry, lifetimes) -> None:
+        """The op about to run reads ``entry``'s copy, whose ready token is set."""
+        self.engine.wait(entry.ready)
+        entry.ready = None
+        if lifetimes:
+            lifetimes.collect()  # a waited-for source need not outlive its op
+
+    def transient_free_after(self, entry):
+        """The token after which a transient copy's slot is free for reuse."""
+        return entry.ready
+
+    def load_copy(self, dst: torch.Tensor, src: torch.Tensor):
+        """The loader's staged copy of ``src`` (host) into ``dst``, memory the caller allocated."""
+        return self.engine.submit(dst, src)
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def capturing(self) -> bool:
+        return False
+
+    def check_capturable(self, host: torch.Tensor) -> None:
+        """A captured graph copies straight from ``host``: refuse memory it cannot DMA from."""
+
+
+class _NoCopies:
+    """The meta device's copy engine: a meta tensor has no bytes, so a copy is done when submitted."""
+
+    def submit(self, dst, src):
+        return 0
+
+    def query(self, ticket):
+        return True
+
+    def wait(self, ticket):
+        return None
+
+
+class MetaDevice(EmulatedDevice):
+    """Planning on meta (``ot.plan``): the real pager on tensors without bytes."""
+
+    __slots__ = ()
+
+    def __init__(self, device: torch.device, strict: bool = False):
+        super().__init__(device, False)
+
+    @staticmethod
+    def _engine(strict: bool):
+        return _NoCopies()
+
+
+class CudaDevice(EmulatedDevice):
+    """A GPU: tokens are ``torch.cuda.Event``s; copies ahead of use on the pager's copy stream."""
+
+    gpu = True
+    __slots__ = ()
+
+    def __init__(self, device: torch.device, strict: bool = False):
+        self.device = device
+        self.strict = False
+        self.engine = None
+        self.copy_stream = torch.cuda.Stream(device=device)
+        self.stream = None
+
+    # ------------------------------------------------------------------ tokens
+
+    def done(self, token) -> bool:
+        return token is None or token.query()
+
+    def block(self, token) -> None:
+        if token is not None:
+            token.synchronize()
+
+    def order_after(self, token, stream=None) -> None:
+        if token is not None:
+            (stream or self.op_stream()).wait_event(token)
+
+    def settle(self, token) -> None:
+        if token is not None:
+            token.synchronize()
+
+    def block_stream(self, stream) -> None:
+        stream.synchronize()  # a transient copy without an event of its own: its stream
+
+    def new_event(self, stream):
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def op_stream(self):
+        if self.stream is None:
+            self.stream = torch.cuda.current_stream(self.device)
+        return self.stream
+
+    def after_op(self, entries):
+        stream, self.stream = self.stream, None
+        stream = stream or torch.cuda.current_stream(self.device)
+        return stream, self.last_use(entries, stream)
+
+    # ------------------------------------------------------------------ memory
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        # Every slot comes from the copy stream's pool of the caching allocator; reuse is ordered by
+        # the slots' own events, not by the allocator.
+        with torch.cuda.stream(self.copy_stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def slot_token(self, slot, stream):
+        """A slot last used by transient copies on a compute stream has no event: on that same
+        stream, order is enough; another stream gets an event recorded now, after everything
+        enqueued there, the last use included. So events are made only where a slot crosses
+        streams, not per op."""
+        token, last = slot.free_after, slot.last_stream
+        slot.free_after = slot.last_stream = None
+        if token is None and last is not None and last != stream:
+            token = self.new_event(last)
+        return token
+
+    def before_free(self, slot) -> None:
+        """The allocator may hand the block to the next copy-stream allocation at once: that stream
+        waits for its last use first."""
+        token = self.slot_token(slot, self.copy_stream)
+        if token is not None:
+            self.copy_stream.wait_event(token)
+
+    def gather_rows(self, host: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        # Gathered straight into pinned memory, so the upload is an asynchronous DMA (a pageable
+        # source would make it a blocking copy); the pager keeps the buffer until the copy is done.
+        gathered = torch.empty((rows.numel(),) + tuple(host.shape[1:]), dtype=host.dtype, pin_memory=True)
+        torch.index_select(host, 0, rows, out=gathered)
+        return gathered
+
+    def memory_figures(self):
+        # The whole device's, since the caching allocator does not tell one pager's blocks from
+        # anyone else's.
+        return torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)
+
+    # ------------------------------------------------------------------ copies
+
+    def copy_ahead(self, buf: torch.Tensor, src: torch.Tensor):
+        with torch.cuda.stream(self.copy_stream):
+            buf.copy_(src, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self.copy_stream)
+        return ready
+
+    def copy_in_line(self, buf: torch.Tensor, src: torch.Tensor, nbytes: int, lifetimes):
+        buf.copy_(src, non_blocking=True)  # on the compute stream, before the op that reads it
+        lifetimes.keep(src, None, self.op_stream())
+        return None
+
+    def copy_out(self, buf: torch.Tensor, src: torch.Tensor, lifetimes) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        buf.copy_(src, non_blocking=True)
+        lifetimes.keep(src, self.new_event(stream))
+
+    def wait_ready(self, entry, lifetimes) -> None:
+        if entry.ready.query():
+            entry.ready = None  # completed: later hits skip the wait
+        else:
+            self.op_stream().wait_event(entry.ready)
+
+    def last_use(self, entries, stream):
+        """An event on the op's stream, after the op, only when a cached copy was used: it is that
+        copy's last use, which eviction waits for. Transient copies need none: their slots are
+        reused in the op stream's order (``slot_token``) and their host sources are released in
+        batches (``HostLifetimes``)."""
+        for entry in entries:
+            if entry.key is not None:
+                return self.new_event(stream)
+        return None
+
+    def transient_free_after(self, entry):
+        return None  # ordered by the op's stream (give's last_stream)
+
+    def load_copy(self, dst: torch.Tensor, src: torch.Tensor):
+        # The copy stream first waits for the work queued on the caller's stream (the last reader
+        # of a block the allocator handed ``dst``), as the extension's engine did.
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        return self.copy_ahead(dst, src)
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def check_capturable(self, host: torch.Tensor) -> None:
+        if not host.is_pinned():
+            raise RuntimeError(
+                f"offtensor: cannot capture a CUDA graph that pages a {tuple(host.shape)} {host.dtype} weight from "
+                f"pageable host memory; offload it with the default (pinned) allocation"
+            )

@@ -1,0 +1,83 @@
+"""Host masters: the identity of each host allocation that OffloadedTensors view, and the registry
+that finds a master again from its storage or its id.
+
+A ``Master`` is shared by every OffloadedTensor aliasing one host storage. Cache entries are keyed
+by ``master.id``; when the last OffloadedTensor referencing the master dies, the master dies with
+it and a finalizer drops its cached copies, so an address reused by a later allocation can never
+hit a stale copy. The registry holds masters weakly: by storage address (tensors rebuilt from the
+same storage, unpickled aliases, share one master and one set of cached copies) and by id (a
+compiled graph names the master it pages from by id; ``__tensor_unflatten__`` rebuilds it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Optional
+
+import torch
+
+_BY_STORAGE: "weakref.WeakValueDictionary[int, Master]" = weakref.WeakValueDictionary()
+_BY_ID: "weakref.WeakValueDictionary[int, Master]" = weakref.WeakValueDictionary()
+
+
+class Master:
+    """Identity of one host master allocation, charged to one pager at a time."""
+
+    __slots__ = ("id", "nbytes", "flat", "name", "_owner", "__weakref__")
+    _ids = itertools.count(1)
+
+    def __init__(self, pager, nbytes: int):
+        self.id = next(Master._ids)
+        self.nbytes = nbytes
+        self.flat = None  # the master's whole storage as bytes, for prefetches (set by master_for)
+        # The weight's name in its model (set by wrap and load), so that errors name the tensor.
+        self.name = None
+        # A one-element list shared with the finalizer, so the finalizer always reaches the
+        # current owner without holding a reference to this object.
+        self._owner = [weakref.ref(pager)]
+        pager.budget.offloaded_bytes += nbytes
+        weakref.finalize(self, Master._died, self._owner, self.id, nbytes)
+
+    @property
+    def pager(self):
+        return self._owner[0]()
+
+    def move_to(self, pager) -> None:
+        """Hand this master (and its accounting) to another pager, e.g. when wrap_model adopts an
+        already offloaded tensor."""
+        old = self.pager
+        if pager is old:
+            return
+        if old is not None:
+            old.forget_master(self.id)
+            old.budget.offloaded_bytes -= self.nbytes
+        self._owner[0] = weakref.ref(pager)
+        pager.budget.offloaded_bytes += self.nbytes
+
+    @staticmethod
+    def _died(owner, master_id: int, nbytes: int) -> None:
+        pager = owner[0]()
+        if pager is not None:
+            pager.forget_master(master_id)
+            pager.budget.offloaded_bytes -= nbytes
+
+
+def master_for(host: torch.Tensor, pager) -> Master:
+    """The master of ``host``'s storage, creating (and registering) one charged to ``pager`` if it
+    has none yet."""
+    storage = host.untyped_storage()
+    ptr = storage.data_ptr()
+    master = _BY_STORAGE.get(ptr) if ptr else None
+    if master is None:
+        master = pager.new_master(storage.nbytes())
+        master.flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+        if ptr:
+            _BY_STORAGE[ptr] = master
+        _BY_ID[master.id] = master
+    return master
+
+
+def registered_master(master_id: int) -> Optional[Master]:
+    """The live master with this id, or None once it has died (or was never registered)."""
+    return _BY_ID.get(master_id)

@@ -1,0 +1,64 @@
+"""The pager's counters (``OffloadStats``) and how bytes are printed for people."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass
+class OffloadStats:
+    """Counters of one pager. Byte counts are exact; ``peak_device_bytes`` is a high-water mark of
+    resident + cached + in-flight bytes, i.e. what the budget limits."""
+
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    page_ins: int = 0
+    hits: int = 0
+    evictions: int = 0
+    prefetches: int = 0
+    prefetch_hits: int = 0
+    resident_bytes: int = 0
+    offloaded_bytes: int = 0
+    cached_bytes: int = 0
+    budget_bytes: Optional[int] = None
+    peak_device_bytes: int = 0
+    # Device bytes held by the slot pool (in use + idle), now and at most; None without a budget.
+    pool_bytes: Optional[int] = None
+    peak_pool_bytes: Optional[int] = None
+    # On a GPU, torch.cuda.max_memory_allocated / max_memory_reserved of the device (None on the
+    # emulated device): the allocator's real figures beside the logical peak_device_bytes.
+    max_memory_allocated: Optional[int] = None
+    max_memory_reserved: Optional[int] = None
+    # Part of resident_bytes held by plain tensor attributes of wrapped modules (not Parameters or
+    # buffers: vLLM's W_UV); set by wrap.stats, 0 for a standalone pager.
+    untracked_bytes: int = 0
+    # Routed experts (offtensor.experts), when the model has offloaded stacked-expert tensors:
+    # per stack name {hits, misses, hit_rate, bytes_h2d, prefetched_bytes, evictions}, and the
+    # routing guesses {accuracy, recall, prefetched_bytes, wasted_bytes, routers: {name: {...}}}.
+    experts: Optional[dict] = None
+    guesses: Optional[dict] = None
+
+    def __str__(self) -> str:
+        size = format_bytes
+        return (
+            f"OffloadStats(h2d={size(self.bytes_h2d)}, d2h={size(self.bytes_d2h)}, page_ins={self.page_ins}, "
+            f"hits={self.hits}, evictions={self.evictions}, prefetches={self.prefetches}, "
+            f"prefetch_hits={self.prefetch_hits}, resident={size(self.resident_bytes)}, "
+            f"offloaded={size(self.offloaded_bytes)}, cached={size(self.cached_bytes)}, "
+            f"budget={size(self.budget_bytes)}, peak={size(self.peak_device_bytes)}"
+            + (f", pool={size(self.pool_bytes)}" if self.pool_bytes is not None else "")
+            + (f", max_allocated={size(self.max_memory_allocated)}, max_reserved={size(self.max_memory_reserved)}"
+               if self.max_memory_reserved is not None else "")
+            + ")"
+        )
+
+
+def format_bytes(n: Optional[float]) -> str:
+    """Bytes for people: decimal units, two decimals; "-" for an unknown amount."""
+    if n is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
