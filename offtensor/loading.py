@@ -266,6 +266,26 @@ def read_header(file) -> dict:
     string -> string ``__metadata__``, known dtypes, shapes and offsets of non-negative ints, each
     tensor's bytes matching its shape and dtype, and the tensors tiling the data section exactly:
     no overlap, no gap, nothing after the last one."""
+    header, size, header_bytes = _read_header_json(file)
+    data_start = 8 + header_bytes
+    data_bytes = size - data_start
+    entries = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            # safetensors: an optional map of strings to strings (null is its "absent").
+            if info is not None and not (isinstance(info, dict) and all(isinstance(v, str) for v in info.values())):
+                bad = (f"a JSON {type(info).__name__}" if not isinstance(info, dict) else
+                       "{" + ", ".join(f"{k!r}: {v!r}" for k, v in info.items() if not isinstance(v, str))[:200] + "}")
+                raise CheckpointError(f"offtensor: the __metadata__ of {file!r} must map strings to strings (as "
+                                      f"safetensors requires), it is {bad}: the file is corrupt")
+            continue
+        entries[key] = _header_entry(file, key, info, data_start, data_bytes)
+    _check_tiling(file, entries, data_start, size)
+    return entries
+
+
+def _read_header_json(file):
+    """(the parsed JSON header, the file's size, the header's length) of a safetensors file."""
     fd = _open_regular(file, "safetensors file")
     try:
         size = os.fstat(fd).st_size
@@ -289,62 +309,60 @@ def read_header(file) -> dict:
     if not isinstance(header, dict):
         raise CheckpointError(f"offtensor: the {header_bytes}-byte header of {file!r} is not a safetensors JSON "
                               f"header (the header is a JSON {type(header).__name__}, not an object): the file is corrupt")
-    data_start = 8 + header_bytes
-    data_bytes = size - data_start
-    entries = {}
-    for key, info in header.items():
-        if key == "__metadata__":
-            # safetensors: an optional map of strings to strings (null is its "absent").
-            if info is not None and not (isinstance(info, dict) and all(isinstance(v, str) for v in info.values())):
-                bad = (f"a JSON {type(info).__name__}" if not isinstance(info, dict) else
-                       "{" + ", ".join(f"{k!r}: {v!r}" for k, v in info.items() if not isinstance(v, str))[:200] + "}")
-                raise CheckpointError(f"offtensor: the __metadata__ of {file!r} must map strings to strings (as "
-                                      f"safetensors requires), it is {bad}: the file is corrupt")
-            continue
-        try:
-            dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        except (KeyError, TypeError):
-            raise CheckpointError(f"offtensor: tensor {key!r} in {file!r} has a malformed header entry {info!r:.200}: "
-                                  f"an entry is an object with dtype, shape and data_offsets: the file is corrupt") from None
-        dtype = _DTYPES.get(dtype_name) if type(dtype_name) is str else None
-        if dtype is None:
-            if type(dtype_name) is not str:
-                raise CheckpointError(f"offtensor: tensor {key!r} in {file!r} has dtype {dtype_name!r:.200}, not a "
-                                      f"dtype name: the file is corrupt")
-            raise CheckpointError(f"offtensor: tensor {key!r} in {file!r} has dtype {dtype_name!r}, which offtensor "
-                                  f"cannot load (known: {sorted(_DTYPES)})")
-        # Integers that fit safetensors' usize and torch's int64; a JSON true is not a 1 here,
-        # though Python's bool is an int.
-        numel = 1
-        if type(shape) is list:
-            for d in shape:
-                if type(d) is not int or not 0 <= d < _COUNT_LIMIT:
-                    numel = -1
-                    break
-                numel *= d
-        if type(shape) is not list or numel < 0:
-            raise CheckpointError(f"offtensor: tensor {key!r} in {file!r} has shape {shape!r:.200}: the file is corrupt")
-        if type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int \
-                or type(offsets[1]) is not int or not 0 <= offsets[0] <= offsets[1] < _COUNT_LIMIT:
-            raise CheckpointError(f"offtensor: tensor {key!r} in {file!r} has data offsets {offsets!r:.200}: "
-                                  f"the file is corrupt")
-        begin, end = offsets
-        where = f"tensor {key!r} in {file!r}"
-        nbytes = numel * dtype.itemsize
-        if end - begin != nbytes:
-            raise CheckpointError(
-                f"offtensor: {where} spans bytes [{begin}, {end}) = {end - begin} bytes of the data section, but its "
-                f"shape {tuple(shape)} in {dtype_name} needs {nbytes} bytes: the file is corrupt"
-            )
-        if end > data_bytes:
-            raise CheckpointError(
-                f"offtensor: {where} ({nbytes} bytes) lies at bytes [{begin}, {end}) of the data section, past the "
-                f"end of the file ({data_bytes} bytes of data): the file is truncated"
-            )
-        entries[key] = _FileTensor(file, key, dtype, dtype_name, tuple(shape), data_start + begin, nbytes)
-    # The tensors tile the data section exactly, in offset order (safetensors' validate): an overlap
-    # would give two tensors the same bytes, a gap or trailing bytes mean the header and data disagree.
-    # Empty tensors at the same offset share no byte and are accepted, as safetensors accepts them.
+    return header, size, header_bytes
+
+
+def _header_entry(file, key: str, info, data_start: int, data_bytes: int) -> "_FileTensor":
+    """One tensor's header entry, checked: known dtype, non-negative int shape and offsets, bytes
+    matching shape and dtype, inside the data section."""
+    try:
+        dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    except (KeyError, TypeError):
+        raise CheckpointError(f"offtensor: tensor {key!r} in {file!r} has a malformed header entry {info!r:.200}: "
+                              f"an entry is an object with dtype, shape and data_offsets: the file is corrupt") from None
+    dtype = _DTYPES.get(dtype_name) if type(dtype_name) is str else None
+    if dtype is None:
+        if type(dtype_name) is not str:
+            raise CheckpointError(f"offtensor: tensor {key!r} in {file!r} has dtype {dtype_name!r:.200}, not a "
+                                  f"dtype name: the file is corrupt")
+        raise CheckpointError(f"offtensor: tensor {key!r} in {file!r} has dtype {dtype_name!r}, which offtensor "
+                              f"cannot load (known: {sorted(_DTYPES)})")
+    # Integers that fit safetensors' usize and torch's int64; a JSON true is not a 1 here,
+    # though Python's bool is an int.
+    numel = 1
+    if type(shape) is list:
+        for d in shape:
+            if type(d) is not int or not 0 <= d < _COUNT_LIMIT:
+                numel = -1
+                break
+            numel *= d
+    if type(shape) is not list or numel < 0:
+        raise CheckpointError(f"offtensor: tensor {key!r} in {file!r} has shape {shape!r:.200}: the file is corrupt")
+    if type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int \
+            or type(offsets[1]) is not int or not 0 <= offsets[0] <= offsets[1] < _COUNT_LIMIT:
+        raise CheckpointError(f"offtensor: tensor {key!r} in {file!r} has data offsets {offsets!r:.200}: "
+                              f"the file is corrupt")
+    begin, end = offsets
+    where = f"tensor {key!r} in {file!r}"
+    nbytes = numel * dtype.itemsize
+    if end - begin != nbytes:
+        raise CheckpointError(
+            f"offtensor: {where} spans bytes [{begin}, {end}) = {end - begin} bytes of the data section, but its "
+            f"shape {tuple(shape)} in {dtype_name} needs {nbytes} bytes: the file is corrupt"
+        )
+    if end > data_bytes:
+        raise CheckpointError(
+            f"offtensor: {where} ({nbytes} bytes) lies at bytes [{begin}, {end}) of the data section, past the "
+            f"end of the file ({data_bytes} bytes of data): the file is truncated"
+        )
+    return _FileTensor(file, key, dtype, dtype_name, tuple(shape), data_start + begin, nbytes)
+
+
+def _check_tiling(file, entries: dict, data_start: int, size: int) -> None:
+    """The tensors tile the data section exactly, in offset order (safetensors' validate): an
+    overlap would give two tensors the same bytes, a gap or trailing bytes mean the header and data
+    disagree. Empty tensors at the same offset share no byte and are accepted, as safetensors
+    accepts them."""
     at, previous = data_start, None
     for e in sorted(entries.values(), key=lambda e: (e.begin, e.begin + e.nbytes)):
         if e.begin != at:
@@ -363,7 +381,6 @@ def read_header(file) -> dict:
         after = f"the last tensor, {previous.key!r}," if previous is not None else "the header"
         raise CheckpointError(f"offtensor: {file!r} has {size - at} bytes after {after} that belong to no tensor; "
                               f"safetensors refuses such a file: it is corrupt or was written by another tool")
-    return entries
 
 
 def _headers(files) -> dict:
