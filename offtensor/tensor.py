@@ -193,7 +193,7 @@ class OffloadedTensor(torch.Tensor):
 
 # What an OffloadedTensor keeps in its own ``__dict__``; everything else there is the user's
 # (vLLM's ``weight_loader``, ``output_dim``...), carried across wrap, re-placement and unwrap.
-_OWN_ATTRS = frozenset({"_host", "_master", "_layout", "_is_param", "_portable"})
+OWN_ATTRS = frozenset({"_host", "_master", "_layout", "_is_param", "_portable"})
 
 # User subclass of nn.Parameter -> the OffloadedTensor class whose instances are also instances of it.
 _OFFLOADED_CLASSES: dict = {}
@@ -235,10 +235,7 @@ def user_class(t: torch.Tensor):
 
 def user_attrs(t: torch.Tensor) -> dict:
     """The attributes the user set on ``t`` (its ``__dict__`` less OffloadedTensor's bookkeeping)."""
-    return {k: v for k, v in t.__dict__.items() if k not in _OWN_ATTRS}
-
-
-_master_for = master_for  # the name wrap.py and loading.py used before the registry moved to the pager
+    return {k: v for k, v in t.__dict__.items() if k not in OWN_ATTRS}
 
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
@@ -285,9 +282,6 @@ def new_view(host: torch.Tensor, master: Master) -> OffloadedTensor:
 def wrap_host(host: torch.Tensor, pager: Pager, requires_grad: bool = False) -> OffloadedTensor:
     """An OffloadedTensor viewing ``host`` (host memory), of its storage's master."""
     return OffloadedTensor(host, master_for(host, pager), requires_grad)
-
-
-_wrap_host = wrap_host
 
 
 def _dense_strides(t: torch.Tensor):
@@ -381,9 +375,6 @@ def _rebuild_offloaded(host: torch.Tensor, device: str, requires_grad: bool, is_
     if is_param:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     return t
-
-
-_check_offloadable = check_offloadable  # the name wrap.py used
 
 
 # What torch.load(weights_only=True) must allow to rebuild a pickled OffloadedTensor. Importing

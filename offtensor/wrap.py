@@ -37,9 +37,9 @@ from .config import OffloadConfig
 from .pager import BudgetError, OffloadStats, Pager, covering_range, pins_host_memory, resolve_device
 from .placement import Member, ModelPlacement, StorageGroup
 from .prefetch import Prefetcher
+from .pager import master_for
 from .tensor import (
-    _OWN_ATTRS, OffloadedTensor, _check_offloadable, _master_for, new_host_master, offloaded_class, user_attrs,
-    user_class,
+    OWN_ATTRS, OffloadedTensor, check_offloadable, new_host_master, offloaded_class, user_attrs, user_class,
 )
 
 # Every submodule of a wrapped model -> the model's state, read by the wrapping classes' methods.
@@ -151,7 +151,7 @@ def _swap(member: Member, new: torch.Tensor) -> None:
 
 
 def _check_attribute_names(t: torch.Tensor, what: str) -> None:
-    clash = sorted(_OWN_ATTRS & t.__dict__.keys()) if not isinstance(t, OffloadedTensor) else ()
+    clash = sorted(OWN_ATTRS & t.__dict__.keys()) if not isinstance(t, OffloadedTensor) else ()
     if clash:
         raise ValueError(
             f"offtensor: {what} of shape {tuple(t.shape)} ({t.numel() * t.element_size()} bytes) has attributes "
@@ -189,11 +189,11 @@ def _offload_group(group: StorageGroup, pager: Pager) -> None:
         first._master.move_to(pager)
         return
     for member in group:
-        _check_offloadable(member.tensor, f"'{member.names[0]}'")
+        check_offloadable(member.tensor, f"'{member.names[0]}'")
     lo, hi = group.element_range()
     flat = first.detach().as_strided((hi - lo,), (1,), lo)
     host_flat = new_host_master(flat, pin=pins_host_memory(pager.device))
-    master = _master_for(host_flat, pager)
+    master = master_for(host_flat, pager)
     master.name = next((n for m in group for n in m.names), None)
     for member in group:
         t = member.tensor
@@ -725,7 +725,7 @@ def _place_attribute(state: _State, module: nn.Module, name: str, t: torch.Tenso
 
 def _check_offloadable_quietly(t: torch.Tensor) -> bool:
     try:
-        _check_offloadable(t, "attribute")
+        check_offloadable(t, "attribute")
     except (TypeError, ValueError, RuntimeError):
         return False
     return True
