@@ -87,8 +87,9 @@ fi
 OPTIONAL="$("$PY" scripts/deps.py missing optional)"
 if [ -n "$OPTIONAL" ]; then
   echo "setup: installing the optional $OPTIONAL"
+  # No retries: a machine that reaches no index (the GPU one) skips them at once instead of waiting.
   # shellcheck disable=SC2086
-  if ! pip install -q ${WHEELS[@]+"${WHEELS[@]}"} -c "$LOCK" -c "$CONSTRAINTS" $OPTIONAL >/dev/null 2>&1; then
+  if ! pip install -q --retries 0 --timeout 15 ${WHEELS[@]+"${WHEELS[@]}"} -c "$LOCK" -c "$CONSTRAINTS" $OPTIONAL >/dev/null 2>&1; then
     echo "setup: could not install the optional $OPTIONAL: plots, progress bars, the parallel build or the client tests are skipped"
   fi
 fi
