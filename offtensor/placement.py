@@ -413,13 +413,18 @@ def choose_placement(weights: Sequence[Weight], budget_bytes: Optional[int], off
             error = e
             continue
         if slices < TILE_ALIGN:
-            warnings.warn(
-                f"offtensor: the budget of {budget_bytes} bytes leaves room for output tiles narrower than "
-                f"{TILE_ALIGN} slices of the largest weights only; such tiles are summed in another order, so "
-                "results may differ from the unwrapped model's in the last bits. Raise budget_gb for "
-                "bit-identical results.", stacklevel=3)
+            warn_narrow_tiles(budget_bytes, "the largest weights", stacklevel=4)
         return tiled
     raise error
+
+
+def warn_narrow_tiles(budget_bytes: int, what: str, stacklevel: int) -> None:
+    """The warning for a budget that leaves room only for tiles narrower than ``TILE_ALIGN``."""
+    warnings.warn(
+        f"offtensor: the budget of {budget_bytes} bytes leaves room for output tiles narrower than "
+        f"{TILE_ALIGN} slices of {what} only; such tiles are summed in another order, so results may "
+        "differ from the unwrapped model's in the last bits. Raise budget_gb for bit-identical results.",
+        stacklevel=stacklevel)
 
 
 def _choose_tiled(weights: Sequence[Weight], budget_bytes, offload_bytes, policy, prefetch,

@@ -516,15 +516,19 @@ def _reserve_paging_room(state: _State, full_name: str, t: torch.Tensor, residen
     pager = state.pager
     nbytes = placement.tensor_bytes(t)  # offloading keeps an expanded tensor's stride-0 layout
     ws = placement.working_set(full_name, tuple(t.shape), nbytes)
+    narrow = False
     for slices in (placement.TILE_ALIGN, 1):  # bit-identical tiles first (see tile_working_set)
         if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
             ws = placement.tile_working_set(tuple(t.shape), nbytes, ws, slices)
+            narrow = slices < placement.TILE_ALIGN
     if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
         raise BudgetError(
             f"offtensor: {kind}{full_name} ({nbytes} bytes) needs {ws} bytes on the device to be paged, but only "
             f"{pager.budget_bytes - resident} of the budget's {pager.budget_bytes} bytes are not resident "
             f"weights; raise budget_gb or offload more"
         )
+    if narrow:  # the same fallback, and the same warning, as wrap-time placement's
+        placement.warn_narrow_tiles(pager.budget_bytes, f"{kind}{full_name}", stacklevel=2)
     state.working_set_bytes = max(state.working_set_bytes, ws)
 
 

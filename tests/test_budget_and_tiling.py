@@ -414,12 +414,21 @@ def test_a_weight_assigned_after_wrap_larger_than_the_budget_is_offloaded_and_ti
     ot.wrap_model(model, budget_gb=16 * 1024 / GiB, device=device)
     head = nn.Linear(32, 512, bias=False)  # 64 KiB: 4x the budget
     expected_head = copy.deepcopy(head).to(device)
-    model.head = head
+    with pytest.warns(UserWarning, match="narrower than 16 slices"):  # room for a few rows only
+        model.head = head
     assert isinstance(model.head.weight, ot.OffloadedTensor) and model.head is head
     x = torch.randn(3, 32, device=device)
     with torch.no_grad():
         assert torch.equal(model.head(x), expected_head(x))
     assert ot.stats(model).peak_device_bytes <= 16 * 1024
+
+
+def test_a_weight_assigned_after_wrap_with_room_for_narrow_tiles_only_warns_as_wrap_does(device):
+    model = nn.Sequential(nn.Linear(32, 32, bias=False))
+    ot.wrap_model(model, budget_gb=6 * 1024 / GiB, device=device)  # 4 KiB resident, 2 KiB of room
+    with pytest.warns(UserWarning, match=r"narrower than 16 slices of head\.weight"):
+        model.head = nn.Linear(32, 512, bias=False)  # 16 rows of 128 B need 2 KiB: room for 15
+    assert isinstance(model.head.weight, ot.OffloadedTensor)
 
 
 def test_a_wrapped_model_pickles_whole_and_loads_back_wrapped(device, tmp_path):
