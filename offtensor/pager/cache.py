@@ -54,7 +54,12 @@ def page_layout(host: torch.Tensor, master_id: int):
     """``host_layout(host)`` and the ``CacheKey`` of the range it covers: what ``Pager.page`` needs,
     which the dispatch layer memoizes per OffloadedTensor (its master and metadata are fixed until
     an in-place view or ``.data =`` drops the memo)."""
-    lo, hi, shape, stride, offset = host_layout(host)
+    # host_layout, inlined: dispatch calls this once per fresh view (``w.t()`` in every forward).
+    lo = offset = host.storage_offset()
+    shape, stride = host.shape, host.stride()
+    hi = lo + 1
+    for size, step in zip(shape, stride):
+        hi += (size - 1) * step
     return lo, hi, shape, stride, offset, _new_key(CacheKey, (master_id, host.dtype, lo, hi))
 
 

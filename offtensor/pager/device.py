@@ -101,6 +101,9 @@ class EmulatedDevice:
     pager's finalizer can run."""
 
     gpu = False
+    # Whether ``after_op`` has anything to say: the pager's release, which runs after every op,
+    # skips the call where it would return (None, None).
+    tracks_last_use = False
     __slots__ = ("device", "strict", "engine", "copy_stream", "stream")
 
     def __init__(self, device: torch.device, strict: bool = False):
@@ -250,6 +253,7 @@ class CudaDevice(EmulatedDevice):
     """A GPU: tokens are ``torch.cuda.Event``s; copies ahead of use on the pager's copy stream."""
 
     gpu = True
+    tracks_last_use = True
     __slots__ = ()
 
     def __init__(self, device: torch.device, strict: bool = False):

@@ -20,6 +20,7 @@ import torch
 
 from . import device as _device
 from .budget import Budget
+from .device import _NOTHING_AFTER
 from .cache import LRU, CachedCopy, CacheKey, DeviceCache, covering_range, page_layout
 from .lifetimes import HostLifetimes, storage_ptr
 from .masters import Master
@@ -270,7 +271,7 @@ class Pager:
         """The op that used ``entries`` has been enqueued: mark when the device is done with them
         (on a GPU, an event after the op when a cached copy was used: ``CudaDevice.last_use``)."""
         ops = self.device_ops
-        stream, last_use = ops.after_op(entries)
+        stream, last_use = ops.after_op(entries) if ops.tracks_last_use else _NOTHING_AFTER
         if self._observed:
             for notify in self.observers.released:  # timeline: the op just enqueued is their last reader
                 notify(entries)
@@ -329,8 +330,11 @@ class Pager:
         return entry
 
     def _transient(self, src: torch.Tensor, nbytes: int, what) -> CachedCopy:
-        """A copy for one op outside the cache, in line on the op's stream."""
-        self._make_room(nbytes, strict=True, what=what)
+        """A copy for one op outside the cache, in line on the op's stream. This is the whole
+        paging path of a pager without a budget, so the budget calls are inlined."""
+        budget = self.budget
+        if budget.budget_bytes is not None:
+            self._make_room(nbytes, strict=True, what=what)
         ops = self.device_ops
         if self.pool is not None:
             slot = self.pool.take(nbytes, self.budget.room(), ops.op_stream())
@@ -340,9 +344,13 @@ class Pager:
             # allocator reuses it only after the op that reads it.
             slot, buf = None, torch.empty(src.numel(), dtype=src.dtype, device=self.device)
         ready = ops.copy_in_line(buf, src, nbytes, self.lifetimes)
-        self.budget.add_paged(nbytes)
-        self.stats.page_ins += 1
-        self.stats.bytes_h2d += nbytes
+        stats = self.stats
+        budget.paged_bytes = used = budget.paged_bytes + nbytes  # budget.add_paged, inlined
+        used += budget.resident_bytes
+        if used > stats.peak_device_bytes:
+            stats.peak_device_bytes = used
+        stats.page_ins += 1
+        stats.bytes_h2d += nbytes
         entry = CachedCopy(None, slot, buf, nbytes, ready)
         for notify in self.observers.copied:  # timeline: a copy in line, on the compute stream
             notify(self, entry, nbytes, "compute", False)
