@@ -203,6 +203,20 @@ class Pager:
     # ------------------------------------------------------------------ paging
 
     def page(self, host: torch.Tensor, master: Master, what="tensor", private: bool = False, layout=None):
+        """``_page`` (below) under ``lock``, which the entry returned keeps held until its ``release``
+        (see the class docstring); an empty tensor's None entry holds nothing."""
+        lock = self.lock
+        lock.acquire()
+        try:
+            view, entry = self._page(host, master, what, private, layout)
+        except BaseException:
+            lock.release()
+            raise
+        if entry is None:
+            lock.release()
+        return view, entry
+
+    def _page(self, host: torch.Tensor, master: Master, what="tensor", private: bool = False, layout=None):
         """Device tensor with ``host``'s values, shape and strides, and the entry backing it.
 
         The copy comes from the cache, an in-flight prefetch, or a new host->device copy. With
@@ -215,15 +229,6 @@ class Pager:
         if host.numel() == 0:
             return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device), None
         lo, hi, shape, stride, offset, key = layout or page_layout(host, master.id)
-        lock = self.lock
-        lock.acquire()  # held until this entry's release (see the class docstring)
-        try:
-            return self._page(host, master, what, private, lo, hi, shape, stride, offset, key)
-        except BaseException:
-            lock.release()
-            raise
-
-    def _page(self, host, master, what, private, lo, hi, shape, stride, offset, key):
         observers = self.observers if self._observed else _NO_OBSERVERS
         if private or self.budget_bytes is None:
             entry = self._transient(host.as_strided((hi - lo,), (1,), lo), (hi - lo) * host.element_size(), what)
@@ -260,20 +265,24 @@ class Pager:
         return entry.buf.as_strided(shape, stride, offset - base), entry
 
     def upload(self, src: torch.Tensor, what="tensor"):
-        """Copy a host tensor (e.g. gathered rows) to the device for one op; accounted like a page.
-        ``src`` is kept alive until the copy has completed, so the caller may drop it at once."""
-        src = src.contiguous()
-        self.lock.acquire()  # held until this entry's release, as for page
+        """``_upload`` (below) under ``lock``, held until the entry's ``release``, as for ``page``."""
+        self.lock.acquire()
         try:
-            entry = self._transient(src.view(-1), src.numel() * src.element_size(), what)
-            for notify in self.observers.reading:
-                notify(entry)
-            if entry.ready is not None:
-                self.device_ops.wait_ready(entry, self.lifetimes)
-            entry.users += 1
+            return self._upload(src, what)
         except BaseException:
             self.lock.release()
             raise
+
+    def _upload(self, src: torch.Tensor, what="tensor"):
+        """Copy a host tensor (e.g. gathered rows) to the device for one op; accounted like a page.
+        ``src`` is kept alive until the copy has completed, so the caller may drop it at once."""
+        src = src.contiguous()
+        entry = self._transient(src.view(-1), src.numel() * src.element_size(), what)
+        for notify in self.observers.reading:
+            notify(entry)
+        if entry.ready is not None:
+            self.device_ops.wait_ready(entry, self.lifetimes)
+        entry.users += 1
         return entry.buf.view(src.shape), entry
 
     def copy_out(self, host: torch.Tensor) -> torch.Tensor:
@@ -337,28 +346,33 @@ class Pager:
         return True
 
     def release(self, entries) -> None:
+        """``_release`` (below), then the holds of ``lock`` that ``page`` and ``upload`` took, one per
+        entry: the op is over, another thread's may run."""
+        try:
+            self._release(entries)
+        finally:
+            release = self.lock.release
+            for _ in entries:
+                release()
+
+    def _release(self, entries) -> None:
         """The op that used ``entries`` has been enqueued: mark when the device is done with them
         (on a GPU, an event after the op when a cached copy was used: ``CudaDevice.last_use``)."""
         ops = self.device_ops
-        try:
-            stream, last_use = ops.after_op(entries)
-            if self._observed:
-                for notify in self.observers.released:  # timeline: the op just enqueued is their last reader
-                    notify(entries)
-            budget = self.budget
-            for entry in entries:
-                entry.users -= 1
-                if entry.key is None:  # transient, or dropped from the cache while this op used it
-                    budget.paged_bytes -= entry.nbytes
-                    if entry.slot is not None:
-                        self.pool.give(entry.slot, ops.transient_free_after(entry), budget.room(), stream)
-                        entry.slot = None
-                elif last_use is not None:
-                    entry.last_use = last_use
-        finally:
-            release = self.lock.release
-            for _ in entries:  # the holds page and upload took, one per entry
-                release()
+        stream, last_use = ops.after_op(entries)
+        if self._observed:
+            for notify in self.observers.released:  # timeline: the op just enqueued is their last reader
+                notify(entries)
+        budget = self.budget
+        for entry in entries:
+            entry.users -= 1
+            if entry.key is None:  # transient, or dropped from the cache while this op used it
+                budget.paged_bytes -= entry.nbytes
+                if entry.slot is not None:
+                    self.pool.give(entry.slot, ops.transient_free_after(entry), budget.room(), stream)
+                    entry.slot = None
+            elif last_use is not None:
+                entry.last_use = last_use
 
     def before_write(self, master: Master) -> None:
         """The host master is about to change: wait until no copy still reads it (its own copies
