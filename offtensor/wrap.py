@@ -407,7 +407,7 @@ def apply_placement(model: nn.Module, placed: ModelPlacement, pager: Pager, conf
                     for member in group:
                         _swap(member, _as_param_like(member.tensor, loaded[id(member)]))
                 elif placed.offloads(group):
-                    _offload_group(group, pager)  # for a load: not in the files but has values (a buffer computed at init)
+                    _offload_group(group, pager)  # for a load: not in the files, has values (a buffer made at init)
                 else:
                     _make_resident(group, pager.device)
             _register(model, pager, placed.choice, config)
