@@ -190,10 +190,11 @@ def _write_back(t: OffloadedTensor, values: torch.Tensor) -> None:
             f"{t.host_nbytes} bytes. Pass an out= tensor of the result's shape, or assign a new tensor instead."
         )
     pager = t._master.pager
-    pager.before_write(t._master)
-    with no_dispatch():
-        t._host.copy_(values)
-    pager.count_write_back(t._host.numel() * t._host.element_size())
+    with pager.lock:  # no other thread's op pages the master between the wait and the write
+        pager.before_write(t._master)
+        with no_dispatch():
+            t._host.copy_(values)
+        pager.count_write_back(t._host.numel() * t._host.element_size())
 
 
 # ---------------------------------------------------------------------------- handlers by kind
@@ -364,13 +365,14 @@ def _copy_(func, types, args, kwargs):
     # nothing is paged, and a copy from another OffloadedTensor stays on the host.
     source = src._host if isinstance(src, OffloadedTensor) else src
     pager = dst._master.pager
-    pager.before_write(dst._master)
-    with no_dispatch():
-        # Never non_blocking: a device->host copy still in flight would let .cpu() and the next
-        # page-in (on the copy stream) read the master's old bytes.
-        dst._host.copy_(source)
-    if source.device.type != "cpu":
-        pager.count_write_back(dst._host.numel() * dst._host.element_size())
+    with pager.lock:  # as in _write_back
+        pager.before_write(dst._master)
+        with no_dispatch():
+            # Never non_blocking: a device->host copy still in flight would let .cpu() and the next
+            # page-in (on the copy stream) read the master's old bytes.
+            dst._host.copy_(source)
+        if source.device.type != "cpu":
+            pager.count_write_back(dst._host.numel() * dst._host.element_size())
     return dst
 
 
@@ -387,11 +389,12 @@ def _index_put_(func, types, args, kwargs):
     indices = [None if i is None else i.to("cpu") for i in args[1]]
     values = args[2].to("cpu")
     pager = self._master.pager
-    pager.before_write(self._master)
-    with no_dispatch():
-        self._host.index_put_(indices, values, *args[3:], **kwargs)
-    if args[2].device.type != "cpu":
-        pager.count_write_back(values.numel() * values.element_size())
+    with pager.lock:  # as in _write_back
+        pager.before_write(self._master)
+        with no_dispatch():
+            self._host.index_put_(indices, values, *args[3:], **kwargs)
+        if args[2].device.type != "cpu":
+            pager.count_write_back(values.numel() * values.element_size())
     return self
 
 
@@ -808,7 +811,8 @@ def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: _Paged) -> torch
         # ~50x PCIe, so the pack costs little next to the copies it saves).
         rows = rows.tolist()
         if per_expert:
-            pager.experts.announce(pager, t._master.id, rows)
+            with pager.lock:  # the expert cache is pager state
+                pager.experts.announce(pager, t._master.id, rows)
         parts = [paged.page(OffloadedTensor(host[i], t._master)) for i in rows]
         return torch.stack(parts)
     if rows.numel() == 1 and (row_bytes >= CACHED_SLICE_BYTES or per_expert):
@@ -1002,7 +1006,8 @@ def _routed_groups(weight: OffloadedTensor, offs: torch.Tensor, rows: int):
     starts = [0] + ends[:-1]
     groups = [(e, starts[e], ends[e]) for e in range(len(ends)) if ends[e] > starts[e]]
     if pager.experts is not None:
-        pager.experts.announce(pager, weight._master.id, [e for e, _, _ in groups], [b - a for _, a, b in groups])
+        with pager.lock:  # the expert cache is pager state
+            pager.experts.announce(pager, weight._master.id, [e for e, _, _ in groups], [b - a for _, a, b in groups])
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
     return groups, sizes, ends[-1] if ends else 0
 

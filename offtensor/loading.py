@@ -788,9 +788,17 @@ class _Reader:
                         raise failed.exception()
             self.drain()
         finally:
-            for fd in self.fds.values():
-                os.close(fd)
-            self.fds.clear()
+            self.discard()
+
+    def discard(self) -> None:
+        """Close the files and drop the jobs. Each job's closure holds this reader and a view of its
+        destination (a cycle): dropped here, a failed load frees the memory it allocated at once
+        rather than at the next garbage collection."""
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+        self.jobs.clear()
+        self.pending_pins.clear()
 
     def drain(self) -> None:
         """Waits for every staged copy, so the staging buffers and the device tensors are settled."""
@@ -867,6 +875,22 @@ def _read(groups, chosen: dict, placed: placement.ModelPlacement, pager: Pager, 
     device = pager.device
     pin_late = pins_host_memory(device) and _ext.can_pin_after_fill()
     targets = {}
+    try:
+        _schedule(groups, chosen, placed, pager, reader, pin_late, targets)
+        with torch.no_grad():
+            reader.run()
+    except BaseException:
+        reader.discard()  # a failed allocation or read: the files opened and the jobs scheduled go,
+        targets.clear()  # and what was allocated is freed now, not when the traceback is
+        raise
+    return targets
+
+
+def _schedule(groups, chosen: dict, placed: placement.ModelPlacement, pager: Pager, reader: "_Reader",
+              pin_late: bool, targets: dict) -> None:
+    """``_read``'s first half: allocate each group's destinations into ``targets`` and schedule
+    its pieces on ``reader``."""
+    device = pager.device
     for group in groups:
         if not any(id(m) in chosen for m in group):
             continue
@@ -880,9 +904,6 @@ def _read(groups, chosen: dict, placed: placement.ModelPlacement, pager: Pager, 
             host = dest._host if isinstance(dest, OffloadedTensor) else dest
             for piece in chosen[id(member)][1]:
                 reader.add(piece, piece.region(host), is_offloaded, raw if is_offloaded and pin_late else None)
-    with torch.no_grad():
-        reader.run()
-    return targets
 
 
 def _destinations(group: StorageGroup, pager: Optional[Pager], device: torch.device, pin_late: bool):

@@ -121,6 +121,62 @@ class _State:
         return placed
 
 
+# ---------------------------------------------------------------------------- undoing a placement
+
+
+class _Undo:
+    """What ``apply_placement`` changed so far, newest last, so that a failure at any step (an
+    allocation, a read, a registration) puts the model back exactly as it was: the same tensor
+    objects with the same classes, attributes and storages, masters on their old pagers. Until the
+    placement completes, the record keeps the original tensors alive (the price of an exact undo:
+    for a wrap of a host model, its offloaded bytes are held twice until ``wrap_model`` returns);
+    dropping the record after an undo frees what the placement allocated."""
+
+    _active = threading.local()  # the record of the placement running in this thread, if any
+
+    def __init__(self):
+        self.steps = []
+
+    @classmethod
+    def note(cls, *step) -> None:
+        record = getattr(cls._active, "record", None)
+        if record is not None:
+            record.steps.append(step)
+
+    def __enter__(self):
+        _Undo._active.record = self
+        return self
+
+    def __exit__(self, kind, error, tb):
+        _Undo._active.record = None
+        if kind is not None:
+            self.roll_back()
+        self.steps.clear()  # a failure's traceback holds this frame: the new tensors go now
+        return False
+
+    def roll_back(self) -> None:
+        for step in reversed(self.steps):
+            what, *args = step
+            if what == "swapped":  # swap_tensors exchanged the contents: exchange them back
+                member, new = args
+                _swap(member, new)
+            elif what == "slots":  # the slots took the new object: give them the old one
+                member, old = args
+                for module, attr, is_buffer in member.slots:
+                    if is_buffer is None:
+                        module.__dict__[attr] = old
+                    else:
+                        (module._buffers if is_buffer else module._parameters)[attr] = old
+                member.tensor = old
+            elif what == "data":
+                t, data = args
+                t.data = data
+            elif what == "moved":
+                master, pager = args
+                if pager is not None:
+                    master.move_to(pager)
+
+
 # ---------------------------------------------------------------------------- moving tensors
 
 
@@ -136,6 +192,7 @@ def _swap(member: Member, new: torch.Tensor) -> None:
         rnn._flat_weight_refs = []
     try:
         torch.utils.swap_tensors(old, new)
+        _Undo.note("swapped", member, new)  # ``new`` now holds the old contents
         return
     except RuntimeError:
         pass  # e.g. a live autograd graph still references the tensor
@@ -147,6 +204,7 @@ def _swap(member: Member, new: torch.Tensor) -> None:
             module.__dict__[attr] = new
         else:
             (module._buffers if is_buffer else module._parameters)[attr] = new
+    _Undo.note("slots", member, old)
     member.tensor = new
 
 
@@ -186,6 +244,7 @@ def _as_param_like(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 def _offload_group(group: StorageGroup, pager: Pager) -> None:
     first = group[0].tensor
     if isinstance(first, OffloadedTensor):
+        _Undo.note("moved", first._master, first._master.pager)
         first._master.move_to(pager)
         return
     for member in group:
@@ -223,6 +282,7 @@ def _make_resident(group: StorageGroup, device: torch.device) -> None:
     flat = first.detach().as_strided((hi - lo,), (1,), lo).to(device)
     for member in group:
         t = member.tensor
+        _Undo.note("data", t, t.data)
         t.data = flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
 
 
@@ -330,17 +390,30 @@ def apply_placement(model: nn.Module, placed: ModelPlacement, pager: Pager, conf
 
     ``loaded``: id(member) -> the tensor a loader already filled for it (a view of a host master on
     ``pager``, or a device tensor), for every member of the groups it read: those members become
-    these tensors (same Parameter objects); the other groups are offloaded or moved to the device."""
-    loaded = loaded or {}
-    for group in placed.offloaded + placed.resident:
-        if id(group[0]) in loaded:
+    these tensors (same Parameter objects); the other groups are offloaded or moved to the device.
+
+    Atomic: what cannot be offloaded is refused before anything moves, and a failure at any later
+    step (an allocation, a read, a registration) undoes every step before it (``_Undo``) and frees
+    what they allocated, so the model is exactly as it was and not registered as wrapped."""
+    loaded = loaded if loaded is not None else {}
+    for group in placed.offloaded:
+        if id(group[0]) not in loaded and not isinstance(group[0].tensor, OffloadedTensor):
             for member in group:
-                _swap(member, _as_param_like(member.tensor, loaded[id(member)]))
-        elif placed.offloads(group):
-            _offload_group(group, pager)  # for a load: not in the files but has values (a buffer computed at init)
-        else:
-            _make_resident(group, pager.device)
-    _register(model, pager, placed.choice, config)
+                check_offloadable(member.tensor, f"'{member.names[0]}'")
+    try:
+        with _Undo():
+            for group in placed.offloaded + placed.resident:
+                if id(group[0]) in loaded:
+                    for member in group:
+                        _swap(member, _as_param_like(member.tensor, loaded[id(member)]))
+                elif placed.offloads(group):
+                    _offload_group(group, pager)  # for a load: not in the files, has values (a buffer made at init)
+                else:
+                    _make_resident(group, pager.device)
+            _register(model, pager, placed.choice, config)
+    except BaseException:
+        loaded.clear()  # the loader's destinations: freed now, not when the traceback goes
+        raise
     return model
 
 
@@ -348,6 +421,15 @@ def _register(model: nn.Module, pager: Pager, choice: placement.Placement, confi
     """Mark ``model`` as wrapped: its modules now place whatever is assigned into them."""
     config = config.replace(device=pager.device)
     state = _State(model, pager, choice, config)
+    try:
+        _register_state(model, pager, choice, config, state)
+    except BaseException:
+        _unregister(model, state)
+        raise
+
+
+def _register_state(model: nn.Module, pager: Pager, choice: placement.Placement, config: OffloadConfig,
+                    state: _State) -> None:
     for module in model.modules():
         _enter(module, state)
     state.resident_ptrs = {
@@ -355,13 +437,30 @@ def _register(model: nn.Module, pager: Pager, choice: placement.Placement, confi
         for t in _tensors(model)
         if not isinstance(t, OffloadedTensor) and t.device == pager.device and not t.is_meta
     }
-    pager.budget.recount_resident(_resident_bytes(model, pager.device))
+    pager.recount_resident(_resident_bytes(model, pager.device))
     pager.reset_stats()
     if config.prefetch and choice.offload:
         pager.prefetcher = Prefetcher()
     # Offloaded stacked experts: per-stack stats, expert-aware eviction, routing speculation.
     experts.attach(model, pager, speculate=config.prefetch)
     state.step_hook = model.register_forward_pre_hook(_StepHook(config, choice.budget_bytes, pager))
+
+
+def _unregister(model: nn.Module, state: _State) -> None:
+    """Undo ``_register`` (a failed registration; the end of ``unwrap_model``): every module of
+    ``state`` gets its own class back, the hooks go, the pager's observers are dropped."""
+    pager = state.pager
+    pager.prefetcher = None
+    experts.detach(pager)
+    for module in list(_WRAPPED.keys()):
+        if _WRAPPED.get(module) is state:
+            _leave(module)
+    for handle in state.load_hooks:
+        handle.remove()
+    state.load_hooks.clear()
+    if state.step_hook is not None:
+        state.step_hook.remove()
+        state.step_hook = None
 
 
 def _enter(module: nn.Module, state: _State) -> None:
@@ -379,8 +478,15 @@ def _leave(module: nn.Module) -> None:
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """Every weight back to a plain tensor on the device, keeping identities and ties."""
+    """Every weight back to a plain tensor on the device, keeping identities and ties. Under the
+    pager's lock: an op of another thread's forward finishes first, and its next op reads the
+    plain weights, which hold the same values."""
     state = _state(model)
+    with state.pager.lock:
+        return _unwrap(model, state)
+
+
+def _unwrap(model: nn.Module, state: "_State") -> nn.Module:
     pager = state.pager
     pager.prefetcher = None
     experts.detach(pager)
@@ -388,26 +494,22 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     for group in placement.collect_groups(model):
         if group.is_offloaded:
             _make_resident(group, pager.device)
-    for module in list(_WRAPPED.keys()):
-        if _WRAPPED.get(module) is state:
-            _leave(module)
-    for handle in state.load_hooks:
-        handle.remove()
-    state.load_hooks.clear()
-    if state.step_hook is not None:
-        state.step_hook.remove()
-        state.step_hook = None
-    pager.budget.recount_resident(_resident_bytes(model, pager.device))
+    _unregister(model, state)
+    # The model's weights are no longer this pager's: what it still pages (a view of a master taken
+    # before unwrapping, an op of another thread's forward dispatched before the swap) pages within
+    # the budget beside no resident weights, instead of failing beside weights it no longer holds.
+    pager.recount_resident(0)
     return model
 
 
 def stats(model: nn.Module) -> OffloadStats:
     state = _state(model)
-    if state.experts_stale:
-        state.refresh_experts()
-    state.pager.budget.recount_resident(_resident_bytes(model, state.pager.device))
-    s = state.pager.snapshot()
-    s.untracked_bytes = _untracked_bytes(model, state.pager.device)
+    with state.pager.lock:
+        if state.experts_stale:
+            state.refresh_experts()
+        state.pager.recount_resident(_resident_bytes(model, state.pager.device))
+        s = state.pager.snapshot()
+        s.untracked_bytes = _untracked_bytes(model, state.pager.device)
     return s
 
 
@@ -494,18 +596,19 @@ def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buff
             )
         if moves:
             source = t.detach()
+            pager.room_for_resident(with_t)  # cached copies go before the new bytes are allocated
             with torch.no_grad():
                 t.data = t.data.to(pager.device)
             state.remember(source, t)
         state.resident_ptrs.add(t.untyped_storage().data_ptr())
-        pager.budget.hold_resident(with_t)
+        pager.hold_resident(with_t)
         return None
     _reserve_paging_room(state, full_name, t, resident)
     member.names.append(full_name)
     source = t.detach()
     _offload_group(StorageGroup([member]), pager)
     state.remember(source, member.tensor)
-    pager.budget.recount_resident(resident)
+    pager.recount_resident(resident)
     return member.tensor
 
 
@@ -587,9 +690,10 @@ class _StepHook:
         if state is None or state.model_ref() is not model:
             state = _adopt_copy(model)
         if state is not None:
-            if state.experts_stale:
-                state.refresh_experts()
-            state.pager.new_step()  # one pass of the prefetch schedule and of the expert statistics
+            with state.pager.lock:
+                if state.experts_stale:
+                    state.refresh_experts()
+                state.pager.new_step()  # one pass of the prefetch schedule and of the expert statistics
 
     def __reduce__(self):
         # torch.save(model) of a wrapped model: the loaded model is adopted like a deepcopy (a
@@ -654,6 +758,11 @@ def _after_load(module, incompatible_keys):
     model = state.model_ref() if state is not None else None
     if model is None:
         return
+    with state.pager.lock:
+        _place_loaded(state, model, module)
+
+
+def _place_loaded(state: "_State", model: nn.Module, module: nn.Module) -> None:
     pager = state.pager
     plain = [
         (table, attr, is_buffer, t)
@@ -665,7 +774,7 @@ def _after_load(module, incompatible_keys):
         return  # values were copied into the weights already placed (the usual load_state_dict)
     resident = _resident_bytes(model, pager.device)
     if all(t.device == pager.device for *_, t in plain) and resident + state.working_set_bytes <= pager.budget_bytes:
-        pager.budget.recount_resident(resident)
+        pager.recount_resident(resident)  # cached copies make room first (assign=True on a warm cache)
         return
     # Tensors of this module not placed yet do not count as resident while their siblings are placed.
     pending = {(module, attr) for _, attr, _, _ in plain}
@@ -716,7 +825,7 @@ def _place_attribute(state: _State, module: nn.Module, name: str, t: torch.Tenso
     )
     shares_a_weight = _storage_bytes(t)[0] in _resident_storages_of(_tensors(model), pager.device)
     if keep or shares_a_weight or not _check_offloadable_quietly(t):
-        pager.budget.hold_resident(resident)
+        pager.hold_resident(resident)
         return
     without_t = resident - _storage_bytes(t)[1]
     _reserve_paging_room(state, full_name, t, without_t, kind="the attribute ")
@@ -724,7 +833,7 @@ def _place_attribute(state: _State, module: nn.Module, name: str, t: torch.Tenso
     member.slots.append((module, name, None))
     member.names.append(full_name)
     _offload_group(StorageGroup([member]), pager)
-    pager.budget.recount_resident(_resident_bytes(model, pager.device))
+    pager.recount_resident(_resident_bytes(model, pager.device))
 
 
 def _check_offloadable_quietly(t: torch.Tensor) -> bool:
@@ -742,6 +851,11 @@ def _set_attribute(set_attribute, module: nn.Module, name: str, value) -> None:
     state = _WRAPPED.get(module)
     if state is None:
         return set_attribute(name, value)
+    with state.pager.lock:  # re-placement waits for another thread's op, which then sees the result
+        _set_placed(state, set_attribute, module, name, value)
+
+
+def _set_placed(state: "_State", set_attribute, module: nn.Module, name: str, value) -> None:
     # Only a weight, submodule or tensor attribute set to None releases bytes (forwards set other
     # attributes to None often; a recount walks the model).
     releases = value is None and (
@@ -764,9 +878,11 @@ def _delete_attribute(delete_attribute, module: nn.Module, name: str) -> None:
     """``del module.name``, plus releasing a deleted submodule's or weight's bytes at once:
     resident bytes are recounted, and the submodule no longer places what is assigned into it."""
     state = _WRAPPED.get(module)
-    old = module._modules.get(name) if state is not None else None
-    delete_attribute(name)
-    if state is not None:
+    if state is None:
+        return delete_attribute(name)
+    with state.pager.lock:
+        old = module._modules.get(name)
+        delete_attribute(name)
         _released(state, old)
 
 
@@ -780,26 +896,29 @@ def _register_tensor(register, module: nn.Module, table: dict, name: str, t, is_
     state = _WRAPPED.get(module)
     if state is None or t is None:
         return register(name, t)
-    before = table.get(name, _ABSENT)
-    register(name, t)
-    try:
-        new = _place(state, module, name, t, is_buffer)
-    except BaseException:
-        if before is _ABSENT:
-            table.pop(name, None)
-        else:
-            table[name] = before
-        raise
-    if new is not None:
-        table[name] = new
+    with state.pager.lock:
+        before = table.get(name, _ABSENT)
+        register(name, t)
+        try:
+            new = _place(state, module, name, t, is_buffer)
+        except BaseException:
+            if before is _ABSENT:
+                table.pop(name, None)
+            else:
+                table[name] = before
+            raise
+        if new is not None:
+            table[name] = new
 
 
 def _add_submodule(add_module, module: nn.Module, name: str, submodule) -> None:
     """``module.add_module(name, submodule)``, its tensors placed first when ``module`` is wrapped."""
     state = _WRAPPED.get(module)
-    if state is not None and isinstance(submodule, nn.Module):
+    if state is None or not isinstance(submodule, nn.Module):
+        return add_module(name, submodule)
+    with state.pager.lock:
         _attach_submodule(state, module, name, submodule)
-    add_module(name, submodule)
+        add_module(name, submodule)
 
 
 def _released(state: _State, old: Optional[nn.Module] = None) -> None:
@@ -811,7 +930,7 @@ def _released(state: _State, old: Optional[nn.Module] = None) -> None:
         for m in old.modules():
             if m not in live and _WRAPPED.get(m) is state:
                 _leave(m)
-    state.pager.budget.recount_resident(_resident_bytes(model, state.pager.device))
+    state.pager.recount_resident(_resident_bytes(model, state.pager.device))
     if state.pager.experts is not None:
         state.experts_stale = True  # a registered stack may be what was deleted
 

@@ -36,7 +36,8 @@ class Master:
         # A one-element list shared with the finalizer, so the finalizer always reaches the
         # current owner without holding a reference to this object.
         self._owner = [weakref.ref(pager)]
-        pager.budget.offloaded_bytes += nbytes
+        with pager.lock:  # counts change under the pager's lock: another thread may be paging
+            pager.budget.offloaded_bytes += nbytes
         weakref.finalize(self, Master._died, self._owner, self.id, nbytes)
 
     @property
@@ -50,17 +51,20 @@ class Master:
         if pager is old:
             return
         if old is not None:
-            old.forget_master(self.id)
-            old.budget.offloaded_bytes -= self.nbytes
+            with old.lock:
+                old.forget_master(self.id)
+                old.budget.offloaded_bytes -= self.nbytes
         self._owner[0] = weakref.ref(pager)
-        pager.budget.offloaded_bytes += self.nbytes
+        with pager.lock:
+            pager.budget.offloaded_bytes += self.nbytes
 
     @staticmethod
     def _died(owner, master_id: int, nbytes: int) -> None:
         pager = owner[0]()
         if pager is not None:
-            pager.forget_master(master_id)
-            pager.budget.offloaded_bytes -= nbytes
+            with pager.lock:
+                pager.forget_master(master_id)
+                pager.budget.offloaded_bytes -= nbytes
 
 
 def master_for(host: torch.Tensor, pager) -> Master:

@@ -11,6 +11,7 @@ masters, stats and observers.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import warnings
 import weakref
 from operator import attrgetter as _attrgetter
@@ -50,13 +51,23 @@ class Pager:
     ``strict`` (default: the ``OFFTENSOR_STRICT`` environment variable) makes the emulated device
     complete copies late and out of order into poisoned buffers, so a missing wait or a premature
     free gives wrong values or an error instead of passing by luck.
+
+    Threads: ``lock`` (an ``RLock``) guards every piece of state here. ``page`` and ``upload``
+    take it and each entry they return keeps one hold of it until ``release``, so an op holds the
+    pager from its first page, through its compute, to its release: an op of another thread (or an
+    eviction, a write to a master, an unwrap) runs between two ops, never inside one. That keeps the
+    budget arithmetic single-threaded: the copies in use are always the current op's, so no thread
+    fails for want of room another thread's op is holding, and no copy is evicted or poisoned under
+    an op reading it. The other public calls take it for their own duration.
     """
 
     _defaults: dict = {}
+    _defaults_lock = threading.Lock()
 
     def __init__(self, device: torch.device, budget_bytes: Optional[int] = None, strict: Optional[bool] = None):
         self.device = device
         self.budget_bytes = budget_bytes
+        self.lock = threading.RLock()
         self.stats = OffloadStats()
         self.budget = Budget(budget_bytes, self.stats)
         self.cache = DeviceCache()
@@ -83,7 +94,10 @@ class Pager:
         """The uncached pager that standalone ``offload()`` tensors on ``device`` share."""
         pager = cls._defaults.get(device)
         if pager is None:
-            pager = cls._defaults[device] = cls(device, None)
+            with cls._defaults_lock:  # two threads' first offload() must share one pager
+                pager = cls._defaults.get(device)
+                if pager is None:
+                    pager = cls._defaults[device] = cls(device, None)
         return pager
 
     def new_master(self, nbytes: int) -> Master:
@@ -118,14 +132,45 @@ class Pager:
         them a chunk at a time instead of failing."""
         if self.budget_bytes is None:
             return None
-        budget = self.budget
-        return self.budget_bytes - budget.resident_bytes - (budget.paged_bytes - self.cache.evictable_bytes())
+        with self.lock:  # waits for another thread's op: its copies in use are not this op's
+            budget = self.budget
+            return self.budget_bytes - budget.resident_bytes - (budget.paged_bytes - self.cache.evictable_bytes())
+
+    def hold_resident(self, nbytes: int) -> None:
+        """Resident weights grew to ``nbytes`` (a weight kept or moved onto the device): cached copies
+        no op uses are evicted first, so that resident + paged stays within the budget and the peak
+        never counts new resident bytes beside old copies that room was needed for."""
+        with self.lock:
+            self.room_for_resident(nbytes)
+            self.budget.hold_resident(nbytes)
+
+    def recount_resident(self, nbytes: int) -> None:
+        """Resident weights hold ``nbytes`` now (a recount after placing, loading, unwrapping or
+        deleting weights); when they grew, cached copies make room first, as for ``hold_resident``."""
+        with self.lock:
+            self.room_for_resident(nbytes)
+            self.budget.recount_resident(nbytes)
+
+    def room_for_resident(self, nbytes: int) -> None:
+        """Evict cached copies no op uses until ``nbytes`` of resident weights fit beside the copies
+        left: called before a weight is moved onto the device, so its bytes are never allocated while
+        the copies they displace still hold the budget."""
+        if self.budget_bytes is None:
+            return
+        with self.lock:
+            grow = nbytes - self.budget.resident_bytes
+            if grow > 0:
+                self._make_room(grow, strict=False)
 
     def count_write_back(self, nbytes: int) -> None:
         """``nbytes`` of device values were written back to a host master (an in-place op's result)."""
         self.stats.bytes_d2h += nbytes
 
     def snapshot(self) -> OffloadStats:
+        with self.lock:
+            return self._snapshot()
+
+    def _snapshot(self) -> OffloadStats:
         s = dataclasses.replace(self.stats)
         budget = self.budget
         s.resident_bytes = budget.resident_bytes
@@ -145,6 +190,10 @@ class Pager:
         return s
 
     def reset_stats(self) -> None:
+        with self.lock:
+            self._reset_stats()
+
+    def _reset_stats(self) -> None:
         self.stats = self.budget.stats = OffloadStats()
         if self.experts is not None:
             self.experts.reset()
@@ -155,6 +204,20 @@ class Pager:
     # ------------------------------------------------------------------ paging
 
     def page(self, host: torch.Tensor, master: Master, what="tensor", private: bool = False, layout=None):
+        """``_page`` (below) under ``lock``, which the entry returned keeps held until its ``release``
+        (see the class docstring); an empty tensor's None entry holds nothing."""
+        lock = self.lock
+        lock.acquire()
+        try:
+            view, entry = self._page(host, master, what, private, layout)
+        except BaseException:
+            lock.release()
+            raise
+        if entry is None:
+            lock.release()
+        return view, entry
+
+    def _page(self, host: torch.Tensor, master: Master, what="tensor", private: bool = False, layout=None):
         """Device tensor with ``host``'s values, shape and strides, and the entry backing it.
 
         The copy comes from the cache, an in-flight prefetch, or a new host->device copy. With
@@ -203,6 +266,15 @@ class Pager:
         return entry.buf.as_strided(shape, stride, offset - base), entry
 
     def upload(self, src: torch.Tensor, what="tensor"):
+        """``_upload`` (below) under ``lock``, held until the entry's ``release``, as for ``page``."""
+        self.lock.acquire()
+        try:
+            return self._upload(src, what)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _upload(self, src: torch.Tensor, what="tensor"):
         """Copy a host tensor (e.g. gathered rows) to the device for one op; accounted like a page.
         ``src`` is kept alive until the copy has completed, so the caller may drop it at once."""
         src = src.contiguous()
@@ -223,9 +295,10 @@ class Pager:
         lo, hi = covering_range(host)
         src = host.as_strided((hi - lo,), (1,), lo)
         buf = torch.empty(hi - lo, dtype=host.dtype, device=self.device)
-        self.device_ops.copy_out(buf, src, self.lifetimes)
-        self.stats.page_ins += 1
-        self.stats.bytes_h2d += (hi - lo) * host.element_size()
+        with self.lock:
+            self.device_ops.copy_out(buf, src, self.lifetimes)
+            self.stats.page_ins += 1
+            self.stats.bytes_h2d += (hi - lo) * host.element_size()
         return buf.as_strided(host.shape, host.stride(), host.storage_offset() - lo)
 
     def copy_into_graph(self, out: torch.Tensor, host: torch.Tensor) -> None:
@@ -234,7 +307,8 @@ class Pager:
         self.device_ops.check_capturable(host)
         out.copy_(host, non_blocking=True)
         lo, hi = covering_range(host)
-        self.stats.bytes_h2d += (hi - lo) * host.element_size()
+        with self.lock:
+            self.stats.bytes_h2d += (hi - lo) * host.element_size()
 
     def capturing(self) -> bool:
         """Whether the op is being recorded into a CUDA graph on this pager's device."""
@@ -243,8 +317,9 @@ class Pager:
     def new_step(self) -> None:
         """A forward of the wrapped model begins: one pass of the prefetch schedule and of the
         expert statistics ends."""
-        for notify in self.observers.new_step:
-            notify()
+        with self.lock:
+            for notify in self.observers.new_step:
+                notify()
 
     def is_cached(self, key) -> bool:
         return key in self._entries
@@ -252,6 +327,10 @@ class Pager:
     def prefetch(self, master: Master, dtype: torch.dtype, lo: int, hi: int) -> bool:
         """Start copying elements [lo, hi) of ``master`` unless cached; never evicts an entry that
         is in use and never exceeds the budget. Returns whether a copy is cached or started."""
+        with self.lock:
+            return self._prefetch(master, dtype, lo, hi)
+
+    def _prefetch(self, master: Master, dtype: torch.dtype, lo: int, hi: int) -> bool:
         key = _new_key(CacheKey, (master.id, dtype, lo, hi))
         if key in self._entries:
             return True
@@ -268,6 +347,16 @@ class Pager:
         return True
 
     def release(self, entries) -> None:
+        """``_release`` (below), then the holds of ``lock`` that ``page`` and ``upload`` took, one per
+        entry: the op is over, another thread's may run."""
+        try:
+            self._release(entries)
+        finally:
+            release = self.lock.release
+            for _ in entries:
+                release()
+
+    def _release(self, entries) -> None:
         """The op that used ``entries`` has been enqueued: mark when the device is done with them
         (on a GPU, an event after the op when a cached copy was used: ``CudaDevice.last_use``)."""
         ops = self.device_ops
@@ -278,7 +367,7 @@ class Pager:
         budget = self.budget
         for entry in entries:
             entry.users -= 1
-            if entry.key is None:
+            if entry.key is None:  # transient, or dropped from the cache while this op used it
                 budget.paged_bytes -= entry.nbytes
                 if entry.slot is not None:
                     self.pool.give(entry.slot, ops.transient_free_after(entry), budget.room(), stream)
@@ -288,25 +377,30 @@ class Pager:
 
     def before_write(self, master: Master) -> None:
         """The host master is about to change: wait until no copy still reads it (its own copies
-        only, not the whole device), and drop its cached copies, which would be stale."""
-        self.lifetimes.wait_for(storage_ptr(master.flat))
-        self.forget_master(master.id)
+        only, not the whole device), and drop its cached copies, which would be stale. A caller
+        that then writes holds ``lock`` across this call and its write, so no op pages in between."""
+        with self.lock:
+            self.lifetimes.wait_for(storage_ptr(master.flat))
+            self.forget_master(master.id)
 
     def forget_master(self, master_id: int) -> None:
         """Drop every cached copy of ``master_id`` (it died, moved to another pager, or changes)."""
-        for entry in self.cache.of_master(master_id):
-            self._remove(entry)
+        with self.lock:
+            for entry in self.cache.of_master(master_id):
+                self._remove(entry)
 
     def clear(self) -> None:
         """Drop every cached copy (e.g. before unwrapping) and the pool's idle slots."""
-        for master_id in self.cache.masters():
-            self.forget_master(master_id)
-        if self.pool is not None:
-            self.pool.clear()
+        with self.lock:
+            for master_id in self.cache.masters():
+                self.forget_master(master_id)
+            if self.pool is not None:
+                self.pool.clear()
 
     def wait_copies(self) -> None:
         """Block until every copy this pager started has completed (and release their sources)."""
-        self.lifetimes.wait_for(None)
+        with self.lock:
+            self.lifetimes.wait_for(None)
 
     # ------------------------------------------------------------------ internals
 
@@ -391,6 +485,12 @@ class Pager:
         for notify in self.observers.freed:  # timeline: the next copy reuses this block after its last reader
             notify(entry)
         self.cache.remove(entry)
+        if entry.users:
+            # An op of this thread still reads it (a write to, or the death of, a master the op
+            # also reads): it leaves the cache now; its bytes and slot go when the op releases it,
+            # as a transient copy's do. Giving the slot back now would poison it under the op.
+            entry.key = None
+            return
         self.budget.paged_bytes -= entry.nbytes
         if entry.slot is not None:
             self.pool.give(entry.slot, entry.last_use or entry.ready, self.budget.room())
