@@ -49,21 +49,60 @@ _WRAPPED: "weakref.WeakKeyDictionary[nn.Module, _State]" = weakref.WeakKeyDictio
 class _Placed:
     """Where a tensor assigned after wrapping went, keyed by the storage it came from, so that a
     second tensor over that storage (``load_state_dict(assign=True)`` wraps each key of a tied pair
-    in its own Parameter) becomes a view of the same placement instead of a second copy."""
+    in its own Parameter) becomes a view of the same placement instead of a second copy.
 
-    __slots__ = ("source", "target", "dtype", "lo", "hi", "view", "base")
+    It holds no reference to the placed tensor object itself, not even a weak one: torch's
+    ``swap_tensors`` (``Module.to`` under ``set_swap_module_params_on_conversion``, and for every
+    wrapper-subclass parameter, as peft's ``module.to(weight.device)`` does) refuses a tensor with
+    weak references. An offloaded placement is found again through its host master (weakly held;
+    it dies with its last view), a resident one through the module slot it was registered in."""
 
-    def __init__(self, source: torch.Tensor, target: torch.Tensor):
+    __slots__ = ("source", "master", "slot", "ptr", "dtype", "lo", "hi", "view", "base")
+
+    def __init__(self, source: torch.Tensor, target: torch.Tensor, module: nn.Module, name: str):
         self.source = StorageWeakRef(source.untyped_storage())
-        self.target = weakref.ref(target)
         self.dtype = source.dtype
         self.lo, self.hi = covering_range(source)
         self.view = (tuple(source.shape), source.stride(), source.storage_offset())
-        # target storage offset - source storage offset, the same for every element of [lo, hi)
         if isinstance(target, OffloadedTensor):
+            self.master, self.slot, self.ptr = weakref.ref(target._master), None, 0
+            # target storage offset - source storage offset, the same for every element of [lo, hi)
             self.base = target._host.storage_offset() - source.storage_offset()
         else:
-            self.base = 0
+            self.master, self.slot, self.base = None, (weakref.ref(module), name), 0
+            self.ptr = target.untyped_storage().data_ptr()
+
+    def offloaded_view(self, t: torch.Tensor) -> Optional[OffloadedTensor]:
+        """``t`` (a view of the source storage) as a view of the offloaded placement, or None."""
+        master = self.master() if self.master is not None else None
+        if master is None or master.flat is None:
+            return None
+        host = torch.empty(0, dtype=t.dtype).set_(master.flat.untyped_storage(), t.storage_offset() + self.base,
+                                                  t.shape, t.stride())
+        return OffloadedTensor(host, master)
+
+    def resident(self) -> Optional[torch.Tensor]:
+        """The resident placement, while its slot still holds a tensor over the placed storage."""
+        if self.slot is None:
+            return None
+        module = self.slot[0]()
+        t = None if module is None else _slot_tensor(module, self.slot[1])
+        if t is None or isinstance(t, OffloadedTensor) or t.untyped_storage().data_ptr() != self.ptr:
+            return None
+        return t
+
+    def alive(self) -> bool:
+        if self.source.expired():
+            return False
+        return self.master() is not None if self.master is not None else self.resident() is not None
+
+
+def _slot_tensor(module: nn.Module, name: str) -> Optional[torch.Tensor]:
+    for table in (module._parameters, module._buffers, module.__dict__):
+        t = table.get(name)
+        if isinstance(t, torch.Tensor):
+            return t
+    return None
 
 
 class _State:
@@ -105,12 +144,12 @@ class _State:
             return f"{type(module).__name__}.{attr}"
         return f"{prefix}.{attr}" if prefix else attr
 
-    def remember(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        self.placed[source.untyped_storage()._cdata] = _Placed(source, target)
+    def remember(self, source: torch.Tensor, target: torch.Tensor, module: nn.Module, name: str) -> None:
+        self.placed[source.untyped_storage()._cdata] = _Placed(source, target, module, name)
 
     def placement_of(self, t: torch.Tensor):
         """The tensor that an earlier placement of ``t``'s storage produced, if ``t`` lies inside it."""
-        for key in [k for k, p in self.placed.items() if p.source.expired() or p.target() is None]:
+        for key in [k for k, p in self.placed.items() if not p.alive()]:
             del self.placed[key]
         placed = self.placed.get(t.untyped_storage()._cdata)
         if placed is None or placed.dtype != t.dtype or not t.numel():
@@ -459,12 +498,13 @@ def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buff
     member.slots.append((module, name, is_buffer))
     placed = state.placement_of(t)
     if placed is not None:
-        target = placed.target()
-        if isinstance(target, OffloadedTensor):
-            host = target._host.as_strided(t.shape, t.stride(), t.storage_offset() + placed.base)
-            _swap(member, _as_param_like(t, OffloadedTensor(host, target._master)))
+        view = placed.offloaded_view(t)
+        if view is not None:
+            _swap(member, _as_param_like(t, view))
             return member.tensor
-        if placed.view == (tuple(t.shape), t.stride(), t.storage_offset()) and target.device == pager.device:
+        target = placed.resident()
+        if (target is not None and placed.view == (tuple(t.shape), t.stride(), t.storage_offset())
+                and target.device == pager.device):
             with torch.no_grad():
                 t.data = target.detach()
             return None
@@ -496,7 +536,7 @@ def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buff
             source = t.detach()
             with torch.no_grad():
                 t.data = t.data.to(pager.device)
-            state.remember(source, t)
+            state.remember(source, t, module, name)
         state.resident_ptrs.add(t.untyped_storage().data_ptr())
         pager.budget.hold_resident(with_t)
         return None
@@ -504,7 +544,7 @@ def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buff
     member.names.append(full_name)
     source = t.detach()
     _offload_group(StorageGroup([member]), pager)
-    state.remember(source, member.tensor)
+    state.remember(source, member.tensor, module, name)
     pager.budget.recount_resident(resident)
     return member.tensor
 

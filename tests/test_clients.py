@@ -272,14 +272,10 @@ def test_peft_lora_training_and_merge_equal_the_unwrapped_run(order, device):
     _train_lora_and_merge(order, device)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "issue 18 item 6: at exactly 30 % of the base, wrapped first, the budget has no room left for the "
-    "adapters, so the registration hook offloads the lora_A/lora_B weights peft assigns; peft's "
-    "LoraModel._replace_module then calls module.to(weight.device), and nn.Module._apply swaps every "
-    "OffloadedTensor parameter with torch.utils.swap_tensors (is_traceable_wrapper_subclass), which "
-    "refuses because wrap._Placed holds a weakref to it: 'Cannot swap t1 because it has weakref "
-    "associated with it' -> RuntimeError '_apply(): Couldn't swap Linear.weight'"))
 def test_peft_lora_adapters_offloaded_for_want_of_room_train_like_the_unwrapped_run(device):
+    """At exactly 30 % of the base, wrapped first, the adapters peft assigns are offloaded; peft's
+    ``module.to(weight.device)`` then swaps every OffloadedTensor parameter (swap_tensors), which
+    refused while ``wrap._Placed`` held a weak reference to the placed tensor."""
     _train_lora_and_merge("wrap_then_get_peft_model", device, room_for_adapters=False)
 
 
