@@ -300,12 +300,14 @@ def _dense_strides(t: torch.Tensor):
     return strides
 
 
-def new_host_master(t: torch.Tensor, pin: bool) -> torch.Tensor:
+def new_host_master(t: torch.Tensor, pin: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An exact-size host copy of ``t`` (same shape, dtype and memory order), backed by the
-    extension's page-aligned allocation."""
-    nbytes = t.numel() * t.element_size()
+    extension's page-aligned allocation. With ``dtype``: ``t``'s values cast to it, the copy
+    converting element by element (no whole temporary of either dtype)."""
+    dtype = t.dtype if dtype is None else dtype
+    nbytes = t.numel() * dtype.itemsize
     raw = _ext.alloc_host(nbytes, pin=pin)
-    flat = raw.view(t.dtype) if nbytes else torch.empty(0, dtype=t.dtype)
+    flat = raw.view(dtype) if nbytes else torch.empty(0, dtype=dtype)
     strides = _dense_strides(t)
     host = flat.as_strided(t.shape, strides) if strides is not None else flat.view(t.shape)
     with torch.no_grad():

@@ -98,6 +98,30 @@ def test_diffusers_unet2d_condition_wrapped_gives_the_unwrapped_noise_prediction
     _paged_within_budget(unet)
 
 
+def test_diffusers_layerwise_casting_then_wrap_keeps_weights_offloaded_through_its_casts(device):
+    """``enable_layerwise_casting`` (bf16 storage, fp32 compute) casts each layer to fp32 before its
+    forward and back after. On main the cast paged whole weights and raised BudgetError; now the
+    offloaded ones are converted host master to host master and the room re-planned for fp32."""
+    def build():
+        unet = _unet()
+        unet.enable_layerwise_casting(storage_dtype=torch.bfloat16, compute_dtype=torch.float32)
+        return unet
+
+    unet, reference = build(), build().to(device)  # a deepcopy would keep hooks bound to the original
+    _wrap(unet, device)
+    g = torch.Generator().manual_seed(0)
+    sample = torch.randn(2, 4, 8, 8, generator=g).to(device)
+    text = torch.randn(2, 7, 32, generator=g).to(device)
+    timesteps = torch.tensor([10, 500], device=device)
+    with torch.no_grad():
+        expected = reference(sample, timesteps, text).sample
+        for _ in range(2):  # the second forward runs on the placement the first one's casts left
+            assert torch.equal(unet(sample, timesteps, text).sample, expected)
+    offloaded = [p for p in unet.parameters() if isinstance(p, ot.OffloadedTensor)]
+    assert offloaded and {p.dtype for p in offloaded} == {torch.bfloat16}  # stored bf16 between forwards
+    _paged_within_budget(unet)
+
+
 def test_diffusers_autoencoder_kl_encode_and_decode_wrapped_match_unwrapped(device):
     vae = _vae()
     reference = _reference(vae, device)
