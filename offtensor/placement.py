@@ -29,6 +29,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import nn
 
+from . import leaves
 from .config import OffloadConfig, Policy
 from .dispatch import TILE_ALIGN  # the tile width dispatch cuts; room is planned for it
 from .pager import GiB, BudgetError, host_layout
@@ -200,14 +201,19 @@ def tile_working_set(shape: tuple, nbytes: int, working_set: int, slices: int = 
 
 class Member:
     """One tensor object and every (module, attribute, is_buffer) slot it is registered in;
-    ``is_buffer`` is None for a plain tensor attribute."""
+    ``is_buffer`` is None for a plain tensor attribute.
 
-    __slots__ = ("tensor", "slots", "names")
+    A leaf of a wrapper subclass (a DTensor's local shard, a torchao tensor's data) is a Member
+    too: ``owners`` lists the (outer tensor, attribute) pairs holding it, and it is replaced there;
+    ``slots`` and ``names`` are then those of the outer tensor, which stays registered as it is."""
+
+    __slots__ = ("tensor", "slots", "names", "owners")
 
     def __init__(self, tensor):
         self.tensor = tensor
         self.slots = []
         self.names = []
+        self.owners = []
 
 
 class StorageGroup(list):
@@ -283,18 +289,29 @@ def collect_groups(model: nn.Module) -> list:
             for attr, t in table.items():
                 if t is None:
                     continue
-                member = members.get(id(t))
-                if member is None:
-                    member = members[id(t)] = Member(t)
                 name = f"{prefix}.{attr}" if prefix else attr
-                if (module, attr) not in [(m, a) for m, a, _ in member.slots]:
-                    member.slots.append((module, attr, is_buffer))
-                if name not in member.names:
-                    member.names.append(name)
+                for tensor, owner in _leaf_members(t, name):
+                    member = members.get(id(tensor))
+                    if member is None:
+                        member = members[id(tensor)] = Member(tensor)
+                    if (module, attr) not in [(m, a) for m, a, _ in member.slots]:
+                        member.slots.append((module, attr, is_buffer))
+                    if name not in member.names:
+                        member.names.append(name)
+                    if owner is not None and not any(o is owner[0] and a == owner[1] for o, a in member.owners):
+                        member.owners.append(owner)
     groups = {}
     for member in members.values():
         groups.setdefault(_storage_key(member.tensor), StorageGroup()).append(member)
     return list(groups.values())
+
+
+def _leaf_members(t: torch.Tensor, name: str):
+    """``(tensor, None)`` for a plain (or offloaded) tensor, ``(leaf, (owner, attribute))`` for
+    each plain leaf of a wrapper subclass: placement sees, and counts, the leaves' bytes."""
+    if leaves.is_leaf(t):
+        return [(t, None)]
+    return [(leaf, (owner, attr)) for owner, attr, leaf in leaves.leaves(t, f"'{name}'")]
 
 
 def _is_offloaded(t: torch.Tensor) -> bool:

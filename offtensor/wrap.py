@@ -32,6 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import compile as _compile
 from . import experts
+from . import leaves
 from . import placement
 from .config import OffloadConfig
 from .pager import BudgetError, OffloadStats, Pager, covering_range, pins_host_memory, resolve_device
@@ -167,6 +168,9 @@ def _swap(member: Member, new: torch.Tensor) -> None:
     """Make ``member.tensor`` become ``new`` in place, so its identity survives; if PyTorch refuses
     (other C++ references exist), register ``new`` in every slot instead."""
     old = member.tensor
+    if member.owners:
+        _swap_leaf(member, new)
+        return
     # nn.LSTM/GRU/RNN keep weak references to their weights (to notice a re-assigned weight), and
     # swap_tensors refuses a tensor with weak references: drop them for the swap and point them at
     # the same objects afterwards, so the modules see no change of weights.
@@ -186,6 +190,17 @@ def _swap(member: Member, new: torch.Tensor) -> None:
             module.__dict__[attr] = new
         else:
             (module._buffers if is_buffer else module._parameters)[attr] = new
+    member.tensor = new
+
+
+def _swap_leaf(member: Member, new: torch.Tensor) -> None:
+    """A leaf of a wrapper subclass (a DTensor's local shard...) becomes ``new`` in every outer
+    tensor holding it; the outer objects, registered in the modules, stay as they are."""
+    old = member.tensor
+    if new.requires_grad != old.requires_grad:
+        new.requires_grad_(old.requires_grad)  # DTensor keeps its local shard's flag equal to its own
+    for owner, attr in member.owners:
+        leaves.replace_leaf(owner, attr, new)
     member.tensor = new
 
 
@@ -304,7 +319,7 @@ def _untracked_bytes(model: nn.Module, device: torch.device) -> int:
 
 def _resident_storages_of(tensors, device: torch.device) -> dict:
     storages = {}
-    for t in tensors:
+    for t in itertools.chain.from_iterable(map(leaves.leaf_tensors, tensors)):  # a subclass holds its leaves' bytes
         if not isinstance(t, OffloadedTensor) and t.device == device and not t.is_meta:
             key, nbytes = _storage_bytes(t)
             storages[key] = nbytes
@@ -312,11 +327,16 @@ def _resident_storages_of(tensors, device: torch.device) -> dict:
 
 
 def _tensors(model: nn.Module, skip=frozenset()):
+    """The plain tensors holding ``model``'s parameters and buffers: each registered tensor, or
+    the leaves of one that is a wrapper subclass (a DTensor's local shard)."""
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for attr, t in table.items():
                 if t is not None and (not skip or (module, attr) not in skip):
-                    yield t
+                    if leaves.is_leaf(t):
+                        yield t
+                    else:
+                        yield from leaves.leaf_tensors(t)
 
 
 # ---------------------------------------------------------------------------- public API
@@ -492,10 +512,40 @@ def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buff
     if isinstance(t, OffloadedTensor):
         t._master.move_to(pager)
         return None
+    if not leaves.is_leaf(t):
+        _place_leaves(state, module, name, t, is_buffer, full_name, attaching)
+        return None  # the outer object stays registered; its leaves were placed inside it
     if t.is_meta or t.layout != torch.strided:
         return None
     member = Member(t)
     member.slots.append((module, name, is_buffer))
+    return _place_member(state, member, full_name, attaching)
+
+
+def _place_leaves(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buffer: bool, full_name: str,
+                  attaching=None) -> None:
+    """Place each plain leaf of the wrapper subclass ``t`` (a DTensor's local shard, a quantised
+    tensor's data and scales) registered as ``module.name``, replacing it inside its owner. The
+    leaves placed first count as resident beside the later ones."""
+    extra, skip = attaching or ((), frozenset())
+    done = []
+    for owner, attr, leaf in leaves.leaves(t, f"'{full_name}'"):
+        if isinstance(leaf, OffloadedTensor):
+            leaf._master.move_to(state.pager)
+        elif not leaf.is_meta and leaf.layout == torch.strided:
+            member = Member(leaf)
+            member.slots.append((module, name, is_buffer))
+            member.owners.append((owner, attr))
+            _place_member(state, member, full_name, (tuple(extra) + tuple(done), skip))
+            leaf = member.tensor
+        done.append(leaf)
+
+
+def _place_member(state: _State, member: Member, full_name: str, attaching=None):
+    """``_place`` for one plain tensor (``member.tensor``, in the slot ``member.slots[0]``)."""
+    pager = state.pager
+    t = member.tensor
+    module, name, _ = member.slots[0]
     placed = state.placement_of(t)
     if placed is not None:
         view = placed.offloaded_view(t)
@@ -862,10 +912,11 @@ def _after_load(module, incompatible_keys):
         for attr, t in table.items()
         if t is not None and not isinstance(t, OffloadedTensor) and not t.is_meta and t.layout == torch.strided
     ]
-    if all(t.device == pager.device and t.untyped_storage().data_ptr() in state.resident_ptrs for *_, t in plain):
+    held = [leaf for *_, t in plain for leaf in leaves.leaf_tensors(t) if not isinstance(leaf, OffloadedTensor)]
+    if all(t.device == pager.device and t.untyped_storage().data_ptr() in state.resident_ptrs for t in held):
         return  # values were copied into the weights already placed (the usual load_state_dict)
     resident = _resident_bytes(model, pager.device)
-    if all(t.device == pager.device for *_, t in plain) and resident + state.working_set_bytes <= pager.budget_bytes:
+    if all(t.device == pager.device for t in held) and resident + state.working_set_bytes <= pager.budget_bytes:
         pager.budget.recount_resident(resident)
         return
     # Tensors of this module not placed yet do not count as resident while their siblings are placed.
