@@ -88,7 +88,8 @@ class _Placed:
             return None
         module = self.slot[0]()
         t = None if module is None else _slot_tensor(module, self.slot[1])
-        if t is None or isinstance(t, OffloadedTensor) or t.untyped_storage().data_ptr() != self.ptr:
+        if (t is None or isinstance(t, OffloadedTensor) or not leaves.is_leaf(t)  # a subclass: its leaves' slot
+                or t.untyped_storage().data_ptr() != self.ptr):
             return None
         return t
 
