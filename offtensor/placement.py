@@ -77,6 +77,11 @@ class Weight:
     # Whether every use is an index op that pages only the selected rows (the weight of an
     # nn.Embedding and nothing else): offloaded first, whatever its name says.
     indexed: bool = False
+    # Whether it is a table that forward may read in slices: a buffer (no Parameter) of a model's own
+    # module, of two or more dims, as SD3's and DiT's cropped ``pos_embed`` and GPT-2's causal mask
+    # are. Dispatch pages only the elements a view covers, so such a read costs the slice, not the
+    # table; placement counts it so only when the whole table leaves no budget (``choose_placement``).
+    sliced: bool = False
 
     @property
     def name(self) -> str:
@@ -264,7 +269,9 @@ class StorageGroup(list):
             isinstance(module, nn.Embedding) and attr == "weight" and module.max_norm is None for module, attr in slots
         )
         shape = tuple(self[0].tensor.shape)
-        return Weight(names, nbytes, shape, working_set(names[0], shape, nbytes, indexed), fused, indexed)
+        sliced = (not fused and len(shape) >= 2 and all(is_buffer for m in self for *_, is_buffer in m.slots)
+                  and bool(slots))
+        return Weight(names, nbytes, shape, working_set(names[0], shape, nbytes, indexed), fused, indexed, sliced)
 
 
 def is_expanded(t: torch.Tensor) -> bool:
@@ -417,8 +424,46 @@ def choose_placement(weights: Sequence[Weight], budget_bytes: Optional[int], off
     if no budget was given, the budget becomes what stays resident plus room to page.
 
     A budget too small for the largest whole working set is chosen again with tile working sets:
-    the smallest budget accepted is the largest tile one op needs, not the largest weight.
+    the smallest budget accepted is the largest tile one op needs, not the largest weight. One that
+    is too small even so, because of a table forward may read in slices (``Weight.sliced``), is
+    chosen again with such tables counted at the least a read of them pages (``slice_working_set``).
     """
+    try:
+        return _choose_whole_or_tiled(weights, budget_bytes, offload_bytes, policy, prefetch)
+    except BudgetError as e:
+        error = e
+    trial = [dataclasses.replace(w, working_set=slice_working_set(w)) if w.sliced else w for w in weights]
+    if all(t.working_set == w.working_set for t, w in zip(trial, weights)):
+        raise error
+    try:
+        chosen = _choose_whole_or_tiled(trial, budget_bytes, offload_bytes, policy, prefetch)
+    except BudgetError:
+        raise error from None  # the error about whole tables: slicing them did not help
+    original = {id(t): w for t, w in zip(trial, weights)}
+    chosen.offload = [original[id(t)] for t in chosen.offload]
+    chosen.resident = [original[id(t)] for t in chosen.resident]
+    tables = [w for w in chosen.offload if w.sliced and w.working_set + chosen.resident_bytes > chosen.budget_bytes]
+    if tables:
+        names = ", ".join(f"'{w.name}' ({w.nbytes} bytes)" for w in tables[:3]) + (" ..." if len(tables) > 3 else "")
+        warnings.warn(
+            f"offtensor: {names} cannot be paged whole within the budget of {chosen.budget_bytes} bytes, so it is "
+            f"offloaded as a table that forward reads in slices (a buffer of the model's own module), each read paging "
+            f"only its slice; an op that reads more of it at once than the "
+            f"{chosen.budget_bytes - chosen.resident_bytes} bytes of room raises BudgetError naming it",
+            UserWarning, stacklevel=4)
+    return chosen
+
+
+def slice_working_set(w: Weight) -> int:
+    """The least one read of a table in slices pages: one slice along its longest dim (dispatch
+    gathers exactly the elements a view covers)."""
+    longest = max(w.shape, default=1)
+    return w.nbytes // longest if longest > 0 else w.working_set
+
+
+def _choose_whole_or_tiled(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: Optional[int],
+                           policy: Policy, prefetch: bool) -> Placement:
+    """``choose_placement`` with whole working sets, else tiled ones (``TILE_ALIGN``, then 1 slice)."""
     try:
         return _choose_untiled(weights, budget_bytes, offload_bytes, policy, prefetch)
     except BudgetError as whole_error:
