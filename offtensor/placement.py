@@ -82,6 +82,12 @@ class Weight:
     # are. Dispatch pages only the elements a view covers, so such a read costs the slice, not the
     # table; placement counts it so only when the whole table leaves no budget (``choose_placement``).
     sliced: bool = False
+    # Whether dispatch may compute its ops in output tiles: a plain weight, read by linear, mm, bmm
+    # and convolution, or a leaf of a wrapper subclass that has the outer tensor's dtype (a
+    # DTensor's local shard: the subclass runs the same op on it). A leaf of another dtype (a
+    # torchao tensor's int8 or float8 qdata) is read by the subclass's own kernels (dequantise,
+    # int8 mm), which dispatch never tiles: it is paged whole.
+    tileable: bool = True
 
     @property
     def name(self) -> str:
@@ -271,7 +277,14 @@ class StorageGroup(list):
         shape = tuple(self[0].tensor.shape)
         sliced = (not fused and len(shape) >= 2 and all(is_buffer for m in self for *_, is_buffer in m.slots)
                   and bool(slots))
-        return Weight(names, nbytes, shape, working_set(names[0], shape, nbytes, indexed), fused, indexed, sliced)
+        tileable = all(leaf_is_tileable(m.tensor, m.owners) for m in self)
+        return Weight(names, nbytes, shape, working_set(names[0], shape, nbytes, indexed), fused, indexed, sliced,
+                      tileable)
+
+
+def leaf_is_tileable(t: torch.Tensor, owners) -> bool:
+    """``Weight.tileable`` for a tensor held by ``owners`` (outer tensor, attribute) pairs."""
+    return all(t.dtype == owner.dtype for owner, _ in owners)
 
 
 def is_expanded(t: torch.Tensor) -> bool:
@@ -495,7 +508,7 @@ def _choose_tiled(weights: Sequence[Weight], budget_bytes, offload_bytes, policy
     slices, 1, 2, 4... of them: the others keep room for their whole working set (one op, one page,
     no tiles). The last BudgetError when no count fits."""
     tileable = sorted(
-        (w for w in weights if tile_working_set(w.shape, w.nbytes, w.working_set, slices) < w.working_set),
+        (w for w in weights if w.tileable and tile_working_set(w.shape, w.nbytes, w.working_set, slices) < w.working_set),
         key=lambda w: -w.working_set,
     )
     error = BudgetError(f"offtensor: no weight can be tiled in {slices}-slice tiles to fit {budget_bytes} bytes")

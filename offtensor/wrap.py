@@ -20,6 +20,7 @@ left alone, and ``unwrap_model`` gives every module its own class back.
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import itertools
 import threading
@@ -125,6 +126,8 @@ class _State:
         # assign=True, a new experts module): the pager's expert registry names dead masters and
         # misses the new ones, so it is rebuilt before the next forward or stats read.
         self.experts_stale = False
+        # (module, attribute) slots that ``on_host`` lent a host stand-in: not resident weights.
+        self.lent_slots: frozenset = frozenset()
 
     def refresh_experts(self) -> None:
         self.experts_stale = False
@@ -563,7 +566,7 @@ def _place_member(state: _State, member: Member, full_name: str, attaching=None)
     if model is None:
         return None  # the wrapped model is gone; nothing left to account against
     extra, skip = attaching or ((), frozenset())
-    skip = skip | {(module, name)}
+    skip = skip | {(module, name)} | state.lent_slots
     storages = _resident_storages(model, pager.device, skip, extra)
     resident = sum(storages.values())
     nbytes = t.numel() * t.element_size()
@@ -593,7 +596,7 @@ def _place_member(state: _State, member: Member, full_name: str, attaching=None)
         state.resident_ptrs.add(t.untyped_storage().data_ptr())
         pager.budget.hold_resident(with_t)
         return None
-    _reserve_paging_room(state, full_name, t, resident)
+    _reserve_paging_room(state, full_name, t, resident, tileable=placement.leaf_is_tileable(t, member.owners))
     member.names.append(full_name)
     source = t.detach()
     _offload_group(StorageGroup([member]), pager)
@@ -602,15 +605,17 @@ def _place_member(state: _State, member: Member, full_name: str, attaching=None)
     return member.tensor
 
 
-def _reserve_paging_room(state: _State, full_name: str, t: torch.Tensor, resident: int, kind: str = "") -> None:
+def _reserve_paging_room(state: _State, full_name: str, t: torch.Tensor, resident: int, kind: str = "",
+                         tileable: bool = True) -> None:
     """Before ``t`` is offloaded beside ``resident`` bytes of resident weights: make sure the budget
     can page it, whole or in tiles (dispatch computes linear, mm, bmm and conv ops on a weight larger
-    than the room in output tiles), and reserve that working set."""
+    than the room in output tiles), and reserve that working set. ``tileable=False``: a leaf of a
+    wrapper subclass, read whole by the subclass's kernels (``placement.Weight.tileable``)."""
     pager = state.pager
     nbytes = placement.tensor_bytes(t)  # offloading keeps an expanded tensor's stride-0 layout
     ws = placement.working_set(full_name, tuple(t.shape), nbytes)
     narrow = False
-    for slices in (placement.TILE_ALIGN, 1):  # bit-identical tiles first (see tile_working_set)
+    for slices in (placement.TILE_ALIGN, 1) if tileable else ():  # bit-identical tiles first (see tile_working_set)
         if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
             ws = placement.tile_working_set(tuple(t.shape), nbytes, ws, slices)
             narrow = slices < placement.TILE_ALIGN
@@ -681,6 +686,49 @@ def _attach_submodule(state: _State, module: nn.Module, name: str, submodule: nn
                     if new is not None:
                         table[attr] = new
                     placed.append(table[attr])
+
+
+# ---------------------------------------------------------------------------- host reads
+
+
+@contextlib.contextmanager
+def on_host(model: nn.Module):
+    """``with ot.on_host(model): quantize_(model, Int8WeightOnlyConfig())``: inside, each
+    offloaded parameter and buffer of the wrapped ``model`` reads as its host master (a plain CPU
+    tensor viewing the master's memory, dressed as the same Parameter class, no copy), so a
+    transform that reads whole weights to replace them (quantisation, repacking) computes from host
+    memory instead of paging each weight whole onto the device, which a weight larger than the room
+    cannot be. What the transform assigns is placed as usual: offloaded straight from host memory,
+    or moved to the device when it fits. On leaving, each slot the transform did not replace gets
+    its OffloadedTensor back; masters written in place are seen by the next forward (their cached
+    device copies are dropped). Not for forwards: on a GPU the weights are host tensors inside."""
+    state = _state(model)
+    pager = state.pager
+    lent = []  # (table, attr, offloaded tensor, host stand-in)
+    stand_ins = {}  # id(offloaded tensor) -> its stand-in: a tensor in two slots (a tie) lends one
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for attr, t in table.items():
+                if isinstance(t, OffloadedTensor):
+                    pager.before_write(t._master)  # no copy may still read a master the transform writes
+                    stand_in = stand_ins.get(id(t))
+                    if stand_in is None:
+                        stand_in = stand_ins[id(t)] = _as_param_like(t, t._host)
+                    lent.append((module, table, attr, t, stand_in))
+    state.lent_slots = frozenset((module, attr) for module, _, attr, _, _ in lent)
+    for _, table, attr, _, stand_in in lent:
+        table[attr] = stand_in
+    try:
+        yield model
+    finally:
+        state.lent_slots = frozenset()
+        for _, table, attr, t, stand_in in lent:
+            if table.get(attr) is stand_in:
+                table[attr] = t
+            pager.before_write(t._master)  # written in place through the stand-in: cached copies are stale
+        if pager.experts is not None:
+            state.experts_stale = True
+        pager.budget.recount_resident(_resident_bytes(model, pager.device))
 
 
 # ---------------------------------------------------------------------------- casts and moves
