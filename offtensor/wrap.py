@@ -957,13 +957,17 @@ def _make_wrapping_class(user_class: type) -> type:
     def add_module(self, name, module):
         _add_submodule(super(cls, self).add_module, self, name, module)
 
-    user_getattr = user_class.__getattr__
+    # distribute_module (parallelize_module) first asks getattr(module, "_distribute_module_applied",
+    # False): a property answers it, refusing a module with offloaded weights. A property, not a
+    # __getattr__, so that forwards (and torch.compile's handling of modules) see no change.
+    def _get_distributed(self):
+        if "_distribute_module_applied" in self.__dict__:
+            return self.__dict__["_distribute_module_applied"]
+        _refuse_distribute(self)
+        raise AttributeError("_distribute_module_applied")
 
-    def __getattr__(self, name):
-        # Only names nn.Module keeps outside __dict__ (submodules, weights) or missing ones get here.
-        if name == "_distribute_module_applied":  # distribute_module's first question
-            _refuse_distribute(self)
-        return user_getattr(self, name)
+    def _set_distributed(self, value):
+        self.__dict__["_distribute_module_applied"] = value
 
     def __reduce_ex__(self, protocol):
         reduced = super(cls, self).__reduce_ex__(protocol)
@@ -977,7 +981,7 @@ def _make_wrapping_class(user_class: type) -> type:
         "__module__": user_class.__module__, "__qualname__": user_class.__qualname__, "__slots__": (),
         "_offtensor_user_class": user_class, "__setattr__": __setattr__, "__delattr__": __delattr__,
         "register_parameter": register_parameter, "register_buffer": register_buffer, "add_module": add_module,
-        "__getattr__": __getattr__,
+        "_distribute_module_applied": property(_get_distributed, _set_distributed),
         "__reduce_ex__": __reduce_ex__,
     }
     cls = type(user_class)(user_class.__name__, (user_class,), namespace)

@@ -300,6 +300,63 @@ def _fsdp(rank: int, mesh) -> dict:
     return r
 
 
+class _CountingSlice:
+    """A safetensors slice that counts the bytes a loader reads through it."""
+
+    def __init__(self, inner, counter: list):
+        self.inner, self.counter = inner, counter
+
+    def get_shape(self):
+        return self.inner.get_shape()
+
+    def __getitem__(self, index):
+        t = self.inner[index]
+        self.counter[0] += t.numel() * t.element_size()
+        return t
+
+
+def _seed(rank: int, out_dir: str) -> dict:
+    """The seed at TP=2: the reference DeepSeek (MLA absorption, routed experts, tied embeddings)
+    with FP8 block-scaled attention and expert weights, built per rank, wrapped with offload_gb per
+    rank, loaded slice by slice through vLLM-style weight loaders, then process_weights_after_loading."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import offtensor as ot
+    from offtensor.models import tp_deepseek
+
+    config = _deepseek_config()
+    path = os.path.join(out_dir, "fp8.safetensors")
+    if rank == 0:
+        save_file(tp_deepseek.checkpoint(config), path)
+    dist.barrier()
+
+    def build(wrap: bool):
+        model = tp_deepseek.build(config, rank, WORLD)
+        if wrap:
+            ot.wrap_model(model, offload_gb=0.1 / 1024, device="cpu")
+        read = [0]
+        with safe_open(path, "pt") as f:
+            tp_deepseek.load_weights(model, ((n, _CountingSlice(f.get_slice(n), read)) for n in f.keys()))
+        tp_deepseek.process_weights_after_loading(model)
+        return model, read[0]
+
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(2))
+    reference, _ = build(wrap=False)
+    ref_tokens = reference.generate(ids, 6)
+    model, read = build(wrap=True)
+    ot.reset_stats(model)
+    tokens = model.generate(ids, 6)
+    s = ot.stats(model)
+    offloaded = _offloaded_leaves(model)
+    return {"tokens_equal": torch.equal(tokens, ref_tokens), "distinct_tokens": len(set(ref_tokens[0, 6:].tolist())),
+            "offloaded_bytes": s.offloaded_bytes, "peak": s.peak_device_bytes, "budget": s.budget_bytes,
+            "master_bytes": sum({id(t._master): t._master.nbytes for t in offloaded.values()}.values()),
+            "fp8_offloaded": any(t.dtype == torch.float8_e4m3fn for t in offloaded.values()),
+            "read_bytes": read, "file_bytes": os.path.getsize(path),
+            "tied": model.lm_head.weight is model.embed_tokens.weight, "absorbed": hasattr(model.layers[0].self_attn, "W_UK")}
+
+
 def _run_ranks(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))
@@ -312,7 +369,7 @@ def _run_ranks(rank: int, init_file: str, out_dir: str) -> None:
         "collectives": lambda: _collectives(rank), "llama_tp": lambda: _llama_tp(rank, mesh),
         "wrap_then_parallelize": lambda: _llama_wrap_then_parallelize(rank, mesh),
         "deepseek_tp": lambda: _deepseek_tp(rank, mesh), "manual_tp": lambda: _manual_tp(rank),
-        "fsdp": lambda: _fsdp(rank, mesh),
+        "fsdp": lambda: _fsdp(rank, mesh), "seed": lambda: _seed(rank, out_dir),
     }
     for name, scenario in scenarios.items():
         try:
@@ -401,3 +458,14 @@ def test_fsdp2_lora_over_an_offloaded_frozen_base_matches_and_sharding_offloaded
         assert r["base_offloaded"] and r["offloaded_bytes"] == 2 * 64 * 64 * 4 and r["peak"] <= r["budget"]
         assert r["refusal"] is not None and "'l1.base.weight' is offloaded" in r["refusal"]
         assert "ignored_params" in r["refusal"] and r["base_still_offloaded"]
+
+
+def test_the_seed_at_tp2_fp8_loaded_slice_by_slice_gives_the_unwrapped_tp_tokens_within_each_ranks_budget(ranks):
+    for rank, r in enumerate(_result(ranks, "seed")):
+        assert r["tokens_equal"] and r["distinct_tokens"] > 1, rank
+        assert r["tied"] and r["absorbed"] and r["fp8_offloaded"]
+        # host masters: exactly its offloaded bytes (absorption freed kv_b_proj's, so a little under offload_gb)
+        assert r["offloaded_bytes"] == r["master_bytes"] > 0.9 * 0.1 / 1024 * GiB
+        assert r["peak"] <= r["budget"]
+        # each rank read its slices only: a little over half of the file (replicated tensors read whole)
+        assert r["read_bytes"] < 0.75 * r["file_bytes"]
