@@ -1082,6 +1082,7 @@ def _register_tensor(register, module: nn.Module, table: dict, name: str, t, is_
     if state is None or t is None:
         return register(name, t)
     before = table.get(name, _ABSENT)
+    _refuse_sharding_an_offloaded_weight(state, module, name, before, t)
     register(name, t)
     try:
         new = _place(state, module, name, t, is_buffer)
@@ -1093,6 +1094,51 @@ def _register_tensor(register, module: nn.Module, table: dict, name: str, t, is_
         raise
     if new is not None:
         table[name] = new
+
+
+def _is_dtensor(t) -> bool:
+    dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None) if torch.distributed.is_available() else None
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+def _refuse_sharding_an_offloaded_weight(state: _State, module: nn.Module, name: str, before, t) -> None:
+    """An offloaded weight replaced by a DTensor whose local shard is a plain tensor: FSDP2's
+    ``fully_shard`` does that to every weight it manages, and keeps its own copy of each shard to
+    all-gather from, so offloading the shard would leave that copy on the device unaccounted (and
+    stale after an optimizer step). Refused before the slot changes, naming the weight."""
+    if not (isinstance(before, OffloadedTensor) and _is_dtensor(t)):
+        return
+    if all(isinstance(leaf, OffloadedTensor) for leaf in leaves.leaf_tensors(t)):
+        return  # DTensor.from_local on an offloaded shard: nothing leaves host memory
+    full_name = state.qualified_name(module, name)
+    raise RuntimeError(
+        f"offtensor: '{full_name}' is offloaded ({before.host_nbytes} bytes of host master) and is being replaced by "
+        f"a DTensor with a plain local shard on {t.device}, which is what FSDP2's fully_shard (and distribute_tensor) "
+        f"do to a wrapped model's weights: the shard would leave host memory, and FSDP2 all-gathers from a copy of its "
+        f"own. FSDP2 over offloaded weights is not supported: keep them out of it with fully_shard(module, "
+        f"ignored_params={{...}}) (the frozen base of LoRA training), or for tensor parallelism run parallelize_module "
+        f"first and ot.wrap_model after, on each rank. '{full_name}' was left as it was."
+    )
+
+
+def _refuse_distribute(module: nn.Module) -> None:
+    """``distribute_module`` (``parallelize_module``) asks a wrapped module whether it was
+    distributed before it scatters any weight; an offloaded weight would reach gloo/NCCL inside a
+    ``Tensor[][]`` argument, which the dispatcher never hands to the OffloadedTensor (rank 0 died
+    of SIGSEGV). Refused there, before anything moves."""
+    state = _WRAPPED.get(module)
+    offloaded = [
+        (n, t) for n, t in itertools.chain(module.named_parameters(), module.named_buffers())
+        if any(isinstance(leaf, OffloadedTensor) for leaf in leaves.leaf_tensors(t))
+    ] if state is not None else []
+    if offloaded:
+        name, t = offloaded[0]
+        raise RuntimeError(
+            f"offtensor: {type(module).__name__} '{state.qualified_name(module, name).rsplit('.', 1)[0]}' of a wrapped "
+            f"model is being parallelized (distribute_module / parallelize_module) while {len(offloaded)} of its "
+            f"weights are offloaded ('{name}', {t.numel() * t.element_size()} bytes): parallelize first, then call "
+            f"ot.wrap_model on each rank, so that each rank's host masters hold only its shard"
+        )
 
 
 def _add_submodule(add_module, module: nn.Module, name: str, submodule) -> None:
@@ -1164,6 +1210,18 @@ def _make_wrapping_class(user_class: type) -> type:
     def _apply(self, fn, recurse=True):
         return _apply_to_wrapped(super(cls, self)._apply, self, fn, recurse)
 
+    # distribute_module (parallelize_module) first asks getattr(module, "_distribute_module_applied",
+    # False): a property answers it, refusing a module with offloaded weights. A property, not a
+    # __getattr__, so that forwards (and torch.compile's handling of modules) see no change.
+    def _get_distributed(self):
+        if "_distribute_module_applied" in self.__dict__:
+            return self.__dict__["_distribute_module_applied"]
+        _refuse_distribute(self)
+        raise AttributeError("_distribute_module_applied")
+
+    def _set_distributed(self, value):
+        self.__dict__["_distribute_module_applied"] = value
+
     def __reduce_ex__(self, protocol):
         reduced = super(cls, self).__reduce_ex__(protocol)
         if isinstance(reduced, tuple) and reduced[0] is copyreg.__newobj__ and reduced[1] == (cls,):
@@ -1176,7 +1234,8 @@ def _make_wrapping_class(user_class: type) -> type:
         "__module__": user_class.__module__, "__qualname__": user_class.__qualname__, "__slots__": (),
         "_offtensor_user_class": user_class, "__setattr__": __setattr__, "__delattr__": __delattr__,
         "register_parameter": register_parameter, "register_buffer": register_buffer, "add_module": add_module,
-        "_apply": _apply, "__reduce_ex__": __reduce_ex__,
+        "_apply": _apply, "_distribute_module_applied": property(_get_distributed, _set_distributed),
+        "__reduce_ex__": __reduce_ex__,
     }
     cls = type(user_class)(user_class.__name__, (user_class,), namespace)
     return cls
