@@ -11,7 +11,7 @@ from .pager import BudgetError, OffloadStats
 from .loading import CheckpointError, from_pretrained, load_safetensors
 from .tensor import OffloadedTensor, add_safe_globals, offload, safe_globals
 from .timeline import PROFILES, Profile, Replay, Timeline, get_profile, measure_profile, plan, timeline
-from .wrap import reset_stats, stats, unwrap_model, wrap_model
+from .wrap import on_host, reset_stats, stats, unwrap_model, wrap_model
 
 __all__ = [
     "OffloadedTensor",
@@ -20,6 +20,7 @@ __all__ = [
     "add_safe_globals",
     "wrap_model",
     "unwrap_model",
+    "on_host",
     "stats",
     "reset_stats",
     "load_safetensors",

@@ -309,6 +309,8 @@ def _as_tuple(out, n):
 def _classify(func):
     if func.name() == "transformers::grouped_mm_fallback":
         return _grouped_mm_fallback
+    if func.namespace in _COLLECTIVE_NAMESPACES:
+        return _Collective(func)
     schema = func._schema
     if torch.Tag.inplace_view in func.tags:
         return _inplace_view
@@ -597,6 +599,103 @@ def _in_pieces_when_short(func, handler):
     if func.name().startswith("aten::_foreach_") and arguments and isinstance(arguments[0].type, torch.ListType):
         return _ForeachInPieces(func, handler)
     return handler
+
+
+# ---------------------------------------------------------------------------- collectives
+
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+
+# The arguments each c10d op writes. Their schemas declare no write alias (the ops return their
+# tensors and a Work instead), so without this table a broadcast or all_reduce into an
+# OffloadedTensor would run on a paged copy and be thrown away.
+_C10D_WRITES = {
+    "broadcast_": ("tensors",), "allreduce_": ("tensors",), "allreduce_coalesced_": ("tensors",),
+    "reduce_": ("tensors",), "recv_": ("tensors",), "recv_any_source_": ("tensors",),
+    "allgather_": ("output_tensors",), "_allgather_base_": ("output_tensor",), "allgather_coalesced_": ("output_lists",),
+    "allgather_into_tensor_coalesced_": ("outputs",), "reduce_scatter_": ("output_tensors",),
+    "_reduce_scatter_base_": ("output_tensor",), "reduce_scatter_tensor_coalesced_": ("outputs",),
+    "gather_": ("output_tensors",), "scatter_": ("output_tensors",), "alltoall_": ("output_tensors",),
+    "alltoall_base_": ("output",), "send": (), "barrier": (), "monitored_barrier_": (),
+}
+
+
+class _Collective:
+    """A c10d or functional collective with OffloadedTensor arguments, at any list depth
+    (``scatter_`` takes ``Tensor[][]``): each is paged (privately where the op writes it), the op
+    runs and is waited for, so the paged copies and their host sources outlive the transfer, and
+    written arguments go back to their host masters; the results name the OffloadedTensors again.
+
+    An asynchronous collective (``async_op=True``) on an OffloadedTensor therefore completes before
+    it returns: its write-back needs the transfer done, and no hook runs when a Work completes."""
+
+    def __init__(self, func):
+        self.func = func
+        names = [a.name for a in func._schema.arguments]
+        if func.namespace == "c10d":
+            writes = _C10D_WRITES.get(func._opname)
+        else:  # functional collectives declare their writes (all_reduce_, the out= variants)
+            writes = tuple(a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write)
+        self.written = None if writes is None else {i for i, n in enumerate(names) if n in writes} | set(writes)
+        self.__name__ = f"collective({func})"
+
+    def __call__(self, func, types, args, kwargs):
+        if self.written is None:
+            raise NotImplementedError(
+                f"offtensor: {func} with an OffloadedTensor argument is not supported: which of its arguments it "
+                f"writes is not known. Run it on t.materialize() and copy_ the result back into the OffloadedTensor"
+            )
+        paged = _Paged()
+        originals = {}  # id(paged copy of a written argument) -> its OffloadedTensor
+        try:
+            new_args = [_page_nested(paged, a, i in self.written, originals) for i, a in enumerate(args)]
+            new_kwargs = {k: _page_nested(paged, v, k in self.written, originals) for k, v in kwargs.items()}
+            out = func(*new_args, **new_kwargs)
+            out = _wait_collective(out, func.namespace != "c10d")
+            for t, device_copy in paged.private:
+                _write_back(t, device_copy)
+        finally:
+            paged.release()
+        return _restore_nested(out, originals)
+
+
+def _page_nested(paged: _Paged, value, written: bool, originals: dict):
+    if isinstance(value, OffloadedTensor):
+        copy = paged.page(value, written)
+        if written:
+            originals[id(copy)] = value
+        return copy
+    if isinstance(value, (list, tuple)):
+        return type(value)(_page_nested(paged, v, written, originals) for v in value)
+    return value
+
+
+def _restore_nested(value, originals: dict):
+    if isinstance(value, torch.Tensor):
+        return originals.get(id(value), value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_restore_nested(v, originals) for v in value)
+    return value
+
+
+def _wait_collective(out, functional: bool):
+    """Block until a collective's transfer is done: its ``Work`` (c10d), or each tensor a
+    functional collective returned (``wait_tensor``). Returns ``out`` with each Work replaced by
+    a completed one: gloo's send/recv Work waits for a further transfer if waited on twice, and
+    the caller (``dist.send``, the user's ``work.wait()``) waits again."""
+    if isinstance(out, (list, tuple)):
+        return type(out)(_wait_collective(v, functional) for v in out)
+    if isinstance(out, torch.Tensor):
+        if functional:
+            torch.ops._c10d_functional.wait_tensor(out)
+        return out
+    if isinstance(out, torch.ScriptObject) and hasattr(out, "wait"):
+        out.wait()
+        from torch._C._distributed_c10d import _create_work_from_future
+
+        done = torch.futures.Future()
+        done.set_result([])
+        return _create_work_from_future(done).boxed()
+    return out
 
 
 # ---------------------------------------------------------------------------- tiling past the budget

@@ -29,6 +29,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import nn
 
+from . import leaves
 from .config import OffloadConfig, Policy
 from .dispatch import TILE_ALIGN  # the tile width dispatch cuts; room is planned for it
 from .pager import GiB, BudgetError, host_layout
@@ -76,6 +77,17 @@ class Weight:
     # Whether every use is an index op that pages only the selected rows (the weight of an
     # nn.Embedding and nothing else): offloaded first, whatever its name says.
     indexed: bool = False
+    # Whether it is a table that forward may read in slices: a buffer (no Parameter) of a model's own
+    # module, of two or more dims, as SD3's and DiT's cropped ``pos_embed`` and GPT-2's causal mask
+    # are. Dispatch pages only the elements a view covers, so such a read costs the slice, not the
+    # table; placement counts it so only when the whole table leaves no budget (``choose_placement``).
+    sliced: bool = False
+    # Whether dispatch may compute its ops in output tiles: a plain weight, read by linear, mm, bmm
+    # and convolution, or a leaf of a wrapper subclass that has the outer tensor's dtype (a
+    # DTensor's local shard: the subclass runs the same op on it). A leaf of another dtype (a
+    # torchao tensor's int8 or float8 qdata) is read by the subclass's own kernels (dequantise,
+    # int8 mm), which dispatch never tiles: it is paged whole.
+    tileable: bool = True
 
     @property
     def name(self) -> str:
@@ -200,14 +212,19 @@ def tile_working_set(shape: tuple, nbytes: int, working_set: int, slices: int = 
 
 class Member:
     """One tensor object and every (module, attribute, is_buffer) slot it is registered in;
-    ``is_buffer`` is None for a plain tensor attribute."""
+    ``is_buffer`` is None for a plain tensor attribute.
 
-    __slots__ = ("tensor", "slots", "names")
+    A leaf of a wrapper subclass (a DTensor's local shard, a torchao tensor's data) is a Member
+    too: ``owners`` lists the (outer tensor, attribute) pairs holding it, and it is replaced there;
+    ``slots`` and ``names`` are then those of the outer tensor, which stays registered as it is."""
+
+    __slots__ = ("tensor", "slots", "names", "owners")
 
     def __init__(self, tensor):
         self.tensor = tensor
         self.slots = []
         self.names = []
+        self.owners = []
 
 
 class StorageGroup(list):
@@ -258,7 +275,16 @@ class StorageGroup(list):
             isinstance(module, nn.Embedding) and attr == "weight" and module.max_norm is None for module, attr in slots
         )
         shape = tuple(self[0].tensor.shape)
-        return Weight(names, nbytes, shape, working_set(names[0], shape, nbytes, indexed), fused, indexed)
+        sliced = (not fused and len(shape) >= 2 and all(is_buffer for m in self for *_, is_buffer in m.slots)
+                  and bool(slots))
+        tileable = all(leaf_is_tileable(m.tensor, m.owners) for m in self)
+        return Weight(names, nbytes, shape, working_set(names[0], shape, nbytes, indexed), fused, indexed, sliced,
+                      tileable)
+
+
+def leaf_is_tileable(t: torch.Tensor, owners) -> bool:
+    """``Weight.tileable`` for a tensor held by ``owners`` (outer tensor, attribute) pairs."""
+    return all(t.dtype == owner.dtype for owner, _ in owners)
 
 
 def is_expanded(t: torch.Tensor) -> bool:
@@ -283,18 +309,29 @@ def collect_groups(model: nn.Module) -> list:
             for attr, t in table.items():
                 if t is None:
                     continue
-                member = members.get(id(t))
-                if member is None:
-                    member = members[id(t)] = Member(t)
                 name = f"{prefix}.{attr}" if prefix else attr
-                if (module, attr) not in [(m, a) for m, a, _ in member.slots]:
-                    member.slots.append((module, attr, is_buffer))
-                if name not in member.names:
-                    member.names.append(name)
+                for tensor, owner in _leaf_members(t, name):
+                    member = members.get(id(tensor))
+                    if member is None:
+                        member = members[id(tensor)] = Member(tensor)
+                    if (module, attr) not in [(m, a) for m, a, _ in member.slots]:
+                        member.slots.append((module, attr, is_buffer))
+                    if name not in member.names:
+                        member.names.append(name)
+                    if owner is not None and not any(o is owner[0] and a == owner[1] for o, a in member.owners):
+                        member.owners.append(owner)
     groups = {}
     for member in members.values():
         groups.setdefault(_storage_key(member.tensor), StorageGroup()).append(member)
     return list(groups.values())
+
+
+def _leaf_members(t: torch.Tensor, name: str):
+    """``(tensor, None)`` for a plain (or offloaded) tensor, ``(leaf, (owner, attribute))`` for
+    each plain leaf of a wrapper subclass: placement sees, and counts, the leaves' bytes."""
+    if leaves.is_leaf(t):
+        return [(t, None)]
+    return [(leaf, (owner, attr)) for owner, attr, leaf in leaves.leaves(t, f"'{name}'")]
 
 
 def _is_offloaded(t: torch.Tensor) -> bool:
@@ -400,8 +437,46 @@ def choose_placement(weights: Sequence[Weight], budget_bytes: Optional[int], off
     if no budget was given, the budget becomes what stays resident plus room to page.
 
     A budget too small for the largest whole working set is chosen again with tile working sets:
-    the smallest budget accepted is the largest tile one op needs, not the largest weight.
+    the smallest budget accepted is the largest tile one op needs, not the largest weight. One that
+    is too small even so, because of a table forward may read in slices (``Weight.sliced``), is
+    chosen again with such tables counted at the least a read of them pages (``slice_working_set``).
     """
+    try:
+        return _choose_whole_or_tiled(weights, budget_bytes, offload_bytes, policy, prefetch)
+    except BudgetError as e:
+        error = e
+    trial = [dataclasses.replace(w, working_set=slice_working_set(w)) if w.sliced else w for w in weights]
+    if all(t.working_set == w.working_set for t, w in zip(trial, weights)):
+        raise error
+    try:
+        chosen = _choose_whole_or_tiled(trial, budget_bytes, offload_bytes, policy, prefetch)
+    except BudgetError:
+        raise error from None  # the error about whole tables: slicing them did not help
+    original = {id(t): w for t, w in zip(trial, weights)}
+    chosen.offload = [original[id(t)] for t in chosen.offload]
+    chosen.resident = [original[id(t)] for t in chosen.resident]
+    tables = [w for w in chosen.offload if w.sliced and w.working_set + chosen.resident_bytes > chosen.budget_bytes]
+    if tables:
+        names = ", ".join(f"'{w.name}' ({w.nbytes} bytes)" for w in tables[:3]) + (" ..." if len(tables) > 3 else "")
+        warnings.warn(
+            f"offtensor: {names} cannot be paged whole within the budget of {chosen.budget_bytes} bytes, so it is "
+            f"offloaded as a table that forward reads in slices (a buffer of the model's own module), each read paging "
+            f"only its slice; an op that reads more of it at once than the "
+            f"{chosen.budget_bytes - chosen.resident_bytes} bytes of room raises BudgetError naming it",
+            UserWarning, stacklevel=4)
+    return chosen
+
+
+def slice_working_set(w: Weight) -> int:
+    """The least one read of a table in slices pages: one slice along its longest dim (dispatch
+    gathers exactly the elements a view covers)."""
+    longest = max(w.shape, default=1)
+    return w.nbytes // longest if longest > 0 else w.working_set
+
+
+def _choose_whole_or_tiled(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: Optional[int],
+                           policy: Policy, prefetch: bool) -> Placement:
+    """``choose_placement`` with whole working sets, else tiled ones (``TILE_ALIGN``, then 1 slice)."""
     try:
         return _choose_untiled(weights, budget_bytes, offload_bytes, policy, prefetch)
     except BudgetError as whole_error:
@@ -433,7 +508,7 @@ def _choose_tiled(weights: Sequence[Weight], budget_bytes, offload_bytes, policy
     slices, 1, 2, 4... of them: the others keep room for their whole working set (one op, one page,
     no tiles). The last BudgetError when no count fits."""
     tileable = sorted(
-        (w for w in weights if tile_working_set(w.shape, w.nbytes, w.working_set, slices) < w.working_set),
+        (w for w in weights if w.tileable and tile_working_set(w.shape, w.nbytes, w.working_set, slices) < w.working_set),
         key=lambda w: -w.working_set,
     )
     error = BudgetError(f"offtensor: no weight can be tiled in {slices}-slice tiles to fit {budget_bytes} bytes")

@@ -20,6 +20,7 @@ from copy import deepcopy as _deepcopy
 import torch
 
 from . import _ext
+from . import leaves as _leaves
 from .pager import Master, Pager, master_for, pins_host_memory, registered_master, resolve_device
 
 _is_compiling = torch.compiler.is_compiling
@@ -40,6 +41,8 @@ class OffloadedTensor(torch.Tensor):
 
     _host: torch.Tensor
     _master: Master
+    # A leaf to leaves.py although it has __tensor_flatten__: its inner host view is no device value.
+    _OFFTENSOR_LEAF = True
     # What ops do (dispatch.torch_dispatch), set by dispatch.py: set_op_handlers.
     _op_dispatch = None
 
@@ -300,12 +303,14 @@ def _dense_strides(t: torch.Tensor):
     return strides
 
 
-def new_host_master(t: torch.Tensor, pin: bool) -> torch.Tensor:
+def new_host_master(t: torch.Tensor, pin: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An exact-size host copy of ``t`` (same shape, dtype and memory order), backed by the
-    extension's page-aligned allocation."""
-    nbytes = t.numel() * t.element_size()
+    extension's page-aligned allocation. With ``dtype``: ``t``'s values cast to it, the copy
+    converting element by element (no whole temporary of either dtype)."""
+    dtype = t.dtype if dtype is None else dtype
+    nbytes = t.numel() * dtype.itemsize
     raw = _ext.alloc_host(nbytes, pin=pin)
-    flat = raw.view(t.dtype) if nbytes else torch.empty(0, dtype=t.dtype)
+    flat = raw.view(dtype) if nbytes else torch.empty(0, dtype=dtype)
     strides = _dense_strides(t)
     host = flat.as_strided(t.shape, strides) if strides is not None else flat.view(t.shape)
     with torch.no_grad():
@@ -335,7 +340,12 @@ def check_offloadable(t, what: str = "tensor") -> None:
             f"call .to_dense() first"
         )
     if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-        raise TypeError(f"offtensor: cannot offload {what} of subclass {type(t).__name__}")
+        _leaves.check_flattenable(t, what)  # a wrapper without the protocol: that error names the class
+        raise TypeError(
+            f"offtensor: cannot offload {what} of subclass {type(t).__name__} as it is: only plain tensors, "
+            f"Parameters and the plain leaves of traceable wrapper subclasses (ot.offload and wrap_model walk "
+            f"__tensor_flatten__) are offloaded; pass a plain tensor (t.as_subclass(torch.Tensor))"
+        )
 
 
 def offload(t: torch.Tensor, device=None, *, pager: Pager | None = None) -> OffloadedTensor:
@@ -355,11 +365,15 @@ def offload(t: torch.Tensor, device=None, *, pager: Pager | None = None) -> Offl
             f"offtensor: tensor of shape {tuple(t.shape)} is already offloaded to {t.device}; "
             f"cannot offload it again to {target}"
         )
-    check_offloadable(t)
     if pager is None:
         pager = Pager.default(resolve_device(device))
     elif device is not None and resolve_device(device) != pager.device:
         raise ValueError(f"offtensor: device {device} does not match the pager's device {pager.device}")
+    if _leaves.is_wrapper(t):
+        # A DTensor, a torchao tensor...: a new object of its class whose plain leaves are offloaded
+        # (the OffloadedTensor is the leaf, never around the subclass).
+        return _leaves.rebuild(t, lambda leaf: offload(leaf, pager=pager))
+    check_offloadable(t)
     host = new_host_master(t, pin=pins_host_memory(pager.device))
     return wrap_host(host, pager, requires_grad=t.requires_grad)
 

@@ -20,6 +20,7 @@ left alone, and ``unwrap_model`` gives every module its own class back.
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import itertools
 import threading
@@ -32,6 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import compile as _compile
 from . import experts
+from . import leaves
 from . import placement
 from .config import OffloadConfig
 from .pager import BudgetError, OffloadStats, Pager, covering_range, pins_host_memory, resolve_device
@@ -49,21 +51,61 @@ _WRAPPED: "weakref.WeakKeyDictionary[nn.Module, _State]" = weakref.WeakKeyDictio
 class _Placed:
     """Where a tensor assigned after wrapping went, keyed by the storage it came from, so that a
     second tensor over that storage (``load_state_dict(assign=True)`` wraps each key of a tied pair
-    in its own Parameter) becomes a view of the same placement instead of a second copy."""
+    in its own Parameter) becomes a view of the same placement instead of a second copy.
 
-    __slots__ = ("source", "target", "dtype", "lo", "hi", "view", "base")
+    It holds no reference to the placed tensor object itself, not even a weak one: torch's
+    ``swap_tensors`` (``Module.to`` under ``set_swap_module_params_on_conversion``, and for every
+    wrapper-subclass parameter, as peft's ``module.to(weight.device)`` does) refuses a tensor with
+    weak references. An offloaded placement is found again through its host master (weakly held;
+    it dies with its last view), a resident one through the module slot it was registered in."""
 
-    def __init__(self, source: torch.Tensor, target: torch.Tensor):
+    __slots__ = ("source", "master", "slot", "ptr", "dtype", "lo", "hi", "view", "base")
+
+    def __init__(self, source: torch.Tensor, target: torch.Tensor, module: nn.Module, name: str):
         self.source = StorageWeakRef(source.untyped_storage())
-        self.target = weakref.ref(target)
         self.dtype = source.dtype
         self.lo, self.hi = covering_range(source)
         self.view = (tuple(source.shape), source.stride(), source.storage_offset())
-        # target storage offset - source storage offset, the same for every element of [lo, hi)
         if isinstance(target, OffloadedTensor):
+            self.master, self.slot, self.ptr = weakref.ref(target._master), None, 0
+            # target storage offset - source storage offset, the same for every element of [lo, hi)
             self.base = target._host.storage_offset() - source.storage_offset()
         else:
-            self.base = 0
+            self.master, self.slot, self.base = None, (weakref.ref(module), name), 0
+            self.ptr = target.untyped_storage().data_ptr()
+
+    def offloaded_view(self, t: torch.Tensor) -> Optional[OffloadedTensor]:
+        """``t`` (a view of the source storage) as a view of the offloaded placement, or None."""
+        master = self.master() if self.master is not None else None
+        if master is None or master.flat is None:
+            return None
+        host = torch.empty(0, dtype=t.dtype).set_(master.flat.untyped_storage(), t.storage_offset() + self.base,
+                                                  t.shape, t.stride())
+        return OffloadedTensor(host, master)
+
+    def resident(self) -> Optional[torch.Tensor]:
+        """The resident placement, while its slot still holds a tensor over the placed storage."""
+        if self.slot is None:
+            return None
+        module = self.slot[0]()
+        t = None if module is None else _slot_tensor(module, self.slot[1])
+        if (t is None or isinstance(t, OffloadedTensor) or not leaves.is_leaf(t)  # a subclass: its leaves' slot
+                or t.untyped_storage().data_ptr() != self.ptr):
+            return None
+        return t
+
+    def alive(self) -> bool:
+        if self.source.expired():
+            return False
+        return self.master() is not None if self.master is not None else self.resident() is not None
+
+
+def _slot_tensor(module: nn.Module, name: str) -> Optional[torch.Tensor]:
+    for table in (module._parameters, module._buffers, module.__dict__):
+        t = table.get(name)
+        if isinstance(t, torch.Tensor):
+            return t
+    return None
 
 
 class _State:
@@ -84,6 +126,8 @@ class _State:
         # assign=True, a new experts module): the pager's expert registry names dead masters and
         # misses the new ones, so it is rebuilt before the next forward or stats read.
         self.experts_stale = False
+        # (module, attribute) slots that ``on_host`` lent a host stand-in: not resident weights.
+        self.lent_slots: frozenset = frozenset()
 
     def refresh_experts(self) -> None:
         self.experts_stale = False
@@ -105,12 +149,12 @@ class _State:
             return f"{type(module).__name__}.{attr}"
         return f"{prefix}.{attr}" if prefix else attr
 
-    def remember(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        self.placed[source.untyped_storage()._cdata] = _Placed(source, target)
+    def remember(self, source: torch.Tensor, target: torch.Tensor, module: nn.Module, name: str) -> None:
+        self.placed[source.untyped_storage()._cdata] = _Placed(source, target, module, name)
 
     def placement_of(self, t: torch.Tensor):
         """The tensor that an earlier placement of ``t``'s storage produced, if ``t`` lies inside it."""
-        for key in [k for k, p in self.placed.items() if p.source.expired() or p.target() is None]:
+        for key in [k for k, p in self.placed.items() if not p.alive()]:
             del self.placed[key]
         placed = self.placed.get(t.untyped_storage()._cdata)
         if placed is None or placed.dtype != t.dtype or not t.numel():
@@ -184,6 +228,9 @@ def _swap(member: Member, new: torch.Tensor) -> None:
     """Make ``member.tensor`` become ``new`` in place, so its identity survives; if PyTorch refuses
     (other C++ references exist), register ``new`` in every slot instead."""
     old = member.tensor
+    if member.owners:
+        _swap_leaf(member, new)
+        return
     # nn.LSTM/GRU/RNN keep weak references to their weights (to notice a re-assigned weight), and
     # swap_tensors refuses a tensor with weak references: drop them for the swap and point them at
     # the same objects afterwards, so the modules see no change of weights.
@@ -205,6 +252,17 @@ def _swap(member: Member, new: torch.Tensor) -> None:
         else:
             (module._buffers if is_buffer else module._parameters)[attr] = new
     _Undo.note("slots", member, old)
+    member.tensor = new
+
+
+def _swap_leaf(member: Member, new: torch.Tensor) -> None:
+    """A leaf of a wrapper subclass (a DTensor's local shard...) becomes ``new`` in every outer
+    tensor holding it; the outer objects, registered in the modules, stay as they are."""
+    old = member.tensor
+    if new.requires_grad != old.requires_grad:
+        new.requires_grad_(old.requires_grad)  # DTensor keeps its local shard's flag equal to its own
+    for owner, attr in member.owners:
+        leaves.replace_leaf(owner, attr, new)
     member.tensor = new
 
 
@@ -325,7 +383,7 @@ def _untracked_bytes(model: nn.Module, device: torch.device) -> int:
 
 def _resident_storages_of(tensors, device: torch.device) -> dict:
     storages = {}
-    for t in tensors:
+    for t in itertools.chain.from_iterable(map(leaves.leaf_tensors, tensors)):  # a subclass holds its leaves' bytes
         if not isinstance(t, OffloadedTensor) and t.device == device and not t.is_meta:
             key, nbytes = _storage_bytes(t)
             storages[key] = nbytes
@@ -333,11 +391,16 @@ def _resident_storages_of(tensors, device: torch.device) -> dict:
 
 
 def _tensors(model: nn.Module, skip=frozenset()):
+    """The plain tensors holding ``model``'s parameters and buffers: each registered tensor, or
+    the leaves of one that is a wrapper subclass (a DTensor's local shard)."""
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for attr, t in table.items():
                 if t is not None and (not skip or (module, attr) not in skip):
-                    yield t
+                    if leaves.is_leaf(t):
+                        yield t
+                    else:
+                        yield from leaves.leaf_tensors(t)
 
 
 # ---------------------------------------------------------------------------- public API
@@ -555,18 +618,49 @@ def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buff
     if isinstance(t, OffloadedTensor):
         t._master.move_to(pager)
         return None
+    if not leaves.is_leaf(t):
+        _place_leaves(state, module, name, t, is_buffer, full_name, attaching)
+        return None  # the outer object stays registered; its leaves were placed inside it
     if t.is_meta or t.layout != torch.strided:
         return None
     member = Member(t)
     member.slots.append((module, name, is_buffer))
+    return _place_member(state, member, full_name, attaching)
+
+
+def _place_leaves(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buffer: bool, full_name: str,
+                  attaching=None) -> None:
+    """Place each plain leaf of the wrapper subclass ``t`` (a DTensor's local shard, a quantised
+    tensor's data and scales) registered as ``module.name``, replacing it inside its owner. The
+    leaves placed first count as resident beside the later ones."""
+    extra, skip = attaching or ((), frozenset())
+    done = []
+    for owner, attr, leaf in leaves.leaves(t, f"'{full_name}'"):
+        if isinstance(leaf, OffloadedTensor):
+            leaf._master.move_to(state.pager)
+        elif not leaf.is_meta and leaf.layout == torch.strided:
+            member = Member(leaf)
+            member.slots.append((module, name, is_buffer))
+            member.owners.append((owner, attr))
+            _place_member(state, member, full_name, (tuple(extra) + tuple(done), skip))
+            leaf = member.tensor
+        done.append(leaf)
+
+
+def _place_member(state: _State, member: Member, full_name: str, attaching=None):
+    """``_place`` for one plain tensor (``member.tensor``, in the slot ``member.slots[0]``)."""
+    pager = state.pager
+    t = member.tensor
+    module, name, _ = member.slots[0]
     placed = state.placement_of(t)
     if placed is not None:
-        target = placed.target()
-        if isinstance(target, OffloadedTensor):
-            host = target._host.as_strided(t.shape, t.stride(), t.storage_offset() + placed.base)
-            _swap(member, _as_param_like(t, OffloadedTensor(host, target._master)))
+        view = placed.offloaded_view(t)
+        if view is not None:
+            _swap(member, _as_param_like(t, view))
             return member.tensor
-        if placed.view == (tuple(t.shape), t.stride(), t.storage_offset()) and target.device == pager.device:
+        target = placed.resident()
+        if (target is not None and placed.view == (tuple(t.shape), t.stride(), t.storage_offset())
+                and target.device == pager.device):
             with torch.no_grad():
                 t.data = target.detach()
             return None
@@ -574,7 +668,7 @@ def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buff
     if model is None:
         return None  # the wrapped model is gone; nothing left to account against
     extra, skip = attaching or ((), frozenset())
-    skip = skip | {(module, name)}
+    skip = skip | {(module, name)} | state.lent_slots
     storages = _resident_storages(model, pager.device, skip, extra)
     resident = sum(storages.values())
     nbytes = t.numel() * t.element_size()
@@ -594,33 +688,37 @@ def _place(state: _State, module: nn.Module, name: str, t: torch.Tensor, is_buff
                 f"resident weights over the budget of {pager.budget_bytes} bytes; let the policy offload it "
                 f"or raise budget_gb"
             )
+        if with_t + state.working_set_bytes > pager.budget_bytes:  # only a weight the policy keeps
+            _replan_paging_room(state, with_t, f"keeping {full_name} ({nbytes} bytes) resident, as the policy says,")
         if moves:
             source = t.detach()
             pager.room_for_resident(with_t)  # cached copies go before the new bytes are allocated
             with torch.no_grad():
                 t.data = t.data.to(pager.device)
-            state.remember(source, t)
+            state.remember(source, t, module, name)
         state.resident_ptrs.add(t.untyped_storage().data_ptr())
         pager.hold_resident(with_t)
         return None
-    _reserve_paging_room(state, full_name, t, resident)
+    _reserve_paging_room(state, full_name, t, resident, tileable=placement.leaf_is_tileable(t, member.owners))
     member.names.append(full_name)
     source = t.detach()
     _offload_group(StorageGroup([member]), pager)
-    state.remember(source, member.tensor)
+    state.remember(source, member.tensor, module, name)
     pager.recount_resident(resident)
     return member.tensor
 
 
-def _reserve_paging_room(state: _State, full_name: str, t: torch.Tensor, resident: int, kind: str = "") -> None:
+def _reserve_paging_room(state: _State, full_name: str, t: torch.Tensor, resident: int, kind: str = "",
+                         tileable: bool = True) -> None:
     """Before ``t`` is offloaded beside ``resident`` bytes of resident weights: make sure the budget
     can page it, whole or in tiles (dispatch computes linear, mm, bmm and conv ops on a weight larger
-    than the room in output tiles), and reserve that working set."""
+    than the room in output tiles), and reserve that working set. ``tileable=False``: a leaf of a
+    wrapper subclass, read whole by the subclass's kernels (``placement.Weight.tileable``)."""
     pager = state.pager
     nbytes = placement.tensor_bytes(t)  # offloading keeps an expanded tensor's stride-0 layout
     ws = placement.working_set(full_name, tuple(t.shape), nbytes)
     narrow = False
-    for slices in (placement.TILE_ALIGN, 1):  # bit-identical tiles first (see tile_working_set)
+    for slices in (placement.TILE_ALIGN, 1) if tileable else ():  # bit-identical tiles first (see tile_working_set)
         if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
             ws = placement.tile_working_set(tuple(t.shape), nbytes, ws, slices)
             narrow = slices < placement.TILE_ALIGN
@@ -633,6 +731,36 @@ def _reserve_paging_room(state: _State, full_name: str, t: torch.Tensor, residen
     if narrow:  # the same fallback, and the same warning, as wrap-time placement's
         placement.warn_narrow_tiles(pager.budget_bytes, f"{kind}{full_name}", stacklevel=2)
     state.working_set_bytes = max(state.working_set_bytes, ws)
+
+
+def _replan_paging_room(state: _State, resident: int, why: str) -> None:
+    """Resident weights grow to ``resident`` bytes and leave less room than the paging planned for
+    (a weight the policy keeps, a cast that the policy keeps resident): plan the room again, each
+    offloaded weight whole if it fits, else in tiles as placement would have chosen at that room,
+    so ``working_set_bytes`` says what paging needs now. Raises a BudgetError, before anything
+    changes, if some offloaded weight cannot be paged in the room left even one slice at a time."""
+    pager, model = state.pager, state.model_ref()
+    room = pager.budget_bytes - resident
+    need, narrow = 0, None
+    for group in placement.collect_groups(model) if model is not None else ():
+        if not group.is_offloaded:
+            continue
+        w = group.weight()
+        ws = w.working_set
+        for slices in (placement.TILE_ALIGN, 1):
+            if ws > room:
+                ws = placement.tile_working_set(w.shape, w.nbytes, ws, slices)
+                narrow = w.name if slices < placement.TILE_ALIGN and narrow is None else narrow
+        if ws > room:
+            raise BudgetError(
+                f"offtensor: {why} leaves {max(room, 0)} of the budget's {pager.budget_bytes} bytes for paging, but the "
+                f"offloaded '{w.name}' ({w.nbytes} bytes) needs {ws} bytes on the device at once even one slice at a "
+                f"time; raise budget_gb or let the policy offload more"
+            )
+        need = max(need, ws)
+    if narrow is not None:
+        placement.warn_narrow_tiles(pager.budget_bytes, f"'{narrow}'", stacklevel=3)
+    state.working_set_bytes = need
 
 
 def _attach_submodule(state: _State, module: nn.Module, name: str, submodule: nn.Module) -> None:
@@ -661,6 +789,189 @@ def _attach_submodule(state: _State, module: nn.Module, name: str, submodule: nn
                     if new is not None:
                         table[attr] = new
                     placed.append(table[attr])
+
+
+# ---------------------------------------------------------------------------- host reads
+
+
+@contextlib.contextmanager
+def on_host(model: nn.Module):
+    """``with ot.on_host(model): quantize_(model, Int8WeightOnlyConfig())``: inside, each
+    offloaded parameter and buffer of the wrapped ``model`` reads as its host master (a plain CPU
+    tensor viewing the master's memory, dressed as the same Parameter class, no copy), so a
+    transform that reads whole weights to replace them (quantisation, repacking) computes from host
+    memory instead of paging each weight whole onto the device, which a weight larger than the room
+    cannot be. What the transform assigns is placed as usual: offloaded straight from host memory,
+    or moved to the device when it fits. On leaving, each slot the transform did not replace gets
+    its OffloadedTensor back; masters written in place are seen by the next forward (their cached
+    device copies are dropped). Not for forwards: on a GPU the weights are host tensors inside."""
+    state = _state(model)
+    # Held throughout: another thread's forward must not read the host stand-ins.
+    with state.pager.lock:
+        yield from _lend_host_masters(state, model)
+
+
+def _lend_host_masters(state: _State, model: nn.Module):
+    pager = state.pager
+    lent = []  # (table, attr, offloaded tensor, host stand-in)
+    stand_ins = {}  # id(offloaded tensor) -> its stand-in: a tensor in two slots (a tie) lends one
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for attr, t in table.items():
+                if isinstance(t, OffloadedTensor):
+                    pager.before_write(t._master)  # no copy may still read a master the transform writes
+                    stand_in = stand_ins.get(id(t))
+                    if stand_in is None:
+                        stand_in = stand_ins[id(t)] = _as_param_like(t, t._host)
+                    lent.append((module, table, attr, t, stand_in))
+    state.lent_slots = frozenset((module, attr) for module, _, attr, _, _ in lent)
+    for _, table, attr, _, stand_in in lent:
+        table[attr] = stand_in
+    try:
+        yield model
+    finally:
+        state.lent_slots = frozenset()
+        for _, table, attr, t, stand_in in lent:
+            if table.get(attr) is stand_in:
+                table[attr] = t
+            pager.before_write(t._master)  # written in place through the stand-in: cached copies are stale
+        if pager.experts is not None:
+            state.experts_stale = True
+        pager.recount_resident(_resident_bytes(model, pager.device))
+
+
+# ---------------------------------------------------------------------------- casts and moves
+
+
+def _apply_to_wrapped(apply, module: nn.Module, fn, recurse: bool = True):
+    """``module._apply(fn)`` for a module of a wrapped model: what ``module.to(dtype)``, ``.half()``,
+    ``.float()``, ``.bfloat16()``, ``.to(device)`` and peft's ``module.to(weight.device)`` run.
+
+    torch's own ``_apply`` would compute ``fn`` on each OffloadedTensor as an op, paging the whole
+    weight onto the device (a BudgetError for one larger than the room) and keeping the result as a
+    new host master the budget never planned for, then swap it in with ``swap_tensors``, which
+    drops a Parameter subclass's class and attributes. Here an offloaded weight whose cast ``fn``
+    asks for is converted host master to host master, nothing paged, and the same object re-pointed
+    at it (``.data =``); one ``fn`` leaves as it is is left untouched. Plain tensors take torch's
+    own path. Then the room is re-planned for what changed size: offloaded weights' working sets
+    at the new dtype, and resident weights that grew past the budget are offloaded."""
+    state = _WRAPPED.get(module)
+    if state is None or state.model_ref() is None:
+        return apply(fn, recurse)
+    with state.pager.lock:  # another thread's op finishes first; the next one sees the new dtype
+        return _apply_locked(state, apply, module, fn, recurse)
+
+
+def _apply_locked(state: _State, apply, module: nn.Module, fn, recurse: bool):
+    if recurse:
+        for child in module.children():
+            child._apply(fn)
+    handled = _cast_offloaded(state, module, fn)
+    before = _own_resident_bytes(module, state.pager.device)
+    for table, attr, _ in handled:
+        table[attr] = None  # torch's _apply skips None: these are done
+    try:
+        apply(fn, False)
+    finally:
+        for table, attr, t in handled:
+            table[attr] = t
+        if handled and isinstance(module, nn.RNNBase):
+            module._init_flat_weights()  # it re-read its weights while they were hidden
+    _replan_resident_after_cast(state, module, before)
+    return module
+
+
+def _cast_offloaded(state: _State, module: nn.Module, fn) -> list:
+    """Convert ``module``'s own offloaded tensors as ``fn`` asks, in place; returns the
+    (table, attribute, tensor) of those done (converted, or left as they are because ``fn`` leaves
+    them so). What ``fn`` does is read off a tiny stand-in of each tensor's dtype on its device: a
+    cast is done here; a move to another device or memory format is left to torch."""
+    handled = []
+    for table in (module._parameters, module._buffers):
+        for attr, t in table.items():
+            if not isinstance(t, OffloadedTensor):
+                continue
+            stand_in = torch.empty((2,) * t.dim(), dtype=t.dtype, device=t.device)
+            try:
+                with torch.no_grad():
+                    probe = fn(stand_in)
+            except Exception:  # noqa: BLE001 - whatever fn does, torch's own path does it (or raises) below
+                continue
+            if probe is stand_in:
+                handled.append((table, attr, t))
+                continue
+            if (not isinstance(probe, torch.Tensor) or type(probe) is not torch.Tensor or probe.device != t.device
+                    or probe.shape != stand_in.shape or not probe.is_contiguous() or probe.dtype == t.dtype):
+                continue  # not a plain cast: torch's path
+            _cast_master(state, state.qualified_name(module, attr), t, probe.dtype)
+            if t.grad is not None:
+                t.grad = fn(t.grad)
+            handled.append((table, attr, t))
+    return handled
+
+
+def _cast_master(state: _State, full_name: str, t: OffloadedTensor, dtype: torch.dtype) -> None:
+    """Re-point the offloaded ``t`` at a new host master holding its values cast to ``dtype``,
+    after reserving the room to page it at that size (a BudgetError leaves ``t`` as it was)."""
+    pager = state.pager
+    host = t._host
+    at_new_size = torch.empty_strided(host.shape, host.stride(), dtype=dtype, device="meta")
+    _reserve_paging_room(state, full_name, at_new_size, pager.budget.resident_bytes)
+    new_host = new_host_master(host, pin=pins_host_memory(pager.device), dtype=dtype)
+    master = master_for(new_host, pager)
+    master.name = full_name
+    with torch.no_grad():
+        t.data = OffloadedTensor(new_host, master)  # dispatch's .data setter: same object, new master
+    if "experts" in full_name.split("."):
+        state.experts_stale = True  # the registry names the old master
+
+
+def _own_resident_bytes(module: nn.Module, device: torch.device) -> int:
+    """Device bytes of ``module``'s own plain parameters and buffers (not its children's)."""
+    tensors = (t for table in (module._parameters, module._buffers) for t in table.values() if t is not None)
+    return sum(_resident_storages_of(tensors, device).values())
+
+
+def _replan_resident_after_cast(state: _State, module: nn.Module, before: int) -> None:
+    """After torch's ``_apply`` cast ``module``'s plain device tensors from ``before`` bytes: count
+    the difference as resident, and offload the ones that grew past the budget's room, largest
+    first, as a weight assigned after wrapping that does not fit is offloaded."""
+    pager = state.pager
+    after = _own_resident_bytes(module, pager.device)
+    if after == before:
+        return
+    resident = max(0, pager.budget.resident_bytes + after - before)
+    for table in (module._parameters, module._buffers):
+        for t in table.values():
+            if t is not None and not isinstance(t, OffloadedTensor) and t.device == pager.device:
+                state.resident_ptrs.add(t.untyped_storage().data_ptr())
+    if after < before or resident + state.working_set_bytes <= pager.budget_bytes:
+        pager.recount_resident(resident)
+        return
+    plain = [
+        (table, attr, is_buffer, t)
+        for table, is_buffer in ((module._parameters, False), (module._buffers, True))
+        for attr, t in table.items()
+        if t is not None and not isinstance(t, OffloadedTensor) and t.device == pager.device
+        and _check_offloadable_quietly(t)
+    ]
+    plain.sort(key=lambda entry: -entry[3].numel() * entry[3].element_size())
+    for table, attr, is_buffer, t in plain:
+        if resident + state.working_set_bytes <= pager.budget_bytes:
+            break
+        full_name = state.qualified_name(module, attr)
+        if placement.policy_choice(state.config.policy, [full_name]) == "keep":
+            continue
+        resident -= _storage_bytes(t)[1]
+        _reserve_paging_room(state, full_name, t, resident)
+        member = Member(t)
+        member.slots.append((module, attr, is_buffer))
+        member.names.append(full_name)
+        _offload_group(StorageGroup([member]), pager)
+        table[attr] = member.tensor
+    if resident + state.working_set_bytes > pager.budget_bytes:  # what is left is what the policy keeps
+        _replan_paging_room(state, resident, f"casting {type(module).__name__} kept {resident} bytes resident and")
+    pager.recount_resident(resident)
 
 
 class _StepHook:
@@ -770,10 +1081,11 @@ def _place_loaded(state: "_State", model: nn.Module, module: nn.Module) -> None:
         for attr, t in table.items()
         if t is not None and not isinstance(t, OffloadedTensor) and not t.is_meta and t.layout == torch.strided
     ]
-    if all(t.device == pager.device and t.untyped_storage().data_ptr() in state.resident_ptrs for *_, t in plain):
+    held = [leaf for *_, t in plain for leaf in leaves.leaf_tensors(t) if not isinstance(leaf, OffloadedTensor)]
+    if all(t.device == pager.device and t.untyped_storage().data_ptr() in state.resident_ptrs for t in held):
         return  # values were copied into the weights already placed (the usual load_state_dict)
     resident = _resident_bytes(model, pager.device)
-    if all(t.device == pager.device for *_, t in plain) and resident + state.working_set_bytes <= pager.budget_bytes:
+    if all(t.device == pager.device for t in held) and resident + state.working_set_bytes <= pager.budget_bytes:
         pager.recount_resident(resident)  # cached copies make room first (assign=True on a warm cache)
         return
     # Tensors of this module not placed yet do not count as resident while their siblings are placed.
@@ -898,6 +1210,7 @@ def _register_tensor(register, module: nn.Module, table: dict, name: str, t, is_
         return register(name, t)
     with state.pager.lock:
         before = table.get(name, _ABSENT)
+        _refuse_sharding_an_offloaded_weight(state, module, name, before, t)
         register(name, t)
         try:
             new = _place(state, module, name, t, is_buffer)
@@ -909,6 +1222,51 @@ def _register_tensor(register, module: nn.Module, table: dict, name: str, t, is_
             raise
         if new is not None:
             table[name] = new
+
+
+def _is_dtensor(t) -> bool:
+    dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None) if torch.distributed.is_available() else None
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+def _refuse_sharding_an_offloaded_weight(state: _State, module: nn.Module, name: str, before, t) -> None:
+    """An offloaded weight replaced by a DTensor whose local shard is a plain tensor: FSDP2's
+    ``fully_shard`` does that to every weight it manages, and keeps its own copy of each shard to
+    all-gather from, so offloading the shard would leave that copy on the device unaccounted (and
+    stale after an optimizer step). Refused before the slot changes, naming the weight."""
+    if not (isinstance(before, OffloadedTensor) and _is_dtensor(t)):
+        return
+    if all(isinstance(leaf, OffloadedTensor) for leaf in leaves.leaf_tensors(t)):
+        return  # DTensor.from_local on an offloaded shard: nothing leaves host memory
+    full_name = state.qualified_name(module, name)
+    raise RuntimeError(
+        f"offtensor: '{full_name}' is offloaded ({before.host_nbytes} bytes of host master) and is being replaced by "
+        f"a DTensor with a plain local shard on {t.device}, which is what FSDP2's fully_shard (and distribute_tensor) "
+        f"do to a wrapped model's weights: the shard would leave host memory, and FSDP2 all-gathers from a copy of its "
+        f"own. FSDP2 over offloaded weights is not supported: keep them out of it with fully_shard(module, "
+        f"ignored_params={{...}}) (the frozen base of LoRA training), or for tensor parallelism run parallelize_module "
+        f"first and ot.wrap_model after, on each rank. '{full_name}' was left as it was."
+    )
+
+
+def _refuse_distribute(module: nn.Module) -> None:
+    """``distribute_module`` (``parallelize_module``) asks a wrapped module whether it was
+    distributed before it scatters any weight; an offloaded weight would reach gloo/NCCL inside a
+    ``Tensor[][]`` argument, which the dispatcher never hands to the OffloadedTensor (rank 0 died
+    of SIGSEGV). Refused there, before anything moves."""
+    state = _WRAPPED.get(module)
+    offloaded = [
+        (n, t) for n, t in itertools.chain(module.named_parameters(), module.named_buffers())
+        if any(isinstance(leaf, OffloadedTensor) for leaf in leaves.leaf_tensors(t))
+    ] if state is not None else []
+    if offloaded:
+        name, t = offloaded[0]
+        raise RuntimeError(
+            f"offtensor: {type(module).__name__} '{state.qualified_name(module, name).rsplit('.', 1)[0]}' of a wrapped "
+            f"model is being parallelized (distribute_module / parallelize_module) while {len(offloaded)} of its "
+            f"weights are offloaded ('{name}', {t.numel() * t.element_size()} bytes): parallelize first, then call "
+            f"ot.wrap_model on each rank, so that each rank's host masters hold only its shard"
+        )
 
 
 def _add_submodule(add_module, module: nn.Module, name: str, submodule) -> None:
@@ -979,6 +1337,21 @@ def _make_wrapping_class(user_class: type) -> type:
     def add_module(self, name, module):
         _add_submodule(super(cls, self).add_module, self, name, module)
 
+    def _apply(self, fn, recurse=True):
+        return _apply_to_wrapped(super(cls, self)._apply, self, fn, recurse)
+
+    # distribute_module (parallelize_module) first asks getattr(module, "_distribute_module_applied",
+    # False): a property answers it, refusing a module with offloaded weights. A property, not a
+    # __getattr__, so that forwards (and torch.compile's handling of modules) see no change.
+    def _get_distributed(self):
+        if "_distribute_module_applied" in self.__dict__:
+            return self.__dict__["_distribute_module_applied"]
+        _refuse_distribute(self)
+        raise AttributeError("_distribute_module_applied")
+
+    def _set_distributed(self, value):
+        self.__dict__["_distribute_module_applied"] = value
+
     def __reduce_ex__(self, protocol):
         reduced = super(cls, self).__reduce_ex__(protocol)
         if isinstance(reduced, tuple) and reduced[0] is copyreg.__newobj__ and reduced[1] == (cls,):
@@ -991,6 +1364,7 @@ def _make_wrapping_class(user_class: type) -> type:
         "__module__": user_class.__module__, "__qualname__": user_class.__qualname__, "__slots__": (),
         "_offtensor_user_class": user_class, "__setattr__": __setattr__, "__delattr__": __delattr__,
         "register_parameter": register_parameter, "register_buffer": register_buffer, "add_module": add_module,
+        "_apply": _apply, "_distribute_module_applied": property(_get_distributed, _set_distributed),
         "__reduce_ex__": __reduce_ex__,
     }
     cls = type(user_class)(user_class.__name__, (user_class,), namespace)

@@ -98,6 +98,30 @@ def test_diffusers_unet2d_condition_wrapped_gives_the_unwrapped_noise_prediction
     _paged_within_budget(unet)
 
 
+def test_diffusers_layerwise_casting_then_wrap_keeps_weights_offloaded_through_its_casts(device):
+    """``enable_layerwise_casting`` (bf16 storage, fp32 compute) casts each layer to fp32 before its
+    forward and back after. On main the cast paged whole weights and raised BudgetError; now the
+    offloaded ones are converted host master to host master and the room re-planned for fp32."""
+    def build():
+        unet = _unet()
+        unet.enable_layerwise_casting(storage_dtype=torch.bfloat16, compute_dtype=torch.float32)
+        return unet
+
+    unet, reference = build(), build().to(device)  # a deepcopy would keep hooks bound to the original
+    _wrap(unet, device)
+    g = torch.Generator().manual_seed(0)
+    sample = torch.randn(2, 4, 8, 8, generator=g).to(device)
+    text = torch.randn(2, 7, 32, generator=g).to(device)
+    timesteps = torch.tensor([10, 500], device=device)
+    with torch.no_grad():
+        expected = reference(sample, timesteps, text).sample
+        for _ in range(2):  # the second forward runs on the placement the first one's casts left
+            assert torch.equal(unet(sample, timesteps, text).sample, expected)
+    offloaded = [p for p in unet.parameters() if isinstance(p, ot.OffloadedTensor)]
+    assert offloaded and {p.dtype for p in offloaded} == {torch.bfloat16}  # stored bf16 between forwards
+    _paged_within_budget(unet)
+
+
 def test_diffusers_autoencoder_kl_encode_and_decode_wrapped_match_unwrapped(device):
     vae = _vae()
     reference = _reference(vae, device)
@@ -182,6 +206,42 @@ def test_diffusers_flux_pipeline_with_every_component_wrapped_gives_the_unwrappe
     for name, m in models.items():
         assert ot.stats(m).bytes_h2d > 0, name
         _paged_within_budget(m)
+
+
+def _sd3_transformer():
+    torch.manual_seed(0)
+    return _diffusers().SD3Transformer2DModel(
+        sample_size=32, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=4,
+        caption_projection_dim=32, joint_attention_dim=32, pooled_projection_dim=64, out_channels=4,
+        pos_embed_max_size=96,
+    ).eval()
+
+
+def test_diffusers_sd3_transformer_at_30_percent_pages_only_the_pos_embed_crop_it_reads(device):
+    """SD3's PatchEmbed keeps a 96x96 ``pos_embed`` table (1.18 MB, 88 % of this model's bytes) and
+    forward reads a 16x16 crop of it (32 KB). On main placement counted the whole table as one op's
+    working set and refused the budget (BudgetError); now the table is offloaded as one read in
+    slices, and the forward pages the crop only, bit-identical and within budget."""
+    model = _sd3_transformer()
+    reference = _reference(model, device)
+    table = model.pos_embed.pos_embed
+    with pytest.warns(UserWarning, match=r"'pos_embed\.pos_embed' \(1179648 bytes\) cannot be paged whole"):
+        _wrap(model, device)
+    assert isinstance(model.pos_embed.pos_embed, ot.OffloadedTensor)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 4, 32, 32, generator=g).to(device)
+    text = torch.randn(2, 7, 32, generator=g).to(device)
+    pooled = torch.randn(2, 64, generator=g).to(device)
+    timesteps = torch.tensor([10, 500], device=device)
+    ot.reset_stats(model)
+    with torch.no_grad():
+        expected = reference(hidden, text, pooled, timesteps).sample
+        got = model(hidden, text, pooled, timesteps).sample
+    assert torch.equal(got, expected)
+    s = ot.stats(model)
+    crop = 16 * 16 * table.shape[-1] * table.element_size()
+    assert s.bytes_h2d < table.numel() * table.element_size() and s.bytes_h2d >= crop, s
+    _paged_within_budget(model)
 
 
 # ---------------------------------------------------------------------------- peft
@@ -272,14 +332,10 @@ def test_peft_lora_training_and_merge_equal_the_unwrapped_run(order, device):
     _train_lora_and_merge(order, device)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "issue 18 item 6: at exactly 30 % of the base, wrapped first, the budget has no room left for the "
-    "adapters, so the registration hook offloads the lora_A/lora_B weights peft assigns; peft's "
-    "LoraModel._replace_module then calls module.to(weight.device), and nn.Module._apply swaps every "
-    "OffloadedTensor parameter with torch.utils.swap_tensors (is_traceable_wrapper_subclass), which "
-    "refuses because wrap._Placed holds a weakref to it: 'Cannot swap t1 because it has weakref "
-    "associated with it' -> RuntimeError '_apply(): Couldn't swap Linear.weight'"))
 def test_peft_lora_adapters_offloaded_for_want_of_room_train_like_the_unwrapped_run(device):
+    """At exactly 30 % of the base, wrapped first, the adapters peft assigns are offloaded; peft's
+    ``module.to(weight.device)`` then swaps every OffloadedTensor parameter (swap_tensors), which
+    refused while ``wrap._Placed`` held a weak reference to the placed tensor."""
     _train_lora_and_merge("wrap_then_get_peft_model", device, room_for_adapters=False)
 
 

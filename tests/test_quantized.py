@@ -1,0 +1,128 @@
+"""torchao quantised weights (issue 18 item 5): weight-only int8, float8 and int4 (intx) configs that
+run on CPU, in both orders (quantise then wrap, wrap then quantise), give the unwrapped quantised
+model's outputs bit for bit, offloaded and within budget; ``ot.offload`` takes a quantised tensor;
+``ot.on_host`` lets quantisation read the host masters instead of paging each weight whole.
+
+The quantised tensors are wrapper subclasses: their plain leaves (qdata, scale, zero_point) are
+what offtensor offloads (offtensor/leaves.py), the outer object and its class stay."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import offtensor as ot
+
+GiB = 1 << 30
+
+
+def _torchao():
+    return pytest.importorskip("torchao.quantization", reason="torchao is optional (requirements-test.txt)")
+
+
+def _configs():
+    q = _torchao()
+    return {
+        "int8": q.Int8WeightOnlyConfig(),
+        "float8": q.Float8WeightOnlyConfig(),
+        "int4": q.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=q.PerGroup(32)),
+    }
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 128), torch.nn.Linear(128, 128),
+    ).to(torch.bfloat16).eval()
+
+
+def _bytes(model) -> int:
+    """Bytes of the model's plain tensors: a quantised weight's leaves."""
+    from offtensor import leaves
+
+    return sum(t.numel() * t.element_size() for p in model.parameters() for t in leaves.leaf_tensors(p))
+
+
+def _quantised(config):
+    model = _model()
+    _torchao().quantize_(model, config)
+    return model
+
+
+@pytest.mark.parametrize("order", ["quantise_then_wrap", "wrap_then_quantise"])
+@pytest.mark.parametrize("config", ["int8", "float8", "int4"])
+def test_a_quantised_model_wrapped_in_either_order_gives_the_unwrapped_outputs_within_budget(config, order, device):
+    cfg = _configs()[config]
+    reference = _quantised(cfg).to(device)
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
+    with torch.no_grad():
+        expected = reference(x)
+    if order == "quantise_then_wrap":
+        model = _quantised(cfg)
+        ot.wrap_model(model, budget_gb=0.5 * _bytes(model) / GiB, device=device)
+    else:
+        model = _model()
+        ot.wrap_model(model, budget_gb=0.4 * _bytes(model) / GiB, device=device)
+        ot.reset_stats(model)
+        with ot.on_host(model):
+            _torchao().quantize_(model, cfg)
+        assert ot.stats(model).bytes_h2d == 0, "quantising paged the weights instead of reading their masters"
+    weight = model[0].weight
+    assert type(weight) is type(reference[0].weight) and isinstance(weight, torch.nn.Parameter)
+    assert isinstance(weight.qdata, ot.OffloadedTensor)
+    with torch.no_grad():
+        got = model(x)
+    assert torch.equal(got, expected)
+    gc.collect()  # the float weights replaced by quantisation die with their masters
+    s = ot.stats(model)
+    assert 0 < s.offloaded_bytes <= _bytes(model)  # leaf bytes only: no float master left behind
+    assert s.bytes_h2d > 0 and s.peak_device_bytes <= s.budget_bytes, s
+
+
+def test_wrap_then_quantise_without_on_host_pages_the_weights_and_still_matches(device):
+    """Without ``ot.on_host`` quantisation reads each offloaded weight through paging, which works
+    while each fits the room; the result is the same."""
+    cfg = _configs()["int8"]
+    reference = _quantised(cfg).to(device)
+    model = _model()
+    ot.wrap_model(model, budget_gb=0.8 * _bytes(model) / GiB, device=device)
+    ot.reset_stats(model)
+    _torchao().quantize_(model, cfg)
+    assert ot.stats(model).bytes_h2d > 0
+    x = torch.randn(2, 128).to(device, torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+
+
+def test_offload_of_a_quantised_tensor_keeps_its_class_with_offloaded_leaves(device):
+    """On main: AttributeError: 'Tensor' object has no attribute 'tensor_data_names'."""
+    weight = _quantised(_configs()["int8"])[0].weight.detach()
+    offloaded = ot.offload(weight, device=device)
+    assert type(offloaded) is type(weight)
+    assert isinstance(offloaded.qdata, ot.OffloadedTensor) and isinstance(offloaded.scale, ot.OffloadedTensor)
+    assert torch.equal(offloaded.dequantize().cpu(), weight.dequantize())
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    assert torch.equal(torch.nn.functional.linear(x.to(device), offloaded), torch.nn.functional.linear(x, weight))
+
+
+def test_on_host_gives_back_the_weights_it_lent_and_a_write_through_them_reaches_the_next_forward(device):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    ot.wrap_model(model, budget_gb=0.5 * _bytes(model) / GiB, device=device)
+    weight = next(p for p in model.parameters() if isinstance(p, ot.OffloadedTensor))
+    x = torch.randn(2, 64).to(device)
+    with torch.no_grad():
+        model(x)  # caches device copies of the offloaded weights
+        with ot.on_host(model) as same:
+            assert same is model
+            lent = next(p for p in model.parameters() if p.shape == weight.shape and p is not weight)
+            assert type(lent) is torch.nn.Parameter and lent.device.type == "cpu"
+            lent.mul_(2)
+        assert weight in list(model.parameters())
+        doubled = weight.cpu()
+    assert torch.equal(doubled, lent.detach())
+    reference = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    reference.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+    with torch.no_grad():
+        assert torch.equal(model(x).cpu(), reference(x.cpu()))
