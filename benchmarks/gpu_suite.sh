@@ -25,7 +25,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-WHEELS=("$(grep -o "^expecttest==[^ ]*" requirements-test.txt)")  # torch.testing._internal and torch.library.opcheck import it
+# expecttest: torch.testing._internal and torch.library.opcheck import it. torchao (no dependencies,
+# abi3): issue 18's quantised-weight tests on cuda (tests/test_quantized.py skips without it).
+WHEELS=("$(grep -o "^expecttest==[^ ]*" requirements-test.txt)" "$(grep -o "^torchao==[^ ]*" requirements-test.txt)")
 if [ "${1:-}" = "--fetch-wheels" ]; then
   grep -qx '/.whl/' .gitignore || echo '/.whl/' >>.git/info/exclude
   exec python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -162,12 +164,16 @@ step bench_paging 120 "$PY" benchmarks/paging.py --device "$DEVICE" --out "$RESU
 
 step demo_small 90 "$PY" -m offtensor demo --device "$DEVICE" --size small --tokens 16
 
+# Issue 18's paths that one GPU can run: casts, quantised (torchao) and wrapper-subclass weights.
+SUBCLASS=(tests/test_casts.py tests/test_quantized.py tests/test_working_sets.py tests/test_subclass_leaves.py)
+step subclass_tests 120 "$PY" -m pytest -q -p no:cacheprovider "${SUBCLASS[@]}"
+
 # The schedule against the PCIe bound and the other offloaders (issue 7's GPU figure).
 step bench_offload 150 "$PY" benchmarks/offload_bench.py --device "$DEVICE" --out "$RESULTS"
 
 # The rest, most useful first, as far as the deadline allows.
 IGNORE=(--ignore tests/test_gpu_suite.py)  # this suite's own dry run
-for f in "${CORE[@]}"; do IGNORE+=(--ignore "$f"); done
+for f in "${CORE[@]}" "${SUBCLASS[@]}"; do IGNORE+=(--ignore "$f"); done
 step other_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m "not opinfo" tests "${IGNORE[@]}"
 step bench_vllm 90 "$PY" benchmarks/vllm_path.py --device "$DEVICE" --out "$RESULTS"
 step bench_dispatch 60 "$PY" benchmarks/dispatch.py --device "$DEVICE" --out "$RESULTS"
