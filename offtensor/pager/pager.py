@@ -204,20 +204,6 @@ class Pager:
     # ------------------------------------------------------------------ paging
 
     def page(self, host: torch.Tensor, master: Master, what="tensor", private: bool = False, layout=None):
-        """``_page`` (below) under ``lock``, which the entry returned keeps held until its ``release``
-        (see the class docstring); an empty tensor's None entry holds nothing."""
-        lock = self.lock
-        lock.acquire()
-        try:
-            view, entry = self._page(host, master, what, private, layout)
-        except BaseException:
-            lock.release()
-            raise
-        if entry is None:
-            lock.release()
-        return view, entry
-
-    def _page(self, host: torch.Tensor, master: Master, what="tensor", private: bool = False, layout=None):
         """Device tensor with ``host``'s values, shape and strides, and the entry backing it.
 
         The copy comes from the cache, an in-flight prefetch, or a new host->device copy. With
@@ -226,44 +212,54 @@ class Pager:
         ``what`` describes the tensor in a ``BudgetError``: a string, or any object whose repr does
         (formatted only for the error). ``layout`` is ``page_layout(host, master.id)`` if the caller
         has it already (it memoizes it per tensor).
+
+        Takes ``lock``, and the entry returned keeps that hold until its ``release`` (see the class
+        docstring); an empty tensor's None entry holds nothing. One function, not a locking wrapper
+        around a body: every compute op on an offloaded weight runs it.
         """
         if host.numel() == 0:
             return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device), None
-        lo, hi, shape, stride, offset, key = layout or page_layout(host, master.id)
-        observers = self.observers if self._observed else _NO_OBSERVERS
-        if private or self.budget_bytes is None:
-            entry = self._transient(host.as_strided((hi - lo,), (1,), lo), (hi - lo) * host.element_size(), what)
-            base = lo
-        else:
-            for notify in observers.paging:  # before the lookup: eviction for this copy knows the layer
-                notify(master.id)
-            entry = self._entries.get(key) or self.cache.find_containing(master.id, host.dtype, lo, hi)
-            hit = entry is not None
-            if hit:
-                self._entries.move_to_end(entry.key)
-                self.stats.hits += 1
-                if entry.prefetched:
-                    entry.prefetched = False
-                    self.stats.prefetch_hits += 1
+        self.lock.acquire()
+        try:
+            lo, hi, shape, stride, offset, key = layout or page_layout(host, master.id)
+            observers = self.observers if self._observed else _NO_OBSERVERS
+            if private or self.budget_bytes is None:
+                entry = self._transient(host.as_strided((hi - lo,), (1,), lo), (hi - lo) * host.element_size(), what)
+                base = lo
             else:
-                entry = self._insert(key, host.as_strided((hi - lo,), (1,), lo), (hi - lo) * host.element_size(), what)
-            base = entry.key[2]
-            # Held before the observers run: a prefetch makes room by evicting unused entries, and
-            # this one must survive until its op is enqueued (on a GPU its block would be reused).
-            entry.users += 1
-            for notify in observers.accessed:
-                notify(self, master, key, entry, hit)
-            for notify in observers.reading:  # timeline: the op about to run reads this copy
+                for notify in observers.paging:  # before the lookup: eviction for this copy knows the layer
+                    notify(master.id)
+                entry = self._entries.get(key) or self.cache.find_containing(master.id, host.dtype, lo, hi)
+                hit = entry is not None
+                if hit:
+                    self._entries.move_to_end(entry.key)
+                    self.stats.hits += 1
+                    if entry.prefetched:
+                        entry.prefetched = False
+                        self.stats.prefetch_hits += 1
+                else:
+                    src = host.as_strided((hi - lo,), (1,), lo)
+                    entry = self._insert(key, src, (hi - lo) * host.element_size(), what)
+                base = entry.key[2]
+                # Held before the observers run: a prefetch makes room by evicting unused entries, and
+                # this one must survive until its op is enqueued (on a GPU its block would be reused).
+                entry.users += 1
+                for notify in observers.accessed:
+                    notify(self, master, key, entry, hit)
+                for notify in observers.reading:  # timeline: the op about to run reads this copy
+                    notify(entry)
+                if entry.ready is not None:  # a cache hit on a completed copy skips the call
+                    self.device_ops.wait_ready(entry, self.lifetimes)
+                return entry.buf.as_strided(shape, stride, offset - base), entry
+            for notify in observers.reading:
                 notify(entry)
-            if entry.ready is not None:  # a cache hit on a completed copy skips the call
+            if entry.ready is not None:
                 self.device_ops.wait_ready(entry, self.lifetimes)
+            entry.users += 1
             return entry.buf.as_strided(shape, stride, offset - base), entry
-        for notify in observers.reading:
-            notify(entry)
-        if entry.ready is not None:
-            self.device_ops.wait_ready(entry, self.lifetimes)
-        entry.users += 1
-        return entry.buf.as_strided(shape, stride, offset - base), entry
+        except BaseException:
+            self.lock.release()
+            raise
 
     def upload(self, src: torch.Tensor, what="tensor"):
         """``_upload`` (below) under ``lock``, held until the entry's ``release``, as for ``page``."""
@@ -347,33 +343,30 @@ class Pager:
         return True
 
     def release(self, entries) -> None:
-        """``_release`` (below), then the holds of ``lock`` that ``page`` and ``upload`` took, one per
-        entry: the op is over, another thread's may run."""
+        """The op that used ``entries`` has been enqueued: mark when the device is done with them
+        (on a GPU, an event after the op when a cached copy was used: ``CudaDevice.last_use``),
+        then give back the holds of ``lock`` that ``page`` and ``upload`` took, one per entry: the
+        op is over, another thread's may run."""
         try:
-            self._release(entries)
+            ops = self.device_ops
+            stream, last_use = ops.after_op(entries) if ops.tracks_last_use else _NOTHING_AFTER
+            if self._observed:
+                for notify in self.observers.released:  # timeline: the op just enqueued is their last reader
+                    notify(entries)
+            budget = self.budget
+            for entry in entries:
+                entry.users -= 1
+                if entry.key is None:  # transient, or dropped from the cache while this op used it
+                    budget.paged_bytes -= entry.nbytes
+                    if entry.slot is not None:
+                        self.pool.give(entry.slot, ops.transient_free_after(entry), budget.room(), stream)
+                        entry.slot = None
+                elif last_use is not None:
+                    entry.last_use = last_use
         finally:
             release = self.lock.release
             for _ in entries:
                 release()
-
-    def _release(self, entries) -> None:
-        """The op that used ``entries`` has been enqueued: mark when the device is done with them
-        (on a GPU, an event after the op when a cached copy was used: ``CudaDevice.last_use``)."""
-        ops = self.device_ops
-        stream, last_use = ops.after_op(entries) if ops.tracks_last_use else _NOTHING_AFTER
-        if self._observed:
-            for notify in self.observers.released:  # timeline: the op just enqueued is their last reader
-                notify(entries)
-        budget = self.budget
-        for entry in entries:
-            entry.users -= 1
-            if entry.key is None:  # transient, or dropped from the cache while this op used it
-                budget.paged_bytes -= entry.nbytes
-                if entry.slot is not None:
-                    self.pool.give(entry.slot, ops.transient_free_after(entry), budget.room(), stream)
-                    entry.slot = None
-            elif last_use is not None:
-                entry.last_use = last_use
 
     def before_write(self, master: Master) -> None:
         """The host master is about to change: wait until no copy still reads it (its own copies
