@@ -1253,19 +1253,24 @@ def _refuse_distribute(module: nn.Module) -> None:
     """``distribute_module`` (``parallelize_module``) asks a wrapped module whether it was
     distributed before it scatters any weight; an offloaded weight would reach gloo/NCCL inside a
     ``Tensor[][]`` argument, which the dispatcher never hands to the OffloadedTensor (rank 0 died
-    of SIGSEGV). Refused there, before anything moves."""
+    of SIGSEGV). Refused at the first module asked while any weight of the model is offloaded, so
+    no module has been parallelized yet when it raises."""
     state = _WRAPPED.get(module)
+    model = state.model_ref() if state is not None else None
+    if model is None:
+        return
     offloaded = [
-        (n, t) for n, t in itertools.chain(module.named_parameters(), module.named_buffers())
+        (n, t) for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
         if any(isinstance(leaf, OffloadedTensor) for leaf in leaves.leaf_tensors(t))
-    ] if state is not None else []
+    ]
     if offloaded:
         name, t = offloaded[0]
         raise RuntimeError(
-            f"offtensor: {type(module).__name__} '{state.qualified_name(module, name).rsplit('.', 1)[0]}' of a wrapped "
-            f"model is being parallelized (distribute_module / parallelize_module) while {len(offloaded)} of its "
+            f"offtensor: {type(module).__name__} '{state.qualified_name(module, '').rstrip('.')}' of a wrapped model "
+            f"is being parallelized (distribute_module / parallelize_module) while {len(offloaded)} of the model's "
             f"weights are offloaded ('{name}', {t.numel() * t.element_size()} bytes): parallelize first, then call "
-            f"ot.wrap_model on each rank, so that each rank's host masters hold only its shard"
+            f"ot.wrap_model on each rank, so that each rank's host masters hold only its shard. Nothing was "
+            f"parallelized."
         )
 
 

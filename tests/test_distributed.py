@@ -146,11 +146,15 @@ def _llama_wrap_then_parallelize(rank: int, mesh) -> dict:
 
     model = _llama()
     ot.wrap_model(model, budget_gb=0.2 / 1024, device="cpu")
+    from torch.distributed.tensor import DTensor
+
     try:
         parallelize_module(model, mesh, _llama_plan())
     except RuntimeError as e:
-        return {"error": str(e)}
-    return {"error": None}
+        error = str(e)
+    else:
+        error = None
+    return {"error": error, "dtensors": sum(isinstance(p, DTensor) for p in model.parameters())}
 
 
 def _deepseek_config():
@@ -437,6 +441,7 @@ def test_wrapping_before_parallelizing_is_refused_with_the_order_to_use(ranks):
     # On main: rank 0 died of SIGSEGV inside c10d.scatter_.
     for r in _result(ranks, "wrap_then_parallelize"):
         assert r["error"] is not None and "parallelize first, then call ot.wrap_model on each rank" in r["error"]
+        assert r["dtensors"] == 0  # refused before the first module was parallelized
 
 
 def test_reference_deepseek_with_a_tp_plan_gives_the_unwrapped_tp_tokens(ranks):

@@ -83,9 +83,13 @@ class Fp8ParallelLinear(nn.Module):
         in_local = in_features // tp.world if parallel == "row" else in_features
         self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=FP8), requires_grad=False)
         self.weight_scale_inv = nn.Parameter(torch.empty(out_local // BLOCK, in_local // BLOCK), requires_grad=False)
-        # Not a bound method: a Parameter holding its module would be a reference cycle that keeps a
-        # deleted layer's weights (kv_b_proj after absorption) alive until the garbage collector runs.
-        loader = functools.partial(_load_slice, tp, 0 if parallel == "column" else 1)
+        self.attach_loaders()
+
+    def attach_loaders(self) -> None:
+        """Give each Parameter its ``weight_loader`` (again after ``to_empty``, which makes new ones).
+        Not a bound method: a Parameter holding its module would be a reference cycle that keeps a
+        deleted layer's weights (kv_b_proj after absorption) alive until the garbage collector runs."""
+        loader = functools.partial(_load_slice, self.tp, 0 if self.parallel == "column" else 1)
         for p in (self.weight, self.weight_scale_inv):
             p.weight_loader = loader
 
@@ -109,12 +113,16 @@ class Fp8ParallelExperts(nn.Module):
         local = intermediate // tp.world
         shapes = {"w1": (experts, local, hidden), "w3": (experts, local, hidden), "w2": (experts, hidden, local)}
         for name, shape in shapes.items():
-            w = nn.Parameter(torch.empty(shape, dtype=FP8), requires_grad=False)
-            s = nn.Parameter(torch.empty(experts, shape[1] // BLOCK, shape[2] // BLOCK), requires_grad=False)
+            setattr(self, name, nn.Parameter(torch.empty(shape, dtype=FP8), requires_grad=False))
+            setattr(self, f"{name}_scale_inv",
+                    nn.Parameter(torch.empty(experts, shape[1] // BLOCK, shape[2] // BLOCK), requires_grad=False))
+        self.attach_loaders()
+
+    def attach_loaders(self) -> None:
+        for name in ("w1", "w3", "w2"):
             split = 2 if name == "w2" else 1  # the intermediate dim, of the weight and of its scales
-            w.weight_loader = s.weight_loader = functools.partial(_load_slice, tp, split)
-            setattr(self, name, w)
-            setattr(self, f"{name}_scale_inv", s)
+            loader = functools.partial(_load_slice, self.tp, split)
+            getattr(self, name).weight_loader = getattr(self, f"{name}_scale_inv").weight_loader = loader
 
     def _expert(self, name: str, e: int) -> torch.Tensor:
         return dequantize_fp8(getattr(self, name)[e], getattr(self, f"{name}_scale_inv")[e], self.dtype)
@@ -160,11 +168,20 @@ def build(config: DeepSeekConfig, rank: int, world: int) -> deepseek.DeepSeekFor
     c, tp = config, _Rank(rank, world)
     if c.q_lora_rank or c.num_heads % world:
         raise ValueError(f"build: q_lora_rank must be 0 and num_heads ({c.num_heads}) a multiple of world ({world})")
-    with torch.device("meta"):
+    with torch.device("meta"):  # this rank's slices replace the full layers before any memory is taken
         model = deepseek.DeepSeekForCausalLM(c)
+        _split_layers(model, c, tp)
     model.to_empty(device="cpu")
     model.lm_head.weight = model.embed_tokens.weight  # tied, replicated
     model.reset_buffers()
+    for module in model.modules():
+        if isinstance(module, (Fp8ParallelLinear, Fp8ParallelExperts)):
+            module.attach_loaders()
+    return model
+
+
+def _split_layers(model: deepseek.DeepSeekForCausalLM, c: DeepSeekConfig, tp: _Rank) -> None:
+    world = tp.world
     heads = c.num_heads * c.qk_head_dim
     for layer in model.layers:
         attn = layer.self_attn
@@ -180,7 +197,6 @@ def build(config: DeepSeekConfig, rank: int, world: int) -> deepseek.DeepSeekFor
                                                c.dtype)
         else:
             layer.mlp = _Fp8MLP(c.hidden_size, c.intermediate_size, tp, c.dtype)
-    return model
 
 
 def load_weights(model: nn.Module, weights: Iterable[Tuple[str, object]]) -> set:
