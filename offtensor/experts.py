@@ -102,7 +102,7 @@ SPECULATE_COPY = False
 # With SPECULATE_COPY off a router is guessed for at every SPECULATE_SAMPLE-th step only: enough to
 # keep its score, while each guess's three kernels (the router matmul, softmax, top-k: 4 us each of
 # launch on the compute stream) are not paid every layer of every step.
-SPECULATE_SAMPLE = 4
+SPECULATE_SAMPLE = 8
 ROUTER_NAMES = ("gate", "router")
 
 
