@@ -669,8 +669,8 @@ class RoutingSpeculator:
             # Guesses are only scored, which needs a sample, not every step (a guess's kernels are a
             # cost on the compute stream).
             nxt.unpaid_steps += 1
-            if nxt.unpaid_steps % SPECULATE_SAMPLE:
-                return
+            if (nxt.unpaid_steps - 1) % SPECULATE_SAMPLE:
+                return  # the first step and every SPECULATE_SAMPLE-th after it are guessed
         module = nxt.module_ref()
         weight = getattr(module, "weight", None)
         if module is None or not isinstance(weight, torch.Tensor) or hasattr(weight, "_master") \
