@@ -146,6 +146,14 @@ def test_decode_moves_only_the_routed_experts_that_were_not_cached(name, device)
     # decode hit rate on the trained test models (tests/test_moe_trained.py) by 6-8 points at 25%
     # cached; here it costs at most one expert of a few in the first decode after the prefill
     # (which routes to most experts of every layer) and a few percent over the decode.
+    # Issue 8's bar (every step <= 1.1 x) was tried back with the cyclic-Belady constraint (never
+    # evict an expert of a layer still to run in the step while one of a layer that ran is
+    # evictable, then the frequency/reuse score; 2026-12-01): qwen3_moe here moved 1.034 x overall
+    # with steps at 1.125 and 1.167 x (against 1.033 x, one step at 1.25 x, without it), and the
+    # trained models' decode hit rate fell (benchmarks/moe_sim.py's replay, cache alone, 25% / 50%
+    # cached: Qwen3-MoE 0.735 -> 0.716 / 0.960 -> 0.955, Qwen2-MoE 0.668 -> 0.638 / 0.941 -> 0.895).
+    # At layer 0 of a step only its own unrouted experts have run, so any further room must come
+    # from a layer still to run; the looser bar stays.
     assert moved <= 1.2 * uncached
     assert max(ratios) <= 1.5, ratios
     s = ot.stats(model)
