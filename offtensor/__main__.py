@@ -37,11 +37,8 @@ def plan_main(argv) -> int:
     parser.add_argument("--decode-tokens", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--no-prefetch", action="store_true")
-    parser.add_argument("--routing", default=None,
-                        help="MoE: routing statistics measured on a real run (a RoutingStats JSON, such as "
-                        "benchmarks/results/moe_routing_qwen3.json): per-layer skew and token-to-token locality, "
-                        "scaled to this model's experts, instead of uniform random routing; the decode is also "
-                        "planned with every expert stack paged, and the faster placement is named")
+    parser.add_argument("--routing", help="MoE: measured routing (a RoutingStats JSON, e.g. benchmarks/results/"
+                        "moe_routing_qwen3.json) instead of uniform; also names the faster expert placement")
     parser.add_argument("--png", default="plan.png", help="timeline PNG; one per phase: plan-prefill.png, ...")
     parser.add_argument("--trace", default=None, help="Chrome trace JSON, one per phase like --png")
     args = parser.parse_args(argv)
@@ -54,12 +51,7 @@ def plan_main(argv) -> int:
     from .timeline import RoutingStats, get_profile, plan, plan_expert_paging
 
     dtype = getattr(torch, DTYPES[args.dtype])
-    routing = None
-    if args.routing:
-        try:
-            routing = RoutingStats.load(args.routing)
-        except (OSError, ValueError, KeyError) as e:
-            raise SystemExit(f"offtensor plan: cannot read routing statistics from {args.routing!r}: {e}") from None
+    routing = _load_routing(RoutingStats, args.routing) if args.routing else None
     profile = get_profile(args.profile)
     started = time.perf_counter()
     model, described, total, inputs = (_transformers_model if args.config else _dense_stack)(args, dtype)
@@ -101,6 +93,13 @@ def plan_main(argv) -> int:
                              args.steps, offload_gb)
     print(f"planned in {time.perf_counter() - started:.1f} s; nothing was allocated (meta device)")
     return 0
+
+
+def _load_routing(RoutingStats, path: str):
+    try:
+        return RoutingStats.load(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"offtensor plan: cannot read routing statistics from {path!r}: {e}") from None
 
 
 def _print_expert_paging(plan_expert_paging, model, budget_gb, x, routing, profile, steps, offload_gb) -> None:
