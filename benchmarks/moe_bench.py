@@ -568,8 +568,11 @@ DEEPSEEK_V3_SHAPED = dict(vocab_size=129280, hidden_size=7168, intermediate_size
                           num_key_value_heads=128, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
                           n_group=8, topk_group=4, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                           qk_rope_head_dim=64, v_head_dim=128, tie_word_embeddings=False, max_position_embeddings=4096)
-PLANS = {"qwen3_30b_a3b": ("Qwen3MoeConfig", QWEN3_30B_A3B, (16.0, 24.0, 32.0)),
-         "deepseek_v3_shaped": ("DeepseekV3Config", DEEPSEEK_V3_SHAPED, (24.0, 48.0))}
+PLANS = {"qwen3_30b_a3b": ("Qwen3MoeConfig", QWEN3_30B_A3B), "deepseek_v3_shaped": ("DeepseekV3Config", DEEPSEEK_V3_SHAPED)}
+# (model, budget GiB) in the order planned (the issue's headline first; each row is written as it
+# completes, so a run cut short keeps what it has).
+PLAN_ORDER = (("qwen3_30b_a3b", 24.0), ("deepseek_v3_shaped", 48.0), ("qwen3_30b_a3b", 16.0), ("qwen3_30b_a3b", 32.0),
+              ("deepseek_v3_shaped", 24.0))
 
 
 def _routing_stats(out_dir):
@@ -586,7 +589,7 @@ def _routing_stats(out_dir):
     return stats
 
 
-def plans_driven_by_routing(args, out_dir) -> dict:
+def plans_driven_by_routing(args, out_dir, save=None) -> dict:
     """Decode plans (``ot.plan`` on meta, replayed under ``h200``) of Qwen3-30B-A3B and a
     DeepSeek-V3-shaped model at a few budgets: uniform routing against routing calibrated to the
     trained test models (their per-layer skew and locality, scaled to 128 / 256 experts), each
@@ -594,42 +597,50 @@ def plans_driven_by_routing(args, out_dir) -> dict:
     verdict is the faster of the two."""
     import transformers
 
-    from offtensor.timeline import EXPERTS_PAGED, plan
-
     routings = {"uniform": None, **_routing_stats(out_dir)}
     x = torch.zeros(1, 1, dtype=torch.long, device="meta")
     result = {"routing_stats": {k: v.summary() for k, v in routings.items() if v is not None}, "models": {}}
-    for model_name, (config_class, fields, budgets) in PLANS.items():
+    built = {}
+    for model_name, budget in PLAN_ORDER:
         if args.plan_models and model_name not in args.plan_models:
             continue
-        config = getattr(transformers, config_class)(**fields)
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-        total = sum(p.numel() * p.element_size() for p in model.parameters())
-        rows = {}
-        for budget in budgets:
-            for routing_name, routing in routings.items():
-                row = {}
-                for placement_name, policy in (("default", None), ("all_paged", EXPERTS_PAGED)):
-                    t0 = time.perf_counter()
-                    tl = plan(model, budget_gb=budget, example_inputs=(x,), steps=2, warmup=3, policy=policy,
-                              routing=routing)
-                    r = tl.replay("h200")
-                    hits = sum(e["hits"] for e in tl.info["experts"].values())
-                    looks = hits + sum(e["misses"] for e in tl.info["experts"].values())
-                    row[placement_name] = {
-                        "step_ms": r.step_ms, "bound_ms": r.bound_ms, "ratio_to_bound": r.ratio_to_bound,
-                        "copy_busy": r.copy_busy, "copied_bytes": tl.step_copy_bytes(tl.steps - 1),
-                        "offloaded_weights": len(tl.info["offloaded"]), "offloaded_bytes": tl.info["offloaded_bytes"],
-                        "expert_hit_rate": hits / looks if looks else None, "plan_seconds": time.perf_counter() - t0}
-                row["paged"] = row["all_paged"]["step_ms"] < row["default"]["step_ms"]
-                rows[f"{budget:g} GiB, {routing_name}"] = row
-                print(f"plan {model_name} {budget:g} GiB {routing_name:14s}: default {row['default']['step_ms']:.1f} ms "
-                      f"({row['default']['ratio_to_bound']:.2f} x), all paged {row['all_paged']['step_ms']:.1f} ms "
-                      f"({row['all_paged']['ratio_to_bound']:.2f} x) -> {'all paged' if row['paged'] else 'default'}",
-                      flush=True)
-        result["models"][model_name] = {"config": config_class, "weights_bytes": total, "plans": rows}
+        if model_name not in built:
+            config_class, fields = PLANS[model_name]
+            with torch.device("meta"):
+                built[model_name] = transformers.AutoModelForCausalLM.from_config(
+                    getattr(transformers, config_class)(**fields), dtype=torch.bfloat16).eval()
+            model = built[model_name]
+            result["models"][model_name] = {"config": config_class, "fields": PLANS[model_name][1], "plans": {},
+                                            "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+        rows = result["models"][model_name]["plans"]
+        for routing_name, routing in routings.items():
+            rows[f"{budget:g} GiB, {routing_name}"] = row = _plan_row(built[model_name], budget, x, routing)
+            print(f"plan {model_name} {budget:g} GiB {routing_name:14s}: default {row['default']['step_ms']:.1f} ms "
+                  f"({row['default']['ratio_to_bound']:.2f} x), all paged {row['all_paged']['step_ms']:.1f} ms "
+                  f"({row['all_paged']['ratio_to_bound']:.2f} x) -> {'all paged' if row['paged'] else 'default'}",
+                  flush=True)
+            if save is not None:
+                save(result)
     return result
+
+
+def _plan_row(model, budget, x, routing) -> dict:
+    from offtensor.timeline import EXPERTS_PAGED, plan
+
+    row = {}
+    for placement_name, policy in (("default", None), ("all_paged", EXPERTS_PAGED)):
+        t0 = time.perf_counter()
+        tl = plan(model, budget_gb=budget, example_inputs=(x,), steps=2, warmup=3, policy=policy, routing=routing)
+        r = tl.replay("h200")
+        hits = sum(e["hits"] for e in tl.info["experts"].values())
+        looks = hits + sum(e["misses"] for e in tl.info["experts"].values())
+        row[placement_name] = {
+            "step_ms": r.step_ms, "bound_ms": r.bound_ms, "ratio_to_bound": r.ratio_to_bound,
+            "copy_busy": r.copy_busy, "copied_bytes": tl.step_copy_bytes(tl.steps - 1),
+            "offloaded_weights": len(tl.info["offloaded"]), "offloaded_bytes": tl.info["offloaded_bytes"],
+            "expert_hit_rate": hits / looks if looks else None, "plan_seconds": time.perf_counter() - t0}
+    row["paged"] = row["all_paged"]["step_ms"] < row["default"]["step_ms"]
+    return row
 
 
 def main(argv=None):
@@ -652,9 +663,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.plans:
         torch.set_num_threads(1)
-        result = plans_driven_by_routing(args, args.out)
-        save_result(args.out, "moe_plans.json", "moe_bench --plans", torch.device("meta"), argv, result)
-        return result
+        return plans_driven_by_routing(args, args.out, save=lambda result: save_result(
+            args.out, "moe_plans.json", "moe_bench --plans", torch.device("meta"), argv, result))
     device = resolve_device(args.device)
     if args.tokens is None:
         args.tokens = 16 if device.type == "cuda" else 12  # accelerate decodes at ~0.33 tok/s on the H200
