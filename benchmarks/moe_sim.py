@@ -29,7 +29,12 @@ offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a 
    path; and the offline coverage-against-waste curve of gates on the look-ahead probability.
 6. **H200 replay** (``h200_sized``): the trace through the replay model with experts of
    Qwen3-30B-A3B's bytes (9.4 MB) and a resident attention stand-in per layer, the last 16 decode
-   steps recorded (``ot.timeline``) and replayed under ``h200``, with guesses and without.
+   steps recorded (``ot.timeline``) and replayed under ``h200``: the cache alone
+   (``prefetch=False``), the default (guesses scored on a sample of steps, not copied) and guesses
+   copied (2 and 1 per layer); per step the bytes copied ahead by guesses, those wasted, and the
+   misses left on the critical path (expert copies an op waited for after its layer's routing).
+7. **Routing statistics for plans**: ``moe_routing_{model}.json`` (``offtensor.timeline.RoutingStats``,
+   what ``ot.plan(..., routing=...)`` and ``python -m offtensor plan --routing`` take).
 
 JSON: ``benchmarks/results/moe_sim.json``.
 """

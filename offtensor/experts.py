@@ -21,9 +21,11 @@ what that cache does not know about experts, as two small objects the pager comp
   stream changes little from one layer to the next, which MoE-Infinity and Pre-gated MoE exploit):
   a guess of layer i+1's experts, always scored against what layer i+1 pages. Guesses of experts
   not cached when guessed (the only ones a copy can save) are scored apart per router and
-  confidence bin; such a guess is copied (at most two per layer, behind layer i's own copies, and
-  only into the room of a copy expected to be read much later) when its bin's recent guesses were
-  at least 60% right. Which modules are routers and which stacks each one selects is learned from
+  confidence bin. By default nothing is copied (``SPECULATE_COPY``: on a copy-bound decode a copied
+  guess costs more than it saves) and a router is guessed for on a sample of the steps; with
+  copies on, such a guess is copied (at most two per layer, behind layer i's own copies, and only
+  into the room of a copy expected to be read much later) when its bin's recent guesses were at
+  least 60% right. Which modules are routers and which stacks each one selects is learned from
   the access order of a pass (the stacks paged after a router fires, before the next one); before
   the first pass, from names (``<prefix>.gate`` selects ``<prefix>.experts.*``).
 
