@@ -97,8 +97,8 @@ SPECULATE_VICTIM_CYCLES = 2.0
 # every guess copied ahead takes a cached copy's room: a wrong one costs its own bytes and the
 # evicted copy's, a right one only moves a copy earlier, into gaps shorter than an expert's copy.
 # benchmarks/moe_sim.py's H200 replay (ms per decode step, cache alone / 2 guesses per layer /
-# 1 guess): Qwen3-MoE 1.69 / 2.11 / 1.94, Qwen2-MoE 1.69 / 1.90 / 1.74, with 43-50% of the
-# remaining misses covered at 16-27% of the copied bytes wasted. Guesses are still made and scored
+# 1 guess): Qwen3-MoE 1.69 / 2.02 / 1.92, Qwen2-MoE 1.55 / 1.86 / 1.60, with 31-60% of the
+# remaining misses covered at 21-27% of the copied bytes wasted. Guesses are still made and scored
 # (``ot.stats(model).guesses``) and the offline curve of the gates is in benchmarks/results/moe_sim.json.
 SPECULATE_COPY = False
 # With SPECULATE_COPY off a router is guessed for at every SPECULATE_SAMPLE-th step only: enough to
