@@ -4,6 +4,10 @@ and transformers Qwen3-MoE run for real (emulated device here, GPU when there is
     python benchmarks/moe_bench.py                  # GPU when present, else the emulated device
     python benchmarks/moe_bench.py --device cpu     # emulated device, scaled-down Qwen3-MoE
     python benchmarks/moe_bench.py --replay-only    # only the DeepSeek-style replay (no weights)
+    python benchmarks/moe_bench.py --plans          # decode plans of Qwen3-30B-A3B and a DeepSeek-V3-
+                                                    # shaped model, uniform against measured routing
+                                                    # (benchmarks/results/moe_plans.json; needs the
+                                                    # moe_routing_*.json that moe_sim.py writes)
 
 1. **DeepSeek-style stack** (``--layers`` x 64 experts x 25.2 MB bf16, top-8, a resident dense
    block and shared expert per layer), built on meta and planned with ``ot.plan`` at one budget:
