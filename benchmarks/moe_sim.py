@@ -29,7 +29,12 @@ offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a 
    path; and the offline coverage-against-waste curve of gates on the look-ahead probability.
 6. **H200 replay** (``h200_sized``): the trace through the replay model with experts of
    Qwen3-30B-A3B's bytes (9.4 MB) and a resident attention stand-in per layer, the last 16 decode
-   steps recorded (``ot.timeline``) and replayed under ``h200``, with guesses and without.
+   steps recorded (``ot.timeline``) and replayed under ``h200``: the cache alone
+   (``prefetch=False``), the default (guesses scored on a sample of steps, not copied) and guesses
+   copied (2 and 1 per layer); per step the bytes copied ahead by guesses, those wasted, and the
+   misses left on the critical path (expert copies an op waited for after its layer's routing).
+7. **Routing statistics for plans**: ``moe_routing_{model}.json`` (``offtensor.timeline.RoutingStats``,
+   what ``ot.plan(..., routing=...)`` and ``python -m offtensor plan --routing`` take).
 
 JSON: ``benchmarks/results/moe_sim.json``.
 """
@@ -37,8 +42,10 @@ JSON: ``benchmarks/results/moe_sim.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gzip
+import json
 import math
 import os
 import sys
@@ -337,10 +344,18 @@ def h200_replay(trace, fraction: float, speculate: bool, hidden: int = 1024, int
                 model(step)
     r = tl.replay("h200")
     s = ot.stats(model)
+    g = s.guesses or {}
+    misses = sum(e["misses"] for e in s.experts.values())
     ot.unwrap_model(model)
+    # Per recorded step: bytes a guess copied ahead of its layer, those no op read, and the expert
+    # copies an op still waited for (misses: paged after the layer's own routing read).
     return {"expert_bytes": 3 * hidden * inter * 4, "recorded_steps": recorded,
             "step_ms_mean": sum(r.steps_ms) / len(r.steps_ms), "bound_ms_last": r.bound_ms,
-            "copy_busy_last": r.copy_busy, "bytes_h2d_per_step": s.bytes_h2d / recorded}
+            "copy_busy_last": r.copy_busy, "bytes_h2d_per_step": s.bytes_h2d / recorded,
+            "guess_bytes_ahead_per_step": (g.get("prefetched_bytes") or 0) / recorded,
+            "guess_bytes_wasted_per_step": (g.get("wasted_bytes") or 0) / recorded,
+            "critical_path_misses_per_step": misses / 2 / recorded,  # two stacks (gate_up, down) per expert
+            "covered_misses": g.get("covered_misses"), "wasted_share": g.get("wasted_share")}
 
 
 def _layer_of(name: str) -> int:
@@ -380,37 +395,68 @@ def replay_ours(trace, fraction: float, speculate: bool = False) -> dict:
     return out
 
 
-SPECULATION_KNOBS = ("SPECULATE_PRECISION", "SPECULATE_EXPERTS", "SPECULATE_VICTIM_CYCLES")
+SPECULATION_KNOBS = ("SPECULATE_COPY", "SPECULATE_PRECISION", "SPECULATE_EXPERTS", "SPECULATE_VICTIM_CYCLES")
 # The gates tried for the coverage-against-waste curve: the bin precision a guess must have shown.
 # 1.01: no guess copied (the cache alone). Then the room a guess may take: a victim whose expected
 # next use is at least SPECULATE_VICTIM_CYCLES cycles away (a stricter limit copies fewer guesses
 # and so evicts fewer copies that are read again soon: fewer bytes, fewer misses covered).
-CURVE = [{"SPECULATE_PRECISION": p} for p in (0.5, 0.6, 0.7, 0.8, 0.9, 1.01)] + \
-    [{"SPECULATE_VICTIM_CYCLES": c} for c in (3.0, 4.0, 6.0)]
+# Guesses are copied only with SPECULATE_COPY (off by default): every point turns it on.
+COPIED = {"SPECULATE_COPY": True}
+CURVE = [{**COPIED, "SPECULATE_PRECISION": p} for p in (0.5, 0.6, 0.7, 0.8, 0.9, 1.01)] + \
+    [{**COPIED, "SPECULATE_VICTIM_CYCLES": c} for c in (3.0, 4.0, 6.0)] + [{**COPIED, "SPECULATE_EXPERTS": 1}]
+# The H200 replays: the default (guesses scored, not copied) against guesses copied, 2 and 1 per layer.
+H200_VARIANTS = {"cache_alone": None, "default": {}, "guesses_copied": COPIED,
+                 "guesses_copied_1_per_layer": {**COPIED, "SPECULATE_EXPERTS": 1}}
 TIMELINE_STEPS = 8
+
+
+@contextlib.contextmanager
+def _knobs(setting):
+    """``offtensor.experts``'s SPECULATION_KNOBS set to ``setting`` inside, restored after."""
+    from offtensor import experts as experts_mod
+
+    saved = {k: getattr(experts_mod, k) for k in SPECULATION_KNOBS}
+    try:
+        for k, v in (setting or {}).items():
+            setattr(experts_mod, k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(experts_mod, k, v)
+
+
+def h200_variants(trace, fraction: float) -> dict:
+    return {name: (h200_replay(trace, fraction, False) if setting is None else _with(setting, h200_replay, trace,
+                                                                                     fraction, True))
+            for name, setting in H200_VARIANTS.items()}
+
+
+def _with(setting, fn, *args):
+    with _knobs(setting):
+        return fn(*args)
+
+
+def routing_stats_of(trace, name: str):
+    """The trace's decode routing as ``RoutingStats`` (what ``ot.plan(..., routing=...)`` takes)."""
+    from offtensor.timeline import RoutingStats
+
+    steps = [[rec["routed"][0].tolist() for rec in step] for step in trace["steps"][1:]]
+    return RoutingStats.from_trace(steps, trace["experts"], routing_stats(trace)["lookahead_precision"],
+                                   f"trained {name} (benchmarks/moe_sim.py, {len(steps)} held-out decode steps)")
 
 
 def speculation_curve(trace, fraction: float, settings) -> list:
     """The real speculator on the trace under other gates: each of ``settings`` (a dict of
     ``offtensor.experts`` SPECULATION_KNOBS) replayed, restored afterwards. One point per setting:
     the share of misses its copies covered against the share of its copied bytes wasted."""
-    from offtensor import experts as experts_mod
-
-    saved = {k: getattr(experts_mod, k) for k in SPECULATION_KNOBS}
     points = []
-    try:
-        for setting in settings:
-            for k, v in {**saved, **setting}.items():
-                setattr(experts_mod, k, v)
-            r = replay_ours(trace, fraction, speculate=True)
-            g = r["guesses"]
-            points.append({**setting, "hit_rate": r["hit_rate"], "bytes_h2d": r["bytes_h2d"],
-                           "covered_misses": g["covered_misses"],
-                           "wasted_share": g["wasted_share"], "uncached_precision": g["uncached_precision"],
-                           "miss_coverage": g["miss_coverage"], "prefetched_bytes": g["prefetched_bytes"]})
-    finally:
-        for k, v in saved.items():
-            setattr(experts_mod, k, v)
+    for setting in settings:
+        r = _with(setting, replay_ours, trace, fraction, True)
+        g = r["guesses"]
+        points.append({**setting, "hit_rate": r["hit_rate"], "bytes_h2d": r["bytes_h2d"],
+                       "covered_misses": g["covered_misses"],
+                       "wasted_share": g["wasted_share"], "uncached_precision": g["uncached_precision"],
+                       "miss_coverage": g["miss_coverage"], "prefetched_bytes": g["prefetched_bytes"]})
     return points
 
 
@@ -457,6 +503,9 @@ def evaluate(name: str, args) -> dict:
     ids = heldout_ids(args.start, args.prefix + args.steps + 1 + TIMELINE_STEPS)
     t0 = time.perf_counter()
     trace = record_trace(model, ids, args.prefix, args.steps)
+    stats = routing_stats_of(trace, name)
+    with open(os.path.join(args.out, f"moe_routing_{name}.json"), "w") as f:
+        json.dump(stats.to_dict(), f, indent=1)  # for ot.plan(..., routing=RoutingStats.load(path))
     result = {"model": name, "trace_seconds": time.perf_counter() - t0,
               "decode_bits_per_byte": trace["decode_bits_per_byte"],
               "layers": trace["layers"], "experts": trace["experts"], "top_k": trace["top_k"],
@@ -465,19 +514,37 @@ def evaluate(name: str, args) -> dict:
     for fraction in args.fractions:
         cap = int(round(fraction * total))
         row = {"capacity_experts": cap, "lru": simulate_lru(trace, cap), "belady": simulate_belady(trace, cap),
-               "ours": replay_ours(trace, fraction), "ours_speculating": replay_ours(trace, fraction, True)}
+               "ours": replay_ours(trace, fraction), "ours_speculating": _with(COPIED, replay_ours, trace, fraction, True)}
         row["speculation_curve"] = speculation_curve(trace, fraction, CURVE)
-        row["h200_sized"] = {"cache_alone": h200_replay(trace, fraction, False),
-                             "with_guesses": h200_replay(trace, fraction, True)}
+        row["h200_sized"] = h200_variants(trace, fraction)
         if not args.no_real:
             row["real"] = real_run(model, ids, args.prefix, args.steps, fraction, speculate=False,
                                    timeline_steps=TIMELINE_STEPS)
-            row["real_speculating"] = real_run(model, ids, args.prefix, args.steps, fraction, speculate=True,
-                                               timeline_steps=TIMELINE_STEPS)
+            row["real_default"] = real_run(model, ids, args.prefix, args.steps, fraction, speculate=True,
+                                           timeline_steps=TIMELINE_STEPS)  # guesses scored, not copied
+            with _knobs(COPIED):
+                row["real_speculating"] = real_run(model, ids, args.prefix, args.steps, fraction, speculate=True,
+                                                   timeline_steps=TIMELINE_STEPS)
         result["cache"][f"{fraction:.0%}"] = row
         print(f"{name} {fraction:.0%}: " + ", ".join(f"{k} {v['hit_rate']:.3f}" for k, v in row.items()
                                                      if isinstance(v, dict) and "hit_rate" in v), flush=True)
     return result
+
+
+def _keep_real_runs(path: str, results: dict) -> None:
+    """The real wrapped runs of an earlier full run, carried into a --no-real run's rows (a real run
+    takes minutes per row; the replay of the real pager, "ours", is checked against it)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        old = json.load(f)
+    origin = {"date": old.get("date"), "command": old.get("command")}
+    for name, result in results.items():
+        for fraction, row in result["cache"].items():
+            before = old.get(name, {}).get("cache", {}).get(fraction, {})
+            for key in ("real", "real_default", "real_speculating"):
+                if key in before:
+                    row[key] = {**before[key], "carried_over_from": before[key].get("carried_over_from", origin)}
 
 
 def main(argv=None):
@@ -488,13 +555,16 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--start", type=int, default=0, help="byte offset into the held-out split")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--no-real", action="store_true", help="skip the real wrapped runs (the slow part)")
+    p.add_argument("--no-real", action="store_true", help="skip the real wrapped runs (the slow part); those in "
+                   "the output JSON already are kept, marked with the run they came from")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
-    results = {name: evaluate(name, args) for name in args.models}
     from results_io import save_result
 
     os.makedirs(args.out, exist_ok=True)
+    results = {name: evaluate(name, args) for name in args.models}
+    if args.no_real:
+        _keep_real_runs(os.path.join(args.out, "moe_sim.json"), results)
     save_result(args.out, "moe_sim.json", "moe_sim", torch.device("cpu"), argv, results)
     return results
 

@@ -9,6 +9,7 @@ USAGE = """usage: python -m offtensor demo [--device cpu|cuda] [--tokens N] [--b
        python -m offtensor plan [--layers 24 --hidden 8192 --ffn 24576 | --config config.json|checkpoint_dir] [--dtype bf16]
                                 [--budget-gb G | --offload-layers N | --offload-gb G] [--profile h200|h100]
                                 [--prefill-tokens 4096] [--decode-tokens 1] [--steps 2] [--no-prefetch]
+                                [--routing routing.json]
                                 [--png plan.png] [--trace plan.json]"""
 
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "fp32": "float32",
@@ -36,6 +37,8 @@ def plan_main(argv) -> int:
     parser.add_argument("--decode-tokens", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--no-prefetch", action="store_true")
+    parser.add_argument("--routing", help="MoE: measured routing (a RoutingStats JSON, e.g. benchmarks/results/"
+                        "moe_routing_qwen3.json) instead of uniform; also names the faster expert placement")
     parser.add_argument("--png", default="plan.png", help="timeline PNG; one per phase: plan-prefill.png, ...")
     parser.add_argument("--trace", default=None, help="Chrome trace JSON, one per phase like --png")
     args = parser.parse_args(argv)
@@ -45,9 +48,10 @@ def plan_main(argv) -> int:
     import torch
 
     from .pager import GiB, format_bytes
-    from .timeline import get_profile, plan
+    from .timeline import RoutingStats, get_profile, plan, plan_expert_paging
 
     dtype = getattr(torch, DTYPES[args.dtype])
+    routing = _load_routing(RoutingStats, args.routing) if args.routing else None
     profile = get_profile(args.profile)
     started = time.perf_counter()
     model, described, total, inputs = (_transformers_model if args.config else _dense_stack)(args, dtype)
@@ -67,7 +71,7 @@ def plan_main(argv) -> int:
     stem, ext = os.path.splitext(args.png)
     for phase, tokens in (("prefill", args.prefill_tokens), ("decode", args.decode_tokens)):
         tl = plan(model, budget_gb=budget_gb, offload_gb=offload_gb, example_inputs=(inputs(tokens),),
-                  profile=profile, steps=args.steps, prefetch=not args.no_prefetch)
+                  profile=profile, steps=args.steps, prefetch=not args.no_prefetch, routing=routing)
         r = tl.replay()
         png = tl.plot(f"{stem}-{phase}{ext or '.png'}", title=f"{phase}, {tokens} tokens: {r}")
         if args.trace:
@@ -84,8 +88,38 @@ def plan_main(argv) -> int:
     for phase, tokens, _, _, _, r, gbps, png in rows:
         print(f"| {phase} | {tokens} | {r.step_ms:.1f} | {r.bound_ms:.1f} | {r.ratio_to_bound:.3f} | "
               f"{r.copy_busy:.0%} | {r.compute_busy:.0%} | {gbps:.1f} | {png or 'skipped: no matplotlib'} |")
+    if routing is not None:
+        _print_expert_paging(plan_expert_paging, model, budget_gb, inputs(args.decode_tokens), routing, profile,
+                             args.steps, offload_gb)
     print(f"planned in {time.perf_counter() - started:.1f} s; nothing was allocated (meta device)")
     return 0
+
+
+def _load_routing(RoutingStats, path: str):
+    try:
+        return RoutingStats.load(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"offtensor plan: cannot read routing statistics from {path!r}: {e}") from None
+
+
+def _print_expert_paging(plan_expert_paging, model, budget_gb, x, routing, profile, steps, offload_gb) -> None:
+    """The measured routing's verdict on the expert placement (decode): whole stacks resident as the
+    budget allows, or every stack paged through the expert cache."""
+    s = routing.summary()
+    print(f"routing: {routing.source or 'measured'}, {s['layers']} layers x {s['experts']} experts top-{s['top_k']}, "
+          f"entropy {min(s['entropy_bits']):.2f}-{max(s['entropy_bits']):.2f} bits, locality "
+          f"{min(s['locality']):.2f}-{max(s['locality']):.2f}; scaled to this model's experts")
+    if budget_gb is None:
+        print("expert placement: not compared (give --budget-gb)")
+        return
+    if not any(".experts." in n and p.dim() == 3 for n, p in model.named_parameters()):
+        print("expert placement: no stacked experts in this model")
+        return
+    verdict = plan_expert_paging(model, budget_gb, (x,), routing=routing, profile=profile, steps=steps)
+    d, a = verdict["default"], verdict["all_paged"]
+    chosen = f"page every stack (policy={verdict['policy']})" if verdict["paged"] else "the default placement"
+    print(f"expert placement, decode: whole stacks resident {d.step_ms:.1f} ms, every stack paged {a.step_ms:.1f} ms "
+          f"-> {chosen}")
 
 
 def _dense_stack(args, dtype):

@@ -21,9 +21,11 @@ what that cache does not know about experts, as two small objects the pager comp
   stream changes little from one layer to the next, which MoE-Infinity and Pre-gated MoE exploit):
   a guess of layer i+1's experts, always scored against what layer i+1 pages. Guesses of experts
   not cached when guessed (the only ones a copy can save) are scored apart per router and
-  confidence bin; such a guess is copied (at most two per layer, behind layer i's own copies, and
-  only into the room of a copy expected to be read much later) when its bin's recent guesses were
-  at least 60% right. Which modules are routers and which stacks each one selects is learned from
+  confidence bin. By default nothing is copied (``SPECULATE_COPY``: on a copy-bound decode a copied
+  guess costs more than it saves) and a router is guessed for on a sample of the steps; with
+  copies on, such a guess is copied (at most two per layer, behind layer i's own copies, and only
+  into the room of a copy expected to be read much later) when its bin's recent guesses were at
+  least 60% right. Which modules are routers and which stacks each one selects is learned from
   the access order of a pass (the stacks paged after a router fires, before the next one); before
   the first pass, from names (``<prefix>.gate`` selects ``<prefix>.experts.*``).
 
@@ -90,6 +92,19 @@ SPECULATE_EXPERTS = 2
 # A guess's copy may evict only a copy whose next use is expected at least this many cycles of
 # layers away: one that is likelier to be read before the guess is never given up for it.
 SPECULATE_VICTIM_CYCLES = 2.0
+# Whether a guess that pays is copied at all. Off: on the trained test models with experts of
+# Qwen3-30B-A3B's size at 25% cached, the decode step is copy-bound (copy stream 71% busy), and
+# every guess copied ahead takes a cached copy's room: a wrong one costs its own bytes and the
+# evicted copy's, a right one only moves a copy earlier, into gaps shorter than an expert's copy.
+# benchmarks/moe_sim.py's H200 replay (ms per decode step, cache alone / 2 guesses per layer /
+# 1 guess): Qwen3-MoE 1.69 / 2.02 / 1.92, Qwen2-MoE 1.55 / 1.86 / 1.60, with 31-60% of the
+# remaining misses covered at 21-27% of the copied bytes wasted. Guesses are still made and scored
+# (``ot.stats(model).guesses``) and the offline curve of the gates is in benchmarks/results/moe_sim.json.
+SPECULATE_COPY = False
+# With SPECULATE_COPY off a router is guessed for at every SPECULATE_SAMPLE-th step only: enough to
+# keep its score, while each guess's three kernels (the router matmul, softmax, top-k: 4 us each of
+# launch on the compute stream) are not paid every layer of every step.
+SPECULATE_SAMPLE = 8
 ROUTER_NAMES = ("gate", "router")
 
 
@@ -143,7 +158,7 @@ class ExpertStacks:
     __slots__ = ("by_master", "frequency", "speculator", "position", "_order", "_current", "_needed",
                  "_issued_for_op", "_announcing", "_spare_room_only", "_announced", "_expected", "_shares",
                  "_stack_bytes", "_clock", "_last", "_coldest", "_scale", "_reuse", "_ahead_distance",
-                 "__weakref__")
+                 "announcing", "__weakref__")
 
     def __init__(self):
         self.by_master: dict = {}  # master id -> _Stack
@@ -177,6 +192,9 @@ class ExpertStacks:
         # A guess's copy may evict only a copy whose expected next use is this many layers away or
         # more (None: twice the cycle); set by the speculator per guess.
         self._ahead_distance = None
+        # Stack groups whose op announces its experts (``_grouped_mm``, the index ops): their
+        # routers' top-k need not be read back (RoutingSpeculator.router_output).
+        self.announcing = set()
 
     def register(self, name: str, t: torch.Tensor) -> None:
         # Experts are whole contiguous slices along dim 0, so an expert's cache key is computable
@@ -240,6 +258,7 @@ class ExpertStacks:
         if needed == self._announced:
             return  # the layer's second stack (down after gate_up): already issued
         self._needed = self._announced = needed
+        self.announcing.add(stack.group)
         # The layer's own experts are paged right after anyway: they take the victims in-line paging
         # would (no _spare_room_only restriction), only sooner.
         self._announcing = True
@@ -549,7 +568,8 @@ class ExpertStacks:
 class _Router:
     __slots__ = ("name", "module_ref", "stacks", "top_k", "bin_correct", "bin_guessed", "guessed", "correct",
                  "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts", "copied_correct",
-                 "prefetched_bytes", "wasted_bytes", "tokens", "guess", "cached", "copied", "guess_tokens")
+                 "prefetched_bytes", "wasted_bytes", "tokens", "guess", "cached", "copied", "guess_tokens",
+                 "unpaid_steps")
 
     def __init__(self, name: str, module: nn.Module):
         self.name = name
@@ -568,6 +588,7 @@ class _Router:
         self.cached = frozenset()  # experts cached (every stack) when the open guess was made
         self.copied = {}  # expert -> bytes the open guess copied for it
         self.guess_tokens = 0
+        self.unpaid_steps = 0  # steps it could have been guessed for with copies off (every SPECULATE_SAMPLE-th is)
 
     def pays(self, confidence_bin: int) -> bool:
         """Whether an uncached guess in this bin is right often enough to be worth its copy."""
@@ -575,7 +596,7 @@ class _Router:
         return guessed >= SPECULATE_EVIDENCE and self.bin_correct[confidence_bin] >= SPECULATE_PRECISION * guessed
 
     def speculating(self) -> bool:
-        return any(self.pays(b) for b in range(len(CONFIDENCE_BINS)))
+        return SPECULATE_COPY and any(self.pays(b) for b in range(len(CONFIDENCE_BINS)))
 
     def report(self) -> dict:
         return _guess_report(self.guessed, self.correct, self.routed, self.uncached_guessed, self.uncached_correct,
@@ -646,43 +667,53 @@ class RoutingSpeculator:
         nxt = self._next.get(router)
         if nxt is None or not nxt.stacks or nxt.top_k is None:
             return
+        if not SPECULATE_COPY:
+            # Guesses are only scored, which needs a sample, not every step (a guess's kernels are a
+            # cost on the compute stream).
+            nxt.unpaid_steps += 1
+            if (nxt.unpaid_steps - 1) % SPECULATE_SAMPLE:
+                return  # the first step and every SPECULATE_SAMPLE-th after it are guessed
         module = nxt.module_ref()
         weight = getattr(module, "weight", None)
         if module is None or not isinstance(weight, torch.Tensor) or hasattr(weight, "_master") \
                 or weight.device != x.device or weight.shape[-1] != x.shape[-1]:
             return  # an offloaded router would be paged for a guess: not worth it
         with torch.no_grad():
-            scores = F.linear(x.reshape(-1, x.shape[-1]).to(weight.dtype), weight).float()
+            # As few kernels as a guess can take (each is a launch on the compute stream, paid every
+            # layer of every step whether or not the guess is copied): the router matmul, a float32
+            # softmax and its top-k, whose values are the confidences (softmax keeps the order).
+            scores = F.linear(x.reshape(-1, x.shape[-1]).to(weight.dtype), weight)
             bias = getattr(module, "e_score_correction_bias", None)
+            k = min(nxt.top_k, scores.shape[-1])
             if isinstance(bias, torch.Tensor) and not hasattr(bias, "_master"):
-                scores = scores.sigmoid()
+                scores = scores.float().sigmoid()
                 confidence = scores / scores.sum(-1, keepdim=True)
-                scores = scores + bias.float()  # DeepSeek-V3 selects on biased sigmoid scores
+                top = (scores + bias.float()).topk(k, dim=-1).indices  # DeepSeek-V3 selects on biased sigmoid scores
+                confidence = confidence.gather(-1, top)
             else:
-                confidence = scores.softmax(-1)
-            top = scores.topk(min(nxt.top_k, scores.shape[-1]), dim=-1).indices
-            # [2, tokens * k]: the guessed ids (exact as floats) and each one's confidence, token-major,
-            # each token's experts by descending score.
-            packed = torch.stack((top.float(), confidence.gather(-1, top))).reshape(2, -1)
-            if packed.device.type == "cuda":
-                # Read back without a host sync: a pinned staging copy and an event; the copies are
+                confidence, top = scores.softmax(-1, dtype=torch.float32).topk(k, dim=-1)
+            # The guessed ids and each one's confidence, token-major, each token's experts by
+            # descending score.
+            if top.device.type == "cuda":
+                # Read back without a host sync: pinned staging copies and an event; the copies are
                 # issued from the pager's next call once the event has completed (by then the
                 # layer's own routing read has waited for the router anyway).
-                host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-                host.copy_(packed, non_blocking=True)
+                host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (top, confidence))
+                host[0].copy_(top, non_blocking=True)
+                host[1].copy_(confidence, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
                 self._pending.append((nxt, host, event, router.tokens))
             else:
-                self._pending.append((nxt, packed, None, router.tokens))
+                self._pending.append((nxt, (top, confidence), None, router.tokens))
         # Issued from the pager once this layer's own experts are (ExpertStacks.announce), so the
         # guesses queue behind them on the copy stream.
 
     def router_output(self, router: _Router, output) -> None:
         """The router ran: its top-k of its scores is what its layer will page (nearly: a model may
         correct the scores first), told to the expert cache before the layer pages anything."""
-        if not router.stacks or router.top_k is None:
-            return
+        if not router.stacks or router.top_k is None or router.stacks[0].group in self._stacks.announcing:
+            return  # its layer's op announces what it pages (ExpertStacks.announce): no top-k needed
         num_experts = router.stacks[0].num_experts
         candidates = output if isinstance(output, (tuple, list)) else (output,)
         logits = next((t for t in candidates if isinstance(t, torch.Tensor) and t.dim() >= 1
@@ -690,7 +721,7 @@ class RoutingSpeculator:
         if logits is None or logits.is_meta:
             return
         with torch.no_grad():
-            ids = logits.reshape(-1, num_experts).float().topk(min(router.top_k, num_experts), dim=-1).indices.reshape(-1)
+            ids = logits.reshape(-1, num_experts).topk(min(router.top_k, num_experts), dim=-1).indices.reshape(-1)
             if ids.device.type == "cuda":
                 host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
                 host.copy_(ids, non_blocking=True)
@@ -698,7 +729,7 @@ class RoutingSpeculator:
                 event.record()
                 self._expected.append((router, host, event))
             else:
-                self._stacks.expect(router.stacks, ids.unique().tolist())
+                self._stacks.expect(router.stacks, set(ids.tolist()))
 
     def expected_ready(self) -> None:
         """GPU: hand the router outputs that have reached the host to the expert cache."""
@@ -708,7 +739,7 @@ class RoutingSpeculator:
         for item in self._expected:
             router, host, event = item
             if event.query():
-                self._stacks.expect(router.stacks, host.unique().tolist())
+                self._stacks.expect(router.stacks, set(host.tolist()))
             else:
                 keep.append(item)
         self._expected = keep
@@ -734,7 +765,8 @@ class RoutingSpeculator:
                 keep.append(item)
                 continue
             confidence = {}  # expert -> its highest confidence over the tokens, most confident first
-            for e, p in sorted(zip(packed[0].long().tolist(), packed[1].tolist()), key=lambda ep: -ep[1]):
+            ids, conf = packed
+            for e, p in sorted(zip(ids.reshape(-1).tolist(), conf.reshape(-1).tolist()), key=lambda ep: -ep[1]):
                 confidence.setdefault(e, p)
             self._issue(pager, router, confidence, tokens)
         self._pending = keep
@@ -757,7 +789,7 @@ class RoutingSpeculator:
         router.copied = {}
         if pager is None:
             return
-        worth = [e for e, b in router.guess.items() if e not in router.cached and router.pays(b)]
+        worth = [e for e, b in router.guess.items() if SPECULATE_COPY and e not in router.cached and router.pays(b)]
         with self._stacks.in_spare_room_only():
             for expert in worth[:SPECULATE_EXPERTS]:
                 for stack in router.stacks:

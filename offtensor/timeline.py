@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import time
 from typing import Optional, Sequence
 
@@ -31,6 +32,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from . import dispatch
 from . import experts
 from . import placement
 from .config import OffloadConfig
@@ -734,12 +736,16 @@ def _meta_pager(budget_bytes: int):
 
 def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(), profile="h200", steps: int = 3, *,
          offload_gb: Optional[float] = None, policy=None, prefetch: bool = True, warmup: int = 3,
-         forward=None) -> Timeline:
+         forward=None, routing: Optional[RoutingStats] = None) -> Timeline:
     """What ``model`` would do on a GPU at this budget: place its weights, run ``warmup + steps``
     forwards on the meta device with the real pager and prefetcher, and return the recorded
     timeline (replay it with ``tl.replay()``). Nothing is allocated or computed; ``model`` may be
     built on meta and is left as it was. ``warmup`` forwards let the prefetcher learn the order
-    before the recorded steps (``tl.replay`` reports the last one)."""
+    before the recorded steps (``tl.replay`` reports the last one).
+
+    Routing has no values on meta: MoE layers route each token to distinct experts drawn
+    uniformly, unless ``routing`` (``RoutingStats``, measured on a real run) gives each layer's
+    skew and token-to-token locality, scaled to this model's expert count."""
     if budget_gb is None and offload_gb is None:
         raise ValueError("offtensor: plan() needs budget_gb or offload_gb: a meta model has no device to measure")
     config = OffloadConfig(budget_gb=budget_gb, offload_gb=offload_gb, device=torch.device("meta"), prefetch=prefetch,
@@ -749,12 +755,16 @@ def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(),
     pager = _meta_pager(placed.budget_bytes)
     saved = _offload_on_meta(placed, pager)
     hooks = _attach_schedule(model, pager, prefetch and bool(placed.choice.offload))
+    planned = None
+    if routing is not None:
+        planned = _PlannedRouting(routing, _top_k_of(model) or routing.top_k)
+        hooks.append(model.register_forward_pre_hook(lambda m, a: planned.new_step()))
     inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
     rec = timeline(model, profile)
     tl = rec.tl
     tl.warmup_steps = warmup
     try:
-        with torch.no_grad(), rec:
+        with torch.no_grad(), rec, _routing_from(planned):
             for _ in range(warmup + steps):
                 (forward or model)(*inputs)
     finally:
@@ -763,6 +773,7 @@ def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(),
         for table, attr, t in saved.values():
             table[attr] = t
     tl.info = _planned_info(placed.choice, pager.snapshot())
+    tl.info["routing"] = routing.summary() if routing is not None else "uniform"
     return tl
 
 
@@ -827,3 +838,203 @@ def _planned_info(choice: placement.Placement, stats) -> dict:
         "budget_gb": choice.budget_bytes / GiB,
         "experts": stats.experts,  # per stacked-expert tensor: hits, misses, bytes (all planned steps)
     }
+
+
+# ---------------------------------------------------------------------------- measured routing for plans
+
+
+@dataclasses.dataclass
+class RoutingStats:
+    """Routing measured on a real run, for plans of MoE models (``plan(..., routing=stats)``).
+
+    Per MoE layer of the measured model: ``popularity``, the share of routed slots each expert
+    took, most used first (the layer's skew), and ``locality``, the share of a token's experts
+    that the previous token also used there (token-to-token reuse). A plan of a model with other
+    counts scales them: the planned model's layers map onto the measured ones in proportion, and a
+    layer's popularity curve is resampled at the planned expert count (the top 10% of experts take
+    the same share of the routing). ``lookahead_precision`` (the next layer's top-k guessed from
+    this layer's router input, per layer) is carried with the figures but enters no plan: guesses
+    are not copied by default (experts.SPECULATE_COPY) and meta tensors have no router values."""
+
+    popularity: list
+    locality: list
+    top_k: int
+    lookahead_precision: list = dataclasses.field(default_factory=list)
+    source: str = ""
+
+    @classmethod
+    def from_trace(cls, steps, num_experts: int, lookahead_precision=(), source: str = "") -> "RoutingStats":
+        """``steps``: a recorded decode, one entry per step, each a list over MoE layers of the
+        expert ids that step's token was routed to."""
+        if not steps or not steps[0]:
+            raise ValueError("offtensor: RoutingStats.from_trace needs at least one step of one MoE layer")
+        layers, top_k = len(steps[0]), len(steps[0][0])
+        popularity, locality = [], []
+        for layer in range(layers):
+            counts = [0] * num_experts
+            shared = pairs = 0
+            prev = None
+            for step in steps:
+                ids = [int(e) for e in step[layer]]
+                if len(ids) != top_k or any(not 0 <= e < num_experts for e in ids):
+                    raise ValueError(f"offtensor: routing trace layer {layer}: {ids} is not {top_k} ids below "
+                                     f"{num_experts}")
+                for e in ids:
+                    counts[e] += 1
+                if prev is not None:
+                    shared += len(prev & set(ids))
+                    pairs += 1
+                prev = set(ids)
+            total = sum(counts)
+            popularity.append(sorted((c / total for c in counts), reverse=True))
+            locality.append(shared / (top_k * pairs) if pairs else top_k / num_experts)
+        return cls(popularity, locality, top_k, list(lookahead_precision), source)
+
+    @classmethod
+    def uniform(cls, num_experts: int, top_k: int, layers: int = 1) -> "RoutingStats":
+        """What an unmeasured plan assumes: every expert alike, consecutive tokens independent."""
+        return cls([[1.0 / num_experts] * num_experts for _ in range(layers)], [top_k / num_experts] * layers, top_k,
+                   source="uniform")
+
+    @classmethod
+    def load(cls, path: str) -> "RoutingStats":
+        with open(path) as f:
+            d = json.load(f)
+        d = d.get("routing_stats", d)
+        return cls(d["popularity"], d["locality"], int(d["top_k"]), d.get("lookahead_precision", []),
+                   d.get("source", path))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def layer_shares(self, layer: int, layers: int, num_experts: int) -> list:
+        """The popularity of planned layer ``layer`` of ``layers``, resampled at ``num_experts``:
+        share i is the measured cumulative share curve between ranks i / E and (i + 1) / E."""
+        measured = self.popularity[min(layer * len(self.popularity) // max(layers, 1), len(self.popularity) - 1)]
+        n = len(measured)
+        cum = [0.0]
+        for p in measured:
+            cum.append(cum[-1] + p)
+
+        def at(x):  # the cumulative share of the top x (0..1) of the experts, piecewise linear
+            pos = x * n
+            i = min(int(pos), n - 1)
+            return cum[i] + (pos - i) * measured[i]
+
+        shares = [max(at((i + 1) / num_experts) - at(i / num_experts), 0.0) for i in range(num_experts)]
+        total = sum(shares)
+        return [s / total for s in shares]
+
+    def layer_locality(self, layer: int, layers: int) -> float:
+        return self.locality[min(layer * len(self.locality) // max(layers, 1), len(self.locality) - 1)]
+
+    def summary(self) -> dict:
+        """Per measured layer: entropy of expert use (bits) and locality, as the plan tables show them."""
+        entropy = [-sum(p * math.log2(p) for p in layer if p > 0) for layer in self.popularity]
+        return {"layers": len(self.popularity), "experts": len(self.popularity[0]), "top_k": self.top_k,
+                "entropy_bits": entropy, "locality": list(self.locality),
+                "lookahead_precision": list(self.lookahead_precision), "source": self.source}
+
+
+class _PlannedRouting:
+    """Routing on meta drawn from ``RoutingStats``: what ``dispatch``'s planned routing returns
+    while ``plan(..., routing=...)`` runs. Each offloaded MoE layer reads its routing once per
+    forward, in layer order, so the n-th read of a forward is the n-th MoE layer. A token keeps
+    each of the previous token's experts at that layer with the measured locality and draws the
+    rest from the layer's popularity (a fixed random assignment of ranks to expert ids per layer),
+    excluding the previous token's: the expected reuse is the measured one."""
+
+    def __init__(self, stats: RoutingStats, top_k: int, seed: int = 0):
+        self.stats, self.top_k = stats, top_k
+        self.g = torch.Generator().manual_seed(seed)
+        self.layer, self.layers = 0, 0
+        self.weights = {}  # (layer, experts) -> weight per expert id
+        self.prev = {}  # layer -> the last token's experts
+
+    def new_step(self) -> None:
+        if self.layer:
+            self.layers = self.layer
+        self.layer = 0
+
+    def _weights(self, layer: int, experts: int) -> torch.Tensor:
+        w = self.weights.get((layer, experts))
+        if w is None:
+            shares = torch.tensor(self.stats.layer_shares(layer, self.layers or len(self.stats.popularity), experts),
+                                  dtype=torch.float64)
+            w = self.weights[(layer, experts)] = torch.empty_like(shares).scatter_(
+                0, torch.randperm(experts, generator=self.g), shares)
+        return w
+
+    def ends(self, experts: int, rows: int) -> list:
+        layer = self.layer
+        self.layer += 1
+        w = self._weights(layer, experts)
+        k = max(min(self.top_k, experts, rows), 1)
+        tokens = max(rows // k, 1)
+        counts = torch.zeros(experts, dtype=torch.long)
+        if tokens * k > 4 * experts:
+            # A prefill: nearly every expert is routed; the rows follow the popularity.
+            counts += torch.bincount(torch.multinomial(w, rows, replacement=True, generator=self.g), minlength=experts)
+        else:
+            reuse = self.stats.layer_locality(layer, self.layers or len(self.stats.locality))
+            prev = self.prev.get(layer, [])
+            for _ in range(tokens):
+                kept = [e for e in prev if torch.rand((), generator=self.g).item() < reuse][:k]
+                free = w.clone()
+                free[list(set(prev) | set(kept))] = 0.0
+                fill = k - len(kept)
+                drawn = torch.multinomial(free, fill, replacement=False, generator=self.g).tolist() if fill else []
+                prev = kept + drawn
+                counts[prev] += 1
+            self.prev[layer] = prev
+            counts[torch.argmax(counts)] += rows - int(counts.sum())  # rows not a multiple of top-k
+        return counts.cumsum(0).tolist()
+
+
+@contextlib.contextmanager
+def _routing_from(routing: Optional[_PlannedRouting]):
+    """While planning with measured routing, dispatch's routing of a meta grouped GEMM comes from
+    ``routing`` (dispatch reads the module's ``_planned_ends`` at each call)."""
+    if routing is None:
+        yield
+        return
+    saved = dispatch._planned_ends
+    dispatch._planned_ends = routing.ends
+    try:
+        yield
+    finally:
+        dispatch._planned_ends = saved
+
+
+def _top_k_of(model: nn.Module) -> Optional[int]:
+    config = getattr(model, "config", None)
+    for owner in (config, *model.modules()):
+        for name in ("num_experts_per_tok", "top_k", "moe_top_k"):
+            value = getattr(owner, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+# Every routed expert stack offloaded: the whole budget beyond the dense weights is expert cache.
+EXPERTS_PAGED = {"offload": ["*.experts.*"]}
+
+
+def plan_expert_paging(model: nn.Module, budget_gb: float, example_inputs=(), routing: Optional[RoutingStats] = None,
+                       profile="h200", steps: int = 2, warmup: int = 3) -> dict:
+    """Which placement of a MoE model's routed experts is faster at this budget, decided by the
+    replay rather than a policy flag: the default placement (whole expert stacks kept resident as
+    far as the budget holds them, the rest paged) against every stack paged through the expert
+    cache (``EXPERTS_PAGED``), both planned under ``routing`` (uniform without it).
+
+    Skewed routing with token-to-token reuse favours paging everything (the cache keeps each
+    layer's hot experts, a resident stack holds its cold ones too); uniform routing favours whole
+    stacks. Returns ``{"policy": the wrap_model policy to use (None: the default), "paged": bool,
+    "default": Replay, "all_paged": Replay}``."""
+    replays = {}
+    for name, policy in (("default", None), ("all_paged", EXPERTS_PAGED)):
+        tl = plan(model, budget_gb=budget_gb, example_inputs=example_inputs, profile=profile, steps=steps,
+                  warmup=warmup, policy=policy, routing=routing)
+        replays[name] = tl.replay()
+    paged = replays["all_paged"].step_ms < replays["default"].step_ms
+    return {"policy": EXPERTS_PAGED if paged else None, "paged": paged, **replays}

@@ -146,6 +146,14 @@ def test_decode_moves_only_the_routed_experts_that_were_not_cached(name, device)
     # decode hit rate on the trained test models (tests/test_moe_trained.py) by 6-8 points at 25%
     # cached; here it costs at most one expert of a few in the first decode after the prefill
     # (which routes to most experts of every layer) and a few percent over the decode.
+    # Issue 8's bar (every step <= 1.1 x) was tried back with the cyclic-Belady constraint (never
+    # evict an expert of a layer still to run in the step while one of a layer that ran is
+    # evictable, then the frequency/reuse score; 2026-12-01): qwen3_moe here moved 1.034 x overall
+    # with steps at 1.125 and 1.167 x (against 1.033 x, one step at 1.25 x, without it), and the
+    # trained models' decode hit rate fell (benchmarks/moe_sim.py's replay, cache alone, 25% / 50%
+    # cached: Qwen3-MoE 0.735 -> 0.716 / 0.960 -> 0.955, Qwen2-MoE 0.668 -> 0.638 / 0.941 -> 0.895).
+    # At layer 0 of a step only its own unrouted experts have run, so any further room must come
+    # from a layer still to run; the looser bar stays.
     assert moved <= 1.2 * uncached
     assert max(ratios) <= 1.5, ratios
     s = ot.stats(model)
@@ -293,7 +301,12 @@ def _decode(model, ids, steps: int):
     return [run.step() for _ in range(steps)]
 
 
-def test_next_layer_experts_are_guessed_and_prefetched(device):
+@pytest.mark.parametrize("copies", [True, False])
+def test_next_layer_experts_are_guessed_and_prefetched_only_where_copies_are_on(device, monkeypatch, copies):
+    # Copying guesses is off by default (ot_experts.SPECULATE_COPY: in the copy-bound decode of the
+    # trained test models it costs more than it saves); exact guesses are then still scored, on a
+    # sample of the steps, and copy nothing.
+    monkeypatch.setattr(ot_experts, "SPECULATE_COPY", copies)
     config = _reference_config(num_layers=5)
     reference = DeepSeekForCausalLM.empty(config).init_weights(seed=0).to(device)
     _same_routing_everywhere(reference)
@@ -316,8 +329,15 @@ def test_next_layer_experts_are_guessed_and_prefetched(device):
     assert speculator._next[speculator.routers[0]] is speculator.routers[1]
     g = ot.stats(model).guesses
     assert g["accuracy"] == 1.0 and g["recall"] == 1.0
-    assert g["prefetched_bytes"] > 0 and g["wasted_bytes"] == 0
-    assert ot.stats(model).prefetch_hits > 0
+    if copies:
+        assert g["prefetched_bytes"] > 0 and g["wasted_bytes"] == 0
+        assert ot.stats(model).prefetch_hits > 0
+    else:
+        assert g["prefetched_bytes"] == 0 and g["wasted_bytes"] == 0
+        assert not any(r["speculating"] for r in g["routers"].values())
+        # Scored on every SPECULATE_SAMPLE-th step, not all 14: one guess per sampled step and router.
+        per_router = [r["guessed"] for r in g["routers"].values() if r["guessed"]]
+        assert per_router and all(n <= config.num_experts_per_tok * -(-14 // ot_experts.SPECULATE_SAMPLE) for n in per_router), g
 
 
 def test_unreliable_guesses_are_scored_but_cost_no_bytes(device):

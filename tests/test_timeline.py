@@ -385,3 +385,57 @@ def test_plan_command_prints_the_table_and_writes_the_pngs(tmp_path, capsys):
     for phase in ("prefill", "decode"):
         assert open(tmp_path / f"plan-{phase}.png", "rb").read(4) == b"\x89PNG"
         assert json.load(open(tmp_path / f"plan-{phase}.json"))["traceEvents"]
+
+
+# ------------------------------------------------------------------------------------ measured routing
+
+
+def _small_qwen3_moe(layers=2, experts=16, top_k=2):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, num_experts=experts, num_experts_per_tok=top_k,
+                                         decoder_sparse_step=1, mlp_only_layers=[])
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+
+
+def test_routing_stats_from_a_trace_measure_skew_and_locality_and_scale_to_more_experts():
+    from offtensor.timeline import RoutingStats
+
+    # One layer of 8 experts, top-2: expert 0 at every step, its partner alternating 1, 2, 1, 2.
+    steps = [[[0, 1 + t % 2]] for t in range(4)]
+    stats = RoutingStats.from_trace(steps, num_experts=8)
+    assert stats.top_k == 2 and stats.popularity[0][:3] == [0.5, 0.25, 0.25] and sum(stats.popularity[0]) == 1.0
+    assert stats.locality == [0.5]  # the previous token's expert 0 again, never its partner
+    # At 32 experts the top eighth (4 experts) takes the top expert's share, and the curve sums to 1.
+    shares = stats.layer_shares(0, 1, 32)
+    assert len(shares) == 32 and abs(sum(shares) - 1.0) < 1e-9 and abs(sum(shares[:4]) - 0.5) < 1e-9
+    uniform = RoutingStats.uniform(8, 2)
+    assert uniform.summary()["entropy_bits"] == [3.0] and uniform.locality == [0.25]
+    with pytest.raises(ValueError, match="layer 0"):
+        RoutingStats.from_trace([[[0, 9]]], num_experts=8)
+
+
+def test_a_plan_under_measured_routing_reuses_experts_that_a_uniform_plan_does_not():
+    from offtensor.timeline import EXPERTS_PAGED, RoutingStats, plan_expert_paging
+
+    model = _small_qwen3_moe(layers=1)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    budget = (total - experts + experts // 4) / GiB
+    # Two hot experts per layer, reused from token to token (what a trained router does, in the extreme).
+    hot = RoutingStats([[0.45, 0.45] + [0.1 / 14] * 14], [0.9], 2, source="test")
+    x = torch.zeros(1, 1, dtype=torch.long)
+    plans = {name: ot.plan(model, budget_gb=budget, example_inputs=(x,), steps=2, warmup=2, policy=EXPERTS_PAGED,
+                           routing=routing) for name, routing in (("uniform", None), ("hot", hot))}
+    hit = {name: sum(e["hits"] for e in tl.info["experts"].values()) /
+           sum(e["hits"] + e["misses"] for e in tl.info["experts"].values()) for name, tl in plans.items()}
+    assert hit["hot"] > hit["uniform"] + 0.3, hit
+    moved = {name: sum(tl.step_copy_bytes(s) for s in range(1, tl.steps)) for name, tl in plans.items()}
+    assert moved["hot"] < moved["uniform"], moved
+    assert plans["hot"].info["routing"]["source"] == "test" and plans["uniform"].info["routing"] == "uniform"
+    # The placement of the stacks is the replay's verdict: the faster of the two plans.
+    verdict = plan_expert_paging(model, budget, (x,), routing=hot, steps=1, warmup=1)
+    assert verdict["paged"] == (verdict["all_paged"].step_ms < verdict["default"].step_ms)
+    assert verdict["policy"] == (EXPERTS_PAGED if verdict["paged"] else None)
