@@ -19,6 +19,8 @@ where that pages the same bytes (one Python pass instead of matmul's composite d
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
 
 import torch
@@ -1120,7 +1122,7 @@ def _group_ends(offs: torch.Tensor, pager, rows: int = 0) -> list:
         return ends
     if offs.is_meta:
         _host_sync(pager)  # the GPU reads the routing here
-        ends = _planned_ends(offs.numel(), rows)
+        ends = (getattr(_planning, "ends", None) or _planned_ends)(offs.numel(), rows)
     else:
         ends = _read_to_host(offs, pager).tolist()
     pager.routing_read = (weakref.ref(offs), offs._version, ends)
@@ -1128,6 +1130,20 @@ def _group_ends(offs: torch.Tensor, pager, rows: int = 0) -> list:
 
 
 _PLANNED_ROUTING = torch.Generator().manual_seed(0)
+_planning = threading.local()  # .ends: the routing of a plan with measured routing, in this thread
+
+
+@contextlib.contextmanager
+def planned_routing(ends):
+    """While ``ot.plan`` replays with measured routing (``timeline.RoutingStats``), a meta grouped
+    GEMM's routing comes from ``ends(experts, rows)`` instead of ``_planned_ends``; per thread, so a
+    plan in one thread changes no other thread's."""
+    saved = getattr(_planning, "ends", None)
+    _planning.ends = ends
+    try:
+        yield
+    finally:
+        _planning.ends = saved
 
 
 def _planned_ends(experts: int, rows: int) -> list:

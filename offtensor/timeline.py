@@ -994,16 +994,12 @@ class _PlannedRouting:
 @contextlib.contextmanager
 def _routing_from(routing: Optional[_PlannedRouting]):
     """While planning with measured routing, dispatch's routing of a meta grouped GEMM comes from
-    ``routing`` (dispatch reads the module's ``_planned_ends`` at each call)."""
+    ``routing`` (``dispatch.planned_routing``)."""
     if routing is None:
         yield
         return
-    saved = dispatch._planned_ends
-    dispatch._planned_ends = routing.ends
-    try:
+    with dispatch.planned_routing(routing.ends):
         yield
-    finally:
-        dispatch._planned_ends = saved
 
 
 def _top_k_of(model: nn.Module) -> Optional[int]:
