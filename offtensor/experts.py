@@ -913,15 +913,19 @@ def attach(model: nn.Module, pager, speculate: bool = True) -> Optional[ExpertSt
             if torch.compiler.is_compiling():
                 return
             speculator = speculator_ref()
-            if speculator is not None and args and isinstance(args[0], torch.Tensor) and not args[0].is_meta:
-                speculator.router_ran(router, args[0])
+            pager = speculator._pager() if speculator is not None else None
+            if pager is not None and args and isinstance(args[0], torch.Tensor) and not args[0].is_meta:
+                with pager.lock:  # guesses and their scores are pager state, shared by threads' forwards
+                    speculator.router_ran(router, args[0])
 
         def output_hook(module, args, output, router=router, speculator_ref=weakref.ref(speculator)):
             if torch.compiler.is_compiling():
                 return
             speculator = speculator_ref()
-            if speculator is not None:
-                speculator.router_output(router, output)
+            pager = speculator._pager() if speculator is not None else None
+            if pager is not None:
+                with pager.lock:
+                    speculator.router_output(router, output)
 
         speculator.hooks.append(module.register_forward_pre_hook(hook))
         speculator.hooks.append(module.register_forward_hook(output_hook))

@@ -459,3 +459,32 @@ def test_deleting_then_assigning_on_a_warm_model_stays_within_budget(device):
     assert not isinstance(layer.weight, OffloadedTensor)
     assert ot.stats(model).peak_device_bytes <= budget
     assert _agrees(model, reference, device) and ot.stats(model).peak_device_bytes <= budget
+
+
+def test_concurrent_forwards_of_a_moe_model_with_routing_guesses_agree_within_budget(device):
+    """Routed experts add state outside any op: the router hooks' guesses and their scores, and
+    the expert cache's statistics. Two threads x 40 forwards of the reference DeepSeek at 40% of
+    its weight bytes (its routed experts offloaded, guesses scored) agree with the unwrapped model."""
+    from offtensor.models.deepseek import CONFIGS, DeepSeekForCausalLM, weight_bytes
+
+    reference = DeepSeekForCausalLM.empty(CONFIGS["tiny"]).init_weights(seed=0).eval()
+    model = copy.deepcopy(reference)
+    budget = int(0.4 * weight_bytes(reference))
+    ot.wrap_model(model, budget_gb=budget / GiB, device=device)
+    assert any(isinstance(p, OffloadedTensor) and "experts" in n for n, p in model.named_parameters())
+    ids = [torch.randint(0, 256, (1, 3), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    with torch.no_grad():
+        want = [reference(x) for x in ids]
+    mismatches = []
+
+    def work(k):
+        for i in range(40):
+            j = (i + k) % len(ids)
+            with torch.no_grad():
+                if not torch.equal(model(ids[j].to(device)).cpu(), want[j]):
+                    mismatches.append((k, i))
+
+    assert _run_threads(work, 2) == []
+    assert mismatches == []
+    s = ot.stats(model)
+    assert s.peak_device_bytes <= budget and s.experts is not None
