@@ -262,25 +262,23 @@ class Pager:
             raise
 
     def upload(self, src: torch.Tensor, what="tensor"):
-        """``_upload`` (below) under ``lock``, held until the entry's ``release``, as for ``page``."""
+        """Copy a host tensor (e.g. gathered rows) to the device for one op; accounted like a page.
+        ``src`` is kept alive until the copy has completed, so the caller may drop it at once.
+        Takes ``lock``, held until the entry's ``release``, as ``page`` does (in its own body too:
+        every embedding lookup of an offloaded table runs it)."""
         self.lock.acquire()
         try:
-            return self._upload(src, what)
+            src = src.contiguous()
+            entry = self._transient(src.view(-1), src.numel() * src.element_size(), what)
+            for notify in self.observers.reading:
+                notify(entry)
+            if entry.ready is not None:
+                self.device_ops.wait_ready(entry, self.lifetimes)
+            entry.users += 1
+            return entry.buf.view(src.shape), entry
         except BaseException:
             self.lock.release()
             raise
-
-    def _upload(self, src: torch.Tensor, what="tensor"):
-        """Copy a host tensor (e.g. gathered rows) to the device for one op; accounted like a page.
-        ``src`` is kept alive until the copy has completed, so the caller may drop it at once."""
-        src = src.contiguous()
-        entry = self._transient(src.view(-1), src.numel() * src.element_size(), what)
-        for notify in self.observers.reading:
-            notify(entry)
-        if entry.ready is not None:
-            self.device_ops.wait_ready(entry, self.lifetimes)
-        entry.users += 1
-        return entry.buf.view(src.shape), entry
 
     def copy_out(self, host: torch.Tensor) -> torch.Tensor:
         """A device copy owned by the caller (``materialize``, ``unwrap_model``): never cached,
