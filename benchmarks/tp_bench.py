@@ -70,7 +70,7 @@ def _rank(rank: int, args, directory: str, results) -> None:
         with safe_open(path, "pt") as f:
             for name in f.keys():
                 piece = f.get_slice(name)
-                tp_deepseek.load_weights(model, [(name, _Counted(piece, counter))])
+                tp_deepseek.load_weights(model, [(name, tp_deepseek.CountingSlice(piece, counter))])
         tp_deepseek.process_weights_after_loading(model)
 
     # Warm up what the first use of each piece imports or allocates (thread pools, dispatch tables),
@@ -106,19 +106,6 @@ def _rank(rank: int, args, directory: str, results) -> None:
         "tokens_equal": bool(torch.equal(tokens, expected)),
     }
     dist.destroy_process_group()
-
-
-class _Counted:
-    def __init__(self, inner, counter):
-        self.inner, self.counter = inner, counter
-
-    def get_shape(self):
-        return self.inner.get_shape()
-
-    def __getitem__(self, index):
-        t = self.inner[index]
-        self.counter[0] += t.numel() * t.element_size()
-        return t
 
 
 def main(argv=None):

@@ -304,21 +304,6 @@ def _fsdp(rank: int, mesh) -> dict:
     return r
 
 
-class _CountingSlice:
-    """A safetensors slice that counts the bytes a loader reads through it."""
-
-    def __init__(self, inner, counter: list):
-        self.inner, self.counter = inner, counter
-
-    def get_shape(self):
-        return self.inner.get_shape()
-
-    def __getitem__(self, index):
-        t = self.inner[index]
-        self.counter[0] += t.numel() * t.element_size()
-        return t
-
-
 def _seed(rank: int, out_dir: str) -> dict:
     """The seed at TP=2: the reference DeepSeek (MLA absorption, routed experts, tied embeddings)
     with FP8 block-scaled attention and expert weights, built per rank, wrapped with offload_gb per
@@ -341,7 +326,7 @@ def _seed(rank: int, out_dir: str) -> dict:
             ot.wrap_model(model, offload_gb=0.1 / 1024, device="cpu")
         read = [0]
         with safe_open(path, "pt") as f:
-            tp_deepseek.load_weights(model, ((n, _CountingSlice(f.get_slice(n), read)) for n in f.keys()))
+            tp_deepseek.load_weights(model, ((n, tp_deepseek.CountingSlice(f.get_slice(n), read)) for n in f.keys()))
         tp_deepseek.process_weights_after_loading(model)
         return model, read[0]
 
@@ -474,3 +459,11 @@ def test_the_seed_at_tp2_fp8_loaded_slice_by_slice_gives_the_unwrapped_tp_tokens
         assert r["peak"] <= r["budget"]
         # each rank read its slices only: a little over half of the file (replicated tensors read whole)
         assert r["read_bytes"] < 0.75 * r["file_bytes"]
+
+
+def test_the_seed_loader_names_a_checkpoint_tensor_it_cannot_place():
+    from offtensor.models import tp_deepseek
+
+    bogus = r"checkpoint tensor 'model\.bogus\.weight' of shape \(4, 2\) matches no parameter"
+    with pytest.raises(KeyError, match=bogus):
+        tp_deepseek.load_weights(torch.nn.Linear(2, 4), [("model.bogus.weight", torch.zeros(4, 2))])

@@ -207,7 +207,9 @@ def load_weights(model: nn.Module, weights: Iterable[Tuple[str, object]]) -> set
     for name, value in weights:
         param = params.get(name)
         if param is None:
-            continue
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else tuple(value.get_shape())
+            raise KeyError(f"checkpoint tensor '{name}' of shape {shape} matches no parameter of "
+                           f"{type(model).__name__}")
         loader = getattr(param, "weight_loader", None)
         if loader is not None:
             loader(param, value)
@@ -215,6 +217,23 @@ def load_weights(model: nn.Module, weights: Iterable[Tuple[str, object]]) -> set
             param.data.copy_(value if isinstance(value, torch.Tensor) else value[:])
         loaded.add(name)
     return loaded
+
+
+class CountingSlice:
+    """A safetensors slice (``safe_open(...).get_slice(name)``) that adds the bytes a loader reads
+    through it to ``counter[0]``: how the test and the benchmark show that a rank reads only its
+    slices of the file."""
+
+    def __init__(self, inner, counter: list):
+        self.inner, self.counter = inner, counter
+
+    def get_shape(self):
+        return self.inner.get_shape()
+
+    def __getitem__(self, index):
+        t = self.inner[index]
+        self.counter[0] += t.numel() * t.element_size()
+        return t
 
 
 def process_weights_after_loading(model: deepseek.DeepSeekForCausalLM) -> None:
