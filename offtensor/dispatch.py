@@ -640,7 +640,9 @@ class _Collective:
         self.written = None if writes is None else {i for i, n in enumerate(names) if n in writes} | set(writes)
         self.__name__ = f"collective({func})"
 
-    def __call__(self, func, types, args, kwargs):
+    def __call__(self, func, types, args, kwargs, run=None):
+        """``run`` calls the op on the paged arguments (default ``func``; the nested-list kernel
+        below passes a redispatch past itself)."""
         if self.written is None:
             raise NotImplementedError(
                 f"offtensor: {func} with an OffloadedTensor argument is not supported: which of its arguments it "
@@ -651,13 +653,61 @@ class _Collective:
         try:
             new_args = [_page_nested(paged, a, i in self.written, originals) for i, a in enumerate(args)]
             new_kwargs = {k: _page_nested(paged, v, k in self.written, originals) for k, v in kwargs.items()}
-            out = func(*new_args, **new_kwargs)
+            out = (run or func)(*new_args, **new_kwargs)
             out = _wait_collective(out, func.namespace != "c10d")
             for t, device_copy in paged.private:
                 _write_back(t, device_copy)
         finally:
             paged.release()
         return _restore_nested(out, originals)
+
+
+# The c10d ops that take a ``Tensor[][]``. The dispatcher looks for tensor subclasses in tensor and
+# tensor-list arguments only, so an OffloadedTensor passed only inside a nested list (``scatter_list``
+# on the source rank, ``gather_list`` on the destination, an ``all_gather`` output list, with every
+# flat argument plain) never reached ``__torch_dispatch__``, and gloo read its wrapper's null data
+# pointer (EFAULT, or a segfault). A kernel at BackendSelect finds them: that key is in every call's
+# key set (in inference mode too, where the autograd keys are not), and it sits below the Python key,
+# so a call with a flat OffloadedTensor still takes ``__torch_dispatch__`` first and arrives here
+# with plain tensors only. A call with no OffloadedTensor pays one scan of its lists (a few µs).
+_NESTED_C10D = ("scatter_", "gather_", "allgather_", "reduce_scatter_", "allgather_coalesced_")
+
+
+class _NestedCollective:
+    def __init__(self, op):
+        self.op = op
+        self.collective = _Collective(op)
+        self.below = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+
+    def __call__(self, keyset, *args, **kwargs):
+        below = keyset & self.below
+        if _has_offloaded_nested(args) or _has_offloaded_nested(kwargs.values()):
+            run = lambda *a, **k: self.op.redispatch(below, *a, **k)  # noqa: E731 (past this kernel)
+            return self.collective(self.op, (), args, kwargs, run=run)
+        return self.op.redispatch(below, *args, **kwargs)
+
+
+def _has_offloaded_nested(values) -> bool:
+    for v in values:
+        if isinstance(v, OffloadedTensor) or (isinstance(v, (list, tuple)) and _has_offloaded_nested(v)):
+            return True
+    return False
+
+
+def _install_nested_collectives():
+    """Registers the BackendSelect kernels; returns the Library that holds them (registrations
+    last as long as it does), or None where torch has no c10d ops."""
+    if not torch.distributed.is_available():
+        return None
+    lib = torch.library.Library("c10d", "IMPL")
+    for name in _NESTED_C10D:
+        packet = getattr(torch.ops.c10d, name, None)
+        if packet is not None:
+            lib.impl(name, _NestedCollective(packet.default), "BackendSelect", with_keyset=True)
+    return lib
+
+
+_NESTED_C10D_KERNELS = _install_nested_collectives()
 
 
 def _page_nested(paged: _Paged, value, written: bool, originals: dict):

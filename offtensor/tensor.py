@@ -284,7 +284,21 @@ def new_view(host: torch.Tensor, master: Master) -> OffloadedTensor:
 
 def wrap_host(host: torch.Tensor, pager: Pager, requires_grad: bool = False) -> OffloadedTensor:
     """An OffloadedTensor viewing ``host`` (host memory), of its storage's master."""
-    return OffloadedTensor(host, master_for(host, pager), requires_grad)
+    return guard_data_ptr(OffloadedTensor(host, master_for(host, pager), requires_grad))
+
+
+def guard_data_ptr(t: torch.Tensor) -> torch.Tensor:
+    """``t``, whose data pointer now raises when C++ reads it without dispatching.
+
+    A wrapper's own storage is empty: C++ that reads it directly (``torch.utils.dlpack.to_dlpack``,
+    an extension's kernel) got null and crashed. FakeTensor guards its own the same way. Only
+    long-lived tensors get it (weights, as placement installs them, and ``ot.offload``'s): it costs
+    ~0.4 µs, a few per cent of a view op, and view ops make a short-lived wrapper per call."""
+    _throw_on_data_ptr(t)
+    return t
+
+
+_throw_on_data_ptr = torch._C._set_throw_on_mutable_data_ptr
 
 
 def _dense_strides(t: torch.Tensor):

@@ -41,7 +41,8 @@ from .placement import Member, ModelPlacement, StorageGroup
 from .prefetch import Prefetcher
 from .pager import master_for
 from .tensor import (
-    OWN_ATTRS, OffloadedTensor, check_offloadable, new_host_master, offloaded_class, user_attrs, user_class,
+    OWN_ATTRS, OffloadedTensor, check_offloadable, guard_data_ptr, new_host_master, offloaded_class, user_attrs,
+    user_class,
 )
 
 # Every submodule of a wrapped model -> the model's state, read by the wrapping classes' methods.
@@ -296,7 +297,7 @@ def _as_param_like(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     attrs = user_attrs(old)
     if attrs:
         result.__dict__.update(attrs)
-    return result
+    return guard_data_ptr(result) if isinstance(result, OffloadedTensor) else result
 
 
 def _offload_group(group: StorageGroup, pager: Pager) -> None:

@@ -62,6 +62,19 @@ def _collectives(rank: int) -> dict:
     else:
         dist.recv(t, 0)
     r["send_recv"] = t.cpu().tolist()
+    # OffloadedTensors only inside a Tensor[][] (every flat argument plain): the dispatcher never
+    # shows them to __torch_dispatch__; offtensor's BackendSelect kernel finds them, in inference
+    # mode too (where the autograd keys are excluded).
+    for mode, ctx in (("nested", torch.enable_grad), ("nested_inference", torch.inference_mode)):
+        with ctx():
+            out = torch.zeros(2)
+            dist.scatter(out, [off([20.0 + i] * 2) for i in range(WORLD)] if rank == 0 else None, src=0)
+            outs = [off([0.0, 0.0]) for _ in range(WORLD)]
+            dist.all_gather(outs, torch.full((2,), rank + 3.0))
+            gathered = [off([0.0, 0.0]) for _ in range(WORLD)] if rank == 1 else None
+            dist.gather(torch.full((2,), rank + 5.0), gathered, dst=1)
+            r[mode] = (out.tolist(), [o.cpu().tolist() for o in outs],
+                       None if gathered is None else [(type(g).__name__, g.cpu().tolist()) for g in gathered])
     import torch.distributed._functional_collectives as fc
 
     r["functional_all_reduce"] = fc.all_reduce(off([rank + 1.0] * 2), "sum", dist.group.WORLD).tolist()
@@ -409,6 +422,17 @@ def test_in_place_collectives_write_back_to_the_master_on_every_rank(ranks):
         assert r["all_gather_into_tensor"] == [0.0, 0.0, 1.0, 1.0]
         assert r["send_recv"] == ([0.0] * 3 if rank == 0 else [7.0] * 3)
         assert r["functional_all_reduce"] == [3.0, 3.0] and r["functional_all_reduce_"] == [3.0, 3.0]
+
+
+def test_collectives_find_offloaded_tensors_passed_only_inside_nested_lists(ranks):
+    # On main: rank 0's scatter failed inside gloo ("writev: Bad address": it read the wrapper's
+    # null data pointer; a larger read segfaults) and rank 1 lost its peer.
+    for rank, r in enumerate(_result(ranks, "collectives")):
+        for mode in ("nested", "nested_inference"):
+            scattered, all_gathered, gathered = r[mode]
+            assert scattered == [20.0 + rank] * 2, (rank, mode)
+            assert all_gathered == [[3.0, 3.0], [4.0, 4.0]], (rank, mode)
+            assert gathered == (None if rank == 0 else [("OffloadedTensor", [5.0, 5.0]), ("OffloadedTensor", [6.0, 6.0])])
 
 
 def test_dtensor_tp_llama_parallelized_then_wrapped_is_bit_identical_within_each_ranks_budget(ranks):

@@ -318,3 +318,14 @@ def test_data_ptr_is_the_host_address_only_where_the_device_can_address_it(devic
         assert not loaded._host.is_pinned()
         with pytest.raises(RuntimeError, match="materialize"):
             loaded.data_ptr()
+
+
+def test_cpp_reading_a_weights_data_pointer_without_dispatch_raises_instead_of_crashing(device):
+    # The wrapper's own storage is empty: C++ that reads its data pointer directly got null (on main,
+    # to_dlpack then from_dlpack and a read segfaulted the process). The weight is unharmed.
+    model = ot.wrap_model(nn.Linear(8, 8), offload_gb=1e-9, device=device)
+    with pytest.raises(RuntimeError, match="Cannot access data pointer"):
+        torch.utils.dlpack.to_dlpack(model.weight)
+    assert isinstance(model.weight, OffloadedTensor) and torch.equal(model.weight.cpu(), model.weight.cpu())
+    with pytest.raises(RuntimeError, match="Cannot access data pointer"):
+        torch.utils.dlpack.to_dlpack(ot.offload(torch.ones(3), device=device))
