@@ -70,7 +70,7 @@ class Weight:
     shape: tuple
     working_set: int  # bytes one op pages from it at most
     # Whether one op may read every tensor of its module at once: torch.nn's own modules do
-    # (weight and bias of a linear, an LSTM layer's four weights in one cuDNN call). A model's own
+    # (weight and bias of a linear, every layer's weights of an LSTM in one cuDNN call). A model's own
     # module (a layer holding w1 and w2 for x @ w1 @ w2, a stack of experts) reads its weights in
     # separate ops, with at most its lower-rank tensors (biases) beside the largest.
     fused: bool = True
@@ -277,7 +277,10 @@ class StorageGroup(list):
         shape = tuple(self[0].tensor.shape)
         sliced = (not fused and len(shape) >= 2 and all(is_buffer for m in self for *_, is_buffer in m.slots)
                   and bool(slots))
-        tileable = all(leaf_is_tileable(m.tensor, m.owners) for m in self)
+        # An RNN reads its weights in its own kernels (cuDNN's _cudnn_rnn takes every layer's at once,
+        # CPU's mkldnn_rnn_layer a layer's four), which dispatch cannot cut into output tiles.
+        tileable = (all(leaf_is_tileable(m.tensor, m.owners) for m in self)
+                    and not any(isinstance(module, nn.RNNBase) for module, _ in slots))
         return Weight(names, nbytes, shape, working_set(names[0], shape, nbytes, indexed), fused, indexed, sliced,
                       tileable)
 
@@ -487,6 +490,8 @@ def _choose_whole_or_tiled(weights: Sequence[Weight], budget_bytes: Optional[int
         except BudgetError as e:
             error = e
             continue
+        if tiled is None:
+            continue  # nothing can be tiled: the error about whole working sets says what is needed
         if slices < TILE_ALIGN:
             warn_narrow_tiles(budget_bytes, "the largest weights", stacklevel=4)
         return tiled
@@ -506,12 +511,14 @@ def _choose_tiled(weights: Sequence[Weight], budget_bytes, offload_bytes, policy
                   slices: int) -> Placement:
     """``_choose_untiled`` with the weights of the largest working sets computed in tiles of ``slices``
     slices, 1, 2, 4... of them: the others keep room for their whole working set (one op, one page,
-    no tiles). The last BudgetError when no count fits."""
+    no tiles). The last BudgetError when no count fits; None when no weight can be tiled."""
     tileable = sorted(
         (w for w in weights if w.tileable and tile_working_set(w.shape, w.nbytes, w.working_set, slices) < w.working_set),
         key=lambda w: -w.working_set,
     )
-    error = BudgetError(f"offtensor: no weight can be tiled in {slices}-slice tiles to fit {budget_bytes} bytes")
+    if not tileable:
+        return None
+    error = None
     count = 1
     while tileable:
         count = min(count, len(tileable))

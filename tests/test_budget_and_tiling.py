@@ -138,6 +138,41 @@ def test_every_tensor_of_one_module_counts_in_one_working_set():
     assert p.working_set_bytes == 400_000  # the cuDNN LSTM op reads all four at once
 
 
+class _StackedLSTMs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnns = nn.ModuleList(nn.LSTM(32, 32) for _ in range(3))
+
+    def forward(self, x):
+        for rnn in self.rnns:
+            x = rnn(x)[0]
+        return x
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.8])
+def test_an_rnn_whose_weights_together_exceed_the_budget_is_refused_at_wrap_not_in_forward(device, fraction):
+    # An RNN's kernel reads its weights itself (cuDNN every layer's at once), so dispatch cannot tile
+    # it. On main placement planned tiles for them and forward raised BudgetError in mkldnn_rnn_layer.
+    lstm = nn.LSTM(64, 64, num_layers=2)
+    total = _weight_bytes(lstm)
+    with pytest.raises(ot.BudgetError, match=f"needs {total} bytes on the device at once"):
+        ot.wrap_model(lstm, budget_gb=fraction * total / 2**30, device=device)
+    assert not any(isinstance(p, ot.OffloadedTensor) for p in lstm.parameters())  # left as it was
+
+
+def test_rnns_offloaded_one_by_one_run_bit_identically_within_the_budget(device):
+    torch.manual_seed(0)
+    model = _StackedLSTMs().eval()
+    x = torch.randn(5, 2, 32)
+    reference = copy.deepcopy(model).to(device)
+    ot.wrap_model(model, budget_gb=0.6 * _weight_bytes(model) / 2**30, device=device)
+    assert sum(isinstance(p, ot.OffloadedTensor) for p in model.parameters()) >= 4
+    with torch.no_grad():
+        assert torch.equal(model(x.to(device)), reference(x.to(device)))
+    s = ot.stats(model)
+    assert s.peak_device_bytes <= s.budget_bytes
+
+
 def test_stacked_experts_count_as_the_experts_one_op_pages_at_once():
     from offtensor.placement import Weight, choose_placement, working_set
 
