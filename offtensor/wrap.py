@@ -649,10 +649,6 @@ def _choose_expert_placement(model: nn.Module, groups: list, placed: ModelPlacem
     ``_PlacementWatch`` when the decision waits for the model's own routing (or, for a model
     that is not a transformers language model, for a forward to plan a step of)."""
     stacks = [g for g in groups if placement.is_expert_stack(g)]
-    if config.policy is not None:
-        why = "the policy given to wrap_model places the experts" + (
-            "; routing= is not used" if config.routing is not None else "")
-        return placed, config, ({"chosen": "policy", "why": why} if stacks else None), None
     if not stacks:
         if config.routing is not None:
             raise ValueError(
@@ -662,8 +658,12 @@ def _choose_expert_placement(model: nn.Module, groups: list, placed: ModelPlacem
         return placed, config, None, None
     tools = _routing_tools
     num_experts = max(g.tensor.shape[0] for g in stacks)
-    # A bad routing= fails here, before anything moves.
+    # A bad routing= fails here, before anything moves (with a policy too: it is still a mistake).
     stats = tools.routing_stats_of(config.routing, num_experts) if config.routing is not None else None
+    if config.policy is not None:
+        why = "the policy given to wrap_model places the experts" + (
+            "; routing= is not used" if config.routing is not None else "")
+        return placed, config, {"chosen": "policy", "why": why}, None
     if not placement.expert_placement_open(placed):
         why = ("every weight stays resident" if not placed.offloaded
                else "the budget offloads every expert stack either way")
