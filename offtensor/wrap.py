@@ -778,7 +778,13 @@ def _decide_expert_placement(state: _State, model: nn.Module, watch: _PlacementW
     tools.sync_twin(twin, model)
     report = _replay_expert_placement(twin, state.pager.budget_bytes, example, stats, state.config, when)
     if report["chosen"] == "all_paged":
-        _re_place_experts(state, model, placement.EXPERTS_PAGED)
+        try:
+            _re_place_experts(state, model, placement.EXPERTS_PAGED)
+        except Exception as e:  # noqa: BLE001 - undone by _Undo; the forward runs on the default placement
+            warnings.warn(f"offtensor: the experts stay in the default placement: re-placing them failed "
+                          f"({type(e).__name__}: {e})", UserWarning, stacklevel=3)
+            report = dict(report, chosen="default", why=f"{report['why']}, but re-placing failed: "
+                          f"{type(e).__name__}: {e}")
     state.expert_placement = report
 
 
