@@ -456,10 +456,7 @@ def wrap_model(model: nn.Module, budget_gb: Optional[float] = None, *, device=No
     placed, config, report, watch = _choose_expert_placement(model, groups, placed, config, device)
     pager = Pager(device, placed.budget_bytes, strict=config.strict)
     apply_placement(model, placed, pager, config)
-    state = _WRAPPED[model]
-    state.expert_placement = report
-    if watch is not None:
-        watch.start(state, model)
+    _start_expert_placement(model, report, watch)
     return model
 
 
@@ -486,6 +483,9 @@ def apply_placement(model: nn.Module, placed: ModelPlacement, pager: Pager, conf
     Atomic: what cannot be offloaded is refused before anything moves, and a failure at any later
     step (an allocation, a read, a registration) undoes every step before it (``_Undo``) and frees
     what they allocated, so the model is exactly as it was and not registered as wrapped."""
+    # A loader's model (meta-built, so its twin costs nothing) decides its expert placement from its
+    # own routing as a wrapped one does; wrap_model has decided before calling this.
+    expert = _choose_expert_placement(model, placed.groups, placed, config, pager.device) if loaded is not None else None
     loaded = loaded if loaded is not None else {}
     for group in placed.offloaded:
         if id(group[0]) not in loaded and not isinstance(group[0].tensor, OffloadedTensor):
@@ -505,7 +505,16 @@ def apply_placement(model: nn.Module, placed: ModelPlacement, pager: Pager, conf
     except BaseException:
         loaded.clear()  # the loader's destinations: freed now, not when the traceback goes
         raise
+    if expert is not None:
+        _start_expert_placement(model, *expert[2:])
     return model
+
+
+def _start_expert_placement(model: nn.Module, report: Optional[dict], watch) -> None:
+    state = _WRAPPED[model]
+    state.expert_placement = report
+    if watch is not None:
+        watch.start(state, model)
 
 
 def _register(model: nn.Module, pager: Pager, choice: placement.Placement, config: OffloadConfig) -> None:

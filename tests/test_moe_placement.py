@@ -208,3 +208,17 @@ def test_routing_for_a_model_without_routed_experts_is_refused_naming_it(device)
     with pytest.raises(ValueError, match="Sequential has no routed expert stacks"):
         ot.wrap_model(model, budget_gb=1e-4, device=device, routing=RoutingStats.uniform(8, 2))
     assert not ot_wrap.is_wrapped(model)
+
+
+def test_a_loaded_model_decides_its_expert_placement_from_its_own_routing_too(device, monkeypatch, tmp_path):
+    monkeypatch.setenv("OFFTENSOR_ROUTING_WARMUP", "8")
+    source = _model(device)
+    source.save_pretrained(tmp_path)
+    reference = _decode(source, 3)
+    model = ot.from_pretrained(str(tmp_path), budget_gb=_budget_gb(source), device=device)
+    assert ot.stats(model).expert_placement == {"chosen": "default", "why": "to be decided after 8 routed tokens"}
+    logits = _decode(model, 3)  # the 8 prompt tokens, then the decision before the first decode step
+    report = ot.stats(model).expert_placement
+    assert report["decided"] == "after 8 routed tokens, by the routing measured", report
+    assert report["chosen"] == ("all_paged" if report["all_paged_step_ms"] < report["default_step_ms"] else "default")
+    assert all(torch.equal(a, b) for a, b in zip(reference, logits))
