@@ -1205,10 +1205,14 @@ class RoutingRecorder:
 def meta_twin(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose parameters, buffers and tensor attributes are meta tensors of the
     same shapes and dtypes (nothing allocated): what ``plan`` replays for a model that has values.
-    Parameters tied by identity stay tied. Taken before wrapping, so none of offtensor's hooks or
-    classes come with it."""
+    Parameters tied by identity stay tied. Taken before wrapping, so none of offtensor's classes
+    come with it, and without the modules' hooks: a user's hook (one that logs outputs, say) would
+    otherwise run on the plan's meta tensors, and its closure is the user's, shared, not copied."""
     memo = {}
     for module in model.modules():
+        for attr, value in module.__dict__.items():
+            if isinstance(value, dict) and attr.startswith("_") and "_hooks" in attr:
+                memo[id(value)] = type(value)()
         tensors = [*module._parameters.values(), *module._buffers.values(),
                    *(t for t in module.__dict__.values() if isinstance(t, torch.Tensor))]
         for t in tensors:

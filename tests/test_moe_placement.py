@@ -128,6 +128,11 @@ def test_measured_routing_re_places_the_experts_once_with_identical_logits_withi
     reference = _decode(_model(device), 20)
     model = _model(device)
     budget = _budget_gb(model)
+    # What the routers chose, seen independently: transformers' router returns (logits, scores, ids).
+    chosen = {}
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            module.register_forward_hook(lambda m, a, out, name=name: chosen.setdefault(name, []).append(out[2]))
     ot.wrap_model(model, budget_gb=budget, device=device)
     assert ot.stats(model).expert_placement == {"chosen": "default", "why": "to be decided after 24 routed tokens"}
     before = _stacks(model)
@@ -145,7 +150,10 @@ def test_measured_routing_re_places_the_experts_once_with_identical_logits_withi
     logits = _decode(model, 20)  # 8 prompt tokens, then one per step: decided at the 18th forward
     report = ot.stats(model).expert_placement
     assert report["decided"] == "after 24 routed tokens, by the routing measured", report
-    assert report["routing"]["layers"] == 2 and report["routing"]["experts"] == EXPERTS
+    layers = [torch.cat(ids)[:24].tolist() for _, ids in sorted(chosen.items())]
+    measured = RoutingStats.from_trace([[layer[t] for layer in layers] for t in range(24)], EXPERTS).summary()
+    assert report["routing"]["entropy_bits"] == pytest.approx(measured["entropy_bits"])
+    assert report["routing"]["locality"] == pytest.approx(measured["locality"])
     if report["chosen"] == "all_paged":
         assert report["all_paged_step_ms"] < report["default_step_ms"]
         assert all(_stacks(model).values())
