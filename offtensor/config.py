@@ -10,6 +10,8 @@ object on, so placement, the pager, the loader and the step hook all read the sa
 | ``strict`` | False | ``OFFTENSOR_STRICT=1`` |
 | ``progress`` | None (a bar for loads of 256 MB or more) | ``OFFTENSOR_PROGRESS=0`` / ``=1`` |
 | ``load_threads`` | the CPU count, clamped to 4..8 | ``OFFTENSOR_LOAD_THREADS=N`` |
+| ``routing_warmup`` | 256 routed tokens | ``OFFTENSOR_ROUTING_WARMUP=N`` (0: never decide by measured routing) |
+| ``placement_profile`` | ``"h200"`` | ``OFFTENSOR_PLACEMENT_PROFILE=h100`` (a built-in profile's name) |
 
 An argument given explicitly always wins over its environment variable.
 """
@@ -53,6 +55,33 @@ def load_threads_from_env() -> int:
     return int(os.environ.get("OFFTENSOR_LOAD_THREADS", "0")) or min(8, max(4, os.cpu_count() or 4))
 
 
+def routing_warmup_from_env() -> int:
+    """``OFFTENSOR_ROUTING_WARMUP``, else 256: routed tokens a wrapped MoE model records before it
+    decides its expert placement. Fewer make a uniform router look skewed (32 tokens of top-8 over
+    128 experts leave most experts unseen), which would favour paging every stack wrongly."""
+    word = os.environ.get("OFFTENSOR_ROUTING_WARMUP", "").strip()
+    if not word:
+        return 256
+    try:
+        value = int(word)
+    except ValueError:
+        raise ValueError(f"offtensor: OFFTENSOR_ROUTING_WARMUP must be a number of routed tokens, got {word!r}") from None
+    if value < 0:
+        raise ValueError(f"offtensor: OFFTENSOR_ROUTING_WARMUP must be >= 0 routed tokens, got {value}")
+    return value
+
+
+def placement_profile_from_env():
+    """``OFFTENSOR_PLACEMENT_PROFILE``, else ``DEFAULT_PLACEMENT_PROFILE``: the GPU profile under
+    which the expert placement's replay compares the two placements."""
+    return os.environ.get("OFFTENSOR_PLACEMENT_PROFILE", "").strip() or DEFAULT_PLACEMENT_PROFILE
+
+
+# The replay of the expert placement runs under this profile (a name in ``timeline.PROFILES`` or a
+# ``timeline.Profile``): the measured H200, the GPU the decisions were validated on.
+DEFAULT_PLACEMENT_PROFILE = "h200"
+
+
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
     """The settings of one offloaded model (see the module docstring for the environment defaults).
@@ -69,6 +98,14 @@ class OffloadConfig:
       ``strict=`` of ``load_safetensors``, which is about names in the checkpoint.
     - ``progress``: the load progress bar: True, False, or None for loads of 256 MB or more.
     - ``load_threads``: reader threads of ``load_safetensors``.
+    - ``routing``: an MoE model's measured routing (``timeline.RoutingStats``, a recorded trace or
+      a path to a saved one): ``wrap_model`` decides at wrap time, by replay, whether whole expert
+      stacks stay resident or every stack is paged through the expert cache. Without it (and
+      without a ``policy``) the wrapped model records its own routing and decides once after
+      ``routing_warmup`` routed tokens.
+    - ``routing_warmup``: routed tokens recorded before that decision; 0: no decision, the
+      default placement stays.
+    - ``placement_profile``: the GPU profile of that replay (``timeline.PROFILES`` name or Profile).
     """
 
     budget_gb: Optional[float] = None
@@ -79,6 +116,9 @@ class OffloadConfig:
     strict: bool = dataclasses.field(default_factory=strict_from_env)
     progress: Optional[bool] = dataclasses.field(default_factory=progress_from_env)
     load_threads: int = dataclasses.field(default_factory=load_threads_from_env)
+    routing: object = None
+    routing_warmup: int = dataclasses.field(default_factory=routing_warmup_from_env)
+    placement_profile: object = dataclasses.field(default_factory=placement_profile_from_env)
 
     def __post_init__(self):
         if self.budget_gb is not None and self.offload_gb is not None:
@@ -88,12 +128,15 @@ class OffloadConfig:
                 not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0
             ):
                 raise ValueError(f"offtensor: {label} must be a non-negative number of GiB, got {value!r}")
+        if not isinstance(self.routing_warmup, int) or isinstance(self.routing_warmup, bool) or self.routing_warmup < 0:
+            raise ValueError(f"offtensor: routing_warmup must be a number of routed tokens >= 0, got "
+                             f"{self.routing_warmup!r}")
 
     @classmethod
     def from_arguments(cls, **arguments) -> "OffloadConfig":
         """The settings of a public call's keyword arguments: an argument left at None takes its
         default (for ``strict``, ``progress`` and ``load_threads``: the environment's)."""
-        from_env = ("strict", "progress", "load_threads")
+        from_env = ("strict", "progress", "load_threads", "routing_warmup", "placement_profile")
         return cls(**{k: v for k, v in arguments.items() if not (k in from_env and v is None)})
 
     @property

@@ -48,6 +48,10 @@ EXPERTS_PER_OP = 1
 # tokens. Only a preference: placement offloads more experts for it when the budget allows, never
 # refuses a budget for it.
 EXPERTS_PER_STEP = 8
+# The other placement of routed experts: every stack offloaded, so the whole budget beyond the
+# dense weights is expert cache. Which of it and the default is faster depends on the routing's
+# skew and locality; wrap_model decides by replay (timeline.plan_expert_paging, README "Placement").
+EXPERTS_PAGED = {"offload": ["*.experts.*"]}
 
 _MLP_PARTS = {"mlp", "ffn", "feed_forward", "shared_expert", "shared_experts", "gate_proj", "up_proj", "down_proj",
               "gate_up_proj", "w1", "w2", "w3", "fc1", "fc2", "c_fc", "dense_h_to_4h", "dense_4h_to_h"}
@@ -711,3 +715,19 @@ def _spread(offload: list, free: list, position: dict) -> list:
     for members, picked in replace.values():
         spread.extend(picked)
     return spread
+
+
+# ---------------------------------------------------------------------------- routed experts
+
+
+def is_expert_stack(group: StorageGroup) -> bool:
+    """Whether ``group`` is a stack of routed experts (a tensor of 3 dims or more under an
+    ``experts`` module: ``mlp.experts.gate_up_proj``), as the expert cache sees one."""
+    return group.tensor.dim() >= 3 and any("experts" in name.split(".") for name in group.names)
+
+
+def expert_placement_open(placed: ModelPlacement) -> bool:
+    """Whether the expert placement is a choice at all under ``placed`` (the default): some weight
+    is offloaded and some expert stack stays whole. With every weight resident nothing is paged; with
+    every stack offloaded both placements are the same."""
+    return bool(placed.offloaded) and any(is_expert_stack(g) for g in placed.resident)

@@ -21,10 +21,14 @@ Three ways to get a timeline:
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import functools
 import json
 import math
+import os
 import time
+import types
 from typing import Optional, Sequence
 
 import torch
@@ -35,6 +39,7 @@ from torch.utils.flop_counter import flop_registry
 from . import dispatch
 from . import experts
 from . import placement
+from . import wrap
 from .config import OffloadConfig
 from .pager import GiB, Pager
 from .prefetch import Prefetcher
@@ -531,6 +536,23 @@ def _launches_nothing(func) -> bool:
     return bool(schema.returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
+def _is_meta_grouped_mm(func, args) -> bool:
+    return (func is torch.ops.aten._grouped_mm.default and len(args) > 1 and isinstance(args[0], torch.Tensor)
+            and args[0].is_meta and args[0].dtype != torch.bfloat16)
+
+
+def _meta_grouped_mm(func, args, kwargs):
+    """``_grouped_mm`` of a plan of a float32 (or float16) model: torch's meta kernel accepts
+    bf16 only, though the CPU and CUDA kernels take other dtypes, so the shapes come from a bf16
+    call and the result takes the inputs' dtype (meta: nothing is computed either way). The cost
+    is counted on the real arguments."""
+    dtype = args[0].dtype
+    cast = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    kw = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+          for k, v in kwargs.items() if k != "out_dtype"}
+    return func(*cast, **kw).to(kwargs.get("out_dtype") or dtype)
+
+
 class Recorder(TorchDispatchMode):
     """Fills a Timeline from a running model: ops through this dispatch mode, copies and their
     lifetimes through the pager's ``recorder`` call sites."""
@@ -589,7 +611,7 @@ class Recorder(TorchDispatchMode):
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         try:
-            out = func(*args, **kwargs)
+            out = _meta_grouped_mm(func, args, kwargs) if _is_meta_grouped_mm(func, args) else func(*args, **kwargs)
         finally:
             self._open_ops.pop()
         if self._measure:
@@ -1013,11 +1035,11 @@ def _top_k_of(model: nn.Module) -> Optional[int]:
 
 
 # Every routed expert stack offloaded: the whole budget beyond the dense weights is expert cache.
-EXPERTS_PAGED = {"offload": ["*.experts.*"]}
+EXPERTS_PAGED = placement.EXPERTS_PAGED
 
 
 def plan_expert_paging(model: nn.Module, budget_gb: float, example_inputs=(), routing: Optional[RoutingStats] = None,
-                       profile="h200", steps: int = 2, warmup: int = 3) -> dict:
+                       profile="h200", steps: int = 2, warmup: int = 3, prefetch: bool = True) -> dict:
     """Which placement of a MoE model's routed experts is faster at this budget, decided by the
     replay rather than a policy flag: the default placement (whole expert stacks kept resident as
     far as the budget holds them, the rest paged) against every stack paged through the expert
@@ -1030,7 +1052,222 @@ def plan_expert_paging(model: nn.Module, budget_gb: float, example_inputs=(), ro
     replays = {}
     for name, policy in (("default", None), ("all_paged", EXPERTS_PAGED)):
         tl = plan(model, budget_gb=budget_gb, example_inputs=example_inputs, profile=profile, steps=steps,
-                  warmup=warmup, policy=policy, routing=routing)
+                  warmup=warmup, policy=policy, routing=routing, prefetch=prefetch)
         replays[name] = tl.replay()
     paged = replays["all_paged"].step_ms < replays["default"].step_ms
     return {"policy": EXPERTS_PAGED if paged else None, "paged": paged, **replays}
+
+
+# ---------------------------------------------------------------------------- placement that follows the routing
+# What wrap_model uses to decide its expert placement by replay (wrap.py: "expert placement").
+# timeline imports wrap (it records wrapped models), so wrap does not import timeline: these are
+# handed to it at import (``wrap.use_routing_tools``, at the end of this file).
+
+
+def routing_stats_of(routing, num_experts: Optional[int] = None, what: str = "routing") -> RoutingStats:
+    """``routing`` as ``RoutingStats``: a ``RoutingStats``; a recorded trace (``from_trace``'s
+    steps: per step, per MoE layer, the expert ids the token was routed to) of a model with
+    ``num_experts`` experts per layer; or a path to a JSON file holding either (``to_dict``'s
+    fields, as ``benchmarks/moe_sim.py`` writes them, or a trace). Anything else is a TypeError or
+    ValueError that says what is wrong with it."""
+    if isinstance(routing, (str, os.PathLike)):
+        path = os.fspath(routing)
+        try:
+            with open(path) as f:
+                loaded = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"offtensor: {what}={path!r} is not a readable JSON file of routing statistics or a "
+                             f"routing trace: {type(e).__name__}: {e}") from None
+        if isinstance(loaded, dict):
+            loaded = loaded.get("routing_stats", loaded)
+            missing = [k for k in ("popularity", "locality", "top_k") if k not in loaded]
+            if missing:
+                raise ValueError(f"offtensor: {what}={path!r} holds a JSON object without {missing}: not "
+                                 f"RoutingStats.to_dict()'s fields (popularity, locality, top_k)")
+            loaded = RoutingStats(loaded["popularity"], loaded["locality"], loaded["top_k"],
+                                  loaded.get("lookahead_precision", []), loaded.get("source", path))
+        return routing_stats_of(loaded, num_experts, f"{what} (from {path!r})")
+    if isinstance(routing, RoutingStats):
+        _check_routing_stats(routing, what)
+        return routing
+    if isinstance(routing, (list, tuple)):
+        if num_experts is None:
+            raise ValueError(f"offtensor: {what} is a routing trace, but the model has no routed expert stacks to "
+                             f"say how many experts its ids count")
+        try:
+            return RoutingStats.from_trace(routing, num_experts, source=f"a routing trace of {len(routing)} steps")
+        except (TypeError, IndexError) as e:
+            raise ValueError(f"offtensor: {what} is not a routing trace (a list of steps, each a list over MoE "
+                             f"layers of the expert ids a token was routed to): {type(e).__name__}: {e}") from None
+    raise TypeError(f"offtensor: {what} must be RoutingStats, a routing trace (a list of steps, each a list over MoE "
+                    f"layers of expert ids) or a path to a JSON file of either, got {type(routing).__name__}")
+
+
+def _check_routing_stats(stats: RoutingStats, what: str) -> None:
+    layers = stats.popularity
+    if not isinstance(layers, (list, tuple)) or not layers or not all(isinstance(p, (list, tuple)) and p
+                                                                        for p in layers):
+        raise ValueError(f"offtensor: {what}: popularity must be a non-empty list of per-layer lists of expert "
+                         f"shares, got {str(layers)[:80]}")
+    if not isinstance(stats.top_k, int) or isinstance(stats.top_k, bool) or stats.top_k < 1:
+        raise ValueError(f"offtensor: {what}: top_k must be a positive int, got {stats.top_k!r}")
+    for i, shares in enumerate(layers):
+        total = sum(shares) if all(isinstance(p, (int, float)) and p >= 0 for p in shares) else None
+        if total is None or abs(total - 1.0) > 1e-3:
+            raise ValueError(f"offtensor: {what}: layer {i}'s popularity must be non-negative shares summing to 1, "
+                             f"got {str(shares)[:80]} (sum {total})")
+    if len(stats.locality) != len(layers) or not all(isinstance(x, (int, float)) and 0 <= x <= 1
+                                                       for x in stats.locality):
+        raise ValueError(f"offtensor: {what}: locality must be one share in [0, 1] per layer ({len(layers)}), got "
+                         f"{str(stats.locality)[:80]}")
+
+
+def _router_modules(model: nn.Module) -> list:
+    """(name, module, experts) of the routers of ``model``'s routed expert stacks, in module order:
+    what ``experts.attach`` hooks (a ``gate`` / ``router`` with a [num_experts, hidden] weight)."""
+    sizes = {t.shape[0] for name, t in list(model.named_parameters()) + list(model.named_buffers())
+             if t.dim() >= 3 and "experts" in name.split(".")}
+    routers = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if (name.rpartition(".")[2] in experts.ROUTER_NAMES and isinstance(weight, torch.Tensor)
+                and weight.dim() == 2 and weight.shape[0] in sizes):
+            routers.append((name, module, weight.shape[0]))
+    return routers
+
+
+def _routed_ids(output, num_experts: int, top_k: int, module: nn.Module) -> Optional[torch.Tensor]:
+    """[tokens, top_k] expert ids from a router's output: the ids it returns (transformers'
+    routers return logits, scores and indices), else the top-k of its logits (DeepSeek-V3 selects
+    on sigmoid scores plus ``e_score_correction_bias``). Stays on the device: nothing is read."""
+    outs = output if isinstance(output, (tuple, list)) else (output,)
+    tensors = [t for t in outs if isinstance(t, torch.Tensor) and t.dim() >= 1 and not t.is_meta]
+    ids = next((t for t in tensors if not t.is_floating_point() and t.shape[-1] == top_k), None)
+    if ids is not None:
+        return ids.detach().reshape(-1, top_k)
+    logits = next((t for t in tensors if t.is_floating_point() and t.shape[-1] == num_experts), None)
+    if logits is None:
+        return None
+    with torch.no_grad():
+        scores = logits.detach().reshape(-1, num_experts).float()
+        bias = getattr(module, "e_score_correction_bias", None)
+        if isinstance(bias, torch.Tensor) and not hasattr(bias, "_master") and bias.shape[-1] == num_experts:
+            scores = scores.sigmoid() + bias.detach().float()
+        return scores.topk(min(top_k, num_experts), dim=-1).indices
+
+
+class RoutingRecorder:
+    """The routing a model runs, read off its routers' outputs by forward hooks: for each routed
+    token (every row a router sees, prefill rows in order, then each decode step's), the experts
+    of every MoE layer. Ids stay on the device until ``trace()`` reads them all at once, so
+    recording adds no host sync. Records ``limit`` tokens per router, then nothing."""
+
+    def __init__(self, model: nn.Module, limit: int):
+        self.limit = limit
+        self.top_k = _top_k_of(model)
+        routers = _router_modules(model) if self.top_k else []
+        self.num_experts = max((e for _, _, e in routers), default=None)
+        self.ids = [[] for _ in routers]  # per router: [tokens, top_k] id tensors, in call order
+        self.rows = [0] * len(routers)
+        self.hooks = [module.register_forward_hook(functools.partial(self._seen, i, experts_count))
+                      for i, (_, module, experts_count) in enumerate(routers)]
+
+    def _seen(self, i: int, num_experts: int, module, args, output) -> None:
+        if torch.compiler.is_compiling() or self.rows[i] >= self.limit:
+            return
+        ids = _routed_ids(output, num_experts, self.top_k, module)
+        if ids is not None:
+            self.ids[i].append(ids)
+            self.rows[i] += ids.shape[0]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens every router has been seen routing."""
+        return min(self.rows, default=0)
+
+    def trace(self) -> list:
+        """The recorded routing as ``RoutingStats.from_trace`` takes it: per token, per layer, ids."""
+        n = self.tokens
+        layers = [torch.cat(ids)[:n].tolist() for ids in self.ids]
+        return [[layer[t] for layer in layers] for t in range(n)]
+
+    def stats(self) -> RoutingStats:
+        return RoutingStats.from_trace(self.trace(), self.num_experts,
+                                       source=f"measured by the wrapped model over its first {self.tokens} routed tokens")
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        self.ids = [[] for _ in self.ids]
+
+
+def meta_twin(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters, buffers and tensor attributes are meta tensors of the
+    same shapes and dtypes (nothing allocated): what ``plan`` replays for a model that has values.
+    Parameters tied by identity stay tied. Taken before wrapping, so none of offtensor's classes
+    come with it, and without the modules' hooks: a user's hook (one that logs outputs, say) would
+    otherwise run on the plan's meta tensors, and its closure is the user's, shared, not copied."""
+    memo = {}
+    for module in model.modules():
+        for attr, value in module.__dict__.items():
+            if isinstance(value, dict) and attr.startswith("_") and "_hooks" in attr:
+                memo[id(value)] = type(value)()
+        tensors = [*module._parameters.values(), *module._buffers.values(),
+                   *(t for t in module.__dict__.values() if isinstance(t, torch.Tensor))]
+        for t in tensors:
+            if t is not None and id(t) not in memo:
+                memo[id(t)] = _meta_like(t)
+    return copy.deepcopy(model, memo)
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return nn.Parameter(meta, requires_grad=False) if isinstance(t, nn.Parameter) else meta
+
+
+def sync_twin(twin: nn.Module, model: nn.Module) -> None:
+    """Give ``twin`` (``meta_twin`` of ``model``) the shapes and dtypes ``model`` has now (a cast
+    after wrapping halves the bytes a plan must count)."""
+    now = dict(model.named_parameters(remove_duplicate=False))
+    now.update(model.named_buffers(remove_duplicate=False))
+    for table_of, named in ((lambda m: m._parameters, twin.named_parameters), (lambda m: m._buffers, twin.named_buffers)):
+        for name, t in list(named(remove_duplicate=False)):
+            current = now.get(name)
+            if current is not None and (current.dtype != t.dtype or current.shape != t.shape):
+                owner, _, attr = name.rpartition(".")
+                table_of(twin.get_submodule(owner))[attr] = _meta_like(current)
+
+
+def decode_example(model: nn.Module, args=(), kwargs=None) -> Optional[tuple]:
+    """The inputs of one planned decode step of ``model`` on meta: a token for a transformers
+    language model; else the tensors of a forward's positional ``args`` as meta tensors, token ids
+    ([batch, tokens] integers) cut to the last token and objects (a KV cache) left out, so the
+    plan starts without them. None when there is nothing to plan from."""
+    if getattr(model, "main_input_name", None) == "input_ids":
+        return (torch.zeros(1, 1, dtype=torch.long, device="meta"),)
+    example = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            shape = (*a.shape[:-1], 1) if a.dim() == 2 and not a.is_floating_point() and a.shape[-1] else a.shape
+            example.append(torch.empty(shape, dtype=a.dtype, device="meta"))
+        else:
+            example.append(a if a is None or isinstance(a, (bool, int, float, str)) else None)
+    return tuple(example) if any(isinstance(a, torch.Tensor) for a in example) else None
+
+
+def faster_expert_placement(twin: nn.Module, budget_bytes: int, example_inputs, routing: RoutingStats,
+                            profile="h200", prefetch: bool = True) -> dict:
+    """``plan_expert_paging`` of ``twin`` at ``budget_bytes`` under ``routing``, as the report
+    ``ot.stats(model).expert_placement`` shows: the placement chosen and both replayed steps."""
+    profile = get_profile(profile)
+    verdict = plan_expert_paging(twin, budget_bytes / GiB, example_inputs, routing=routing, profile=profile,
+                                 prefetch=prefetch)
+    return {"chosen": "all_paged" if verdict["paged"] else "default", "policy": verdict["policy"],
+            "default_step_ms": verdict["default"].step_ms, "all_paged_step_ms": verdict["all_paged"].step_ms,
+            "profile": profile.name, "routing": routing.summary()}
+
+
+wrap.use_routing_tools(types.SimpleNamespace(
+    RoutingRecorder=RoutingRecorder, routing_stats_of=routing_stats_of, meta_twin=meta_twin, sync_twin=sync_twin,
+    decode_example=decode_example, faster_expert_placement=faster_expert_placement))

@@ -24,6 +24,7 @@ import contextlib
 import copyreg
 import itertools
 import threading
+import warnings
 import weakref
 from typing import Optional
 
@@ -47,6 +48,16 @@ from .tensor import (
 
 # Every submodule of a wrapped model -> the model's state, read by the wrapping classes' methods.
 _WRAPPED: "weakref.WeakKeyDictionary[nn.Module, _State]" = weakref.WeakKeyDictionary()
+
+# timeline's routing tools (RoutingRecorder, routing_stats_of, meta_twin, sync_twin, decode_example,
+# faster_expert_placement): the expert placement is decided by its replay. timeline imports this
+# module (it records wrapped models), so it hands them over at import instead of being imported here.
+_routing_tools = None
+
+
+def use_routing_tools(tools) -> None:
+    global _routing_tools
+    _routing_tools = tools
 
 
 class _Placed:
@@ -129,6 +140,10 @@ class _State:
         self.experts_stale = False
         # (module, attribute) slots that ``on_host`` lent a host stand-in: not resident weights.
         self.lent_slots: frozenset = frozenset()
+        # How the routed experts were placed and why (``ot.stats(model).expert_placement``), and
+        # the _PlacementWatch while that is still to be decided from the model's own routing.
+        self.expert_placement: Optional[dict] = None
+        self.watch = None
 
     def refresh_experts(self) -> None:
         self.experts_stale = False
@@ -408,17 +423,24 @@ def _tensors(model: nn.Module, skip=frozenset()):
 
 
 def wrap_model(model: nn.Module, budget_gb: Optional[float] = None, *, device=None, offload_gb: Optional[float] = None,
-               prefetch: bool = True, policy=None) -> nn.Module:
+               prefetch: bool = True, policy=None, routing=None) -> nn.Module:
     """Place ``model``'s weights for a device budget, in place; returns ``model``.
 
     Weights that fit stay plain device tensors; the rest become OffloadedTensors paged per op.
     ``budget_gb`` (GiB) caps resident weights + paged copies + prefetches; ``offload_gb`` instead
     offloads at least that many GiB (vLLM's ``cpu_offload_gb``). With neither, the budget is the
     free device memory minus a margin for activations. The arguments make an ``OffloadConfig``.
+
+    MoE models: whether whole expert stacks stay resident or every stack is paged through the
+    expert cache is decided by a replay of both (``timeline.plan_expert_paging``), once: at wrap
+    time under ``routing`` (``timeline.RoutingStats``, a recorded trace or a path to a saved one),
+    else from the model's own first ``OffloadConfig.routing_warmup`` routed tokens, re-placing
+    the experts if paging them all is faster. ``ot.stats(model).expert_placement`` says which was
+    chosen, when, and both replayed step times. A ``policy`` decides instead.
     """
     check_wrappable(model)
     config = OffloadConfig.from_arguments(budget_gb=budget_gb, offload_gb=offload_gb, device=device,
-                                          prefetch=prefetch, policy=policy)
+                                          prefetch=prefetch, policy=policy, routing=routing)
     device = resolve_device(config.device)
     groups = placement.collect_groups(model)
     for g in groups:
@@ -432,8 +454,11 @@ def wrap_model(model: nn.Module, budget_gb: Optional[float] = None, *, device=No
                 f"weights take no memory until written) and load it after wrapping"
             )
     placed = placement.choose_model_placement(groups, config, device)
+    placed, config, report, watch = _choose_expert_placement(model, groups, placed, config, device)
     pager = Pager(device, placed.budget_bytes, strict=config.strict)
-    return apply_placement(model, placed, pager, config)
+    apply_placement(model, placed, pager, config)
+    _start_expert_placement(model, report, watch)
+    return model
 
 
 def check_wrappable(model) -> None:
@@ -459,6 +484,9 @@ def apply_placement(model: nn.Module, placed: ModelPlacement, pager: Pager, conf
     Atomic: what cannot be offloaded is refused before anything moves, and a failure at any later
     step (an allocation, a read, a registration) undoes every step before it (``_Undo``) and frees
     what they allocated, so the model is exactly as it was and not registered as wrapped."""
+    # A loader's model (meta-built, so its twin costs nothing) decides its expert placement from its
+    # own routing as a wrapped one does; wrap_model has decided before calling this.
+    expert = _choose_expert_placement(model, placed.groups, placed, config, pager.device) if loaded is not None else None
     loaded = loaded if loaded is not None else {}
     for group in placed.offloaded:
         if id(group[0]) not in loaded and not isinstance(group[0].tensor, OffloadedTensor):
@@ -478,7 +506,16 @@ def apply_placement(model: nn.Module, placed: ModelPlacement, pager: Pager, conf
     except BaseException:
         loaded.clear()  # the loader's destinations: freed now, not when the traceback goes
         raise
+    if expert is not None:
+        _start_expert_placement(model, *expert[2:])
     return model
+
+
+def _start_expert_placement(model: nn.Module, report: Optional[dict], watch) -> None:
+    state = _WRAPPED[model]
+    state.expert_placement = report
+    if watch is not None:
+        watch.start(state, model)
 
 
 def _register(model: nn.Module, pager: Pager, choice: placement.Placement, config: OffloadConfig) -> None:
@@ -519,6 +556,9 @@ def _unregister(model: nn.Module, state: _State) -> None:
     for module in list(_WRAPPED.keys()):
         if _WRAPPED.get(module) is state:
             _leave(module)
+    if state.watch is not None:
+        state.watch.stop()
+        state.watch = None
     for handle in state.load_hooks:
         handle.remove()
     state.load_hooks.clear()
@@ -574,6 +614,7 @@ def stats(model: nn.Module) -> OffloadStats:
         state.pager.recount_resident(_resident_bytes(model, state.pager.device))
         s = state.pager.snapshot()
         s.untracked_bytes = _untracked_bytes(model, state.pager.device)
+        s.expert_placement = dict(state.expert_placement) if state.expert_placement is not None else None
     return s
 
 
@@ -600,6 +641,187 @@ def _state(model: nn.Module) -> _State:
     if not is_wrapped(model):
         raise ValueError(f"offtensor: this {type(model).__name__} is not wrapped; call ot.wrap_model(model, ...) first")
     return _WRAPPED[model]
+
+
+# ---------------------------------------------------------------------------- expert placement
+#
+# The default placement keeps whole expert stacks resident as far as the budget holds them and
+# pages the rest; the other one pages every stack through the expert cache
+# (``placement.EXPERTS_PAGED``). Skewed routing with token-to-token reuse favours the second (the
+# cache keeps each layer's hot experts; a resident stack holds its cold ones too), uniform routing
+# the first. Which one is decided once, by timeline's replay of both, never by a flag, and never
+# undone: a second decision could undo the first on a few tokens' noise.
+
+
+def _choose_expert_placement(model: nn.Module, groups: list, placed: ModelPlacement, config: OffloadConfig,
+                             device: torch.device):
+    """The expert placement at wrap time: (placement, config, report, watch). ``watch`` is a
+    ``_PlacementWatch`` when the decision waits for the model's own routing (or, for a model
+    that is not a transformers language model, for a forward to plan a step of)."""
+    stacks = [g for g in groups if placement.is_expert_stack(g)]
+    if not stacks:
+        if config.routing is not None:
+            raise ValueError(
+                f"offtensor: routing= was given, but {type(model).__name__} has no routed expert stacks (tensors of "
+                f"3 or more dims under an 'experts' module, such as 'layers.0.mlp.experts.down_proj') whose placement "
+                f"it could decide; leave routing out for a dense model")
+        return placed, config, None, None
+    tools = _routing_tools
+    num_experts = max(g.tensor.shape[0] for g in stacks)
+    # A bad routing= fails here, before anything moves (with a policy too: it is still a mistake).
+    stats = tools.routing_stats_of(config.routing, num_experts) if config.routing is not None else None
+    if config.policy is not None:
+        why = "the policy given to wrap_model places the experts" + (
+            "; routing= is not used" if config.routing is not None else "")
+        return placed, config, {"chosen": "policy", "why": why}, None
+    if not placement.expert_placement_open(placed):
+        why = ("every weight stays resident" if not placed.offloaded
+               else "the budget offloads every expert stack either way")
+        return placed, config, {"chosen": "default", "why": why}, None
+    if stats is None and config.routing_warmup == 0:
+        return placed, config, {"chosen": "default", "why": "routing_warmup=0: no decision by measured routing"}, None
+    twin = tools.meta_twin(model)
+    example = tools.decode_example(model)
+    if stats is None or example is None:
+        why = (f"to be decided after {config.routing_warmup} routed tokens" if stats is None
+               else "to be decided at the first forward (its inputs give the planned step)")
+        return placed, config, {"chosen": "default", "why": why}, _PlacementWatch(twin, stats)
+    report = _replay_expert_placement(twin, placed.budget_bytes, example, stats, config, "at wrap time, by routing=")
+    if report["chosen"] == "all_paged":
+        config = config.replace(policy=placement.EXPERTS_PAGED)
+        placed = placement.choose_model_placement(groups, _pinned(config, placed.budget_bytes), device)
+    return placed, config, report, None
+
+
+def _pinned(config: OffloadConfig, budget_bytes: int) -> OffloadConfig:
+    """``config`` at exactly ``budget_bytes`` (the default placement's budget; exact: a power-of-2 division)."""
+    return config.replace(budget_gb=budget_bytes / placement.GiB, offload_gb=None)
+
+
+def _replay_expert_placement(twin: nn.Module, budget_bytes: int, example, stats, config: OffloadConfig,
+                             when: str) -> dict:
+    """The report of timeline's replay of both placements; the default, with the reason, if the
+    replay cannot run (a model whose forward does not run on meta)."""
+    try:
+        report = _routing_tools.faster_expert_placement(twin, budget_bytes, example, stats,
+                                                        config.placement_profile, config.prefetch)
+    except Exception as e:  # noqa: BLE001 - whatever stops the plan, the model runs on as placed
+        warnings.warn(f"offtensor: the expert placement stays the default: its replay failed "
+                      f"({type(e).__name__}: {e})", UserWarning, stacklevel=4)
+        return {"chosen": "default", "why": f"the replay failed: {type(e).__name__}: {e}", "decided": when}
+    report.pop("policy", None)
+    report["decided"] = when
+    faster = "every stack paged" if report["chosen"] == "all_paged" else "the default placement"
+    report["why"] = (f"{faster} replays faster: {report['default_step_ms']:.3f} ms/step default, "
+                     f"{report['all_paged_step_ms']:.3f} ms/step all paged ({report['profile']})")
+    return report
+
+
+class _PlacementWatch:
+    """Forward pre-hook of a wrapped MoE model whose expert placement is still open. With
+    ``stats`` None it records the model's routing (``timeline.RoutingRecorder``) and, at the first
+    forward after ``routing_warmup`` routed tokens, before that forward pages anything, replays
+    both placements under it and re-places the experts if paging every stack is faster. Then it
+    removes itself: the decision is taken once. A copy of the model (deepcopy, pickle) keeps the
+    placement it was copied with and decides nothing."""
+
+    def __init__(self, twin: Optional[nn.Module] = None, stats=None):
+        self.twin, self.stats = twin, stats
+        self.recorder = None
+        self.handle = None
+
+    def start(self, state: _State, model: nn.Module) -> None:
+        if self.stats is None:
+            self.recorder = _routing_tools.RoutingRecorder(model, state.config.routing_warmup)
+            if not self.recorder.hooks:
+                self.stop()
+                state.expert_placement = {"chosen": "default", "why": "no router of the expert stacks was found (a "
+                                          "'gate' or 'router' with a [num_experts, hidden] weight and a known top-k)"}
+                return
+        self.handle = model.register_forward_pre_hook(self, with_kwargs=True, prepend=True)
+        state.watch = self
+
+    def __call__(self, model, args, kwargs):
+        if torch.compiler.is_compiling():
+            return None
+        state = _WRAPPED.get(model)
+        if state is None or state.watch is not self:
+            return None
+        if self.recorder is not None and self.recorder.tokens < state.config.routing_warmup:
+            return None
+        with state.pager.lock:
+            if state.watch is self:  # another thread's forward may have decided first
+                _decide_expert_placement(state, model, self, args)
+        return None
+
+    def stop(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+        if self.recorder is not None:
+            self.recorder.remove()
+        self.twin = None
+
+    def __deepcopy__(self, memo):
+        return _PlacementWatch()
+
+    def __reduce__(self):
+        return _PlacementWatch, ()
+
+
+def _decide_expert_placement(state: _State, model: nn.Module, watch: _PlacementWatch, args) -> None:
+    """The watch's one decision, under the pager's lock."""
+    tools = _routing_tools
+    if watch.stats is not None:
+        stats, when = watch.stats, "at the first forward, by routing="
+    else:
+        stats = watch.recorder.stats()
+        when = f"after {watch.recorder.tokens} routed tokens, by the routing measured"
+    twin = watch.twin
+    watch.stop()
+    state.watch = None
+    example = tools.decode_example(model, args)
+    if example is None:
+        state.expert_placement = {"chosen": "default", "decided": when,
+                                  "why": "no tensor input to plan a step from: the forward takes keywords only"}
+        return
+    tools.sync_twin(twin, model)
+    report = _replay_expert_placement(twin, state.pager.budget_bytes, example, stats, state.config, when)
+    if report["chosen"] == "all_paged":
+        try:
+            _re_place_experts(state, model, placement.EXPERTS_PAGED)
+        except Exception as e:  # noqa: BLE001 - undone by _Undo; the forward runs on the default placement
+            warnings.warn(f"offtensor: the experts stay in the default placement: re-placing them failed "
+                          f"({type(e).__name__}: {e})", UserWarning, stacklevel=3)
+            report = dict(report, chosen="default", why=f"{report['why']}, but re-placing failed: "
+                          f"{type(e).__name__}: {e}")
+    state.expert_placement = report
+
+
+def _re_place_experts(state: _State, model: nn.Module, policy) -> None:
+    """Offload the expert stacks that the placement under ``policy`` offloads and that are still
+    resident, between two forwards, under the pager's lock. Only offloading: groups offloaded now
+    stay offloaded (``choose_model_placement``), so device bytes only fall and the budget holds
+    throughout; values are the same bytes, so logits do not change. Atomic, as ``apply_placement``."""
+    pager = state.pager
+    config = state.config.replace(policy=policy)
+    placed = placement.choose_model_placement(placement.collect_groups(model), _pinned(config, pager.budget_bytes),
+                                              pager.device)
+    moving = [g for g in placed.offloaded if not g.is_offloaded]
+    ptrs = {m.tensor.untyped_storage().data_ptr() for g in moving for m in g if leaves.is_leaf(m.tensor)}
+    with _Undo():
+        for group in moving:
+            _offload_group(group, pager)
+    state.resident_ptrs -= ptrs
+    state.config, state.choice = config, placed.choice
+    state.working_set_bytes = max(state.working_set_bytes, placed.choice.working_set_bytes)
+    hook = model._forward_pre_hooks.get(state.step_hook.id) if state.step_hook is not None else None
+    if isinstance(hook, _StepHook):
+        hook.config = config  # a copy of the model is placed as this one is now
+    pager.recount_resident(_resident_bytes(model, pager.device))
+    if config.prefetch and pager.prefetcher is None:
+        pager.prefetcher = Prefetcher()
+    state.refresh_experts()  # the new stacks join the expert cache and its router hooks
 
 
 # ---------------------------------------------------------------------------- re-placement

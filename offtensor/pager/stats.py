@@ -38,6 +38,10 @@ class OffloadStats:
     # routing guesses {accuracy, recall, prefetched_bytes, wasted_bytes, routers: {name: {...}}}.
     experts: Optional[dict] = None
     guesses: Optional[dict] = None
+    # A wrapped MoE model's expert placement (set by wrap.stats): {"chosen": "default" | "all_paged" |
+    # "policy", "why", and when replayed: "decided", "default_step_ms", "all_paged_step_ms", "profile",
+    # "routing"}; None for a model without routed expert stacks or a standalone pager.
+    expert_placement: Optional[dict] = None
 
     def __str__(self) -> str:
         size = format_bytes
