@@ -597,7 +597,7 @@ class _Router:
     __slots__ = ("name", "module_ref", "stacks", "top_k", "bin_correct", "bin_guessed", "guessed", "correct",
                  "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts", "copied_correct",
                  "prefetched_bytes", "wasted_bytes", "tokens", "guess", "cached", "copied", "guess_tokens",
-                 "unpaid_steps")
+                 "unpaid_steps", "missed", "misses_seen")
 
     def __init__(self, name: str, module: nn.Module):
         self.name = name
@@ -617,6 +617,8 @@ class _Router:
         self.copied = {}  # expert -> bytes the open guess copied for it
         self.guess_tokens = 0
         self.unpaid_steps = 0  # steps it could have been guessed for with copies off (every SPECULATE_SAMPLE-th is)
+        self.missed = True  # whether its stacks missed in the last step (a guess could have saved a copy)
+        self.misses_seen = 0  # its stacks' misses counted at the end of the last step
 
     def pays(self, confidence_bin: int, pool=None) -> bool:
         """Whether an uncached guess in this bin is right often enough to be worth its copy: by its
@@ -715,9 +717,11 @@ class RoutingSpeculator:
         nxt = self._next.get(router)
         if nxt is None or not nxt.stacks or nxt.top_k is None:
             return
-        if not SPECULATE_COPY:
-            # Guesses are only scored, which needs a sample, not every step (a guess's kernels are a
-            # cost on the compute stream).
+        if not (SPECULATE_COPY and (nxt.missed or nxt.speculating(self.pool))):
+            # Nothing for a copied guess to save (its layer missed nothing in the last step and no
+            # bin pays): it is only scored, which needs a sample, not every step (a guess's kernel
+            # is a cost on the compute stream: at 50% cached, where a layer rarely misses, guessing
+            # every step made the trained Qwen2-MoE's H200 replay 7% slower than the cache alone).
             nxt.unpaid_steps += 1
             if (nxt.unpaid_steps - 1) % SPECULATE_SAMPLE:
                 return  # the first step and every SPECULATE_SAMPLE-th after it are guessed
@@ -914,6 +918,9 @@ class RoutingSpeculator:
                 if used:
                     router.top_k = len(used)  # one token picks exactly top_k experts
             self._score(router)
+            misses = sum(s.misses for s in router.stacks)
+            router.missed = misses != router.misses_seen  # (a reset of the counters reads as a miss)
+            router.misses_seen = misses
         for router, stacks in self._learned.items():
             if stacks:
                 router.stacks = stacks
