@@ -16,22 +16,27 @@ offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a 
    layers, as offtensor's budget is one): ``lru`` and ``belady`` (the offline optimum: evict the
    expert used furthest in the future) on the access sequence (layer by layer, each layer's experts
    in id order, as ``_grouped_mm`` pages them); ``ours``: offtensor's real pager and
-   ``offtensor/experts.py`` driven by the same trace through a replay model (stacked experts of
-   the real count and top-k, run by ``torch._grouped_mm``, whose routers output the recorded
-   logits and whose router inputs are the recorded look-ahead logits, so the speculator guesses
-   exactly what it would have guessed on the trained model). Hit rates count decode steps only.
+   ``offtensor/experts.py`` with their defaults (guesses copied where they have paid) driven by the
+   same trace through a replay model (stacked experts of the real count and top-k, run by
+   ``torch._grouped_mm``, whose routers output the recorded logits and whose router inputs are the
+   recorded look-ahead logits, so the speculator guesses exactly what it would have guessed on the
+   trained model); ``ours_cache_alone`` (``prefetch=False``: no router hooks, no guesses) and
+   ``ours_scored_only`` (guesses made and scored, never copied). A copied guess that its layer then
+   routes is a hit. Hit rates count decode steps only.
 4. **Real run** (``--no-real`` skips it): the trained model wrapped at the same budgets (dense
    weights + fraction x expert bytes) against the unwrapped model on the same teacher-forced
    decode; logits must be identical at every step. Its measured hit rate, per layer, beside the
-   replay's ("ours" must agree with the real run: the same code on the same accesses).
+   replay's (``real_default`` must agree with "ours", ``real`` (``prefetch=False``) with
+   "ours_cache_alone": the same code on the same accesses).
 5. **Speculation**, scored on what it saves: guesses of experts NOT cached (precision), the share
    of the layer's misses they cover, bytes copied ahead, bytes wasted, misses left on the critical
    path; and the offline coverage-against-waste curve of gates on the look-ahead probability.
 6. **H200 replay** (``h200_sized``): the trace through the replay model with experts of
    Qwen3-30B-A3B's bytes (9.4 MB) and a resident attention stand-in per layer, the last 16 decode
    steps recorded (``ot.timeline``) and replayed under ``h200``: the cache alone
-   (``prefetch=False``), the default (guesses scored on a sample of steps, not copied) and guesses
-   copied (2 and 1 per layer); per step the bytes copied ahead by guesses, those wasted, and the
+   (``prefetch=False``), the default (one guess a layer copied where its bin has been >= 70% right),
+   guesses scored but never copied, and at 25% two guesses a layer and a 60% gate; per step the
+   bytes copied ahead by guesses, those wasted, and the
    misses left on the critical path (expert copies an op waited for after its layer's routing).
 7. **Routing statistics for plans**: ``moe_routing_{model}.json`` (``offtensor.timeline.RoutingStats``,
    what ``ot.plan(..., routing=...)`` and ``python -m offtensor plan --routing`` take).
@@ -396,17 +401,20 @@ def replay_ours(trace, fraction: float, speculate: bool = False) -> dict:
 
 
 SPECULATION_KNOBS = ("SPECULATE_COPY", "SPECULATE_PRECISION", "SPECULATE_EXPERTS", "SPECULATE_VICTIM_CYCLES")
-# The gates tried for the coverage-against-waste curve: the bin precision a guess must have shown.
-# 1.01: no guess copied (the cache alone). Then the room a guess may take: a victim whose expected
-# next use is at least SPECULATE_VICTIM_CYCLES cycles away (a stricter limit copies fewer guesses
-# and so evicts fewer copies that are read again soon: fewer bytes, fewer misses covered).
-# Guesses are copied only with SPECULATE_COPY (off by default): every point turns it on.
+# The gates tried for the coverage-against-waste curve (each point changes one knob of the
+# default): the bin precision a guess must have shown (1.01: no guess copied, the cache alone);
+# the room a guess may take, a victim whose expected next use is at least SPECULATE_VICTIM_CYCLES
+# cycles away (a stricter limit copies fewer guesses and so evicts fewer copies that are read
+# again soon: fewer bytes, fewer misses covered); two guesses a layer instead of one.
 COPIED = {"SPECULATE_COPY": True}
+SCORED_ONLY = {"SPECULATE_COPY": False}
 CURVE = [{**COPIED, "SPECULATE_PRECISION": p} for p in (0.5, 0.6, 0.7, 0.8, 0.9, 1.01)] + \
-    [{**COPIED, "SPECULATE_VICTIM_CYCLES": c} for c in (3.0, 4.0, 6.0)] + [{**COPIED, "SPECULATE_EXPERTS": 1}]
-# The H200 replays: the default (guesses scored, not copied) against guesses copied, 2 and 1 per layer.
-H200_VARIANTS = {"cache_alone": None, "default": {}, "guesses_copied": COPIED,
-                 "guesses_copied_1_per_layer": {**COPIED, "SPECULATE_EXPERTS": 1}}
+    [{**COPIED, "SPECULATE_VICTIM_CYCLES": c} for c in (3.0, 4.0)] + [{**COPIED, "SPECULATE_EXPERTS": 2}]
+# The H200 replays: the cache alone, the default (one guess a layer, copied where it has paid) and
+# guesses scored but not copied; at 25% also two guesses a layer and a looser (60%) gate.
+H200_VARIANTS = {"cache_alone": None, "default": {}, "scored_only": SCORED_ONLY}
+H200_VARIANTS_25 = {**H200_VARIANTS, "two_per_layer": {**COPIED, "SPECULATE_EXPERTS": 2},
+                    "gate_60": {**COPIED, "SPECULATE_PRECISION": 0.6}}
 TIMELINE_STEPS = 8
 
 
@@ -426,9 +434,10 @@ def _knobs(setting):
 
 
 def h200_variants(trace, fraction: float) -> dict:
+    variants = H200_VARIANTS_25 if fraction <= 0.25 else H200_VARIANTS
     return {name: (h200_replay(trace, fraction, False) if setting is None else _with(setting, h200_replay, trace,
                                                                                      fraction, True))
-            for name, setting in H200_VARIANTS.items()}
+            for name, setting in variants.items()}
 
 
 def _with(setting, fn, *args):
@@ -514,17 +523,15 @@ def evaluate(name: str, args) -> dict:
     for fraction in args.fractions:
         cap = int(round(fraction * total))
         row = {"capacity_experts": cap, "lru": simulate_lru(trace, cap), "belady": simulate_belady(trace, cap),
-               "ours": replay_ours(trace, fraction), "ours_speculating": _with(COPIED, replay_ours, trace, fraction, True)}
+               "ours": replay_ours(trace, fraction, True), "ours_cache_alone": replay_ours(trace, fraction, False),
+               "ours_scored_only": _with(SCORED_ONLY, replay_ours, trace, fraction, True)}
         row["speculation_curve"] = speculation_curve(trace, fraction, CURVE)
         row["h200_sized"] = h200_variants(trace, fraction)
         if not args.no_real:
             row["real"] = real_run(model, ids, args.prefix, args.steps, fraction, speculate=False,
                                    timeline_steps=TIMELINE_STEPS)
             row["real_default"] = real_run(model, ids, args.prefix, args.steps, fraction, speculate=True,
-                                           timeline_steps=TIMELINE_STEPS)  # guesses scored, not copied
-            with _knobs(COPIED):
-                row["real_speculating"] = real_run(model, ids, args.prefix, args.steps, fraction, speculate=True,
-                                                   timeline_steps=TIMELINE_STEPS)
+                                           timeline_steps=TIMELINE_STEPS)  # guesses copied where they paid
         result["cache"][f"{fraction:.0%}"] = row
         print(f"{name} {fraction:.0%}: " + ", ".join(f"{k} {v['hit_rate']:.3f}" for k, v in row.items()
                                                      if isinstance(v, dict) and "hit_rate" in v), flush=True)
@@ -542,7 +549,7 @@ def _keep_real_runs(path: str, results: dict) -> None:
     for name, result in results.items():
         for fraction, row in result["cache"].items():
             before = old.get(name, {}).get("cache", {}).get(fraction, {})
-            for key in ("real", "real_default", "real_speculating"):
+            for key in ("real", "real_default"):
                 if key in before:
                     row[key] = {**before[key], "carried_over_from": before[key].get("carried_over_from", origin)}
 

@@ -21,11 +21,13 @@ what that cache does not know about experts, as two small objects the pager comp
   stream changes little from one layer to the next, which MoE-Infinity and Pre-gated MoE exploit):
   a guess of layer i+1's experts, always scored against what layer i+1 pages. Guesses of experts
   not cached when guessed (the only ones a copy can save) are scored apart per router and
-  confidence bin. By default nothing is copied (``SPECULATE_COPY``: on a copy-bound decode a copied
-  guess costs more than it saves) and a router is guessed for on a sample of the steps; with
-  copies on, such a guess is copied (at most two per layer, behind layer i's own copies, and only
-  into the room of a copy expected to be read much later) when its bin's recent guesses were at
-  least 60% right. Which modules are routers and which stacks each one selects is learned from
+  confidence bin. Such a guess is copied (the most confident one per layer, behind layer i's own
+  copies, and only into the room of a copy expected to be read much later) when its bin's recent
+  guesses were at least 70% right (the router's own record, or every router's until it has
+  one); the guessed experts of layer i+1 are kept from eviction until it pages. A decode step's
+  guess costs one kernel, the router matmul (softmax and top-k on the host). With
+  ``SPECULATE_COPY`` off nothing is copied and a router is guessed for on a sample of the steps.
+  Which modules are routers and which stacks each one selects is learned from
   the access order of a pass (the stacks paged after a router fires, before the next one); before
   the first pass, from names (``<prefix>.gate`` selects ``<prefix>.experts.*``).
 
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import math
 import weakref
 from typing import Optional
 
@@ -50,10 +53,13 @@ from torch import nn
 from .pager import cache_key
 
 # Per step an expert's use count decays by this factor: a frequency over roughly the last
-# 1 / (1 - DECAY) steps, so an expert hot a hundred tokens ago does not stay pinned forever.
+# 1 / (1 - DECAY) steps, so an expert hot a few hundred tokens ago does not stay pinned forever.
 # (benchmarks/moe_sim.py on the trained test models: 0.5 to 0.95 moves the decode hit rate at 25%
-# cached from 0.70 to 0.74; recency is carried by REUSE below, so the frequency can be long.)
-FREQUENCY_DECAY = 0.95
+# cached from 0.70 to 0.74; recency is carried by REUSE below, so the frequency can be long. An
+# offline simulator of this policy over 12 windows of 256 held-out decode steps, 25% cached,
+# tuned on windows 0-5 and checked on 6-11: 0.95 -> 0.98 gives Qwen3-MoE +0.3 / +0.3 points and
+# Qwen2-MoE +0.5 / +0.3; 0.99 the same as 0.98.)
+FREQUENCY_DECAY = 0.98
 # Token-to-token locality: the share of a layer's experts at one token that its next token routes
 # to again, measured per layer (an exponential average over decode steps, REUSE_DECAY per step),
 # starting from REUSE_PRIOR (the trained test models: 0.31 to 0.48 by layer; chance is k / E).
@@ -71,11 +77,13 @@ UNSEEN_USE = 0.02
 # SPECULATE_PRECISION of the time: its copy then saves a miss on the critical path more often than
 # it spends the copy stream for nothing. Guesses are scored whether or not they were copied, so a
 # bin earns (or loses) speculation by its record before any byte is spent on it.
-# benchmarks/moe_sim.py on the trained Qwen3-MoE test model at 25% cached, the real speculator on a
-# recorded trace (share of misses covered / share of copied bytes wasted / decode hit rate):
-# 0.5: 0.51 / 0.23 / 0.769; 0.6: 0.36 / 0.21 / 0.778; 0.7: 0.27 / 0.14 / 0.772; 0.9: 0.13 / 0.03 /
-# 0.761. Below 0.6 the extra copies evict more than they save.
-SPECULATE_PRECISION = 0.6
+# The gate is set by the H200 replay of benchmarks/moe_sim.py (experts of Qwen3-30B-A3B's bytes, 25%
+# cached, ms per decode step, one guess a layer): at 0.6 Qwen3-MoE's step is 7% slower than the
+# cache alone (each wrong copy delays the next layer's own copies by most of an expert's copy, a
+# right one saves only the ~0.06 ms gap before that layer's routing read), at 0.7 it is within 1%
+# and Qwen2-MoE's 2% faster; the coverage-against-waste curve of the gates is in
+# benchmarks/results/moe_sim.json.
+SPECULATE_PRECISION = 0.7
 # Upper edges of the confidence bins (a guess's look-ahead probability; top-k of a softmax over
 # E experts: 1 / E is chance).
 CONFIDENCE_BINS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -86,25 +94,30 @@ SPECULATE_EVIDENCE = 8.0
 # At most this many guessed experts per layer are copied ahead, the most confident first. The copy
 # stream is idle only between a layer's last expert copy and the next layer's routing read (its
 # attention and router: ~0.3 ms on the DeepSeek-style stack under the H200 profile, less than one
-# 25 MB expert's 0.45 ms copy), so a couple of guesses fill that gap; more are copied at the price
-# of every wrong one (the replay in benchmarks/moe_bench.py: all 8 at 80% accuracy is slower than none).
-SPECULATE_EXPERTS = 2
+# 25 MB expert's 0.45 ms copy), so one guess fills that gap; more are copied at the price of every
+# wrong one (the replay in benchmarks/moe_bench.py: all 8 at 80% accuracy is slower than none;
+# benchmarks/moe_sim.py's H200 replay of the trained models: two a layer is slower than one).
+SPECULATE_EXPERTS = 1
 # A guess's copy may evict only a copy whose next use is expected at least this many cycles of
 # layers away: one that is likelier to be read before the guess is never given up for it.
 SPECULATE_VICTIM_CYCLES = 2.0
-# Whether a guess that pays is copied at all. Off: on the trained test models with experts of
-# Qwen3-30B-A3B's size at 25% cached, the decode step is copy-bound (copy stream 71% busy), and
-# every guess copied ahead takes a cached copy's room: a wrong one costs its own bytes and the
-# evicted copy's, a right one only moves a copy earlier, into gaps shorter than an expert's copy.
-# benchmarks/moe_sim.py's H200 replay (ms per decode step, cache alone / 2 guesses per layer /
-# 1 guess): Qwen3-MoE 1.69 / 2.02 / 1.92, Qwen2-MoE 1.55 / 1.86 / 1.60, with 31-60% of the
-# remaining misses covered at 21-27% of the copied bytes wasted. Guesses are still made and scored
-# (``ot.stats(model).guesses``) and the offline curve of the gates is in benchmarks/results/moe_sim.json.
-SPECULATE_COPY = False
+# Whether a guess that pays is copied at all. On: the trained test models' decode step is
+# copy-bound at 25% cached (copy stream ~70% busy under the H200 profile), so copies ahead pay only
+# with a strict gate (SPECULATE_PRECISION), one guess a layer (SPECULATE_EXPERTS) and one kernel a
+# guess (GUESS_ON_HOST_TOKENS); with those the decode hit rate at 25% rises by 4-7 points over the
+# cache alone and the replayed step is no slower than the cache alone was before them (figures in
+# benchmarks/results/moe_sim.json and the README's MoE table). Off: guesses are still made, on a
+# sample of the steps, and scored (``ot.stats(model).guesses``).
+SPECULATE_COPY = True
 # With SPECULATE_COPY off a router is guessed for at every SPECULATE_SAMPLE-th step only: enough to
-# keep its score, while each guess's three kernels (the router matmul, softmax, top-k: 4 us each of
-# launch on the compute stream) are not paid every layer of every step.
+# keep its score, while a guess's kernels (4 us each of launch on the compute stream) are not paid
+# every layer of every step.
 SPECULATE_SAMPLE = 8
+# Up to this many tokens (decode steps) a guess's softmax and top-k are taken on the host from the
+# router scores (E values a token, read back with the layer's routing); beyond it (a prefill) on the
+# device. Each kernel is a launch ahead of the layer's routing read: the matmul, softmax and top-k
+# of a guess on the device cost the trained models' H200 replay ~0.08 ms a decode step (5%).
+GUESS_ON_HOST_TOKENS = 4
 ROUTER_NAMES = ("gate", "router")
 
 
@@ -157,7 +170,7 @@ class ExpertStacks:
 
     __slots__ = ("by_master", "frequency", "speculator", "position", "_order", "_current", "_needed",
                  "_issued_for_op", "_announcing", "_spare_room_only", "_announced", "_expected", "_shares",
-                 "_stack_bytes", "_clock", "_last", "_coldest", "_scale", "_reuse", "_ahead_distance",
+                 "_stack_bytes", "_clock", "_last", "_coldest", "_scale", "_reuse", "_ahead_distance", "_guarded",
                  "announcing", "__weakref__")
 
     def __init__(self):
@@ -179,6 +192,9 @@ class ExpertStacks:
         # group -> keys its router's output says the layer will page (RoutingSpeculator.router_output),
         # for models that select experts one by one and so announce nothing
         self._expected = {}
+        # group -> keys the guess for that layer (made when the layer before it routed) names: kept
+        # from eviction until the layer pages (guard), as its own routed experts are once it does
+        self._guarded = {}
         # Eviction's index (see victim): every cached copy's last use, as a tick of this clock
         # (the pager's LRU order), and per stack a heap of (frequency / _scale, tick, key) records
         # pushed at every use and copy, the coldest first. A record whose tick is not its key's
@@ -292,6 +308,7 @@ class ExpertStacks:
             self._current = stack.group
             self._shares = {}
             self._needed = self._expected.pop(stack.group, None)
+            self._guarded.pop(stack.group, None)  # its own routing says what it pages now
             self._announced = None
             if stack.group not in self._order:
                 self._order.append(stack.group)
@@ -304,6 +321,13 @@ class ExpertStacks:
         nothing is copied ahead, since the model's own routing may differ (bias, groups)."""
         if stacks:
             self._expected[stacks[0].group] = {s.key_of(int(e)) for s in stacks for e in experts}
+
+    def guard(self, stacks: list, experts) -> None:
+        """The guess of ``stacks``' layer, the next to run, names these experts: no copy made before
+        that layer pages may evict them (on the trained test models a guessed expert is routed
+        0.72-0.77 of the time, one ranked in the next k 0.16-0.18, any other under 0.06)."""
+        if stacks:
+            self._guarded[stacks[0].group] = {s.key_of(int(e)) for s in stacks for e in experts}
 
     def copied(self, key, nbytes: int, prefetch: bool) -> None:
         self._clock += 1
@@ -375,7 +399,8 @@ class ExpertStacks:
                 distance = count
             else:
                 distance = _distance(position.get(stack.group), here, count)
-            for entry, recent in self._coldest_of(stack, cache, needed if stack.group == current else None):
+            keep = needed if stack.group == current else self._guarded.get(stack.group)
+            for entry, recent in self._coldest_of(stack, cache, keep):
                 score = (self._next_use(entry.key, stack, distance, count, recent), -self._last.get(entry.key, -1))
                 if best is None or score > best_score:
                     best, best_score = entry, score
@@ -501,7 +526,9 @@ class ExpertStacks:
                 score = (0, 0.0)
             else:
                 current_layer = stack.group == current
-                keep = entry.prefetched or (current_layer and (needed is None or entry.key in needed))
+                guarded = self._guarded.get(stack.group, ())
+                keep = entry.prefetched or (current_layer and (needed is None or entry.key in needed)) \
+                    or entry.key in guarded
                 distance = count if current_layer else _distance(position.get(stack.group), here, count)
                 recent = stack.expert_of(entry.key) in self._recent(stack)
                 score = (0 if keep else 1, self._next_use(entry.key, stack, distance, count, recent))
@@ -537,6 +564,7 @@ class ExpertStacks:
         self._order, self._current, self._needed, self._announced = [], None, None, None
         self._issued_for_op = set()
         self._expected = {}
+        self._guarded = {}
 
     def _measure_reuse(self) -> None:
         """Update each layer's token-to-token locality from the step that ended: the share of its
@@ -569,7 +597,7 @@ class _Router:
     __slots__ = ("name", "module_ref", "stacks", "top_k", "bin_correct", "bin_guessed", "guessed", "correct",
                  "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts", "copied_correct",
                  "prefetched_bytes", "wasted_bytes", "tokens", "guess", "cached", "copied", "guess_tokens",
-                 "unpaid_steps")
+                 "unpaid_steps", "missed", "misses_seen")
 
     def __init__(self, name: str, module: nn.Module):
         self.name = name
@@ -589,19 +617,26 @@ class _Router:
         self.copied = {}  # expert -> bytes the open guess copied for it
         self.guess_tokens = 0
         self.unpaid_steps = 0  # steps it could have been guessed for with copies off (every SPECULATE_SAMPLE-th is)
+        self.missed = True  # whether its stacks missed in the last step (a guess could have saved a copy)
+        self.misses_seen = 0  # its stacks' misses counted at the end of the last step
 
-    def pays(self, confidence_bin: int) -> bool:
-        """Whether an uncached guess in this bin is right often enough to be worth its copy."""
-        guessed = self.bin_guessed[confidence_bin]
-        return guessed >= SPECULATE_EVIDENCE and self.bin_correct[confidence_bin] >= SPECULATE_PRECISION * guessed
+    def pays(self, confidence_bin: int, pool=None) -> bool:
+        """Whether an uncached guess in this bin is right often enough to be worth its copy: by its
+        own record once it has SPECULATE_EVIDENCE guesses, until then by ``pool`` (every router's
+        record of that bin, (correct, guessed) lists), so a router need not wait for evidence of
+        its own before its first copy (on the trained test models a bin took 20-40 decode steps)."""
+        correct, guessed = self.bin_correct[confidence_bin], self.bin_guessed[confidence_bin]
+        if guessed < SPECULATE_EVIDENCE and pool is not None:
+            correct, guessed = pool[0][confidence_bin], pool[1][confidence_bin]
+        return guessed >= SPECULATE_EVIDENCE and correct >= SPECULATE_PRECISION * guessed
 
-    def speculating(self) -> bool:
-        return SPECULATE_COPY and any(self.pays(b) for b in range(len(CONFIDENCE_BINS)))
+    def speculating(self, pool=None) -> bool:
+        return SPECULATE_COPY and any(self.pays(b, pool) for b in range(len(CONFIDENCE_BINS)))
 
-    def report(self) -> dict:
+    def report(self, pool=None) -> dict:
         return _guess_report(self.guessed, self.correct, self.routed, self.uncached_guessed, self.uncached_correct,
                              self.misses, self.copied_experts, self.copied_correct, self.prefetched_bytes,
-                             self.wasted_bytes) | {"speculating": self.speculating()}
+                             self.wasted_bytes) | {"speculating": self.speculating(pool)}
 
 
 def _ratio(a, b):
@@ -625,6 +660,19 @@ def _guess_report(guessed, correct, routed, uncached_guessed, uncached_correct, 
         "prefetched_bytes": prefetched_bytes, "wasted_bytes": wasted_bytes,
         "wasted_share": _ratio(wasted_bytes, prefetched_bytes),
     }
+
+
+def _host_guess(scores: torch.Tensor, top_k: int) -> list:
+    """(expert, softmax probability) of each row's ``top_k`` highest scores, computed on the host
+    from a few rows of router scores (no kernel: see RoutingSpeculator.router_ran)."""
+    rows = scores.reshape(-1, scores.shape[-1]).tolist()
+    out = []
+    for row in rows:
+        top = max(row)
+        total = sum(math.exp(v - top) for v in row)
+        for e in heapq.nlargest(min(top_k, len(row)), range(len(row)), key=row.__getitem__):
+            out.append((e, math.exp(row[e] - top) / total))
+    return out
 
 
 def _confidence_bin(p: float) -> int:
@@ -653,9 +701,11 @@ class RoutingSpeculator:
         self._order = []  # routers in firing order, this pass
         self._current = None  # the router that fired last: stacks paged now are its
         self._learned = {}  # router -> stacks paged after it this pass
-        self._pending = []  # (router, device ids, host ids or None, event): guesses not yet issued
+        self._pending = []  # (router, scores or (ids, confidences), event or None, tokens): guesses not yet issued
         self._expected = []  # GPU: (router, pinned ids, event) of router outputs read back without a sync
         self.hooks = []
+        # Every router's uncached guesses per confidence bin, decayed alike (_Router.pays).
+        self.pool = ([0.0] * len(CONFIDENCE_BINS), [0.0] * len(CONFIDENCE_BINS))
 
     # -------------------------------------------------------------- hooks
 
@@ -667,9 +717,11 @@ class RoutingSpeculator:
         nxt = self._next.get(router)
         if nxt is None or not nxt.stacks or nxt.top_k is None:
             return
-        if not SPECULATE_COPY:
-            # Guesses are only scored, which needs a sample, not every step (a guess's kernels are a
-            # cost on the compute stream).
+        if not (SPECULATE_COPY and (nxt.missed or nxt.speculating(self.pool))):
+            # Nothing for a copied guess to save (its layer missed nothing in the last step and no
+            # bin pays): it is only scored, which needs a sample, not every step (a guess's kernel
+            # is a cost on the compute stream: at 50% cached, where a layer rarely misses, guessing
+            # every step made the trained Qwen2-MoE's H200 replay 7% slower than the cache alone).
             nxt.unpaid_steps += 1
             if (nxt.unpaid_steps - 1) % SPECULATE_SAMPLE:
                 return  # the first step and every SPECULATE_SAMPLE-th after it are guessed
@@ -679,13 +731,21 @@ class RoutingSpeculator:
                 or weight.device != x.device or weight.shape[-1] != x.shape[-1]:
             return  # an offloaded router would be paged for a guess: not worth it
         with torch.no_grad():
-            # As few kernels as a guess can take (each is a launch on the compute stream, paid every
-            # layer of every step whether or not the guess is copied): the router matmul, a float32
-            # softmax and its top-k, whose values are the confidences (softmax keeps the order).
             scores = F.linear(x.reshape(-1, x.shape[-1]).to(weight.dtype), weight)
             bias = getattr(module, "e_score_correction_bias", None)
+            biased = isinstance(bias, torch.Tensor) and not hasattr(bias, "_master")
+            if router.tokens <= GUESS_ON_HOST_TOKENS and not biased:
+                # A decode step: the router matmul is the guess's one kernel (on a GPU, plus the
+                # read-back copy). Its softmax and top-k over a few rows of E scores are done on the
+                # host (_host_guess): each kernel is a launch on the compute stream ahead of the
+                # layer's routing read, paid every layer of every step (3 kernels a layer cost the
+                # trained test models' H200 replay 0.08 ms a decode step, 5% of it).
+                self._queue(nxt, scores, router.tokens)
+                return
+            # Many tokens (a prefill) or a biased router: top-k on the device, whose values are the
+            # confidences (softmax keeps the order).
             k = min(nxt.top_k, scores.shape[-1])
-            if isinstance(bias, torch.Tensor) and not hasattr(bias, "_master"):
+            if biased:
                 scores = scores.float().sigmoid()
                 confidence = scores / scores.sum(-1, keepdim=True)
                 top = (scores + bias.float()).topk(k, dim=-1).indices  # DeepSeek-V3 selects on biased sigmoid scores
@@ -694,20 +754,25 @@ class RoutingSpeculator:
                 confidence, top = scores.softmax(-1, dtype=torch.float32).topk(k, dim=-1)
             # The guessed ids and each one's confidence, token-major, each token's experts by
             # descending score.
-            if top.device.type == "cuda":
-                # Read back without a host sync: pinned staging copies and an event; the copies are
-                # issued from the pager's next call once the event has completed (by then the
-                # layer's own routing read has waited for the router anyway).
-                host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (top, confidence))
-                host[0].copy_(top, non_blocking=True)
-                host[1].copy_(confidence, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                self._pending.append((nxt, host, event, router.tokens))
-            else:
-                self._pending.append((nxt, (top, confidence), None, router.tokens))
+            self._queue(nxt, (top, confidence), router.tokens)
         # Issued from the pager once this layer's own experts are (ExpertStacks.announce), so the
         # guesses queue behind them on the copy stream.
+
+    def _queue(self, router: _Router, packed, tokens: int) -> None:
+        """A guess for ``router``'s layer: ``packed`` is its scores (a tensor: top-k taken on the
+        host) or (ids, confidences). On a GPU they are read back without a host sync: pinned
+        staging copies and an event; the copies are issued from the pager's next call once the
+        event has completed (by then the layer's own routing read has waited for the router anyway)."""
+        event = None
+        tensors = packed if isinstance(packed, tuple) else (packed,)
+        if tensors[0].device.type == "cuda":
+            staged = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
+            for host, t in zip(staged, tensors):
+                host.copy_(t, non_blocking=True)
+            packed = staged if isinstance(packed, tuple) else staged[0]
+            event = torch.cuda.Event()
+            event.record()
+        self._pending.append((router, packed, event, tokens))
 
     def router_output(self, router: _Router, output) -> None:
         """The router ran: its top-k of its scores is what its layer will page (nearly: a model may
@@ -764,9 +829,13 @@ class RoutingSpeculator:
             if event is not None and not event.query():
                 keep.append(item)
                 continue
+            if isinstance(packed, tuple):
+                ids, conf = packed
+                pairs = zip(ids.reshape(-1).tolist(), conf.reshape(-1).tolist())
+            else:
+                pairs = _host_guess(packed, router.top_k)
             confidence = {}  # expert -> its highest confidence over the tokens, most confident first
-            ids, conf = packed
-            for e, p in sorted(zip(ids.reshape(-1).tolist(), conf.reshape(-1).tolist()), key=lambda ep: -ep[1]):
+            for e, p in sorted(pairs, key=lambda ep: -ep[1]):
                 confidence.setdefault(e, p)
             self._issue(pager, router, confidence, tokens)
         self._pending = keep
@@ -789,7 +858,9 @@ class RoutingSpeculator:
         router.copied = {}
         if pager is None:
             return
-        worth = [e for e, b in router.guess.items() if SPECULATE_COPY and e not in router.cached and router.pays(b)]
+        self._stacks.guard(router.stacks, router.guess)
+        worth = [e for e, b in router.guess.items()
+                 if SPECULATE_COPY and e not in router.cached and router.pays(b, self.pool)]
         with self._stacks.in_spare_room_only():
             for expert in worth[:SPECULATE_EXPERTS]:
                 for stack in router.stacks:
@@ -828,6 +899,9 @@ class RoutingSpeculator:
             router.uncached_correct += right
             router.bin_correct[b] = PRECISION_DECAY * router.bin_correct[b] + right
             router.bin_guessed[b] = PRECISION_DECAY * router.bin_guessed[b] + 1.0
+            pool_correct, pool_guessed = self.pool
+            pool_correct[b] = PRECISION_DECAY * pool_correct[b] + right
+            pool_guessed[b] = PRECISION_DECAY * pool_guessed[b] + 1.0
         router.copied_experts += len(router.copied)
         router.copied_correct += len(router.copied.keys() & used)
         router.wasted_bytes += sum(b for e, b in router.copied.items() if e not in used)
@@ -845,6 +919,9 @@ class RoutingSpeculator:
                 if used:
                     router.top_k = len(used)  # one token picks exactly top_k experts
             self._score(router)
+            misses = sum(s.misses for s in router.stacks)
+            router.missed = misses != router.misses_seen  # (a reset of the counters reads as a miss)
+            router.misses_seen = misses
         for router, stacks in self._learned.items():
             if stacks:
                 router.stacks = stacks
@@ -862,7 +939,7 @@ class RoutingSpeculator:
         total = _guess_report(*(sum(getattr(r, f) for r in rs) for f in (
             "guessed", "correct", "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts",
             "copied_correct", "prefetched_bytes", "wasted_bytes")))
-        return total | {"routers": {r.name: r.report() for r in rs if r.stacks}}
+        return total | {"routers": {r.name: r.report(self.pool) for r in rs if r.stacks}}
 
     def remove(self) -> None:
         for h in self.hooks:

@@ -2,9 +2,9 @@
 standard library by scripts/train_moe.py and committed under tests/data/ in bf16, with the held-out
 split they never saw. On a teacher-forced decode of held-out text, wrapped (every expert stack
 paged through the expert cache) against unwrapped: identical logits at every step, and the
-cache's hit rate within 8 points of Belady's offline optimum on the same routing trace, at 25% and
-50% of the experts cached. Routing guesses are scored on uncached experts and copied only where
-they have paid."""
+default decode hit rate (cache and copied guesses) within 8 points of Belady's offline optimum on
+the same routing trace, at 25% and 50% of the experts cached. Routing guesses are scored on
+uncached experts and copied only where they have paid."""
 
 from __future__ import annotations
 
@@ -63,16 +63,14 @@ def _first(trace, steps):
 
 
 @pytest.mark.parametrize("fraction", [0.25, 0.5])
-def test_the_decode_hit_rate_is_near_belady(trained, sim, fraction, monkeypatch):
-    # offtensor's pager, expert cache and routing speculation (a guess copied ahead and then routed
-    # is a hit) replayed on the recorded trace (the same code the wrapped model runs: checked
-    # against a real run below); Belady is the offline optimum of the cache alone on the same trace.
+def test_the_default_decode_hit_rate_is_near_belady(trained, sim, fraction):
+    # offtensor's pager, expert cache and routing speculation with their defaults (a guess copied
+    # ahead where its confidence bin has paid, and then routed, is a hit) replayed on the recorded
+    # trace (the same code the wrapped model runs: checked against a real run below); Belady is the
+    # offline optimum of the cache alone on the same trace. Fails on main before issue 20's cache
+    # session (cb83ea2: guesses not copied by default; on this trace at 25% Qwen3-MoE 0.735 and
+    # Qwen2-MoE 0.679 against Belady 0.840 / 0.805).
     name, model, ids, trace = trained
-    # With guesses copied (off by default, ot_experts.SPECULATE_COPY: they cost decode time in the
-    # copy-bound H200 replay, benchmarks/moe_sim.py); the cache alone is held to LRU below.
-    from offtensor import experts as ot_experts
-
-    monkeypatch.setattr(ot_experts, "SPECULATE_COPY", True)
     capacity = int(round(fraction * trace["layers"] * trace["experts"]))
     belady = sim.simulate_belady(trace, capacity)["hit_rate"]
     lru = sim.simulate_lru(trace, capacity)["hit_rate"]
@@ -83,7 +81,9 @@ def test_the_decode_hit_rate_is_near_belady(trained, sim, fraction, monkeypatch)
     if fraction == 0.25:
         alone = sim.replay_ours(trace, fraction, speculate=False)  # the cache without guesses
         assert alone["hit_rate"] >= lru + 0.05, (name, alone["hit_rate"], lru)
-        # Guesses are scored on the experts not cached when guessed; copied only where they paid.
+        assert ours["hit_rate"] >= alone["hit_rate"] + 0.03, (name, ours["hit_rate"], alone["hit_rate"])
+        # Guesses are scored on the experts not cached when guessed and copied only where they paid:
+        # most of what they copy is read, and they cover a share of the misses the cache leaves.
         assert g["covered_misses"] >= 0.25 and g["wasted_share"] <= 0.3, g
 
 
