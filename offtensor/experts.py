@@ -983,31 +983,50 @@ def attach(model: nn.Module, pager, speculate: bool = True) -> Optional[ExpertSt
     for router in routers:
         module = router.module_ref()
 
-        # Under torch.compile the hooks stand aside: they read routing results on the host, which
-        # would break the graph at every router; compiled MoE layers page exactly as eager ones,
-        # without guesses.
-        def hook(module, args, router=router, speculator_ref=weakref.ref(speculator)):
-            if torch.compiler.is_compiling():
-                return
-            speculator = speculator_ref()
-            pager = speculator._pager() if speculator is not None else None
-            if pager is not None and args and isinstance(args[0], torch.Tensor) and not args[0].is_meta:
-                with pager.lock:  # guesses and their scores are pager state, shared by threads' forwards
-                    speculator.router_ran(router, args[0])
-
-        def output_hook(module, args, output, router=router, speculator_ref=weakref.ref(speculator)):
-            if torch.compiler.is_compiling():
-                return
-            speculator = speculator_ref()
-            pager = speculator._pager() if speculator is not None else None
-            if pager is not None:
-                with pager.lock:
-                    speculator.router_output(router, output)
-
-        speculator.hooks.append(module.register_forward_pre_hook(hook))
-        speculator.hooks.append(module.register_forward_hook(output_hook))
+        speculator.hooks.append(module.register_forward_pre_hook(_RouterHook(router, speculator, False)))
+        speculator.hooks.append(module.register_forward_hook(_RouterHook(router, speculator, True)))
     stacks.speculator = speculator
     return stacks
+
+
+class _RouterHook:
+    """A router's forward pre-hook (its input: guess the next layer's experts) or forward hook (its
+    output: score the guesses), handing them to the speculator under the pager's lock (guesses and
+    their scores are pager state, shared by threads' forwards).
+
+    Under torch.compile it stands aside: it reads routing results on the host, which would break
+    the graph at every router; compiled MoE layers page exactly as eager ones, without guesses.
+
+    A copy of the model (``copy.deepcopy``, ``torch.save``) gets an inert hook: the copy is adopted
+    on a pager of its own, which hooks its routers itself, and this one would feed the original's
+    speculator (a function, which deepcopy shares and pickle refuses, did)."""
+
+    __slots__ = ("router", "speculator_ref", "output")
+
+    def __init__(self, router, speculator, output: bool):
+        self.router, self.output = router, output
+        self.speculator_ref = weakref.ref(speculator) if speculator is not None else None
+
+    def __call__(self, module, args, output=None):
+        if self.speculator_ref is None or torch.compiler.is_compiling():
+            return None
+        speculator = self.speculator_ref()
+        pager = speculator._pager() if speculator is not None else None
+        if pager is None:
+            return None
+        if self.output:
+            with pager.lock:
+                speculator.router_output(self.router, output)
+        elif args and isinstance(args[0], torch.Tensor) and not args[0].is_meta:
+            with pager.lock:
+                speculator.router_ran(self.router, args[0])
+        return None
+
+    def __deepcopy__(self, memo):
+        return _RouterHook(None, None, self.output)
+
+    def __reduce__(self):
+        return _RouterHook, (None, None, self.output)
 
 
 def detach(pager) -> None:

@@ -456,3 +456,22 @@ def test_deepseek_style_stack_replays_every_decode_step_near_its_bound_without_g
     # Without the cache every routed expert is copied: more bytes than with it.
     nocache = result["variants"]["offtensor-nocache"]
     assert nocache["routed_bytes_not_cached_per_step"] > honest["routed_bytes_not_cached_per_step"]
+
+
+def test_a_wrapped_moe_model_pickles_and_copies_with_routers_feeding_only_their_own_pager(device, tmp_path):
+    # On main torch.save failed ("Can't pickle local object 'attach.<locals>.output_hook'"), and a
+    # deepcopy's routers kept the original's hooks: the copy's forwards fed the original's guesses.
+    config = _reference_config(num_layers=4)
+    reference = DeepSeekForCausalLM.empty(config).init_weights(seed=0).to(device)
+    model = copy.deepcopy(reference)
+    ot.wrap_model(model, budget_gb=_budget_gb(model, 0.5), device=device)
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1)).to(device)
+    expected = _decode(reference, ids, 9)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    duplicate = copy.deepcopy(model)
+    for copy_ in (loaded, duplicate):
+        assert all(torch.equal(a, b) for a, b in zip(_decode(copy_, ids, 9), expected))
+        assert ot.stats(copy_).guesses["guessed"] > 0 and ot.stats(copy_).offloaded_bytes > 0
+    assert ot.stats(model).guesses["guessed"] == 0  # the original never ran
+    assert all(torch.equal(a, b) for a, b in zip(_decode(model, ids, 9), expected))
