@@ -875,8 +875,9 @@ class RoutingStats:
     counts scales them: the planned model's layers map onto the measured ones in proportion, and a
     layer's popularity curve is resampled at the planned expert count (the top 10% of experts take
     the same share of the routing). ``lookahead_precision`` (the next layer's top-k guessed from
-    this layer's router input, per layer) is carried with the figures but enters no plan: guesses
-    are not copied by default (experts.SPECULATE_COPY) and meta tensors have no router values."""
+    this layer's router input, per layer) is carried with the figures but enters no plan: meta
+    tensors have no router values, so a plan makes no guesses (a real run copies them,
+    experts.SPECULATE_COPY), and its step times are the cache's alone."""
 
     popularity: list
     locality: list
