@@ -818,7 +818,7 @@ class _Reader:
 def load_safetensors(model: nn.Module, path, budget_gb: Optional[float] = None, device=None, *,
                      offload_gb: Optional[float] = None, prefetch: bool = True, policy=None,
                      strict: bool = True, progress: Optional[bool] = None, threads: Optional[int] = None,
-                     convert_dtypes: bool = False, allow_outside_paths: bool = False) -> nn.Module:
+                     convert_dtypes: bool = False, allow_outside_paths: bool = False, routing=None) -> nn.Module:
     """Load ``model``'s weights (usually built on meta) from safetensors and wrap it for a budget.
 
     ``path`` is a ``.safetensors`` file, a directory of shards, or a ``*.safetensors.index.json``.
@@ -831,11 +831,13 @@ def load_safetensors(model: nn.Module, path, budget_gb: Optional[float] = None, 
     ``allow_outside_paths``: an index may name shards outside its own directory (absolute paths,
     ``..``, symlinks leading elsewhere); by default such an index is refused, except for
     huggingface_hub's cache layout (``snapshots/<rev>/*`` linking to ``../../blobs``). The
-    placement arguments, ``progress`` and ``threads`` make an ``OffloadConfig``.
+    placement arguments, ``progress`` and ``threads`` make an ``OffloadConfig``; ``routing`` (an MoE
+    model's measured routing, as for ``wrap_model``) decides the expert placement before any byte
+    is read, else the loaded model decides from its own routing.
     """
     wrap.check_wrappable(model)
     config = OffloadConfig.from_arguments(budget_gb=budget_gb, offload_gb=offload_gb, device=device, prefetch=prefetch,
-                                          policy=policy, progress=progress, load_threads=threads)
+                                          policy=policy, progress=progress, load_threads=threads, routing=routing)
     return _load(model, path, config, strict, convert_dtypes, allow_outside_paths)
 
 
@@ -856,6 +858,8 @@ def _load(model: nn.Module, path, config: OffloadConfig, strict: bool, convert_d
                               + " (the model is unchanged):\n  " + "\n  ".join(problems))
 
     placed = placement.choose_model_placement(groups, config, device)
+    # The expert placement too is chosen before a byte is read: the reads fill what it places.
+    placed, config, report, watch = wrap.choose_expert_placement(model, groups, placed, config, device)
     pager = Pager(device, placed.budget_bytes, strict=config.strict)
     total = sum(p.source.nbytes for _, ps in chosen.values() for p in ps)
     progress_bar = _Progress(total, config.progress, f"offtensor: loading {os.path.basename(os.fspath(path))}")
@@ -866,7 +870,7 @@ def _load(model: nn.Module, path, config: OffloadConfig, strict: bool, convert_d
     finally:
         progress_bar.close(ok)
     # Every byte is in place: only now does the model change.
-    return wrap.apply_placement(model, placed, pager, config, loaded)
+    return wrap.apply_placement(model, placed, pager, config, loaded, expert=(report, watch))
 
 
 def _read(groups, chosen: dict, placed: placement.ModelPlacement, pager: Pager, reader: "_Reader") -> dict:
@@ -996,7 +1000,7 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
                     offload_gb: Optional[float] = None, prefetch: bool = True, policy=None,
                     progress: Optional[bool] = None, threads: Optional[int] = None, model_class=None,
                     trust_remote_code: bool = False, strict: bool = True,
-                    allow_outside_paths: bool = False) -> nn.Module:
+                    allow_outside_paths: bool = False, routing=None) -> nn.Module:
     """A transformers checkpoint directory -> its model built on meta from ``config.json``, every
     shard read through ``load_safetensors``, wrapped for the budget, in eval mode.
 
@@ -1016,7 +1020,7 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
     if not os.path.isdir(root) or not os.path.isfile(os.path.join(root, "config.json")):  # isfile: not a FIFO
         raise FileNotFoundError(f"offtensor: {root!r} is not a transformers checkpoint directory (no config.json)")
     config = OffloadConfig.from_arguments(budget_gb=budget_gb, offload_gb=offload_gb, device=device, prefetch=prefetch,
-                                          policy=policy, progress=progress, load_threads=threads)
+                                          policy=policy, progress=progress, load_threads=threads, routing=routing)
     model_config = transformers.AutoConfig.from_pretrained(root, local_files_only=True,
                                                            trust_remote_code=trust_remote_code)
     files = _shard_files(root, allow_outside_paths)

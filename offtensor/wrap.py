@@ -454,11 +454,9 @@ def wrap_model(model: nn.Module, budget_gb: Optional[float] = None, *, device=No
                 f"weights take no memory until written) and load it after wrapping"
             )
     placed = placement.choose_model_placement(groups, config, device)
-    placed, config, report, watch = _choose_expert_placement(model, groups, placed, config, device)
+    placed, config, report, watch = choose_expert_placement(model, groups, placed, config, device)
     pager = Pager(device, placed.budget_bytes, strict=config.strict)
-    apply_placement(model, placed, pager, config)
-    _start_expert_placement(model, report, watch)
-    return model
+    return apply_placement(model, placed, pager, config, expert=(report, watch))
 
 
 def check_wrappable(model) -> None:
@@ -474,7 +472,7 @@ def check_wrappable(model) -> None:
 
 
 def apply_placement(model: nn.Module, placed: ModelPlacement, pager: Pager, config: OffloadConfig,
-                    loaded: Optional[dict] = None) -> nn.Module:
+                    loaded: Optional[dict] = None, expert: Optional[tuple] = None) -> nn.Module:
     """Make ``model``'s tensors what ``placed`` chose, on ``pager``, and mark the model wrapped.
 
     ``loaded``: id(member) -> the tensor a loader already filled for it (a view of a host master on
@@ -483,10 +481,10 @@ def apply_placement(model: nn.Module, placed: ModelPlacement, pager: Pager, conf
 
     Atomic: what cannot be offloaded is refused before anything moves, and a failure at any later
     step (an allocation, a read, a registration) undoes every step before it (``_Undo``) and frees
-    what they allocated, so the model is exactly as it was and not registered as wrapped."""
-    # A loader's model (meta-built, so its twin costs nothing) decides its expert placement from its
-    # own routing as a wrapped one does; wrap_model has decided before calling this.
-    expert = _choose_expert_placement(model, placed.groups, placed, config, pager.device) if loaded is not None else None
+    what they allocated, so the model is exactly as it was and not registered as wrapped.
+
+    ``expert``: the (report, watch) of ``choose_expert_placement``, which chose ``placed``'s
+    expert placement (wrap_model and the loaders decide before anything is placed or read)."""
     loaded = loaded if loaded is not None else {}
     for group in placed.offloaded:
         if id(group[0]) not in loaded and not isinstance(group[0].tensor, OffloadedTensor):
@@ -507,7 +505,7 @@ def apply_placement(model: nn.Module, placed: ModelPlacement, pager: Pager, conf
         loaded.clear()  # the loader's destinations: freed now, not when the traceback goes
         raise
     if expert is not None:
-        _start_expert_placement(model, *expert[2:])
+        _start_expert_placement(model, *expert)
     return model
 
 
@@ -653,7 +651,7 @@ def _state(model: nn.Module) -> _State:
 # undone: a second decision could undo the first on a few tokens' noise.
 
 
-def _choose_expert_placement(model: nn.Module, groups: list, placed: ModelPlacement, config: OffloadConfig,
+def choose_expert_placement(model: nn.Module, groups: list, placed: ModelPlacement, config: OffloadConfig,
                              device: torch.device):
     """The expert placement at wrap time: (placement, config, report, watch). ``watch`` is a
     ``_PlacementWatch`` when the decision waits for the model's own routing (or, for a model

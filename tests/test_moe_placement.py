@@ -230,3 +230,18 @@ def test_a_loaded_model_decides_its_expert_placement_from_its_own_routing_too(de
     assert report["decided"] == "after 8 routed tokens, by the routing measured", report
     assert report["chosen"] == ("all_paged" if report["all_paged_step_ms"] < report["default_step_ms"] else "default")
     assert all(torch.equal(a, b) for a, b in zip(reference, logits))
+
+
+def test_a_loaded_model_given_routing_decides_before_reading_as_wrap_model_does(device, tmp_path):
+    source = _model(device)
+    source.save_pretrained(tmp_path)
+    reference = _decode(source, 3)
+    budget = _budget_gb(source)
+    for routing in (_skewed(), RoutingStats.uniform(EXPERTS, 2, 2)):
+        wrapped = ot.stats(ot.wrap_model(_model(device), budget_gb=budget, device=device, routing=routing))
+        model = ot.from_pretrained(str(tmp_path), budget_gb=budget, device=device, routing=routing)
+        report = ot.stats(model).expert_placement
+        assert report["decided"] == "at wrap time, by routing=", report
+        assert report["chosen"] == wrapped.expert_placement["chosen"], (report, wrapped.expert_placement)
+        assert ot.stats(model).offloaded_bytes == wrapped.offloaded_bytes
+        assert all(torch.equal(a, b) for a, b in zip(reference, _decode(model, 3)))
