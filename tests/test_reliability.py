@@ -143,12 +143,11 @@ def test_unwrap_racing_forwards_waits_for_the_op_in_flight(device):
     assert not any(isinstance(p, OffloadedTensor) for p in model.parameters())
 
 
-def test_load_state_dict_racing_forwards_never_gives_wrong_values(device):
-    """load_state_dict of the model's own values, repeatedly, while another thread forwards: on
-    main the forward raised 'deque mutated during iteration' and strict mode gave NaN."""
-    reference, model, _ = _wrapped(device)
+def _forwards_racing(model, reference, device, mutate) -> list:
+    """100 forwards in one thread while another calls ``mutate()`` until they finish (sleeping
+    0.5 ms between calls, so the forward thread takes the GIL): the steps whose outputs differ
+    from ``reference``'s."""
     xs = _inputs(device)
-    values = {k: v.clone() for k, v in reference.state_dict().items()}
     with torch.no_grad():
         want = [reference(x.cpu()) for x in xs]
     done, bad = threading.Event(), []
@@ -156,8 +155,8 @@ def test_load_state_dict_racing_forwards_never_gives_wrong_values(device):
     def work(k):
         if k == 1:
             while not done.is_set():
-                model.load_state_dict(values)
-                time.sleep(0.0005)  # lets the forward thread take the GIL between loads
+                mutate()
+                time.sleep(0.0005)
             return
         try:
             for i in range(100):
@@ -168,7 +167,16 @@ def test_load_state_dict_racing_forwards_never_gives_wrong_values(device):
         finally:
             done.set()
 
-    assert _run_threads(work, 2) == [] and bad == []
+    assert _run_threads(work, 2) == []
+    return bad
+
+
+def test_load_state_dict_racing_forwards_never_gives_wrong_values(device):
+    """load_state_dict of the model's own values, repeatedly, while another thread forwards: on
+    main the forward raised 'deque mutated during iteration' and strict mode gave NaN."""
+    reference, model, _ = _wrapped(device)
+    values = {k: v.clone() for k, v in reference.state_dict().items()}
+    assert _forwards_racing(model, reference, device, lambda: model.load_state_dict(values)) == []
 
 
 def test_replacement_racing_forwards_never_gives_wrong_values(device):
@@ -176,31 +184,15 @@ def test_replacement_racing_forwards_never_gives_wrong_values(device):
     while another thread forwards: each op reads the old placement or the new one,
     never a copy freed or half-placed under it, and the budget holds throughout."""
     reference, model, budget = _warm_wrapped(device)
-    xs = _inputs(device)
-    with torch.no_grad():
-        want = [reference(x.cpu()) for x in xs]
-    done, bad = threading.Event(), []
+    count = [0]
 
-    def work(k):
-        if k == 1:
-            i = 0
-            while not done.is_set():
-                layer, source = model.layers[i % 4], reference.layers[i % 4]
-                layer.bias = nn.Parameter(source.bias.detach().clone().to(device))
-                layer.weight = nn.Parameter(source.weight.detach().clone().to(device))
-                i += 1
-                time.sleep(0.0005)  # lets the forward thread take the GIL between assignments
-            return
-        try:
-            for i in range(100):
-                with torch.no_grad():
-                    y = model(xs[i % len(xs)]).cpu()
-                if not torch.equal(y, want[i % len(xs)]):
-                    bad.append(i)
-        finally:
-            done.set()
+    def reassign():
+        layer, source = model.layers[count[0] % 4], reference.layers[count[0] % 4]
+        layer.bias = nn.Parameter(source.bias.detach().clone().to(device))
+        layer.weight = nn.Parameter(source.weight.detach().clone().to(device))
+        count[0] += 1
 
-    assert _run_threads(work, 2) == [] and bad == []
+    assert _forwards_racing(model, reference, device, reassign) == []
     assert ot.stats(model).peak_device_bytes <= budget
 
 
