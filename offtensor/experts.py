@@ -947,6 +947,24 @@ class RoutingSpeculator:
         self.hooks = []
 
 
+def is_routed_stack(name: str, shape) -> bool:
+    """Whether the tensor registered as ``name`` is a stack of routed experts: 3 dims or more under
+    an ``experts`` module (``mlp.experts.gate_up_proj``). One rule for the cache, placement and plans."""
+    return len(shape) >= 3 and "experts" in name.split(".")
+
+
+def router_modules(model: nn.Module, sizes) -> list:
+    """(name, module) of ``model``'s routers, in module order: a ``gate`` / ``router`` whose weight
+    is [num_experts, hidden] for a ``num_experts`` in ``sizes``."""
+    routers = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if (name.rpartition(".")[2] in ROUTER_NAMES and isinstance(weight, torch.Tensor) and weight.dim() == 2
+                and weight.shape[0] in sizes):
+            routers.append((name, module))
+    return routers
+
+
 def attach(model: nn.Module, pager, speculate: bool = True) -> Optional[ExpertStacks]:
     """Register ``model``'s offloaded stacked-expert tensors with ``pager`` and, with ``speculate``,
     hook its routers. Returns the pager's ``ExpertStacks`` (None when nothing routed is offloaded)."""
@@ -954,7 +972,7 @@ def attach(model: nn.Module, pager, speculate: bool = True) -> Optional[ExpertSt
     seen = set()
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
         master = getattr(t, "_master", None)
-        if master is None or master.id in seen or "experts" not in name.split(".") or t.dim() < 3:
+        if master is None or master.id in seen or not is_routed_stack(name, t.shape):
             continue
         seen.add(master.id)
         stacks.register(name, t)
@@ -965,18 +983,15 @@ def attach(model: nn.Module, pager, speculate: bool = True) -> Optional[ExpertSt
         return stacks
     sizes = {s.num_experts for s in stacks.by_master.values()}
     routers = []
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        leaf = name.rpartition(".")[2]
-        if leaf in ROUTER_NAMES and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] in sizes:
-            router = _Router(name, module)
-            if router.top_k is None:
-                parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-                router.top_k = _attribute_top_k(parent)
-            # Name fallback until a pass has been recorded: <prefix>.gate selects <prefix>.experts.*.
-            prefix = name.rpartition(".")[0] + "."
-            router.stacks = [s for s in stacks.by_master.values() if s.name.startswith(prefix)]
-            routers.append(router)
+    for name, module in router_modules(model, sizes):
+        router = _Router(name, module)
+        if router.top_k is None:
+            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+            router.top_k = _attribute_top_k(parent)
+        # Name fallback until a pass has been recorded: <prefix>.gate selects <prefix>.experts.*.
+        prefix = name.rpartition(".")[0] + "."
+        router.stacks = [s for s in stacks.by_master.values() if s.name.startswith(prefix)]
+        routers.append(router)
     if not routers:
         return stacks
     speculator = RoutingSpeculator(pager, stacks, routers)

@@ -32,6 +32,7 @@ from torch import nn
 from . import leaves
 from .config import OffloadConfig, Policy
 from .dispatch import TILE_ALIGN  # the tile width dispatch cuts; room is planned for it
+from .experts import is_routed_stack  # what the expert cache takes for a stack of routed experts
 from .pager import GiB, BudgetError, host_layout
 from .tensor import OffloadedTensor
 
@@ -137,7 +138,7 @@ def working_set(name: str, shape: tuple, nbytes: int, indexed: bool = False) -> 
     if indexed and len(shape) >= 1 and shape[0] > 0:
         # ``_gather_rows`` pages the selected rows in chunks that fit the free room: one row at least.
         return nbytes // shape[0]
-    if "experts" in name.split(".") and len(shape) >= 3 and shape[0] > 0:
+    if is_routed_stack(name, shape) and shape[0] > 0:
         return nbytes // shape[0] * min(shape[0], EXPERTS_PER_OP)
     return nbytes
 
@@ -590,7 +591,7 @@ class _Offloading:
         """Room for copies ahead of the current op: another working set, or a layer's routed experts."""
         routed = {}  # a layer's experts module -> bytes of its stacks' routed experts together
         for w in self.weights:
-            if len(w.shape) >= 3 and w.shape[0] > 0 and "experts" in w.name.split("."):
+            if is_routed_stack(w.name, w.shape) and w.shape[0] > 0:
                 stem = w.name.rpartition(".")[0]
                 routed[stem] = routed.get(stem, 0) + w.nbytes // w.shape[0] * min(w.shape[0], EXPERTS_PER_STEP)
         return max([self.working_set, *routed.values()])
@@ -723,7 +724,7 @@ def _spread(offload: list, free: list, position: dict) -> list:
 def is_expert_stack(group: StorageGroup) -> bool:
     """Whether ``group`` is a stack of routed experts (a tensor of 3 dims or more under an
     ``experts`` module: ``mlp.experts.gate_up_proj``), as the expert cache sees one."""
-    return group.tensor.dim() >= 3 and any("experts" in name.split(".") for name in group.names)
+    return any(is_routed_stack(name, group.tensor.shape) for name in group.names)
 
 
 def expert_placement_open(placed: ModelPlacement) -> bool:

@@ -1127,14 +1127,8 @@ def _router_modules(model: nn.Module) -> list:
     """(name, module, experts) of the routers of ``model``'s routed expert stacks, in module order:
     what ``experts.attach`` hooks (a ``gate`` / ``router`` with a [num_experts, hidden] weight)."""
     sizes = {t.shape[0] for name, t in list(model.named_parameters()) + list(model.named_buffers())
-             if t.dim() >= 3 and "experts" in name.split(".")}
-    routers = []
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if (name.rpartition(".")[2] in experts.ROUTER_NAMES and isinstance(weight, torch.Tensor)
-                and weight.dim() == 2 and weight.shape[0] in sizes):
-            routers.append((name, module, weight.shape[0]))
-    return routers
+             if experts.is_routed_stack(name, t.shape)}
+    return [(name, module, module.weight.shape[0]) for name, module in experts.router_modules(model, sizes)]
 
 
 def _routed_ids(output, num_experts: int, top_k: int, module: nn.Module) -> Optional[torch.Tensor]:
