@@ -1,0 +1,93 @@
+"""The front door works as written: the README's quickstart runs as it stands, the README stays
+short, and every relative link in the README and docs/ leads to a file in the repository."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+README_LIMIT = 10 * 1024
+
+# [text](target) and [text]: target; the target ends at whitespace or the closing parenthesis.
+INLINE_LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+REFERENCE_LINK = re.compile(r"^\s*\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+\"[^\"]*\")?\s*$", re.M)
+EXTERNAL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")  # http:, https:, mailto:, ...
+
+
+def quickstart_block(text: str) -> str:
+    """The first ```python block after the Quickstart heading, before the next heading of its level."""
+    heading = re.search(r"^(#+)\s+Quickstart\s*$", text, re.M)
+    assert heading, "README.md has no Quickstart heading"
+    rest = text[heading.end():]
+    level = len(heading.group(1))
+    next_heading = re.search(rf"^#{{1,{level}}}\s", rest, re.M)
+    section = rest[: next_heading.start()] if next_heading else rest
+    block = re.search(r"^```python[ \t]*\n(.*?)^```", section, re.M | re.S)
+    assert block, "the Quickstart section has no ```python block"
+    return block.group(1)
+
+
+def without_code(text: str) -> str:
+    """Markdown with fenced blocks and inline code removed: links are not looked for inside code."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def relative_links(path: Path) -> list:
+    text = without_code(path.read_text(encoding="utf-8"))
+    targets = INLINE_LINK.findall(text) + REFERENCE_LINK.findall(text)
+    return [t for t in targets if not EXTERNAL.match(t) and not t.startswith("#")]
+
+
+def test_readme_quickstart_runs_as_it_stands(tmp_path):
+    code = quickstart_block(README.read_text(encoding="utf-8"))
+    script = tmp_path / "quickstart.py"
+    script.write_text(code, encoding="utf-8")
+    env = dict(os.environ)
+    # The checkout's offtensor, whichever directory the test runs from.
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, f"the README's quickstart failed:\n{done.stdout}\n{done.stderr}"
+    assert "OffloadStats(" in done.stdout
+
+
+def test_readme_is_at_most_10_kib():
+    size = README.stat().st_size
+    assert size <= README_LIMIT, f"README.md is {size} bytes; the limit is {README_LIMIT}: move detail into docs/"
+
+
+@pytest.mark.parametrize("page", [README] + DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve_inside_the_repository(page):
+    broken = []
+    for target in relative_links(page):
+        file_part = target.split("#", 1)[0]
+        if not file_part:
+            continue
+        resolved = (page.parent / file_part).resolve()
+        if not resolved.is_relative_to(ROOT) or not resolved.exists():
+            broken.append(target)
+    assert not broken, f"{page.relative_to(ROOT)} links to what is not in the repository: {broken}"
+
+
+def test_docs_exist():
+    names = {p.name for p in DOCS}
+    for name in ("design.md", "guarantees.md", "composing.md", "moe.md", "plans.md", "benchmarks.md",
+                 "compile.md", "testing.md", "limits.md", "usage.md"):
+        assert name in names, f"docs/{name} is missing"
+
+
+@pytest.mark.parametrize("page", [README] + DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_user_pages_carry_no_development_journal(page):
+    """Users read facts: no issue numbers, dates of work or pointers outside the repository."""
+    text = page.read_text(encoding="utf-8")
+    assert not re.search(r"\bissue \d+", text, re.I), f"{page.name} names an issue number"
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), f"{page.name} carries a date"
+    assert "../shared" not in text and "DESIGN.md" not in text, f"{page.name} points outside the repository"
