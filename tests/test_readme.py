@@ -21,16 +21,29 @@ EXTERNAL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")  # http:, https:, mailto:, .
 
 
 def quickstart_block(text: str) -> str:
-    """The first ```python block after the Quickstart heading, before the next heading of its level."""
-    heading = re.search(r"^(#+)\s+Quickstart\s*$", text, re.M)
-    assert heading, "README.md has no Quickstart heading"
-    rest = text[heading.end():]
-    level = len(heading.group(1))
-    next_heading = re.search(rf"^#{{1,{level}}}\s", rest, re.M)
-    section = rest[: next_heading.start()] if next_heading else rest
-    block = re.search(r"^```python[ \t]*\n(.*?)^```", section, re.M | re.S)
-    assert block, "the Quickstart section has no ```python block"
-    return block.group(1)
+    """The first ```python block under the Quickstart heading (before the next heading of its level;
+    lines inside fences, such as a Python comment, are not headings)."""
+    level, in_fence, block = None, False, None
+    for line in text.splitlines(keepends=True):
+        fence = line.startswith("```")
+        if level is None:
+            heading = re.match(r"(#+)\s+Quickstart\s*$", line)
+            if heading and not in_fence:
+                level = len(heading.group(1))
+            in_fence ^= fence
+            continue
+        if block is not None:
+            if fence:
+                return "".join(block)
+            block.append(line)
+            continue
+        if not in_fence and re.match(rf"#{{1,{level}}}\s", line):
+            break
+        if not in_fence and re.match(r"```python\s*$", line):
+            block = []
+        in_fence ^= fence
+    assert level is not None, "README.md has no Quickstart heading"
+    raise AssertionError("the Quickstart section has no ```python block")
 
 
 def without_code(text: str) -> str:
