@@ -1,5 +1,6 @@
 """The front door works as written: the README's quickstart runs as it stands, the README stays
-short, and every relative link in the README and docs/ leads to a file in the repository."""
+short, and every relative link in the README and docs/ leads to a file (and heading) in the
+repository."""
 
 import os
 import re
@@ -55,7 +56,14 @@ def without_code(text: str) -> str:
 def relative_links(path: Path) -> list:
     text = without_code(path.read_text(encoding="utf-8"))
     targets = INLINE_LINK.findall(text) + REFERENCE_LINK.findall(text)
-    return [t for t in targets if not EXTERNAL.match(t) and not t.startswith("#")]
+    return [t for t in targets if not EXTERNAL.match(t)]
+
+
+def anchors(path: Path) -> set:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(encoding="utf-8"), flags=re.M | re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+\s+(.*)$", text, re.M)}
 
 
 def test_readme_quickstart_runs_as_it_stands(tmp_path):
@@ -82,10 +90,10 @@ def test_relative_links_resolve_inside_the_repository(page):
     broken = []
     for target in relative_links(page):
         file_part = target.split("#", 1)[0]
-        if not file_part:
-            continue
-        resolved = (page.parent / file_part).resolve()
+        resolved = (page.parent / file_part).resolve() if file_part else page
         if not resolved.is_relative_to(ROOT) or not resolved.exists():
+            broken.append(target)
+        elif "#" in target and resolved.suffix == ".md" and target.split("#", 1)[1] not in anchors(resolved):
             broken.append(target)
     assert not broken, f"{page.relative_to(ROOT)} links to what is not in the repository: {broken}"
 
