@@ -29,6 +29,8 @@ from .plan import faster_expert_placement
 from .routing import RoutingRecorder, routing_stats_of
 from .twins import decode_example, meta_twin, sync_twin
 
+# What wrap_model uses to decide its expert placement by replay (wrap.py: "expert placement"). sim
+# imports wrap (it records wrapped models), so wrap does not import sim: these are handed to it here.
 # removed at merge: wrap imports these directly
 wrap.use_routing_tools(types.SimpleNamespace(
     RoutingRecorder=RoutingRecorder, routing_stats_of=routing_stats_of, meta_twin=meta_twin, sync_twin=sync_twin,
