@@ -75,9 +75,9 @@ PROFILES = {
 
 def get_profile(profile) -> Profile:
     """The ``Profile`` that ``profile`` names. A ``Profile`` (a built-in one, or what ``measure_profile``
-    returned) is returned as it is; anything else is read, as ``str(profile)`` in any case, as the name
-    of a built-in profile in ``PROFILES`` ("h200", "h100"). There is no file form: an unknown name, a
-    path included, is a ValueError that lists the built-in names."""
+    returned) is returned as it is; anything else is looked up, as ``str(profile).lower()``, among the
+    built-in names of ``PROFILES`` ("h200", "h100"). There is no file form: any other name, a path
+    included, is a ValueError that lists the built-in names."""
     if isinstance(profile, Profile):
         return profile
     try:
