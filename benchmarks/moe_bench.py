@@ -581,7 +581,7 @@ PLAN_ORDER = (("qwen3_30b_a3b", 24.0), ("deepseek_v3_shaped", 48.0), ("qwen3_30b
 
 def _routing_stats(out_dir):
     """The routing measured on the trained test models (benchmarks/moe_sim.py writes it)."""
-    from offtensor.timeline import RoutingStats
+    from offtensor import RoutingStats
 
     stats = {}
     for name in ("qwen3", "qwen2"):
@@ -629,7 +629,7 @@ def plans_driven_by_routing(args, out_dir, save=None) -> dict:
 
 
 def _plan_row(model, budget, x, routing) -> dict:
-    from offtensor.timeline import EXPERTS_PAGED, plan
+    from offtensor.sim.plan import EXPERTS_PAGED, plan
 
     row = {}
     for placement_name, policy in (("default", None), ("all_paged", EXPERTS_PAGED)):

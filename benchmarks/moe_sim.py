@@ -38,7 +38,7 @@ offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a 
    guesses scored but never copied, and at 25% two guesses a layer and a 60% gate; per step the
    bytes copied ahead by guesses, those wasted, and the
    misses left on the critical path (expert copies an op waited for after its layer's routing).
-7. **Routing statistics for plans**: ``moe_routing_{model}.json`` (``offtensor.timeline.RoutingStats``,
+7. **Routing statistics for plans**: ``moe_routing_{model}.json`` (``offtensor.RoutingStats``,
    what ``ot.plan(..., routing=...)`` and ``python -m offtensor plan --routing`` take).
 
 JSON: ``benchmarks/results/moe_sim.json``.
@@ -447,7 +447,7 @@ def _with(setting, fn, *args):
 
 def routing_stats_of(trace, name: str):
     """The trace's decode routing as ``RoutingStats`` (what ``ot.plan(..., routing=...)`` takes)."""
-    from offtensor.timeline import RoutingStats
+    from offtensor import RoutingStats
 
     steps = [[rec["routed"][0].tolist() for rec in step] for step in trace["steps"][1:]]
     return RoutingStats.from_trace(steps, trace["experts"], routing_stats(trace)["lookahead_precision"],

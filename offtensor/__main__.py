@@ -48,7 +48,9 @@ def plan_main(argv) -> int:
     import torch
 
     from .pager import GiB, format_bytes
-    from .timeline import RoutingStats, get_profile, plan, plan_expert_paging
+    from .sim.plan import plan, plan_expert_paging
+    from .sim.profiles import get_profile
+    from .sim.routing import RoutingStats
 
     dtype = getattr(torch, DTYPES[args.dtype])
     routing = _load_routing(RoutingStats, args.routing) if args.routing else None

@@ -77,8 +77,8 @@ def placement_profile_from_env():
     return os.environ.get("OFFTENSOR_PLACEMENT_PROFILE", "").strip() or DEFAULT_PLACEMENT_PROFILE
 
 
-# The replay of the expert placement runs under this profile (a name in ``timeline.PROFILES`` or a
-# ``timeline.Profile``): the measured H200, the GPU the decisions were validated on.
+# The replay of the expert placement runs under this profile (a name in ``ot.PROFILES`` or a
+# ``ot.Profile``): the measured H200, the GPU the decisions were validated on.
 DEFAULT_PLACEMENT_PROFILE = "h200"
 
 
@@ -98,14 +98,14 @@ class OffloadConfig:
       ``strict=`` of ``load_safetensors``, which is about names in the checkpoint.
     - ``progress``: the load progress bar: True, False, or None for loads of 256 MB or more.
     - ``load_threads``: reader threads of ``load_safetensors``.
-    - ``routing``: an MoE model's measured routing (``timeline.RoutingStats``, a recorded trace or
+    - ``routing``: an MoE model's measured routing (``ot.RoutingStats``, a recorded trace or
       a path to a saved one): ``wrap_model`` decides at wrap time, by replay, whether whole expert
       stacks stay resident or every stack is paged through the expert cache. Without it (and
       without a ``policy``) the wrapped model records its own routing and decides once after
       ``routing_warmup`` routed tokens.
     - ``routing_warmup``: routed tokens recorded before that decision; 0: no decision, the
       default placement stays.
-    - ``placement_profile``: the GPU profile of that replay (``timeline.PROFILES`` name or Profile).
+    - ``placement_profile``: the GPU profile of that replay (``ot.PROFILES`` name or Profile).
     """
 
     budget_gb: Optional[float] = None

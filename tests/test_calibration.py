@@ -4,13 +4,13 @@ the built-in ``h200`` profile. Each prediction must land within 5 % of its measu
 
 The workload: 24 layers of ``x @ W1 (8192 x 24576) @ W2 (24576 x 8192)`` in bf16, 12 layers (9.66 GB)
 offloaded; prefill is 4096 tokens, decode one. The profile's bf16 rate comes from the all-resident
-prefill (see timeline.PROFILES), so that row is the profile's definition and is not checked here;
+prefill (see sim.profiles.PROFILES), so that row is the profile's definition and is not checked here;
 everything else (copy overlap, slot reuse, step boundaries, decode's memory-bound GEMMs) is predicted.
 """
 
 import pytest
 
-from offtensor.timeline import Timeline
+from offtensor.sim.timeline import Timeline
 
 LAYERS, HIDDEN, FFN = 24, 8192, 24576
 WEIGHT_BYTES = HIDDEN * FFN * 2

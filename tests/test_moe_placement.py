@@ -1,6 +1,6 @@
 """Placement that follows the routing (issue 20, item 5): whether an MoE model's whole expert
 stacks stay resident or every stack is paged through the expert cache is decided by the replay of
-both placements under the routing (``timeline.plan_expert_paging``), at wrap time from
+both placements under the routing (``sim.plan.plan_expert_paging``), at wrap time from
 ``routing=`` or, without it, once from the wrapped model's own first routed tokens, with the
 experts re-placed under the pager lock, logits unchanged and the budget held. An explicit
 ``policy`` wins; a bad ``routing=`` is refused before anything moves.
@@ -20,7 +20,9 @@ import offtensor as ot
 from offtensor import config as ot_config
 from offtensor import wrap as ot_wrap
 from offtensor.placement import EXPERTS_PAGED
-from offtensor.timeline import PROFILES, RoutingStats, plan_expert_paging, routing_stats_of
+from offtensor.sim.plan import plan_expert_paging
+from offtensor.sim.profiles import PROFILES
+from offtensor.sim.routing import RoutingStats, routing_stats_of
 
 transformers = pytest.importorskip("transformers")
 

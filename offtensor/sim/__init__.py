@@ -1,0 +1,37 @@
+"""Timelines: what a step does on the copy stream and the compute stream, and how long it takes on a GPU.
+
+A ``Timeline`` (timeline.py) is a list of records in issue order. A record is a copy (host->device,
+on the copy stream, or on the compute stream for a copy the op waits for in line) or an op (a kernel
+on the compute stream), with its bytes, its FLOPs (``torch.utils.flop_counter``'s formulas), the
+step (forward) it was issued in and ``waits``: the ids of the records it cannot start before (the
+copy an op reads; the op whose block a copy reuses). ``replay(profile)`` schedules the records on
+two in-order streams under a ``Profile`` (profiles.py: H2D bandwidth, dense TFLOP/s per dtype, HBM
+bandwidth, a per-op overhead), which is what a GPU does with two CUDA streams and events.
+
+Three ways to get a timeline:
+
+- ``with ot.timeline(model) as tl: model(x)`` (recorder.py) records a real run (emulated device or
+  GPU): a ``TorchDispatchMode`` sees every op, including ops on plain resident tensors, and the
+  pager tells the recorder about every copy, every use of a paged copy, every release and every
+  eviction;
+- ``ot.plan(model, budget_gb=..., example_inputs=...)`` (plan.py) runs the same placement, pager and
+  prefetcher on the meta device: nothing is allocated or computed, the decisions are the GPU's;
+- ``Timeline()`` and ``add_copy`` / ``add_op`` write a schedule by hand (tests/test_calibration.py).
+
+routing.py holds measured MoE routing (``RoutingStats``) and twins.py the meta twin of a model that
+has values, which the expert-placement replay (plan.py: ``faster_expert_placement``) plans.
+"""
+
+import types
+
+from .. import wrap
+from .plan import faster_expert_placement
+from .routing import RoutingRecorder, routing_stats_of
+from .twins import decode_example, meta_twin, sync_twin
+
+# What wrap_model uses to decide its expert placement by replay (wrap.py: "expert placement"). sim
+# imports wrap (it records wrapped models), so wrap does not import sim: these are handed to it here.
+# removed at merge: wrap imports these directly
+wrap.use_routing_tools(types.SimpleNamespace(
+    RoutingRecorder=RoutingRecorder, routing_stats_of=routing_stats_of, meta_twin=meta_twin, sync_twin=sync_twin,
+    decode_example=decode_example, faster_expert_placement=faster_expert_placement))

@@ -1,0 +1,240 @@
+"""Plans on the meta device: the real placement, pager, prefetcher and expert cache run a model built on
+meta and the recorder keeps the timeline (``ot.plan``); MoE routing drawn from measured statistics; the
+expert placement (whole stacks resident, or every stack paged) chosen by replaying both."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .. import dispatch
+from .. import experts
+from .. import placement
+from ..config import OffloadConfig
+from ..pager import GiB, Pager
+from ..prefetch import Prefetcher
+from ..tensor import OffloadedTensor
+from .profiles import get_profile
+from .recorder import timeline
+from .routing import RoutingStats
+from .timeline import Timeline
+from .twins import top_k_of
+
+# ---------------------------------------------------------------------------- planning on meta
+
+
+def _meta_pager(budget_bytes: int):
+    # On meta every copy is done when issued (pager/device.py: MetaDevice).
+    return Pager(torch.device("meta"), budget_bytes, strict=False)
+
+
+def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(), profile="h200", steps: int = 3, *,
+         offload_gb: Optional[float] = None, policy=None, prefetch: bool = True, warmup: int = 3,
+         forward=None, routing: Optional[RoutingStats] = None) -> Timeline:
+    """What ``model`` would do on a GPU at this budget: place its weights, run ``warmup + steps``
+    forwards on the meta device with the real pager and prefetcher, and return the recorded
+    timeline (replay it with ``tl.replay()``). Nothing is allocated or computed; ``model`` may be
+    built on meta and is left as it was. ``warmup`` forwards let the prefetcher learn the order
+    before the recorded steps (``tl.replay`` reports the last one).
+
+    Routing has no values on meta: MoE layers route each token to distinct experts drawn
+    uniformly, unless ``routing`` (``RoutingStats``, measured on a real run) gives each layer's
+    skew and token-to-token locality, scaled to this model's expert count."""
+    if budget_gb is None and offload_gb is None:
+        raise ValueError("offtensor: plan() needs budget_gb or offload_gb: a meta model has no device to measure")
+    config = OffloadConfig(budget_gb=budget_gb, offload_gb=offload_gb, device=torch.device("meta"), prefetch=prefetch,
+                           policy=policy, strict=False)
+    _check_built_on_meta(model)
+    placed = placement.choose_model_placement(placement.collect_groups(model), config, config.device)
+    pager = _meta_pager(placed.budget_bytes)
+    saved = _offload_on_meta(placed, pager)
+    hooks = _attach_schedule(model, pager, prefetch and bool(placed.choice.offload))
+    planned = None
+    if routing is not None:
+        planned = _PlannedRouting(routing, top_k_of(model) or routing.top_k)
+        hooks.append(model.register_forward_pre_hook(lambda m, a: planned.new_step()))
+    inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    rec = timeline(model, profile)
+    tl = rec.tl
+    tl.warmup_steps = warmup
+    try:
+        with torch.no_grad(), rec, _routing_from(planned):
+            for _ in range(warmup + steps):
+                (forward or model)(*inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+        for table, attr, t in saved.values():
+            table[attr] = t
+    tl.info = _planned_info(placed.choice, pager.snapshot())
+    tl.info["routing"] = routing.summary() if routing is not None else "uniform"
+    return tl
+
+
+def _check_built_on_meta(model: nn.Module) -> None:
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for attr, t in table.items():
+                if t is not None and not t.is_meta:
+                    raise ValueError(
+                        f"offtensor: plan() needs a model built on meta (found {type(module).__name__}.{attr} on "
+                        f"{t.device}); build it under `with torch.device('meta'):`"
+                    )
+
+
+def _offload_on_meta(placed: placement.ModelPlacement, pager) -> dict:
+    """Register a meta OffloadedTensor on ``pager`` in every slot of each offloaded group, straight
+    into the modules' tables (no re-placement); returns (module, table, attr) -> what was there."""
+    saved = {}
+    for group in placed.offloaded:
+        first = group.tensor
+        lo, hi = group.element_range()
+        flat = torch.empty(hi - lo, dtype=first.dtype, device="meta")
+        master = pager.new_master((hi - lo) * first.element_size())
+        master.name = group.names[0]
+        master.flat = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device="meta")
+        for member in group:
+            t = member.tensor
+            host = flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
+            new = OffloadedTensor(host, master)
+            if isinstance(t, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=False)
+            for module, attr, is_buffer in member.slots:
+                table = module._buffers if is_buffer else module._parameters
+                saved.setdefault((id(module), is_buffer, attr), (table, attr, t))
+                table[attr] = new
+    pager.budget.recount_resident(placed.choice.resident_bytes)
+    pager.reset_stats()
+    return saved
+
+
+def _attach_schedule(model: nn.Module, pager, prefetch: bool) -> list:
+    """The wrapped model's prefetcher and expert cache on the meta pager; the hooks to remove after."""
+    if prefetch:
+        pager.prefetcher = Prefetcher()
+    # Routed experts take the wrapped model's eviction and statistics; speculation needs router
+    # values, which meta tensors do not have, so its hooks do nothing here.
+    experts.attach(model, pager, speculate=False)
+    if pager.prefetcher is not None or pager.experts is not None:
+        return [model.register_forward_pre_hook(lambda m, a: pager.new_step())]
+    return []
+
+
+def _planned_info(choice: placement.Placement, stats) -> dict:
+    return {
+        "budget_bytes": choice.budget_bytes,
+        "resident_bytes": choice.resident_bytes,
+        "offloaded_bytes": choice.offloaded_bytes,
+        "offloaded": [w.name for w in choice.offload],
+        "peak_device_bytes": stats.peak_device_bytes,
+        "prefetches": stats.prefetches,
+        "prefetch_hits": stats.prefetch_hits,
+        "budget_gb": choice.budget_bytes / GiB,
+        "experts": stats.experts,  # per stacked-expert tensor: hits, misses, bytes (all planned steps)
+    }
+
+
+class _PlannedRouting:
+    """Routing on meta drawn from ``RoutingStats``: what ``dispatch``'s planned routing returns
+    while ``plan(..., routing=...)`` runs. Each offloaded MoE layer reads its routing once per
+    forward, in layer order, so the n-th read of a forward is the n-th MoE layer. A token keeps
+    each of the previous token's experts at that layer with the measured locality and draws the
+    rest from the layer's popularity (a fixed random assignment of ranks to expert ids per layer),
+    excluding the previous token's: the expected reuse is the measured one."""
+
+    def __init__(self, stats: RoutingStats, top_k: int, seed: int = 0):
+        self.stats, self.top_k = stats, top_k
+        self.g = torch.Generator().manual_seed(seed)
+        self.layer, self.layers = 0, 0
+        self.weights = {}  # (layer, experts) -> weight per expert id
+        self.prev = {}  # layer -> the last token's experts
+
+    def new_step(self) -> None:
+        if self.layer:
+            self.layers = self.layer
+        self.layer = 0
+
+    def _weights(self, layer: int, experts: int) -> torch.Tensor:
+        w = self.weights.get((layer, experts))
+        if w is None:
+            shares = torch.tensor(self.stats.layer_shares(layer, self.layers or len(self.stats.popularity), experts),
+                                  dtype=torch.float64)
+            w = self.weights[(layer, experts)] = torch.empty_like(shares).scatter_(
+                0, torch.randperm(experts, generator=self.g), shares)
+        return w
+
+    def ends(self, experts: int, rows: int) -> list:
+        layer = self.layer
+        self.layer += 1
+        w = self._weights(layer, experts)
+        k = max(min(self.top_k, experts, rows), 1)
+        tokens = max(rows // k, 1)
+        counts = torch.zeros(experts, dtype=torch.long)
+        if tokens * k > 4 * experts:
+            # A prefill: nearly every expert is routed; the rows follow the popularity.
+            counts += torch.bincount(torch.multinomial(w, rows, replacement=True, generator=self.g), minlength=experts)
+        else:
+            reuse = self.stats.layer_locality(layer, self.layers or len(self.stats.locality))
+            prev = self.prev.get(layer, [])
+            for _ in range(tokens):
+                kept = [e for e in prev if torch.rand((), generator=self.g).item() < reuse][:k]
+                free = w.clone()
+                free[list(set(prev) | set(kept))] = 0.0
+                fill = k - len(kept)
+                drawn = torch.multinomial(free, fill, replacement=False, generator=self.g).tolist() if fill else []
+                prev = kept + drawn
+                counts[prev] += 1
+            self.prev[layer] = prev
+            counts[torch.argmax(counts)] += rows - int(counts.sum())  # rows not a multiple of top-k
+        return counts.cumsum(0).tolist()
+
+
+@contextlib.contextmanager
+def _routing_from(routing: Optional[_PlannedRouting]):
+    """While planning with measured routing, dispatch's routing of a meta grouped GEMM comes from
+    ``routing`` (``dispatch.planned_routing``)."""
+    if routing is None:
+        yield
+        return
+    with dispatch.planned_routing(routing.ends):
+        yield
+
+
+
+# Every routed expert stack offloaded: the whole budget beyond the dense weights is expert cache.
+EXPERTS_PAGED = placement.EXPERTS_PAGED
+
+
+def plan_expert_paging(model: nn.Module, budget_gb: float, example_inputs=(), routing: Optional[RoutingStats] = None,
+                       profile="h200", steps: int = 2, warmup: int = 3, prefetch: bool = True) -> dict:
+    """Which placement of a MoE model's routed experts is faster at this budget, decided by the
+    replay rather than a policy flag: the default placement (whole expert stacks kept resident as
+    far as the budget holds them, the rest paged) against every stack paged through the expert
+    cache (``EXPERTS_PAGED``), both planned under ``routing`` (uniform without it).
+
+    Skewed routing with token-to-token reuse favours paging everything (the cache keeps each
+    layer's hot experts, a resident stack holds its cold ones too); uniform routing favours whole
+    stacks. Returns ``{"policy": the wrap_model policy to use (None: the default), "paged": bool,
+    "default": Replay, "all_paged": Replay}``."""
+    replays = {}
+    for name, policy in (("default", None), ("all_paged", EXPERTS_PAGED)):
+        tl = plan(model, budget_gb=budget_gb, example_inputs=example_inputs, profile=profile, steps=steps,
+                  warmup=warmup, policy=policy, routing=routing, prefetch=prefetch)
+        replays[name] = tl.replay()
+    paged = replays["all_paged"].step_ms < replays["default"].step_ms
+    return {"policy": EXPERTS_PAGED if paged else None, "paged": paged, **replays}
+
+
+def faster_expert_placement(twin: nn.Module, budget_bytes: int, example_inputs, routing: RoutingStats,
+                            profile="h200", prefetch: bool = True) -> dict:
+    """``plan_expert_paging`` of ``twin`` at ``budget_bytes`` under ``routing``, as the report
+    ``ot.stats(model).expert_placement`` shows: the placement chosen and both replayed steps."""
+    profile = get_profile(profile)
+    verdict = plan_expert_paging(twin, budget_bytes / GiB, example_inputs, routing=routing, profile=profile,
+                                 prefetch=prefetch)
+    return {"chosen": "all_paged" if verdict["paged"] else "default", "policy": verdict["policy"],
+            "default_step_ms": verdict["default"].step_ms, "all_paged_step_ms": verdict["all_paged"].step_ms,
+            "profile": profile.name, "routing": routing.summary()}

@@ -1,0 +1,143 @@
+"""Device profiles: how fast one GPU copies host->device, computes per dtype and moves device memory,
+and its per-op overhead; the built-in measured and published ones, and a measurement of the device at hand."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+import torch
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """How fast one GPU moves and computes: what ``replay`` needs to turn records into times."""
+
+    name: str
+    h2d_gbps: float  # pinned host -> device, GB/s (1e9 bytes)
+    tflops: dict  # dtype name ("bfloat16", ...) -> dense TFLOP/s a large matmul sustains
+    hbm_gbps: float  # device memory, bytes read + written per second / 1e9
+    launch_us: float  # per-op overhead (kernel launch and drain), added to every op and copy
+    source: str = ""
+    # The emulated device runs each op on the host thread that issues the next one: nothing is
+    # issued before the op before it has finished (a GPU's host runs ahead of its streams).
+    host_blocking: bool = False
+
+    def op_ms(self, flops: float, nbytes: float, dtype: Optional[str]) -> float:
+        """An op takes its roofline time, compute or memory, whichever is longer, plus its overhead."""
+        rate = self.tflops.get(dtype) or self.tflops.get("float32")
+        compute = flops / (rate * 1e12) if flops else 0.0
+        memory = nbytes / (self.hbm_gbps * GB) if nbytes else 0.0
+        return (max(compute, memory) + self.launch_us * 1e-6) * 1e3
+
+    def copy_ms(self, nbytes: float) -> float:
+        return (nbytes / (self.h2d_gbps * GB) + self.launch_us * 1e-6) * 1e3
+
+
+# The measured H200 figures (DESIGN.md, 2026-11-29, PCIe Gen5 x16, torch 2.11). A bf16 GEMM burst of
+# 8192^3 runs at about 790 TFLOP/s; what a step sustains is lower (clocks under sustained load): the
+# all-resident prefill of 48 GEMMs of 4096 x 8192 x 24576 took 116.1 ms. The profile carries that
+# sustained rate, derived here from the measurement rather than typed in.
+_H200_PREFILL_FLOPS = 48 * 2 * 4096 * 8192 * 24576
+_H200_SUSTAINED_BF16 = _H200_PREFILL_FLOPS / 116.1e-3 / 1e12  # about 682 TFLOP/s
+
+PROFILES = {
+    "h200": Profile(
+        name="h200",
+        h2d_gbps=55.3,
+        tflops={"bfloat16": _H200_SUSTAINED_BF16, "float16": _H200_SUSTAINED_BF16, "float32": 67.0},
+        hbm_gbps=4300.0,
+        launch_us=4.0,
+        source=(
+            "measured on an H200 SXM, torch 2.11, 2026-11-29 (DESIGN.md): pinned H2D 55.3 GB/s; bf16 GEMM "
+            "790 TFLOP/s burst, sustained rate from the 116.1 ms all-resident prefill; device copy 4.3 TB/s "
+            "(read + write); fp32 (no tensor cores) and the 4 us per-op overhead are the datasheet's and a "
+            "typical launch gap, not measured"
+        ),
+    ),
+    "h100": Profile(
+        name="h100",
+        h2d_gbps=64.0,
+        tflops={"bfloat16": 989.4, "float16": 989.4, "float32": 66.9},
+        hbm_gbps=3350.0,
+        launch_us=4.0,
+        source=(
+            "published: NVIDIA H100 Tensor Core GPU datasheet, SXM5 (dense BF16/FP16 989.4 TFLOP/s, FP32 66.9, "
+            "HBM3 3.35 TB/s, PCIe Gen5 x16 128 GB/s both ways = 64 GB/s host->device). Peak figures: "
+            "a replay under them is optimistic (the H200's measured H2D is 86% of 64 GB/s)"
+        ),
+    ),
+}
+
+
+def get_profile(profile) -> Profile:
+    """The ``Profile`` that ``profile`` names. A ``Profile`` (a built-in one, or what ``measure_profile``
+    returned) is returned as it is; anything else is looked up, as ``str(profile).lower()``, among the
+    built-in names of ``PROFILES`` ("h200", "h100"). There is no file form: any other name, a path
+    included, is a ValueError that lists the built-in names."""
+    if isinstance(profile, Profile):
+        return profile
+    try:
+        return PROFILES[str(profile).lower()]
+    except KeyError:
+        raise ValueError(
+            f"offtensor: unknown device profile {profile!r}; built in: {sorted(PROFILES)}, "
+            f"or pass a Profile (ot.measure_profile() measures the device at hand)"
+        ) from None
+
+
+def measure_profile(device=None, name: Optional[str] = None) -> Profile:
+    """Measure H2D, matmul TFLOP/s per dtype, device-memory bandwidth and per-op overhead on
+    ``device`` (the current GPU; ``cpu`` measures the emulated device, where a "copy" is a memcpy)."""
+    from ..pager import resolve_device
+    from .. import _ext
+
+    device = resolve_device(device)
+    cuda = device.type == "cuda"
+
+    def timed(fn, repeat):
+        fn()  # warm-up: allocator, handles, first touch
+        if cuda:
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeat):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / repeat
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        return (time.perf_counter() - t0) / repeat
+
+    copy_bytes = (256 << 20) if cuda else (32 << 20)
+    host = _ext.alloc_host(copy_bytes, pin=cuda)
+    dev = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    if cuda:
+        h2d = copy_bytes / timed(lambda: dev.copy_(host, non_blocking=True), 10) / GB
+    else:
+        # The emulated pager copies into a fresh buffer each time, whose pages fault in on first touch.
+        h2d = copy_bytes / timed(lambda: torch.empty_like(dev).copy_(host), 10) / GB
+    other = torch.empty_like(dev)
+    hbm = 2 * copy_bytes / timed(lambda: other.copy_(dev), 10) / GB
+    tflops = {}
+    n = 8192 if cuda else 1024
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        tflops[str(dtype).removeprefix("torch.")] = 2 * n**3 / timed(lambda: a @ b, 5 if cuda else 2) / 1e12
+    tiny = torch.zeros(16, device=device)
+    launch_us = timed(lambda: tiny.add_(1), 1000) * 1e6
+    return Profile(
+        name=name or (torch.cuda.get_device_name(device) if cuda else "emulated-cpu"),
+        h2d_gbps=h2d,
+        tflops=tflops,
+        hbm_gbps=hbm,
+        launch_us=launch_us,
+        source=f"measured by offtensor.measure_profile on {device}, torch {torch.__version__}",
+        host_blocking=not cuda,
+    )

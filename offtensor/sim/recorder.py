@@ -1,0 +1,288 @@
+"""Recording a real run into a Timeline: a TorchDispatchMode sees every op (its FLOPs and bytes from
+shapes), the pager reports every copy, use, release and eviction; ``timeline(model)`` is ``ot.timeline``."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from ..wrap import pager_of
+from .timeline import Timeline
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _op_cost(func, args, kwargs, out):
+    """(FLOPs, device bytes read + written, dtype) of one op, from shapes only."""
+    flops = 0
+    counter = flop_registry.get(func._overloadpacket)
+    if func is torch.ops.aten._grouped_mm.default and isinstance(out, torch.Tensor) and args[0].dim() == 2:
+        # torch's flop counter has no formula for it: every row of x meets one group's [K, N] matrix.
+        flops = 2 * args[0].shape[0] * args[0].shape[1] * out.shape[-1]
+    elif counter is not None:
+        try:
+            flops = int(counter(*args, **kwargs, out_val=out))
+        except Exception:
+            flops = 0  # a formula that does not take this overload's arguments: count bytes only
+    nbytes, dtype = 0, None
+    selects = func in _ROW_SELECTS
+    grouped = func is torch.ops.aten._grouped_mm.default and len(args) > 1 and isinstance(args[1], torch.Tensor) \
+        and args[1].dim() == 3
+    for t in torch.utils._pytree.tree_leaves((args, kwargs, out)):
+        if isinstance(t, torch.Tensor):
+            if grouped and t is args[1]:
+                # A grouped GEMM reads the matrices of the groups that have rows, at most one per row
+                # (8 of 64 experts at a one-token decode), not the whole stack.
+                groups = min(t.shape[0], args[0].shape[0])
+                nbytes += groups * (_tensor_bytes(t) // max(t.shape[0], 1))
+                continue
+            if selects and hasattr(t, "_master"):
+                # An offloaded stack indexed by rows: the kernel reads the selected rows (as many
+                # bytes as the output), not the whole stack (64 experts where 8 were routed).
+                nbytes += _tensor_bytes(out) if isinstance(out, torch.Tensor) else 0
+                continue
+            nbytes += _tensor_bytes(t)
+            if dtype is None and t.is_floating_point():
+                dtype = str(t.dtype).removeprefix("torch.")
+    return flops, nbytes, dtype
+
+
+_COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+_ROW_SELECTS = (torch.ops.aten.index_select.default, torch.ops.aten.index.Tensor, torch.ops.aten.embedding.default)
+
+
+def _host_to_device_bytes(func, args, out) -> int:
+    """Bytes of a host -> GPU copy (``_to_copy`` or ``copy_`` from a CPU tensor), else 0."""
+    if func not in _COPIES:
+        return 0
+    src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+    dst = args[0] if func is torch.ops.aten.copy_.default else out
+    if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.device.type == "cpu" \
+            and dst.device.type == "cuda":
+        return _tensor_bytes(dst)
+    return 0
+
+
+def _launches_nothing(func) -> bool:
+    """Views and metadata ops alias their input: no kernel runs on the device."""
+    schema = func._schema
+    return bool(schema.returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _is_meta_grouped_mm(func, args) -> bool:
+    return (func is torch.ops.aten._grouped_mm.default and len(args) > 1 and isinstance(args[0], torch.Tensor)
+            and args[0].is_meta and args[0].dtype != torch.bfloat16)
+
+
+def _meta_grouped_mm(func, args, kwargs):
+    """``_grouped_mm`` of a plan of a float32 (or float16) model: torch's meta kernel accepts
+    bf16 only, though the CPU and CUDA kernels take other dtypes, so the shapes come from a bf16
+    call and the result takes the inputs' dtype (meta: nothing is computed either way). The cost
+    is counted on the real arguments."""
+    dtype = args[0].dtype
+    cast = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    kw = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+          for k, v in kwargs.items() if k != "out_dtype"}
+    return func(*cast, **kw).to(kwargs.get("out_dtype") or dtype)
+
+
+class Recorder(TorchDispatchMode):
+    """Fills a Timeline from a running model: ops through this dispatch mode, copies and their
+    lifetimes through the pager's ``recorder`` call sites."""
+
+    def __init__(self, timeline: Timeline, measure: bool = False):
+        super().__init__()
+        self.tl = timeline
+        self._copy_of = {}  # id(pager entry) -> the record id of the copy that filled it
+        self._last_use = {}  # id(pager entry) -> the record id of the last op that read it
+        self._pending_waits = []  # copies the next op reads
+        self._pending_frees = []  # ops whose blocks the next copy reuses
+        self._open_ops = []  # ids reserved for ops running now (their pages are released inside)
+        self._last_op = None
+        self._measure = measure and torch.cuda.is_available()
+        self._events = []  # (record id, start event, end event) when measuring
+        # Inside the pager (allocating a copy's buffer, the copy itself): its work is recorded by
+        # its call sites as copies, not as ops. Set by quiet().
+        self._quiet = 0
+        self._split = set()  # open ops whose handler runs their kernels one by one (kernels())
+
+    def quiet(self, method):
+        """``method`` (a pager entry point) with this mode's op recording paused while it runs."""
+
+        def run(*args, **kwargs):
+            self._quiet += 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._quiet -= 1
+
+        return run
+
+    @contextlib.contextmanager
+    def kernels(self):
+        """Inside an op being recorded, whose handler splits it into kernels that each read only
+        their own paged copies (``_grouped_mm``: one expert at a time): the kernels run in the
+        block are recorded as ops of their own, each waiting for its own copies, as the compute
+        stream runs them on a GPU (expert j computes while expert j+1 is still copying). The op
+        itself is then recorded without cost (its kernels carry it) and with what its handler
+        does after them (the concatenation of the pieces)."""
+        if self._open_ops:
+            self._split.add(self._open_ops[-1])
+        with self:  # this mode is off while it dispatches the outer op: back on for the kernels
+            yield
+
+    # -------------------------------------------------------------- ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._quiet or _launches_nothing(func):
+            return func(*args, **kwargs)
+        rid = self.tl.new_id()
+        self._open_ops.append(rid)
+        start = end = None
+        if self._measure:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        try:
+            out = _meta_grouped_mm(func, args, kwargs) if _is_meta_grouped_mm(func, args) else func(*args, **kwargs)
+        finally:
+            self._open_ops.pop()
+        if self._measure:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((rid, start, end))
+        h2d = _host_to_device_bytes(func, args, out)
+        if h2d:
+            # A `.to(device)` / `copy_` of host memory outside the pager (vLLM-style offloading): an
+            # H2D copy on the stream that issued it, which is the compute stream here.
+            self.tl.add_copy(h2d, name=str(func.overloadpacket.__name__), stream="compute", id=rid)
+            self._last_op = rid
+            return out
+        if rid in self._split:
+            self._split.discard(rid)
+            flops, nbytes = 0, 0
+            dtype = next((str(t.dtype).removeprefix("torch.") for t in torch.utils._pytree.tree_leaves(out)
+                          if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+        else:
+            flops, nbytes, dtype = _op_cost(func, args, kwargs, out)
+        waits, self._pending_waits = self._pending_waits, []
+        self.tl.add_op(flops, nbytes, dtype, waits=_unique(waits), name=str(func.overloadpacket.__name__), id=rid)
+        self._last_op = rid
+        return out
+
+    # -------------------------------------------------------------- pager call sites
+
+    def copied(self, pager, entry, nbytes: int, stream: str, prefetch: bool) -> None:
+        waits, self._pending_frees = self._pending_frees, []
+        key = getattr(entry, "key", None)
+        rid = self.tl.add_copy(nbytes, waits=_unique(waits), name="prefetch" if prefetch else "page", stream=stream,
+                               key=(id(pager),) + tuple(key) if key is not None else None)
+        self._copy_of[id(entry)] = rid
+
+    def used(self, entry) -> None:
+        rid = self._copy_of.get(id(entry))
+        if rid is not None:
+            self._pending_waits.append(rid)
+
+    def released(self, entries) -> None:
+        # The last reader is the op running now, or, inside an op split into kernels, the kernel
+        # just recorded.
+        op = self._open_ops[-1] if self._open_ops and self._open_ops[-1] not in self._split else self._last_op
+        if op is None:
+            return
+        for entry in entries:
+            self._last_use[id(entry)] = op
+
+    def freed(self, entry) -> None:
+        """A cached copy is dropped: the next copy may take its block once its last reader is done."""
+        op = self._last_use.pop(id(entry), None)
+        self._copy_of.pop(id(entry), None)
+        if op is not None:
+            self._pending_frees.append(op)
+
+    def host_sync(self) -> None:
+        """The host reads a device value (dispatch._read_to_host) and waits for the compute stream."""
+        self.tl.add_sync()
+
+    def finish(self) -> None:
+        if not self._events:
+            return
+        torch.cuda.synchronize()
+        t0 = self._events[0][1]
+        by_id = {r.id: r for r in self.tl.records}
+        for rid, start, end in self._events:
+            by_id[rid].measured_ms = (t0.elapsed_time(start), t0.elapsed_time(end))
+
+
+def _unique(ids):
+    return list(dict.fromkeys(ids))
+
+
+def _pagers_of(model: nn.Module):
+    pagers = []
+    wrapped = pager_of(model)
+    if wrapped is not None:
+        pagers.append(wrapped)
+    for t in list(model.parameters()) + list(model.buffers()):
+        master = getattr(t, "_master", None)
+        pager = master.pager if master is not None else None
+        if pager is not None and all(pager is not p for p in pagers):
+            pagers.append(pager)
+    return pagers
+
+
+class timeline:
+    """``with ot.timeline(model) as tl: model(x)``: record every op and copy of the runs inside.
+    Each forward of ``model`` is one step. ``measure=True`` on a GPU also keeps CUDA-event times of
+    the ops (``Record.measured_ms``), to put beside the prediction.
+
+    ``model=None`` records whatever runs inside (a step function, say); then ``pagers`` names the
+    pagers whose copies to record and the caller marks steps with ``tl.next_step()``."""
+
+    def __init__(self, model: Optional[nn.Module] = None, profile=None, measure: bool = False, pagers=None):
+        self.model = model
+        self.tl = Timeline(profile)
+        self.recorder = Recorder(self.tl, measure)
+        self._hook = None
+        self._pagers = list(pagers) if pagers is not None else None
+        self._started = False
+
+    # The pager entry points that allocate and copy through ATen: their ops are the pager's, not the model's.
+    _PAGER_ENTRY_POINTS = ("page", "upload", "copy_out", "prefetch")
+
+    def __enter__(self) -> Timeline:
+        if self._pagers is None:
+            self._pagers = _pagers_of(self.model) if self.model is not None else []
+        for pager in self._pagers:
+            pager.recorder = self.recorder
+            for name in self._PAGER_ENTRY_POINTS:
+                # An instance attribute shadows the method while recording; __exit__ deletes it.
+                setattr(pager, name, self.recorder.quiet(getattr(pager, name)))
+
+        def new_step(module, args):
+            if self._started:
+                self.tl.next_step()
+            self._started = True
+
+        if self.model is not None:
+            self._hook = self.model.register_forward_pre_hook(new_step)
+        self.recorder.__enter__()
+        return self.tl
+
+    def __exit__(self, *exc):
+        self.recorder.__exit__(*exc)
+        if self._hook is not None:
+            self._hook.remove()
+        for pager in self._pagers:
+            pager.recorder = None
+            for name in self._PAGER_ENTRY_POINTS:
+                pager.__dict__.pop(name, None)
+        self.recorder.finish()
+        return False

@@ -1,0 +1,301 @@
+"""A timeline: the records of a step in issue order (copies and ops, their bytes, FLOPs and what each
+waits for), its replay on two in-order streams under a Profile, and its export (Chrome trace, PNG)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Optional, Sequence
+
+from .profiles import GB, Profile, get_profile
+
+
+@dataclasses.dataclass
+class Record:
+    id: int
+    kind: str  # "copy" or "op"
+    stream: str  # "copy" or "compute"
+    name: str
+    nbytes: int  # copy: bytes moved host->device; op: bytes read + written in device memory
+    flops: int
+    dtype: Optional[str]
+    step: int
+    waits: list
+    key: Optional[tuple] = None  # copy: what it copies (master, dtype, range), so a step counts it once
+    measured_ms: Optional[tuple] = None  # (start, end) from CUDA events, relative to the first record
+
+
+@dataclasses.dataclass
+class Replay:
+    """Predicted times of a timeline under one profile; the figures describe the last step."""
+
+    profile: Profile
+    step_ms: float
+    bound_ms: float
+    ratio_to_bound: float
+    copy_busy: float  # fraction of the last step's time the copy stream was busy
+    compute_busy: float
+    compute_ms: float  # the last step's ops alone, back to back (the compute half of the bound)
+    copy_bound_ms: float  # the last step's distinct copied bytes / H2D (the copy half of the bound)
+    steps_ms: list  # every step's duration
+    starts: dict  # record id -> predicted start, ms
+    ends: dict
+    step_windows: list  # (start, end) of every step, ms
+
+    def __str__(self):
+        return (
+            f"Replay({self.profile.name}: step {self.step_ms:.2f} ms, bound {self.bound_ms:.2f} ms, "
+            f"ratio {self.ratio_to_bound:.3f}, copy busy {self.copy_busy:.1%}, compute busy {self.compute_busy:.1%})"
+        )
+
+
+class Timeline:
+    """Records in issue order. Build one by hand with ``add_copy`` / ``add_op`` / ``next_step``, or
+    get one from ``ot.timeline(model)`` or ``ot.plan(...)``."""
+
+    def __init__(self, profile=None):
+        self.records: list = []
+        self.step = 0
+        self.profile = profile  # the default for replay/save/plot (plan sets it)
+        self.warmup_steps = 0  # leading steps that ran only to warm the prefetcher up (plan)
+        self._next_id = 0
+        self.info: dict = {}  # what produced it (plan: budget, placement), for the table and the JSON
+
+    # -------------------------------------------------------------- building
+
+    def new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def add_copy(self, nbytes: int, waits: Sequence[int] = (), name: str = "copy", stream: str = "copy",
+                 key=None, id: Optional[int] = None) -> int:
+        rid = self.new_id() if id is None else id
+        self.records.append(Record(rid, "copy", stream, name, int(nbytes), 0, None, self.step, list(waits), key))
+        return rid
+
+    def add_op(self, flops: float, nbytes: int, dtype="bfloat16", waits: Sequence[int] = (), name: str = "op",
+               id: Optional[int] = None) -> int:
+        rid = self.new_id() if id is None else id
+        dtype = str(dtype).removeprefix("torch.") if dtype is not None else None
+        self.records.append(Record(rid, "op", "compute", name, int(nbytes), int(flops), dtype, self.step, list(waits)))
+        return rid
+
+    def add_sync(self, name: str = "host sync", id: Optional[int] = None) -> int:
+        """The host waits for the compute stream (a device->host read it needs, such as which experts
+        were routed): nothing issued after this record starts before the compute work issued before
+        it has finished. Takes no time on either stream itself."""
+        rid = self.new_id() if id is None else id
+        self.records.append(Record(rid, "sync", "host", name, 0, 0, None, self.step, []))
+        return rid
+
+    def next_step(self) -> None:
+        if self.records:
+            self.step += 1
+
+    @property
+    def steps(self) -> int:
+        return 1 + max((r.step for r in self.records), default=-1)
+
+    # -------------------------------------------------------------- replay
+
+    def replay(self, profile=None, sync: Optional[str] = "device") -> Replay:
+        """Schedule every record on its in-order stream after the records it waits for.
+
+        ``sync`` is what the host does between steps, before it issues the next one:
+        ``"device"`` (``torch.cuda.synchronize()``, how a step is timed: the calibration
+        measurements were taken so) waits for both streams, prefetches in flight included;
+        ``"compute"`` (reading the step's result, e.g. the sampled token) waits for the compute
+        stream only; ``None`` issues the steps back to back."""
+        if sync not in ("device", "compute", None):
+            raise ValueError(f"offtensor: sync must be 'device', 'compute' or None, got {sync!r}")
+        profile = get_profile(profile or self.profile or "h200")
+        starts, ends = {}, {}
+        free = {"copy": 0.0, "compute": 0.0}
+        step, barrier, host = 0, 0.0, 0.0
+        barriers = [0.0]  # when the host may issue each step; then when the last one's sync returns
+
+        def synchronised():
+            return max(free.values()) if sync == "device" else free["compute"] if sync == "compute" else None
+
+        for r in self.records:
+            if r.step != step:
+                # The host issues nothing of step r.step before the synchronisation ending the last.
+                step = r.step
+                barrier = synchronised() or 0.0
+                barriers.append(barrier)
+            if r.kind == "sync":
+                host = max(host, free["compute"])
+                starts[r.id] = ends[r.id] = host
+                continue
+            ready = max(free[r.stream], barrier, host)
+            for w in r.waits:
+                end = ends.get(w)
+                if end is None:
+                    raise ValueError(f"offtensor: record {r.id} ({r.name}) waits for {w}, which was not issued before it")
+                ready = max(ready, end)
+            dur = profile.copy_ms(r.nbytes) if r.kind == "copy" else profile.op_ms(r.flops, r.nbytes, r.dtype)
+            starts[r.id], ends[r.id] = ready, ready + dur
+            free[r.stream] = ready + dur
+            if profile.host_blocking and r.stream == "compute":
+                host = ready + dur
+        n = self.steps
+        if not n:
+            raise ValueError("offtensor: the timeline is empty")
+        if sync is None:
+            # Back to back, a step ends when its last op ends (the result exists).
+            last_op_end = [0.0] * n
+            for r in self.records:
+                if r.kind == "op":
+                    last_op_end[r.step] = max(last_op_end[r.step], ends[r.id])
+            for s in range(1, n):
+                last_op_end[s] = max(last_op_end[s], last_op_end[s - 1])
+            windows = [(last_op_end[s - 1] if s else 0.0, last_op_end[s]) for s in range(n)]
+        else:
+            # A step lasts from the sync that let the host issue it to the sync that ends it, which
+            # also waits for what the step issued for the next one (a prefetch, under "device").
+            barriers.append(synchronised())
+            windows = list(zip(barriers[:-1], barriers[1:]))
+        steps_ms = [b - a for a, b in windows]
+        last = n - 1
+        lo, hi = windows[last]
+        busy = {"copy": 0.0, "compute": 0.0}
+        for r in self.records:
+            overlap = min(hi, ends[r.id]) - max(lo, starts[r.id])
+            if overlap > 0 and r.stream in busy:
+                busy[r.stream] += overlap
+        compute_ms = sum(profile.op_ms(r.flops, r.nbytes, r.dtype) for r in self.records if r.kind == "op" and r.step == last)
+        copy_bound_ms = self.step_copy_bytes(last) / (profile.h2d_gbps * GB) * 1e3
+        bound = max(compute_ms, copy_bound_ms)
+        span = hi - lo
+        return Replay(
+            profile, span, bound, span / bound if bound else float("nan"),
+            busy["copy"] / span if span else 0.0, busy["compute"] / span if span else 0.0,
+            compute_ms, copy_bound_ms, steps_ms, starts, ends, windows,
+        )
+
+    def step_copy_bytes(self, step: int) -> int:
+        """Bytes the ops of ``step`` had to have copied: every copy whose first reader is in this
+        step, each copied range once (a prefetch issued in the step before counts here; a copy
+        still cached from an earlier step does not)."""
+        first_reader = {}
+        for r in self.records:
+            if r.kind == "op":
+                for w in r.waits:
+                    first_reader.setdefault(w, r.step)
+        seen, total = set(), 0
+        for r in self.records:
+            if r.kind == "copy" and first_reader.get(r.id) == step:
+                key = r.key if r.key is not None else ("record", r.id)
+                if key not in seen:
+                    seen.add(key)
+                    total += r.nbytes
+        return total
+
+    # -------------------------------------------------------------- export
+
+    def trace(self, profile=None, steps: Optional[int] = None) -> dict:
+        """Chrome trace (Perfetto, chrome://tracing): one complete event per record, ts/dur predicted, µs."""
+        result = self.replay(profile)
+        first = self._first_shown_step(steps)
+        pid = 1
+        events = [
+            {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"offtensor replay ({result.profile.name})"}},
+            {"name": "thread_name", "ph": "M", "pid": pid, "tid": 1, "args": {"name": "compute"}},
+            {"name": "thread_name", "ph": "M", "pid": pid, "tid": 2, "args": {"name": "copy"}},
+        ]
+        if any(r.kind == "sync" for r in self.records):
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": 3, "args": {"name": "host syncs"}})
+        tids = {"compute": 1, "copy": 2, "host": 3}
+        for r in self.records:
+            if r.step < first:
+                continue
+            args = {"id": r.id, "bytes": r.nbytes, "flops": r.flops, "step": r.step, "waits": list(r.waits)}
+            if r.measured_ms is not None:
+                args["measured_ts_us"] = r.measured_ms[0] * 1e3
+                args["measured_dur_us"] = (r.measured_ms[1] - r.measured_ms[0]) * 1e3
+            events.append({
+                "name": r.name, "cat": r.kind, "ph": "X", "pid": pid, "tid": tids[r.stream],
+                "ts": result.starts[r.id] * 1e3, "dur": (result.ends[r.id] - result.starts[r.id]) * 1e3, "args": args,
+            })
+        return {
+            "traceEvents": events,
+            "displayTimeUnit": "ms",
+            "otherData": {
+                "profile": dataclasses.asdict(result.profile),
+                "step_ms": result.step_ms, "bound_ms": result.bound_ms, "ratio_to_bound": result.ratio_to_bound,
+                "copy_busy": result.copy_busy, "compute_busy": result.compute_busy, **_jsonable(self.info),
+            },
+        }
+
+    def save(self, path: str, profile=None, steps: Optional[int] = None) -> str:
+        with open(path, "w") as f:
+            json.dump(self.trace(profile, steps), f)
+        return path
+
+    def _first_shown_step(self, steps: Optional[int]) -> int:
+        n = self.steps
+        if steps is None:
+            return min(self.warmup_steps, n - 1) if n else 0
+        return max(0, n - steps)
+
+    def plot(self, path: str, profile=None, steps: Optional[int] = None, title: Optional[str] = None) -> str:
+        """PNG: the compute and copy lanes, idle gaps shaded, each step's bound marked. Returns its
+        path, or None without matplotlib (one warning per process; JSON and replays need none)."""
+        from .._optional import pyplot
+
+        plt = pyplot()
+        if plt is None:  # no matplotlib: warned once, the PNG is skipped
+            return None
+
+        result = self.replay(profile)
+        first = self._first_shown_step(steps)
+        shown = [r for r in self.records if r.step >= first]
+        t0 = result.step_windows[first][0]
+        t1 = result.step_windows[-1][1]
+        fig, ax = plt.subplots(figsize=(14, 3.2))
+        lanes = {"compute": 1, "copy": 0}
+        colors = {("op", "compute"): "#4477aa", ("copy", "copy"): "#ee7733", ("copy", "compute"): "#cc3311"}
+        for lane, y in lanes.items():
+            spans = sorted((result.starts[r.id], result.ends[r.id]) for r in shown if r.stream == lane)
+            ax.broken_barh([(a - t0, b - a) for a, b in spans], (y - 0.35, 0.7),
+                           facecolors=[colors[(r.kind, r.stream)] for r in sorted(
+                               (r for r in shown if r.stream == lane), key=lambda r: result.starts[r.id])],
+                           edgecolor="white", linewidth=0.3)
+            cursor = t0  # idle gaps of this lane
+            gaps = []
+            for a, b in spans:
+                if a > cursor + 1e-9:
+                    gaps.append((cursor - t0, a - cursor))
+                cursor = max(cursor, b)
+            if t1 > cursor:
+                gaps.append((cursor - t0, t1 - cursor))
+            ax.broken_barh(gaps, (y - 0.35, 0.7), facecolors="#dddddd", hatch="//", edgecolor="#999999", linewidth=0)
+        syncs = [result.starts[r.id] - t0 for r in shown if r.kind == "sync"]
+        if syncs:  # the host waited for the compute stream here (a device->host read)
+            ax.plot(syncs, [1.45] * len(syncs), "v", color="#cc3311", markersize=4, label="host sync")
+        for s in range(first, self.steps):
+            a, b = result.step_windows[s]
+            ax.axvline(b - t0, color="black", linewidth=0.8)
+            bound = self._step_bound(result.profile, s)
+            ax.plot([a - t0, a - t0 + bound], [1.55, 1.55], color="green", linewidth=3,
+                    label="bound" if s == first else None)
+        ax.set_yticks([0, 1])
+        ax.set_yticklabels(["copy", "compute"])
+        ax.set_ylim(-0.6, 1.8)
+        ax.set_xlabel("predicted time, ms")
+        ax.set_title(title or (f"{result.profile.name}: {result.step_ms:.1f} ms/step, bound {result.bound_ms:.1f} ms "
+                               f"(x{result.ratio_to_bound:.3f}), copy busy {result.copy_busy:.0%}, "
+                               f"compute busy {result.compute_busy:.0%}; grey = idle"), fontsize=9)
+        ax.legend(loc="upper right", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+    def _step_bound(self, profile: Profile, step: int) -> float:
+        compute = sum(profile.op_ms(r.flops, r.nbytes, r.dtype) for r in self.records if r.kind == "op" and r.step == step)
+        return max(compute, self.step_copy_bytes(step) / (profile.h2d_gbps * GB) * 1e3)
+
+
+def _jsonable(info: dict) -> dict:
+    return json.loads(json.dumps(info, default=str))
