@@ -10,7 +10,8 @@ from . import dispatch  # noqa: F401  (gives OffloadedTensor its op handlers)
 from .pager import BudgetError, OffloadStats
 from .loading import CheckpointError, from_pretrained, load_safetensors
 from .tensor import OffloadedTensor, add_safe_globals, offload, safe_globals
-from .timeline import PROFILES, Profile, Replay, RoutingStats, Timeline, get_profile, measure_profile, plan, timeline
+from .moe import RoutingStats
+from .timeline import PROFILES, Profile, Replay, Timeline, get_profile, measure_profile, plan, timeline
 from .wrap import on_host, reset_stats, stats, unwrap_model, wrap_model
 
 __all__ = [

@@ -48,7 +48,8 @@ def plan_main(argv) -> int:
     import torch
 
     from .pager import GiB, format_bytes
-    from .timeline import RoutingStats, get_profile, plan, plan_expert_paging
+    from .moe import RoutingStats
+    from .timeline import get_profile, plan, plan_expert_paging
 
     dtype = getattr(torch, DTYPES[args.dtype])
     routing = _load_routing(RoutingStats, args.routing) if args.routing else None

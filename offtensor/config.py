@@ -98,7 +98,7 @@ class OffloadConfig:
       ``strict=`` of ``load_safetensors``, which is about names in the checkpoint.
     - ``progress``: the load progress bar: True, False, or None for loads of 256 MB or more.
     - ``load_threads``: reader threads of ``load_safetensors``.
-    - ``routing``: an MoE model's measured routing (``timeline.RoutingStats``, a recorded trace or
+    - ``routing``: an MoE model's measured routing (``moe.RoutingStats``, a recorded trace or
       a path to a saved one): ``wrap_model`` decides at wrap time, by replay, whether whole expert
       stacks stay resident or every stack is paged through the expert cache. Without it (and
       without a ``policy``) the wrapped model records its own routing and decides once after

@@ -23,10 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import json
-import math
-import os
 import time
 import types
 from typing import Optional, Sequence
@@ -37,10 +34,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from . import dispatch
-from . import experts
+from . import moe
 from . import placement
 from . import wrap
 from .config import OffloadConfig
+from .moe import RoutingRecorder, RoutingStats, routing_stats_of
 from .pager import GiB, Pager
 from .prefetch import Prefetcher
 from .tensor import OffloadedTensor
@@ -842,7 +840,7 @@ def _attach_schedule(model: nn.Module, pager, prefetch: bool) -> list:
         pager.prefetcher = Prefetcher()
     # Routed experts take the wrapped model's eviction and statistics; speculation needs router
     # values, which meta tensors do not have, so its hooks do nothing here.
-    experts.attach(model, pager, speculate=False)
+    moe.attach(model, pager, speculate=False)
     if pager.prefetcher is not None or pager.experts is not None:
         return [model.register_forward_pre_hook(lambda m, a: pager.new_step())]
     return []
@@ -863,100 +861,7 @@ def _planned_info(choice: placement.Placement, stats) -> dict:
 
 
 # ---------------------------------------------------------------------------- measured routing for plans
-
-
-@dataclasses.dataclass
-class RoutingStats:
-    """Routing measured on a real run, for plans of MoE models (``plan(..., routing=stats)``).
-
-    Per MoE layer of the measured model: ``popularity``, the share of routed slots each expert
-    took, most used first (the layer's skew), and ``locality``, the share of a token's experts
-    that the previous token also used there (token-to-token reuse). A plan of a model with other
-    counts scales them: the planned model's layers map onto the measured ones in proportion, and a
-    layer's popularity curve is resampled at the planned expert count (the top 10% of experts take
-    the same share of the routing). ``lookahead_precision`` (the next layer's top-k guessed from
-    this layer's router input, per layer) is carried with the figures but enters no plan: meta
-    tensors have no router values, so a plan makes no guesses (a real run copies them,
-    experts.SPECULATE_COPY), and its step times are the cache's alone."""
-
-    popularity: list
-    locality: list
-    top_k: int
-    lookahead_precision: list = dataclasses.field(default_factory=list)
-    source: str = ""
-
-    @classmethod
-    def from_trace(cls, steps, num_experts: int, lookahead_precision=(), source: str = "") -> "RoutingStats":
-        """``steps``: a recorded decode, one entry per step, each a list over MoE layers of the
-        expert ids that step's token was routed to."""
-        if not steps or not steps[0]:
-            raise ValueError("offtensor: RoutingStats.from_trace needs at least one step of one MoE layer")
-        layers, top_k = len(steps[0]), len(steps[0][0])
-        popularity, locality = [], []
-        for layer in range(layers):
-            counts = [0] * num_experts
-            shared = pairs = 0
-            prev = None
-            for step in steps:
-                ids = [int(e) for e in step[layer]]
-                if len(ids) != top_k or any(not 0 <= e < num_experts for e in ids):
-                    raise ValueError(f"offtensor: routing trace layer {layer}: {ids} is not {top_k} ids below "
-                                     f"{num_experts}")
-                for e in ids:
-                    counts[e] += 1
-                if prev is not None:
-                    shared += len(prev & set(ids))
-                    pairs += 1
-                prev = set(ids)
-            total = sum(counts)
-            popularity.append(sorted((c / total for c in counts), reverse=True))
-            locality.append(shared / (top_k * pairs) if pairs else top_k / num_experts)
-        return cls(popularity, locality, top_k, list(lookahead_precision), source)
-
-    @classmethod
-    def uniform(cls, num_experts: int, top_k: int, layers: int = 1) -> "RoutingStats":
-        """What an unmeasured plan assumes: every expert alike, consecutive tokens independent."""
-        return cls([[1.0 / num_experts] * num_experts for _ in range(layers)], [top_k / num_experts] * layers, top_k,
-                   source="uniform")
-
-    @classmethod
-    def load(cls, path: str) -> "RoutingStats":
-        with open(path) as f:
-            d = json.load(f)
-        d = d.get("routing_stats", d)
-        return cls(d["popularity"], d["locality"], int(d["top_k"]), d.get("lookahead_precision", []),
-                   d.get("source", path))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def layer_shares(self, layer: int, layers: int, num_experts: int) -> list:
-        """The popularity of planned layer ``layer`` of ``layers``, resampled at ``num_experts``:
-        share i is the measured cumulative share curve between ranks i / E and (i + 1) / E."""
-        measured = self.popularity[min(layer * len(self.popularity) // max(layers, 1), len(self.popularity) - 1)]
-        n = len(measured)
-        cum = [0.0]
-        for p in measured:
-            cum.append(cum[-1] + p)
-
-        def at(x):  # the cumulative share of the top x (0..1) of the experts, piecewise linear
-            pos = x * n
-            i = min(int(pos), n - 1)
-            return cum[i] + (pos - i) * measured[i]
-
-        shares = [max(at((i + 1) / num_experts) - at(i / num_experts), 0.0) for i in range(num_experts)]
-        total = sum(shares)
-        return [s / total for s in shares]
-
-    def layer_locality(self, layer: int, layers: int) -> float:
-        return self.locality[min(layer * len(self.locality) // max(layers, 1), len(self.locality) - 1)]
-
-    def summary(self) -> dict:
-        """Per measured layer: entropy of expert use (bits) and locality, as the plan tables show them."""
-        entropy = [-sum(p * math.log2(p) for p in layer if p > 0) for layer in self.popularity]
-        return {"layers": len(self.popularity), "experts": len(self.popularity[0]), "top_k": self.top_k,
-                "entropy_bits": entropy, "locality": list(self.locality),
-                "lookahead_precision": list(self.lookahead_precision), "source": self.source}
+# RoutingStats (what plan(..., routing=) takes) is moe.routing's: the routing a real run measured.
 
 
 class _PlannedRouting:
@@ -1063,138 +968,6 @@ def plan_expert_paging(model: nn.Module, budget_gb: float, example_inputs=(), ro
 # What wrap_model uses to decide its expert placement by replay (wrap.py: "expert placement").
 # timeline imports wrap (it records wrapped models), so wrap does not import timeline: these are
 # handed to it at import (``wrap.use_routing_tools``, at the end of this file).
-
-
-def routing_stats_of(routing, num_experts: Optional[int] = None, what: str = "routing") -> RoutingStats:
-    """``routing`` as ``RoutingStats``: a ``RoutingStats``; a recorded trace (``from_trace``'s
-    steps: per step, per MoE layer, the expert ids the token was routed to) of a model with
-    ``num_experts`` experts per layer; or a path to a JSON file holding either (``to_dict``'s
-    fields, as ``benchmarks/moe_sim.py`` writes them, or a trace). Anything else is a TypeError or
-    ValueError that says what is wrong with it."""
-    if isinstance(routing, (str, os.PathLike)):
-        path = os.fspath(routing)
-        try:
-            with open(path) as f:
-                loaded = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"offtensor: {what}={path!r} is not a readable JSON file of routing statistics or a "
-                             f"routing trace: {type(e).__name__}: {e}") from None
-        if isinstance(loaded, dict):
-            loaded = loaded.get("routing_stats", loaded)
-            missing = [k for k in ("popularity", "locality", "top_k") if k not in loaded]
-            if missing:
-                raise ValueError(f"offtensor: {what}={path!r} holds a JSON object without {missing}: not "
-                                 f"RoutingStats.to_dict()'s fields (popularity, locality, top_k)")
-            loaded = RoutingStats(loaded["popularity"], loaded["locality"], loaded["top_k"],
-                                  loaded.get("lookahead_precision", []), loaded.get("source", path))
-        return routing_stats_of(loaded, num_experts, f"{what} (from {path!r})")
-    if isinstance(routing, RoutingStats):
-        _check_routing_stats(routing, what)
-        return routing
-    if isinstance(routing, (list, tuple)):
-        if num_experts is None:
-            raise ValueError(f"offtensor: {what} is a routing trace, but the model has no routed expert stacks to "
-                             f"say how many experts its ids count")
-        try:
-            return RoutingStats.from_trace(routing, num_experts, source=f"a routing trace of {len(routing)} steps")
-        except (TypeError, IndexError) as e:
-            raise ValueError(f"offtensor: {what} is not a routing trace (a list of steps, each a list over MoE "
-                             f"layers of the expert ids a token was routed to): {type(e).__name__}: {e}") from None
-    raise TypeError(f"offtensor: {what} must be RoutingStats, a routing trace (a list of steps, each a list over MoE "
-                    f"layers of expert ids) or a path to a JSON file of either, got {type(routing).__name__}")
-
-
-def _check_routing_stats(stats: RoutingStats, what: str) -> None:
-    layers = stats.popularity
-    if not isinstance(layers, (list, tuple)) or not layers or not all(isinstance(p, (list, tuple)) and p
-                                                                        for p in layers):
-        raise ValueError(f"offtensor: {what}: popularity must be a non-empty list of per-layer lists of expert "
-                         f"shares, got {str(layers)[:80]}")
-    if not isinstance(stats.top_k, int) or isinstance(stats.top_k, bool) or stats.top_k < 1:
-        raise ValueError(f"offtensor: {what}: top_k must be a positive int, got {stats.top_k!r}")
-    for i, shares in enumerate(layers):
-        total = sum(shares) if all(isinstance(p, (int, float)) and p >= 0 for p in shares) else None
-        if total is None or abs(total - 1.0) > 1e-3:
-            raise ValueError(f"offtensor: {what}: layer {i}'s popularity must be non-negative shares summing to 1, "
-                             f"got {str(shares)[:80]} (sum {total})")
-    if len(stats.locality) != len(layers) or not all(isinstance(x, (int, float)) and 0 <= x <= 1
-                                                       for x in stats.locality):
-        raise ValueError(f"offtensor: {what}: locality must be one share in [0, 1] per layer ({len(layers)}), got "
-                         f"{str(stats.locality)[:80]}")
-
-
-def _router_modules(model: nn.Module) -> list:
-    """(name, module, experts) of the routers of ``model``'s routed expert stacks, in module order:
-    what ``experts.attach`` hooks (a ``gate`` / ``router`` with a [num_experts, hidden] weight)."""
-    sizes = {t.shape[0] for name, t in list(model.named_parameters()) + list(model.named_buffers())
-             if experts.is_routed_stack(name, t.shape)}
-    return [(name, module, module.weight.shape[0]) for name, module in experts.router_modules(model, sizes)]
-
-
-def _routed_ids(output, num_experts: int, top_k: int, module: nn.Module) -> Optional[torch.Tensor]:
-    """[tokens, top_k] expert ids from a router's output: the ids it returns (transformers'
-    routers return logits, scores and indices), else the top-k of its logits (DeepSeek-V3 selects
-    on sigmoid scores plus ``e_score_correction_bias``). Stays on the device: nothing is read."""
-    outs = output if isinstance(output, (tuple, list)) else (output,)
-    tensors = [t for t in outs if isinstance(t, torch.Tensor) and t.dim() >= 1 and not t.is_meta]
-    ids = next((t for t in tensors if not t.is_floating_point() and t.shape[-1] == top_k), None)
-    if ids is not None:
-        return ids.detach().reshape(-1, top_k)
-    logits = next((t for t in tensors if t.is_floating_point() and t.shape[-1] == num_experts), None)
-    if logits is None:
-        return None
-    with torch.no_grad():
-        scores = logits.detach().reshape(-1, num_experts).float()
-        bias = getattr(module, "e_score_correction_bias", None)
-        if isinstance(bias, torch.Tensor) and not hasattr(bias, "_master") and bias.shape[-1] == num_experts:
-            scores = scores.sigmoid() + bias.detach().float()
-        return scores.topk(min(top_k, num_experts), dim=-1).indices
-
-
-class RoutingRecorder:
-    """The routing a model runs, read off its routers' outputs by forward hooks: for each routed
-    token (every row a router sees, prefill rows in order, then each decode step's), the experts
-    of every MoE layer. Ids stay on the device until ``trace()`` reads them all at once, so
-    recording adds no host sync. Records ``limit`` tokens per router, then nothing."""
-
-    def __init__(self, model: nn.Module, limit: int):
-        self.limit = limit
-        self.top_k = _top_k_of(model)
-        routers = _router_modules(model) if self.top_k else []
-        self.num_experts = max((e for _, _, e in routers), default=None)
-        self.ids = [[] for _ in routers]  # per router: [tokens, top_k] id tensors, in call order
-        self.rows = [0] * len(routers)
-        self.hooks = [module.register_forward_hook(functools.partial(self._seen, i, experts_count))
-                      for i, (_, module, experts_count) in enumerate(routers)]
-
-    def _seen(self, i: int, num_experts: int, module, args, output) -> None:
-        if torch.compiler.is_compiling() or self.rows[i] >= self.limit:
-            return
-        ids = _routed_ids(output, num_experts, self.top_k, module)
-        if ids is not None:
-            self.ids[i].append(ids)
-            self.rows[i] += ids.shape[0]
-
-    @property
-    def tokens(self) -> int:
-        """Tokens every router has been seen routing."""
-        return min(self.rows, default=0)
-
-    def trace(self) -> list:
-        """The recorded routing as ``RoutingStats.from_trace`` takes it: per token, per layer, ids."""
-        n = self.tokens
-        layers = [torch.cat(ids)[:n].tolist() for ids in self.ids]
-        return [[layer[t] for layer in layers] for t in range(n)]
-
-    def stats(self) -> RoutingStats:
-        return RoutingStats.from_trace(self.trace(), self.num_experts,
-                                       source=f"measured by the wrapped model over its first {self.tokens} routed tokens")
-
-    def remove(self) -> None:
-        for h in self.hooks:
-            h.remove()
-        self.hooks = []
-        self.ids = [[] for _ in self.ids]
 
 
 def meta_twin(model: nn.Module) -> nn.Module:

@@ -20,7 +20,8 @@ import offtensor as ot
 from offtensor import config as ot_config
 from offtensor import wrap as ot_wrap
 from offtensor.placement import EXPERTS_PAGED
-from offtensor.timeline import PROFILES, RoutingStats, plan_expert_paging, routing_stats_of
+from offtensor.moe import RoutingStats, routing_stats_of
+from offtensor.timeline import PROFILES, plan_expert_paging
 
 transformers = pytest.importorskip("transformers")
 

@@ -401,7 +401,7 @@ def _small_qwen3_moe(layers=2, experts=16, top_k=2):
 
 
 def test_routing_stats_from_a_trace_measure_skew_and_locality_and_scale_to_more_experts():
-    from offtensor.timeline import RoutingStats
+    from offtensor.moe import RoutingStats
 
     # One layer of 8 experts, top-2: expert 0 at every step, its partner alternating 1, 2, 1, 2.
     steps = [[[0, 1 + t % 2]] for t in range(4)]
@@ -418,7 +418,8 @@ def test_routing_stats_from_a_trace_measure_skew_and_locality_and_scale_to_more_
 
 
 def test_a_plan_under_measured_routing_reuses_experts_that_a_uniform_plan_does_not():
-    from offtensor.timeline import EXPERTS_PAGED, RoutingStats, plan_expert_paging
+    from offtensor.moe import RoutingStats
+    from offtensor.timeline import EXPERTS_PAGED, plan_expert_paging
 
     model = _small_qwen3_moe(layers=1)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
