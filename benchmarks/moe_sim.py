@@ -16,7 +16,7 @@ offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a 
    layers, as offtensor's budget is one): ``lru`` and ``belady`` (the offline optimum: evict the
    expert used furthest in the future) on the access sequence (layer by layer, each layer's experts
    in id order, as ``_grouped_mm`` pages them); ``ours``: offtensor's real pager and
-   ``offtensor/experts.py`` with their defaults (guesses copied where they have paid) driven by the
+   ``offtensor/moe`` with their defaults (guesses copied where they have paid) driven by the
    same trace through a replay model (stacked experts of the real count and top-k, run by
    ``torch._grouped_mm``, whose routers output the recorded logits and whose router inputs are the
    recorded look-ahead logits, so the speculator guesses exactly what it would have guessed on the
@@ -420,17 +420,18 @@ TIMELINE_STEPS = 8
 
 @contextlib.contextmanager
 def _knobs(setting):
-    """``offtensor.experts``'s SPECULATION_KNOBS set to ``setting`` inside, restored after."""
-    from offtensor import experts as experts_mod
+    """``offtensor.moe``'s SPECULATION_KNOBS set to ``setting`` inside, restored after."""
+    from offtensor.moe import eviction, speculation
 
-    saved = {k: getattr(experts_mod, k) for k in SPECULATION_KNOBS}
+    owner = {k: eviction if hasattr(eviction, k) else speculation for k in SPECULATION_KNOBS}
+    saved = {k: getattr(owner[k], k) for k in SPECULATION_KNOBS}
     try:
         for k, v in (setting or {}).items():
-            setattr(experts_mod, k, v)
+            setattr(owner[k], k, v)
         yield
     finally:
         for k, v in saved.items():
-            setattr(experts_mod, k, v)
+            setattr(owner[k], k, v)
 
 
 def h200_variants(trace, fraction: float) -> dict:
@@ -456,7 +457,7 @@ def routing_stats_of(trace, name: str):
 
 def speculation_curve(trace, fraction: float, settings) -> list:
     """The real speculator on the trace under other gates: each of ``settings`` (a dict of
-    ``offtensor.experts`` SPECULATION_KNOBS) replayed, restored afterwards. One point per setting:
+    ``offtensor.moe`` SPECULATION_KNOBS) replayed, restored afterwards. One point per setting:
     the share of misses its copies covered against the share of its copied bytes wasted."""
     points = []
     for setting in settings:

@@ -13,7 +13,7 @@ from .tensor import OffloadedTensor, add_safe_globals, offload, safe_globals
 from .sim.plan import plan
 from .sim.profiles import PROFILES, Profile, get_profile, measure_profile
 from .sim.recorder import timeline
-from .sim.routing import RoutingStats
+from .moe import RoutingStats
 from .sim.timeline import Replay, Timeline
 from .wrap import on_host, reset_stats, stats, unwrap_model, wrap_model
 

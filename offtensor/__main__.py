@@ -50,7 +50,7 @@ def plan_main(argv) -> int:
     from .pager import GiB, format_bytes
     from .sim.plan import plan, plan_expert_paging
     from .sim.profiles import get_profile
-    from .sim.routing import RoutingStats
+    from .moe import RoutingStats
 
     dtype = getattr(torch, DTYPES[args.dtype])
     routing = _load_routing(RoutingStats, args.routing) if args.routing else None

@@ -992,7 +992,7 @@ def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: _Paged) -> torch
 # kernel that reads the missing experts from pinned memory, but a UVA read (55.2 GB/s, 5.2 ms for
 # 8 x 25 MB on the H200) is 1.4x slower than DMA copies of the same experts (3.68 ms), and in a
 # decode step those copies are the bound. What the sync costs instead is covered by speculation:
-# the next layer's guessed experts are already copying while the host waits (experts.py).
+# the next layer's guessed experts are already copying while the host waits (offtensor/moe).
 # The timeline records each read as a host sync (``Timeline.add_sync``), so replays show the gap.
 HOST_SYNCS = [0]
 
@@ -1185,7 +1185,7 @@ _planning = threading.local()  # .ends: the routing of a plan with measured rout
 
 @contextlib.contextmanager
 def planned_routing(ends):
-    """While ``ot.plan`` replays with measured routing (``timeline.RoutingStats``), a meta grouped
+    """While ``ot.plan`` replays with measured routing (``moe.RoutingStats``), a meta grouped
     GEMM's routing comes from ``ends(experts, rows)`` instead of ``_planned_ends``; per thread, so a
     plan in one thread changes no other thread's."""
     saved = getattr(_planning, "ends", None)

@@ -53,7 +53,7 @@ class Prefetcher:
         """``pager`` paged ``key`` (a ``pager.CacheKey``) of ``master`` for an op: record it and copy
         the next entries of the recorded order ahead."""
         if pager.experts is not None and pager.experts.is_stack(key.master_id):
-            # Routed experts are the expert cache's and the routing guess's (experts.py): a hot
+            # Routed experts are the expert cache's and the routing guess's (offtensor/moe): a hot
             # expert stays cached there, and one copied ahead from history alone is often wasted.
             return
         self._record(master, key)

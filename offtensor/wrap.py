@@ -33,7 +33,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import compile as _compile
-from . import experts
+from . import moe
 from . import leaves
 from . import placement
 from .config import OffloadConfig
@@ -149,8 +149,8 @@ class _State:
         self.experts_stale = False
         model = self.model_ref()
         if model is not None:
-            experts.detach(self.pager)
-            experts.attach(model, self.pager, speculate=self.config.prefetch)
+            moe.detach(self.pager)
+            moe.attach(model, self.pager, speculate=self.config.prefetch)
 
     def qualified_name(self, module: nn.Module, attr: str) -> str:
         """``module``'s tensor ``attr`` under its name in the model, as policies and placement see it."""
@@ -433,7 +433,7 @@ def wrap_model(model: nn.Module, budget_gb: Optional[float] = None, *, device=No
 
     MoE models: whether whole expert stacks stay resident or every stack is paged through the
     expert cache is decided by a replay of both (``timeline.plan_expert_paging``), once: at wrap
-    time under ``routing`` (``timeline.RoutingStats``, a recorded trace or a path to a saved one),
+    time under ``routing`` (``moe.RoutingStats``, a recorded trace or a path to a saved one),
     else from the model's own first ``OffloadConfig.routing_warmup`` routed tokens, re-placing
     the experts if paging them all is faster. ``ot.stats(model).expert_placement`` says which was
     chosen, when, and both replayed step times. A ``policy`` decides instead.
@@ -541,7 +541,7 @@ def _register_state(model: nn.Module, pager: Pager, choice: placement.Placement,
     if config.prefetch and choice.offload:
         pager.prefetcher = Prefetcher()
     # Offloaded stacked experts: per-stack stats, expert-aware eviction, routing speculation.
-    experts.attach(model, pager, speculate=config.prefetch)
+    moe.attach(model, pager, speculate=config.prefetch)
     state.step_hook = model.register_forward_pre_hook(_StepHook(config, choice.budget_bytes, pager))
 
 
@@ -550,7 +550,7 @@ def _unregister(model: nn.Module, state: _State) -> None:
     ``state`` gets its own class back, the hooks go, the pager's observers are dropped."""
     pager = state.pager
     pager.prefetcher = None
-    experts.detach(pager)
+    moe.detach(pager)
     for module in list(_WRAPPED.keys()):
         if _WRAPPED.get(module) is state:
             _leave(module)
@@ -591,7 +591,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 def _unwrap(model: nn.Module, state: "_State") -> nn.Module:
     pager = state.pager
     pager.prefetcher = None
-    experts.detach(pager)
+    moe.detach(pager)
     pager.clear()
     for group in placement.collect_groups(model):
         if group.is_offloaded:
@@ -717,7 +717,7 @@ def _replay_expert_placement(twin: nn.Module, budget_bytes: int, example, stats,
 
 class _PlacementWatch:
     """Forward pre-hook of a wrapped MoE model whose expert placement is still open. With
-    ``stats`` None it records the model's routing (``timeline.RoutingRecorder``) and, at the first
+    ``stats`` None it records the model's routing (``moe.RoutingRecorder``) and, at the first
     forward after ``routing_warmup`` routed tokens, before that forward pages anything, replays
     both placements under it and re-places the experts if paging every stack is faster. Then it
     removes itself: the decision is taken once. A copy of the model (deepcopy, pickle) keeps the

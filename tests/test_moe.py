@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 import offtensor as ot
-from offtensor import experts as ot_experts
+from offtensor.moe import ExpertStacks
+from offtensor.moe import speculation as ot_speculation
 from offtensor.models import DeepSeekConfig, DeepSeekForCausalLM, LatentCache, weight_bytes
 from offtensor.wrap import _state
 
@@ -254,7 +255,7 @@ def test_hot_experts_stay_cached_across_tokens(device, eviction, monkeypatch):
     ot.wrap_model(model, budget_gb=8 * slice_bytes / GiB, device=device, policy={"offload": ["*.experts.*"]},
                   prefetch=False)
     if eviction == "lru":  # what the pager did before: the least recently used copy goes
-        monkeypatch.setattr(ot_experts.ExpertStacks, "victim", lambda self, *args: next(args[-1], None))
+        monkeypatch.setattr(ExpertStacks, "victim", lambda self, *args: next(args[-1], None))
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(1, size, device=device)
     for token in range(24):
@@ -303,10 +304,10 @@ def _decode(model, ids, steps: int):
 
 @pytest.mark.parametrize("copies", [True, False])
 def test_next_layer_experts_are_guessed_and_prefetched_only_where_copies_are_on(device, monkeypatch, copies):
-    # Copying guesses is off by default (ot_experts.SPECULATE_COPY: in the copy-bound decode of the
+    # Copying guesses is off by default (ot_speculation.SPECULATE_COPY: in the copy-bound decode of the
     # trained test models it costs more than it saves); exact guesses are then still scored, on a
     # sample of the steps, and copy nothing.
-    monkeypatch.setattr(ot_experts, "SPECULATE_COPY", copies)
+    monkeypatch.setattr(ot_speculation, "SPECULATE_COPY", copies)
     config = _reference_config(num_layers=5)
     reference = DeepSeekForCausalLM.empty(config).init_weights(seed=0).to(device)
     _same_routing_everywhere(reference)
@@ -337,7 +338,7 @@ def test_next_layer_experts_are_guessed_and_prefetched_only_where_copies_are_on(
         assert not any(r["speculating"] for r in g["routers"].values())
         # Scored on every SPECULATE_SAMPLE-th step, not all 14: one guess per sampled step and router.
         per_router = [r["guessed"] for r in g["routers"].values() if r["guessed"]]
-        assert per_router and all(n <= config.num_experts_per_tok * -(-14 // ot_experts.SPECULATE_SAMPLE) for n in per_router), g
+        assert per_router and all(n <= config.num_experts_per_tok * -(-14 // ot_speculation.SPECULATE_SAMPLE) for n in per_router), g
 
 
 def test_unreliable_guesses_are_scored_but_cost_no_bytes(device):
@@ -352,7 +353,7 @@ def test_unreliable_guesses_are_scored_but_cost_no_bytes(device):
     g = ot.stats(model).guesses
     assert g["guessed"] and g["accuracy"] is not None
     # Only guesses of experts not cached cost a copy: those are scored apart, and stay below the bar.
-    assert g["uncached_guessed"] and g["uncached_precision"] < ot_experts.SPECULATE_PRECISION, g
+    assert g["uncached_guessed"] and g["uncached_precision"] < ot_speculation.SPECULATE_PRECISION, g
     assert g["prefetched_bytes"] == 0 and g["wasted_bytes"] == 0  # never earned speculation
     assert not any(r["speculating"] for r in g["routers"].values())
 
@@ -418,7 +419,7 @@ def test_detach_removes_router_hooks(device):
     ot.wrap_model(model, budget_gb=_budget_gb(model, 0.5), device=device)
     gate = model.layers[1].mlp.gate
     pager = _state(model).pager
-    assert isinstance(pager.experts, ot_experts.ExpertStacks) and gate._forward_pre_hooks
+    assert isinstance(pager.experts, ExpertStacks) and gate._forward_pre_hooks
     ot.unwrap_model(model)
     assert not gate._forward_pre_hooks
     assert pager.experts is None

@@ -22,7 +22,7 @@ from offtensor import wrap as ot_wrap
 from offtensor.placement import EXPERTS_PAGED
 from offtensor.sim.plan import plan_expert_paging
 from offtensor.sim.profiles import PROFILES
-from offtensor.sim.routing import RoutingStats, routing_stats_of
+from offtensor.moe import RoutingStats, routing_stats_of
 
 transformers = pytest.importorskip("transformers")
 

@@ -664,7 +664,7 @@ def test_selecting_more_experts_than_the_budget_holds_pages_them_in_chunks(devic
     assert torch.equal(offloaded.index_select(0, every), weight.index_select(0, every))
     s = ot.stats(stack)
     # Each expert is paged at least once; the second selection may hit the experts the budget
-    # kept (registered expert stacks go through the expert cache, offtensor/experts.py).
+    # kept (registered expert stacks go through the expert cache, offtensor/moe).
     assert 16 * 64 * 64 * 4 <= s.bytes_h2d <= 2 * 16 * 64 * 64 * 4
     assert s.peak_device_bytes <= s.budget_bytes
 

@@ -6,7 +6,7 @@ A cached copy is the element range [lo, hi) of one host master, read as ``dtype`
 Eviction is a policy: ``victim(cache, room, candidates)`` gets a read-only ``CacheView`` and the
 evictable copies in least-recently-used order, and returns the copy to drop (or None). The default
 is LRU (``LeastRecentlyUsed``); a model with offloaded routed experts gets
-``experts.ExpertStacks``, which orders experts by their expected next use.
+``moe.ExpertStacks``, which orders experts by their expected next use.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Who the pager tells what it does: one ordered list of observers instead of a check per call site.
 
-Three roles, told in this order: ``experts`` (``experts.ExpertStacks``: per-stack counters and the
+Three roles, told in this order: ``experts`` (``moe.ExpertStacks``: per-stack counters and the
 routed-expert eviction), ``prefetcher`` (``prefetch.Prefetcher``: the access order and copies
 ahead), ``recorder`` (``timeline.Recorder``: copies, uses and frees of a recorded run). Each role
 keeps its own method names; ``Observers`` turns them into per-event tuples of callables, rebuilt

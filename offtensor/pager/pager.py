@@ -103,7 +103,7 @@ class Pager:
     def new_master(self, nbytes: int) -> Master:
         return Master(self, nbytes)
 
-    # ``experts`` (``experts.ExpertStacks`` when the model has offloaded stacked experts: per-stack
+    # ``experts`` (``moe.ExpertStacks`` when the model has offloaded stacked experts: per-stack
     # counters, the frequency-aware eviction policy, routing speculation), ``prefetcher``
     # (``prefetch.Prefetcher``, set by wrap_model when ``prefetch=True``) and ``recorder``
     # (``timeline.Recorder`` while ``ot.timeline`` / ``ot.plan`` records) are plain attributes,

@@ -33,7 +33,7 @@ class OffloadStats:
     # Part of resident_bytes held by plain tensor attributes of wrapped modules (not Parameters or
     # buffers: vLLM's W_UV); set by wrap.stats, 0 for a standalone pager.
     untracked_bytes: int = 0
-    # Routed experts (offtensor.experts), when the model has offloaded stacked-expert tensors:
+    # Routed experts (offtensor.moe), when the model has offloaded stacked-expert tensors:
     # per stack name {hits, misses, hit_rate, bytes_h2d, prefetched_bytes, evictions}, and the
     # routing guesses {accuracy, recall, prefetched_bytes, wasted_bytes, routers: {name: {...}}}.
     experts: Optional[dict] = None

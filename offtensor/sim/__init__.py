@@ -18,7 +18,7 @@ Three ways to get a timeline:
   prefetcher on the meta device: nothing is allocated or computed, the decisions are the GPU's;
 - ``Timeline()`` and ``add_copy`` / ``add_op`` write a schedule by hand (tests/test_calibration.py).
 
-routing.py holds measured MoE routing (``RoutingStats``) and twins.py the meta twin of a model that
+Measured MoE routing (``RoutingStats``) lives in ``offtensor.moe``; twins.py holds the meta twin of a model that
 has values, which the expert-placement replay (plan.py: ``faster_expert_placement``) plans.
 """
 
@@ -26,7 +26,7 @@ import types
 
 from .. import wrap
 from .plan import faster_expert_placement
-from .routing import RoutingRecorder, routing_stats_of
+from ..moe import RoutingRecorder, routing_stats_of
 from .twins import decode_example, meta_twin, sync_twin
 
 # What wrap_model uses to decide its expert placement by replay (wrap.py: "expert placement"). sim

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from .. import dispatch
-from .. import experts
+from .. import moe
+from ..moe import RoutingStats, model_top_k
 from .. import placement
 from ..config import OffloadConfig
 from ..pager import GiB, Pager
@@ -19,9 +20,7 @@ from ..prefetch import Prefetcher
 from ..tensor import OffloadedTensor
 from .profiles import get_profile
 from .recorder import timeline
-from .routing import RoutingStats
 from .timeline import Timeline
-from .twins import top_k_of
 
 # ---------------------------------------------------------------------------- planning on meta
 
@@ -54,7 +53,7 @@ def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(),
     hooks = _attach_schedule(model, pager, prefetch and bool(placed.choice.offload))
     planned = None
     if routing is not None:
-        planned = _PlannedRouting(routing, top_k_of(model) or routing.top_k)
+        planned = _PlannedRouting(routing, model_top_k(model) or routing.top_k)
         hooks.append(model.register_forward_pre_hook(lambda m, a: planned.new_step()))
     inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
     rec = timeline(model, profile)
@@ -117,7 +116,7 @@ def _attach_schedule(model: nn.Module, pager, prefetch: bool) -> list:
         pager.prefetcher = Prefetcher()
     # Routed experts take the wrapped model's eviction and statistics; speculation needs router
     # values, which meta tensors do not have, so its hooks do nothing here.
-    experts.attach(model, pager, speculate=False)
+    moe.attach(model, pager, speculate=False)
     if pager.prefetcher is not None or pager.experts is not None:
         return [model.register_forward_pre_hook(lambda m, a: pager.new_step())]
     return []

@@ -1,5 +1,5 @@
 """What a plan of a model that has values starts from: its meta twin (same shapes and dtypes, nothing
-allocated), kept in step with the model, the inputs of one planned decode step, and its routers' top-k."""
+allocated), kept in step with the model, the inputs of one planned decode step."""
 
 from __future__ import annotations
 
@@ -8,16 +8,6 @@ from typing import Optional
 
 import torch
 from torch import nn
-
-
-def top_k_of(model: nn.Module) -> Optional[int]:
-    config = getattr(model, "config", None)
-    for owner in (config, *model.modules()):
-        for name in ("num_experts_per_tok", "top_k", "moe_top_k"):
-            value = getattr(owner, name, None)
-            if isinstance(value, int) and value > 0:
-                return value
-    return None
 
 
 def meta_twin(model: nn.Module) -> nn.Module:

@@ -1,5 +1,16 @@
-"""Measured routing of MoE models: ``RoutingStats`` (per layer, the experts' shares and token-to-token
-reuse), what a plan or a wrapped model accepts as routing, and the recorder that reads a model's routers."""
+"""Routing: which tensors are routed expert stacks, which modules are their routers, which experts a
+router selects (the one reader of router outputs), and the routing a run measures.
+
+``routed_experts`` is the only place a router's output is turned into expert ids: the ids it
+returns where it returns them (transformers' routers return logits, weights and indices), else the
+top-k of its logits by the router's own rule (DeepSeek-V3 selects on sigmoid scores plus
+``e_score_correction_bias``, as transformers' ``DeepseekV3TopkRouter`` does). The recorder
+(``RoutingRecorder``) and the speculator (``speculation.RoutingSpeculator``) both read routers
+through it. ``RoutingStats`` is the routing measured on a real run that plans of MoE models take.
+
+Nothing here reads model code: routers are found by their weight (``[num_experts, hidden]``, the
+leading size of a registered stack) and their names (``gate``/``router``).
+"""
 
 from __future__ import annotations
 
@@ -13,9 +24,83 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import experts
-# The section below is the routing section of the former offtensor/timeline.py, as it was.
-from .twins import top_k_of as _top_k_of
+ROUTER_NAMES = ("gate", "router")
+
+
+def is_routed_stack(name: str, shape) -> bool:
+    """Whether the tensor registered as ``name`` is a stack of routed experts: 3 dims or more under
+    an ``experts`` module (``mlp.experts.gate_up_proj``). One rule for the cache, placement and plans."""
+    return len(shape) >= 3 and "experts" in name.split(".")
+
+
+def router_modules(model: nn.Module, sizes) -> list:
+    """(name, module) of ``model``'s routers, in module order: a ``gate`` / ``router`` whose weight
+    is [num_experts, hidden] for a ``num_experts`` in ``sizes``."""
+    routers = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if (name.rpartition(".")[2] in ROUTER_NAMES and isinstance(weight, torch.Tensor) and weight.dim() == 2
+                and weight.shape[0] in sizes):
+            routers.append((name, module))
+    return routers
+
+
+
+def attribute_top_k(module: nn.Module) -> Optional[int]:
+    for name in ("top_k", "num_experts_per_tok"):
+        value = getattr(module, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+
+def model_top_k(model: nn.Module) -> Optional[int]:
+    """How many experts ``model`` routes each token to, from its config or any module's attribute."""
+    config = getattr(model, "config", None)
+    for owner in (config, *model.modules()):
+        for name in ("num_experts_per_tok", "top_k", "moe_top_k"):
+            value = getattr(owner, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def correction_bias(module: nn.Module, num_experts: int) -> Optional[torch.Tensor]:
+    """The router's ``e_score_correction_bias`` (DeepSeek-V3), where it has one on the host side of
+    paging (not offloaded) with one entry per expert; else None."""
+    bias = getattr(module, "e_score_correction_bias", None)
+    if isinstance(bias, torch.Tensor) and not hasattr(bias, "_master") and bias.shape[-1] == num_experts:
+        return bias
+    return None
+
+
+def select_experts(logits: torch.Tensor, top_k: int, module: nn.Module) -> torch.Tensor:
+    """[tokens, top_k] ids of the experts ``module`` (a router) selects from its ``logits``: their
+    top-k, or with a correction bias the top-k of sigmoid scores plus the bias. Stays on the device."""
+    num_experts = logits.shape[-1]
+    with torch.no_grad():
+        scores = logits.detach().reshape(-1, num_experts).float()
+        bias = correction_bias(module, num_experts)
+        if bias is not None:
+            scores = scores.sigmoid() + bias.detach().float()
+        return scores.topk(min(top_k, num_experts), dim=-1).indices
+
+
+def routed_experts(output, num_experts: int, top_k: int, module: nn.Module) -> Optional[torch.Tensor]:
+    """[tokens, top_k] expert ids from a router's output: the ids it returns (transformers'
+    routers return logits, scores and indices), else ``select_experts`` of its logits. None when
+    the output holds neither (or only meta tensors). Stays on the device: nothing is read."""
+    outs = output if isinstance(output, (tuple, list)) else (output,)
+    tensors = [t for t in outs if isinstance(t, torch.Tensor) and t.dim() >= 1 and not t.is_meta]
+    ids = next((t for t in tensors if not t.is_floating_point() and t.shape[-1] == top_k), None)
+    if ids is not None:
+        return ids.detach().reshape(-1, top_k)
+    logits = next((t for t in tensors if t.is_floating_point() and t.shape[-1] == num_experts), None)
+    if logits is None:
+        return None
+    return select_experts(logits, top_k, module)
+
 
 # ---------------------------------------------------------------------------- measured routing for plans
 
@@ -32,7 +117,7 @@ class RoutingStats:
     the same share of the routing). ``lookahead_precision`` (the next layer's top-k guessed from
     this layer's router input, per layer) is carried with the figures but enters no plan: meta
     tensors have no router values, so a plan makes no guesses (a real run copies them,
-    experts.SPECULATE_COPY), and its step times are the cache's alone."""
+    moe.speculation.SPECULATE_COPY), and its step times are the cache's alone."""
 
     popularity: list
     locality: list
@@ -114,7 +199,6 @@ class RoutingStats:
                 "lookahead_precision": list(self.lookahead_precision), "source": self.source}
 
 
-
 def routing_stats_of(routing, num_experts: Optional[int] = None, what: str = "routing") -> RoutingStats:
     """``routing`` as ``RoutingStats``: a ``RoutingStats``; a recorded trace (``from_trace``'s
     steps: per step, per MoE layer, the expert ids the token was routed to) of a model with
@@ -175,30 +259,10 @@ def _check_routing_stats(stats: RoutingStats, what: str) -> None:
 
 def _router_modules(model: nn.Module) -> list:
     """(name, module, experts) of the routers of ``model``'s routed expert stacks, in module order:
-    what ``experts.attach`` hooks (a ``gate`` / ``router`` with a [num_experts, hidden] weight)."""
+    what ``moe.attach`` hooks (a ``gate`` / ``router`` with a [num_experts, hidden] weight)."""
     sizes = {t.shape[0] for name, t in list(model.named_parameters()) + list(model.named_buffers())
-             if experts.is_routed_stack(name, t.shape)}
-    return [(name, module, module.weight.shape[0]) for name, module in experts.router_modules(model, sizes)]
-
-
-def _routed_ids(output, num_experts: int, top_k: int, module: nn.Module) -> Optional[torch.Tensor]:
-    """[tokens, top_k] expert ids from a router's output: the ids it returns (transformers'
-    routers return logits, scores and indices), else the top-k of its logits (DeepSeek-V3 selects
-    on sigmoid scores plus ``e_score_correction_bias``). Stays on the device: nothing is read."""
-    outs = output if isinstance(output, (tuple, list)) else (output,)
-    tensors = [t for t in outs if isinstance(t, torch.Tensor) and t.dim() >= 1 and not t.is_meta]
-    ids = next((t for t in tensors if not t.is_floating_point() and t.shape[-1] == top_k), None)
-    if ids is not None:
-        return ids.detach().reshape(-1, top_k)
-    logits = next((t for t in tensors if t.is_floating_point() and t.shape[-1] == num_experts), None)
-    if logits is None:
-        return None
-    with torch.no_grad():
-        scores = logits.detach().reshape(-1, num_experts).float()
-        bias = getattr(module, "e_score_correction_bias", None)
-        if isinstance(bias, torch.Tensor) and not hasattr(bias, "_master") and bias.shape[-1] == num_experts:
-            scores = scores.sigmoid() + bias.detach().float()
-        return scores.topk(min(top_k, num_experts), dim=-1).indices
+             if is_routed_stack(name, t.shape)}
+    return [(name, module, module.weight.shape[0]) for name, module in router_modules(model, sizes)]
 
 
 class RoutingRecorder:
@@ -209,7 +273,7 @@ class RoutingRecorder:
 
     def __init__(self, model: nn.Module, limit: int):
         self.limit = limit
-        self.top_k = _top_k_of(model)
+        self.top_k = model_top_k(model)
         routers = _router_modules(model) if self.top_k else []
         self.num_experts = max((e for _, _, e in routers), default=None)
         self.ids = [[] for _ in routers]  # per router: [tokens, top_k] id tensors, in call order
@@ -220,7 +284,7 @@ class RoutingRecorder:
     def _seen(self, i: int, num_experts: int, module, args, output) -> None:
         if torch.compiler.is_compiling() or self.rows[i] >= self.limit:
             return
-        ids = _routed_ids(output, num_experts, self.top_k, module)
+        ids = routed_experts(output, num_experts, self.top_k, module)
         if ids is not None:
             self.ids[i].append(ids)
             self.rows[i] += ids.shape[0]

@@ -1,0 +1,21 @@
+"""Routed experts: which offloaded tensors are stacks of experts, how their cached copies are used
+and evicted, the guess of the next MoE layer's experts, and the routing a run measures.
+
+    stacks.py      Stack (per-stack counters), LayerOrder, ExpertStacks: what the pager holds as
+                   ``pager.experts`` (its observer and eviction policy for experts)
+    eviction.py    ExpertEviction: use frequencies, per-layer reuse, the victim
+    prefetch.py    ExpertIssuer: the current op's experts (announce / expect) and their copies
+    speculation.py Router, RoutingSpeculator: guesses of the next layer's experts, scored and copied
+    routing.py     is_routed_stack, router_modules, routed_experts (the one reader of router
+                   outputs), RoutingStats, routing_stats_of, RoutingRecorder
+    hooks.py       attach / detach: stacks registered with a pager, routers hooked
+"""
+
+from .hooks import attach, detach
+from .routing import (RoutingRecorder, RoutingStats, is_routed_stack, model_top_k, routed_experts, router_modules,
+                      routing_stats_of, select_experts)
+from .speculation import RoutingSpeculator
+from .stacks import ExpertStacks
+
+__all__ = ["ExpertStacks", "RoutingRecorder", "RoutingSpeculator", "RoutingStats", "attach", "detach",
+           "is_routed_stack", "model_top_k", "routed_experts", "router_modules", "routing_stats_of", "select_experts"]

@@ -1,0 +1,317 @@
+"""The eviction policy the pager consults for routed experts: which cached expert copy to drop.
+
+Every cached expert keeps a decayed use frequency (weighted by the expert's share of its layer's
+tokens where the op knows it) and every MoE layer a measured token-to-token reuse rate. The pager's
+eviction asks for a victim (``ExpertEviction.victim``), approximating Belady's furthest next use in
+the cyclic layer order with one score for every layer: an expert ``d`` layers ahead is next used
+after ``d + (1 - p) L / q`` layers, ``q`` its decayed use frequency and ``p`` its chance at its
+layer's next turn (``q``, or the layer's measured token-to-token reuse rate for an expert the layer
+routed at its last turn), so the cache goes to the layers whose tokens reuse experts. The experts a
+guess names for the next layer (``guard``) are kept until that layer pages; a copy made ahead of
+its use by a guess (``in_spare_room_only``) takes only room whose next use is expected far away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .stacks import Stack
+
+# Per step an expert's use count decays by this factor: a frequency over roughly the last
+# 1 / (1 - DECAY) steps, so an expert hot a few hundred tokens ago does not stay pinned forever.
+# (benchmarks/moe_sim.py on the trained test models: 0.5 to 0.95 moves the decode hit rate at 25%
+# cached from 0.70 to 0.74; recency is carried by REUSE below, so the frequency can be long. An
+# offline simulator of this policy over 12 windows of 256 held-out decode steps, 25% cached,
+# tuned on windows 0-5 and checked on 6-11: 0.95 -> 0.98 gives Qwen3-MoE +0.3 / +0.3 points and
+# Qwen2-MoE +0.5 / +0.3; 0.99 the same as 0.98.)
+FREQUENCY_DECAY = 0.98
+# Token-to-token locality: the share of a layer's experts at one token that its next token routes
+# to again, measured per layer (an exponential average over decode steps, REUSE_DECAY per step),
+# starting from REUSE_PRIOR (the trained test models: 0.31 to 0.48 by layer; chance is k / E).
+REUSE_PRIOR = 0.4
+REUSE_DECAY = 0.9
+# How many evictable copies eviction compares, least recently used first (bounds its cost in a
+# cache of thousands of experts; a copy it passes over is evicted later).
+VICTIM_WINDOW = 512
+# Probability of use given to an expert with no recorded use, so the cyclic distance still orders them.
+UNSEEN_USE = 0.02
+# A guess's copy may evict only a copy whose next use is expected at least this many cycles of
+# layers away: one that is likelier to be read before the guess is never given up for it.
+SPECULATE_VICTIM_CYCLES = 2.0
+
+
+def _distance(where, here: int, count: int) -> float:
+    """Layers from the current one (at ``here``) to the layer at ``where`` in a cycle of ``count``:
+    a whole cycle for the current layer itself, half a layer for one not yet placed."""
+    return (where - here) % count or count if where is not None else 0.5
+
+
+class ExpertEviction:
+    """Use frequencies, per-layer reuse and the index of cached experts by coldness: the victim."""
+
+    __slots__ = ("by_master", "layers", "frequency", "_spare_room_only", "_guarded", "_clock", "_last", "_coldest",
+                 "_scale", "_reuse", "_ahead_distance")
+
+    def __init__(self, by_master: dict, layers):
+        self.by_master = by_master  # master id -> Stack (ExpertStacks' own dict)
+        self.layers = layers  # ExpertStacks' LayerOrder: the layer paged now, what its op pages, the cycle
+        self.frequency: dict = {}  # cache key -> decayed use count (experts only)
+        # Copying a guess ahead of its use: such a copy may only take a copy whose next use is
+        # expected far away (victim).
+        self._spare_room_only = False
+        # group -> keys the guess for that layer (made when the layer before it routed) names: kept
+        # from eviction until the layer pages (guard), as its own routed experts are once it does
+        self._guarded = {}
+        # Eviction's index (see victim): every cached copy's last use, as a tick of this clock
+        # (the pager's LRU order), and per stack a heap of (frequency / _scale, tick, key) records
+        # pushed at every use and copy, the coldest first. A record whose tick is not its key's
+        # last one is stale and dropped when it surfaces. Frequencies decay alike every step, so
+        # dividing by the common decay (_scale) keeps older records comparable with newer ones.
+        self._clock = 0
+        self._last: dict = {}  # cache key -> tick of its last use or copy
+        self._coldest: dict = {}  # master id -> heap of records
+        self._scale = 1.0
+        self._reuse: dict = {}  # stack group -> its measured token-to-token locality (REUSE_PRIOR until measured)
+        # A guess's copy may evict only a copy whose expected next use is this many layers away or
+        # more (None: twice the cycle); set by the speculator per guess.
+        self._ahead_distance = None
+
+    def touch(self, key) -> None:
+        """``key`` was used or copied: its tick in the LRU order."""
+        self._clock += 1
+        self._last[key] = self._clock
+
+    def used(self, key, share: float) -> None:
+        """An op paged the expert ``key``, ``share`` of its layer's tokens routed to it (1: the most)."""
+        self.frequency[key] = self.frequency.get(key, 0.0) + share
+        self.push(key)
+
+    def evicted(self, key) -> None:
+        self._last.pop(key, None)
+
+    def entered(self, group) -> None:
+        """``group``'s layer starts paging: its own routing says what it pages now."""
+        self._guarded.pop(group, None)
+
+    def guard(self, stacks: list, experts) -> None:
+        """The guess of ``stacks``' layer, the next to run, names these experts: no copy made before
+        that layer pages may evict them (on the trained test models a guessed expert is routed
+        0.72-0.77 of the time, one ranked in the next k 0.16-0.18, any other under 0.06)."""
+        if stacks:
+            self._guarded[stacks[0].group] = {s.key_of(int(e)) for s in stacks for e in experts}
+
+    def push(self, key) -> None:
+        heap = self._coldest.get(key[0])
+        if heap is None:
+            heap = self._coldest[key[0]] = []
+        heapq.heappush(heap, (self.frequency.get(key, 0.0) / self._scale, self._last[key], key))
+        if len(heap) > 4 * self.by_master[key[0]].num_experts + 64:
+            # Mostly stale records (every use pushes one): keep the live ones.
+            last = self._last
+            heap[:] = [r for r in heap if last.get(r[2]) == r[1]]
+            heapq.heapify(heap)
+
+    def victim(self, view, room: int, candidates):
+        """The evictable copy to drop: a non-expert copy if one comes first in LRU order (dense
+        weights are re-paged once per step whatever happens), else the expert whose next use is
+        expected furthest away (Belady's rule, with the future estimated).
+
+        Layers run in a cycle, so plain LRU evicts exactly the experts of the layer that runs next
+        (the least recently used) and keeps those of the layers that just ran, whose next use is a
+        whole step away. Here an expert of the layer ``d`` places ahead in the learned cyclic
+        layer order (the layer being paged now: ``d = L``, a whole cycle) is used at its layer's
+        next turn with probability ``p``, else at a later turn with probability ``q`` per turn:
+        an expected next use ``d + (1 - p) L / q`` layers ahead (``_next_use``). ``q`` is its
+        decayed use frequency; ``p`` is ``q``, or for an expert its layer routed at its last turn,
+        the larger of ``q`` and the rate at which that layer reuses its last token's experts
+        (token-to-token locality, measured per layer). One score for every layer: the cache is
+        shared by need, not by equal parts, and a layer whose tokens reuse their experts keeps them.
+
+        Experts the current op may still page and prefetched copies not yet used are kept while
+        anything else can go. A copy made ahead of its use by a guess (``_spare_room_only``) takes
+        only a copy whose expected next use is at least ``_ahead_distance`` layers away: it returns
+        None rather than evict anything likelier to be read soon than the guess itself.
+
+        The pager's eviction policy (``pager.cache``, through ``ExpertStacks.victim``): ``view`` is
+        its read-only view of the cached copies, ``candidates`` the evictable ones, least recently used first."""
+        cache, cached = view.copies, view.by_master
+        # Found through indexes rather than by comparing every cached copy: each stack's coldest
+        # evictable copies come off its heap (the distance is the stack's), so a call costs a look
+        # or two per stack with cached copies, not one per copy.
+        plain = self._plain_victim(cached)
+        if plain is not None:
+            return plain
+        position, count, here = self.layers.cycle()
+        current, needed = self.layers.current, self.layers.needed
+        best, best_score = None, None
+        for master_id, entries in cached.items():
+            stack = self.by_master.get(master_id)
+            if stack is None or not entries:
+                continue
+            if stack.group == current:
+                if needed is None:
+                    continue  # the op did not say what it pages: any of the layer's may be next
+                distance = count
+            else:
+                distance = _distance(position.get(stack.group), here, count)
+            keep = needed if stack.group == current else self._guarded.get(stack.group)
+            for entry, recent in self._coldest_of(stack, cache, keep):
+                score = (self._next_use(entry.key, stack, distance, count, recent), -self._last.get(entry.key, -1))
+                if best is None or score > best_score:
+                    best, best_score = entry, score
+        if best is None:
+            # Only copies to keep are left (prefetched, or the current layer's own): the scan
+            # below ranks them, or refuses for a copy made ahead of its use.
+            return self._victim_scan(candidates, cached, room)
+        if self._spare_room_only and best_score[0] < self._ahead_limit(count):
+            return None
+        return best
+
+    @contextlib.contextmanager
+    def in_spare_room_only(self):
+        """Copies issued inside (guesses) are ahead of their use: they take only room whose next use
+        is expected far away (see ``victim``)."""
+        self._spare_room_only = True
+        try:
+            yield
+        finally:
+            self._spare_room_only = False
+
+    def _plain_victim(self, cached: dict):
+        """The least recently used evictable copy that is not an expert, if any."""
+        by_master, last = self.by_master, self._last
+        plain, plain_tick = None, None
+        for master_id, entries in cached.items():
+            if master_id in by_master:
+                continue
+            for entry in entries:
+                if entry.users or entry.prefetched:
+                    continue
+                tick = last.get(entry.key, -1)
+                if plain is None or tick < plain_tick:
+                    plain, plain_tick = entry, tick
+        return plain
+
+    def _ahead_limit(self, count: int) -> float:
+        """How far away (layers) a victim's expected next use must be for a copy ahead of use."""
+        limit = self._ahead_distance
+        return limit if limit is not None else SPECULATE_VICTIM_CYCLES * count
+
+    def _use(self, key) -> float:
+        """The chance per turn that ``key``'s layer routes to it, estimated from its decayed use."""
+        return min(1.0, max(self.frequency.get(key, 0.0) * (1.0 - FREQUENCY_DECAY), UNSEEN_USE))
+
+    def _recent(self, stack: Stack) -> set:
+        """The experts ``stack``'s layer routed at its last turn: this step's if it has run in it."""
+        return stack.used if stack.group in self.layers.order else stack.last_used
+
+    def _next_use(self, key, stack: Stack, distance: float, count: int, recent: bool) -> float:
+        """Expected layers until ``key`` is next used (see victim)."""
+        q = self._use(key)
+        p = max(q, self._reuse.get(stack.group, REUSE_PRIOR)) if recent else q
+        return distance + (1.0 - p) * count / q
+
+    def _coldest_of(self, stack: Stack, cache, needed):
+        """``stack``'s candidates for eviction, as (entry, routed at its layer's last turn): the
+        least used evictable copy its layer did not route at its last turn (off the heap) and the
+        least used one it did (few: scanned). With ``needed`` (the current layer's), what its op
+        pages is kept."""
+        recent = self._recent(stack)
+        out = []
+        best = None
+        for e in recent:
+            key = stack.key_of(e)
+            entry = cache.get(key)
+            if entry is None or entry.users or entry.prefetched or (needed is not None and key in needed):
+                continue
+            if best is None or self.frequency.get(key, 0.0) < self.frequency.get(best.key, 0.0):
+                best = entry
+        if best is not None:
+            out.append((best, True))
+        heap = self._coldest.get(stack.master_id)
+        if not heap:
+            return out
+        last = self._last
+        aside = []
+        while heap:
+            _, tick, key = record = heap[0]
+            entry = cache.get(key)
+            if entry is None or last.get(key) != tick:
+                heapq.heappop(heap)  # stale: evicted, or used or copied again since
+                continue
+            heapq.heappop(heap)
+            aside.append(record)
+            if entry.users or entry.prefetched or (needed is not None and key in needed) \
+                    or stack.expert_of(key) in recent:
+                continue
+            out.append((entry, False))
+            break
+        for record in aside:
+            heapq.heappush(heap, record)
+        return out
+
+    def _victim_scan(self, candidates, cached: dict, room: int):
+        """``victim`` by comparing the evictable copies one by one, least recently used first: the
+        fallback when the indexes offer nothing (copies the index has no record of, such as those
+        cached before the registry was rebuilt, or only copies to keep). Copies to keep (unused
+        prefetches, the current op's experts) rank below every other, the furthest expected first."""
+        position, count, here = self.layers.cycle()
+        current, needed = self.layers.current, self.layers.needed
+        best, best_score = None, None
+        for seen, entry in enumerate(candidates):
+            if seen >= VICTIM_WINDOW:
+                break
+            stack = self.by_master.get(entry.key[0])
+            if stack is None:
+                if not entry.prefetched:
+                    return entry
+                score = (0, 0.0)
+            else:
+                current_layer = stack.group == current
+                guarded = self._guarded.get(stack.group, ())
+                keep = entry.prefetched or (current_layer and (needed is None or entry.key in needed)) \
+                    or entry.key in guarded
+                distance = count if current_layer else _distance(position.get(stack.group), here, count)
+                recent = stack.expert_of(entry.key) in self._recent(stack)
+                score = (0 if keep else 1, self._next_use(entry.key, stack, distance, count, recent))
+            if best is None or score > best_score:
+                best, best_score = entry, score
+        if self._spare_room_only and best is not None and (best_score[0] == 0 or best_score[1] < self._ahead_limit(count)):
+            return None
+        return best
+
+    def decay(self) -> None:
+        """A forward begins: decay use frequencies."""
+        frequency = self.frequency
+        for key in list(frequency):
+            value = frequency[key] * FREQUENCY_DECAY
+            if value < 0.01:
+                del frequency[key]
+            else:
+                frequency[key] = value
+        self._scale *= FREQUENCY_DECAY
+        if self._scale < 1e-100:
+            # Records are frequency / scale: rebase them before they overflow.
+            self._scale = 1.0
+            for heap in self._coldest.values():
+                heap[:] = [(frequency.get(k, 0.0), tick, k) for _, tick, k in heap]
+                heapq.heapify(heap)
+
+    def measure_reuse(self) -> None:
+        """Update each layer's token-to-token locality from the step that ended: the share of its
+        last step's experts that it routed again. Only steps that routed as many experts as the one
+        before count (one-token decode steps; a prefill routes to most experts of a layer)."""
+        seen = set()
+        for stack in self.by_master.values():
+            if stack.group in seen or not stack.used or len(stack.used) != len(stack.last_used):
+                continue
+            seen.add(stack.group)
+            share = len(stack.used & stack.last_used) / len(stack.used)
+            self._reuse[stack.group] = REUSE_DECAY * self._reuse.get(stack.group, REUSE_PRIOR) + (1 - REUSE_DECAY) * share
+
+    def step(self) -> None:
+        """A step ended: the guards of its guesses lapse with it."""
+        self._guarded = {}

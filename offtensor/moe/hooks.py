@@ -1,0 +1,100 @@
+"""How a model's routed experts are wired to its pager: ``attach`` registers the offloaded expert
+stacks (``pager.experts``) and hooks the routers; ``detach`` undoes both."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .routing import attribute_top_k, is_routed_stack, router_modules
+from .speculation import Router, RoutingSpeculator
+from .stacks import ExpertStacks
+
+
+def attach(model: nn.Module, pager, speculate: bool = True) -> Optional[ExpertStacks]:
+    """Register ``model``'s offloaded stacked-expert tensors with ``pager`` and, with ``speculate``,
+    hook its routers. Returns the pager's ``ExpertStacks`` (None when nothing routed is offloaded)."""
+    stacks = ExpertStacks()
+    seen = set()
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        master = getattr(t, "_master", None)
+        if master is None or master.id in seen or not is_routed_stack(name, t.shape):
+            continue
+        seen.add(master.id)
+        stacks.register(name, t)
+    if not stacks.by_master:
+        return None
+    pager.experts = stacks
+    if not speculate:
+        return stacks
+    sizes = {s.num_experts for s in stacks.by_master.values()}
+    routers = []
+    for name, module in router_modules(model, sizes):
+        router = Router(name, module)
+        if router.top_k is None:
+            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+            router.top_k = attribute_top_k(parent)
+        # Name fallback until a pass has been recorded: <prefix>.gate selects <prefix>.experts.*.
+        prefix = name.rpartition(".")[0] + "."
+        router.stacks = [s for s in stacks.by_master.values() if s.name.startswith(prefix)]
+        routers.append(router)
+    if not routers:
+        return stacks
+    speculator = RoutingSpeculator(pager, stacks, routers)
+    for router in routers:
+        module = router.module_ref()
+
+        speculator.hooks.append(module.register_forward_pre_hook(_RouterHook(router, speculator, False)))
+        speculator.hooks.append(module.register_forward_hook(_RouterHook(router, speculator, True)))
+    stacks.speculator = speculator
+    return stacks
+
+
+class _RouterHook:
+    """A router's forward pre-hook (its input: guess the next layer's experts) or forward hook (its
+    output: score the guesses), handing them to the speculator under the pager's lock (guesses and
+    their scores are pager state, shared by threads' forwards).
+
+    Under torch.compile it stands aside: it reads routing results on the host, which would break
+    the graph at every router; compiled MoE layers page exactly as eager ones, without guesses.
+
+    A copy of the model (``copy.deepcopy``, ``torch.save``) gets an inert hook: the copy is adopted
+    on a pager of its own, which hooks its routers itself, and this one would feed the original's
+    speculator (a function, which deepcopy shares and pickle refuses, did)."""
+
+    __slots__ = ("router", "speculator_ref", "output")
+
+    def __init__(self, router, speculator, output: bool):
+        self.router, self.output = router, output
+        self.speculator_ref = weakref.ref(speculator) if speculator is not None else None
+
+    def __call__(self, module, args, output=None):
+        if self.speculator_ref is None or torch.compiler.is_compiling():
+            return None
+        speculator = self.speculator_ref()
+        pager = speculator.pager_ref() if speculator is not None else None
+        if pager is None:
+            return None
+        if self.output:
+            with pager.lock:
+                speculator.router_output(self.router, output)
+        elif args and isinstance(args[0], torch.Tensor) and not args[0].is_meta:
+            with pager.lock:
+                speculator.router_ran(self.router, args[0])
+        return None
+
+    def __deepcopy__(self, memo):
+        return _RouterHook(None, None, self.output)
+
+    def __reduce__(self):
+        return _RouterHook, (None, None, self.output)
+
+
+def detach(pager) -> None:
+    stacks = getattr(pager, "experts", None)
+    if stacks is not None and stacks.speculator is not None:
+        stacks.speculator.remove()
+    pager.experts = None

@@ -1,0 +1,109 @@
+"""What the current MoE layer says it pages, and the copies of its experts issued at once.
+
+An op that knows its experts (``_grouped_mm``, the index ops) ``announce``s them: the layer's
+missing experts are issued at once, every stack of the layer, before the op pages them one at a
+time, and its unrouted experts become evictable. A model that selects its experts one by one
+announces nothing; there the router's output says which experts its layer will page (``expect``):
+eviction may take the others once the layer starts, but nothing is copied ahead.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .stacks import LayerOrder, Stack
+
+
+class ExpertIssuer:
+    """The current op's experts (``announce`` / ``expect``) and the copies issued ahead of it."""
+
+    __slots__ = ("layers", "announcing", "_issued_for_op", "_announcing", "_announced", "_shares", "_expected")
+
+    def __init__(self, layers: "LayerOrder"):
+        self.layers = layers  # ExpertStacks' LayerOrder: announce sets what the current op pages
+        # Stack groups whose op announces its experts (``_grouped_mm``, the index ops): their
+        # routers' top-k need not be read back (RoutingSpeculator.router_output).
+        self.announcing = set()
+        self._issued_for_op = set()  # keys announce copied ahead of their op: misses, though found on the device
+        self._announcing = False
+        self._announced = None  # the key set the last announce issued
+        self._shares = {}  # expert -> its share of the current layer's tokens (announce), most routed = 1
+        # group -> keys its router's output says the layer will page (RoutingSpeculator.router_output),
+        # for models that select experts one by one and so announce nothing
+        self._expected = {}
+
+    @property
+    def issuing(self) -> bool:
+        """Whether the copies being made now are announce's (the layer's own, not copies ahead)."""
+        return self._announcing
+
+    @property
+    def announced(self):
+        """The key set the current layer's announce issued (None: none yet)."""
+        return self._announced
+
+    def seen(self, key, hit: bool) -> bool:
+        """Whether an op's use of ``key`` counts as a hit: a copy announce made for this very op is
+        a miss the op did not wait for in line."""
+        if key in self._issued_for_op:
+            self._issued_for_op.discard(key)
+            return False
+        return hit
+
+    def share(self, expert: int) -> float:
+        """``expert``'s share of the current layer's tokens (1 where the op did not say)."""
+        return self._shares.get(expert, 1.0)
+
+    def entered(self, group) -> None:
+        """``group``'s layer starts paging: what its router's output said it pages, if anything."""
+        self._shares = {}
+        self.layers.needed = self._expected.pop(group, None)
+        self._announced = None
+
+    def announce(self, pager, stack: "Stack", group: list, experts, tokens=None) -> bool:
+        """Issue the copies of ``experts`` of every stack in ``group`` (``stack``'s layer) that are
+        not cached; ``tokens[i]`` tokens routed to ``experts[i]`` where the op knows the counts.
+        False when the layer's other stack already announced the same experts (nothing issued)."""
+        experts = [int(e) for e in experts]
+        if tokens is not None and len(tokens) == len(experts) and max(tokens, default=0) > 0:
+            most = max(tokens)
+            self._shares = {e: n / most for e, n in zip(experts, tokens)}
+        else:
+            self._shares = {}
+        needed = {s.key_of(e) for s in group for e in experts}
+        if needed == self._announced:
+            return False  # the layer's second stack (down after gate_up): already issued
+        self.layers.needed = self._announced = needed
+        self.announcing.add(stack.group)
+        # The layer's own experts are paged right after anyway: they take the victims in-line paging
+        # would (no _spare_room_only restriction), only sooner.
+        self._announcing = True
+        try:
+            for s in group:
+                master = s.master_ref()
+                if master is None or master.flat is None:
+                    continue
+                for e in experts:
+                    key = s.key_of(e)
+                    if pager.is_cached(key):
+                        continue
+                    if not pager.prefetch(master, *key[1:]):
+                        break  # the budget holds no more at once: the rest is paged in line
+                    self._issued_for_op.add(key)
+        finally:
+            self._announcing = False
+        return True
+
+    def expect(self, stacks: list, experts) -> None:
+        """A router's output says its layer will page these experts of ``stacks``: once the layer
+        starts paging, eviction may take the layer's other experts (as after ``announce``), but
+        nothing is copied ahead, since the model's own routing may differ (groups)."""
+        if stacks:
+            self._expected[stacks[0].group] = {s.key_of(int(e)) for s in stacks for e in experts}
+
+    def step(self) -> None:
+        """A step ended: nothing it announced or expected carries over."""
+        self._announced = None
+        self._issued_for_op = set()
+        self._expected = {}

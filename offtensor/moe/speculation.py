@@ -1,0 +1,433 @@
+"""Routing speculation: forward hooks' view of the routers, the guess of the next MoE layer's
+experts, and its copies ahead.
+
+The top-k of a router's output tells the expert cache which experts its layer will page
+(``ExpertStacks.expect``, for models that select experts one by one); it is read by
+``routing.routed_experts``, the one reader of router outputs, so the router's own rule (DeepSeek-V3's
+correction bias) decides it. Before layer i's router runs, layer i+1's router weight is applied to
+its input (the residual stream changes little from one layer to the next, which MoE-Infinity and
+Pre-gated MoE exploit): a guess of layer i+1's experts, always scored against what layer i+1 pages.
+Guesses of experts not cached when guessed (the only ones a copy can save) are scored apart per
+router and confidence bin. Such a guess is copied (the most confident one per layer, behind layer
+i's own copies, and only into the room of a copy expected to be read much later) when its bin's
+recent guesses were at least 70% right (the router's own record, or every router's until it has
+one); the guessed experts of layer i+1 are kept from eviction until it pages. A decode step's
+guess costs one kernel, the router matmul (softmax and top-k on the host). With ``SPECULATE_COPY``
+off nothing is copied and a router is guessed for on a sample of the steps. Which modules are
+routers and which stacks each one selects is learned from the access order of a pass (the stacks
+paged after a router fires, before the next one); before the first pass, from names
+(``<prefix>.gate`` selects ``<prefix>.experts.*``).
+
+On a GPU nothing here adds a host sync: router outputs and guesses come back through pinned
+buffers and events, and are used once the event has completed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import routing
+
+if TYPE_CHECKING:
+    from .stacks import ExpertStacks, Stack
+
+# Speculation is scored on what it can save: only a guess of an expert that is NOT cached when the
+# guess is made costs a copy, so a router's guesses are scored apart by their confidence (the
+# look-ahead probability of the guessed expert, in CONFIDENCE_BINS bins) on uncached experts only.
+# An uncached guess is copied only when the guesses of its router and bin have been right at least
+# SPECULATE_PRECISION of the time: its copy then saves a miss on the critical path more often than
+# it spends the copy stream for nothing. Guesses are scored whether or not they were copied, so a
+# bin earns (or loses) speculation by its record before any byte is spent on it.
+# The gate is set by the H200 replay of benchmarks/moe_sim.py (experts of Qwen3-30B-A3B's bytes, 25%
+# cached, ms per decode step, one guess a layer): at 0.6 Qwen3-MoE's step is 7% slower than the
+# cache alone (each wrong copy delays the next layer's own copies by most of an expert's copy, a
+# right one saves only the ~0.06 ms gap before that layer's routing read), at 0.7 it is within 1%
+# and Qwen2-MoE's 2% faster; the coverage-against-waste curve of the gates is in
+# benchmarks/results/moe_sim.json.
+SPECULATE_PRECISION = 0.7
+# Upper edges of the confidence bins (a guess's look-ahead probability; top-k of a softmax over
+# E experts: 1 / E is chance).
+CONFIDENCE_BINS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# A bin's precision is correct / guessed over its recent uncached guesses: both counts decay by
+# this factor per scored guess, and at least SPECULATE_EVIDENCE guesses must stand behind it.
+PRECISION_DECAY = 0.98
+SPECULATE_EVIDENCE = 8.0
+# At most this many guessed experts per layer are copied ahead, the most confident first. The copy
+# stream is idle only between a layer's last expert copy and the next layer's routing read (its
+# attention and router: ~0.3 ms on the DeepSeek-style stack under the H200 profile, less than one
+# 25 MB expert's 0.45 ms copy), so one guess fills that gap; more are copied at the price of every
+# wrong one (the replay in benchmarks/moe_bench.py: all 8 at 80% accuracy is slower than none;
+# benchmarks/moe_sim.py's H200 replay of the trained models: two a layer is slower than one).
+SPECULATE_EXPERTS = 1
+# Whether a guess that pays is copied at all. On: the trained test models' decode step is
+# copy-bound at 25% cached (copy stream ~70% busy under the H200 profile), so copies ahead pay only
+# with a strict gate (SPECULATE_PRECISION), one guess a layer (SPECULATE_EXPERTS) and one kernel a
+# guess (GUESS_ON_HOST_TOKENS); with those the decode hit rate at 25% rises by 4-7 points over the
+# cache alone and the replayed step is no slower than the cache alone was before them (figures in
+# benchmarks/results/moe_sim.json and the README's MoE table). Off: guesses are still made, on a
+# sample of the steps, and scored (``ot.stats(model).guesses``).
+SPECULATE_COPY = True
+# With SPECULATE_COPY off a router is guessed for at every SPECULATE_SAMPLE-th step only: enough to
+# keep its score, while a guess's kernels (4 us each of launch on the compute stream) are not paid
+# every layer of every step.
+SPECULATE_SAMPLE = 8
+# Up to this many tokens (decode steps) a guess's softmax and top-k are taken on the host from the
+# router scores (E values a token, read back with the layer's routing); beyond it (a prefill) on the
+# device. Each kernel is a launch ahead of the layer's routing read: the matmul, softmax and top-k
+# of a guess on the device cost the trained models' H200 replay ~0.08 ms a decode step (5%).
+GUESS_ON_HOST_TOKENS = 4
+
+
+class Router:
+    __slots__ = ("name", "module_ref", "stacks", "top_k", "bin_correct", "bin_guessed", "guessed", "correct",
+                 "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts", "copied_correct",
+                 "prefetched_bytes", "wasted_bytes", "tokens", "guess", "cached", "copied", "guess_tokens",
+                 "unpaid_steps", "missed", "misses_seen")
+
+    def __init__(self, name: str, module: nn.Module):
+        self.name = name
+        self.module_ref = weakref.ref(module)
+        self.stacks: list = []  # Stack objects this router selects experts of
+        self.top_k = routing.attribute_top_k(module)
+        # Decayed counts of its uncached guesses per confidence bin (their running precision).
+        self.bin_correct = [0.0] * len(CONFIDENCE_BINS)
+        self.bin_guessed = [0.0] * len(CONFIDENCE_BINS)
+        self.guessed = self.correct = self.routed = self.prefetched_bytes = self.wasted_bytes = 0
+        # Guesses of experts not cached when guessed, how many were routed, the routed experts not
+        # cached at guess time (the misses a guess could cover), guesses copied and routed.
+        self.uncached_guessed = self.uncached_correct = self.misses = self.copied_experts = self.copied_correct = 0
+        self.tokens = 0  # tokens of its last real routing
+        self.guess = None  # open guess: expert -> confidence bin, scored when the step ends
+        self.cached = frozenset()  # experts cached (every stack) when the open guess was made
+        self.copied = {}  # expert -> bytes the open guess copied for it
+        self.guess_tokens = 0
+        self.unpaid_steps = 0  # steps it could have been guessed for with copies off (every SPECULATE_SAMPLE-th is)
+        self.missed = True  # whether its stacks missed in the last step (a guess could have saved a copy)
+        self.misses_seen = 0  # its stacks' misses counted at the end of the last step
+
+    def pays(self, confidence_bin: int, pool=None) -> bool:
+        """Whether an uncached guess in this bin is right often enough to be worth its copy: by its
+        own record once it has SPECULATE_EVIDENCE guesses, until then by ``pool`` (every router's
+        record of that bin, (correct, guessed) lists), so a router need not wait for evidence of
+        its own before its first copy (on the trained test models a bin took 20-40 decode steps)."""
+        correct, guessed = self.bin_correct[confidence_bin], self.bin_guessed[confidence_bin]
+        if guessed < SPECULATE_EVIDENCE and pool is not None:
+            correct, guessed = pool[0][confidence_bin], pool[1][confidence_bin]
+        return guessed >= SPECULATE_EVIDENCE and correct >= SPECULATE_PRECISION * guessed
+
+    def speculating(self, pool=None) -> bool:
+        return SPECULATE_COPY and any(self.pays(b, pool) for b in range(len(CONFIDENCE_BINS)))
+
+    def report(self, pool=None) -> dict:
+        return _guess_report(self.guessed, self.correct, self.routed, self.uncached_guessed, self.uncached_correct,
+                             self.misses, self.copied_experts, self.copied_correct, self.prefetched_bytes,
+                             self.wasted_bytes) | {"speculating": self.speculating(pool)}
+
+
+
+def _ratio(a, b):
+    return a / b if b else None
+
+
+def _guess_report(guessed, correct, routed, uncached_guessed, uncached_correct, misses, copied, copied_correct,
+                  prefetched_bytes, wasted_bytes) -> dict:
+    """``accuracy``/``recall``: all guesses against the routed experts. What speculation can save:
+    ``uncached_precision`` (guesses of experts not cached when guessed that were routed),
+    ``miss_coverage`` (share of the misses, routed experts not cached at guess time, that those
+    guesses named: what copying every guess would cover), ``covered_misses`` (share of the misses
+    a copied guess covered), ``wasted_share`` (copied bytes no op read)."""
+    return {
+        "guessed": guessed, "correct": correct, "routed": routed,
+        "accuracy": _ratio(correct, guessed), "recall": _ratio(correct, routed),
+        "uncached_guessed": uncached_guessed, "uncached_correct": uncached_correct,
+        "uncached_precision": _ratio(uncached_correct, uncached_guessed),
+        "misses": misses, "miss_coverage": _ratio(uncached_correct, misses),
+        "copied_experts": copied, "copied_correct": copied_correct, "covered_misses": _ratio(copied_correct, misses),
+        "prefetched_bytes": prefetched_bytes, "wasted_bytes": wasted_bytes,
+        "wasted_share": _ratio(wasted_bytes, prefetched_bytes),
+    }
+
+
+def _host_guess(scores: torch.Tensor, top_k: int) -> list:
+    """(expert, softmax probability) of each row's ``top_k`` highest scores, computed on the host
+    from a few rows of router scores (no kernel: see RoutingSpeculator.router_ran)."""
+    rows = scores.reshape(-1, scores.shape[-1]).tolist()
+    out = []
+    for row in rows:
+        top = max(row)
+        total = sum(math.exp(v - top) for v in row)
+        for e in heapq.nlargest(min(top_k, len(row)), range(len(row)), key=row.__getitem__):
+            out.append((e, math.exp(row[e] - top) / total))
+    return out
+
+
+def _confidence_bin(p: float) -> int:
+    for i, edge in enumerate(CONFIDENCE_BINS):
+        if p <= edge:
+            return i
+    return len(CONFIDENCE_BINS) - 1
+
+
+
+class RoutingSpeculator:
+    """Guesses layer i+1's experts when layer i's router runs, and prefetches them."""
+
+    def __init__(self, pager, stacks: ExpertStacks, routers: list):
+        self.pager_ref = weakref.ref(pager)
+        self._stacks = stacks
+        self.routers = routers  # Router, in module order
+        self._next = {}  # router -> the router that ran after it in the last pass
+        self._order = []  # routers in firing order, this pass
+        self._current = None  # the router that fired last: stacks paged now are its
+        self._learned = {}  # router -> stacks paged after it this pass
+        self._pending = []  # (router, scores or (ids, confidences), event or None, tokens): guesses not yet issued
+        self._expected = []  # GPU: (router, pinned ids, event) of router outputs read back without a sync
+        self.hooks = []
+        # Every router's uncached guesses per confidence bin, decayed alike (Router.pays).
+        self.pool = ([0.0] * len(CONFIDENCE_BINS), [0.0] * len(CONFIDENCE_BINS))
+
+    # -------------------------------------------------------------- hooks
+
+    def router_ran(self, router: Router, x: torch.Tensor) -> None:
+        self._order.append(router)
+        self._current = router
+        self._learned.setdefault(router, [])
+        router.tokens = x.numel() // max(x.shape[-1], 1)
+        nxt = self._next.get(router)
+        if nxt is None or not nxt.stacks or nxt.top_k is None:
+            return
+        if not (SPECULATE_COPY and (nxt.missed or nxt.speculating(self.pool))):
+            # Nothing for a copied guess to save (its layer missed nothing in the last step and no
+            # bin pays): it is only scored, which needs a sample, not every step (a guess's kernel
+            # is a cost on the compute stream: at 50% cached, where a layer rarely misses, guessing
+            # every step made the trained Qwen2-MoE's H200 replay 7% slower than the cache alone).
+            nxt.unpaid_steps += 1
+            if (nxt.unpaid_steps - 1) % SPECULATE_SAMPLE:
+                return  # the first step and every SPECULATE_SAMPLE-th after it are guessed
+        module = nxt.module_ref()
+        weight = getattr(module, "weight", None)
+        if module is None or not isinstance(weight, torch.Tensor) or hasattr(weight, "_master") \
+                or weight.device != x.device or weight.shape[-1] != x.shape[-1]:
+            return  # an offloaded router would be paged for a guess: not worth it
+        with torch.no_grad():
+            scores = F.linear(x.reshape(-1, x.shape[-1]).to(weight.dtype), weight)
+            biased = routing.correction_bias(module, scores.shape[-1]) is not None
+            if router.tokens <= GUESS_ON_HOST_TOKENS and not biased:
+                # A decode step: the router matmul is the guess's one kernel (on a GPU, plus the
+                # read-back copy). Its softmax and top-k over a few rows of E scores are done on the
+                # host (_host_guess): each kernel is a launch on the compute stream ahead of the
+                # layer's routing read, paid every layer of every step (3 kernels a layer cost the
+                # trained test models' H200 replay 0.08 ms a decode step, 5% of it).
+                self._queue(nxt, scores, router.tokens)
+                return
+            # Many tokens (a prefill) or a biased router: top-k on the device, whose values are the
+            # confidences (softmax keeps the order).
+            k = min(nxt.top_k, scores.shape[-1])
+            if biased:
+                top = routing.select_experts(scores, k, module)  # DeepSeek-V3 selects on biased sigmoid scores
+                scores = scores.float().sigmoid()
+                confidence = (scores / scores.sum(-1, keepdim=True)).gather(-1, top)
+            else:
+                confidence, top = scores.softmax(-1, dtype=torch.float32).topk(k, dim=-1)
+            # The guessed ids and each one's confidence, token-major, each token's experts by
+            # descending score.
+            self._queue(nxt, (top, confidence), router.tokens)
+        # Issued from the pager once this layer's own experts are (ExpertStacks.announce), so the
+        # guesses queue behind them on the copy stream.
+
+    def _queue(self, router: Router, packed, tokens: int) -> None:
+        """A guess for ``router``'s layer: ``packed`` is its scores (a tensor: top-k taken on the
+        host) or (ids, confidences). On a GPU they are read back without a host sync: pinned
+        staging copies and an event; the copies are issued from the pager's next call once the
+        event has completed (by then the layer's own routing read has waited for the router anyway)."""
+        event = None
+        tensors = packed if isinstance(packed, tuple) else (packed,)
+        if tensors[0].device.type == "cuda":
+            staged = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
+            for host, t in zip(staged, tensors):
+                host.copy_(t, non_blocking=True)
+            packed = staged if isinstance(packed, tuple) else staged[0]
+            event = torch.cuda.Event()
+            event.record()
+        self._pending.append((router, packed, event, tokens))
+
+    def router_output(self, router: Router, output) -> None:
+        """The router ran: the experts it selected (``routing.routed_experts``: the ids it returns,
+        else its top-k by its own rule) are what its layer will page, told to the expert cache
+        before the layer pages anything."""
+        if not router.stacks or router.top_k is None or router.stacks[0].group in self._stacks.announcing:
+            return  # its layer's op announces what it pages (ExpertStacks.announce): no top-k needed
+        module = router.module_ref()
+        if module is None:
+            return
+        num_experts = router.stacks[0].num_experts
+        ids = routing.routed_experts(output, num_experts, min(router.top_k, num_experts), module)
+        if ids is None:
+            return
+        ids = ids.reshape(-1)
+        if ids.device.type == "cuda":
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._expected.append((router, host, event))
+        else:
+            self._stacks.expect(router.stacks, set(ids.tolist()))
+
+    def expected_ready(self) -> None:
+        """GPU: hand the router outputs that have reached the host to the expert cache."""
+        if not self._expected:
+            return
+        keep = []
+        for item in self._expected:
+            router, host, event = item
+            if event.query():
+                self._stacks.expect(router.stacks, set(host.tolist()))
+            else:
+                keep.append(item)
+        self._expected = keep
+
+    def used(self, stack: Stack, expert: int) -> None:
+        current = self._current
+        if current is not None:
+            learned = self._learned.setdefault(current, [])
+            if stack not in learned:
+                learned.append(stack)
+
+    # -------------------------------------------------------------- issuing and scoring
+
+    def issue_ready(self) -> None:
+        """Start the copies of every guess whose ids have reached the host."""
+        if not self._pending:
+            return
+        pager = self.pager_ref()
+        keep = []
+        for item in self._pending:
+            router, packed, event, tokens = item
+            if event is not None and not event.query():
+                keep.append(item)
+                continue
+            if isinstance(packed, tuple):
+                ids, conf = packed
+                pairs = zip(ids.reshape(-1).tolist(), conf.reshape(-1).tolist())
+            else:
+                pairs = _host_guess(packed, router.top_k)
+            confidence = {}  # expert -> its highest confidence over the tokens, most confident first
+            for e, p in sorted(pairs, key=lambda ep: -ep[1]):
+                confidence.setdefault(e, p)
+            self._issue(pager, router, confidence, tokens)
+        self._pending = keep
+
+    def _cached_experts(self, pager, router: Router) -> frozenset:
+        """The experts of ``router``'s layer with every stack cached."""
+        stacks = router.stacks
+        if pager is None or not stacks:
+            return frozenset()
+        return frozenset(e for e in range(stacks[0].num_experts)
+                         if all(pager.is_cached(s.key_of(e)) for s in stacks))
+
+    def _issue(self, pager, router: Router, confidence: dict, tokens: int) -> None:
+        """Open ``router``'s guess (scored at the step's end) and copy the guessed experts that are
+        not cached and whose confidence bin has paid (``Router.pays``), the most confident first."""
+        self._score(router)
+        router.guess = {e: _confidence_bin(p) for e, p in confidence.items()}
+        router.cached = self._cached_experts(pager, router)
+        router.guess_tokens = tokens
+        router.copied = {}
+        if pager is None:
+            return
+        self._stacks.guard(router.stacks, router.guess)
+        worth = [e for e, b in router.guess.items()
+                 if SPECULATE_COPY and e not in router.cached and router.pays(b, self.pool)]
+        with self._stacks.in_spare_room_only():
+            for expert in worth[:SPECULATE_EXPERTS]:
+                for stack in router.stacks:
+                    master = stack.master_ref()
+                    if master is None or master.flat is None:
+                        continue
+                    key = stack.key_of(expert)
+                    cached = pager.is_cached(key)
+                    if not pager.prefetch(master, *key[1:]):
+                        return  # no room without evicting copies this step may still read
+                    if not cached:
+                        nbytes = stack.expert_bytes
+                        router.copied[expert] = router.copied.get(expert, 0) + nbytes
+                        router.prefetched_bytes += nbytes
+
+    def _score(self, router: Router) -> None:
+        """Close ``router``'s open guess against the experts its stacks actually paged."""
+        guess = router.guess
+        if guess is None:
+            return
+        router.guess = None
+        used = set()
+        for stack in router.stacks:
+            used |= stack.used
+        if not used:
+            return  # its layer has not run yet (a forward cut short): nothing to score against
+        router.guessed += len(guess)
+        router.correct += len(guess.keys() & used)
+        router.routed += len(used)
+        router.misses += len(used - router.cached)
+        for e, b in guess.items():
+            if e in router.cached:
+                continue  # a guess of a cached expert costs nothing and saves nothing
+            right = e in used
+            router.uncached_guessed += 1
+            router.uncached_correct += right
+            router.bin_correct[b] = PRECISION_DECAY * router.bin_correct[b] + right
+            router.bin_guessed[b] = PRECISION_DECAY * router.bin_guessed[b] + 1.0
+            pool_correct, pool_guessed = self.pool
+            pool_correct[b] = PRECISION_DECAY * pool_correct[b] + right
+            pool_guessed[b] = PRECISION_DECAY * pool_guessed[b] + 1.0
+        router.copied_experts += len(router.copied)
+        router.copied_correct += len(router.copied.keys() & used)
+        router.wasted_bytes += sum(b for e, b in router.copied.items() if e not in used)
+        if router.guess_tokens == 1 and len(used) and router.top_k is None:
+            router.top_k = len(used)
+
+    def step(self) -> None:
+        """A pass ended: score open guesses, learn the router order and which stacks each selects."""
+        self.issue_ready()
+        for router in self.routers:
+            if router.tokens == 1 and router.stacks:
+                used = set()
+                for stack in router.stacks:
+                    used |= stack.used
+                if used:
+                    router.top_k = len(used)  # one token picks exactly top_k experts
+            self._score(router)
+            misses = sum(s.misses for s in router.stacks)
+            router.missed = misses != router.misses_seen  # (a reset of the counters reads as a miss)
+            router.misses_seen = misses
+        for router, stacks in self._learned.items():
+            if stacks:
+                router.stacks = stacks
+        if self._order:
+            self._next = {a: b for a, b in zip(self._order, self._order[1:])}
+        self._order, self._learned, self._current = [], {}, None
+
+    def reset(self) -> None:
+        for r in self.routers:
+            r.guessed = r.correct = r.routed = r.prefetched_bytes = r.wasted_bytes = 0
+            r.uncached_guessed = r.uncached_correct = r.misses = r.copied_experts = r.copied_correct = 0
+
+    def report(self) -> dict:
+        rs = self.routers
+        total = _guess_report(*(sum(getattr(r, f) for r in rs) for f in (
+            "guessed", "correct", "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts",
+            "copied_correct", "prefetched_bytes", "wasted_bytes")))
+        return total | {"routers": {r.name: r.report(self.pool) for r in rs if r.stacks}}
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+

@@ -1,0 +1,247 @@
+"""The offloaded stacks of routed experts as the pager sees them: per-stack counters, the layer
+order of a pass, and ``ExpertStacks``, the one object the pager holds as ``pager.experts``.
+
+The pager already caches every paged byte range by (master, dtype, lo, hi); a routed expert is one
+such range of a stacked-expert tensor (``experts.w1[e]``, ``gate_up_proj[e:e+1]``). ``ExpertStacks``
+adds what that cache does not know about experts: the offloaded stacks by master, grouped by layer;
+per-stack counters (hits, misses, bytes copied, evictions); the layer order of the last pass. It
+is the pager's observer and eviction policy for experts, and hands each event to the part that
+owns it: the eviction policy (``eviction.ExpertEviction``: frequencies, reuse, victims), the
+issuer of the current layer's copies (``prefetch.ExpertIssuer``: announce, expect) and the
+routing speculator (``speculation.RoutingSpeculator``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from ..pager import cache_key
+from .eviction import ExpertEviction
+from .prefetch import ExpertIssuer
+
+if TYPE_CHECKING:
+    from .speculation import RoutingSpeculator
+
+
+class Stack:
+    """One offloaded stacked-expert tensor: experts along dim 0."""
+
+    __slots__ = ("name", "group", "master_ref", "master_id", "dtype", "base", "expert_bytes", "num_experts",
+                 "hits", "misses", "bytes_h2d", "prefetched_bytes", "evictions", "used", "last_used")
+
+    def __init__(self, name: str, t: torch.Tensor):
+        host = t._host
+        self.name = name
+        # The stacks of one MoE layer (w1/w3/w2, gate_up/down) share their module: one group,
+        # paged interleaved, expert by expert.
+        self.group = name.rpartition(".")[0]
+        self.master_ref = weakref.ref(t._master)
+        self.master_id = t._master.id
+        self.dtype = host.dtype
+        self.base = host.storage_offset()
+        self.expert_bytes = host.stride(0) * host.element_size()
+        self.num_experts = host.shape[0]
+        self.hits = self.misses = self.bytes_h2d = self.prefetched_bytes = self.evictions = 0
+        self.used = set()  # experts paged in the current step
+        self.last_used = set()  # experts paged in the step before
+
+    def expert_of(self, key) -> int:
+        return (key[2] - self.base) * key[1].itemsize // self.expert_bytes
+
+    def key_of(self, expert: int):
+        step = self.expert_bytes // self.dtype.itemsize
+        lo = self.base + expert * step
+        return cache_key(self.master_id, self.dtype, lo, lo + step)
+
+    def report(self) -> dict:
+        looked_up = self.hits + self.misses
+        return {
+            "hits": self.hits, "misses": self.misses, "hit_rate": self.hits / looked_up if looked_up else None,
+            "bytes_h2d": self.bytes_h2d, "prefetched_bytes": self.prefetched_bytes, "evictions": self.evictions,
+        }
+
+
+
+
+class LayerOrder:
+    """Where a pass is: the stack group paged now and what its op said it pages, the groups in
+    first-access order this pass, and each group's place in the last pass's cyclic order."""
+
+    __slots__ = ("position", "order", "current", "needed")
+
+    def __init__(self):
+        self.position: dict = {}  # stack group -> its place in the last pass's access order
+        self.order: list = []  # stack groups in first-access order, this pass
+        self.current = None  # the stack group paged last
+        self.needed = None  # keys the current op said it pages (announce), None if it did not say
+
+    def enter(self, group) -> None:
+        self.current = group
+        if group not in self.order:
+            self.order.append(group)
+
+    def cycle(self):
+        """(group -> place in the cyclic layer order, the cycle's length, the current layer's place)."""
+        position = self.position
+        here = position.get(self.current)
+        if here is not None:
+            return position, len(position), here
+        # The first pass (or a layer new to it): no cycle learned yet. Layers seen in this pass
+        # are placed in their order, the current one last, unseen ones just ahead.
+        ran = self.order
+        count = max(len(ran), 1)
+        position = {group: i for i, group in enumerate(ran)}
+        return position, count, position.get(self.current, count - 1)
+
+    def step(self) -> None:
+        """A pass ended: its order is the cycle the next one is placed in."""
+        if self.order:
+            self.position = {m: i for i, m in enumerate(self.order)}
+        self.order, self.current, self.needed = [], None, None
+
+
+class ExpertStacks:
+    """The pager's view of routed experts: stacks by master, counters, and the parts it hands to."""
+
+    __slots__ = ("by_master", "speculator", "layers", "eviction", "issuer", "_stack_bytes", "__weakref__")
+
+    def __init__(self):
+        self.by_master: dict = {}  # master id -> Stack
+        self.speculator: Optional[RoutingSpeculator] = None
+        self.layers = LayerOrder()
+        self.eviction = ExpertEviction(self.by_master, self.layers)
+        self.issuer = ExpertIssuer(self.layers)
+        self._stack_bytes = 0  # bytes of every registered stack
+
+    @property
+    def announcing(self) -> set:
+        """Stack groups whose op announces its experts: their routers' top-k need not be read."""
+        return self.issuer.announcing
+
+    def register(self, name: str, t: torch.Tensor) -> None:
+        # Experts are whole contiguous slices along dim 0, so an expert's cache key is computable
+        # from its index; a stack viewed with other strides is left to the plain cache.
+        if t.dim() >= 2 and t.shape[0] > 1 and t._host.is_contiguous():
+            stack = self.by_master[t._master.id] = Stack(name, t)
+            self._stack_bytes += stack.expert_bytes * stack.num_experts
+
+    def is_stack(self, master_id: int) -> bool:
+        return master_id in self.by_master
+
+    # -------------------------------------------------------------- the pager's call sites
+
+    def accessed(self, key, hit: bool) -> None:
+        """An op paged ``key`` (of a stack, or a dense weight's copy): a cache hit or a copy it waited for."""
+        self.eviction.touch(key)
+        stack = self.by_master.get(key[0])
+        if stack is None:
+            return
+        hit = self.issuer.seen(key, hit)
+        if hit:
+            stack.hits += 1
+        else:
+            stack.misses += 1
+        expert = stack.expert_of(key)
+        share = self.issuer.share(expert) if stack.group == self.layers.current else 1.0
+        self.eviction.used(key, share)
+        stack.used.add(expert)
+        if self.speculator is not None:
+            self.speculator.used(stack, expert)
+
+    def announce(self, pager, master_id: int, experts, tokens=None) -> None:
+        """The op about to run pages these experts of ``master_id``'s layer (every stack of it),
+        ``tokens[i]`` tokens routed to ``experts[i]`` where the op knows the counts.
+
+        A use counts towards an expert's frequency in proportion to its tokens (the most routed
+        expert of the op counts 1): after a prefill, which routes its tokens to most experts of a
+        layer, the experts that took many tokens are the likelier picks of the next token, and
+        the frequency should say so rather than rank them all alike.
+
+        Eviction may then take the layer's other experts, whose next use is a step away. The
+        layer's missing experts are all issued now, every stack of the layer, before the op pages
+        them one at a time: the copy stream gets the whole layer at once, and the guess for the
+        next layer (issued right after) queues behind them instead of ahead of them."""
+        stack = self.by_master.get(master_id)
+        if stack is None:
+            return
+        self.paging(master_id, issue_guesses=False)  # guesses go behind this layer's copies, below
+        group = [s for s in self.by_master.values() if s.group == stack.group]
+        if self.issuer.announce(pager, stack, group, experts, tokens) and self.speculator is not None:
+            self.speculator.issue_ready()
+
+    def paging(self, master_id: int, issue_guesses: bool = True) -> None:
+        """An op is about to page from ``master_id``: before its lookup, so that eviction for this
+        very copy knows which layer's stacks are current. Where no op of the layer announced its
+        experts (a model that selects them one by one), guesses whose ids have reached the host
+        are issued here."""
+        stack = self.by_master.get(master_id)
+        speculator = self.speculator
+        if stack is not None and stack.group != self.layers.current:
+            if speculator is not None:
+                speculator.expected_ready()
+            self.issuer.entered(stack.group)
+            self.eviction.entered(stack.group)
+            self.layers.enter(stack.group)
+        if issue_guesses and speculator is not None and self.issuer.announced is None:
+            speculator.issue_ready()
+
+    def expect(self, stacks: list, experts) -> None:
+        """A router's output says its layer will page these experts of ``stacks`` (``ExpertIssuer.expect``)."""
+        self.issuer.expect(stacks, experts)
+
+    def guard(self, stacks: list, experts) -> None:
+        """The guess of ``stacks``' layer names these experts (``ExpertEviction.guard``)."""
+        self.eviction.guard(stacks, experts)
+
+    def in_spare_room_only(self):
+        """Copies issued inside (guesses) take only room whose next use is expected far away."""
+        return self.eviction.in_spare_room_only()
+
+    def copied(self, key, nbytes: int, prefetch: bool) -> None:
+        self.eviction.touch(key)
+        stack = self.by_master.get(key[0])
+        if stack is not None:
+            stack.bytes_h2d += nbytes
+            if prefetch and not self.issuer.issuing:
+                stack.prefetched_bytes += nbytes
+            self.eviction.push(key)
+
+    def evicted(self, key) -> None:
+        self.eviction.evicted(key)
+        stack = self.by_master.get(key[0])
+        if stack is not None:
+            stack.evictions += 1
+
+    def victim(self, view, room: int, candidates):
+        """The pager's eviction policy for a model with offloaded experts (``ExpertEviction.victim``)."""
+        return self.eviction.victim(view, room, candidates)
+
+    def step(self) -> None:
+        """A forward begins: decay use frequencies, close the last step's guesses."""
+        self.eviction.decay()
+        if self.speculator is not None:
+            self.speculator.step()
+        self.eviction.measure_reuse()
+        for stack in self.by_master.values():
+            stack.last_used, stack.used = stack.used, set()
+        self.layers.step()
+        self.issuer.step()
+        self.eviction.step()
+
+    def routed_keys(self) -> dict:
+        """Cache key -> bytes of every expert slice paged since the step began (for the measure
+        "bytes moved vs routed experts that were not cached" in tests and benchmarks)."""
+        return {stack.key_of(e): stack.expert_bytes for stack in self.by_master.values() for e in stack.used}
+
+    def reset(self) -> None:
+        for stack in self.by_master.values():
+            stack.hits = stack.misses = stack.bytes_h2d = stack.prefetched_bytes = stack.evictions = 0
+        if self.speculator is not None:
+            self.speculator.reset()
+
+    def report(self) -> dict:
+        return {s.name: s.report() for s in self.by_master.values()}
+

@@ -1,0 +1,106 @@
+"""One reader of router outputs: the experts the expert cache expects a layer to page, the experts
+the routing recorder records and the experts a router's guess names follow the router's own
+selection rule, DeepSeek-V3's ``e_score_correction_bias`` included (sigmoid scores plus the bias,
+as transformers' ``DeepseekV3TopkRouter`` selects)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import offtensor as ot
+from offtensor.moe import ExpertStacks, RoutingRecorder, routed_experts, select_experts
+
+EXPERTS, HIDDEN, TOP_K = 8, 16, 2
+BOOSTED = {5, 6, 7}  # experts whose correction bias outweighs any sigmoid score
+
+
+class BiasedGate(nn.Module):
+    """A router that returns only its logits; its layer selects on sigmoid + correction bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(EXPERTS, HIDDEN))
+        self.top_k = TOP_K
+        bias = torch.zeros(EXPERTS)
+        bias[sorted(BOOSTED)] = 10.0
+        self.register_buffer("e_score_correction_bias", bias)
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+class Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(EXPERTS, HIDDEN, HIDDEN) / HIDDEN ** 0.5)
+
+
+class MoE(nn.Module):
+    """Selects its experts one by one (integer indexing): nothing announces them, so the expert
+    cache learns what the layer pages from its router's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.experts = BiasedGate(), Experts()
+
+    def forward(self, x):
+        logits = self.gate(x)
+        picked = (logits.sigmoid() + self.gate.e_score_correction_bias).topk(TOP_K, dim=-1).indices
+        out = torch.zeros_like(x)
+        for row, ids in enumerate(picked.tolist()):
+            for e in ids:
+                out[row] = out[row] + x[row] @ self.experts.w1[e]
+        return out
+
+
+class Model(nn.Module):
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.layers = nn.ModuleList([MoE() for _ in range(layers)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def test_select_experts_follows_the_correction_bias():
+    torch.manual_seed(0)
+    gate = BiasedGate()
+    logits = gate(torch.randn(3, HIDDEN))
+    ids = select_experts(logits, TOP_K, gate)
+    assert ids.shape == (3, TOP_K) and all(set(row) <= BOOSTED for row in ids.tolist())
+    # Without a bias the selection is the logits' top-k; returned ids win over logits.
+    plain = nn.Linear(HIDDEN, EXPERTS, bias=False)
+    assert torch.equal(select_experts(logits, TOP_K, plain), logits.topk(TOP_K, dim=-1).indices)
+    given = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    assert torch.equal(routed_experts((logits, given), EXPERTS, TOP_K, gate), given)
+
+
+def test_expected_experts_and_recorded_routing_follow_the_correction_bias(monkeypatch):
+    torch.manual_seed(0)
+    model = Model()
+    x = torch.randn(1, HIDDEN)
+    expert_bytes = HIDDEN * HIDDEN * 4
+    ot.wrap_model(model, budget_gb=6 * expert_bytes / 2**30, device="cpu", policy={"offload": ["*.experts.*"]})
+    expected = []
+    original = ExpertStacks.expect
+
+    def spy(self, stacks, experts):
+        expected.append(sorted(int(e) for e in experts))
+        return original(self, stacks, experts)
+
+    monkeypatch.setattr(ExpertStacks, "expect", spy)
+    recorder = RoutingRecorder(model, 100)
+    try:
+        model(x)
+        recorded = [sorted(layer) for layer in recorder.trace()[0]]
+    finally:
+        recorder.remove()
+    # The speculator tells the expert cache what the router selects, the recorder records it, and
+    # both are what the layer really routed to (the boosted experts), not the logits' top-k.
+    assert len(expected) == len(model.layers), expected
+    assert expected == recorded, (expected, recorded)
+    assert all(set(ids) <= BOOSTED for ids in recorded), recorded
