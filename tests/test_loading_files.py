@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 import offtensor as ot
-from offtensor import _ext, loading
+from offtensor import _ext
+from offtensor.loading import files as loading_files
+from offtensor.loading import read as loading_read
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -81,9 +83,9 @@ def _corrupt(path, mutate):
 def test_chunked_threaded_reads_fill_masters_and_device_weights_exactly(tmp_path, reference, device, monkeypatch, staged):
     # Tiny chunks: every tensor spans several reads on several threads, and two staging slots are
     # reused many times, so a slot refilled before its copy finished would corrupt the values.
-    monkeypatch.setattr(loading, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(loading_read, "CHUNK_BYTES", 4096)
     if staged:
-        monkeypatch.setattr(loading, "_stages_resident", lambda device: True)
+        monkeypatch.setattr(loading_read, "_stages_resident", lambda device: True)
     file = tmp_path / "model.safetensors"
     safetensors_torch.save_model(reference, str(file))
     model = ot.load_safetensors(_meta(), file, budget_gb=0.5 * _bytes(reference) / GiB, device=device, threads=3)
@@ -197,7 +199,7 @@ def test_corrupt_or_truncated_file_is_refused_naming_file_and_tensor(tmp_path, r
 def test_file_truncated_while_loading_fails_and_leaves_the_model_unchanged(tmp_path, reference, monkeypatch):
     file = tmp_path / "model.safetensors"
     safetensors_torch.save_model(reference, str(file))
-    real = loading.read_header
+    real = loading_files.read_header
 
     def then_truncate(path):
         entries = real(path)
@@ -205,7 +207,7 @@ def test_file_truncated_while_loading_fails_and_leaves_the_model_unchanged(tmp_p
             f.truncate(entries["head.weight"].begin + 8)
         return entries
 
-    monkeypatch.setattr(loading, "read_header", then_truncate)
+    monkeypatch.setattr(loading_files, "read_header", then_truncate)
     model = _meta()
     with pytest.raises(ot.CheckpointError, match=r"reading '[\w.]+' in .*model\.safetensors.* bytes short") as info:
         ot.load_safetensors(model, file, budget_gb=1, device="cpu", threads=2)
@@ -246,7 +248,7 @@ def test_shape_mismatch_names_file_tensor_and_bytes(tmp_path, reference):
 def test_progress_reports_bytes_and_rate_and_can_be_silenced(tmp_path, reference, capsys, monkeypatch):
     file = tmp_path / "model.safetensors"
     safetensors_torch.save_model(reference, str(file))
-    monkeypatch.setattr(loading, "PROGRESS_MIN_BYTES", 1)  # this small checkpoint counts as large
+    monkeypatch.setattr(loading_read, "PROGRESS_MIN_BYTES", 1)  # this small checkpoint counts as large
     ot.load_safetensors(_meta(), file, budget_gb=1, device="cpu")
     assert "GB/s" in capsys.readouterr().err
     monkeypatch.setenv("OFFTENSOR_PROGRESS", "0")
@@ -255,7 +257,7 @@ def test_progress_reports_bytes_and_rate_and_can_be_silenced(tmp_path, reference
     monkeypatch.delenv("OFFTENSOR_PROGRESS")
     ot.load_safetensors(_meta(), file, budget_gb=1, device="cpu", progress=False)
     assert capsys.readouterr().err == ""
-    monkeypatch.setattr(loading, "PROGRESS_MIN_BYTES", 1 << 40)
+    monkeypatch.setattr(loading_read, "PROGRESS_MIN_BYTES", 1 << 40)
     ot.load_safetensors(_meta(), file, budget_gb=1, device="cpu")
     assert capsys.readouterr().err == ""
 

@@ -23,9 +23,9 @@ from torch import nn
 
 import offtensor as ot
 from offtensor import OffloadedTensor, _ext
-from offtensor import loading as _loading
 from offtensor import tensor as _tensor
 from offtensor import wrap as _wrap
+from offtensor.loading import read as _loading_read
 
 GiB = 1 << 30
 HIDDEN = 32
@@ -340,7 +340,7 @@ def _meta_model():
 
 _LOAD_STEPS = {
     "allocation": (_ext, "alloc_host", MemoryError, False),
-    "read": (_loading, "_pread_into", OSError, False),
+    "read": (_loading_read, "_pread_into", OSError, False),
     "swap": (_wrap, "_swap", RuntimeError, True),
     "registration": (_wrap, "_enter", RuntimeError, True),
 }

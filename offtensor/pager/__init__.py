@@ -8,10 +8,11 @@ paging lives in this package; the layers above (dispatch, compile) ask for "the 
 this host view" and say when the op that used it has been enqueued; nothing here knows about
 modules or names.
 
-One owner per file. ``pager.py`` composes the others; none of them imports another (the device
-operations reach slots and lifetimes only as objects handed to them):
+One owner per file. ``pager.py`` composes the others with two collaborators of its own, ``room.py``
+and ``copies.py``; apart from those, none of them imports another (the device operations reach
+slots and lifetimes only as objects handed to them):
 
-    stats.py      OffloadStats, the counters; format_bytes
+    stats.py      OffloadStats, the counters, and a snapshot of them; format_bytes
     budget.py     Budget: budget, resident, paged and offloaded bytes, the peak; BudgetError
     masters.py    Master (one host allocation's identity) and the registry by storage and by id
     device.py     per device kind (emulated, CUDA, meta): issuing copies, tokens, waits, streams,
@@ -20,7 +21,9 @@ operations reach slots and lifetimes only as objects handed to them):
     lifetimes.py  HostLifetimes: host sources kept until the copies reading them complete
     cache.py      CacheKey, CachedCopy, DeviceCache and the eviction policy (LRU by default)
     observers.py  Observers: the expert cache, the prefetcher and the timeline recorder, in order
-    pager.py      Pager, the façade that composes them
+    room.py       Room: evicting unused copies until a copy or resident weights fit; dropping copies
+    copies.py     Copies: issuing copies (cached ahead of use, transient in line, the caller's own)
+    pager.py      Pager, the façade that composes them, and the per-op path (page, upload, release)
 """
 
 from .budget import GiB, Budget, BudgetError

@@ -13,7 +13,7 @@ methods below, so the same code runs on both kinds and what the CPU suite proves
   in line on the op's own stream, with events where work crosses streams.
 - ``MetaDevice`` (``ot.plan``): meta tensors have no bytes, so every copy is done when issued.
 
-One owner for copies on a side stream: this module. The loader (loading.py) stages resident
+One owner for copies on a side stream: this module. The loader (loading/read.py) stages resident
 weights through ``load_copy`` / ``block`` here too, rather than through the extension's CUDA copy
 engine: the pager needs events that compose with torch's streams and are legal during CUDA graph
 capture, which torch's stream copies give, and the loader needs only "copy, then wait", a subset.

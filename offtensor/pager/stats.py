@@ -1,4 +1,5 @@
-"""The pager's counters (``OffloadStats``) and how bytes are printed for people."""
+"""The pager's counters (``OffloadStats``), a snapshot of them beside the figures of the moment, and
+how bytes are printed for people."""
 
 from __future__ import annotations
 
@@ -56,6 +57,27 @@ class OffloadStats:
                if self.max_memory_reserved is not None else "")
             + ")"
         )
+
+
+def snapshot(stats: OffloadStats, budget, budget_bytes: Optional[int], pool, figures, experts) -> OffloadStats:
+    """A copy of a pager's ``stats`` with the amounts of the moment: its ``budget``'s counts, its slot
+    ``pool``'s bytes (None without a budget), the device's ``figures`` (max allocated, max reserved;
+    None on the emulated device) and its ``experts``' report (None without routed experts)."""
+    s = dataclasses.replace(stats)
+    s.resident_bytes = budget.resident_bytes
+    s.offloaded_bytes = budget.offloaded_bytes
+    s.cached_bytes = budget.paged_bytes
+    s.budget_bytes = budget_bytes
+    if pool is not None:
+        s.pool_bytes = pool.live_bytes + pool.idle_bytes
+        s.peak_pool_bytes = pool.peak_bytes
+    if figures is not None:  # the real figures beside the logical ones
+        s.max_memory_allocated, s.max_memory_reserved = figures
+    if experts is not None:
+        s.experts = experts.report()
+        if experts.speculator is not None:
+            s.guesses = experts.speculator.report()
+    return s
 
 
 def format_bytes(n: Optional[float]) -> str:

@@ -1,0 +1,20 @@
+"""load_safetensors / from_pretrained: fill a model built on meta straight from safetensors files.
+
+Placement is planned from the meta shapes before a byte is read, so each weight goes from the file
+into its destination in one pass: an offloaded one into its exact-size host master, a resident one
+to the device through reused staging buffers. Every header is checked against the file and the
+model first, so a bad checkpoint is refused before the model changes; a read that fails later also
+leaves it unchanged, because tensors are swapped into the model only after every byte has arrived.
+
+    files.py       which files a path names; each file's header, parsed and checked; CheckpointError
+    names.py       how the files' names and dtypes map onto the model's tensors, and every mismatch
+    read.py        the threaded reader: pieces into host masters and, staged, into device buffers
+    load.py        load_safetensors: check, choose the placement, read, then change the model
+    pretrained.py  from_pretrained: a transformers directory -> its model on meta, then load
+"""
+
+from .files import CheckpointError, read_header
+from .load import load_safetensors
+from .pretrained import from_pretrained
+
+__all__ = ["CheckpointError", "load_safetensors", "from_pretrained", "read_header"]

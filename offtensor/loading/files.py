@@ -1,0 +1,363 @@
+"""Safetensors files, read and checked before anything is loaded: which files a path names (a
+file, a directory of shards, an index kept inside its directory), and each file's header.
+
+Every file header is parsed here (8-byte little-endian length + JSON) and checked against the file
+size as safetensors checks it (UTF-8 JSON with no key twice, known dtypes, shapes and offsets, the
+tensors tiling the data section exactly), so a bad checkpoint is refused before the model changes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+
+import torch
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+}
+# safetensors refuses headers above 100 MB; a larger length field means a corrupt file.
+_MAX_HEADER_BYTES = 100_000_000
+# An index is a small JSON file (one line per tensor); a larger one is not an index.
+_MAX_INDEX_BYTES = 100_000_000
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is unreadable, or does not fit the model; nothing was changed."""
+
+
+class FileTensor:
+    """One tensor's entry in a safetensors header: where its bytes lie in the file."""
+
+    __slots__ = ("file", "key", "dtype", "dtype_name", "shape", "begin", "nbytes")
+
+    def __init__(self, file, key, dtype, dtype_name, shape, begin, nbytes):
+        self.file, self.key, self.dtype, self.dtype_name = file, key, dtype, dtype_name
+        self.shape, self.begin, self.nbytes = shape, begin, nbytes
+
+
+def open_regular(path, what: str) -> int:
+    """A read-only descriptor of ``path``, refused unless it is a regular file: a FIFO, a device or
+    a socket named as a checkpoint would block a read or never end. ``O_NONBLOCK`` makes opening a
+    FIFO return at once (so it can be refused) and changes nothing for a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        raise CheckpointError(f"offtensor: cannot open {what} {os.fspath(path)!r}: {e}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError as e:
+        os.close(fd)
+        raise CheckpointError(f"offtensor: cannot stat {what} {os.fspath(path)!r}: {e}") from None
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+        raise CheckpointError(f"offtensor: {what} {os.fspath(path)!r} is {kind}, not a regular file: refusing to read it")
+    return fd
+
+
+def read_exactly(fd: int, offset: int, count: int) -> bytes:
+    """``count`` bytes at ``offset`` (fewer only at the end of the file)."""
+    parts, done = [], 0
+    while done < count:
+        chunk = os.pread(fd, min(count - done, 1 << 26), offset + done)
+        if not chunk:
+            break
+        parts.append(chunk)
+        done += len(chunk)
+    return b"".join(parts)
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _object_without_duplicates(pairs):
+    """json object_pairs_hook: a key given twice is refused (json keeps the last silently)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return out
+
+
+# A \uD800-\uDFFF escape: json decodes an unpaired one into a lone surrogate, which is not text
+# (serde_json refuses it). Only texts holding one are checked in full.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parse_json(raw: bytes, file, what: str):
+    """The JSON value in ``raw``, parsed as safetensors parses headers: UTF-8 only (``json.loads`` of
+    bytes would also take UTF-16 and UTF-32), no key twice in an object, no NaN or Infinity, no
+    unpaired surrogate escape. Every failure is a CheckpointError naming ``file``."""
+    name = os.fspath(file)
+    try:
+        text = raw.decode("utf-8")  # strict: invalid bytes, a UTF-16 text or stray surrogates fail
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"offtensor: the {what} of {name!r} is not UTF-8 ({e}); safetensors headers and "
+                              f"indexes are UTF-8 JSON: the file is corrupt") from None
+    try:
+        value = json.loads(text, object_pairs_hook=_object_without_duplicates, parse_constant=_no_constant)
+    except _DuplicateKey as e:
+        raise CheckpointError(f"offtensor: the {what} of {name!r} gives the key {e.args[0]!r} twice (JSON would keep "
+                              f"only the last one): the file is corrupt") from None
+    except RecursionError:
+        raise CheckpointError(f"offtensor: the {what} of {name!r} is nested deeper than any safetensors {what} "
+                              f"(a {len(raw)}-byte JSON of nested arrays or objects): the file is corrupt") from None
+    except ValueError as e:  # JSONDecodeError, and ints longer than Python's digit limit
+        raise CheckpointError(f"offtensor: the {len(raw)}-byte {what} of {name!r} is not a safetensors JSON {what} "
+                              f"({e}): the file is corrupt") from None
+    if _SURROGATE_ESCAPE.search(text):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise CheckpointError(f"offtensor: the {what} of {name!r} holds an unpaired UTF-16 surrogate escape "
+                                  f"(\\uD800-\\uDFFF), which is not text: the file is corrupt") from None
+        except RecursionError:
+            raise CheckpointError(f"offtensor: the {what} of {name!r} is nested deeper than any safetensors "
+                                  f"{what}: the file is corrupt") from None
+    return value
+
+
+def _read_index(path) -> dict:
+    """The ``weight_map`` of a safetensors index: tensor name -> shard file name, both strings."""
+    fd = open_regular(path, "safetensors index")
+    try:
+        size = os.fstat(fd).st_size
+        if size > _MAX_INDEX_BYTES:
+            raise CheckpointError(f"offtensor: {path!r} is {size} bytes, larger than any safetensors index "
+                                  f"(at most {_MAX_INDEX_BYTES}): it is not an index")
+        raw = read_exactly(fd, 0, size)
+    finally:
+        os.close(fd)
+    index = _parse_json(raw, path, "index")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        got = f"is a JSON {type(index).__name__}" if not isinstance(index, dict) else (
+            "has no weight_map" if "weight_map" not in index
+            else f"has a weight_map that is a JSON {type(weight_map).__name__}")
+        raise CheckpointError(f"offtensor: {path!r} is not a safetensors index: an index is a JSON object whose "
+                              f"weight_map maps tensor names to shard files, this one {got}")
+    bad = [(k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v]
+    if bad:
+        raise CheckpointError(f"offtensor: index {path!r} maps {len(bad)} tensors to something other than a shard file "
+                              f"name, e.g. {bad[0][0]!r} -> {bad[0][1]!r}: the index is corrupt")
+    return weight_map
+
+
+def _inside(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root
+
+
+def _shard_path(root: str, name: str, index, allow_outside_paths: bool) -> str:
+    """The shard an index names, kept inside the index's directory unless ``allow_outside_paths``:
+    no absolute path, no ``..``, and no symlink that resolves outside it, except the
+    huggingface_hub cache layout, where ``snapshots/<rev>/<file>`` links to ``../../blobs/<hash>``."""
+    if "\x00" in name:
+        raise CheckpointError(f"offtensor: index {index!r} names a shard {name!r} with a NUL byte: the index is corrupt")
+    if allow_outside_paths:
+        return os.path.join(root, name)
+    escape = None
+    if os.path.isabs(name):
+        escape = "is an absolute path"
+    elif ".." in name.replace(os.sep, "/").split("/"):
+        escape = "climbs out with '..'"
+    path = os.path.join(root, name)
+    if escape is None:
+        real_root = os.path.realpath(root or ".")
+        real = os.path.realpath(path)
+        allowed = [real_root]
+        parent = os.path.dirname(os.path.abspath(root or "."))
+        if os.path.basename(parent) == "snapshots":  # huggingface_hub: <repo>/snapshots/<rev> -> <repo>/blobs
+            allowed.append(os.path.realpath(os.path.join(parent, os.pardir, "blobs")))
+        if not any(_inside(real, a) for a in allowed):
+            escape = f"resolves through a symlink to {real!r}"
+    if escape is not None:
+        raise CheckpointError(
+            f"offtensor: index {index!r} names the shard {name!r}, which {escape}, outside the checkpoint directory "
+            f"{root or '.'!r}; pass allow_outside_paths=True to load shards from elsewhere if you trust this index"
+        )
+    return path
+
+
+def shard_files(path, allow_outside_paths: bool = False) -> list:
+    """The safetensors files behind ``path``: a file, a directory, or an ``*.index.json``."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"offtensor: no safetensors checkpoint at {path!r}: the path does not exist")
+    if os.path.isdir(path):
+        indexes = sorted(f for f in os.listdir(path) if f.endswith(".safetensors.index.json"))
+        if indexes:
+            return shard_files(os.path.join(path, indexes[0]), allow_outside_paths)
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"offtensor: directory {path!r} holds no *.safetensors file and no index")
+        return files
+    if path.endswith(".json"):
+        weight_map = _read_index(path)
+        root = os.path.dirname(path)
+        by_name = {name: _shard_path(root, name, path, allow_outside_paths) for name in dict.fromkeys(weight_map.values())}
+        files = list(by_name.values())
+        missing = [f for f in files if not os.path.exists(f)]
+        if missing:
+            lost = [name for name, file in weight_map.items() if by_name[file] in missing]
+            raise FileNotFoundError(
+                f"offtensor: index {path!r} names shards that do not exist: {missing}; they hold {len(lost)} tensors, "
+                f"e.g. {lost[:4]}. Download the missing shards or point at a complete checkpoint."
+            )
+        return files
+    return [path]
+
+
+_COUNT_LIMIT = 1 << 63  # torch sizes are int64
+
+
+def read_header(file) -> dict:
+    """key -> FileTensor for every tensor of one safetensors file, checked as safetensors checks
+    it (and a little more), without reading any tensor data: UTF-8 JSON with no key twice, a
+    string -> string ``__metadata__``, known dtypes, shapes and offsets of non-negative ints, each
+    tensor's bytes matching its shape and dtype, and the tensors tiling the data section exactly:
+    no overlap, no gap, nothing after the last one."""
+    header, size, header_bytes = _read_header_json(file)
+    data_start = 8 + header_bytes
+    data_bytes = size - data_start
+    entries = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            # safetensors: an optional map of strings to strings (null is its "absent").
+            if info is not None and not (isinstance(info, dict) and all(isinstance(v, str) for v in info.values())):
+                bad = (f"a JSON {type(info).__name__}" if not isinstance(info, dict) else
+                       "{" + ", ".join(f"{k!r}: {v!r}" for k, v in info.items() if not isinstance(v, str))[:200] + "}")
+                raise CheckpointError(f"offtensor: the __metadata__ of {file!r} must map strings to strings (as "
+                                      f"safetensors requires), it is {bad}: the file is corrupt")
+            continue
+        entries[key] = _header_entry(file, key, info, data_start, data_bytes)
+    _check_tiling(file, entries, data_start, size)
+    return entries
+
+
+def _read_header_json(file):
+    """(the parsed JSON header, the file's size, the header's length) of a safetensors file."""
+    fd = open_regular(file, "safetensors file")
+    try:
+        size = os.fstat(fd).st_size
+        head = read_exactly(fd, 0, 8)
+        if len(head) < 8:
+            raise CheckpointError(f"offtensor: {file!r} is {size} bytes, too short for the 8-byte header length of a "
+                                  f"safetensors file: it is truncated or not a safetensors file")
+        header_bytes = int.from_bytes(head, "little")
+        if header_bytes > min(size - 8, _MAX_HEADER_BYTES):
+            raise CheckpointError(
+                f"offtensor: {file!r} says its header is {header_bytes} bytes, but the file has {size - 8} bytes after "
+                f"the length field (and headers are at most {_MAX_HEADER_BYTES}): the file is truncated or corrupt"
+            )
+        raw = read_exactly(fd, 8, header_bytes)
+    finally:
+        os.close(fd)
+    if len(raw) < header_bytes:
+        raise CheckpointError(f"offtensor: {file!r} ended after {len(raw)} of its {header_bytes} header bytes: "
+                              f"the file was truncated while being read")
+    header = _parse_json(raw, file, "header")
+    if not isinstance(header, dict):
+        raise CheckpointError(f"offtensor: the {header_bytes}-byte header of {file!r} is not a safetensors JSON "
+                              f"header (the header is a JSON {type(header).__name__}, not an object): the file is corrupt")
+    return header, size, header_bytes
+
+
+def _header_entry(file, key: str, info, data_start: int, data_bytes: int) -> "FileTensor":
+    """One tensor's header entry, checked: known dtype, non-negative int shape and offsets, bytes
+    matching shape and dtype, inside the data section."""
+    try:
+        dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    except (KeyError, TypeError):
+        raise CheckpointError(f"offtensor: tensor {key!r} in {file!r} has a malformed header entry {info!r:.200}: "
+                              f"an entry is an object with dtype, shape and data_offsets: the file is corrupt") from None
+    dtype = _DTYPES.get(dtype_name) if type(dtype_name) is str else None
+    if dtype is None:
+        if type(dtype_name) is not str:
+            raise CheckpointError(f"offtensor: tensor {key!r} in {file!r} has dtype {dtype_name!r:.200}, not a "
+                                  f"dtype name: the file is corrupt")
+        raise CheckpointError(f"offtensor: tensor {key!r} in {file!r} has dtype {dtype_name!r}, which offtensor "
+                              f"cannot load (known: {sorted(_DTYPES)})")
+    # Integers that fit safetensors' usize and torch's int64; a JSON true is not a 1 here,
+    # though Python's bool is an int.
+    numel = 1
+    if type(shape) is list:
+        for d in shape:
+            if type(d) is not int or not 0 <= d < _COUNT_LIMIT:
+                numel = -1
+                break
+            numel *= d
+    if type(shape) is not list or numel < 0:
+        raise CheckpointError(f"offtensor: tensor {key!r} in {file!r} has shape {shape!r:.200}: the file is corrupt")
+    if type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int \
+            or type(offsets[1]) is not int or not 0 <= offsets[0] <= offsets[1] < _COUNT_LIMIT:
+        raise CheckpointError(f"offtensor: tensor {key!r} in {file!r} has data offsets {offsets!r:.200}: "
+                              f"the file is corrupt")
+    begin, end = offsets
+    where = f"tensor {key!r} in {file!r}"
+    nbytes = numel * dtype.itemsize
+    if end - begin != nbytes:
+        raise CheckpointError(
+            f"offtensor: {where} spans bytes [{begin}, {end}) = {end - begin} bytes of the data section, but its "
+            f"shape {tuple(shape)} in {dtype_name} needs {nbytes} bytes: the file is corrupt"
+        )
+    if end > data_bytes:
+        raise CheckpointError(
+            f"offtensor: {where} ({nbytes} bytes) lies at bytes [{begin}, {end}) of the data section, past the "
+            f"end of the file ({data_bytes} bytes of data): the file is truncated"
+        )
+    return FileTensor(file, key, dtype, dtype_name, tuple(shape), data_start + begin, nbytes)
+
+
+def _check_tiling(file, entries: dict, data_start: int, size: int) -> None:
+    """The tensors tile the data section exactly, in offset order (safetensors' validate): an
+    overlap would give two tensors the same bytes, a gap or trailing bytes mean the header and data
+    disagree. Empty tensors at the same offset share no byte and are accepted, as safetensors
+    accepts them."""
+    at, previous = data_start, None
+    for e in sorted(entries.values(), key=lambda e: (e.begin, e.begin + e.nbytes)):
+        if e.begin != at:
+            span = f"{e.key!r} at bytes [{e.begin - data_start}, {e.begin - data_start + e.nbytes})"
+            if previous is None:
+                problem = f"the data section starts with {e.begin - data_start} bytes that belong to no tensor before {span}"
+            elif e.begin < at:
+                problem = (f"{span} overlaps {previous.key!r} at bytes [{previous.begin - data_start}, "
+                           f"{at - data_start}): two tensors would share bytes")
+            else:
+                problem = (f"bytes [{at - data_start}, {e.begin - data_start}) between {previous.key!r} and {span} "
+                           f"belong to no tensor")
+            raise CheckpointError(f"offtensor: in {file!r}, {problem}; safetensors refuses such a file: it is corrupt")
+        at, previous = e.begin + e.nbytes, e
+    if at != size:
+        after = f"the last tensor, {previous.key!r}," if previous is not None else "the header"
+        raise CheckpointError(f"offtensor: {file!r} has {size - at} bytes after {after} that belong to no tensor; "
+                              f"safetensors refuses such a file: it is corrupt or was written by another tool")
+
+
+def headers(files) -> dict:
+    """key -> FileTensor over every shard; a key in two shards is refused."""
+    entries = {}
+    for file in files:
+        for key, entry in read_header(file).items():
+            if key in entries:
+                raise CheckpointError(f"offtensor: tensor {key!r} is in both {entries[key].file!r} and {file!r}")
+            entries[key] = entry
+    return entries
+

@@ -1,0 +1,76 @@
+"""load_safetensors: fill a model built on meta straight from safetensors files, every header
+checked against the model and the placement chosen before a byte is read; the model changes only
+after every byte has arrived."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from torch import nn
+
+from .. import placement
+from .. import wrap
+from ..config import OffloadConfig
+from ..pager import Pager, resolve_device
+from .files import CheckpointError, headers, shard_files
+from .names import architecture_problem, match
+from .read import Progress, Reader, read
+
+
+def load_safetensors(model: nn.Module, path, budget_gb: Optional[float] = None, device=None, *,
+                     offload_gb: Optional[float] = None, prefetch: bool = True, policy=None,
+                     strict: bool = True, progress: Optional[bool] = None, threads: Optional[int] = None,
+                     convert_dtypes: bool = False, allow_outside_paths: bool = False, routing=None) -> nn.Module:
+    """Load ``model``'s weights (usually built on meta) from safetensors and wrap it for a budget.
+
+    ``path`` is a ``.safetensors`` file, a directory of shards, or a ``*.safetensors.index.json``.
+    Tied names need to be in the files once. With ``strict`` every weight the model lacks values
+    for must be in the files and every tensor in the files must belong to the model.
+    ``progress``: None shows a bar for loads of at least 256 MB (``OFFTENSOR_PROGRESS=0`` silences
+    it, ``=1`` forces it), True/False force it. ``threads``: readers (default: the CPU count, 4..8,
+    since they mostly wait on page faults; ``OFFTENSOR_LOAD_THREADS``). ``convert_dtypes``: floating
+    tensors of another dtype in the files are converted to the model's instead of refused.
+    ``allow_outside_paths``: an index may name shards outside its own directory (absolute paths,
+    ``..``, symlinks leading elsewhere); by default such an index is refused, except for
+    huggingface_hub's cache layout (``snapshots/<rev>/*`` linking to ``../../blobs``). The
+    placement arguments, ``progress`` and ``threads`` make an ``OffloadConfig``; ``routing`` (an MoE
+    model's measured routing, as for ``wrap_model``) decides the expert placement before any byte
+    is read, else the loaded model decides from its own routing.
+    """
+    wrap.check_wrappable(model)
+    config = OffloadConfig.from_arguments(budget_gb=budget_gb, offload_gb=offload_gb, device=device, prefetch=prefetch,
+                                          policy=policy, progress=progress, load_threads=threads, routing=routing)
+    return load(model, path, config, strict, convert_dtypes, allow_outside_paths)
+
+
+def load(model: nn.Module, path, config: OffloadConfig, strict: bool, convert_dtypes: bool,
+          allow_outside_paths: bool) -> nn.Module:
+    """``load_safetensors`` once its arguments are settings: check every header against the model,
+    choose the placement, read every byte into its destination, and only then change the model."""
+    device = resolve_device(config.device)
+    files = shard_files(path, allow_outside_paths)
+    entries = headers(files)
+    groups = placement.collect_groups(model)
+    chosen, problems = match(entries, model, groups, convert_dtypes, path, strict)
+    architecture = architecture_problem(model, files)
+    if architecture:
+        problems.insert(0, architecture)
+    if problems:
+        raise CheckpointError("offtensor: cannot load " + os.fspath(path) + " into " + type(model).__name__
+                              + " (the model is unchanged):\n  " + "\n  ".join(problems))
+
+    placed = placement.choose_model_placement(groups, config, device)
+    # The expert placement too is chosen before a byte is read: the reads fill what it places.
+    placed, config, report, watch = wrap.choose_expert_placement(model, groups, placed, config, device)
+    pager = Pager(device, placed.budget_bytes, strict=config.strict)
+    total = sum(p.source.nbytes for _, ps in chosen.values() for p in ps)
+    progress_bar = Progress(total, config.progress, f"offtensor: loading {os.path.basename(os.fspath(path))}")
+    ok = False
+    try:
+        loaded = read(groups, chosen, placed, pager, Reader(device, config.load_threads, progress_bar))
+        ok = True
+    finally:
+        progress_bar.close(ok)
+    # Every byte is in place: only now does the model change.
+    return wrap.apply_placement(model, placed, pager, config, loaded, expert=(report, watch))

@@ -1,0 +1,221 @@
+"""How the files' names and dtypes map onto the model: each file tensor -> the model tensor (or
+the part of a stacked one) it fills, transformers' renamings and expert stackings applied, and
+every mismatch (missing and unexpected names, shapes, dtypes, another architecture) reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .files import FileTensor, open_regular, read_exactly
+
+
+class Piece:
+    """A file tensor and the part of a model tensor it fills: the whole tensor, or (for checkpoints
+    that store stacked experts one by one) ``target[index]``, narrowed along ``dim`` to
+    ``[offset, offset + length)`` when several file tensors are concatenated into one."""
+
+    __slots__ = ("source", "target", "index", "part", "dim", "offset")
+
+    def __init__(self, source: FileTensor, target: str, index=None, part=0, dim=None):
+        self.source, self.target, self.index, self.part, self.dim = source, target, index, part, dim
+        self.offset = 0
+
+    def region(self, t: torch.Tensor) -> torch.Tensor:
+        if self.index is None:
+            return t
+        t = t[self.index]
+        return t if self.dim is None else t.narrow(self.dim, self.offset, self.source.shape[self.dim])
+
+    def describe(self) -> str:
+        return f"{self.source.key!r} in {self.source.file!r}"
+
+
+class _Conversions:
+    """The key renamings and expert stackings transformers applies to a checkpoint of this model
+    (``save_pretrained`` writes Mixtral / DeepSeek / Qwen-MoE experts one tensor per expert, the
+    models hold them stacked). Only renames and stack-then-concatenate are understood; anything
+    else is reported, never guessed."""
+
+    def __init__(self, model: nn.Module):
+        self.renames, self.stacks, self.unsupported = [], [], []
+        try:
+            from transformers import PreTrainedModel
+            from transformers import conversion_mapping
+        except ImportError:
+            return  # no transformers, or one from before checkpoint conversions (v4): names are used as they are
+        if not isinstance(model, PreTrainedModel):
+            return
+        try:
+            if hasattr(conversion_mapping, "get_model_conversion_mapping"):
+                transforms = conversion_mapping.get_model_conversion_mapping(model)
+            else:
+                transforms = conversion_mapping.get_checkpoint_conversion_mapping(model.config.model_type) or []
+        except Exception as e:  # an API change in transformers: say so instead of failing the load
+            self.unsupported.append(f"transformers' conversion mapping could not be read ({e})")
+            return
+        for t in transforms:
+            ops = [type(op).__name__ for op in getattr(t, "operations", ())]
+            sources, targets = list(t.source_patterns), list(t.target_patterns)
+            scope = getattr(t, "scope_prefix", None) or ""
+            if not ops:
+                for i, source in enumerate(sources):  # several sources may share one target
+                    self.renames.append((scope, re.compile(source), targets[min(i, len(targets) - 1)]))
+            elif ops[0] == "MergeModulelist" and len(targets) == 1 and (
+                len(ops) == 1 or (len(ops) == 2 and ops[1] == "Concatenate")
+            ):
+                if getattr(t.operations[0], "dim", 0) != 0:
+                    self.unsupported.append(f"{sources} -> {targets}: MergeModulelist(dim={t.operations[0].dim})")
+                    continue
+                cat_dim = t.operations[1].dim - 1 if len(ops) == 2 else None  # dims of one expert's slice
+                patterns = [re.compile(re.escape(s).replace(r"\*", r"(\d+)")) for s in sources]
+                self.stacks.append((scope, patterns, targets[0], cat_dim))
+            else:
+                self.unsupported.append(f"{sources} -> {targets}: {ops}")
+
+    def piece(self, source: FileTensor, model_names) -> Optional[Piece]:
+        key = source.key
+        for scope, pattern, replacement in self.renames:
+            if key.startswith(scope):
+                key = pattern.sub(replacement, key)
+        if key in model_names:
+            return Piece(source, key)
+        for scope, patterns, target, cat_dim in self.stacks:
+            if not key.startswith(scope):
+                continue
+            for part, pattern in enumerate(patterns):
+                m = pattern.search(key)
+                if m is not None:
+                    name = key[: m.start()] + target + key[m.end():]
+                    if name in model_names:
+                        return Piece(source, name, index=int(m.group(1)), part=part, dim=cat_dim)
+        return None
+
+
+def match(entries: dict, model: nn.Module, groups, convert_dtypes: bool, path, strict: bool):
+    """name of each model tensor -> its pieces, and the problems found (all of them, not the first)."""
+    members = {}  # model name -> (group, member)
+    for group in groups:
+        for member in group:
+            for name in member.names:
+                members[name] = (group, member)
+    conversions = None
+    pieces: dict = {}
+    unmatched = []
+    for key, source in entries.items():
+        if key in members:
+            pieces.setdefault(key, []).append(Piece(source, key))
+            continue
+        if conversions is None:
+            conversions = _Conversions(model)
+        piece = conversions.piece(source, members)
+        if piece is None:
+            unmatched.append(key)
+        else:
+            pieces.setdefault(piece.target, []).append(piece)
+
+    # transformers models name checkpoint tensors they deliberately skip (DeepSeek-V3's MTP layer 61).
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    unmatched = [k for k in unmatched if not any(p.search(k) for p in ignored)]
+    problems, missing = [], []
+    chosen = {}  # id(member) -> (member, [pieces])
+    for group in groups:
+        for member in group:
+            names = [n for n in member.names if n in pieces]
+            if not names:
+                if member.tensor.is_meta:
+                    t = member.tensor
+                    missing.append(f"{member.names[0]} ({tuple(t.shape)}, {t.dtype}, {t.numel() * t.element_size()} bytes)")
+                continue
+            # Tied names stored more than once: the first is read, the others are only known.
+            chosen[id(member)] = (member, pieces[names[0]])
+            problems += _check_pieces(names[0], member.tensor, pieces[names[0]], convert_dtypes)
+    if strict and unmatched:
+        problems.append(f"the files hold {len(unmatched)} tensors the model does not have: {sorted(unmatched)[:8]}"
+                        f"{' ...' if len(unmatched) > 8 else ''} (pass strict=False to ignore them)")
+    if missing:
+        problems.append(f"the files lack {len(missing)} weights the model has no values for: {missing[:8]}"
+                        f"{' ...' if len(missing) > 8 else ''}")
+    if conversions is not None and conversions.unsupported and (unmatched or missing):
+        problems.append(f"transformers converts this checkpoint with steps offtensor does not do: "
+                        f"{conversions.unsupported[:4]}")
+    named = [n for n in members if members[n][1].tensor.is_meta]
+    found = sum(1 for n in named if n in pieces)
+    if named and found < len(named) / 2:
+        problems.append(f"only {found} of the model's {len(named)} weights are in {os.fspath(path)!r}: it looks like "
+                        f"a checkpoint of another architecture (file: {sorted(entries)[:3]}, model: {named[:3]})")
+    return chosen, problems
+
+
+def _check_pieces(name, t: torch.Tensor, pieces, convert_dtypes: bool) -> list:
+    problems = []
+    model_bytes = t.numel() * t.element_size()
+    for p in pieces:
+        s = p.source
+        if s.dtype != t.dtype and not (convert_dtypes and s.dtype.is_floating_point and t.dtype.is_floating_point):
+            problems.append(f"{name}: {p.describe()} has dtype {s.dtype_name} ({s.nbytes} bytes), the model expects "
+                            f"{t.dtype} ({model_bytes} bytes); build the model with the checkpoint's dtype")
+            return problems
+    if len(pieces) == 1 and pieces[0].index is None:
+        s = pieces[0].source
+        if s.shape != tuple(t.shape):
+            problems.append(f"{name}: {pieces[0].describe()} has shape {s.shape} ({s.nbytes} bytes), the model "
+                            f"expects {tuple(t.shape)} ({model_bytes} bytes)")
+        return problems
+    # Stacked from per-expert tensors: every (expert, part) once, parts laid end to end along dim.
+    if any(p.index is None for p in pieces) or t.dim() == 0:
+        return [f"{name}: {len(pieces)} file tensors map onto it ({[p.describe() for p in pieces[:3]]})"]
+    by_part: dict = {}
+    for p in pieces:
+        by_part.setdefault(p.part, {}).setdefault(p.index, []).append(p)
+    experts = t.shape[0]
+    slice_shape = tuple(t.shape[1:])
+    offset = 0
+    for part in sorted(by_part):
+        got = by_part[part]
+        bad = sorted(i for i, ps in got.items() if len(ps) > 1 or not 0 <= i < experts)
+        if bad or len(got) != experts:
+            return [f"{name} ({experts} experts): the files give part {part} for experts {sorted(got)[:8]}"
+                    f"{' ...' if len(got) > 8 else ''}; each expert must appear exactly once"]
+        shapes = {ps[0].source.shape for ps in got.values()}
+        dim = got[0][0].dim
+        width = next(iter(shapes))[dim] if dim is not None and len(shapes) == 1 else None
+        for ps in got.values():
+            ps[0].offset = offset
+        expected = slice_shape if dim is None else slice_shape[:dim] + (width,) + slice_shape[dim + 1:]
+        if len(shapes) != 1 or next(iter(shapes)) != expected:
+            return [f"{name}: expert tensors such as {got[0][0].describe()} have shapes {sorted(shapes)[:3]}, "
+                    f"the model's {tuple(t.shape)} ({model_bytes} bytes) needs {expected}"]
+        offset += width or 0
+    dim = pieces[0].dim
+    if dim is not None and offset != slice_shape[dim]:
+        problems.append(f"{name}: the parts {sorted(by_part)} concatenate to {offset} along dim {dim + 1}, the model "
+                        f"has {slice_shape[dim]} ({tuple(t.shape)}, {model_bytes} bytes)")
+    return problems
+
+
+def architecture_problem(model: nn.Module, files) -> Optional[str]:
+    """The config.json beside the files names another model type than the model's config."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    config_file = os.path.join(os.path.dirname(os.path.abspath(files[0])), "config.json")
+    if not model_type or not os.path.exists(config_file):
+        return None
+    try:
+        fd = open_regular(config_file, "config")  # never blocks on a FIFO named config.json
+        try:
+            theirs = json.loads(read_exactly(fd, 0, os.fstat(fd).st_size)).get("model_type")
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, AttributeError, RecursionError):  # CheckpointError is a ValueError
+        return None
+    if theirs and theirs != model_type:
+        return (f"{config_file!r} describes a {theirs!r} checkpoint but the model is a {model_type!r} "
+                f"({type(model).__name__}): load it into a {theirs} model (ot.from_pretrained builds the right one)")
+    return None
+

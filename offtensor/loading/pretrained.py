@@ -1,0 +1,114 @@
+"""from_pretrained: a transformers checkpoint directory -> its model, built on meta from
+``config.json`` (buffers kept real) and filled by the loader."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..config import OffloadConfig
+from .files import headers, shard_files
+from .load import load
+
+
+class _ParametersOnMeta:
+    """``with _parameters_on_meta():`` builds parameters on meta and leaves buffers real, like
+    accelerate's ``init_empty_weights(include_buffers=False)``: buffers computed at init (rotary
+    frequencies) are not in checkpoints, so they must keep their values.
+
+    Only the thread inside the block is affected: a parameter registration hook (torch's public
+    ``register_module_parameter_registration_hook``) acts for threads that are building, and is
+    registered only while one is (``nn.Module`` itself is never changed). A module built meanwhile
+    in another thread gets ordinary weights; concurrent builds each see their own."""
+
+    def __init__(self):
+        self.building = threading.local()
+        self.lock = threading.Lock()
+        self.threads_building = 0
+        self.hook = None
+
+    @contextlib.contextmanager
+    def __call__(self):
+        with self.lock:
+            self.threads_building += 1
+            if self.hook is None:
+                from torch.nn.modules import module as module_mod
+
+                self.hook = module_mod.register_module_parameter_registration_hook(self.on_meta)
+        depth = getattr(self.building, "depth", 0)
+        self.building.depth = depth + 1
+        try:
+            yield
+        finally:
+            self.building.depth = depth
+            with self.lock:
+                self.threads_building -= 1
+                if not self.threads_building:
+                    self.hook.remove()
+                    self.hook = None
+
+    def on_meta(self, module, name, param):
+        if not getattr(self.building, "depth", 0) or param is None or param.is_meta:
+            return None
+        on_meta = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        on_meta.__dict__.update(param.__dict__)
+        return on_meta
+
+
+_parameters_on_meta = _ParametersOnMeta()
+
+
+def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype: Optional[torch.dtype] = None, *,
+                    offload_gb: Optional[float] = None, prefetch: bool = True, policy=None,
+                    progress: Optional[bool] = None, threads: Optional[int] = None, model_class=None,
+                    trust_remote_code: bool = False, strict: bool = True,
+                    allow_outside_paths: bool = False, routing=None) -> nn.Module:
+    """A transformers checkpoint directory -> its model built on meta from ``config.json``, every
+    shard read through ``load_safetensors``, wrapped for the budget, in eval mode.
+
+    ``dtype``: None keeps the checkpoint's floating dtype; another floating dtype converts while
+    loading. ``model_class``: a transformers class to build instead of ``config.architectures[0]``
+    (or ``AutoModelForCausalLM`` when the config names none). ``allow_outside_paths``: as for
+    ``load_safetensors``. transformers is needed only here.
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError(
+            "offtensor.from_pretrained needs transformers (pip install transformers) to build the model from "
+            "config.json; without it, build the model on meta yourself and call ot.load_safetensors(model, path)"
+        ) from None
+    root = os.fspath(path)
+    if not os.path.isdir(root) or not os.path.isfile(os.path.join(root, "config.json")):  # isfile: not a FIFO
+        raise FileNotFoundError(f"offtensor: {root!r} is not a transformers checkpoint directory (no config.json)")
+    config = OffloadConfig.from_arguments(budget_gb=budget_gb, offload_gb=offload_gb, device=device, prefetch=prefetch,
+                                          policy=policy, progress=progress, load_threads=threads, routing=routing)
+    model_config = transformers.AutoConfig.from_pretrained(root, local_files_only=True,
+                                                           trust_remote_code=trust_remote_code)
+    files = shard_files(root, allow_outside_paths)
+    if dtype is None:
+        by_dtype: dict = {}
+        for entry in headers(files).values():
+            if entry.dtype.is_floating_point:
+                by_dtype[entry.dtype] = by_dtype.get(entry.dtype, 0) + entry.nbytes
+        dtype = max(by_dtype, key=by_dtype.get) if by_dtype else torch.get_default_dtype()
+    cls = model_class
+    if cls is None:
+        names = getattr(model_config, "architectures", None) or []
+        cls = next((getattr(transformers, n) for n in names if hasattr(transformers, n)), None)
+    with _parameters_on_meta():
+        if cls is None:
+            model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=dtype,
+                                                                  trust_remote_code=trust_remote_code)
+        else:
+            model = cls._from_config(model_config, dtype=dtype)
+    model.tie_weights()  # ties declared by the config (tie_word_embeddings), bound before loading
+    model.eval()
+    index = next((os.path.join(root, f) for f in sorted(os.listdir(root)) if f.endswith(".safetensors.index.json")),
+                 None)
+    return load(model, index or root, config, strict, convert_dtypes=True, allow_outside_paths=allow_outside_paths)

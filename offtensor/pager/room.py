@@ -1,0 +1,129 @@
+"""Room in the budget: evicting cached copies no op uses until what comes next fits.
+
+What comes next is a new copy, a prefetch, or resident weights moved onto the device. The eviction
+policy picks each victim (``cache.py``: LRU by default, the expert cache's order when the model has
+routed experts); this module evicts it, tells the observers and gives its slot back. The calls the
+layers above make through the pager (resident bytes, free bytes, forgetting a master's copies)
+take the pager's ``lock``; ``make_room``, ``evict`` and ``remove`` run with it held.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .lifetimes import storage_ptr
+
+
+class Room:
+    """Makes room in one pager's budget and drops its cached copies."""
+
+    def __init__(self, lock, device, budget, cache, pool, lifetimes, observers, policy):
+        self.lock, self.device, self.budget, self.cache, self.pool = lock, device, budget, cache, pool
+        self.lifetimes, self.observers = lifetimes, observers
+        self.policy = policy  # the eviction policy: LRU, or the expert cache's order (the pager sets it)
+
+    # ``budget_bytes`` below is the pager's (``Pager.budget_bytes``), passed by each call.
+
+    def free_bytes(self, budget_bytes: Optional[int]) -> Optional[int]:
+        """Bytes an op could page right now, evicting every cached copy no op is using; None
+        without a budget. Lets an op that selects many slices (all experts of a prefill) page
+        them a chunk at a time instead of failing."""
+        if budget_bytes is None:
+            return None
+        with self.lock:  # waits for another thread's op: its copies in use are not this op's
+            budget = self.budget
+            return budget_bytes - budget.resident_bytes - (budget.paged_bytes - self.cache.evictable_bytes())
+
+    def hold_resident(self, nbytes: int, budget_bytes: Optional[int]) -> None:
+        """Resident weights grew to ``nbytes`` (a weight kept or moved onto the device): cached copies
+        no op uses are evicted first, so that resident + paged stays within the budget and the peak
+        never counts new resident bytes beside old copies that room was needed for."""
+        with self.lock:
+            self.for_resident(nbytes, budget_bytes)
+            self.budget.hold_resident(nbytes)
+
+    def recount_resident(self, nbytes: int, budget_bytes: Optional[int]) -> None:
+        """Resident weights hold ``nbytes`` now (a recount after placing, loading, unwrapping or
+        deleting weights); when they grew, cached copies make room first, as for ``hold_resident``."""
+        with self.lock:
+            self.for_resident(nbytes, budget_bytes)
+            self.budget.recount_resident(nbytes)
+
+    def for_resident(self, nbytes: int, budget_bytes: Optional[int]) -> None:
+        """Evict cached copies no op uses until ``nbytes`` of resident weights fit beside the copies
+        left: called before a weight is moved onto the device, so its bytes are never allocated while
+        the copies they displace still hold the budget."""
+        if budget_bytes is None:
+            return
+        with self.lock:
+            grow = nbytes - self.budget.resident_bytes
+            if grow > 0:
+                self.make_room(grow, strict=False)
+
+    def make_room(self, nbytes: int, strict: bool, what="tensor", keep_prefetched: bool = False) -> bool:
+        """Evict unused copies until ``nbytes`` more fit the budget. A prefetch passes
+        ``keep_prefetched``: evicting an earlier prefetch that is still to be used would throw away
+        a copy to make room for one needed later."""
+        budget = self.budget
+        if budget.fits(nbytes):
+            return True
+        cache, policy = self.cache, self.policy
+        while True:
+            # The few entries the current op holds are skipped. The policy picks among the rest:
+            # least recently used first, routed experts by layer order and use frequency.
+            victim = policy.victim(cache.view, budget.room(), cache.evictable(keep_prefetched))
+            if victim is None:
+                break
+            self.evict(victim)
+            if budget.fits(nbytes):
+                return True
+        if not strict:
+            return False
+        in_use = budget.paged_bytes - cache.evictable_bytes()
+        raise budget.shortfall_error(what if isinstance(what, str) else repr(what), nbytes, in_use, self.device)
+
+    def evict(self, entry) -> None:
+        for notify in self.observers.evicted:
+            notify(entry)
+        self.remove(entry)
+        self.budget.stats.evictions += 1
+
+    def remove(self, entry) -> None:
+        """Drop a cached copy without waiting: its slot goes back to the pool, to be reused only
+        after the last op that read it (or, if none did, its copy) has completed. Its host source
+        stays with the lifetime records until the copy has completed."""
+        for notify in self.observers.freed:  # timeline: the next copy reuses this block after its last reader
+            notify(entry)
+        self.cache.remove(entry)
+        if entry.users:
+            # An op of this thread still reads it (a write to, or the death of, a master the op
+            # also reads): it leaves the cache now; its bytes and slot go when the op releases it,
+            # as a transient copy's do. Giving the slot back now would poison it under the op.
+            entry.key = None
+            return
+        self.budget.paged_bytes -= entry.nbytes
+        if entry.slot is not None:
+            self.pool.give(entry.slot, entry.last_use or entry.ready, self.budget.room())
+            entry.slot = None
+
+    def before_write(self, master) -> None:
+        """The host master is about to change: wait until no copy still reads it (its own copies
+        only, not the whole device), and drop its cached copies, which would be stale. A caller
+        that then writes holds ``lock`` across this call and its write, so no op pages in between."""
+        with self.lock:
+            self.lifetimes.wait_for(storage_ptr(master.flat))
+            self.forget_master(master.id)
+
+    def forget_master(self, master_id: int) -> None:
+        """Drop every cached copy of ``master_id`` (it died, moved to another pager, or changes)."""
+        with self.lock:
+            for entry in self.cache.of_master(master_id):
+                self.remove(entry)
+
+    def clear(self) -> None:
+        """Drop every cached copy (e.g. before unwrapping) and the pool's idle slots."""
+        with self.lock:
+            for master_id in self.cache.masters():
+                self.forget_master(master_id)
+            if self.pool is not None:
+                self.pool.clear()
