@@ -31,7 +31,7 @@ from torch import nn
 
 from . import leaves
 from .config import OffloadConfig, Policy
-from .dispatch import TILE_ALIGN  # the tile width dispatch cuts; room is planned for it
+from .ops import TILE_ALIGN  # the tile width ops cut; room is planned for it
 from .experts import is_routed_stack  # what the expert cache takes for a stack of routed experts
 from .pager import GiB, BudgetError, host_layout
 from .tensor import OffloadedTensor

@@ -36,8 +36,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from . import dispatch
 from . import experts
+from . import ops
 from . import placement
 from . import wrap
 from .config import OffloadConfig
@@ -668,7 +668,7 @@ class Recorder(TorchDispatchMode):
             self._pending_frees.append(op)
 
     def host_sync(self) -> None:
-        """The host reads a device value (dispatch._read_to_host) and waits for the compute stream."""
+        """The host reads a device value (ops.rows.read_to_host) and waits for the compute stream."""
         self.tl.add_sync()
 
     def finish(self) -> None:
@@ -960,7 +960,7 @@ class RoutingStats:
 
 
 class _PlannedRouting:
-    """Routing on meta drawn from ``RoutingStats``: what ``dispatch``'s planned routing returns
+    """Routing on meta drawn from ``RoutingStats``: what ``ops``' planned routing returns
     while ``plan(..., routing=...)`` runs. Each offloaded MoE layer reads its routing once per
     forward, in layer order, so the n-th read of a forward is the n-th MoE layer. A token keeps
     each of the previous token's experts at that layer with the measured locality and draws the
@@ -1017,11 +1017,11 @@ class _PlannedRouting:
 @contextlib.contextmanager
 def _routing_from(routing: Optional[_PlannedRouting]):
     """While planning with measured routing, dispatch's routing of a meta grouped GEMM comes from
-    ``routing`` (``dispatch.planned_routing``)."""
+    ``routing`` (``ops.planned_routing``)."""
     if routing is None:
         yield
         return
-    with dispatch.planned_routing(routing.ends):
+    with ops.planned_routing(routing.ends):
         yield
 
 
