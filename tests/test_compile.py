@@ -1,4 +1,4 @@
-"""torch.compile and CUDA graphs on wrapped models (compile.py): no crash, the unwrapped outputs,
+"""torch.compile and CUDA graphs on wrapped models (ops/compile.py): no crash, the unwrapped outputs,
 no graph break caused by offloading, and paging that still happens at run time (cache, prefetch,
 budget and statistics as in eager mode, no recompilation from step to step).
 

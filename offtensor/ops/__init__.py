@@ -11,6 +11,9 @@ Unnamed ops land in one of five handlers by their schema:
 - everything else: page what each argument covers, run the op on plain device tensors, return
   plain results.
 
+The ops that address their argument's whole storage (``as_strided_copy``, ``as_strided_scatter``)
+take the same schema-chosen handler here, on a page of the whole master.
+
 The modules beside this one name the ops that need more, by family: ``views``, ``reads``,
 ``writes``, ``tiling`` (ops computed in pieces when the budget's free room is short), ``rows``
 (index ops that page only the rows selected), ``grouped`` (grouped GEMMs of routed experts),
@@ -111,7 +114,6 @@ def _classify(func):
     if schema.returns and all(r.alias_info is not None for r in schema.returns):
         return view
     return _compute
-
 
 
 _SCHEMA_HANDLERS: dict = {}

@@ -63,10 +63,10 @@ def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: Paged) -> torch.
     return view
 
 
-# Device->host reads made by the index ops below. On a GPU each one is a host sync: the CPU stops
-# queuing work until the device has caught up, which costs the overlap of copies with compute at
-# that layer. Counted on the emulated device too (where the same reads happen, without a wait),
-# so tests and benchmarks measure the count the GPU would pay.
+# Device->host reads made by the index ops below and by grouped.py's read of the routing. On a GPU
+# each one is a host sync: the CPU stops queuing work until the device has caught up, which costs
+# the overlap of copies with compute at that layer. Counted on the emulated device too (where the
+# same reads happen, without a wait), so tests and benchmarks measure the count the GPU would pay.
 #
 # Measured (tests/test_pager.py::test_an_moe_layer_costs_one_host_sync, transformers Qwen3-MoE
 # layer on the grouped_mm path, offloaded experts): 1 sync per MoE layer, the read of the routing
@@ -75,7 +75,7 @@ def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: Paged) -> torch.
 # memory without blocking, gathered rows are uploaded from pinned memory, group sizes stay on the
 # device.
 #
-# Why the one per MoE layer stays (issue 8): the pager's cache, budget and eviction are host state,
+# Why the one per MoE layer stays: the pager's cache, budget and eviction are host state,
 # and a host->device copy is issued by the host with host addresses, so the host must know which
 # experts to page. Removing the read would take a device-side expert->slot table plus a UVA gather
 # kernel that reads the missing experts from pinned memory, but a UVA read (55.2 GB/s, 5.2 ms for
