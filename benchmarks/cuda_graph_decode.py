@@ -4,7 +4,7 @@ captured CUDA graph of the compiled step, against the unwrapped model, measured 
 The model has a resident embedding and offloaded MLP blocks and lm_head; the budget holds
 ``--fraction`` of the weights. Eager and compiled steps page through the pager (cache, prefetch);
 the CUDA graph copies every offloaded weight from its pinned master into graph memory on each
-replay (compile.py's capture path), so it moves all offloaded bytes per token but launches the
+replay (ops/compile.py's capture path), so it moves all offloaded bytes per token but launches the
 step as one graph. Every variant must produce the unwrapped greedy tokens.
 
     python benchmarks/cuda_graph_decode.py [--width 2048] [--layers 8] [--tokens 32] [--fraction 0.5]

@@ -6,7 +6,7 @@ device. ``wrap_model(model, budget_gb=...)`` does that for a whole model, in pla
 """
 
 from . import _ext  # noqa: F401  (loads the native extension, or warns once)
-from . import dispatch  # noqa: F401  (gives OffloadedTensor its op handlers)
+from . import ops  # noqa: F401  (gives OffloadedTensor its op handlers)
 from .pager import BudgetError, OffloadStats
 from .loading import CheckpointError, from_pretrained, load_safetensors
 from .tensor import OffloadedTensor, add_safe_globals, offload, safe_globals

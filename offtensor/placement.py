@@ -31,8 +31,8 @@ from torch import nn
 
 from . import leaves
 from .config import OffloadConfig, Policy
-from .dispatch import TILE_ALIGN  # the tile width dispatch cuts; room is planned for it
 from .moe import is_routed_stack  # what the expert cache takes for a stack of routed experts
+from .ops import TILE_ALIGN  # the tile width ops cut; room is planned for it
 from .pager import GiB, BudgetError, host_layout
 from .tensor import OffloadedTensor
 

@@ -7,9 +7,9 @@ Parameter) of a master is another ``_host`` view of the same storage, so view op
 ops on ``_host``, writes to ``_host`` are visible through every alias, and the byte range an op
 needs is the range ``_host`` covers. ``_master`` names the allocation for the pager's cache.
 
-This module owns construction, metadata, flatten/unflatten and pickling; ``dispatch.py`` owns
-what ops do and registers it on the class (``set_op_handlers``), so this module imports neither
-dispatch nor compile: the import graph runs dispatch -> compile -> tensor -> pager.
+This module owns construction, metadata, flatten/unflatten and pickling; the ``ops`` package owns
+what ops do and registers it on the class, once (``set_op_handlers``), so this module imports
+nothing of it: the import graph runs ops -> tensor -> pager.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ _is_compiling = torch.compiler.is_compiling
 _disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 _Tensor = torch.Tensor
 
-# The whole ops that __torch_function__ intercepts (torch function -> handler(args, kwargs)): dispatch's
+# The whole ops that __torch_function__ intercepts (torch function -> handler(args, kwargs)): ops.functions'
 # table, installed by set_op_handlers. A module global: __torch_function__ reads it on every call.
 _FUNCTION_TABLE: dict = {}
 
 # OffloadedTensors rebuilt for tracing (``__tensor_unflatten__`` with a fake host view) still alive:
-# only while there are any does dispatch ask whether a trace is running.
+# only while there are any does ops.torch_dispatch ask whether a trace is running.
 TRACED_ALIVE = [0]
 
 
@@ -43,7 +43,7 @@ class OffloadedTensor(torch.Tensor):
     _master: Master
     # A leaf to leaves.py although it has __tensor_flatten__: its inner host view is no device value.
     _OFFTENSOR_LEAF = True
-    # What ops do (dispatch.torch_dispatch), set by dispatch.py: set_op_handlers.
+    # What ops do (ops.torch_dispatch), set by the ops package: set_op_handlers.
     _op_dispatch = None
 
     @staticmethod
@@ -63,7 +63,7 @@ class OffloadedTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if _is_compiling():
             # Dynamo inlines this method: trace the plain function and let __torch_dispatch__ page
-            # through the graph's opaque op (compile.py) instead of the eager intercepts.
+            # through the graph's opaque op (ops/compile.py) instead of the eager intercepts.
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         handler = _FUNCTION_TABLE.get(func)
@@ -80,12 +80,12 @@ class OffloadedTensor(torch.Tensor):
     @staticmethod
     def set_op_handlers(torch_dispatch, function_table: dict) -> None:
         """Install what ops do: ``torch_dispatch(func, types, args, kwargs)`` for every aten op and
-        the whole functions ``__torch_function__`` intercepts. Called once, by dispatch.py."""
+        the whole functions ``__torch_function__`` intercepts. Called once, by ops/__init__.py."""
         global _FUNCTION_TABLE
         if OffloadedTensor._op_dispatch is not None:
             raise RuntimeError("offtensor: OffloadedTensor's op handlers are already set")
         OffloadedTensor._op_dispatch = staticmethod(torch_dispatch)
-        _FUNCTION_TABLE = function_table  # dispatch's own table: one dict, read here on every call
+        _FUNCTION_TABLE = function_table  # ops.functions' own table: one dict, read here on every call
 
     # ------------------------------------------------------------------ public methods
 

@@ -32,11 +32,11 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import compile as _compile
 from . import moe
 from . import leaves
 from . import placement
 from .config import OffloadConfig
+from .ops import compile as _compile
 from .pager import BudgetError, OffloadStats, Pager, covering_range, pins_host_memory, resolve_device
 from .placement import Member, ModelPlacement, StorageGroup
 from .prefetch import Prefetcher

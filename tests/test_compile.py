@@ -1,4 +1,4 @@
-"""torch.compile and CUDA graphs on wrapped models (compile.py): no crash, the unwrapped outputs,
+"""torch.compile and CUDA graphs on wrapped models (ops/compile.py): no crash, the unwrapped outputs,
 no graph break caused by offloading, and paging that still happens at run time (cache, prefetch,
 budget and statistics as in eager mode, no recompilation from step to step).
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import offtensor as ot
-from offtensor import compile as ot_compile
+from offtensor.ops import compile as ot_compile
 
 GiB = 1 << 30
 
@@ -120,15 +120,15 @@ def test_compiled_function_of_offloaded_tensors_and_their_views(device):
 
 
 def test_eager_ops_after_a_compile_do_not_look_for_traced_arguments(device, monkeypatch):
-    from offtensor import dispatch as ot_dispatch
+    from offtensor import ops as ot_ops
 
     w = ot.offload(torch.randn(16, 8), device)
     x = torch.randn(5, 8).to(device)
     compiled = torch.compile(lambda x, w: (x @ w.t()).relu(), backend="aot_eager")
     torch.testing.assert_close(compiled(x, w), (x @ w.t()).relu())  # the compiled graph is still alive
     looked = []
-    real = ot_dispatch._traced
-    monkeypatch.setattr(ot_dispatch, "_traced", lambda args, kwargs: looked.append(1) or real(args, kwargs))
+    real = ot_ops._traced
+    monkeypatch.setattr(ot_ops, "_traced", lambda args, kwargs: looked.append(1) or real(args, kwargs))
     torch.testing.assert_close(w * 2, w.cpu().to(device) * 2)
     assert looked == []
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import offtensor as ot
-from offtensor import _ext, dispatch
+from offtensor import _ext, ops
 from offtensor.pager import Pager, host_layout
 from offtensor.pager import device as device_module
 from offtensor.pager.lifetimes import HostLifetimes
@@ -264,9 +264,9 @@ def test_an_moe_layer_costs_one_host_sync(device):
         setattr(experts, name, torch.nn.Parameter(ot.offload(p.detach().cpu(), pager=pager), requires_grad=False))
     with torch.no_grad():
         block(x)  # warm-up: first dispatches
-        syncs = dispatch.HOST_SYNCS[0]
+        syncs = ops.HOST_SYNCS[0]
         got = block(x)
-        per_layer = dispatch.HOST_SYNCS[0] - syncs
+        per_layer = ops.HOST_SYNCS[0] - syncs
     torch.testing.assert_close(got, expected)
     assert pager.snapshot().page_ins > 0
     assert per_layer == 1
@@ -358,7 +358,7 @@ def test_an_embedding_lookup_of_offloaded_rows_costs_one_host_sync(device):
     weight = ot.offload(table, pager=pager)
     ids = torch.tensor([[3, 7, 3], [99, 0, 7]], device=device)
     torch.nn.functional.embedding(ids, weight)  # warm-up
-    syncs = dispatch.HOST_SYNCS[0]
+    syncs = ops.HOST_SYNCS[0]
     got = torch.nn.functional.embedding(ids, weight)
-    assert dispatch.HOST_SYNCS[0] - syncs == 1  # reading ids: which rows to page
+    assert ops.HOST_SYNCS[0] - syncs == 1  # reading ids: which rows to page
     assert torch.equal(got.cpu(), table[ids.cpu()])

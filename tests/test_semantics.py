@@ -21,7 +21,7 @@ from torch import nn
 
 import offtensor as ot
 from offtensor import OffloadedTensor, _ext
-from offtensor import dispatch as ot_dispatch
+from offtensor import ops as ot_ops
 from offtensor.pager import BudgetError, Pager, resolve_device
 
 
@@ -294,10 +294,10 @@ def test_select_by_0d_tensor_pages_only_that_row(device):
 def test_large_expert_rows_are_paged_through_the_cache_once(device):
     # Rows of at least CACHED_SLICE_BYTES are paged one by one through the cache, so an expert
     # chosen again by the next token is a hit, not a second copy.
-    rows, cols = 4, ot_dispatch.CACHED_SLICE_BYTES // 4 // 256
+    rows, cols = 4, ot_ops.CACHED_SLICE_BYTES // 4 // 256
     reference = torch.randn(rows, 256, cols)
     expert_bytes = row_bytes(reference)
-    assert expert_bytes >= ot_dispatch.CACHED_SLICE_BYTES
+    assert expert_bytes >= ot_ops.CACHED_SLICE_BYTES
     pager = fresh_pager(device, budget_bytes=3 * expert_bytes)
     experts = ot.offload(reference, pager=pager)
     routed = torch.tensor([3, 1, 3], device=device)
@@ -874,7 +874,7 @@ def test_torch_function_intercepts_linear_with_one_page_in(device, monkeypatch):
     offloaded = ot.offload(weight, pager=pager)
     inputs = torch.randn(2, 3, device=device)
     dispatched = []
-    real_dispatch = ot_dispatch.torch_dispatch
+    real_dispatch = ot_ops.torch_dispatch
 
     def counting_dispatch(func, types, args, kwargs):
         dispatched.append(func)
@@ -937,11 +937,11 @@ def test_matmul_intercept_matches_the_dispatch_path(device, monkeypatch, name, r
             fn(*args)  # the first call pages; the second hits the cache
             before = (*counters(pager), pager.stats.hits)
             dispatched = []
-            real_dispatch = ot_dispatch.torch_dispatch
+            real_dispatch = ot_ops.torch_dispatch
             with monkeypatch.context() as patch:
                 if not intercept:
                     for function in (torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm):
-                        patch.delitem(ot_dispatch._FUNCTION_TABLE, function)
+                        patch.delitem(ot_ops.FUNCTION_TABLE, function)
                 patch.setattr(OffloadedTensor, "_op_dispatch",
                               staticmethod(lambda f, *a: dispatched.append(f) or real_dispatch(f, *a)))
                 result = fn(*args)

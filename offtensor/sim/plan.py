@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import dispatch
+from .. import ops
 from .. import moe
 from ..moe import RoutingStats, model_top_k
 from .. import placement
@@ -194,11 +194,11 @@ class _PlannedRouting:
 @contextlib.contextmanager
 def _routing_from(routing: Optional[_PlannedRouting]):
     """While planning with measured routing, dispatch's routing of a meta grouped GEMM comes from
-    ``routing`` (``dispatch.planned_routing``)."""
+    ``routing`` (``ops.planned_routing``)."""
     if routing is None:
         yield
         return
-    with dispatch.planned_routing(routing.ends):
+    with ops.planned_routing(routing.ends):
         yield
 
 

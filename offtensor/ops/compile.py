@@ -31,8 +31,8 @@ from typing import Optional
 
 import torch
 
-from .pager import registered_master
-from .tensor import OffloadedTensor
+from ..pager import registered_master
+from ..tensor import OffloadedTensor
 
 # The extension's namespace: these ops sit beside offtensor::alloc_host and copy_async.
 _LIB_NS = "offtensor"
@@ -117,8 +117,8 @@ def _page_fake(host, master_id, device):
 # ---------------------------------------------------------------------------- index ops
 #
 # Index ops page only the rows (experts) their index selects, which only the index values say. In a
-# graph each is one opaque op that takes the host view and runs the eager handler (dispatch.py) at
-# run time; its fake kernel is the aten op on a device tensor of the host view's layout.
+# graph each is one opaque op that takes the host view and runs the eager handler (rows.py,
+# grouped.py) at run time; its fake kernel is the aten op on a device tensor of the host view's layout.
 
 aten = torch.ops.aten
 

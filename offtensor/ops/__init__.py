@@ -1,0 +1,167 @@
+"""The op table: each aten op on an OffloadedTensor meets one handler, registered per OpOverload with
+``@implements`` or, for an op no module names, chosen once from its schema.
+
+Unnamed ops land in one of five handlers by their schema:
+
+- view ops (an output aliases an input): run on the host view, return OffloadedTensor aliases;
+- in-place view ops (``t_``, ``squeeze_``...): change host and wrapper metadata;
+- ops that write an OffloadedTensor (in-place, ``out=``): run on private device copies, write
+  every mutated argument back to its host master, invalidate its cached copies;
+- collectives (``c10d``, ``_c10d_functional``): paged, waited for, written back;
+- everything else: page what each argument covers, run the op on plain device tensors, return
+  plain results.
+
+The ops that address their argument's whole storage (``as_strided_copy``, ``as_strided_scatter``)
+take the same schema-chosen handler here, on a page of the whole master.
+
+The modules beside this one name the ops that need more, by family: ``views``, ``reads``,
+``writes``, ``tiling`` (ops computed in pieces when the budget's free room is short), ``rows``
+(index ops that page only the rows selected), ``grouped`` (grouped GEMMs of routed experts),
+``collectives``, ``functions`` (whole ops intercepted at ``__torch_function__``: ``F.linear``,
+``matmul``...) and ``compile`` (the same paging inside torch.compile graphs).
+
+Registration: ``OffloadedTensor.set_op_handlers`` is the class's one entry point for what ops do;
+the last line of this module calls it, once, with ``torch_dispatch`` and the ``functions`` table,
+so tensor.py imports nothing of this package (the import graph runs ops -> tensor -> pager).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..tensor import TRACED_ALIVE, OffloadedTensor
+from . import compile as _compile
+from . import reads  # noqa: F401  (registers clone, _to_copy, item, is_pinned, record_stream, _conj)
+from .collectives import COLLECTIVE_NAMESPACES, Collective
+from .functions import FUNCTION_TABLE
+from .grouped import grouped_mm, grouped_mm_fallback, planned_routing
+from .paging import Paged, run
+from .rows import CACHED_SLICE_BYTES, HOST_SYNCS, embedding, index, index_select
+from .table import OP_TABLE, implements
+from .tiling import TILE_ALIGN, ForeachInPieces, bmm, convolution, mm
+from .views import inplace_view, view
+from .writes import Mutation, batch_norm, copy_, resize_, set_
+
+__all__ = [
+    "implements",
+    "torch_dispatch",
+    "planned_routing",
+    "CACHED_SLICE_BYTES",
+    "HOST_SYNCS",
+    "TILE_ALIGN",
+    "FUNCTION_TABLE",
+]
+
+aten = torch.ops.aten
+
+
+def torch_dispatch(func, types, args, kwargs):
+    handler = OP_TABLE.get(func)
+    if handler is None:
+        handler = OP_TABLE[func] = _in_pieces_when_short(func, _classify(func))
+    if (handler in _UNTRACEABLE or type(handler) is Mutation) and _traced(args, kwargs):
+        # Under torch.compile: row-selective paging becomes one opaque op that pages at run time;
+        # writes to a host master (and index ops it cannot express) run eagerly (compile.py).
+        traced = _compile.traced_index_op(func, args, kwargs or {})
+        if traced is not None:
+            return traced
+        _compile.graph_break(f"{func} on an OffloadedTensor")
+    if handler in _COMPUTE_HANDLERS and TRACED_ALIVE[0] and _tracing() and _traced(args, kwargs):
+        traced = _compile.traced_compute(func, args, kwargs)
+        if traced is not None:
+            return traced
+    return handler(func, types, args, kwargs or {})
+
+
+_get_dispatch_mode = torch._C._get_dispatch_mode
+_FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE
+
+
+def _tracing() -> bool:
+    """Whether a trace is running now: torch.compile, export and make_fx run ops on fake tensors
+    under a FakeTensorMode. Asked only while traced OffloadedTensors are alive (a compiled model's
+    guards keep its traced weights), so eager ops in a process that once compiled do not scan their
+    arguments for traced ones."""
+    return _get_dispatch_mode(_FAKE_MODE) is not None
+
+
+def _traced(args, kwargs) -> bool:
+    """Whether an OffloadedTensor argument is a tracing stand-in (torch.compile's fake tensors)."""
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, OffloadedTensor):
+            if _compile.is_traced(a._host):
+                return True
+        elif isinstance(a, (list, tuple)):
+            if any(isinstance(x, OffloadedTensor) and _compile.is_traced(x._host) for x in a):
+                return True
+    return False
+
+
+def _compute(func, types, args, kwargs):
+    return run(func, args, kwargs)
+
+
+def _classify(func):
+    if func.name() == "transformers::grouped_mm_fallback":
+        return grouped_mm_fallback
+    if func.namespace in COLLECTIVE_NAMESPACES:
+        return Collective(func)
+    schema = func._schema
+    if torch.Tag.inplace_view in func.tags:
+        return inplace_view
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return Mutation(func)
+    if schema.returns and all(r.alias_info is not None for r in schema.returns):
+        return view
+    return _compute
+
+
+_SCHEMA_HANDLERS: dict = {}
+
+
+@implements(
+    aten.as_strided_copy.default,
+    aten.as_strided_copy.out,
+    aten.as_strided_scatter.default,
+    aten.as_strided_scatter.out,
+)
+def _storage_addressing(func, types, args, kwargs):
+    # These ops address self's *storage*: storage_offset is absolute and as_strided_scatter clones
+    # the whole storage. A page of only the bytes self covers would move offset 0 to self's first
+    # byte, so page self's whole master and view it at its true offset.
+    self = args[0]
+    handler = _SCHEMA_HANDLERS.get(func)
+    if handler is None:
+        handler = _SCHEMA_HANDLERS[func] = _classify(func)
+    if not isinstance(self, OffloadedTensor):
+        return handler(func, types, args, kwargs)
+    host = self._host
+    whole = host.as_strided((host.untyped_storage().nbytes() // host.element_size(),), (1,), 0)
+    paged = Paged()
+    try:
+        device_self = paged.page(OffloadedTensor(whole, self._master))
+        device_self = device_self.as_strided(host.shape, host.stride(), host.storage_offset())
+        return handler(func, types, (device_self,) + tuple(args[1:]), kwargs)
+    finally:
+        paged.release()
+
+
+def _in_pieces_when_short(func, handler):
+    arguments = func._schema.arguments
+    if func.name().startswith("aten::_foreach_") and arguments and isinstance(arguments[0].type, torch.ListType):
+        return ForeachInPieces(func, handler)
+    return handler
+
+
+# Handlers that page their arguments and compute (tiling when the room is short): under
+# torch.compile they run inside one opaque offtensor::compute op, which calls them at run time.
+_COMPUTE_HANDLERS = {_compute, mm, bmm, convolution, grouped_mm_fallback}
+
+# Handlers that write host masters or page rows chosen by index values: a graph break under
+# torch.compile (see torch_dispatch).
+_UNTRACEABLE = {
+    batch_norm, copy_, resize_, set_, embedding, index_select, index, grouped_mm,
+}
+
+
+OffloadedTensor.set_op_handlers(torch_dispatch, FUNCTION_TABLE)

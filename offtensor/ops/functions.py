@@ -1,0 +1,155 @@
+"""Whole ops intercepted at ``__torch_function__`` where that saves work: ``F.linear`` (one page-in
+instead of ``t`` + ``addmm``), ``matmul``/``mm`` with grad off, ``.cpu()``, ``tolist``, the ``.data``
+setter, and ``tensor_split``'s host-read argument. ``FUNCTION_TABLE`` is what the class reads."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..pager import pins_host_memory
+from ..tensor import OffloadedTensor, check_offloadable, new_host_master, wrap_host
+from .paging import Paged
+from .tiling import as_linear_weight, folds_without_copy, linear_tiled, needs_tiling
+
+aten = torch.ops.aten
+
+
+def _linear(args, kwargs):
+    x = args[0] if args else kwargs["input"]
+    weight = args[1] if len(args) > 1 else kwargs["weight"]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    if kwargs.get("out") is not None:
+        return NotImplemented  # linear.out: the normal dispatch writes out= back to its master
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        # Let autograd see t + addmm so it saves the OffloadedTensor, not a device copy, and
+        # backward pages the weight again.
+        return NotImplemented
+    if isinstance(weight, OffloadedTensor) and weight._host.dim() == 2 and needs_tiling(weight, [x, bias]):
+        return linear_tiled(x, weight, bias)
+    paged = Paged()
+    try:
+        device_weight = paged.arg(weight)
+        if isinstance(weight, OffloadedTensor):
+            device_weight = as_linear_weight(x, weight, device_weight)
+        return torch._C._nn.linear(paged.arg(x), device_weight, paged.arg(bias))
+    finally:
+        paged.release()
+
+
+def _matrix_product(product):
+    """Handler for ``torch.matmul`` / ``torch.mm`` (and their Tensor methods; ``a @ b`` arrives as
+    ``Tensor.matmul``) of an OffloadedTensor with grad off: page once and run ``product`` on plain
+    tensors, instead of matmul's composite dispatching mm (or mv, dot) back into Python through
+    ``__torch_dispatch__``. ``x @ w.t()`` in a decode step is this.
+
+    Taken only where the dispatch path would page exactly the same bytes in one op, so paging,
+    stats and results stay those of that path: both operands at most 2-D, or a plain first operand
+    of 3 or more dims that folds without a copy times a second of at most 2, which matmul folds into
+    one mm whether or not the second requires grad (aten::matmul's should_fold), and mm of two
+    matrices.
+    Everything else (broadcast batches, out=, tiling, autograd, torch.compile's tracing, a
+    timeline being recorded) takes the normal dispatch."""
+    is_mm = product is torch.mm
+
+    def handler(args, kwargs):
+        if kwargs or len(args) != 2:
+            return NotImplemented
+        a, b = args
+        offloaded = [t for t in args if isinstance(t, OffloadedTensor)]
+        if len(offloaded) + sum(type(t) is torch.Tensor for t in args) != 2:
+            return NotImplemented  # another subclass, or not a tensor: its own rules apply
+        # Metadata from the host views: a wrapper's dim() would cost a __torch_function__ call.
+        hosts = [t.__dict__["_host"] if isinstance(t, OffloadedTensor) else t for t in args]
+        for t in offloaded:
+            own = t.__dict__
+            if own["_master"].pager.recorder is not None or type(own["_host"]) is not torch.Tensor:
+                return NotImplemented  # timeline records and traced graphs stay as they were
+        a_dim, b_dim = hosts[0].dim(), hosts[1].dim()
+        if is_mm:
+            if a_dim != 2 or b_dim != 2:
+                return NotImplemented  # mm's own error
+        elif b_dim > 2 or (a_dim > 2 and (a is not hosts[0] or not folds_without_copy(a))):
+            return NotImplemented
+        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+            return NotImplemented  # autograd must see the OffloadedTensor (see _linear)
+        if needs_tiling(b, [a]) or needs_tiling(a, [b]):
+            return NotImplemented  # tiling.mm computes it in tiles
+        paged = Paged()
+        try:
+            return product(paged.arg(a), paged.arg(b))
+        finally:
+            paged.release()
+
+    return handler
+
+
+def _cpu(args, kwargs):
+    self = args[0]
+    if not isinstance(self, OffloadedTensor) or self.device.type != "cpu":
+        return NotImplemented  # on a GPU .cpu() arrives as _to_copy, which reads the host master
+    # On the emulated device .cpu() would be a no-op returning the OffloadedTensor itself; give a
+    # plain CPU tensor read from the host master, as on a GPU (callers go on to .numpy() etc.).
+    # Through aten._to_copy, so autograd records it like any device->host copy.
+    memory_format = kwargs.get("memory_format", torch.preserve_format)
+    return aten._to_copy.default(self, device=torch.device("cpu"), memory_format=memory_format)
+
+
+def _tolist(args, kwargs):
+    # Tensor.tolist refuses every subclass; the values are all in the host master.
+    return args[0]._host.tolist() if isinstance(args[0], OffloadedTensor) else NotImplemented
+
+
+def _set_data(args, kwargs):
+    """``x.data = value`` (``module.half()``, weight post-processing): torch would copy only the
+    wrapper's metadata and leave ``_host`` behind, so dtype and shape would describe bytes the
+    master does not hold. Re-point the wrapper at ``value``'s master instead, offloading a plain
+    ``value`` to a new exact-size master first; the object (and every reference to it) stays."""
+    self, value = args
+    if not isinstance(self, OffloadedTensor) or not isinstance(value, torch.Tensor):
+        return NotImplemented
+    if not isinstance(value, OffloadedTensor):
+        check_offloadable(value)
+        pager = self._master.pager
+        value = wrap_host(new_host_master(value, pin=pins_host_memory(pager.device)), pager)
+    with torch._C.DisableTorchFunctionSubclass():
+        torch.Tensor.data.__set__(self, value)  # the wrapper's sizes, strides and dtype
+    self._host, self._master = value._host, value._master
+    self.__dict__.pop("_layout", None)
+    return None
+
+
+def _host_read_argument(function, position: int, name: str):
+    """Handler for a function whose C++ composite reads argument ``position`` straight from CPU
+    memory before any dispatch (``tensor_split``'s split points). A wrapper has no such memory, so
+    on the emulated device that argument is given as its host view; on a GPU the function refuses
+    a device tensor there, as it does for plain tensors."""
+
+    def handler(args, kwargs):
+        value = args[position] if len(args) > position else kwargs.get(name)
+        if not isinstance(value, OffloadedTensor) or value.device.type != "cpu":
+            return NotImplemented
+        if len(args) > position:
+            args = args[:position] + (value._host,) + args[position + 1 :]
+        else:
+            kwargs = {**kwargs, name: value._host}
+        return torch._C._disabled_torch_function_impl(function, (), args, kwargs)
+
+    return {function: handler}
+
+
+FUNCTION_TABLE = {
+    F.linear: _linear,
+    torch._C._nn.linear: _linear,
+    torch.matmul: _matrix_product(torch.matmul),
+    torch.Tensor.matmul: _matrix_product(torch.matmul),  # also what `a @ b` arrives as
+    torch.mm: _matrix_product(torch.mm),
+    torch.Tensor.mm: _matrix_product(torch.mm),
+    torch.Tensor.cpu: _cpu,
+    torch.Tensor.tolist: _tolist,
+    torch.Tensor.data.__set__: _set_data,
+    **_host_read_argument(torch.tensor_split, 1, "indices_or_sections"),
+    **_host_read_argument(torch.Tensor.tensor_split, 1, "indices_or_sections"),
+}

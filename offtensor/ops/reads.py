@@ -1,0 +1,58 @@
+"""Ops that read an OffloadedTensor without paging it through the general rule: copies and values
+read from the host master (``clone``, ``.to("cpu")``, ``item``), questions about memory the caller
+does not manage (``is_pinned``, ``record_stream``), and lazy conjugate/negative bits resolved."""
+
+from __future__ import annotations
+
+import torch
+
+from ..pager import pins_host_memory
+from ..tensor import new_host_master, wrap_host
+from .paging import run
+from .table import implements
+
+aten = torch.ops.aten
+
+
+@implements(aten.clone.default)
+def _clone(func, types, args, kwargs):
+    self = args[0]
+    memory_format = kwargs.get("memory_format")
+    host = self._host
+    if memory_format not in (None, torch.preserve_format):
+        host = host.contiguous(memory_format=memory_format)
+    pager = self._master.pager
+    return wrap_host(new_host_master(host, pin=pins_host_memory(pager.device)), pager)
+
+
+@implements(aten._to_copy.default)
+def _to_copy(func, types, args, kwargs):
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "cpu":
+        # .cpu() / .to("cpu"): read the host master, no device round trip.
+        return func(args[0]._host, *args[1:], **kwargs)
+    return run(func, args, kwargs)
+
+
+@implements(aten._local_scalar_dense.default)
+def _item(func, types, args, kwargs):
+    return args[0]._host.item()
+
+
+@implements(aten.is_pinned.default)
+def _is_pinned(func, types, args, kwargs):
+    return False  # a device tensor from the caller's point of view
+
+
+@implements(aten.record_stream.default)
+def _record_stream(func, types, args, kwargs):
+    return None  # paged copies are freed by the pager's events, never by the caller's streams
+
+
+@implements(aten._conj.default, aten._neg_view.default)
+def _lazy_bit_view(func, types, args, kwargs):
+    # A conjugate or negative *bit* on a host view would be ignored here: the Conjugate and
+    # Negative fallbacks run above __torch_dispatch__, so paging and write-back would copy the raw
+    # values. Resolve it instead: a plain device tensor with the conjugated or negated values.
+    physical = aten.conj_physical.default if func is aten._conj.default else aten.neg.default
+    return run(physical, args, kwargs)

@@ -1,0 +1,163 @@
+"""Index ops on dim 0 (``embedding``, ``index_select``, ``index.Tensor``) that page only the rows or
+experts their index selects, and the device->host reads (host syncs) that tell them which."""
+
+from __future__ import annotations
+
+import torch
+
+from ..pager import upload_small
+from ..tensor import OffloadedTensor
+from .paging import Paged, describe, run
+from .table import implements
+
+aten = torch.ops.aten
+
+
+# Rows (or experts) at least this large are paged one by one through the cache, so an expert used
+# by consecutive tokens is copied once; smaller rows are gathered on the host and sent together.
+CACHED_SLICE_BYTES = 1 << 20
+
+
+def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: Paged) -> torch.Tensor:
+    """Device tensor of ``t[rows]`` for unique CPU indices ``rows``, paging only those rows.
+
+    When the rows do not fit the budget's free room at once (a prefill routes tokens to every
+    expert), they are paged a chunk at a time into the result, so the copies alive stay within the
+    budget; the result itself is the op's output, like any activation."""
+    host = t._host
+    row_bytes = (host.numel() // max(host.shape[0], 1)) * host.element_size()
+    pager = t._master.pager
+    need = rows.numel() * row_bytes
+    # Scanning the cache for evictable bytes (free_bytes) only when the unclaimed room falls short.
+    room = None
+    if rows.numel() > 1 and pager.budget_bytes is not None:
+        if need > pager.budget_bytes - pager.budget.resident_bytes - pager.budget.paged_bytes:
+            room = pager.free_bytes()
+    if room is not None and need > room:
+        per_chunk = max(1, room // max(row_bytes, 1))
+        out = torch.empty((rows.numel(),) + tuple(host.shape[1:]), dtype=host.dtype, device=pager.device)
+        for start in range(0, rows.numel(), per_chunk):
+            chunk = Paged()
+            try:
+                out[start : start + per_chunk].copy_(_gather_rows(t, rows[start : start + per_chunk], chunk))
+            finally:
+                chunk.release()
+        return out
+    # Routed experts of a registered stack go through the cache at any size, so hot experts stay
+    # on the device across tokens and the per-stack counters see every lookup.
+    per_expert = pager.experts is not None and pager.experts.is_stack(t._master.id) and pager.budget_bytes is not None
+    if (row_bytes >= CACHED_SLICE_BYTES or per_expert) and pager.budget_bytes is not None and rows.numel() > 1:
+        # Experts: each one through the cache, then packed on the device (device bandwidth is
+        # ~50x PCIe, so the pack costs little next to the copies it saves).
+        rows = rows.tolist()
+        if per_expert:
+            with pager.lock:  # the expert cache is pager state
+                pager.experts.announce(pager, t._master.id, rows)
+        parts = [paged.page(OffloadedTensor(host[i], t._master)) for i in rows]
+        return torch.stack(parts)
+    if rows.numel() == 1 and (row_bytes >= CACHED_SLICE_BYTES or per_expert):
+        return paged.page(OffloadedTensor(host[int(rows[0])], t._master)).unsqueeze(0)
+    gathered = pager.device_ops.gather_rows(host, rows)  # into pinned memory on a GPU: an async upload
+    view, entry = pager.upload(gathered, describe(t))
+    paged.entries.append((pager, entry))
+    return view
+
+
+# Device->host reads made by the index ops below and by grouped.py's read of the routing. On a GPU
+# each one is a host sync: the CPU stops queuing work until the device has caught up, which costs
+# the overlap of copies with compute at that layer. Counted on the emulated device too (where the
+# same reads happen, without a wait), so tests and benchmarks measure the count the GPU would pay.
+#
+# Measured (tests/test_pager.py::test_an_moe_layer_costs_one_host_sync, transformers Qwen3-MoE
+# layer on the grouped_mm path, offloaded experts): 1 sync per MoE layer, the read of the routing
+# offsets that says which experts to page (gate_up and down share it); 1 per embedding lookup of
+# offloaded rows (which rows to page). No other sync: indices go back to the device from pinned
+# memory without blocking, gathered rows are uploaded from pinned memory, group sizes stay on the
+# device.
+#
+# Why the one per MoE layer stays: the pager's cache, budget and eviction are host state,
+# and a host->device copy is issued by the host with host addresses, so the host must know which
+# experts to page. Removing the read would take a device-side expert->slot table plus a UVA gather
+# kernel that reads the missing experts from pinned memory, but a UVA read (55.2 GB/s, 5.2 ms for
+# 8 x 25 MB on the H200) is 1.4x slower than DMA copies of the same experts (3.68 ms), and in a
+# decode step those copies are the bound. What the sync costs instead is covered by speculation:
+# the next layer's guessed experts are already copying while the host waits (offtensor/moe).
+# The timeline records each read as a host sync (``Timeline.add_sync``), so replays show the gap.
+HOST_SYNCS = [0]
+
+
+def read_to_host(t: torch.Tensor, pager=None) -> torch.Tensor:
+    host_sync(pager)
+    return t.detach().to("cpu")
+
+
+def host_sync(pager=None) -> None:
+    HOST_SYNCS[0] += 1
+    if pager is not None and pager.recorder is not None:
+        pager.recorder.host_sync()
+
+
+def _unique_rows(index: torch.Tensor, size: int, pager=None):
+    """Unique row ids (CPU, for the host) and every index's position among them (on index's device)."""
+    if index.is_meta:
+        # Planning on meta (ot.plan): the values are unknown, so every index is taken to select a
+        # row of its own, the most a lookup can page. The GPU would read the index here: the host
+        # sync is recorded all the same.
+        host_sync(pager)
+        return torch.arange(min(index.numel(), size)), torch.empty(index.shape, dtype=torch.int64, device="meta")
+    cpu = read_to_host(index, pager).to(torch.int64).reshape(-1)
+    cpu = torch.where(cpu < 0, cpu + size, cpu)
+    rows, inverse = torch.unique(cpu, return_inverse=True)
+    if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= size):
+        raise IndexError(f"index {int(rows[-1]) if int(rows[-1]) >= size else int(rows[0])} is out of bounds for dimension 0 with size {size}")
+    return rows, upload_small(inverse.reshape(index.shape), index.device)
+
+
+@implements(aten.embedding.default)
+def embedding(func, types, args, kwargs):
+    weight, indices = args[0], args[1]
+    if not isinstance(weight, OffloadedTensor) or isinstance(indices, OffloadedTensor):
+        return run(func, args, kwargs)
+    rows, inverse = _unique_rows(indices, weight.shape[0], weight._master.pager)
+    paged = Paged()
+    try:
+        selected = _gather_rows(weight, rows, paged)
+        return func(selected, inverse.to(selected.device))
+    finally:
+        paged.release()
+
+
+@implements(aten.index_select.default)
+def index_select(func, types, args, kwargs):
+    self, dim, index = args[0], args[1], args[2]
+    if not isinstance(self, OffloadedTensor) or isinstance(index, OffloadedTensor) or dim % max(self.dim(), 1) != 0 or self.dim() == 0:
+        return run(func, args, kwargs)
+    rows, inverse = _unique_rows(index, self.shape[0], self._master.pager)
+    paged = Paged()
+    try:
+        selected = _gather_rows(self, rows, paged)
+        return selected.index_select(0, inverse.to(selected.device))
+    finally:
+        paged.release()
+
+
+@implements(aten.index.Tensor)
+def index(func, types, args, kwargs):
+    self, indices = args[0], args[1]
+    first = indices[0] if len(indices) else None
+    if (
+        not isinstance(self, OffloadedTensor)
+        or self.dim() == 0
+        or first is None
+        or isinstance(first, OffloadedTensor)
+        or first.dtype not in (torch.int64, torch.int32)
+        or any(i is not None for i in indices[1:])
+    ):
+        return run(func, args, kwargs)
+    rows, inverse = _unique_rows(first, self.shape[0], self._master.pager)
+    paged = Paged()
+    try:
+        selected = _gather_rows(self, rows, paged)
+        return func(selected, [inverse.to(selected.device)])
+    finally:
+        paged.release()

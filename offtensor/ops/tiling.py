@@ -1,0 +1,309 @@
+"""Ops computed in pieces when the budget's free room is short: lists of offloaded inputs paged one at a
+time (``cat``, ``stack``, ``_foreach_*``), and weights larger than the room computed in output tiles
+(``linear``, ``mm``/``addmm``, ``bmm``, ``convolution``), ``TILE_ALIGN`` wide where the room allows."""
+
+from __future__ import annotations
+
+import torch
+
+from ..pager import BudgetError, host_layout, page_layout
+from ..tensor import OffloadedTensor
+from .paging import Paged, describe, run
+from .table import implements
+
+aten = torch.ops.aten
+
+
+# ---------------------------------------------------------------------------- ops over lists
+
+# An op reading several offloaded tensors at once needs all of them on the device together. Where
+# the op allows, pieces are paged one at a time instead when the budget's free room is too small:
+# ``cat``/``stack`` copy each input into its slice of the output, ``_foreach_*`` runs per element.
+# Placement then only reserves room for the largest single input (placement.plan's working set).
+
+
+def _offloaded_bytes(values) -> tuple:
+    """(pager, bytes the OffloadedTensors among ``values`` cover) for an op's arguments."""
+    pager, need = None, 0
+    for v in values:
+        for t in v if isinstance(v, (list, tuple)) else (v,):
+            if isinstance(t, OffloadedTensor):
+                pager = pager or t._master.pager
+                layout = t.__dict__.get("_layout")  # memoized by Paged.page: this runs per op
+                if layout is None:
+                    layout = t.__dict__["_layout"] = page_layout(t._host, t._master.id)
+                need += (layout[1] - layout[0]) * t._host.element_size()  # _host: no __torch_function__
+    return pager, need
+
+
+def _short_of_room(pager, need: int) -> bool:
+    """Whether ``need`` bytes of copies cannot fit the budget beside the resident weights. This runs
+    before every linear and mm, so it is O(1): it takes the copies of ops still running as none
+    (true outside a handler that holds pages while it calls further ops; if it is wrong, the
+    pager's BudgetError says so). The tile size itself is taken from ``free_bytes``."""
+    return pager is not None and pager.budget_bytes is not None and need > pager.budget_bytes - pager.budget.resident_bytes
+
+
+def _meta(t):
+    if isinstance(t, torch.Tensor):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return t
+
+
+@implements(aten.cat.default, aten.stack.default)
+def _cat_or_stack(func, types, args, kwargs):
+    tensors = args[0]
+    pager, need = _offloaded_bytes(tensors)
+    if not _short_of_room(pager, need):
+        return run(func, args, kwargs)
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    # The output's shape, dtype (type promotion) and memory format, without computing anything.
+    shape = func([_meta(t) for t in tensors], dim)
+    out = torch.empty_strided(shape.shape, shape.stride(), dtype=shape.dtype, device=pager.device)
+    dim = dim % max(out.dim(), 1)
+    start = 0
+    for i, t in enumerate(tensors):
+        if func is aten.cat.default:
+            if t.dim() == 1 and t.shape[0] == 0:
+                continue  # cat skips legacy empty 1-D inputs
+            target = out.narrow(dim, start, t.shape[dim])
+            start += t.shape[dim]
+        else:
+            target = out.select(dim, i)
+        if not isinstance(t, OffloadedTensor):
+            target.copy_(t)
+            continue
+        paged = Paged()
+        try:
+            target.copy_(paged.page(t))  # one input on the device at a time
+        finally:
+            paged.release()
+    return out
+
+
+class ForeachInPieces:
+    """A ``_foreach_*`` op whose offloaded list elements do not fit the free room together: run it
+    once per element (each call pages one element's tensors), which is what the op computes."""
+
+    def __init__(self, func, handler):
+        self.func, self.handler = func, handler
+        self.__name__ = f"in_pieces({getattr(handler, '__name__', func)})"
+
+    def __call__(self, func, types, args, kwargs):
+        pager, need = _offloaded_bytes(list(args) + list(kwargs.values()))
+        if not _short_of_room(pager, need):
+            return self.handler(func, types, args, kwargs)
+        n = len(args[0])
+        names = [a.name for a in func._schema.arguments]
+
+        def piece(v, i, name):
+            if isinstance(v, (list, tuple)) and len(v) == n:
+                return v[i : i + 1]
+            if name == "scalars" and isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == n:
+                return v[i : i + 1]  # _foreach_addcmul.Tensor's one scalar per element, as a tensor
+            return v
+
+        results = [
+            func(*(piece(a, i, name) for a, name in zip(args, names)), **{k: piece(v, i, k) for k, v in kwargs.items()})
+            for i in range(n)
+        ]
+        if results and isinstance(results[0], (list, tuple)):
+            return [r for result in results for r in result]
+        return None  # in-place _foreach ops return nothing
+
+
+# ---------------------------------------------------------------------------- tiling past the budget
+
+# A weight larger than the budget's free room is computed in output tiles that fit: rows of a
+# linear weight (output features), columns of mm's second operand, output channels of a
+# convolution, batches of bmm. Each tile is one call of the same op on a slice of the weight, and
+# the tiles are concatenated. Every output element is computed from the same inputs with the same
+# reduction length, so results are bit-identical where the kernel sums in the same order for a
+# narrower output: on CPU (MKL/oneDNN) that held for every tile at least TILE_ALIGN wide in
+# test_budget_and_tiling; tiles narrower than that (a budget with room for only a few rows) may
+# make BLAS pick a matrix-vector kernel, which differs in the last bits (tested to a tolerance).
+# Placement reserves room for tiles TILE_ALIGN wide (placement.tile_working_set), so a wrapped
+# model's tiles stay bit-identical; narrower ones are its fallback, with a warning.
+
+# Tiles are cut to multiples of this many outputs wide when the room allows (see _tiled).
+TILE_ALIGN = 16
+
+
+def _slice_bytes(t: OffloadedTensor, dim: int) -> int:
+    return t.numel() // max(t.shape[dim], 1) * t.element_size()
+
+
+def _page_slice(t, dim: int, start: int, stop: int, paged: Paged):
+    """Device tensor of ``t.narrow(dim, start, stop - start)``, paging only that slice (a strided
+    slice whose covering range is much larger than its bytes is gathered on the host first)."""
+    if not isinstance(t, OffloadedTensor):
+        return t.narrow(dim, start, stop - start)
+    host = t._host.narrow(dim, start, stop - start)
+    lo, hi = host_layout(host)[:2]
+    if (hi - lo) <= 2 * host.numel():
+        return paged.page(OffloadedTensor(host, t._master))
+    view, entry = t._master.pager.upload(host.contiguous(), describe(t))
+    paged.entries.append((t._master.pager, entry))
+    return view
+
+
+def _tile_size(weight: OffloadedTensor, dim: int, others: int, what: str, sliced=()) -> int:
+    """How many slices of ``weight`` along ``dim`` fit in the free room beside ``others`` bytes of
+    the op's other offloaded arguments (``sliced``: (tensor, dim) cut into the same tiles, like a
+    bias); a clear BudgetError when not even one does."""
+    pager = weight._master.pager
+    room = pager.free_bytes() - others
+    per_slice = _slice_bytes(weight, dim)
+    per_slice += sum(_slice_bytes(t, d) for t, d in sliced if isinstance(t, OffloadedTensor))
+    if room < per_slice:
+        raise BudgetError(
+            f"offtensor: {what} cannot be tiled within the budget: one slice of {describe(weight)} is {per_slice} "
+            f"bytes and its other offloaded arguments {others} bytes, but only {room + others} of the budget's "
+            f"{pager.budget_bytes} bytes are free. Raise budget_gb, or offload more weights so fewer stay resident."
+        )
+    return max(1, room // per_slice)
+
+
+def _tiled(weight, dim, others, what, compute, out_dim, sliced=()):
+    """``compute(start, stop, paged)`` for tiles of ``weight`` along ``dim``, concatenated along
+    ``out_dim`` of the outputs. Each tile's pages are released before the next is paged."""
+    n = weight.shape[dim]
+    step = _tile_size(weight, dim, others, what, sliced)
+    if TILE_ALIGN <= step < n:
+        step -= step % TILE_ALIGN
+    bounds = list(range(0, n, step)) + [n]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] < TILE_ALIGN <= step - TILE_ALIGN:
+        # Every tile at least TILE_ALIGN wide where the room allows: a 1- or 2-wide output makes
+        # BLAS pick a matrix-vector kernel that sums in another order.
+        bounds[-2] = n - TILE_ALIGN
+    outs = []
+    for start, stop in zip(bounds, bounds[1:]):
+        paged = Paged()
+        try:
+            outs.append(compute(start, stop, paged))
+        finally:
+            paged.release()
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=out_dim)
+
+
+def needs_tiling(big, rest) -> bool:
+    """Whether offloaded ``big`` (plus the offloaded tensors among ``rest``) cannot fit the budget
+    beside the resident weights. Runs before every linear and mm: O(1) unless the whole masters
+    involved are larger than that room."""
+    if not isinstance(big, OffloadedTensor):
+        return False
+    master = big._master
+    pager = master.pager
+    if pager.budget_bytes is None:
+        return False
+    room = pager.budget_bytes - pager.budget.resident_bytes
+    bound = master.nbytes  # covers every view of it
+    for t in rest:
+        if isinstance(t, OffloadedTensor):
+            bound += t._master.nbytes
+    if bound <= room:
+        return False
+    host = big._host  # metadata of the plain host view: a wrapper method call costs a __torch_function__
+    if host.dim() == 0 or host.shape[0] == 0:
+        return False
+    return _short_of_room(pager, _offloaded_bytes([big, *rest])[1])
+
+
+def linear_tiled(x, weight, bias):
+    """F.linear with a weight larger than the free room: output features in tiles."""
+    _, others = _offloaded_bytes([x])
+
+    def compute(start, stop, paged):
+        w = as_linear_weight(x, weight, _page_slice(weight, 0, start, stop, paged))
+        b = None if bias is None else _page_slice(bias, 0, start, stop, paged)
+        return torch._C._nn.linear(paged.arg(x), w, b)
+
+    return _tiled(weight, 0, others, "linear", compute, -1, [(bias, 0)])
+
+
+def _bias_slice(bias, out_dim, start, stop, size, paged):
+    """The part of addmm's broadcast ``bias`` that output tile [start, stop) of ``out_dim`` adds."""
+    if not isinstance(bias, torch.Tensor) or bias.dim() == 0:
+        return bias
+    dim = out_dim - 2 + bias.dim()  # bias broadcasts against the 2-D output from the right
+    if dim < 0 or bias.shape[dim] != size:
+        return paged.arg(bias)
+    return _page_slice(bias, dim, start, stop, paged)
+
+
+@implements(aten.mm.default, aten.addmm.default)
+def mm(func, types, args, kwargs):
+    addmm = func is aten.addmm.default
+    bias, a, b = (args[0], args[1], args[2]) if addmm else (None, args[0], args[1])
+    if needs_tiling(b, [a, bias]) and b.dim() == 2:
+        big, dim, other = b, 1, a  # columns of b -> columns of the output
+    elif needs_tiling(a, [b, bias]) and a.dim() == 2:
+        big, dim, other = a, 0, b  # rows of a -> rows of the output
+    else:
+        return run(func, args, kwargs)
+    size = big.shape[dim]
+    bias_dim = None
+    if isinstance(bias, torch.Tensor) and bias.dim():
+        bias_dim = dim - 2 + bias.dim()
+        bias_dim = bias_dim if bias_dim >= 0 and bias.shape[bias_dim] == size else None
+    _, others = _offloaded_bytes([other] + ([bias] if bias_dim is None else []))
+
+    def compute(start, stop, paged):
+        part = _page_slice(big, dim, start, stop, paged)
+        left, right = (paged.arg(a), part) if dim == 1 else (part, paged.arg(b))
+        if not addmm:
+            return func(left, right, **kwargs)
+        return func(_bias_slice(bias, dim, start, stop, size, paged), left, right, *args[3:], **kwargs)
+
+    return _tiled(big, dim, others, str(func), compute, dim, [] if bias_dim is None else [(bias, bias_dim)])
+
+
+@implements(aten.bmm.default)
+def bmm(func, types, args, kwargs):
+    a, b = args[0], args[1]
+    big = b if needs_tiling(b, [a]) else a if needs_tiling(a, [b]) else None
+    if big is None:
+        return run(func, args, kwargs)
+    other = a if big is b else b
+
+    def compute(start, stop, paged):
+        return func(_page_slice(a, 0, start, stop, paged), _page_slice(b, 0, start, stop, paged), **kwargs)
+
+    return _tiled(big, 0, 0, str(func), compute, 0, [(other, 0)])
+
+
+@implements(aten.convolution.default)
+def convolution(func, types, args, kwargs):
+    call = dict(zip(("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups"), args), **kwargs)
+    weight, bias, x = call["weight"], call.get("bias"), call["input"]
+    if call.get("transposed") or call.get("groups", 1) != 1 or not needs_tiling(weight, [x, bias]):
+        return run(func, args, kwargs)
+    _, others = _offloaded_bytes([x])
+    rest = {k: v for k, v in call.items() if k not in ("input", "weight", "bias")}
+
+    def compute(start, stop, paged):
+        b = None if bias is None else _page_slice(bias, 0, start, stop, paged)
+        return func(paged.arg(x), _page_slice(weight, 0, start, stop, paged), b, **rest)
+
+    return _tiled(weight, 0, others, "convolution", compute, 1, [(bias, 0)])
+
+
+def as_linear_weight(x, weight: OffloadedTensor, device_weight: torch.Tensor) -> torch.Tensor:
+    """The paged copy (or tile) of ``weight`` that ``F.linear`` gets. aten::matmul folds a 3-D
+    input into one mm when the weight requires grad (even under no_grad), and otherwise only when
+    the fold needs no copy; else it runs bmm: another kernel, other bits. The unwrapped model's
+    weight requires grad, so its paged copy must say so too wherever that changes the kernel."""
+    if x.dim() >= 3 and weight.requires_grad and not folds_without_copy(x):
+        return device_weight.detach().requires_grad_()
+    return device_weight
+
+
+def folds_without_copy(x: torch.Tensor) -> bool:
+    """aten::matmul's ``should_fold`` for an input whose weight does not require grad:
+    ``x.view(-1, x.size(-1))`` needs no copy. Not ``is_contiguous()``: a size-1 dimension with any
+    stride is contiguous, but its stride still decides the fold (fsmt's (2, 1, 32) decoder state
+    with strides (32, 64, 1) runs bmm unless the weight requires grad)."""
+    if x.numel() == 0:
+        return True
+    sizes, strides = x.shape, x.stride()
+    return all(strides[i] == strides[i + 1] * sizes[i + 1] for i in range(x.dim() - 2))
