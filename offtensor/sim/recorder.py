@@ -208,7 +208,7 @@ class Recorder(TorchDispatchMode):
             self._pending_frees.append(op)
 
     def host_sync(self) -> None:
-        """The host reads a device value (dispatch._read_to_host) and waits for the compute stream."""
+        """The host reads a device value (ops.rows.read_to_host) and waits for the compute stream."""
         self.tl.add_sync()
 
     def finish(self) -> None:
