@@ -16,6 +16,7 @@ from torch import nn
 
 import offtensor as ot
 from offtensor.models import vllm_deepseek as vd
+from offtensor.models import vllm_layers as vl
 from offtensor.models.deepseek import CONFIGS, DeepSeekConfig, weight_bytes
 
 GiB = 1 << 30
@@ -336,7 +337,7 @@ def test_vllm_deepseek_wrapped_before_loading_through_its_loaders_gives_unwrappe
     ot.wrap_model(model, budget_gb=budget, device=device)
     offloaded = {name for name, p in model.named_parameters() if isinstance(p, ot.OffloadedTensor)}
     assert any("experts.w13_weight" in name for name in offloaded)
-    assert any(isinstance(model.get_parameter(name), vd.ModelWeightParameter) for name in offloaded)
+    assert any(isinstance(model.get_parameter(name), vl.ModelWeightParameter) for name in offloaded)
 
     ot.reset_stats(model)
     loaded = model.load_weights(vd.iterate_checkpoint(str(tmp_path)))
