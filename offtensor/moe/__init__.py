@@ -1,7 +1,8 @@
 """Routed experts: which offloaded tensors are stacks of experts, how their cached copies are used
 and evicted, the guess of the next MoE layer's experts, and the routing a run measures.
 
-    stacks.py      Stack (per-stack counters), LayerOrder, ExpertStacks: what the pager holds as
+    stack.py       Stack (per-stack counters), LayerOrder (the layer order of a pass)
+    stacks.py      ExpertStacks: what the pager holds as
                    ``pager.experts`` (its observer and eviction policy for experts)
     eviction.py    ExpertEviction: use frequencies, per-layer reuse, the victim
     prefetch.py    ExpertIssuer: the current op's experts (announce / expect) and their copies

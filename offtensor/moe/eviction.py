@@ -18,7 +18,7 @@ import heapq
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .stacks import Stack
+    from .stack import Stack
 
 # Per step an expert's use count decays by this factor: a frequency over roughly the last
 # 1 / (1 - DECAY) steps, so an expert hot a few hundred tokens ago does not stay pinned forever.

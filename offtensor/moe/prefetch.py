@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .stacks import LayerOrder, Stack
+    from .stack import LayerOrder, Stack
 
 
 class ExpertIssuer:

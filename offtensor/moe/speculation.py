@@ -36,7 +36,7 @@ from torch import nn
 from . import routing
 
 if TYPE_CHECKING:
-    from .stacks import ExpertStacks, Stack
+    from .stack import Stack
 
 # Speculation is scored on what it can save: only a guess of an expert that is NOT cached when the
 # guess is made costs a copy, so a router's guesses are scored apart by their confidence (the
@@ -179,7 +179,7 @@ def _confidence_bin(p: float) -> int:
 class RoutingSpeculator:
     """Guesses layer i+1's experts when layer i's router runs, and prefetches them."""
 
-    def __init__(self, pager, stacks: ExpertStacks, routers: list):
+    def __init__(self, pager, stacks, routers: list):  # stacks: the ExpertStacks holding this speculator
         self.pager_ref = weakref.ref(pager)
         self._stacks = stacks
         self.routers = routers  # Router, in module order
