@@ -76,8 +76,13 @@ def test_chrome_trace_has_one_complete_event_per_record_on_named_streams(tmp_pat
         assert set(e["args"]) >= {"id", "bytes", "flops", "step", "waits"}
         assert e["args"]["id"] == r.id and e["args"]["waits"] == r.waits and names[e["tid"]] == r.stream
         assert e["ts"] == pytest.approx(replay.starts[r.id] * 1e3) and e["dur"] > 0
+    from offtensor import _optional
+
     png = tl.plot(str(tmp_path / "trace.png"), profile="h200")
-    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    if _optional.pyplot() is None:  # matplotlib is optional: without it the plot is skipped (warned once)
+        assert png is None and not list(tmp_path.glob("*.png"))
+    else:
+        assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     ot.unwrap_model(model)
 
 
