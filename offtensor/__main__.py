@@ -157,6 +157,9 @@ def _transformers_model(args, dtype):
     one sequence (distinct, as far as an offloaded embedding's paging is concerned)."""
     import torch
 
+    from ._optional import quiet_torchao_on_cpu_torch
+
+    quiet_torchao_on_cpu_torch()  # transformers imports torchao where it is installed
     try:
         import transformers
     except ImportError:

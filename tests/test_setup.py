@@ -6,6 +6,7 @@ runs the files it is given, all of tests/ without any."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -184,3 +185,23 @@ def test_the_test_command_runs_only_the_files_it_is_given(pytest_args):
     assert pytest_args("tests/test_b.py::test_b", "-x") == ["test_b"]
     assert pytest_args("-k", "test_b") == ["test_b"]  # options alone: still tests/
     assert pytest_args("tests") == ["test_a", "test_b"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is optional")
+def test_torchao_imported_by_transformers_logs_nothing_into_the_tests_or_the_plan_commands_output(tmp_path):
+    # transformers imports torchao because it is installed: in each test file that builds a
+    # transformers model (a fresh process with the tests' conftest), and in plan --config.
+    code = ("import sys; sys.path.insert(0, 'tests'); import conftest, transformers.modeling_utils; "
+            "assert 'torchao' in sys.modules")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == ""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 32,
+              "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    run = subprocess.run([sys.executable, "-m", "offtensor", "plan", "--config", str(tmp_path), "--steps", "1",
+                          "--prefill-tokens", "4", "--png", str(tmp_path / "plan.png")],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    for noise in ("Failed to load", "Detected no triton", "is an Enum subclass"):
+        assert noise not in run.stderr, run.stderr
