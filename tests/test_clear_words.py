@@ -145,7 +145,7 @@ def test_offload_config_is_exported():
 
 def test_stats_print_under_their_field_names(device):
     model = _model()
-    ot.wrap_model(model, budget_gb=1000 / GiB, device=device)
+    ot.wrap_model(model, budget_gb=2000 / GiB, device=device)  # both weights offloaded
     with torch.no_grad():
         model(torch.randn(2, 16).to(device))
     text = str(ot.stats(model))
@@ -153,6 +153,7 @@ def test_stats_print_under_their_field_names(device):
     fields = set(ot.OffloadStats.__dataclass_fields__)
     assert names and set(names) <= fields, set(names) - fields
     assert {"bytes_h2d", "bytes_d2h", "peak_device_bytes", "budget_bytes", "resident_bytes"} <= set(names)
+    assert "bytes_h2d=2.05 kB" in text
 
 
 @pytest.mark.parametrize("bad", ["gpu", "npu", "GPU:0", ""])
