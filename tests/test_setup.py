@@ -148,6 +148,7 @@ def test_setup_run_twice_builds_offtensor_only_the_first_time(tmp_path):
     with open(os.path.join(venv_site, "offtensor-python3-site.pth"), "w") as f:
         f.write("\n".join(site.getsitepackages()) + "\n")
     env = {**os.environ, "OFFTENSOR_NO_NATIVE": "1", "PIP_NO_INDEX": "1"}
+    env.pop("PYTHONPATH", None)  # another checkout on it would be the offtensor found
     runs = [subprocess.run(["bash", str(root / "scripts/setup.sh")], capture_output=True, text=True, env=env,
                            timeout=300) for _ in range(2)]
     for run in runs:
