@@ -7,6 +7,7 @@ device. ``wrap_model(model, budget_gb=...)`` does that for a whole model, in pla
 
 from . import _ext  # noqa: F401  (loads the native extension, or warns once)
 from . import ops  # noqa: F401  (gives OffloadedTensor its op handlers)
+from .config import OffloadConfig
 from .pager import BudgetError, OffloadStats
 from .loading import CheckpointError, from_pretrained, load_safetensors
 from .tensor import OffloadedTensor, add_safe_globals, offload, safe_globals
@@ -30,6 +31,7 @@ __all__ = [
     "load_safetensors",
     "from_pretrained",
     "CheckpointError",
+    "OffloadConfig",
     "OffloadStats",
     "BudgetError",
     "timeline",

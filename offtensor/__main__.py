@@ -20,27 +20,7 @@ def plan_main(argv) -> int:
     """What a model does on a GPU profile at a budget, predicted on this machine: placement, pager
     and prefetch run on the meta device (nothing is allocated), the replay gives the times. The
     model is a dense stack of MLP layers, or with --config a whole transformers model."""
-    parser = argparse.ArgumentParser(prog="python -m offtensor plan", description=plan_main.__doc__)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--hidden", type=int, default=8192)
-    parser.add_argument("--ffn", type=int, default=24576)
-    parser.add_argument("--config", help="a transformers config.json, or a checkpoint directory holding one: the "
-                        "whole model (AutoModelForCausalLM.from_config on meta; needs transformers)")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--budget-gb", type=float, help="device budget, GiB (default: half the weights)")
-    budget.add_argument("--offload-layers", type=int, default=None,
-                        help="dense stack only: a budget that makes the default placement offload this many layers")
-    budget.add_argument("--offload-gb", type=float, help="offload at least this many GiB (vLLM's cpu_offload_gb)")
-    parser.add_argument("--profile", default="h200")
-    parser.add_argument("--prefill-tokens", type=int, default=4096)
-    parser.add_argument("--decode-tokens", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--no-prefetch", action="store_true")
-    parser.add_argument("--routing", help="MoE: measured routing (a RoutingStats JSON, e.g. benchmarks/results/"
-                        "moe_routing_qwen3.json) instead of uniform; also names the faster expert placement")
-    parser.add_argument("--png", default="plan.png", help="timeline PNG; one per phase: plan-prefill.png, ...")
-    parser.add_argument("--trace", default=None, help="Chrome trace JSON, one per phase like --png")
+    parser = _plan_parser()
     args = parser.parse_args(argv)
     if args.config and args.offload_layers is not None:
         parser.error("--offload-layers sizes the dense stack's budget; with --config give --budget-gb or --offload-gb")
@@ -52,11 +32,14 @@ def plan_main(argv) -> int:
     from .sim.profiles import get_profile
     from .moe import RoutingStats
 
-    dtype = getattr(torch, DTYPES[args.dtype])
+    if args.dtype is None and not args.config:
+        args.dtype = "bf16"  # the dense stack's default; a checkpoint's own dtype is read from its config
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     routing = _load_routing(RoutingStats, args.routing) if args.routing else None
     profile = get_profile(args.profile)
     started = time.perf_counter()
-    model, described, total, inputs = (_transformers_model if args.config else _dense_stack)(args, dtype)
+    model, described, total, inputs, dtype = (_transformers_model if args.config else _dense_stack)(args, dtype)
+    dtype_name = args.dtype or str(dtype).removeprefix("torch.")
     budget_gb, offload_gb = args.budget_gb, args.offload_gb
     if budget_gb is None and offload_gb is None:
         if args.config:
@@ -67,7 +50,7 @@ def plan_main(argv) -> int:
             # What stays resident plus room for two weights: the one in use and the next one's copy.
             budget_gb = (total - offload_layers * layer_bytes + layer_bytes) / GiB
     weights = sum(1 for _ in model.parameters())
-    print(f"{described}, {args.dtype}, {format_bytes(total)}; profile {profile.name}: H2D {profile.h2d_gbps} GB/s, "
+    print(f"{described}, {dtype_name}, {format_bytes(total)}; profile {profile.name}: H2D {profile.h2d_gbps} GB/s, "
           f"{profile.tflops.get(str(dtype).removeprefix('torch.'), 0):.0f} TFLOP/s, HBM {profile.hbm_gbps:.0f} GB/s")
     rows = []
     stem, ext = os.path.splitext(args.png)
@@ -95,6 +78,41 @@ def plan_main(argv) -> int:
                              args.steps, offload_gb)
     print(f"planned in {time.perf_counter() - started:.1f} s; nothing was allocated (meta device)")
     return 0
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    from . import PROFILES
+
+    parser = argparse.ArgumentParser(prog="python -m offtensor plan", description=plan_main.__doc__)
+    parser.add_argument("--layers", type=int, default=24, help="dense stack: number of MLP layers (default: 24)")
+    parser.add_argument("--hidden", type=int, default=8192, help="dense stack: hidden size, W1's rows (default: 8192)")
+    parser.add_argument("--ffn", type=int, default=24576, help="dense stack: MLP width, W1's columns (default: 24576)")
+    parser.add_argument("--config", help="a transformers config.json, or a checkpoint directory holding one: the "
+                        "whole model (AutoModelForCausalLM.from_config on meta; needs transformers)")
+    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                        help="the weights' dtype (default: the config's dtype with --config, float32 when it names "
+                        "none, as transformers loads it; bf16 for the dense stack)")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--budget-gb", type=float, help="device budget, GiB (default: half the weights with "
+                        "--config; for the dense stack, what offloads half its layers)")
+    budget.add_argument("--offload-layers", type=int, default=None,
+                        help="dense stack only: a budget that makes the default placement offload this many layers")
+    budget.add_argument("--offload-gb", type=float, help="offload at least this many GiB (vLLM's cpu_offload_gb)")
+    parser.add_argument("--profile", default="h200", type=str.lower, choices=sorted(PROFILES),
+                        help="the GPU whose copy and compute rates the replay uses (default: h200)")
+    parser.add_argument("--prefill-tokens", type=int, default=4096,
+                        help="tokens of the prefill phase's forward (default: 4096)")
+    parser.add_argument("--decode-tokens", type=int, default=1,
+                        help="tokens of the decode phase's forward (default: 1)")
+    parser.add_argument("--steps", type=int, default=2,
+                        help="forwards recorded per phase after the warm-up; the table reports the last (default: 2)")
+    parser.add_argument("--no-prefetch", action="store_true",
+                        help="page each weight in when an op needs it, with no copy ahead of use")
+    parser.add_argument("--routing", help="MoE: measured routing (a RoutingStats JSON, e.g. benchmarks/results/"
+                        "moe_routing_qwen3.json) instead of uniform; also names the faster expert placement")
+    parser.add_argument("--png", default="plan.png", help="timeline PNG; one per phase: plan-prefill.png, ...")
+    parser.add_argument("--trace", default=None, help="Chrome trace JSON, one per phase like --png")
+    return parser
 
 
 def _load_routing(RoutingStats, path: str):
@@ -133,7 +151,7 @@ def _dense_stack(args, dtype):
         model = DenseStack(args.layers, args.hidden, args.ffn, dtype)
     described = f"dense stack: {args.layers} layers x (x @ W1 {args.hidden}x{args.ffn} @ W2 {args.ffn}x{args.hidden})"
     return model, described, model.layer_bytes() * args.layers, (
-        lambda tokens: torch.empty(tokens, args.hidden, dtype=dtype, device="meta"))
+        lambda tokens: torch.empty(tokens, args.hidden, dtype=dtype, device="meta")), dtype
 
 
 def _transformers_model(args, dtype):
@@ -141,6 +159,9 @@ def _transformers_model(args, dtype):
     one sequence (distinct, as far as an offloaded embedding's paging is concerned)."""
     import torch
 
+    from ._optional import quiet_torchao_on_cpu_torch
+
+    quiet_torchao_on_cpu_torch()  # transformers imports torchao where it is installed
     try:
         import transformers
     except ImportError:
@@ -149,6 +170,7 @@ def _transformers_model(args, dtype):
     if not os.path.exists(path):
         raise SystemExit(f"offtensor plan: no config at {path!r}")
     config = transformers.AutoConfig.from_pretrained(os.path.dirname(path) if path.endswith(".json") else path)
+    dtype = dtype or _checkpoint_dtype(config)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     seen = {}
@@ -157,7 +179,18 @@ def _transformers_model(args, dtype):
     total = sum(seen.values())
     layers = getattr(config, "num_hidden_layers", "?")
     return model, f"{type(model).__name__}: {layers} layers", total, (
-        lambda tokens: torch.zeros(1, tokens, dtype=torch.long, device="meta"))
+        lambda tokens: torch.zeros(1, tokens, dtype=torch.long, device="meta")), dtype
+
+
+def _checkpoint_dtype(config):
+    """The dtype a checkpoint's weights are stored in: its config's ``dtype`` (transformers reads an
+    older config.json's ``torch_dtype`` into it), float32 when it names none, as transformers loads it."""
+    import torch
+
+    value = getattr(config, "dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value.removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) else torch.float32
 
 
 def main(argv=None) -> int:

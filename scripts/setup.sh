@@ -113,7 +113,10 @@ print(f"setup: ok (torch {torch.__version__}, offtensor._C {cuda} its CUDA part)
 # Rebuild offtensor only when it is not importable from this checkout or its native sources changed.
 built=0
 extension="$(ls offtensor/_C.*.so 2>/dev/null | head -n 1 || true)"
-installed_here="$(cd / && "$PY" -c 'import importlib.util, os, sys; s = importlib.util.find_spec("offtensor"); print(s is not None and os.path.realpath(s.origin) == os.path.realpath(sys.argv[1]))' "$PWD/offtensor/__init__.py")"
+# Asked from / so that the checkout itself is not on the path; the path asked about is spelled
+# before the `cd`, inside the subshell $PWD would already be /.
+here="$PWD/offtensor/__init__.py"
+installed_here="$(cd / && "$PY" -c 'import importlib.util, os, sys; s = importlib.util.find_spec("offtensor"); print(s is not None and os.path.realpath(s.origin) == os.path.realpath(sys.argv[1]))' "$here")"
 if [ "$installed_here" != True ] || { [ "$NO_NATIVE" = 0 ] && {
      [ -z "$extension" ] || [ -n "$(find csrc setup.py -newer "$extension" -print -quit)" ]; }; }; then
   build

@@ -4,7 +4,8 @@
 "cuda"), so the same tests take the GPU code path on a GPU. ``OFFTENSOR_HYPOTHESIS_EXAMPLES`` sets
 how many examples each property runs (default 60). ``OFFTENSOR_STRICT=1`` runs the emulated device
 strictly (late, out-of-order copies into poisoned buffers; see ``offtensor._ext.StrictCopyEngine``)
-and fails a test whose copies lost their host source.
+and fails a test whose copies lost their host source. torchao's import noise on a CPU torch is kept
+out of the tests' output (``offtensor._optional.quiet_torchao_on_cpu_torch``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ if TEST_DEVICE == "cpu" and "OMP_NUM_THREADS" not in os.environ:
     # default of one compute thread per core, a 2-core machine oversubscribes and single ops
     # run 10-100x slower.
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+
+
+# Before any test file imports transformers, which imports torchao where it is installed.
+from offtensor._optional import quiet_torchao_on_cpu_torch  # noqa: E402  (after the thread count above)
+
+quiet_torchao_on_cpu_torch()
 
 
 @pytest.fixture(autouse=True)

@@ -2,10 +2,15 @@
 named in a warning; a budget above the device's memory is named in a warning; an expanded
 (stride-0) parameter of a wrapped model keeps its layout in the host master and is counted by the
 bytes it takes. (``ot.offload(t)`` of an expanded tensor still makes a writable master of numel
-elements, as tests/test_properties.py's "expanded" layout states: a copy the caller may write.)"""
+elements, as tests/test_properties.py's "expanded" layout states: a copy the caller may write.)
+
+And the names a newcomer meets first: ``ot.OffloadConfig`` exported, stats printed under their field
+names, an unknown device string answered with the devices to use, every ``plan`` option explained,
+and ``plan --config`` planning the checkpoint's own dtype."""
 
 from __future__ import annotations
 
+import json
 import re
 import warnings
 
@@ -126,3 +131,77 @@ def test_an_expanded_parameter_assigned_after_wrapping_is_offloaded_in_256_bytes
     model.e = nn.Parameter(values, requires_grad=False)  # paging room reserved for 256 B, not 16 KiB
     assert isinstance(model.e, OffloadedTensor) and model.e.host_nbytes == 256 and model.e.stride() == (0, 1)
     assert torch.equal(model.e.cpu(), values)
+
+
+# ---------------------------------------------------------------------------- names a newcomer meets
+
+
+def test_offload_config_is_exported():
+    assert "OffloadConfig" in ot.__all__
+    from offtensor.config import OffloadConfig
+
+    assert ot.OffloadConfig is OffloadConfig
+
+
+def test_stats_print_under_their_field_names(device):
+    model = _model()
+    ot.wrap_model(model, budget_gb=2000 / GiB, device=device)  # both weights offloaded
+    with torch.no_grad():
+        model(torch.randn(2, 16).to(device))
+    text = str(ot.stats(model))
+    names = re.findall(r"(\w+)=", text)
+    fields = set(ot.OffloadStats.__dataclass_fields__)
+    assert names and set(names) <= fields, set(names) - fields
+    assert {"bytes_h2d", "bytes_d2h", "peak_device_bytes", "budget_bytes", "resident_bytes"} <= set(names)
+    assert "bytes_h2d=2.05 kB" in text
+
+
+@pytest.mark.parametrize("bad", ["gpu", "npu", "GPU:0", ""])
+def test_an_unknown_device_string_names_the_devices_to_use(bad):
+    with pytest.raises(ValueError) as raised:
+        ot.wrap_model(_model(), budget_gb=1, device=bad)
+    assert str(raised.value) == (f"offtensor: device={bad!r} is not a device; "
+                                 'use "cuda" (a GPU), "cuda:N" or "cpu" (the emulated device)')
+
+
+def test_plan_help_explains_every_option_and_lists_the_profiles(capsys):
+    from offtensor.__main__ import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    options = text[text.index("options:"):]
+    # argparse puts an option's help beside it or on the next line; an option with none has neither.
+    lines = options.splitlines()[2:]
+    for i, line in enumerate(lines):
+        if line.startswith("  --"):
+            beside = len(line.split("  ")) > 2 and line.split("  ")[-1].strip()
+            below = i + 1 < len(lines) and lines[i + 1].startswith(" " * 10)
+            assert beside or below, f"no help for {line.strip()}"
+    assert f"--profile {{{','.join(sorted(ot.PROFILES))}}}" in options
+
+
+def _tiny_config(tmp_path, **extra):
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 2048, "hidden_size": 64,
+              "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 128, "tie_word_embeddings": False, **extra}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("extra, dtype, total", [
+    ({}, "float32", "1.54 MB"),  # no dtype in config.json: float32, as transformers loads it
+    ({"torch_dtype": "float32"}, "float32", "1.54 MB"),
+    ({"dtype": "bfloat16"}, "bfloat16", "770.69 kB"),
+])
+def test_plan_with_a_config_plans_the_checkpoints_own_dtype(tmp_path, capsys, extra, dtype, total):
+    pytest.importorskip("transformers")
+    from offtensor.__main__ import main
+
+    path = _tiny_config(tmp_path, **extra)
+    args = ["plan", "--config", path, "--prefill-tokens", "8", "--steps", "1", "--png", str(tmp_path / "p.png")]
+    assert main(args) == 0
+    assert f"LlamaForCausalLM: 2 layers, {dtype}, {total};" in capsys.readouterr().out
+    assert main(args + ["--dtype", "fp16"]) == 0  # an explicit --dtype still wins
+    assert "LlamaForCausalLM: 2 layers, fp16, 770.69 kB;" in capsys.readouterr().out

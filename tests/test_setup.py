@@ -1,10 +1,12 @@
 """Set-up on any fresh machine (issue 16): every test and demo package pinned exactly, installed only
 when missing or too old; optional packages (matplotlib, tqdm) degrade to a warning and a skipped
-PNG or progress bar, never a failure."""
+PNG or progress bar, never a failure. Run again, scripts/setup.sh builds nothing; scripts/test.sh
+runs the files it is given, all of tests/ without any."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -114,3 +116,93 @@ def test_without_tqdm_a_load_warns_once_and_still_loads(without, tmp_path, devic
     x = torch.randn(3, 64)
     with torch.no_grad():
         assert torch.equal(model(x.to(device)).cpu(), reference(x))
+
+
+# ---------------------------------------------------------------------------- the scripts, in a scratch checkout
+
+
+def _scratch_checkout(tmp_path, *files):
+    """A checkout in tmp_path holding ``files`` copied from this one, so a script runs against it
+    and never against this checkout or the .venv it shares."""
+    import shutil
+
+    root = tmp_path / "checkout"
+    for name in files:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(os.path.join(ROOT, name), root / name)
+    return root
+
+
+def test_setup_run_twice_builds_offtensor_only_the_first_time(tmp_path):
+    # A .venv of its own that sees this one's packages (as setup.sh's own .venv sees python3's), so
+    # the check "is this checkout's offtensor the one installed?" runs for real; without the native
+    # build (OFFTENSOR_NO_NATIVE=1), "building" is only the install of the checkout's path.
+    import site
+
+    root = _scratch_checkout(tmp_path, "scripts/setup.sh", "scripts/deps.py", "requirements-test.txt")
+    (root / "offtensor").mkdir()
+    (root / "offtensor" / "__init__.py").write_text("")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / ".venv")], check=True, timeout=120)
+    venv_site = subprocess.run([str(root / ".venv/bin/python"), "-c", "import site; print(site.getsitepackages()[0])"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(venv_site, "offtensor-python3-site.pth"), "w") as f:
+        f.write("\n".join(site.getsitepackages()) + "\n")
+    env = {**os.environ, "OFFTENSOR_NO_NATIVE": "1", "PIP_NO_INDEX": "1"}
+    env.pop("PYTHONPATH", None)  # another checkout on it would be the offtensor found
+    runs = [subprocess.run(["bash", str(root / "scripts/setup.sh")], capture_output=True, text=True, env=env,
+                           timeout=300) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stdout + run.stderr
+    assert "setup: building offtensor" in runs[0].stdout
+    assert "building" not in runs[1].stdout, runs[1].stdout
+    assert open(os.path.join(venv_site, "offtensor-checkout.pth")).read().strip() == str(root)
+
+
+@pytest.fixture
+def pytest_args(tmp_path):
+    """Runs scripts/test.sh in a scratch checkout whose set-up does nothing and whose tests/ has two
+    files; returns the test names that ran."""
+    root = _scratch_checkout(tmp_path, "scripts/test.sh", "pyproject.toml")
+    (root / "scripts" / "setup.sh").write_text("exit 0\n")
+    (root / ".venv" / "bin").mkdir(parents=True)
+    python = root / ".venv" / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    (root / "tests").mkdir()
+    for name in ("a", "b"):
+        (root / "tests" / f"test_{name}.py").write_text(f"def test_{name}():\n    pass\n")
+
+    def ran(*args):
+        run = subprocess.run(["bash", "scripts/test.sh", "-rA", "-p", "no:cacheprovider", *args], cwd=root,
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "OFFTENSOR_TEST_WORKERS": "0"})
+        assert run.returncode == 0, run.stdout + run.stderr
+        return sorted(name for name in ("test_a", "test_b") if f"::{name}" in run.stdout)
+    return ran
+
+
+def test_the_test_command_runs_only_the_files_it_is_given(pytest_args):
+    assert pytest_args() == ["test_a", "test_b"]  # no arguments: all of tests/, as .ci/run asks
+    assert pytest_args("tests/test_a.py") == ["test_a"]
+    assert pytest_args("tests/test_b.py::test_b", "-x") == ["test_b"]
+    assert pytest_args("-k", "test_b") == ["test_b"]  # options alone: still tests/
+    assert pytest_args("tests") == ["test_a", "test_b"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is optional")
+def test_torchao_imported_by_transformers_logs_nothing_into_the_tests_or_the_plan_commands_output(tmp_path):
+    # transformers imports torchao because it is installed: in each test file that builds a
+    # transformers model (a fresh process with the tests' conftest), and in plan --config.
+    code = ("import sys; sys.path.insert(0, 'tests'); import conftest, transformers.modeling_utils; "
+            "assert 'torchao' in sys.modules")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == ""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 32,
+              "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    run = subprocess.run([sys.executable, "-m", "offtensor", "plan", "--config", str(tmp_path), "--steps", "1",
+                          "--prefill-tokens", "4", "--png", str(tmp_path / "plan.png")],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    for noise in ("Failed to load", "Detected no triton", "is an Enum subclass"):
+        assert noise not in run.stderr, run.stderr

@@ -48,6 +48,9 @@ def strict_from_env() -> bool:
     return os.environ.get("OFFTENSOR_STRICT", "").strip().lower() not in ("", "0", "false", "no")
 
 
+DEVICES_TO_USE = 'use "cuda" (a GPU), "cuda:N" or "cpu" (the emulated device)'
+
+
 def resolve_device(device) -> torch.device:
     """``None`` -> the current CUDA device when there is one, else the emulated device (cpu)."""
     if device is None:
@@ -57,13 +60,14 @@ def resolve_device(device) -> torch.device:
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
+        if isinstance(device, str):
+            # torch's own answer lists its twenty device types, of which offtensor takes two.
+            raise ValueError(f"offtensor: device={device!r} is not a device; {DEVICES_TO_USE}") from None
         raise ValueError(f"offtensor: {device!r} is not a device: {e}") from None
     if device.type == "cpu":
         return torch.device("cpu")
     if device.type != "cuda":
-        raise ValueError(
-            f"offtensor: device {device} is not supported; offload to 'cuda' (or 'cpu', the emulated device)"
-        )
+        raise ValueError(f"offtensor: device={str(device)!r} is not supported; {DEVICES_TO_USE}")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     index = torch.cuda.current_device() if device.index is None and count else device.index or 0
     if index >= count:

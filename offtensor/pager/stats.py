@@ -45,16 +45,18 @@ class OffloadStats:
     expert_placement: Optional[dict] = None
 
     def __str__(self) -> str:
+        # Each figure under its field's name (stats.bytes_h2d prints as bytes_h2d=...), byte counts
+        # for people; the expert dictionaries are left to repr and the fields themselves.
         size = format_bytes
         return (
-            f"OffloadStats(h2d={size(self.bytes_h2d)}, d2h={size(self.bytes_d2h)}, page_ins={self.page_ins}, "
-            f"hits={self.hits}, evictions={self.evictions}, prefetches={self.prefetches}, "
-            f"prefetch_hits={self.prefetch_hits}, resident={size(self.resident_bytes)}, "
-            f"offloaded={size(self.offloaded_bytes)}, cached={size(self.cached_bytes)}, "
-            f"budget={size(self.budget_bytes)}, peak={size(self.peak_device_bytes)}"
-            + (f", pool={size(self.pool_bytes)}" if self.pool_bytes is not None else "")
-            + (f", max_allocated={size(self.max_memory_allocated)}, max_reserved={size(self.max_memory_reserved)}"
-               if self.max_memory_reserved is not None else "")
+            f"OffloadStats(bytes_h2d={size(self.bytes_h2d)}, bytes_d2h={size(self.bytes_d2h)}, "
+            f"page_ins={self.page_ins}, hits={self.hits}, evictions={self.evictions}, prefetches={self.prefetches}, "
+            f"prefetch_hits={self.prefetch_hits}, resident_bytes={size(self.resident_bytes)}, "
+            f"offloaded_bytes={size(self.offloaded_bytes)}, cached_bytes={size(self.cached_bytes)}, "
+            f"budget_bytes={size(self.budget_bytes)}, peak_device_bytes={size(self.peak_device_bytes)}"
+            + (f", pool_bytes={size(self.pool_bytes)}" if self.pool_bytes is not None else "")
+            + (f", max_memory_allocated={size(self.max_memory_allocated)}, "
+               f"max_memory_reserved={size(self.max_memory_reserved)}" if self.max_memory_reserved is not None else "")
             + ")"
         )
 
