@@ -11,7 +11,8 @@ from .pager import BudgetError, OffloadStats
 from .loading import CheckpointError, from_pretrained, load_safetensors
 from .tensor import OffloadedTensor, add_safe_globals, offload, safe_globals
 from .timeline import PROFILES, Profile, Replay, RoutingStats, Timeline, get_profile, measure_profile, plan, timeline
-from .wrap import on_host, reset_stats, stats, unwrap_model, wrap_model
+from .model.host import on_host
+from .wrap import reset_stats, stats, unwrap_model, wrap_model
 
 __all__ = [
     "OffloadedTensor",

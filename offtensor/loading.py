@@ -31,11 +31,12 @@ from torch import nn
 
 from . import _ext
 from . import placement
-from . import wrap
 from .config import OffloadConfig
+from .expert_choice import choose_expert_placement
+from .model.groups import StorageGroup
+from .model.prepare import check_wrappable, prepare
 from .pager import Pager, format_bytes, master_for, pins_host_memory, resolve_device
 from .pager.device import for_device
-from .placement import StorageGroup
 from .tensor import OffloadedTensor
 
 _DTYPES = {
@@ -835,7 +836,7 @@ def load_safetensors(model: nn.Module, path, budget_gb: Optional[float] = None, 
     model's measured routing, as for ``wrap_model``) decides the expert placement before any byte
     is read, else the loaded model decides from its own routing.
     """
-    wrap.check_wrappable(model)
+    check_wrappable(model)
     config = OffloadConfig.from_arguments(budget_gb=budget_gb, offload_gb=offload_gb, device=device, prefetch=prefetch,
                                           policy=policy, progress=progress, load_threads=threads, routing=routing)
     return _load(model, path, config, strict, convert_dtypes, allow_outside_paths)
@@ -848,29 +849,32 @@ def _load(model: nn.Module, path, config: OffloadConfig, strict: bool, convert_d
     device = resolve_device(config.device)
     files = _shard_files(path, allow_outside_paths)
     entries = _headers(files)
-    groups = placement.collect_groups(model)
-    chosen, problems = _match(entries, model, groups, convert_dtypes, path, strict)
-    architecture = _architecture_problem(model, files)
-    if architecture:
-        problems.insert(0, architecture)
-    if problems:
-        raise CheckpointError("offtensor: cannot load " + os.fspath(path) + " into " + type(model).__name__
-                              + " (the model is unchanged):\n  " + "\n  ".join(problems))
+    chosen = {}
 
-    placed = placement.choose_model_placement(groups, config, device)
-    # The expert placement too is chosen before a byte is read: the reads fill what it places.
-    placed, config, report, watch = wrap.choose_expert_placement(model, groups, placed, config, device)
-    pager = Pager(device, placed.budget_bytes, strict=config.strict)
-    total = sum(p.source.nbytes for _, ps in chosen.values() for p in ps)
-    progress_bar = _Progress(total, config.progress, f"offtensor: loading {os.path.basename(os.fspath(path))}")
-    ok = False
-    try:
-        loaded = _read(groups, chosen, placed, pager, _Reader(device, config.load_threads, progress_bar))
-        ok = True
-    finally:
-        progress_bar.close(ok)
-    # Every byte is in place: only now does the model change.
-    return wrap.apply_placement(model, placed, pager, config, loaded, expert=(report, watch))
+    def check(groups):
+        matched, problems = _match(entries, model, groups, convert_dtypes, path, strict)
+        architecture = _architecture_problem(model, files)
+        if architecture:
+            problems.insert(0, architecture)
+        if problems:
+            raise CheckpointError("offtensor: cannot load " + os.fspath(path) + " into " + type(model).__name__
+                                  + " (the model is unchanged):\n  " + "\n  ".join(problems))
+        chosen.update(matched)
+
+    def read(groups, placed, pager, config):
+        # The expert placement too is chosen before a byte is read: the reads fill what it places.
+        total = sum(p.source.nbytes for _, ps in chosen.values() for p in ps)
+        progress_bar = _Progress(total, config.progress, f"offtensor: loading {os.path.basename(os.fspath(path))}")
+        ok = False
+        try:
+            loaded = _read(groups, chosen, placed, pager, _Reader(device, config.load_threads, progress_bar))
+            ok = True
+        finally:
+            progress_bar.close(ok)
+        return loaded  # every byte is in place: only now does the model change
+
+    prepare(model, config, device, check=check, choose_experts=choose_expert_placement, read=read)
+    return model
 
 
 def _read(groups, chosen: dict, placed: placement.ModelPlacement, pager: Pager, reader: "_Reader") -> dict:

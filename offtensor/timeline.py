@@ -28,7 +28,6 @@ import json
 import math
 import os
 import time
-import types
 from typing import Optional, Sequence
 
 import torch
@@ -39,12 +38,10 @@ from torch.utils.flop_counter import flop_registry
 from . import dispatch
 from . import experts
 from . import placement
-from . import wrap
 from .config import OffloadConfig
-from .pager import GiB, Pager
-from .prefetch import Prefetcher
-from .tensor import OffloadedTensor
-from .wrap import pager_of
+from .pager import GiB
+from .model.prepare import prepare, unwrap
+from .model.state import pager_of, wrapped_state
 
 GB = 1e9
 
@@ -751,11 +748,6 @@ class timeline:
 # ---------------------------------------------------------------------------- planning on meta
 
 
-def _meta_pager(budget_bytes: int):
-    # On meta every copy is done when issued (pager/device.py: MetaDevice).
-    return Pager(torch.device("meta"), budget_bytes, strict=False)
-
-
 def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(), profile="h200", steps: int = 3, *,
          offload_gb: Optional[float] = None, policy=None, prefetch: bool = True, warmup: int = 3,
          forward=None, routing: Optional[RoutingStats] = None) -> Timeline:
@@ -773,10 +765,20 @@ def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(),
     config = OffloadConfig(budget_gb=budget_gb, offload_gb=offload_gb, device=torch.device("meta"), prefetch=prefetch,
                            policy=policy, strict=False)
     _check_built_on_meta(model)
-    placed = placement.choose_model_placement(placement.collect_groups(model), config, config.device)
-    pager = _meta_pager(placed.budget_bytes)
-    saved = _offload_on_meta(placed, pager)
-    hooks = _attach_schedule(model, pager, prefetch and bool(placed.choice.offload))
+    # The placement wrap_model would make, applied on a meta pager (on meta every copy is done when
+    # issued: pager/device.py's MetaDevice); unwrapped when the plan ends, so the model is as it was.
+    placed, pager = prepare(model, config, config.device)
+    try:
+        tl = _record_plan(model, placed, pager, example_inputs, profile, steps, warmup, forward, routing)
+    finally:
+        unwrap(model, wrapped_state(model))
+    return tl
+
+
+def _record_plan(model: nn.Module, placed: placement.ModelPlacement, pager, example_inputs, profile, steps: int,
+                 warmup: int, forward, routing: Optional[RoutingStats]) -> Timeline:
+    """``plan``'s forwards on the prepared meta model, recorded; the timeline with the plan's info."""
+    hooks = []
     planned = None
     if routing is not None:
         planned = _PlannedRouting(routing, _top_k_of(model) or routing.top_k)
@@ -792,8 +794,6 @@ def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(),
     finally:
         for h in hooks:
             h.remove()
-        for table, attr, t in saved.values():
-            table[attr] = t
     tl.info = _planned_info(placed.choice, pager.snapshot())
     tl.info["routing"] = routing.summary() if routing is not None else "uniform"
     return tl
@@ -808,44 +808,6 @@ def _check_built_on_meta(model: nn.Module) -> None:
                         f"offtensor: plan() needs a model built on meta (found {type(module).__name__}.{attr} on "
                         f"{t.device}); build it under `with torch.device('meta'):`"
                     )
-
-
-def _offload_on_meta(placed: placement.ModelPlacement, pager) -> dict:
-    """Register a meta OffloadedTensor on ``pager`` in every slot of each offloaded group, straight
-    into the modules' tables (no re-placement); returns (module, table, attr) -> what was there."""
-    saved = {}
-    for group in placed.offloaded:
-        first = group.tensor
-        lo, hi = group.element_range()
-        flat = torch.empty(hi - lo, dtype=first.dtype, device="meta")
-        master = pager.new_master((hi - lo) * first.element_size())
-        master.name = group.names[0]
-        master.flat = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device="meta")
-        for member in group:
-            t = member.tensor
-            host = flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
-            new = OffloadedTensor(host, master)
-            if isinstance(t, nn.Parameter):
-                new = nn.Parameter(new, requires_grad=False)
-            for module, attr, is_buffer in member.slots:
-                table = module._buffers if is_buffer else module._parameters
-                saved.setdefault((id(module), is_buffer, attr), (table, attr, t))
-                table[attr] = new
-    pager.budget.recount_resident(placed.choice.resident_bytes)
-    pager.reset_stats()
-    return saved
-
-
-def _attach_schedule(model: nn.Module, pager, prefetch: bool) -> list:
-    """The wrapped model's prefetcher and expert cache on the meta pager; the hooks to remove after."""
-    if prefetch:
-        pager.prefetcher = Prefetcher()
-    # Routed experts take the wrapped model's eviction and statistics; speculation needs router
-    # values, which meta tensors do not have, so its hooks do nothing here.
-    experts.attach(model, pager, speculate=False)
-    if pager.prefetcher is not None or pager.experts is not None:
-        return [model.register_forward_pre_hook(lambda m, a: pager.new_step())]
-    return []
 
 
 def _planned_info(choice: placement.Placement, stats) -> dict:
@@ -1060,9 +1022,8 @@ def plan_expert_paging(model: nn.Module, budget_gb: float, example_inputs=(), ro
 
 
 # ---------------------------------------------------------------------------- placement that follows the routing
-# What wrap_model uses to decide its expert placement by replay (wrap.py: "expert placement").
-# timeline imports wrap (it records wrapped models), so wrap does not import timeline: these are
-# handed to it at import (``wrap.use_routing_tools``, at the end of this file).
+# What the expert-placement choice (expert_choice.py) decides by: routing statistics, a meta twin
+# of the model to replay, an example step, and the replay of both placements.
 
 
 def routing_stats_of(routing, num_experts: Optional[int] = None, what: str = "routing") -> RoutingStats:
@@ -1262,7 +1223,3 @@ def faster_expert_placement(twin: nn.Module, budget_bytes: int, example_inputs, 
             "default_step_ms": verdict["default"].step_ms, "all_paged_step_ms": verdict["all_paged"].step_ms,
             "profile": profile.name, "routing": routing.summary()}
 
-
-wrap.use_routing_tools(types.SimpleNamespace(
-    RoutingRecorder=RoutingRecorder, routing_stats_of=routing_stats_of, meta_twin=meta_twin, sync_twin=sync_twin,
-    decode_example=decode_example, faster_expert_placement=faster_expert_placement))
