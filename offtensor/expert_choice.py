@@ -10,8 +10,10 @@ from typing import Optional
 import torch
 from torch import nn
 
+from . import experts
 from . import placement
 from .config import OffloadConfig
+from .model.groups import StorageGroup
 from .model.prepare import pinned, re_place_experts
 from .model.state import State, wrapped_state
 from .placement import ModelPlacement
@@ -31,7 +33,7 @@ def choose_expert_placement(model: nn.Module, groups: list, placed: ModelPlaceme
     """The expert placement at wrap time: (placement, config, report, watch). ``watch`` is a
     ``PlacementWatch`` when the decision waits for the model's own routing (or, for a model
     that is not a transformers language model, for a forward to plan a step of)."""
-    stacks = [g for g in groups if placement.is_expert_stack(g)]
+    stacks = [g for g in groups if is_expert_stack(g)]
     if not stacks:
         if config.routing is not None:
             raise ValueError(
@@ -46,7 +48,7 @@ def choose_expert_placement(model: nn.Module, groups: list, placed: ModelPlaceme
         why = "the policy given to wrap_model places the experts" + (
             "; routing= is not used" if config.routing is not None else "")
         return placed, config, {"chosen": "policy", "why": why}, None
-    if not placement.expert_placement_open(placed):
+    if not expert_placement_open(placed):
         why = ("every weight stays resident" if not placed.offloaded
                else "the budget offloads every expert stack either way")
         return placed, config, {"chosen": "default", "why": why}, None
@@ -58,7 +60,9 @@ def choose_expert_placement(model: nn.Module, groups: list, placed: ModelPlaceme
         why = (f"to be decided after {config.routing_warmup} routed tokens" if stats is None
                else "to be decided at the first forward (its inputs give the planned step)")
         return placed, config, {"chosen": "default", "why": why}, PlacementWatch(twin, stats)
-    report = _replay_expert_placement(twin, placed.budget_bytes, example, stats, config, "at wrap time, by routing=")
+    # A failed replay warns at the caller of wrap_model or the loader (it runs inside ``prepare``).
+    report = _replay_expert_placement(twin, placed.budget_bytes, example, stats, config, "at wrap time, by routing=",
+                                      stacklevel=5)
     if report["chosen"] == "all_paged":
         config = config.replace(policy=placement.EXPERTS_PAGED)
         placed = placement.choose_model_placement(groups, pinned(config, placed.budget_bytes), device)
@@ -66,7 +70,7 @@ def choose_expert_placement(model: nn.Module, groups: list, placed: ModelPlaceme
 
 
 def _replay_expert_placement(twin: nn.Module, budget_bytes: int, example, stats, config: OffloadConfig,
-                             when: str) -> dict:
+                             when: str, stacklevel: int = 4) -> dict:
     """The report of timeline's replay of both placements; the default, with the reason, if the
     replay cannot run (a model whose forward does not run on meta)."""
     try:
@@ -74,7 +78,7 @@ def _replay_expert_placement(twin: nn.Module, budget_bytes: int, example, stats,
                                                         config.placement_profile, config.prefetch)
     except Exception as e:  # noqa: BLE001 - whatever stops the plan, the model runs on as placed
         warnings.warn(f"offtensor: the expert placement stays the default: its replay failed "
-                      f"({type(e).__name__}: {e})", UserWarning, stacklevel=4)
+                      f"({type(e).__name__}: {e})", UserWarning, stacklevel=stacklevel)
         return {"chosen": "default", "why": f"the replay failed: {type(e).__name__}: {e}", "decided": when}
     report.pop("policy", None)
     report["decided"] = when
@@ -162,3 +166,16 @@ def _decide_expert_placement(state: State, model: nn.Module, watch: PlacementWat
             report = dict(report, chosen="default", why=f"{report['why']}, but re-placing failed: "
                           f"{type(e).__name__}: {e}")
     state.expert_placement = report
+
+
+def is_expert_stack(group: StorageGroup) -> bool:
+    """Whether ``group`` is a stack of routed experts (a tensor of 3 dims or more under an
+    ``experts`` module: ``mlp.experts.gate_up_proj``), as the expert cache sees one."""
+    return any(experts.is_routed_stack(name, group.tensor.shape) for name in group.names)
+
+
+def expert_placement_open(placed: ModelPlacement) -> bool:
+    """Whether the expert placement is a choice at all under ``placed`` (the default): some weight
+    is offloaded and some expert stack stays whole. With every weight resident nothing is paged; with
+    every stack offloaded both placements are the same."""
+    return bool(placed.offloaded) and any(is_expert_stack(g) for g in placed.resident)

@@ -256,7 +256,7 @@ def _warn_unmatched_patterns(policy: Policy, names: list) -> None:
         warnings.warn(
             f"offtensor: the policy's {choice!r} pattern {pattern!r} matches none of the model's {len(names)} tensor "
             f"names (such as {names[:3]}), so it decides nothing; patterns are fnmatch globs on full names like "
-            f"'layers.0.mlp.weight' (a tensor assigned later is matched when it is placed)", UserWarning, stacklevel=4)
+            f"'layers.0.mlp.weight' (a tensor assigned later is matched when it is placed)", UserWarning, stacklevel=5)
 
 
 def _warn_budget_over_memory(config: OffloadConfig, device: torch.device) -> None:
@@ -266,7 +266,7 @@ def _warn_budget_over_memory(config: OffloadConfig, device: torch.device) -> Non
         warnings.warn(
             f"offtensor: budget_gb={config.budget_gb} ({config.budget_bytes} bytes) is more than the {total} bytes "
             f"({total / GiB:.2f} GiB) of {memory} that {device} has: the budget cannot hold, and weights it lets stay "
-            f"resident may not fit; give a budget below the device's memory", UserWarning, stacklevel=4)
+            f"resident may not fit; give a budget below the device's memory", UserWarning, stacklevel=5)
 
 
 def device_total_bytes(device: torch.device) -> Optional[int]:
@@ -325,7 +325,7 @@ def choose_placement(weights: Sequence[Weight], budget_bytes: Optional[int], off
             f"offloaded as a table that forward reads in slices (a buffer of the model's own module), each read paging "
             f"only its slice; an op that reads more of it at once than the "
             f"{chosen.budget_bytes - chosen.resident_bytes} bytes of room raises BudgetError naming it",
-            UserWarning, stacklevel=4)
+            UserWarning, stacklevel=5)
     return chosen
 
 
@@ -352,7 +352,7 @@ def _choose_whole_or_tiled(weights: Sequence[Weight], budget_bytes: Optional[int
         if tiled is None:
             continue  # nothing can be tiled: the error about whole working sets says what is needed
         if slices < TILE_ALIGN:
-            warn_narrow_tiles(budget_bytes, "the largest weights", stacklevel=4)
+            warn_narrow_tiles(budget_bytes, "the largest weights", stacklevel=7)
         return tiled
     raise error
 
@@ -588,19 +588,3 @@ def _spread(offload: list, free: list, position: dict) -> list:
     for members, picked in replace.values():
         spread.extend(picked)
     return spread
-
-
-# ---------------------------------------------------------------------------- routed experts
-
-
-def is_expert_stack(group) -> bool:
-    """Whether ``group`` is a stack of routed experts (a tensor of 3 dims or more under an
-    ``experts`` module: ``mlp.experts.gate_up_proj``), as the expert cache sees one."""
-    return any(is_routed_stack(name, group.tensor.shape) for name in group.names)
-
-
-def expert_placement_open(placed: ModelPlacement) -> bool:
-    """Whether the expert placement is a choice at all under ``placed`` (the default): some weight
-    is offloaded and some expert stack stays whole. With every weight resident nothing is paged; with
-    every stack offloaded both placements are the same."""
-    return bool(placed.offloaded) and any(is_expert_stack(g) for g in placed.resident)

@@ -181,7 +181,7 @@ class OffloadedTensor(torch.Tensor):
             host = torch.empty(0, dtype=self.dtype).set_(
                 new_flat.untyped_storage(), self._host.storage_offset(), self.shape, self.stride()
             )
-        # A deepcopy of a wrapped model charges its copies to the copy's own pager (wrap._StepHook).
+        # A deepcopy of a wrapped model charges its copies to the copy's own pager (model.copies.StepHook).
         copy = wrap_host(host, memo.get(("offtensor.pager", id(master.pager))) or master.pager)
         copy._master.name = master.name
         if getattr(self, "_is_param", False):

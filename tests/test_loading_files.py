@@ -287,7 +287,7 @@ def test_from_pretrained_matches_transformers(tmp_path, device, name):
     # grouped_mm, transformers' default MoE kernel, takes only bfloat16 on CUDA: convert while loading.
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else None
     model = ot.from_pretrained(tmp_path, budget_gb=budget, device=device, dtype=dtype, progress=False)
-    # While wrapped, a module's class is a same-named subclass of its own (wrap._wrapping_class).
+    # While wrapped, a module's class is a same-named subclass of its own (model/assignment.py).
     assert isinstance(model, type(reference)) and type(model).__name__ == type(reference).__name__
     assert type(model).__mro__[1] is type(reference) and not model.training
     assert ot.stats(model).offloaded_bytes > 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import leaves
 from .. import placement
 from ..pager import master_for, pins_host_memory
 from ..tensor import OffloadedTensor, new_host_master
@@ -32,7 +33,28 @@ def apply_to_wrapped(apply, module: nn.Module, fn, recurse: bool = True):
     if state is None or state.model_ref() is None:
         return apply(fn, recurse)
     with state.pager.lock:  # another thread's op finishes first; the next one sees the new dtype
+        _refuse_meta(state, module, fn)
         return _apply_locked(state, apply, module, fn, recurse)
+
+
+def _refuse_meta(state: State, module: nn.Module, fn) -> None:
+    """``module.to("meta")`` of a wrapped model with offloaded weights: torch's path would page each
+    one whole onto the device to make its meta copy (a BudgetError for one larger than the room,
+    which names the budget as the problem). Refused before anything moves, saying what to do."""
+    offloaded = [name for name, t in (*module.named_parameters(), *module.named_buffers())
+                 if any(isinstance(leaf, OffloadedTensor) for leaf in leaves.leaf_tensors(t))]
+    if not offloaded:
+        return
+    try:
+        with torch.no_grad():
+            probe = fn(torch.empty(2, device=state.pager.device))
+    except Exception:  # noqa: BLE001 - whatever fn does, the casts below do it (or raise)
+        return
+    if isinstance(probe, torch.Tensor) and probe.is_meta:
+        raise RuntimeError(
+            f"offtensor: moving a wrapped model to the meta device is not supported ({len(offloaded)} of its weights "
+            f"are offloaded, such as '{state.qualified_name(module, offloaded[0])}'): unwrap it first with "
+            f"ot.unwrap_model(model), then call .to('meta'). Nothing was moved.")
 
 
 def _apply_locked(state: State, apply, module: nn.Module, fn, recurse: bool):

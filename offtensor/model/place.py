@@ -93,8 +93,8 @@ def _place_member(state: State, member: Member, full_name: str, attaching=None):
         with_t = resident + nbytes
     else:
         # Already on the device: it may share storage with resident weights (a re-assigned tie).
-        key, storage_bytes = storage_bytes(t)
-        with_t = resident + (0 if key in storages else storage_bytes)
+        key, nbytes_of_storage = storage_bytes(t)
+        with_t = resident + (0 if key in storages else nbytes_of_storage)
     choice = placement.policy_choice(state.config.policy, [full_name])
     keep = choice == "keep" or (choice != "offload" and with_t + state.working_set_bytes <= pager.budget_bytes)
     if keep:
