@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import offtensor as ot
+from offtensor.model.copies import is_wrapped
 from offtensor import _ext, loading
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -53,7 +54,7 @@ def _meta():
 
 def _unchanged(model) -> bool:
     return all(p.is_meta and not isinstance(p, ot.OffloadedTensor) for p in model.parameters()) \
-        and not ot.wrap.is_wrapped(model)
+        and not is_wrapped(model)
 
 
 def _check_same(model, reference, device):
