@@ -39,9 +39,9 @@ from . import dispatch
 from . import experts
 from . import placement
 from .config import OffloadConfig
-from .pager import GiB
 from .model.prepare import prepare, unwrap
 from .model.state import pager_of, wrapped_state
+from .pager import GiB
 
 GB = 1e9
 
