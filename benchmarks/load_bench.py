@@ -137,6 +137,7 @@ def child(args) -> dict:
     from safetensors.torch import load_file
 
     import offtensor as ot
+    from offtensor.model.copies import is_wrapped
 
     device = torch.device(args.device)
     config = transformers.AutoConfig.from_pretrained(args.ckpt)
@@ -180,7 +181,7 @@ def child(args) -> dict:
         logits = model(input_ids=ids.to(device)).logits.float().cpu()
     done = time.perf_counter()
     peak_kb = _status_kb("VmHWM")
-    wrapped = ot.wrap.is_wrapped(model)
+    wrapped = is_wrapped(model)
     device_bytes = ot.stats(model).peak_device_bytes if wrapped else None
     torch.save(logits, args.logits)
     result = {

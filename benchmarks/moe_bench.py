@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import offtensor as ot  # noqa: E402
 from offtensor.pager import GiB, format_bytes, resolve_device  # noqa: E402
 from offtensor.moe import speculation as speculation_mod  # noqa: E402
-from offtensor.wrap import _state  # noqa: E402
+from offtensor.model.copies import state_of  # noqa: E402
 from results_io import save_result  # noqa: E402
 
 # ---------------------------------------------------------------------------- DeepSeek-style stack
@@ -354,7 +354,7 @@ class _Counter:
     """Bytes moved and routed-not-cached bytes of an offtensor-wrapped model, step by step."""
 
     def __init__(self, model):
-        self.pager = _state(model).pager
+        self.pager = state_of(model).pager
         self.uncached = 0
         self._cached = None
         model.register_forward_pre_hook(self._before)

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import offtensor as ot  # noqa: E402
-from offtensor.wrap import is_wrapped  # noqa: E402
+from offtensor.model.copies import is_wrapped  # noqa: E402
 from results_io import save_result  # noqa: E402
 
 GiB = 1 << 30

@@ -16,7 +16,8 @@ from .sim.profiles import PROFILES, Profile, get_profile, measure_profile
 from .sim.recorder import timeline
 from .moe import RoutingStats
 from .sim.timeline import Replay, Timeline
-from .wrap import on_host, reset_stats, stats, unwrap_model, wrap_model
+from .model.host import on_host
+from .wrap import reset_stats, stats, unwrap_model, wrap_model
 
 __all__ = [
     "OffloadedTensor",

@@ -1,11 +1,9 @@
 """Which weights stay resident on the device and which are offloaded, for a budget and a policy:
 the one placement API that ``wrap_model``, ``load_safetensors`` and ``ot.plan`` share.
 
-- ``collect_groups(model)``: the model's tensors as ``StorageGroup`` s, one per storage (tied names
-  and aliases of one storage together), each a list of ``Member`` s (a tensor object and every
-  module slot it is registered in);
-- ``choose_model_placement(groups, config, device)``: which groups to offload for an
-  ``OffloadConfig`` (a ``ModelPlacement``);
+- ``choose_model_placement(groups, config, device)``: which of a model's storage groups
+  (``model.groups.collect_groups``: tied names and aliases of one storage together) to offload for
+  an ``OffloadConfig`` (a ``ModelPlacement``);
 - ``choose_placement(weights, budget_bytes, ...)``: the same choice on bare ``Weight`` records;
 - ``policy_choice``, ``working_set`` and ``tile_working_set``: the rules that re-placement after
   wrapping applies to one tensor at a time.
@@ -21,20 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 import os
 import re
 import warnings
 from typing import Iterable, Optional, Sequence
 
 import torch
-from torch import nn
 
-from . import leaves
 from .config import OffloadConfig, Policy
 from .moe import is_routed_stack  # what the expert cache takes for a stack of routed experts
 from .ops import TILE_ALIGN  # the tile width ops cut; room is planned for it
-from .pager import GiB, BudgetError, host_layout
-from .tensor import OffloadedTensor
+from .pager import GiB, BudgetError, format_bytes
 
 EXPERTS, ROWS, MLP, ATTENTION, OTHER, LAST = range(6)
 CLASS_NAMES = {EXPERTS: "routed experts", ROWS: "read by rows", MLP: "dense MLP", ATTENTION: "attention", OTHER: "other", LAST: "last"}
@@ -199,7 +195,7 @@ def _check_choice(choice: str) -> str:
 
 
 def tile_working_set(shape: tuple, nbytes: int, working_set: int, slices: int = TILE_ALIGN) -> int:
-    """The least one op must page of a weight when it computes in output tiles (dispatch tiles
+    """The least one op must page of a weight when it computes in output tiles (ops tile
     linear, mm/addmm, bmm and convolution by rows, columns, batches or output channels; index ops
     page only selected rows): ``slices`` slices along the shorter of its first two dims.
 
@@ -210,148 +206,6 @@ def tile_working_set(shape: tuple, nbytes: int, working_set: int, slices: int = 
         return working_set
     n = min(shape[0], shape[1])
     return min(working_set, nbytes // n * min(slices, n))
-
-
-# ---------------------------------------------------------------------------- a model's tensors
-
-
-class Member:
-    """One tensor object and every (module, attribute, is_buffer) slot it is registered in;
-    ``is_buffer`` is None for a plain tensor attribute.
-
-    A leaf of a wrapper subclass (a DTensor's local shard, a torchao tensor's data) is a Member
-    too: ``owners`` lists the (outer tensor, attribute) pairs holding it, and it is replaced there;
-    ``slots`` and ``names`` are then those of the outer tensor, which stays registered as it is."""
-
-    __slots__ = ("tensor", "slots", "names", "owners")
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-        self.slots = []
-        self.names = []
-        self.owners = []
-
-
-class StorageGroup(list):
-    """The ``Member`` s of a model that alias one storage (or one host master): placed together."""
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        return self[0].tensor
-
-    @property
-    def names(self) -> list:
-        return [n for m in self for n in m.names]
-
-    @property
-    def is_offloaded(self) -> bool:
-        return _is_offloaded(self[0].tensor)
-
-    def element_range(self):
-        """Elements [lo, hi) of the storage that the members cover together."""
-        ranges = [host_layout(m.tensor)[:2] for m in self if m.tensor.numel()]
-        if not ranges:
-            return 0, 0
-        return min(r[0] for r in ranges), max(r[1] for r in ranges)
-
-    @property
-    def nbytes(self) -> int:
-        t = self[0].tensor
-        if _is_offloaded(t):
-            return t._master.nbytes
-        if len(self) == 1 and (t.is_meta or not is_expanded(t)):
-            return t.numel() * t.element_size()
-        # Several aliases, or an expanded (stride-0) tensor: the storage range they cover, which is
-        # what a host master or a resident copy of them holds (256 B for 256 B expanded to 16 KiB).
-        lo, hi = self.element_range()
-        return (hi - lo) * t.element_size()
-
-    def weight(self) -> Weight:
-        """This group as placement sees it."""
-        names = self.names
-        nbytes = self.nbytes
-        slots = [(module, attr) for m in self for module, attr, _ in m.slots]
-        # torch.nn's own modules (Linear, LSTM, MultiheadAttention...) may read all their tensors in one op.
-        fused = any(type(module).__module__.startswith("torch.nn") for module, _ in slots)
-        # An embedding table nothing else reads (a tied LM head registers it under a Linear too) is
-        # only ever paged by rows. max_norm would renormalise the looked-up rows in place; rare, and
-        # kept on the ordinary path.
-        indexed = bool(slots) and all(
-            isinstance(module, nn.Embedding) and attr == "weight" and module.max_norm is None for module, attr in slots
-        )
-        shape = tuple(self[0].tensor.shape)
-        sliced = (not fused and len(shape) >= 2 and all(is_buffer for m in self for *_, is_buffer in m.slots)
-                  and bool(slots))
-        # An RNN reads its weights in its own kernels (cuDNN's _cudnn_rnn takes every layer's at once,
-        # CPU's mkldnn_rnn_layer a layer's four), which dispatch cannot cut into output tiles.
-        tileable = (all(leaf_is_tileable(m.tensor, m.owners) for m in self)
-                    and not any(isinstance(module, nn.RNNBase) for module, _ in slots))
-        return Weight(names, nbytes, shape, working_set(names[0], shape, nbytes, indexed), fused, indexed, sliced,
-                      tileable)
-
-
-def leaf_is_tileable(t: torch.Tensor, owners) -> bool:
-    """``Weight.tileable`` for a tensor held by ``owners`` (outer tensor, attribute) pairs."""
-    return all(t.dtype == owner.dtype for owner, _ in owners)
-
-
-def is_expanded(t: torch.Tensor) -> bool:
-    """Some dim of ``t`` repeats its elements (stride 0, size > 1), as ``expand`` makes."""
-    return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape))
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    """The bytes ``t``'s values take: its covering storage range when expanded (offloading keeps
-    the stride-0 layout), else numel bytes."""
-    if t.layout == torch.strided and not t.is_meta and t.numel() and is_expanded(t):
-        lo, hi = host_layout(t)[:2]
-        return (hi - lo) * t.element_size()
-    return t.numel() * t.element_size()
-
-
-def collect_groups(model: nn.Module) -> list:
-    """Every parameter and buffer of ``model`` once, grouped by storage: a list of StorageGroups."""
-    members = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for table, is_buffer in ((module._parameters, False), (module._buffers, True)):
-            for attr, t in table.items():
-                if t is None:
-                    continue
-                name = f"{prefix}.{attr}" if prefix else attr
-                for tensor, owner in _leaf_members(t, name):
-                    member = members.get(id(tensor))
-                    if member is None:
-                        member = members[id(tensor)] = Member(tensor)
-                    if (module, attr) not in [(m, a) for m, a, _ in member.slots]:
-                        member.slots.append((module, attr, is_buffer))
-                    if name not in member.names:
-                        member.names.append(name)
-                    if owner is not None and not any(o is owner[0] and a == owner[1] for o, a in member.owners):
-                        member.owners.append(owner)
-    groups = {}
-    for member in members.values():
-        groups.setdefault(_storage_key(member.tensor), StorageGroup()).append(member)
-    return list(groups.values())
-
-
-def _leaf_members(t: torch.Tensor, name: str):
-    """``(tensor, None)`` for a plain (or offloaded) tensor, ``(leaf, (owner, attribute))`` for
-    each plain leaf of a wrapper subclass: placement sees, and counts, the leaves' bytes."""
-    if leaves.is_leaf(t):
-        return [(t, None)]
-    return [(leaf, (owner, attr)) for owner, attr, leaf in leaves.leaves(t, f"'{name}'")]
-
-
-def _is_offloaded(t: torch.Tensor) -> bool:
-    return isinstance(t, OffloadedTensor)
-
-
-def _storage_key(t: torch.Tensor):
-    if _is_offloaded(t):
-        return ("master", t._master.id)
-    if t.is_meta or t.layout != torch.strided or t.untyped_storage().data_ptr() == 0:
-        return ("object", id(t))
-    return (t.device, t.untyped_storage().data_ptr(), t.dtype)
 
 
 @dataclasses.dataclass
@@ -370,11 +224,11 @@ class ModelPlacement:
     def budget_bytes(self) -> int:
         return self.choice.budget_bytes
 
-    def offloads(self, group: StorageGroup) -> bool:
+    def offloads(self, group) -> bool:
         return id(group) in self._offloaded_ids
 
 
-def choose_model_placement(groups: Sequence[StorageGroup], config: OffloadConfig,
+def choose_model_placement(groups: Sequence, config: OffloadConfig,
                            device: torch.device) -> ModelPlacement:
     """Which of ``groups`` to offload under ``config``'s budget (or ``offload_gb``; neither: the free
     memory of ``device`` less ``DEFAULT_MARGIN_BYTES``) and policy. Groups the user offloaded by
@@ -402,7 +256,7 @@ def _warn_unmatched_patterns(policy: Policy, names: list) -> None:
         warnings.warn(
             f"offtensor: the policy's {choice!r} pattern {pattern!r} matches none of the model's {len(names)} tensor "
             f"names (such as {names[:3]}), so it decides nothing; patterns are fnmatch globs on full names like "
-            f"'layers.0.mlp.weight' (a tensor assigned later is matched when it is placed)", UserWarning, stacklevel=4)
+            f"'layers.0.mlp.weight' (a tensor assigned later is matched when it is placed)", UserWarning, stacklevel=5)
 
 
 def _warn_budget_over_memory(config: OffloadConfig, device: torch.device) -> None:
@@ -412,7 +266,7 @@ def _warn_budget_over_memory(config: OffloadConfig, device: torch.device) -> Non
         warnings.warn(
             f"offtensor: budget_gb={config.budget_gb} ({config.budget_bytes} bytes) is more than the {total} bytes "
             f"({total / GiB:.2f} GiB) of {memory} that {device} has: the budget cannot hold, and weights it lets stay "
-            f"resident may not fit; give a budget below the device's memory", UserWarning, stacklevel=4)
+            f"resident may not fit; give a budget below the device's memory", UserWarning, stacklevel=5)
 
 
 def device_total_bytes(device: torch.device) -> Optional[int]:
@@ -471,12 +325,12 @@ def choose_placement(weights: Sequence[Weight], budget_bytes: Optional[int], off
             f"offloaded as a table that forward reads in slices (a buffer of the model's own module), each read paging "
             f"only its slice; an op that reads more of it at once than the "
             f"{chosen.budget_bytes - chosen.resident_bytes} bytes of room raises BudgetError naming it",
-            UserWarning, stacklevel=4)
+            UserWarning, stacklevel=5)
     return chosen
 
 
 def slice_working_set(w: Weight) -> int:
-    """The least one read of a table in slices pages: one slice along its longest dim (dispatch
+    """The least one read of a table in slices pages: one slice along its longest dim (ops
     gathers exactly the elements a view covers)."""
     longest = max(w.shape, default=1)
     return w.nbytes // longest if longest > 0 else w.working_set
@@ -498,7 +352,7 @@ def _choose_whole_or_tiled(weights: Sequence[Weight], budget_bytes: Optional[int
         if tiled is None:
             continue  # nothing can be tiled: the error about whole working sets says what is needed
         if slices < TILE_ALIGN:
-            warn_narrow_tiles(budget_bytes, "the largest weights", stacklevel=4)
+            warn_narrow_tiles(budget_bytes, "the largest weights", stacklevel=7)
         return tiled
     raise error
 
@@ -567,7 +421,7 @@ class _Offloading:
         """Offload ``w``. An op may read every tensor of one module together (weight and bias of a
         linear, all four weights of an LSTM layer in one cuDNN call, in_proj weight and bias of
         attention), so a module's offloaded tensors count together; ops over tensors of several
-        modules (``cat`` of two weights) page their inputs one at a time (dispatch's list ops), so
+        modules (``cat`` of two weights) page their inputs one at a time (ops' list ops), so
         they need no more room than one of them. A model's own modules count as ``Weight.fused`` says."""
         self.weights.append(w)
         self.nbytes += w.nbytes
@@ -661,25 +515,43 @@ def _choose_untiled(weights: Sequence[Weight], budget_bytes: Optional[int], offl
 
 
 def _budget_error(chosen: _Offloading, kept: list, budget_bytes: int) -> BudgetError:
-    """What keeps a budget from holding the model with every weight the policy allows offloaded."""
+    """What keeps a budget from holding the model with every weight the policy allows offloaded,
+    and the smallest budget that holds it: those resident bytes plus the largest working set."""
     largest = max(chosen.weights, key=lambda w: w.working_set, default=None)
     resident, ws, widest = chosen.resident_bytes, chosen.working_set, chosen.widest
     needs = []
     if kept:
-        needs.append(f"the policy keeps {resident} bytes resident ({len(kept)} tensors, e.g. '{kept[0].name}')")
+        needs.append(f"the policy keeps {_bytes(resident)} resident ({len(kept)} tensors, e.g. '{kept[0].name}')")
     if largest is not None:
         of_widest = [w for w in chosen.weights if any(n.rpartition(".")[0] == widest for n in w.names)]
         first = max(of_widest, key=lambda w: w.working_set).name if of_widest else largest.name
         needs.append(
             f"paging '{first}'"
             + (f" (one op of module '{widest}', {len(of_widest)} offloaded tensors)" if len(of_widest) > 1 else "")
-            + f" needs {ws} bytes on the device at once"
+            + f" needs {_bytes(ws)} on the device at once"
         )
     return BudgetError(
-        f"offtensor: a budget of {budget_bytes} bytes cannot hold this model even with every other weight "
-        f"offloaded: {' and '.join(needs)}, {resident + ws} bytes in all. Raise budget_gb"
-        + (" or let the policy offload more." if kept else ".")
+        f"offtensor: a budget of {_bytes(budget_bytes)} cannot hold this model even with every other weight "
+        f"offloaded: {' and '.join(needs)}, {_bytes(resident + ws)} in all. The smallest budget that holds it is "
+        f"budget_gb={smallest_budget_gb(resident + ws)}"
+        + ("; raise budget_gb to that or let the policy offload more." if kept else ": raise budget_gb to that.")
     )
+
+
+def _bytes(n: int) -> str:
+    return f"{format_bytes(n)} ({n} bytes)"
+
+
+def smallest_budget_gb(nbytes: int) -> float:
+    """The least ``budget_gb``, to three significant digits, whose budget holds ``nbytes``."""
+    if nbytes <= 0:
+        return 0.0
+    digits = max(0, 2 - math.floor(math.log10(nbytes / GiB)))
+    step = 10.0 ** -digits
+    gb = round(math.ceil(nbytes / GiB / step) * step, digits)
+    while int(gb * GiB) < nbytes:  # budget_bytes truncates: never suggest a budget a byte short
+        gb = round(gb + step, digits)
+    return gb
 
 
 def _tie_key(w: Weight, position: dict):
@@ -716,19 +588,3 @@ def _spread(offload: list, free: list, position: dict) -> list:
     for members, picked in replace.values():
         spread.extend(picked)
     return spread
-
-
-# ---------------------------------------------------------------------------- routed experts
-
-
-def is_expert_stack(group: StorageGroup) -> bool:
-    """Whether ``group`` is a stack of routed experts (a tensor of 3 dims or more under an
-    ``experts`` module: ``mlp.experts.gate_up_proj``), as the expert cache sees one."""
-    return any(is_routed_stack(name, group.tensor.shape) for name in group.names)
-
-
-def expert_placement_open(placed: ModelPlacement) -> bool:
-    """Whether the expert placement is a choice at all under ``placed`` (the default): some weight
-    is offloaded and some expert stack stays whole. With every weight resident nothing is paged; with
-    every stack offloaded both placements are the same."""
-    return bool(placed.offloaded) and any(is_expert_stack(g) for g in placed.resident)

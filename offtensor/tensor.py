@@ -158,7 +158,7 @@ class OffloadedTensor(torch.Tensor):
         # Pickle the host view: torch.save then stores each host storage once, so tied tensors and
         # aliases are saved once and come back as aliases of one master.
         if self.__dict__.get("_portable"):
-            # A value of a wrapped model's state_dict() (wrap.py marks them): saved as the plain CPU
+            # A value of a wrapped model's state_dict() (model/loads.py marks them): saved as the plain CPU
             # tensor it holds, which any process loads, with or without offtensor, weights_only or
             # not; aliases still share one storage in the file. Nothing is paged.
             return self._host.__reduce_ex__(protocol)
@@ -181,7 +181,7 @@ class OffloadedTensor(torch.Tensor):
             host = torch.empty(0, dtype=self.dtype).set_(
                 new_flat.untyped_storage(), self._host.storage_offset(), self.shape, self.stride()
             )
-        # A deepcopy of a wrapped model charges its copies to the copy's own pager (wrap._StepHook).
+        # A deepcopy of a wrapped model charges its copies to the copy's own pager (model.copies.StepHook).
         copy = wrap_host(host, memo.get(("offtensor.pager", id(master.pager))) or master.pager)
         copy._master.name = master.name
         if getattr(self, "_is_param", False):

@@ -13,7 +13,7 @@ from torch import nn
 import offtensor as ot
 from offtensor.pager import BudgetError, Pager
 from offtensor.tensor import new_host_master, wrap_host
-from offtensor.wrap import is_wrapped
+from offtensor.model.copies import is_wrapped, state_of
 
 GiB = 1 << 30
 
@@ -155,7 +155,7 @@ def test_an_rnn_whose_weights_together_exceed_the_budget_is_refused_at_wrap_not_
     # it. On main placement planned tiles for them and forward raised BudgetError in mkldnn_rnn_layer.
     lstm = nn.LSTM(64, 64, num_layers=2)
     total = _weight_bytes(lstm)
-    with pytest.raises(ot.BudgetError, match=f"needs {total} bytes on the device at once"):
+    with pytest.raises(ot.BudgetError, match=rf"needs .* \({total} bytes\) on the device at once"):
         ot.wrap_model(lstm, budget_gb=fraction * total / 2**30, device=device)
     assert not any(isinstance(p, ot.OffloadedTensor) for p in lstm.parameters())  # left as it was
 
@@ -293,7 +293,7 @@ def test_a_large_plain_attribute_that_fits_is_counted_as_untracked_resident_byte
 def test_deleting_a_submodule_releases_its_bytes_at_once(device):
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 256), nn.Linear(256, 64), nn.Linear(64, 64))
     ot.wrap_model(model, budget_gb=0.7 * _weight_bytes(model) / GiB, device=device, policy={"keep": ["3.*"]})
-    pager = ot.wrap._WRAPPED[model].pager
+    pager = state_of(model).pager
     kinds = {i: isinstance(model[i].weight, ot.OffloadedTensor) for i in range(4)}
     assert True in kinds.values() and False in kinds.values()
     for i in (3, 1):  # one resident, one offloaded (largest first)
@@ -482,7 +482,7 @@ def test_a_wrapped_model_pickles_whole_and_loads_back_wrapped(device, tmp_path):
 def test_setting_a_submodule_or_attribute_to_none_releases_its_bytes(device):
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     ot.wrap_model(model, budget_gb=1, device=device)
-    pager = ot.wrap._WRAPPED[model].pager
+    pager = state_of(model).pager
     before = pager.resident_bytes
     model[0].table = torch.randn(128, 256, device=device)  # 128 KiB, resident
     assert pager.resident_bytes == before + 128 * 256 * 4

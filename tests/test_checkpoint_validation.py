@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import offtensor as ot
+from offtensor.model.copies import is_wrapped
 
 GiB = 1 << 30
 
@@ -47,7 +48,7 @@ def _meta():
 
 def _unchanged(model) -> bool:
     return all(p.is_meta and not isinstance(p, ot.OffloadedTensor) for p in model.parameters()) \
-        and not ot.wrap.is_wrapped(model)
+        and not is_wrapped(model)
 
 
 VALUES = torch.arange(17, dtype=torch.float32)  # embed = 0..7, head = 8..15, scale = 16

@@ -205,3 +205,53 @@ def test_plan_with_a_config_plans_the_checkpoints_own_dtype(tmp_path, capsys, ex
     assert f"LlamaForCausalLM: 2 layers, {dtype}, {total};" in capsys.readouterr().out
     assert main(args + ["--dtype", "fp16"]) == 0  # an explicit --dtype still wins
     assert "LlamaForCausalLM: 2 layers, fp16, 770.69 kB;" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- what wrap_model says
+
+
+def test_help_of_wrap_model_says_what_every_argument_does():
+    doc = ot.wrap_model.__doc__
+    for argument in ("budget_gb", "device", "offload_gb", "prefetch", "policy", "routing"):
+        assert f"``{argument}``" in doc, argument
+    assert "None is ``cuda``" in doc and "else\n      ``cpu``" in doc  # the default device
+    assert '{"offload": [...], "keep": [...]}' in doc and "callable" in doc  # the forms a policy takes
+    assert "docs/moe.md" in doc and len(doc.splitlines()) <= 35  # MoE in a pointer, not half a page
+    for fn in (ot.stats, ot.reset_stats):
+        assert fn.__doc__ and len(fn.__doc__.split()) >= 10, fn.__name__
+
+
+def _wide_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+
+
+@pytest.mark.parametrize("policy", [None, {"keep": ["0.*"]}])
+def test_a_budget_error_says_the_bytes_readably_and_the_smallest_budget_that_works(device, policy):
+    with pytest.raises(ot.BudgetError) as info:
+        ot.wrap_model(_wide_model(), budget_gb=100 / GiB, device=device, policy=policy)
+    message = str(info.value)
+    assert "a budget of 100 B (100 bytes) cannot hold this model" in message
+    assert re.search(r"needs [\d.]+ k?B \(\d+ bytes\) on the device at once", message)
+    smallest = float(re.search(r"The smallest budget that holds it is budget_gb=([\d.e-]+)", message).group(1))
+    model = _wide_model()
+    ot.wrap_model(model, budget_gb=smallest, device=device, policy=policy)  # the suggestion works
+    assert ot.stats(model).peak_device_bytes <= ot.stats(model).budget_bytes
+    with pytest.raises(ot.BudgetError):  # and is the smallest, to its three digits
+        ot.wrap_model(_wide_model(), budget_gb=smallest * 0.98, device=device, policy=policy)
+
+
+def test_moving_a_wrapped_model_to_meta_says_to_unwrap_first(device):
+    model = _wide_model()
+    ot.wrap_model(model, budget_gb=30_000 / GiB, device=device)
+    offloaded = {n for n, p in model.named_parameters() if isinstance(p, OffloadedTensor)}
+    assert offloaded
+    with pytest.raises(RuntimeError) as info:
+        model.to("meta")
+    message = str(info.value)
+    assert "moving a wrapped model to the meta device is not supported" in message
+    assert "ot.unwrap_model(model)" in message and "budget_gb" not in message
+    assert {n for n, p in model.named_parameters() if isinstance(p, OffloadedTensor)} == offloaded
+    assert not any(p.is_meta for p in model.parameters())  # nothing was moved
+    ot.unwrap_model(model)
+    assert all(p.is_meta for p in model.to("meta").parameters())  # unwrapped, it moves

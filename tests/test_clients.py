@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import offtensor as ot
+from offtensor.model.copies import state_of
 
 GiB = 1 << 30
 BUDGET_FRACTION = 0.3
@@ -335,7 +336,7 @@ def test_peft_lora_training_and_merge_equal_the_unwrapped_run(order, device):
 def test_peft_lora_adapters_offloaded_for_want_of_room_train_like_the_unwrapped_run(device):
     """At exactly 30 % of the base, wrapped first, the adapters peft assigns are offloaded; peft's
     ``module.to(weight.device)`` then swaps every OffloadedTensor parameter (swap_tensors), which
-    refused while ``wrap._Placed`` held a weak reference to the placed tensor."""
+    refused while ``model.state.Placed`` held a weak reference to the placed tensor."""
     _train_lora_and_merge("wrap_then_get_peft_model", device, room_for_adapters=False)
 
 
@@ -360,7 +361,7 @@ def test_a_module_replaced_by_one_that_holds_it_keeps_counting_its_resident_weig
     attention = model.model.layers[0].self_attn
     assert not isinstance(attention.q_proj.weight, ot.OffloadedTensor)
     s = ot.stats(model)
-    free = s.budget_bytes - s.resident_bytes - ot.wrap._WRAPPED[model].working_set_bytes
+    free = s.budget_bytes - s.resident_bytes - state_of(model).working_set_bytes
     rank = free // ((attention.q_proj.in_features + attention.q_proj.out_features) * 4) + 1  # just too big to keep
     torch.manual_seed(3)
     attention.q_proj = _LoRAShaped(attention.q_proj, rank)

@@ -18,6 +18,7 @@ import offtensor as ot
 from offtensor import _ext
 from offtensor.loading import files as loading_files
 from offtensor.loading import read as loading_read
+from offtensor.model.copies import is_wrapped
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -55,7 +56,7 @@ def _meta():
 
 def _unchanged(model) -> bool:
     return all(p.is_meta and not isinstance(p, ot.OffloadedTensor) for p in model.parameters()) \
-        and not ot.wrap.is_wrapped(model)
+        and not is_wrapped(model)
 
 
 def _check_same(model, reference, device):
@@ -289,7 +290,7 @@ def test_from_pretrained_matches_transformers(tmp_path, device, name):
     # grouped_mm, transformers' default MoE kernel, takes only bfloat16 on CUDA: convert while loading.
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else None
     model = ot.from_pretrained(tmp_path, budget_gb=budget, device=device, dtype=dtype, progress=False)
-    # While wrapped, a module's class is a same-named subclass of its own (wrap._wrapping_class).
+    # While wrapped, a module's class is a same-named subclass of its own (model/assignment.py).
     assert isinstance(model, type(reference)) and type(model).__name__ == type(reference).__name__
     assert type(model).__mro__[1] is type(reference) and not model.training
     assert ot.stats(model).offloaded_bytes > 0

@@ -16,7 +16,7 @@ import offtensor as ot
 from offtensor.moe import ExpertStacks
 from offtensor.moe import speculation as ot_speculation
 from offtensor.models import DeepSeekConfig, DeepSeekForCausalLM, LatentCache, weight_bytes
-from offtensor.wrap import _state
+from offtensor.model.copies import state_of
 
 GiB = 1 << 30
 transformers = pytest.importorskip("transformers")
@@ -119,7 +119,7 @@ def test_decode_moves_only_the_routed_experts_that_were_not_cached(name, device)
     ot.wrap_model(model, budget_gb=_budget_gb(model, FRACTIONS[name]), device=device)
     offloaded = [n for n, p in model.named_parameters() if isinstance(p, ot.OffloadedTensor)]
     assert offloaded and all(".experts." in n for n in offloaded), offloaded  # routed experts go first
-    pager = _state(model).pager
+    pager = state_of(model).pager
 
     wrapped_run, reference_run = _Decoder(model, reference, ids), _Decoder(expected, reference, ids)
     moved = uncached = 0
@@ -172,7 +172,7 @@ def test_expert_stats_count_hits_misses_and_bytes_per_stacked_tensor(device):
     for _ in range(4):
         run.step()
     s = ot.stats(model)
-    pager = _state(model).pager
+    pager = state_of(model).pager
     per_stack = s.experts
     stacks = {st.name: st for st in pager.experts.by_master.values()}
     assert set(per_stack) == set(stacks)
@@ -195,14 +195,14 @@ def test_expert_stacks_assigned_after_wrapping_are_the_ones_the_cache_and_stats_
     model, reference, ids = _build("qwen3_moe", device)
     state_dict = {k: v.clone() for k, v in model.state_dict().items()}
     ot.wrap_model(model, budget_gb=_budget_gb(model, 0.5), device=device, prefetch=False)
-    before = set(_state(model).pager.experts.by_master)
+    before = set(state_of(model).pager.experts.by_master)
     model.load_state_dict(state_dict, assign=True)
     run = _Decoder(model, reference, ids)
     for _ in range(3):
         run.step()
     live = {n: p._master.id for n, p in model.named_parameters() if isinstance(p, ot.OffloadedTensor) and ".experts." in n}
     assert live and not before & set(live.values())  # new masters
-    pager = _state(model).pager
+    pager = state_of(model).pager
     assert set(pager.experts.by_master) == set(live.values())
     s = ot.stats(model)
     assert set(s.experts) == set(live)
@@ -219,7 +219,7 @@ def test_an_experts_module_replaced_after_wrapping_is_tracked_and_the_old_one_fo
     logits = _Decoder(model, reference, ids).step()
     assert torch.equal(logits, _Decoder(expected, reference, ids).step())
     live = {n: p._master.id for n, p in model.named_parameters() if isinstance(p, ot.OffloadedTensor) and ".experts." in n}
-    assert set(_state(model).pager.experts.by_master) == set(live.values())
+    assert set(state_of(model).pager.experts.by_master) == set(live.values())
     assert not old & {id(p._master) for p in layer.experts.parameters() if isinstance(p, ot.OffloadedTensor)}
     assert set(ot.stats(model).experts) == set(live)
 
@@ -314,7 +314,7 @@ def test_next_layer_experts_are_guessed_and_prefetched_only_where_copies_are_on(
     model = copy.deepcopy(reference)
     ot.wrap_model(model, budget_gb=_budget_gb(model, 0.5), device=device)
     ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1)).to(device)
-    speculator = _state(model).pager.experts.speculator
+    speculator = state_of(model).pager.experts.speculator
     # Routers found by name and weight shape, stacks learned from the access order of a pass.
     assert [r.name for r in speculator.routers] == [f"layers.{i}.mlp.gate" for i in range(1, 5)]
 
@@ -418,7 +418,7 @@ def test_detach_removes_router_hooks(device):
     model = DeepSeekForCausalLM.empty(_reference_config()).init_weights(seed=0).to(device)
     ot.wrap_model(model, budget_gb=_budget_gb(model, 0.5), device=device)
     gate = model.layers[1].mlp.gate
-    pager = _state(model).pager
+    pager = state_of(model).pager
     assert isinstance(pager.experts, ExpertStacks) and gate._forward_pre_hooks
     ot.unwrap_model(model)
     assert not gate._forward_pre_hooks

@@ -18,7 +18,11 @@ import torch
 
 import offtensor as ot
 from offtensor import config as ot_config
-from offtensor import wrap as ot_wrap
+from offtensor.sim import expert_choice
+from offtensor.model import prepare as ot_prepare
+from offtensor.model.copies import is_wrapped
+from offtensor.model.moves import resident_bytes
+from offtensor.model.state import pager_of
 from offtensor.placement import EXPERTS_PAGED
 from offtensor.sim.plan import plan_expert_paging
 from offtensor.sim.profiles import PROFILES
@@ -141,14 +145,16 @@ def test_measured_routing_re_places_the_experts_once_with_identical_logits_withi
     assert not all(before.values())
 
     # Every offload of the switch happens with the device holding no more than the budget.
-    pager, seen = ot_wrap.pager_of(model), []
-    offload_group = ot_wrap._offload_group
+    pager, seen = pager_of(model), []
+    offload_group = ot_prepare.offload_group
 
     def offload_checked(group, p):
-        seen.append(ot_wrap._resident_bytes(model, p.device) + p.snapshot().cached_bytes)
+        if p is not pager:
+            return offload_group(group, p)  # a replay's meta twin, planned on its own meta pager
+        seen.append(resident_bytes(model, p.device) + p.snapshot().cached_bytes)
         offload_group(group, p)
 
-    monkeypatch.setattr(ot_wrap, "_offload_group", offload_checked)
+    monkeypatch.setattr(ot_prepare, "offload_group", offload_checked)
     logits = _decode(model, 20)  # 8 prompt tokens, then one per step: decided at the 18th forward
     report = ot.stats(model).expert_placement
     assert report["decided"] == "after 24 routed tokens, by the routing measured", report
@@ -170,7 +176,7 @@ def test_measured_routing_re_places_the_experts_once_with_identical_logits_withi
     assert s.peak_device_bytes <= s.budget_bytes
 
     # Decided once: the watch and the routing recorder are gone, and more tokens change nothing.
-    assert not any(isinstance(h, ot_wrap._PlacementWatch) for h in model._forward_pre_hooks.values())
+    assert not any(isinstance(h, expert_choice.PlacementWatch) for h in model._forward_pre_hooks.values())
     routers = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
     hooks = sum(len(m._forward_hooks) for m in routers)
     _decode(model, 3)
@@ -194,7 +200,7 @@ def test_an_explicit_policy_wins_over_the_routing(device, monkeypatch):
     _decode(model, 3)  # 10 routed tokens, more than the warm-up
     assert ot.stats(model).expert_placement["chosen"] == "policy"
     assert _stacks(model) == placed and placed["model.layers.0.mlp.experts.down_proj"]
-    assert not any(isinstance(h, ot_wrap._PlacementWatch) for h in model._forward_pre_hooks.values())
+    assert not any(isinstance(h, expert_choice.PlacementWatch) for h in model._forward_pre_hooks.values())
 
 
 @pytest.mark.parametrize("routing, error, words", [
@@ -210,14 +216,14 @@ def test_a_bad_routing_argument_is_refused_before_anything_moves(device, routing
     with pytest.raises(error, match="offtensor: routing") as caught:
         ot.wrap_model(model, budget_gb=_budget_gb(model), device=device, routing=routing)
     assert words in str(caught.value)
-    assert not ot_wrap.is_wrapped(model) and not any(isinstance(p, ot.OffloadedTensor) for p in model.parameters())
+    assert not is_wrapped(model) and not any(isinstance(p, ot.OffloadedTensor) for p in model.parameters())
 
 
 def test_routing_for_a_model_without_routed_experts_is_refused_naming_it(device):
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).to(device)
     with pytest.raises(ValueError, match="Sequential has no routed expert stacks"):
         ot.wrap_model(model, budget_gb=1e-4, device=device, routing=RoutingStats.uniform(8, 2))
-    assert not ot_wrap.is_wrapped(model)
+    assert not is_wrapped(model)
 
 
 def test_a_loaded_model_decides_its_expert_placement_from_its_own_routing_too(device, monkeypatch, tmp_path):

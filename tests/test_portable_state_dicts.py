@@ -163,7 +163,7 @@ def test_submodules_modules_attached_later_and_deepcopies_save_plain_tensors(dev
             assert torch.equal(loaded[k], v.cpu())
     # The copy carries one state_dict hook per module, not the original's plus its own.
     def hooks(module):
-        return [h for h in module._state_dict_hooks.values() if getattr(h, "__name__", "") == "_portable_state_dict"]
+        return [h for h in module._state_dict_hooks.values() if getattr(h, "__name__", "") == "portable_state_dict"]
 
     assert len(hooks(copied.layers[0])) == 1
     ot.unwrap_model(model)

@@ -24,8 +24,11 @@ from torch import nn
 import offtensor as ot
 from offtensor import OffloadedTensor, _ext
 from offtensor import tensor as _tensor
-from offtensor import wrap as _wrap
 from offtensor.loading import read as _loading_read
+from offtensor.model import copies as _copies
+from offtensor.model import moves as _moves
+from offtensor.model import prepare as _prepare
+from offtensor.model.state import pager_of
 
 GiB = 1 << 30
 HIDDEN = 32
@@ -217,14 +220,14 @@ class _FailAt:
 
 
 # (module, attribute, error, after): the steps of a wrap. ``new_host_master`` after its call is a
-# read that fails once the master is allocated; ``_enter`` and ``Prefetcher`` are registration.
+# read that fails once the master is allocated; ``join`` and ``Prefetcher`` are registration.
 _WRAP_STEPS = {
     "allocation": (_ext, "alloc_host", MemoryError, False),
-    "read": (_wrap, "new_host_master", RuntimeError, True),
-    "master": (_wrap, "master_for", RuntimeError, False),
-    "swap": (_wrap, "_swap", RuntimeError, True),
-    "registration": (_wrap, "_enter", RuntimeError, True),
-    "prefetcher": (_wrap, "Prefetcher", RuntimeError, False),
+    "read": (_moves, "new_host_master", RuntimeError, True),
+    "master": (_moves, "master_for", RuntimeError, False),
+    "swap": (_moves, "swap", RuntimeError, True),
+    "registration": (_copies, "join", RuntimeError, True),
+    "prefetcher": (_copies, "Prefetcher", RuntimeError, False),
 }
 
 
@@ -274,7 +277,7 @@ def _assert_unchanged(model, before):
             assert t.untyped_storage().data_ptr() == ptr, name
         assert torch.equal(t.detach().to_dense(), values.to_dense()), name
     assert all(type(m) is cls for m, cls in modules)
-    assert not _wrap.is_wrapped(model) and _wrap.pager_of(model) is None
+    assert not _copies.is_wrapped(model) and pager_of(model) is None
     assert not any(hook for m in model.modules() for hook in m._load_state_dict_post_hooks.values())
     assert not model._forward_pre_hooks
 
@@ -341,8 +344,8 @@ def _meta_model():
 _LOAD_STEPS = {
     "allocation": (_ext, "alloc_host", MemoryError, False),
     "read": (_loading_read, "_pread_into", OSError, False),
-    "swap": (_wrap, "_swap", RuntimeError, True),
-    "registration": (_wrap, "_enter", RuntimeError, True),
+    "swap": (_prepare, "swap", RuntimeError, True),
+    "registration": (_copies, "join", RuntimeError, True),
 }
 
 

@@ -14,7 +14,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 import offtensor as ot
 from offtensor import leaves
 from offtensor.tensor import OffloadedTensor
-from offtensor.wrap import is_wrapped
+from offtensor.model.copies import is_wrapped
 
 HIDDEN = 64
 LINEAR_BYTES = HIDDEN * HIDDEN * 4

@@ -15,7 +15,8 @@ from torch import nn
 
 import offtensor as ot
 from offtensor.pager import resolve_device
-from offtensor.wrap import _state, is_wrapped
+from offtensor.model.copies import is_wrapped, state_of
+from offtensor.model.state import wrapped_state
 
 GiB = 1 << 30
 VOCAB, HIDDEN, INTER, EXPERTS = 256, 128, 256, 4
@@ -277,9 +278,9 @@ def test_a_new_parameter_too_big_to_keep_is_offloaded_not_left_plain(device):
     s = ot.stats(model)
     room = s.budget_bytes - s.resident_bytes
     # Too big to keep beside the room paging needs, small enough to be paged.
-    rows = (room - ot.wrap._WRAPPED[model].working_set_bytes) // (HIDDEN * 4) + 1
+    rows = (room - state_of(model).working_set_bytes) // (HIDDEN * 4) + 1
     assert rows * HIDDEN * 4 <= room
-    assert s.resident_bytes + rows * HIDDEN * 4 + ot.wrap._WRAPPED[model].working_set_bytes > s.budget_bytes
+    assert s.resident_bytes + rows * HIDDEN * 4 + state_of(model).working_set_bytes > s.budget_bytes
     model.extra = nn.Linear(HIDDEN, rows, bias=False)
     assert isinstance(model.extra.weight, ot.OffloadedTensor)
     model.layers[0].mlp.gate_proj.weight = nn.Parameter(torch.randn(INTER, HIDDEN))
@@ -406,9 +407,9 @@ def test_impossible_budget_raises_budget_error_naming_the_tensor_and_bytes(devic
     message = str(info.value)
     # The most one op must page: one expert of the larger stack of the experts module (ops page
     # routed experts one at a time, and gate_up and down in separate ops).
-    assert "budget of 1000 bytes" in message
+    assert "budget of 1.00 kB (1000 bytes)" in message
     assert "paging 'layers.0.moe.experts.gate_up_proj' (one op of module 'layers.0.moe.experts'" in message
-    assert "needs 262144 bytes" in message
+    assert "needs 262.14 kB (262144 bytes)" in message
     assert EXPERTS * 2 * INTER * HIDDEN * 4 == 1048576
     # Nothing was moved, and the model can still be wrapped with a real budget.
     assert all(_tensors_by_name(model)[n] is t and not isinstance(t, ot.OffloadedTensor) for n, t in before.items())
@@ -459,7 +460,7 @@ def test_offloaded_weights_carry_their_names_into_reprs_and_budget_errors(device
     assert repr(name) in repr(weight) and repr(name) in repr(weight.t())  # a view names its weight
     copy_of = copy.deepcopy(model)
     assert repr(name) in repr(dict(copy_of.named_parameters())[name])
-    _state(model).pager.budget_bytes = 1  # a budget shrunk under the model: paging must fail
+    state_of(model).pager.budget_bytes = 1  # a budget shrunk under the model: paging must fail
     with pytest.raises(ot.BudgetError, match=re.escape(repr(name))):
         _run(model, _ids(device))
 
@@ -548,7 +549,7 @@ def test_policy_callable_decides_per_name(device):
 
 def test_policy_keep_that_cannot_fit_raises_budget_error(device):
     model = _model()
-    with pytest.raises(ot.BudgetError, match="the policy keeps 4596736 bytes resident"):
+    with pytest.raises(ot.BudgetError, match=r"the policy keeps 4\.60 MB \(4596736 bytes\) resident"):
         ot.wrap_model(model, budget_gb=_budget_gb(model, 0.3), device=device, policy={"keep": ["*"]})
 
 
@@ -647,7 +648,7 @@ def test_grouped_mm_pages_only_the_experts_that_have_tokens(device):
     offs = torch.tensor(ends, dtype=torch.int32, device=device)
     for w, expected_w in ((offloaded, weight), (offloaded.transpose(-2, -1), weight.transpose(-2, -1))):
         ot.reset_stats(stack)
-        ot.wrap._WRAPPED[stack].pager.clear()
+        wrapped_state(stack).pager.clear()
         out = torch._grouped_mm(x, w, offs=offs)
         assert torch.equal(out, torch._grouped_mm(x, expected_w, offs=offs))
         assert ot.stats(stack).bytes_h2d == 3 * 64 * 64 * weight.element_size()

@@ -9,10 +9,10 @@ from typing import Optional
 
 from torch import nn
 
-from .. import placement
-from .. import wrap
 from ..config import OffloadConfig
-from ..pager import Pager, resolve_device
+from ..sim.expert_choice import choose_expert_placement
+from ..model.prepare import check_wrappable, prepare
+from ..pager import resolve_device
 from .files import CheckpointError, headers, shard_files
 from .names import architecture_problem, match
 from .read import Progress, Reader, read
@@ -38,39 +38,42 @@ def load_safetensors(model: nn.Module, path, budget_gb: Optional[float] = None, 
     model's measured routing, as for ``wrap_model``) decides the expert placement before any byte
     is read, else the loaded model decides from its own routing.
     """
-    wrap.check_wrappable(model)
+    check_wrappable(model)
     config = OffloadConfig.from_arguments(budget_gb=budget_gb, offload_gb=offload_gb, device=device, prefetch=prefetch,
                                           policy=policy, progress=progress, load_threads=threads, routing=routing)
     return load(model, path, config, strict, convert_dtypes, allow_outside_paths)
 
 
 def load(model: nn.Module, path, config: OffloadConfig, strict: bool, convert_dtypes: bool,
-          allow_outside_paths: bool) -> nn.Module:
-    """``load_safetensors`` once its arguments are settings: check every header against the model,
-    choose the placement, read every byte into its destination, and only then change the model."""
+         allow_outside_paths: bool) -> nn.Module:
+    """``load_safetensors`` once its arguments are settings: the one ``prepare`` pipeline, whose
+    check step matches every header against the model and whose read step fills every destination
+    after the placement (the expert placement too) is chosen; only then does the model change."""
     device = resolve_device(config.device)
     files = shard_files(path, allow_outside_paths)
     entries = headers(files)
-    groups = placement.collect_groups(model)
-    chosen, problems = match(entries, model, groups, convert_dtypes, path, strict)
-    architecture = architecture_problem(model, files)
-    if architecture:
-        problems.insert(0, architecture)
-    if problems:
-        raise CheckpointError("offtensor: cannot load " + os.fspath(path) + " into " + type(model).__name__
-                              + " (the model is unchanged):\n  " + "\n  ".join(problems))
+    chosen = {}
 
-    placed = placement.choose_model_placement(groups, config, device)
-    # The expert placement too is chosen before a byte is read: the reads fill what it places.
-    placed, config, report, watch = wrap.choose_expert_placement(model, groups, placed, config, device)
-    pager = Pager(device, placed.budget_bytes, strict=config.strict)
-    total = sum(p.source.nbytes for _, ps in chosen.values() for p in ps)
-    progress_bar = Progress(total, config.progress, f"offtensor: loading {os.path.basename(os.fspath(path))}")
-    ok = False
-    try:
-        loaded = read(groups, chosen, placed, pager, Reader(device, config.load_threads, progress_bar))
-        ok = True
-    finally:
-        progress_bar.close(ok)
-    # Every byte is in place: only now does the model change.
-    return wrap.apply_placement(model, placed, pager, config, loaded, expert=(report, watch))
+    def check(groups):
+        matched, problems = match(entries, model, groups, convert_dtypes, path, strict)
+        architecture = architecture_problem(model, files)
+        if architecture:
+            problems.insert(0, architecture)
+        if problems:
+            raise CheckpointError("offtensor: cannot load " + os.fspath(path) + " into " + type(model).__name__
+                                  + " (the model is unchanged):\n  " + "\n  ".join(problems))
+        chosen.update(matched)
+
+    def read_all(groups, placed, pager, config):
+        total = sum(p.source.nbytes for _, ps in chosen.values() for p in ps)
+        progress_bar = Progress(total, config.progress, f"offtensor: loading {os.path.basename(os.fspath(path))}")
+        ok = False
+        try:
+            loaded = read(groups, chosen, placed, pager, Reader(device, config.load_threads, progress_bar))
+            ok = True
+        finally:
+            progress_bar.close(ok)
+        return loaded  # every byte is in place: only now does the model change
+
+    prepare(model, config, device, check=check, choose_experts=choose_expert_placement, read=read_all)
+    return model

@@ -24,7 +24,7 @@ from .. import _ext
 from .. import placement
 from ..pager import Pager, format_bytes, master_for, pins_host_memory
 from ..pager.device import for_device
-from ..placement import StorageGroup
+from ..model.groups import StorageGroup
 from ..tensor import OffloadedTensor
 from .files import CheckpointError, FileTensor, open_regular
 from .names import Piece

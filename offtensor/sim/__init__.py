@@ -21,17 +21,3 @@ Three ways to get a timeline:
 Measured MoE routing (``RoutingStats``) lives in ``offtensor.moe``; twins.py holds the meta twin of a model that
 has values, which the expert-placement replay (plan.py: ``faster_expert_placement``) plans.
 """
-
-import types
-
-from .. import wrap
-from .plan import faster_expert_placement
-from ..moe import RoutingRecorder, routing_stats_of
-from .twins import decode_example, meta_twin, sync_twin
-
-# What wrap_model uses to decide its expert placement by replay (wrap.py: "expert placement"). sim
-# imports wrap (it records wrapped models), so wrap does not import sim: these are handed to it here.
-# removed at merge: wrap imports these directly
-wrap.use_routing_tools(types.SimpleNamespace(
-    RoutingRecorder=RoutingRecorder, routing_stats_of=routing_stats_of, meta_twin=meta_twin, sync_twin=sync_twin,
-    decode_example=decode_example, faster_expert_placement=faster_expert_placement))

@@ -11,23 +11,17 @@ import torch
 from torch import nn
 
 from .. import ops
-from .. import moe
 from ..moe import RoutingStats, model_top_k
 from .. import placement
 from ..config import OffloadConfig
-from ..pager import GiB, Pager
-from ..prefetch import Prefetcher
-from ..tensor import OffloadedTensor
+from ..model.prepare import prepare, unwrap
+from ..model.state import wrapped_state
+from ..pager import GiB
 from .profiles import get_profile
 from .recorder import timeline
 from .timeline import Timeline
 
 # ---------------------------------------------------------------------------- planning on meta
-
-
-def _meta_pager(budget_bytes: int):
-    # On meta every copy is done when issued (pager/device.py: MetaDevice).
-    return Pager(torch.device("meta"), budget_bytes, strict=False)
 
 
 def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(), profile="h200", steps: int = 3, *,
@@ -47,10 +41,20 @@ def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(),
     config = OffloadConfig(budget_gb=budget_gb, offload_gb=offload_gb, device=torch.device("meta"), prefetch=prefetch,
                            policy=policy, strict=False)
     _check_built_on_meta(model)
-    placed = placement.choose_model_placement(placement.collect_groups(model), config, config.device)
-    pager = _meta_pager(placed.budget_bytes)
-    saved = _offload_on_meta(placed, pager)
-    hooks = _attach_schedule(model, pager, prefetch and bool(placed.choice.offload))
+    # The placement wrap_model would make, applied on a meta pager (on meta every copy is done when
+    # issued: pager/device.py's MetaDevice); unwrapped when the plan ends, so the model is as it was.
+    placed, pager = prepare(model, config, config.device)
+    try:
+        tl = _record_plan(model, placed, pager, example_inputs, profile, steps, warmup, forward, routing)
+    finally:
+        unwrap(model, wrapped_state(model))
+    return tl
+
+
+def _record_plan(model: nn.Module, placed: placement.ModelPlacement, pager, example_inputs, profile, steps: int,
+                 warmup: int, forward, routing: Optional[RoutingStats]) -> Timeline:
+    """``plan``'s forwards on the prepared meta model, recorded; the timeline with the plan's info."""
+    hooks = []
     planned = None
     if routing is not None:
         planned = _PlannedRouting(routing, model_top_k(model) or routing.top_k)
@@ -66,8 +70,6 @@ def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(),
     finally:
         for h in hooks:
             h.remove()
-        for table, attr, t in saved.values():
-            table[attr] = t
     tl.info = _planned_info(placed.choice, pager.snapshot())
     tl.info["routing"] = routing.summary() if routing is not None else "uniform"
     return tl
@@ -82,44 +84,6 @@ def _check_built_on_meta(model: nn.Module) -> None:
                         f"offtensor: plan() needs a model built on meta (found {type(module).__name__}.{attr} on "
                         f"{t.device}); build it under `with torch.device('meta'):`"
                     )
-
-
-def _offload_on_meta(placed: placement.ModelPlacement, pager) -> dict:
-    """Register a meta OffloadedTensor on ``pager`` in every slot of each offloaded group, straight
-    into the modules' tables (no re-placement); returns (module, table, attr) -> what was there."""
-    saved = {}
-    for group in placed.offloaded:
-        first = group.tensor
-        lo, hi = group.element_range()
-        flat = torch.empty(hi - lo, dtype=first.dtype, device="meta")
-        master = pager.new_master((hi - lo) * first.element_size())
-        master.name = group.names[0]
-        master.flat = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device="meta")
-        for member in group:
-            t = member.tensor
-            host = flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
-            new = OffloadedTensor(host, master)
-            if isinstance(t, nn.Parameter):
-                new = nn.Parameter(new, requires_grad=False)
-            for module, attr, is_buffer in member.slots:
-                table = module._buffers if is_buffer else module._parameters
-                saved.setdefault((id(module), is_buffer, attr), (table, attr, t))
-                table[attr] = new
-    pager.budget.recount_resident(placed.choice.resident_bytes)
-    pager.reset_stats()
-    return saved
-
-
-def _attach_schedule(model: nn.Module, pager, prefetch: bool) -> list:
-    """The wrapped model's prefetcher and expert cache on the meta pager; the hooks to remove after."""
-    if prefetch:
-        pager.prefetcher = Prefetcher()
-    # Routed experts take the wrapped model's eviction and statistics; speculation needs router
-    # values, which meta tensors do not have, so its hooks do nothing here.
-    moe.attach(model, pager, speculate=False)
-    if pager.prefetcher is not None or pager.experts is not None:
-        return [model.register_forward_pre_hook(lambda m, a: pager.new_step())]
-    return []
 
 
 def _planned_info(choice: placement.Placement, stats) -> dict:

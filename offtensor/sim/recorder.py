@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from ..wrap import pager_of
+from ..model.state import pager_of
 from .timeline import Timeline
 
 

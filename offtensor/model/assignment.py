@@ -1,0 +1,247 @@
+"""What a wrapped model's modules place: each module takes a subclass of its own class whose
+``__setattr__``, ``__delattr__``, ``register_parameter``, ``register_buffer``, ``add_module`` and
+``_apply`` place what is assigned into it (post-load rewrites, quantisation repacking,
+``load_state_dict(assign=True)``, a new submodule) under the same budget instead of letting it
+land on the device unaccounted. Nothing outside the wrapped model changes: ``nn.Module`` and
+torch's global hooks are left alone, and ``leave`` gives a module its own class back."""
+
+from __future__ import annotations
+
+import copyreg
+import threading
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .casts import apply_to_wrapped
+from .dtensor import refuse_distribute, refuse_sharding_an_offloaded_weight
+from .loads import after_load, portable_state_dict
+from .moves import resident_bytes
+from .place import place, place_attribute
+from .state import WRAPPED, State, placing_state
+
+
+def _set_attribute(set_attribute, module: nn.Module, name: str, value) -> None:
+    """``module.name = value`` through the module class's own ``set_attribute``, plus what a wrapped
+    model needs: a submodule's tensors placed, a plain tensor attribute placed (no registration
+    method sees those) and a recount when a weight or submodule is set to None."""
+    state = placing_state(module)
+    if state is None:
+        return set_attribute(name, value)
+    with state.pager.lock:  # re-placement waits for another thread's op, which then sees the result
+        _set_placed(state, set_attribute, module, name, value)
+
+
+def _set_placed(state: State, set_attribute, module: nn.Module, name: str, value) -> None:
+    # Only a weight, submodule or tensor attribute set to None releases bytes (forwards set other
+    # attributes to None often; a recount walks the model).
+    releases = value is None and (
+        module._modules.get(name) is not None
+        or module._parameters.get(name) is not None
+        or module._buffers.get(name) is not None
+        or isinstance(module.__dict__.get(name), torch.Tensor)
+    )
+    old = module._modules.get(name) if releases else None
+    if isinstance(value, nn.Module):
+        _attach_submodule(state, module, name, value)
+    set_attribute(name, value)  # a Parameter or buffer goes through register_parameter / register_buffer
+    if isinstance(value, torch.Tensor) and module.__dict__.get(name) is value:
+        place_attribute(state, module, name, value)
+    elif releases:
+        _released(state, old)
+
+
+def _delete_attribute(delete_attribute, module: nn.Module, name: str) -> None:
+    """``del module.name``, plus releasing a deleted submodule's or weight's bytes at once:
+    resident bytes are recounted, and the submodule no longer places what is assigned into it."""
+    state = placing_state(module)
+    if state is None:
+        return delete_attribute(name)
+    with state.pager.lock:
+        old = module._modules.get(name)
+        delete_attribute(name)
+        _released(state, old)
+
+
+_ABSENT = object()
+
+
+def _register_tensor(register, module: nn.Module, table: dict, name: str, t, is_buffer: bool) -> None:
+    """``register(name, t)``, the module class's own ``register_parameter`` / ``register_buffer``
+    (which checks the name and the tensor), then the placement of ``t`` into the wrapped model. If
+    placing fails (over budget), the slot goes back to what it held."""
+    state = placing_state(module)
+    if state is None or t is None:
+        return register(name, t)
+    with state.pager.lock:
+        before = table.get(name, _ABSENT)
+        refuse_sharding_an_offloaded_weight(state, module, name, before, t)
+        register(name, t)
+        try:
+            new = place(state, module, name, t, is_buffer)
+        except BaseException:
+            if before is _ABSENT:
+                table.pop(name, None)
+            else:
+                table[name] = before
+            raise
+        if new is not None:
+            table[name] = new
+
+
+def _add_submodule(add_module, module: nn.Module, name: str, submodule) -> None:
+    """``module.add_module(name, submodule)``, its tensors placed first when ``module`` is wrapped."""
+    state = placing_state(module)
+    if state is None or not isinstance(submodule, nn.Module):
+        return add_module(name, submodule)
+    with state.pager.lock:
+        _attach_submodule(state, module, name, submodule)
+        add_module(name, submodule)
+
+
+def _attach_submodule(state: State, module: nn.Module, name: str, submodule: nn.Module) -> None:
+    """``submodule`` is being set as ``module.name`` of a wrapped model: its modules join the model
+    and its tensors are placed, those of the submodule it replaces no longer counting."""
+    old = module._modules.get(name)
+    # Slots of the module being replaced stop counting, except those of its submodules that the new
+    # one keeps (peft's LoRA layer holds the Linear it replaces as ``base_layer``): they stay resident.
+    kept = set(submodule.modules())
+    replaced = frozenset(
+        (m, attr) for m in (old.modules() if old is not None else ()) if m not in kept
+        for attr in (*m._parameters, *m._buffers)
+    )
+    parent = state.qualified_name(module, name)
+    for path, child in submodule.named_modules(remove_duplicate=False):
+        state.prefixes.setdefault(child, f"{parent}.{path}" if path else parent)
+    placed = []
+    for child in submodule.modules():
+        if WRAPPED.get(child) is state:
+            continue
+        join(child, state)
+        for table, is_buffer in ((child._parameters, False), (child._buffers, True)):
+            for attr, t in list(table.items()):
+                if t is not None:
+                    new = place(state, child, attr, t, is_buffer, attaching=(tuple(placed), replaced))
+                    if new is not None:
+                        table[attr] = new
+                    placed.append(table[attr])
+
+
+def _released(state: State, old: Optional[nn.Module] = None) -> None:
+    model = state.model_ref()
+    if model is None:
+        return
+    if old is not None:
+        live = set(model.modules())
+        for m in old.modules():
+            if m not in live and WRAPPED.get(m) is state:
+                leave(m)
+    state.pager.recount_resident(resident_bytes(model, state.pager.device))
+    if state.pager.experts is not None:
+        state.experts_stale = True  # a registered stack may be what was deleted
+
+
+def join(module: nn.Module, state: State) -> None:
+    """``module`` joins a wrapped model: it places what is assigned into it and what it loads."""
+    WRAPPED[module] = state
+    state.load_hooks.append(module.register_load_state_dict_post_hook(after_load))
+    state.load_hooks.append(module.register_state_dict_post_hook(portable_state_dict))
+    give_wrapping_class(module)
+
+
+def leave(module: nn.Module) -> None:
+    """``module`` is no longer part of a wrapped model: its own class back, no placement."""
+    del WRAPPED[module]
+    give_user_class(module)
+
+
+# ---------------------------------------------------------------------------- wrapped modules' classes
+
+
+_WRAPPING_CLASSES: dict = {}
+
+
+_WRAPPING_CLASSES_LOCK = threading.Lock()
+
+
+def _wrapping_class(user_class: type) -> type:
+    """The subclass of ``user_class`` that the modules of a wrapped model take while wrapped.
+
+    Its ``__setattr__``, ``__delattr__``, ``register_parameter``, ``register_buffer`` and
+    ``add_module`` do what ``user_class``'s do, plus the placement of what is assigned (no torch
+    hook sees plain tensor attributes or deletions). It has ``user_class``'s name, qualified name
+    and module (so reprs and ``type(m).__name__`` checks see no change) and no slots of its own
+    (so ``module.__class__`` can be swapped both ways); it pickles and deep-copies as ``user_class``.
+    A module's ops never go through it: forwards cost what they cost unwrapped."""
+    if "_offtensor_user_class" in user_class.__dict__:
+        return user_class
+    with _WRAPPING_CLASSES_LOCK:
+        cls = _WRAPPING_CLASSES.get(user_class)
+        if cls is None:
+            cls = _WRAPPING_CLASSES[user_class] = _make_wrapping_class(user_class)
+    return cls
+
+
+def _make_wrapping_class(user_class: type) -> type:
+    def __setattr__(self, name, value):
+        _set_attribute(super(cls, self).__setattr__, self, name, value)
+
+    def __delattr__(self, name):
+        _delete_attribute(super(cls, self).__delattr__, self, name)
+
+    def register_parameter(self, name, param):
+        _register_tensor(super(cls, self).register_parameter, self, self._parameters, name, param, False)
+
+    def register_buffer(self, name, tensor, persistent=True):
+        own = super(cls, self).register_buffer
+        register = own if persistent else (lambda n, t: own(n, t, persistent=False))
+        _register_tensor(register, self, self._buffers, name, tensor, True)
+
+    def add_module(self, name, module):
+        _add_submodule(super(cls, self).add_module, self, name, module)
+
+    def _apply(self, fn, recurse=True):
+        return apply_to_wrapped(super(cls, self)._apply, self, fn, recurse)
+
+    # distribute_module (parallelize_module) first asks getattr(module, "_distribute_module_applied",
+    # False): a property answers it, refusing a module with offloaded weights. A property, not a
+    # __getattr__, so that forwards (and torch.compile's handling of modules) see no change.
+    def _get_distributed(self):
+        if "_distribute_module_applied" in self.__dict__:
+            return self.__dict__["_distribute_module_applied"]
+        refuse_distribute(self)
+        raise AttributeError("_distribute_module_applied")
+
+    def _set_distributed(self, value):
+        self.__dict__["_distribute_module_applied"] = value
+
+    def __reduce_ex__(self, protocol):
+        reduced = super(cls, self).__reduce_ex__(protocol)
+        if isinstance(reduced, tuple) and reduced[0] is copyreg.__newobj__ and reduced[1] == (cls,):
+            # pickle insists that __newobj__ builds the object's own class: rebuild the user's
+            # class as protocols 0 and 1 do instead.
+            reduced = (copyreg._reconstructor, (user_class, object, None), *reduced[2:])
+        return reduced
+
+    namespace = {
+        "__module__": user_class.__module__, "__qualname__": user_class.__qualname__, "__slots__": (),
+        "_offtensor_user_class": user_class, "__setattr__": __setattr__, "__delattr__": __delattr__,
+        "register_parameter": register_parameter, "register_buffer": register_buffer, "add_module": add_module,
+        "_apply": _apply, "_distribute_module_applied": property(_get_distributed, _set_distributed),
+        "__reduce_ex__": __reduce_ex__,
+    }
+    cls = type(user_class)(user_class.__name__, (user_class,), namespace)
+    return cls
+
+
+def give_wrapping_class(module: nn.Module) -> None:
+    cls = type(module)
+    if "_offtensor_user_class" not in cls.__dict__:
+        module.__class__ = _wrapping_class(cls)
+
+
+def give_user_class(module: nn.Module) -> None:
+    user_class = type(module).__dict__.get("_offtensor_user_class")
+    if user_class is not None:
+        module.__class__ = user_class

@@ -1,0 +1,169 @@
+"""Casts and moves of a wrapped model (``module.to(dtype)``, ``.half()``, ``.to(device)``): an
+offloaded weight is cast host master to host master, nothing paged, and the room is planned again
+for what changed size."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import leaves
+from .. import placement
+from ..pager import master_for, pins_host_memory
+from ..tensor import OffloadedTensor, new_host_master
+from .groups import Member, StorageGroup
+from .moves import check_offloadable_quietly, offload_group, resident_storages_of, storage_bytes
+from .room import replan_paging_room, reserve_paging_room
+from .state import State, placing_state
+
+
+def apply_to_wrapped(apply, module: nn.Module, fn, recurse: bool = True):
+    """``module._apply(fn)`` for a module of a wrapped model: what ``module.to(dtype)``, ``.half()``,
+    ``.float()``, ``.bfloat16()``, ``.to(device)`` and peft's ``module.to(weight.device)`` run.
+
+    torch's own ``_apply`` would compute ``fn`` on each OffloadedTensor as an op, paging the whole
+    weight onto the device (a BudgetError for one larger than the room) and keeping the result as a
+    new host master the budget never planned for, then swap it in with ``swap_tensors``, which
+    drops a Parameter subclass's class and attributes. Here an offloaded weight whose cast ``fn``
+    asks for is converted host master to host master, nothing paged, and the same object re-pointed
+    at it (``.data =``); one ``fn`` leaves as it is is left untouched. Plain tensors take torch's
+    own path. Then the room is re-planned for what changed size: offloaded weights' working sets
+    at the new dtype, and resident weights that grew past the budget are offloaded."""
+    state = placing_state(module)
+    if state is None or state.model_ref() is None:
+        return apply(fn, recurse)
+    with state.pager.lock:  # another thread's op finishes first; the next one sees the new dtype
+        _refuse_meta(state, module, fn)
+        return _apply_locked(state, apply, module, fn, recurse)
+
+
+def _refuse_meta(state: State, module: nn.Module, fn) -> None:
+    """``module.to("meta")`` of a wrapped model with offloaded weights: torch's path would page each
+    one whole onto the device to make its meta copy (a BudgetError for one larger than the room,
+    which names the budget as the problem). Refused before anything moves, saying what to do."""
+    offloaded = [name for name, t in (*module.named_parameters(), *module.named_buffers())
+                 if any(isinstance(leaf, OffloadedTensor) for leaf in leaves.leaf_tensors(t))]
+    if not offloaded:
+        return
+    try:
+        with torch.no_grad():
+            probe = fn(torch.empty(2, device=state.pager.device))
+    except Exception:  # noqa: BLE001 - whatever fn does, the casts below do it (or raise)
+        return
+    if isinstance(probe, torch.Tensor) and probe.is_meta:
+        raise RuntimeError(
+            f"offtensor: moving a wrapped model to the meta device is not supported ({len(offloaded)} of its weights "
+            f"are offloaded, such as '{state.qualified_name(module, offloaded[0])}'): unwrap it first with "
+            f"ot.unwrap_model(model), then call .to('meta'). Nothing was moved.")
+
+
+def _apply_locked(state: State, apply, module: nn.Module, fn, recurse: bool):
+    if recurse:
+        for child in module.children():
+            child._apply(fn)
+    handled = _cast_offloaded(state, module, fn)
+    before = _own_resident_bytes(module, state.pager.device)
+    for table, attr, _ in handled:
+        table[attr] = None  # torch's _apply skips None: these are done
+    try:
+        apply(fn, False)
+    finally:
+        for table, attr, t in handled:
+            table[attr] = t
+        if handled and isinstance(module, nn.RNNBase):
+            module._init_flat_weights()  # it re-read its weights while they were hidden
+    _replan_resident_after_cast(state, module, before)
+    return module
+
+
+def _cast_offloaded(state: State, module: nn.Module, fn) -> list:
+    """Convert ``module``'s own offloaded tensors as ``fn`` asks, in place; returns the
+    (table, attribute, tensor) of those done (converted, or left as they are because ``fn`` leaves
+    them so). What ``fn`` does is read off a tiny stand-in of each tensor's dtype on its device: a
+    cast is done here; a move to another device or memory format is left to torch."""
+    handled = []
+    for table in (module._parameters, module._buffers):
+        for attr, t in table.items():
+            if not isinstance(t, OffloadedTensor):
+                continue
+            stand_in = torch.empty((2,) * t.dim(), dtype=t.dtype, device=t.device)
+            try:
+                with torch.no_grad():
+                    probe = fn(stand_in)
+            except Exception:  # noqa: BLE001 - whatever fn does, torch's own path does it (or raises) below
+                continue
+            if probe is stand_in:
+                handled.append((table, attr, t))
+                continue
+            if (not isinstance(probe, torch.Tensor) or type(probe) is not torch.Tensor or probe.device != t.device
+                    or probe.shape != stand_in.shape or not probe.is_contiguous() or probe.dtype == t.dtype):
+                continue  # not a plain cast: torch's path
+            _cast_master(state, state.qualified_name(module, attr), t, probe.dtype)
+            if t.grad is not None:
+                t.grad = fn(t.grad)
+            handled.append((table, attr, t))
+    return handled
+
+
+def _cast_master(state: State, full_name: str, t: OffloadedTensor, dtype: torch.dtype) -> None:
+    """Re-point the offloaded ``t`` at a new host master holding its values cast to ``dtype``,
+    after reserving the room to page it at that size (a BudgetError leaves ``t`` as it was)."""
+    pager = state.pager
+    host = t._host
+    at_new_size = torch.empty_strided(host.shape, host.stride(), dtype=dtype, device="meta")
+    reserve_paging_room(state, full_name, at_new_size, pager.budget.resident_bytes)
+    new_host = new_host_master(host, pin=pins_host_memory(pager.device), dtype=dtype)
+    master = master_for(new_host, pager)
+    master.name = full_name
+    with torch.no_grad():
+        t.data = OffloadedTensor(new_host, master)  # ops' .data setter: same object, new master
+    if "experts" in full_name.split("."):
+        state.experts_stale = True  # the registry names the old master
+
+
+def _own_resident_bytes(module: nn.Module, device: torch.device) -> int:
+    """Device bytes of ``module``'s own plain parameters and buffers (not its children's)."""
+    tensors = (t for table in (module._parameters, module._buffers) for t in table.values() if t is not None)
+    return sum(resident_storages_of(tensors, device).values())
+
+
+def _replan_resident_after_cast(state: State, module: nn.Module, before: int) -> None:
+    """After torch's ``_apply`` cast ``module``'s plain device tensors from ``before`` bytes: count
+    the difference as resident, and offload the ones that grew past the budget's room, largest
+    first, as a weight assigned after wrapping that does not fit is offloaded."""
+    pager = state.pager
+    after = _own_resident_bytes(module, pager.device)
+    if after == before:
+        return
+    resident = max(0, pager.budget.resident_bytes + after - before)
+    for table in (module._parameters, module._buffers):
+        for t in table.values():
+            if t is not None and not isinstance(t, OffloadedTensor) and t.device == pager.device:
+                state.resident_ptrs.add(t.untyped_storage().data_ptr())
+    if after < before or resident + state.working_set_bytes <= pager.budget_bytes:
+        pager.recount_resident(resident)
+        return
+    plain = [
+        (table, attr, is_buffer, t)
+        for table, is_buffer in ((module._parameters, False), (module._buffers, True))
+        for attr, t in table.items()
+        if t is not None and not isinstance(t, OffloadedTensor) and t.device == pager.device
+        and check_offloadable_quietly(t)
+    ]
+    plain.sort(key=lambda entry: -entry[3].numel() * entry[3].element_size())
+    for table, attr, is_buffer, t in plain:
+        if resident + state.working_set_bytes <= pager.budget_bytes:
+            break
+        full_name = state.qualified_name(module, attr)
+        if placement.policy_choice(state.config.policy, [full_name]) == "keep":
+            continue
+        resident -= storage_bytes(t)[1]
+        reserve_paging_room(state, full_name, t, resident)
+        member = Member(t)
+        member.slots.append((module, attr, is_buffer))
+        member.names.append(full_name)
+        offload_group(StorageGroup([member]), pager)
+        table[attr] = member.tensor
+    if resident + state.working_set_bytes > pager.budget_bytes:  # what is left is what the policy keeps
+        replan_paging_room(state, resident, f"casting {type(module).__name__} kept {resident} bytes resident and")
+    pager.recount_resident(resident)

@@ -1,0 +1,178 @@
+"""Marking a model wrapped (its state, hooks and step hook) and undoing that; and copies of a
+wrapped model: the step hook carries the wrap's settings through ``copy.deepcopy`` and pickling,
+and the copy is adopted on a pager of its own the first time it is used."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..ops import compile as _compile
+from .. import moe
+from .. import placement
+from ..config import OffloadConfig
+from ..pager import Pager
+from ..prefetch import Prefetcher
+from ..tensor import OffloadedTensor
+from .assignment import join, leave
+from .groups import collect_groups
+from .loads import after_load, portable_state_dict
+from .moves import resident_bytes, weight_tensors
+from .state import WRAPPED, State
+
+
+def register_wrapped(model: nn.Module, pager: Pager, choice: placement.Placement, config: OffloadConfig) -> None:
+    """Mark ``model`` as wrapped: its modules now place whatever is assigned into them."""
+    config = config.replace(device=pager.device)
+    state = State(model, pager, choice, config)
+    try:
+        _register_state(model, pager, choice, config, state)
+    except BaseException:
+        unregister_wrapped(model, state)
+        raise
+
+
+def _register_state(model: nn.Module, pager: Pager, choice: placement.Placement, config: OffloadConfig,
+                    state: State) -> None:
+    for module in model.modules():
+        join(module, state)
+    state.resident_ptrs = {
+        t.untyped_storage().data_ptr()
+        for t in weight_tensors(model)
+        if not isinstance(t, OffloadedTensor) and t.device == pager.device and not t.is_meta
+    }
+    # On meta (ot.plan) no tensor holds bytes: the resident weights count what the choice keeps, as
+    # a GPU would hold them, and speculation, which needs router values, is not hooked.
+    planning = pager.device.type == "meta"
+    pager.recount_resident(choice.resident_bytes if planning else resident_bytes(model, pager.device))
+    pager.reset_stats()
+    if config.prefetch and choice.offload:
+        pager.prefetcher = Prefetcher()
+    # Offloaded stacked experts: per-stack stats, expert-aware eviction, routing speculation.
+    moe.attach(model, pager, speculate=config.prefetch and not planning)
+    state.step_hook = model.register_forward_pre_hook(StepHook(config, choice.budget_bytes, pager))
+
+
+def unregister_wrapped(model: nn.Module, state: State) -> None:
+    """Undo ``register_wrapped`` (a failed registration; the end of ``unwrap_model``): every module of
+    ``state`` gets its own class back, the hooks go, the pager's observers are dropped."""
+    pager = state.pager
+    pager.prefetcher = None
+    moe.detach(pager)
+    for module in list(WRAPPED.keys()):
+        if WRAPPED.get(module) is state:
+            leave(module)
+    if state.watch is not None:
+        state.watch.stop()
+        state.watch = None
+    for handle in state.load_hooks:
+        handle.remove()
+    state.load_hooks.clear()
+    if state.step_hook is not None:
+        state.step_hook.remove()
+        state.step_hook = None
+
+
+class StepHook:
+    """Forward pre-hook of a wrapped model: one forward is one step of the prefetch schedule.
+
+    It also carries the wrap's settings through ``copy.deepcopy``: the copy of a wrapped model
+    holds a copy of this hook, and the first time the copy is used (``ot.stats``, a forward...)
+    ``adopt_copy`` gives it its own pager with the same budget, instead of leaving its new host
+    masters charged to the original's pager."""
+
+    __slots__ = ("config", "budget_bytes", "pager_ref", "pager_key", "copy_pager")
+
+    def __init__(self, config: OffloadConfig, budget_bytes: int, pager=None, copy_pager=None):
+        self.config, self.budget_bytes = config, budget_bytes  # config.device: the device resolved
+        self.pager_ref = weakref.ref(pager) if pager is not None else None
+        # Under torch.compile the step is an op of the graph, keyed by this int (a constant to
+        # Dynamo): looking the model up in WRAPPED would make Dynamo guard on that table's
+        # entries, which change as models come and go (compile.step_hook).
+        self.pager_key = _compile.register_pager(pager) if pager is not None else None
+        self.copy_pager = copy_pager  # a deepcopy's pager, until adopt_copy registers it
+
+    def __call__(self, model, args):
+        if torch.compiler.is_compiling() and self.pager_key is not None:
+            torch.ops.offtensor.new_step(self.pager_key)
+            return
+        state = WRAPPED.get(model)
+        if state is None or state.model_ref() is not model:
+            state = adopt_copy(model)
+        if state is not None:
+            with state.pager.lock:
+                if state.experts_stale:
+                    state.refresh_experts()
+                state.pager.new_step()  # one pass of the prefetch schedule and of the expert statistics
+
+    def __reduce__(self):
+        # torch.save(model) of a wrapped model: the loaded model is adopted like a deepcopy (a
+        # callable policy may not pickle; patterns do).
+        config = self.config.replace(policy=None) if callable(self.config.policy) else self.config
+        return StepHook, (config, self.budget_bytes)
+
+    def new_pager(self) -> Pager:
+        """A pager with the wrapped model's device, budget and strictness, for a copy of the model."""
+        return Pager(self.config.device, self.budget_bytes, strict=self.config.strict)
+
+    def __deepcopy__(self, memo):
+        pager = self.new_pager()
+        original = self.pager_ref() if self.pager_ref is not None else None
+        if original is not None:
+            # OffloadedTensor.__deepcopy__ charges the new host masters to this pager, not the original's.
+            memo[("offtensor.pager", id(original))] = pager
+        return StepHook(self.config, self.budget_bytes, copy_pager=pager)
+
+
+def adopt_copy(model: nn.Module) -> Optional[State]:
+    """Register a ``copy.deepcopy`` of a wrapped model as wrapped on its own pager; None when
+    ``model`` holds no copied step hook (it was never a wrapped model)."""
+    hooks = [(key, h) for key, h in model._forward_pre_hooks.items() if isinstance(h, StepHook)]
+    if not hooks:
+        return None
+    hook = hooks[0][1]
+    for module in model.modules():
+        # The copy's modules carry copies of the original's hooks; register_wrapped adds its own.
+        for key in [k for k, h in module._load_state_dict_post_hooks.items() if h is after_load]:
+            del module._load_state_dict_post_hooks[key]
+        for key in [k for k, h in module._state_dict_hooks.items() if h is portable_state_dict]:
+            del module._state_dict_hooks[key]
+        if WRAPPED.get(module) is not None:
+            leave(module)
+    for key, _ in hooks:
+        del model._forward_pre_hooks[key]
+    pager = hook.copy_pager or hook.new_pager()
+    hook.copy_pager = None
+    offloaded = 0
+    groups = collect_groups(model)
+    for group in groups:
+        if group.is_offloaded:
+            group[0].tensor._master.move_to(pager)
+            offloaded += group[0].tensor._master.nbytes
+    weights = [g.weight() for g in groups]
+    offload = [w for w, g in zip(weights, groups) if g.is_offloaded]
+    resident = [w for w, g in zip(weights, groups) if not g.is_offloaded]
+    ws = placement.choose_placement(offload, None, offload_bytes=0, policy=lambda name: "offload",
+                                    prefetch=False).working_set_bytes
+    choice = placement.Placement(offload, resident, hook.budget_bytes, resident_bytes(model, pager.device), offloaded,
+                                 ws)
+    register_wrapped(model, pager, choice, hook.config)
+    return WRAPPED[model]
+
+
+def is_wrapped(model: nn.Module) -> bool:
+    """Whether ``model`` is currently wrapped (by wrap_model or load_safetensors, or is a
+    ``copy.deepcopy`` of a wrapped model, which this registers on its own pager)."""
+    state = WRAPPED.get(model)
+    if state is None or state.model_ref() is not model:
+        state = adopt_copy(model) if isinstance(model, nn.Module) else None
+    return state is not None and state.model_ref() is model
+
+
+def state_of(model: nn.Module) -> State:
+    if not is_wrapped(model):
+        raise ValueError(f"offtensor: this {type(model).__name__} is not wrapped; call ot.wrap_model(model, ...) first")
+    return WRAPPED[model]

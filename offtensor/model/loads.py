@@ -1,0 +1,63 @@
+"""``load_state_dict`` into a wrapped model and ``state_dict()`` out of it: what a load brought is
+placed under the budget, and the state dict's offloaded values pickle as plain CPU tensors."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import leaves
+from ..tensor import OffloadedTensor
+from .moves import resident_bytes
+from .place import place
+from .state import State, placing_state
+
+
+def after_load(module, incompatible_keys):
+    """load_state_dict post-hook. With ``torch.__future__.set_swap_module_params_on_conversion``
+    load_state_dict swaps loaded values into the existing Parameter objects, so no registration
+    hook sees them; place what this module now holds unless it is on the device within budget."""
+    state = placing_state(module)
+    model = state.model_ref() if state is not None else None
+    if model is None:
+        return
+    with state.pager.lock:
+        _place_loaded(state, model, module)
+
+
+def _place_loaded(state: State, model: nn.Module, module: nn.Module) -> None:
+    pager = state.pager
+    plain = [
+        (table, attr, is_buffer, t)
+        for table, is_buffer in ((module._parameters, False), (module._buffers, True))
+        for attr, t in table.items()
+        if t is not None and not isinstance(t, OffloadedTensor) and not t.is_meta and t.layout == torch.strided
+    ]
+    held = [leaf for *_, t in plain for leaf in leaves.leaf_tensors(t) if not isinstance(leaf, OffloadedTensor)]
+    if all(t.device == pager.device and t.untyped_storage().data_ptr() in state.resident_ptrs for t in held):
+        return  # values were copied into the weights already placed (the usual load_state_dict)
+    resident = resident_bytes(model, pager.device)
+    if all(t.device == pager.device for t in held) and resident + state.working_set_bytes <= pager.budget_bytes:
+        pager.recount_resident(resident)  # cached copies make room first (assign=True on a warm cache)
+        return
+    # Tensors of this module not placed yet do not count as resident while their siblings are placed.
+    pending = {(module, attr) for _, attr, _, _ in plain}
+    for table, attr, is_buffer, t in plain:
+        pending.discard((module, attr))
+        new = place(state, module, attr, t, is_buffer, attaching=((), frozenset(pending)))
+        if new is not None:
+            table[attr] = new
+
+
+def portable_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    """state_dict post-hook: the OffloadedTensors this module put in ``state_dict`` (detached views
+    of its weights, so ``load_state_dict`` and in-place writes through them still reach the
+    masters) are marked to pickle as the plain CPU tensors they hold. ``torch.save(model.state_dict())``
+    then writes a file any process loads with ``torch.load(weights_only=True)``, offtensor or
+    not, each tie once, with nothing paged. ``keep_vars=True`` values are the Parameters
+    themselves and keep their class when pickled, as a Parameter saved on its own does."""
+    for table in (module._parameters, module._buffers):
+        for name, t in table.items():
+            value = state_dict.get(prefix + name)
+            if value is not t and isinstance(value, OffloadedTensor):
+                value.__dict__["_portable"] = True

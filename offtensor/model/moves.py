@@ -1,0 +1,278 @@
+"""Moving a model's tensors: a storage group offloaded into one host master or made resident on
+the device, each Parameter object kept (swapped in place), every step recorded so that a failure
+undoes them all (``Undo``); and the count of the device bytes resident tensors hold."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+
+import torch
+from torch import nn
+
+from .. import leaves
+from ..pager import Pager, covering_range, master_for, pins_host_memory
+from ..tensor import (
+    OWN_ATTRS, OffloadedTensor, check_offloadable, guard_data_ptr, new_host_master, offloaded_class, user_attrs,
+    user_class,
+)
+from .groups import Member, StorageGroup
+
+
+class Undo:
+    """What ``apply_placement`` changed so far, newest last, so that a failure at any step (an
+    allocation, a read, a registration) puts the model back exactly as it was: the same tensor
+    objects with the same classes, attributes and storages, masters on their old pagers. Until the
+    placement completes, the record keeps the original tensors alive (the price of an exact undo:
+    for a wrap of a host model, its offloaded bytes are held twice until ``wrap_model`` returns);
+    dropping the record after an undo frees what the placement allocated."""
+
+    _active = threading.local()  # the record of the placement running in this thread, if any
+
+    def __init__(self):
+        self.steps = []
+
+    @classmethod
+    def note(cls, *step) -> None:
+        record = getattr(cls._active, "record", None)
+        if record is not None:
+            record.steps.append(step)
+
+    def __enter__(self):
+        Undo._active.record = self
+        return self
+
+    def __exit__(self, kind, error, tb):
+        Undo._active.record = None
+        if kind is not None:
+            self.roll_back()
+        self.steps.clear()  # a failure's traceback holds this frame: the new tensors go now
+        return False
+
+    def roll_back(self) -> None:
+        for step in reversed(self.steps):
+            what, *args = step
+            if what == "swapped":  # swap_tensors exchanged the contents: exchange them back
+                member, new = args
+                swap(member, new)
+            elif what == "slots":  # the slots took the new object: give them the old one
+                member, old = args
+                for module, attr, is_buffer in member.slots:
+                    if is_buffer is None:
+                        module.__dict__[attr] = old
+                    else:
+                        (module._buffers if is_buffer else module._parameters)[attr] = old
+                member.tensor = old
+            elif what == "data":
+                t, data = args
+                t.data = data
+            elif what == "moved":
+                master, pager = args
+                if pager is not None:
+                    master.move_to(pager)
+
+
+def swap(member: Member, new: torch.Tensor) -> None:
+    """Make ``member.tensor`` become ``new`` in place, so its identity survives; if PyTorch refuses
+    (other C++ references exist), register ``new`` in every slot instead."""
+    old = member.tensor
+    if member.owners:
+        _swap_leaf(member, new)
+        return
+    # nn.LSTM/GRU/RNN keep weak references to their weights (to notice a re-assigned weight), and
+    # swap_tensors refuses a tensor with weak references: drop them for the swap and point them at
+    # the same objects afterwards, so the modules see no change of weights.
+    rnns = [m for m, _, _ in member.slots if isinstance(m, nn.RNNBase) and getattr(m, "_flat_weight_refs", None)]
+    for rnn in rnns:
+        rnn._flat_weight_refs = []
+    try:
+        torch.utils.swap_tensors(old, new)
+        Undo.note("swapped", member, new)  # ``new`` now holds the old contents
+        return
+    except RuntimeError:
+        pass  # e.g. a live autograd graph still references the tensor
+    finally:
+        for rnn in rnns:
+            rnn._flat_weight_refs = [weakref.ref(w) if w is not None else None for w in rnn._flat_weights]
+    for module, attr, is_buffer in member.slots:
+        if is_buffer is None:  # a plain tensor attribute
+            module.__dict__[attr] = new
+        else:
+            (module._buffers if is_buffer else module._parameters)[attr] = new
+    Undo.note("slots", member, old)
+    member.tensor = new
+
+
+def _swap_leaf(member: Member, new: torch.Tensor) -> None:
+    """A leaf of a wrapper subclass (a DTensor's local shard...) becomes ``new`` in every outer
+    tensor holding it; the outer objects, registered in the modules, stay as they are."""
+    old = member.tensor
+    if new.requires_grad != old.requires_grad:
+        new.requires_grad_(old.requires_grad)  # DTensor keeps its local shard's flag equal to its own
+    for owner, attr in member.owners:
+        leaves.replace_leaf(owner, attr, new)
+    member.tensor = new
+
+
+def check_attribute_names(t: torch.Tensor, what: str) -> None:
+    clash = sorted(OWN_ATTRS & t.__dict__.keys()) if not isinstance(t, OffloadedTensor) else ()
+    if clash:
+        raise ValueError(
+            f"offtensor: {what} of shape {tuple(t.shape)} ({t.numel() * t.element_size()} bytes) has attributes "
+            f"{clash}, the names an OffloadedTensor keeps its host master under; rename them before wrapping"
+        )
+
+
+def as_param_like(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``new`` (an OffloadedTensor, or a plain device tensor when unwrapping) dressed as ``old``: a
+    Parameter of ``old``'s own class (vLLM's ``ModelWeightParameter``...) holding the same attribute
+    objects (``weight_loader``, ``output_dim``...). ``swap`` then moves class and ``__dict__`` onto
+    ``old``'s object, so the user's references see them too."""
+    check_attribute_names(old, f"a {type(old).__name__}")
+    cls = user_class(old)
+    if cls is not None:
+        # The user's __new__/__init__ may demand arguments (vLLM's weight_loader); bypass them,
+        # as attributes are copied below anyway.
+        if isinstance(new, OffloadedTensor):
+            result = offloaded_class(cls)(new._host, new._master, old.requires_grad)
+        else:
+            result = torch.Tensor._make_subclass(cls, new, old.requires_grad)
+    elif isinstance(old, nn.Parameter):
+        result = nn.Parameter(new, requires_grad=old.requires_grad)
+    else:
+        result = new
+    attrs = user_attrs(old)
+    if attrs:
+        result.__dict__.update(attrs)
+    return guard_data_ptr(result) if isinstance(result, OffloadedTensor) else result
+
+
+def offload_group(group: StorageGroup, pager: Pager) -> None:
+    first = group[0].tensor
+    if isinstance(first, OffloadedTensor):
+        Undo.note("moved", first._master, first._master.pager)
+        first._master.move_to(pager)
+        return
+    if first.is_meta and pager.device.type == "meta":
+        _offload_on_meta(group, pager)
+        return
+    for member in group:
+        check_offloadable(member.tensor, f"'{member.names[0]}'")
+    lo, hi = group.element_range()
+    flat = first.detach().as_strided((hi - lo,), (1,), lo)
+    host_flat = new_host_master(flat, pin=pins_host_memory(pager.device))
+    master = master_for(host_flat, pager)
+    master.name = next((n for m in group for n in m.names), None)
+    for member in group:
+        t = member.tensor
+        host = host_flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
+        swap(member, as_param_like(t, OffloadedTensor(host, master)))
+
+
+def _offload_on_meta(group: StorageGroup, pager: Pager) -> None:
+    """``offload_group`` for a model built on meta, on a meta pager (``ot.plan``): views of a master
+    of meta bytes, nothing allocated or copied, so the plan pages what a GPU run would page."""
+    first = group[0].tensor
+    lo, hi = group.element_range()
+    flat = torch.empty(hi - lo, dtype=first.dtype, device="meta")
+    master = pager.new_master((hi - lo) * first.element_size())
+    master.name = group.names[0]
+    master.flat = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device="meta")
+    for member in group:
+        t = member.tensor
+        host = flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
+        swap(member, as_param_like(t, OffloadedTensor(host, master)))
+
+
+def make_resident(group: StorageGroup, device: torch.device) -> None:
+    first = group[0].tensor
+    if isinstance(first, OffloadedTensor):
+        host_group = [(m, m.tensor._host) for m in group]
+        lo = min(covering_range(h)[0] for _, h in host_group)
+        hi = max(covering_range(h)[1] for _, h in host_group)
+        flat = first._master.pager.copy_out(first._host.as_strided((hi - lo,), (1,), lo))
+        for member, host in host_group:
+            view = flat.as_strided(host.shape, host.stride(), host.storage_offset() - lo)
+            swap(member, as_param_like(member.tensor, view))
+        return
+    if first.device == device:
+        return
+    if first.is_meta:
+        raise ValueError(
+            f"offtensor: '{group[0].names[0]}' ({group.nbytes} bytes) is on the meta device and has no values; "
+            f"load its weights first (ot.load_safetensors) or build the model on cpu"
+        )
+    lo, hi = group.element_range()
+    flat = first.detach().as_strided((hi - lo,), (1,), lo).to(device)
+    for member in group:
+        t = member.tensor
+        Undo.note("data", t, t.data)
+        t.data = flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
+
+
+def resident_bytes(model: nn.Module, device: torch.device, skip=frozenset(), extra=()) -> int:
+    """Device bytes held by the plain device tensors of ``model`` and of ``extra`` (modules being
+    attached, tensors being placed), each storage once; ``skip``: (module, attribute) slots whose
+    tensor is being replaced."""
+    return sum(resident_storages(model, device, skip, extra).values())
+
+
+def resident_storages(model: nn.Module, device: torch.device, skip=frozenset(), extra=()) -> dict:
+    """Storage key -> bytes for the tensors ``resident_bytes`` counts."""
+    sources = [weight_tensors(model, skip), (t for _, _, t in _attribute_tensors(model))]
+    sources += [weight_tensors(e, skip) if isinstance(e, nn.Module) else (e,) for e in extra]
+    return resident_storages_of(itertools.chain.from_iterable(sources), device)
+
+
+def storage_bytes(t: torch.Tensor):
+    storage = t.untyped_storage()
+    if storage.data_ptr():
+        return storage.data_ptr(), storage.nbytes()
+    return id(t), t.numel() * t.element_size()
+
+
+def _attribute_tensors(model: nn.Module):
+    """(module, name, tensor) for tensors held as plain attributes (not Parameters or buffers,
+    which nn.Module keeps out of ``__dict__``): weights computed after loading, like vLLM's W_UV."""
+    for module in model.modules():
+        for name, t in module.__dict__.items():
+            if isinstance(t, torch.Tensor) and not t.is_meta and t.layout == torch.strided:
+                yield module, name, t
+
+
+def untracked_bytes(model: nn.Module, device: torch.device) -> int:
+    """Device bytes of plain tensor attributes whose storage no Parameter or buffer shares."""
+    weights = resident_storages_of(weight_tensors(model), device)
+    attributes = resident_storages_of((t for _, _, t in _attribute_tensors(model)), device)
+    return sum(n for key, n in attributes.items() if key not in weights)
+
+
+def resident_storages_of(tensors, device: torch.device) -> dict:
+    storages = {}
+    for t in itertools.chain.from_iterable(map(leaves.leaf_tensors, tensors)):  # a subclass holds its leaves' bytes
+        if not isinstance(t, OffloadedTensor) and t.device == device and not t.is_meta:
+            key, nbytes = storage_bytes(t)
+            storages[key] = nbytes
+    return storages
+
+
+def weight_tensors(model: nn.Module, skip=frozenset()):
+    """The plain tensors holding ``model``'s parameters and buffers: each registered tensor, or
+    the leaves of one that is a wrapper subclass (a DTensor's local shard)."""
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for attr, t in table.items():
+                if t is not None and (not skip or (module, attr) not in skip):
+                    if leaves.is_leaf(t):
+                        yield t
+                    else:
+                        yield from leaves.leaf_tensors(t)
+
+
+def check_offloadable_quietly(t: torch.Tensor) -> bool:
+    try:
+        check_offloadable(t, "attribute")
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return True

@@ -1,0 +1,166 @@
+"""The one pipeline that ``wrap_model``, the loader and ``ot.plan`` run (``prepare``): check ->
+collect -> choose -> experts -> (read) -> apply. ``apply_placement`` carries the choice out on a
+pager and marks the model wrapped, atomically; ``unwrap`` and ``re_place_experts`` are its reverse
+and its one later change."""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from .. import moe
+from .. import leaves
+from .. import placement
+from ..config import OffloadConfig
+from ..pager import Pager
+from ..prefetch import Prefetcher
+from ..tensor import OffloadedTensor, check_offloadable
+from .copies import StepHook, register_wrapped, unregister_wrapped
+from .groups import collect_groups
+from .moves import Undo, as_param_like, make_resident, offload_group, resident_bytes, swap
+from .state import WRAPPED, State
+
+
+class Prepared(NamedTuple):
+    """What ``prepare`` chose and the pager it applied it on."""
+
+    placed: placement.ModelPlacement
+    pager: Pager
+
+
+def prepare(model: nn.Module, config: OffloadConfig, device: torch.device, *,
+            check: Optional[Callable] = None, choose_experts: Optional[Callable] = None,
+            read: Optional[Callable] = None) -> Prepared:
+    """Place ``model``'s weights under ``config`` on ``device`` and mark it wrapped:
+
+    1. collect its tensors by storage (``collect_groups``) and ``check(groups)``, which raises for
+       what the caller cannot take, before anything is chosen or moves;
+    2. choose which groups to offload (``placement.choose_model_placement``);
+    3. ``choose_experts(model, groups, placed, config, device)`` -> (placed, config, report, watch):
+       the expert placement, decided by the caller (wrap_model and the loader pass theirs; a plan
+       passes None and places by the policy it was given);
+    4. ``read(groups, placed, pager, config)`` -> the loaded tensors (``apply_placement``'s
+       ``loaded``), for a loader, between choosing and applying;
+    5. ``apply_placement`` on a new pager with the chosen budget (a meta pager for a meta device)."""
+    groups = collect_groups(model)
+    if check is not None:
+        check(groups)
+    placed = placement.choose_model_placement(groups, config, device)
+    expert = None
+    if choose_experts is not None:
+        placed, config, report, watch = choose_experts(model, groups, placed, config, device)
+        expert = (report, watch)
+    pager = Pager(device, placed.budget_bytes, strict=config.strict)
+    loaded = read(groups, placed, pager, config) if read is not None else None
+    apply_placement(model, placed, pager, config, loaded, expert=expert)
+    return Prepared(placed, pager)
+
+
+def check_wrappable(model) -> None:
+    """Refuse what ``wrap_model`` and ``load_safetensors`` cannot take: not a module, or wrapped already."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"offtensor: expected an nn.Module, got {type(model).__name__}")
+    if model in WRAPPED:
+        state = WRAPPED[model]
+        raise RuntimeError(
+            f"offtensor: {type(model).__name__} is already wrapped (budget {state.pager.budget_bytes} bytes on "
+            f"{state.pager.device}); call ot.unwrap_model(model) before wrapping it again"
+        )
+
+
+def apply_placement(model: nn.Module, placed: placement.ModelPlacement, pager: Pager, config: OffloadConfig,
+                    loaded: Optional[dict] = None, expert: Optional[tuple] = None) -> nn.Module:
+    """Make ``model``'s tensors what ``placed`` chose, on ``pager``, and mark the model wrapped.
+
+    ``loaded``: id(member) -> the tensor a loader already filled for it (a view of a host master on
+    ``pager``, or a device tensor), for every member of the groups it read: those members become
+    these tensors (same Parameter objects); the other groups are offloaded or moved to the device.
+
+    Atomic: what cannot be offloaded is refused before anything moves, and a failure at any later
+    step (an allocation, a read, a registration) undoes every step before it (``Undo``) and frees
+    what they allocated, so the model is exactly as it was and not registered as wrapped.
+
+    ``expert``: the (report, watch) of the caller's expert choice, which chose ``placed``'s expert
+    placement (wrap_model and the loaders decide before anything is placed or read)."""
+    loaded = loaded if loaded is not None else {}
+    planning = pager.device.type == "meta"  # ot.plan: a meta model's groups become meta masters
+    for group in placed.offloaded:
+        t = group[0].tensor
+        if id(group[0]) not in loaded and not isinstance(t, OffloadedTensor) and not (planning and t.is_meta):
+            for member in group:
+                check_offloadable(member.tensor, f"'{member.names[0]}'")
+    try:
+        with Undo():
+            for group in placed.offloaded + placed.resident:
+                if id(group[0]) in loaded:
+                    for member in group:
+                        swap(member, as_param_like(member.tensor, loaded[id(member)]))
+                elif placed.offloads(group):
+                    offload_group(group, pager)  # for a load: not in the files, has values (a buffer made at init)
+                else:
+                    make_resident(group, pager.device)
+            register_wrapped(model, pager, placed.choice, config)
+    except BaseException:
+        loaded.clear()  # the loader's destinations: freed now, not when the traceback goes
+        raise
+    if expert is not None:
+        _start_expert_placement(model, *expert)
+    return model
+
+
+def _start_expert_placement(model: nn.Module, report: Optional[dict], watch) -> None:
+    state = WRAPPED[model]
+    state.expert_placement = report
+    if watch is not None:
+        watch.start(state, model)
+
+
+def unwrap(model: nn.Module, state: State) -> nn.Module:
+    """Every weight of the wrapped ``model`` back to a plain tensor on the device, its modules back
+    to their own classes, its hooks gone (``unwrap_model``, under the pager's lock; the end of a plan)."""
+    pager = state.pager
+    pager.prefetcher = None
+    moe.detach(pager)
+    pager.clear()
+    for group in collect_groups(model):
+        if group.is_offloaded:
+            make_resident(group, pager.device)
+    unregister_wrapped(model, state)
+    # The model's weights are no longer this pager's: what it still pages (a view of a master taken
+    # before unwrapping, an op of another thread's forward dispatched before the swap) pages within
+    # the budget beside no resident weights, instead of failing beside weights it no longer holds.
+    pager.recount_resident(0)
+    return model
+
+
+def pinned(config: OffloadConfig, budget_bytes: int) -> OffloadConfig:
+    """``config`` at exactly ``budget_bytes`` (the default placement's budget; exact: a power-of-2 division)."""
+    return config.replace(budget_gb=budget_bytes / placement.GiB, offload_gb=None)
+
+
+def re_place_experts(state: State, model: nn.Module, policy) -> None:
+    """Offload the expert stacks that the placement under ``policy`` offloads and that are still
+    resident, between two forwards, under the pager's lock. Only offloading: groups offloaded now
+    stay offloaded (``choose_model_placement``), so device bytes only fall and the budget holds
+    throughout; values are the same bytes, so logits do not change. Atomic, as ``apply_placement``."""
+    pager = state.pager
+    config = state.config.replace(policy=policy)
+    placed = placement.choose_model_placement(collect_groups(model), pinned(config, pager.budget_bytes),
+                                              pager.device)
+    moving = [g for g in placed.offloaded if not g.is_offloaded]
+    ptrs = {m.tensor.untyped_storage().data_ptr() for g in moving for m in g if leaves.is_leaf(m.tensor)}
+    with Undo():
+        for group in moving:
+            offload_group(group, pager)
+    state.resident_ptrs -= ptrs
+    state.config, state.choice = config, placed.choice
+    state.working_set_bytes = max(state.working_set_bytes, placed.choice.working_set_bytes)
+    hook = model._forward_pre_hooks.get(state.step_hook.id) if state.step_hook is not None else None
+    if isinstance(hook, StepHook):
+        hook.config = config  # a copy of the model is placed as this one is now
+    pager.recount_resident(resident_bytes(model, pager.device))
+    if config.prefetch and pager.prefetcher is None:
+        pager.prefetcher = Prefetcher()
+    state.refresh_experts()  # the new stacks join the expert cache and its router hooks

@@ -1,0 +1,163 @@
+"""A wrapped model's state: the registry of wrapped modules and what each model's wrap holds
+(its pager, settings, placement, the tensors placed after wrapping), read by everything that
+places, casts, copies or unwraps it."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .. import moe
+from .. import leaves
+from .. import placement
+from ..config import OffloadConfig
+from ..pager import Pager, covering_range
+from ..tensor import OffloadedTensor
+
+
+WRAPPED: "weakref.WeakKeyDictionary[nn.Module, State]" = weakref.WeakKeyDictionary()
+
+
+class Placed:
+    """Where a tensor assigned after wrapping went, keyed by the storage it came from, so that a
+    second tensor over that storage (``load_state_dict(assign=True)`` wraps each key of a tied pair
+    in its own Parameter) becomes a view of the same placement instead of a second copy.
+
+    It holds no reference to the placed tensor object itself, not even a weak one: torch's
+    ``swap_tensors`` (``Module.to`` under ``set_swap_module_params_on_conversion``, and for every
+    wrapper-subclass parameter, as peft's ``module.to(weight.device)`` does) refuses a tensor with
+    weak references. An offloaded placement is found again through its host master (weakly held;
+    it dies with its last view), a resident one through the module slot it was registered in."""
+
+    __slots__ = ("source", "master", "slot", "ptr", "dtype", "lo", "hi", "view", "base")
+
+    def __init__(self, source: torch.Tensor, target: torch.Tensor, module: nn.Module, name: str):
+        self.source = StorageWeakRef(source.untyped_storage())
+        self.dtype = source.dtype
+        self.lo, self.hi = covering_range(source)
+        self.view = (tuple(source.shape), source.stride(), source.storage_offset())
+        if isinstance(target, OffloadedTensor):
+            self.master, self.slot, self.ptr = weakref.ref(target._master), None, 0
+            # target storage offset - source storage offset, the same for every element of [lo, hi)
+            self.base = target._host.storage_offset() - source.storage_offset()
+        else:
+            self.master, self.slot, self.base = None, (weakref.ref(module), name), 0
+            self.ptr = target.untyped_storage().data_ptr()
+
+    def offloaded_view(self, t: torch.Tensor) -> Optional[OffloadedTensor]:
+        """``t`` (a view of the source storage) as a view of the offloaded placement, or None."""
+        master = self.master() if self.master is not None else None
+        if master is None or master.flat is None:
+            return None
+        host = torch.empty(0, dtype=t.dtype).set_(master.flat.untyped_storage(), t.storage_offset() + self.base,
+                                                  t.shape, t.stride())
+        return OffloadedTensor(host, master)
+
+    def resident(self) -> Optional[torch.Tensor]:
+        """The resident placement, while its slot still holds a tensor over the placed storage."""
+        if self.slot is None:
+            return None
+        module = self.slot[0]()
+        t = None if module is None else _slot_tensor(module, self.slot[1])
+        if (t is None or isinstance(t, OffloadedTensor) or not leaves.is_leaf(t)  # a subclass: its leaves' slot
+                or t.untyped_storage().data_ptr() != self.ptr):
+            return None
+        return t
+
+    def alive(self) -> bool:
+        if self.source.expired():
+            return False
+        return self.master() is not None if self.master is not None else self.resident() is not None
+
+
+def _slot_tensor(module: nn.Module, name: str) -> Optional[torch.Tensor]:
+    for table in (module._parameters, module._buffers, module.__dict__):
+        t = table.get(name)
+        if isinstance(t, torch.Tensor):
+            return t
+    return None
+
+
+class State:
+    def __init__(self, model, pager: Pager, choice: placement.Placement, config: OffloadConfig):
+        self.model_ref = weakref.ref(model)
+        self.pager = pager
+        self.config = config
+        self.working_set_bytes = choice.working_set_bytes
+        self.choice = choice
+        self.placed: dict = {}  # source storage (_cdata) -> Placed
+        self.load_hooks = []  # handles of the load_state_dict and state_dict post-hooks on every module
+        self.step_hook = None  # forward pre-hook on the model that marks prefetch passes
+        # Storages of the resident weights placed so far, so that a load that only copied values
+        # into them is recognised without walking the model.
+        self.resident_ptrs: set = set()
+        self.prefixes: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+        # An expert stack was assigned, replaced or removed after wrapping (load_state_dict with
+        # assign=True, a new experts module): the pager's expert registry names dead masters and
+        # misses the new ones, so it is rebuilt before the next forward or stats read.
+        self.experts_stale = False
+        # (module, attribute) slots that ``on_host`` lent a host stand-in: not resident weights.
+        self.lent_slots: frozenset = frozenset()
+        # How the routed experts were placed and why (``ot.stats(model).expert_placement``), and
+        # the PlacementWatch while that is still to be decided from the model's own routing.
+        self.expert_placement: Optional[dict] = None
+        self.watch = None
+
+    def refresh_experts(self) -> None:
+        self.experts_stale = False
+        model = self.model_ref()
+        if model is not None:
+            moe.detach(self.pager)
+            moe.attach(model, self.pager, speculate=self.config.prefetch)
+
+    def qualified_name(self, module: nn.Module, attr: str) -> str:
+        """``module``'s tensor ``attr`` under its name in the model, as policies and placement see it."""
+        prefix = self.prefixes.get(module)
+        if prefix is None:
+            model = self.model_ref()
+            if model is not None:
+                for path, m in model.named_modules(remove_duplicate=False):
+                    self.prefixes.setdefault(m, path)
+            prefix = self.prefixes.get(module)
+        if prefix is None:
+            return f"{type(module).__name__}.{attr}"
+        return f"{prefix}.{attr}" if prefix else attr
+
+    def remember(self, source: torch.Tensor, target: torch.Tensor, module: nn.Module, name: str) -> None:
+        self.placed[source.untyped_storage()._cdata] = Placed(source, target, module, name)
+
+    def placement_of(self, t: torch.Tensor):
+        """The tensor that an earlier placement of ``t``'s storage produced, if ``t`` lies inside it."""
+        for key in [k for k, p in self.placed.items() if not p.alive()]:
+            del self.placed[key]
+        placed = self.placed.get(t.untyped_storage()._cdata)
+        if placed is None or placed.dtype != t.dtype or not t.numel():
+            return None
+        lo, hi = covering_range(t)
+        if lo < placed.lo or hi > placed.hi:
+            return None
+        return placed
+
+
+def wrapped_state(module: nn.Module) -> Optional[State]:
+    """The state of the wrapped model that ``module`` is (or is a module of), or None. A copy of a
+    wrapped model is not adopted here (``copies.state_of`` does that)."""
+    return WRAPPED.get(module)
+
+
+def placing_state(module: nn.Module) -> Optional[State]:
+    """``wrapped_state(module)`` when what is assigned into, cast in or loaded into ``module`` is to
+    be placed. None also while ``ot.plan`` runs the model on a meta pager: meta tensors hold no
+    bytes, and the plan counts the bytes its placement chose, as a GPU run would hold them."""
+    state = WRAPPED.get(module)
+    return None if state is None or state.pager.device.type == "meta" else state
+
+
+def pager_of(model: nn.Module) -> Optional[Pager]:
+    """The pager of the wrapped model that ``model`` is (or is a module of), or None."""
+    state = WRAPPED.get(model)
+    return state.pager if state is not None else None
