@@ -352,6 +352,24 @@ def test_gpu_branch_records_events_only_for_cached_copies_and_stream_crossings(m
     assert len(pager.lifetimes) == 0
 
 
+def test_an_index_op_on_a_table_whose_whole_copy_is_cached_reads_it_with_no_host_sync(device):
+    # A tied output projection (or any linear over the table) caches the whole table: the lookups
+    # then read that copy like any cache hit, with no read of their indices and no copy.
+    pager = Pager(torch.device(device), budget_bytes=1 << 20)
+    table = torch.randn(100, 16)
+    weight = ot.offload(table, pager=pager)
+    torch.nn.functional.linear(torch.randn(2, 16, device=device), weight)  # pages the whole table
+    ids = torch.tensor([[3, 7, 3], [99, 0, 7]], device=device)
+    syncs, before = ops.HOST_SYNCS[0], pager.snapshot()
+    got = [torch.nn.functional.embedding(ids, weight), weight.index_select(0, ids[0]), weight[ids]]
+    after = pager.snapshot()
+    assert ops.HOST_SYNCS[0] - syncs == 0
+    assert after.bytes_h2d == before.bytes_h2d and after.hits - before.hits == 3
+    expected = [table[ids.cpu()], table.index_select(0, ids[0].cpu()), table[ids.cpu()]]
+    for g, e in zip(got, expected):
+        assert torch.equal(g.cpu(), e)
+
+
 def test_an_embedding_lookup_of_offloaded_rows_costs_one_host_sync(device):
     pager = Pager(torch.device(device), budget_bytes=1 << 20)
     table = torch.randn(100, 16)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..pager import upload_small
+from ..pager import page_layout, upload_small
 from ..tensor import OffloadedTensor
 from .paging import Paged, describe, run
 from .table import implements
@@ -113,10 +113,28 @@ def _unique_rows(index: torch.Tensor, size: int, pager=None):
     return rows, upload_small(inverse.reshape(index.shape), index.device)
 
 
+def _whole_copy_cached(t: OffloadedTensor) -> bool:
+    """Whether a cached device copy of all that ``t`` covers is there already (a tied output
+    projection, a linear over the same weight, paged it): then an index op reads it like any cache
+    hit, with no host read of its index (no host sync), no gather and no upload. Routed expert
+    stacks keep their per-expert paging (the expert cache counts every lookup)."""
+    own = t.__dict__
+    master = own["_master"]
+    pager = master.pager
+    if pager.budget_bytes is None or (pager.experts is not None and pager.experts.is_stack(master.id)):
+        return False
+    layout = own.get("_layout")
+    if layout is None:
+        if type(own["_host"]) is not torch.Tensor:  # traced by torch.compile: the row path decides
+            return False
+        layout = own["_layout"] = page_layout(own["_host"], master.id)
+    return pager.is_cached(layout[5])
+
+
 @implements(aten.embedding.default)
 def embedding(func, types, args, kwargs):
     weight, indices = args[0], args[1]
-    if not isinstance(weight, OffloadedTensor) or isinstance(indices, OffloadedTensor):
+    if not isinstance(weight, OffloadedTensor) or isinstance(indices, OffloadedTensor) or _whole_copy_cached(weight):
         return run(func, args, kwargs)
     rows, inverse = _unique_rows(indices, weight.shape[0], weight._master.pager)
     paged = Paged()
@@ -130,7 +148,8 @@ def embedding(func, types, args, kwargs):
 @implements(aten.index_select.default)
 def index_select(func, types, args, kwargs):
     self, dim, index = args[0], args[1], args[2]
-    if not isinstance(self, OffloadedTensor) or isinstance(index, OffloadedTensor) or dim % max(self.dim(), 1) != 0 or self.dim() == 0:
+    if (not isinstance(self, OffloadedTensor) or isinstance(index, OffloadedTensor) or dim % max(self.dim(), 1) != 0
+            or self.dim() == 0 or _whole_copy_cached(self)):
         return run(func, args, kwargs)
     rows, inverse = _unique_rows(index, self.shape[0], self._master.pager)
     paged = Paged()
@@ -152,6 +171,7 @@ def index(func, types, args, kwargs):
         or isinstance(first, OffloadedTensor)
         or first.dtype not in (torch.int64, torch.int32)
         or any(i is not None for i in indices[1:])
+        or _whole_copy_cached(self)
     ):
         return run(func, args, kwargs)
     rows, inverse = _unique_rows(first, self.shape[0], self._master.pager)
