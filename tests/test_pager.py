@@ -380,3 +380,29 @@ def test_an_embedding_lookup_of_offloaded_rows_costs_one_host_sync(device):
     got = torch.nn.functional.embedding(ids, weight)
     assert ops.HOST_SYNCS[0] - syncs == 1  # reading ids: which rows to page
     assert torch.equal(got.cpu(), table[ids.cpu()])
+
+
+def test_a_cache_hit_hands_the_op_the_device_view_it_handed_the_last_one(device):
+    # The hit path builds no new device view for a tensor whose layout it memoized; a write to the
+    # master drops the copy, so the next op gets a new copy with the new values.
+    from offtensor.ops.paging import Paged
+
+    pager = Pager(torch.device(device), budget_bytes=1 << 20)
+    reference = torch.randn(8, 4)
+    w = ot.offload(reference, pager=pager)
+
+    def page(t):
+        paged = Paged()
+        try:
+            return paged.page(t)
+        finally:
+            paged.release()
+
+    first, second = page(w), page(w)
+    assert second is first and pager.snapshot().hits == 1
+    transposed = w.t()
+    assert page(transposed) is not first and torch.equal(page(transposed).cpu(), reference.t())
+    with torch.no_grad():
+        w.add_(1)
+    third = page(w)
+    assert third is not first and torch.equal(third.cpu(), reference + 1)
