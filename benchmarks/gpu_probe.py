@@ -5,7 +5,9 @@
   the toolkit's that the extension linked; two different ones would be worth knowing);
 - ``alloc_host_pinned``: ``alloc_host(pin=True).is_pinned()``, and the same for a master made by
   ``ot.offload``: exact-size host memory that the driver really registered;
-- host->device GB/s from pinned and from pageable memory (one buffer, median of a few copies).
+- host->device GB/s from pinned and from pageable memory (one buffer, median of a few copies);
+- ``host_us``: offtensor's own host time per cache-hit page and per copy on this machine's host
+  (``offtensor.sim.profiles.measure_host_us``), the figure the ``h200`` profile's ``host_us`` estimates.
 
     python benchmarks/gpu_probe.py [--device cuda|cpu] [--out DIR]
 
@@ -84,6 +86,9 @@ def main(argv=None) -> int:
         report["pinned_h2d_GB_per_s"] = _gb_per_s(dst, src, device)
         pageable = torch.ones(nbytes, dtype=torch.uint8)
         report["pageable_h2d_GB_per_s"] = _gb_per_s(dst, pageable, device)
+        from offtensor.sim.profiles import measure_host_us
+
+        report["host_us"] = measure_host_us(device, iters=500, repeats=5)
     report["warnings"] = [str(w.message) for w in caught]
     for key, value in report.items():
         print(f"probe {key}: {value}", flush=True)

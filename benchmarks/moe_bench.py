@@ -619,10 +619,11 @@ def plans_driven_by_routing(args, out_dir, save=None) -> dict:
         rows = result["models"][model_name]["plans"]
         for routing_name, routing in routings.items():
             rows[f"{budget:g} GiB, {routing_name}"] = row = _plan_row(built[model_name], budget, x, routing)
-            print(f"plan {model_name} {budget:g} GiB {routing_name:14s}: default {row['default']['step_ms']:.1f} ms "
-                  f"({row['default']['ratio_to_bound']:.2f} x), all paged {row['all_paged']['step_ms']:.1f} ms "
-                  f"({row['all_paged']['ratio_to_bound']:.2f} x) -> {'all paged' if row['paged'] else 'default'}",
-                  flush=True)
+            d, a = row["default"], row["all_paged"]
+            print(f"plan {model_name} {budget:g} GiB {routing_name:14s}: default {d['step_ms']:.1f} ms "
+                  f"({d['ratio_to_bound']:.2f} x {d['bound_by']}, host {d['host_ms']:.2f} ms), all paged "
+                  f"{a['step_ms']:.1f} ms ({a['ratio_to_bound']:.2f} x {a['bound_by']}, host {a['host_ms']:.2f} ms) "
+                  f"-> {'all paged' if row['paged'] else 'default'}", flush=True)
             if save is not None:
                 save(result)
     return result
@@ -639,8 +640,8 @@ def _plan_row(model, budget, x, routing) -> dict:
         hits = sum(e["hits"] for e in tl.info["experts"].values())
         looks = hits + sum(e["misses"] for e in tl.info["experts"].values())
         row[placement_name] = {
-            "step_ms": r.step_ms, "bound_ms": r.bound_ms, "ratio_to_bound": r.ratio_to_bound,
-            "copy_busy": r.copy_busy, "copied_bytes": tl.step_copy_bytes(tl.steps - 1),
+            "step_ms": r.step_ms, "bound_ms": r.bound_ms, "bound_by": r.bound_by, "host_ms": r.host_ms,
+            "ratio_to_bound": r.ratio_to_bound, "copy_busy": r.copy_busy, "copied_bytes": tl.step_copy_bytes(tl.steps - 1),
             "offloaded_weights": len(tl.info["offloaded"]), "offloaded_bytes": tl.info["offloaded_bytes"],
             "expert_hit_rate": hits / looks if looks else None, "plan_seconds": time.perf_counter() - t0}
     row["paged"] = row["all_paged"]["step_ms"] < row["default"]["step_ms"]

@@ -50,8 +50,10 @@ def plan_main(argv) -> int:
             # What stays resident plus room for two weights: the one in use and the next one's copy.
             budget_gb = (total - offload_layers * layer_bytes + layer_bytes) / GiB
     weights = sum(1 for _ in model.parameters())
+    host = ", ".join(f"{k} {v:g} us" for k, v in profile.host_us.items()) or "none"
     print(f"{described}, {dtype_name}, {format_bytes(total)}; profile {profile.name}: H2D {profile.h2d_gbps} GB/s, "
-          f"{profile.tflops.get(str(dtype).removeprefix('torch.'), 0):.0f} TFLOP/s, HBM {profile.hbm_gbps:.0f} GB/s")
+          f"{profile.tflops.get(str(dtype).removeprefix('torch.'), 0):.0f} TFLOP/s, HBM {profile.hbm_gbps:.0f} GB/s, "
+          f"offtensor host time per op: {host}")
     rows = []
     stem, ext = os.path.splitext(args.png)
     for phase, tokens in (("prefill", args.prefill_tokens), ("decode", args.decode_tokens)):
@@ -67,12 +69,16 @@ def plan_main(argv) -> int:
                      copied / r.step_ms / 1e6 if r.step_ms else 0.0, png))
     print(f"budget {format_bytes(rows[0][3])} ({rows[0][3] / GiB:.2f} GiB): {rows[0][2]} of {weights} weights "
           f"offloaded ({format_bytes(rows[0][4])})")
-    header = ("phase", "tokens", "ms/step", "bound ms", "x bound", "copy busy", "compute busy", "H2D GB/s", "PNG")
+    header = ("phase", "tokens", "ms/step", "bound ms", "bound by", "x bound", "copy busy", "compute busy", "host ms",
+              "H2D GB/s", "PNG")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for phase, tokens, _, _, _, r, gbps, png in rows:
-        print(f"| {phase} | {tokens} | {r.step_ms:.1f} | {r.bound_ms:.1f} | {r.ratio_to_bound:.3f} | "
-              f"{r.copy_busy:.0%} | {r.compute_busy:.0%} | {gbps:.1f} | {png or 'skipped: no matplotlib'} |")
+        print(f"| {phase} | {tokens} | {r.step_ms:.1f} | {r.bound_ms:.1f} | {r.bound_by} | {r.ratio_to_bound:.3f} | "
+              f"{r.copy_busy:.0%} | {r.compute_busy:.0%} | {r.host_ms:.2f} | {gbps:.1f} | "
+              f"{png or 'skipped: no matplotlib'} |")
+    if any(r.host_bound for *_, r, _, _ in rows):
+        print("host-bound: offtensor's own host work per op (the profile's host_us) is the longest lane of a step")
     if routing is not None:
         _print_expert_paging(plan_expert_paging, model, budget_gb, inputs(args.decode_tokens), routing, profile,
                              args.steps, offload_gb)

@@ -1,6 +1,7 @@
 """Timelines: what a recording holds, what a replay computes, what ot.plan decides on meta, and the
 placement and prefetch schedule judged by the replay (issue 7's done-when for the H200 workload)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -256,6 +257,34 @@ def test_default_placement_and_prefetch_reach_the_pcie_bound_on_h200(h200_worklo
     assert r.ratio_to_bound <= 1.03, f"{offloaded} of 24 offloaded, {phase}: {r}"
     # Steady state: the last two steps take the same time.
     assert r.steps_ms[-1] == pytest.approx(r.steps_ms[-2], rel=0.005)
+
+
+def test_a_step_of_many_small_paged_ops_is_bound_by_the_host_lane():
+    # 100 one-page ops of 1 us each: the device would take 100 us, the host needs 10 us per page to
+    # issue them, so the step is the host's 1 ms, and the replay says so.
+    host_bound = Profile("toy-host", h2d_gbps=1.0, tflops={"float32": 1.0}, hbm_gbps=1e9, launch_us=1.0,
+                         host_us={"page": 10.0})
+    tl = Timeline()
+    for _ in range(100):
+        tl.add_op(0, 0, "float32", pages=1)
+    r = tl.replay(host_bound)
+    assert r.bound_by == "host" and r.host_bound
+    assert r.step_ms == pytest.approx(1.0 + 0.001) and r.host_ms == pytest.approx(1.0)
+    assert r.compute_busy == pytest.approx(0.1, rel=0.01)
+    free_host = dataclasses.replace(host_bound, host_us={})
+    assert tl.replay(free_host).step_ms == pytest.approx(0.1) and tl.replay(free_host).bound_by == "compute"
+
+
+@pytest.mark.parametrize("phase,tokens", [("prefill", 4096), ("decode", 1)])
+def test_the_host_lane_leaves_the_dense_plans_where_it_is_not_the_bound(h200_workload, phase, tokens):
+    # `python -m offtensor plan --offload-layers 12`: the H200's estimated host cost per page is far
+    # below its copies and GEMMs, so the replay gives the same step as a host that issues for free.
+    tl = _plan(h200_workload, 12, tokens, profile="h200", steps=2)
+    with_host = tl.replay("h200")
+    without = tl.replay(dataclasses.replace(ot.get_profile("h200"), host_us={}))
+    assert with_host.host_ms > 0 and with_host.bound_by != "host"
+    assert with_host.step_ms == pytest.approx(without.step_ms, rel=1e-9)
+    assert with_host.steps_ms == pytest.approx(without.steps_ms, rel=1e-9)
 
 
 def test_name_order_placement_would_miss_the_bound(h200_workload):

@@ -1,5 +1,6 @@
 """Device profiles: how fast one GPU copies host->device, computes per dtype and moves device memory,
-and its per-op overhead; the built-in measured and published ones, and a measurement of the device at hand."""
+its per-op overhead and offtensor's own host time per op; the built-in measured and published ones,
+and a measurement of the device at hand."""
 
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ class Profile:
     # The emulated device runs each op on the host thread that issues the next one: nothing is
     # issued before the op before it has finished (a GPU's host runs ahead of its streams).
     host_blocking: bool = False
+    # offtensor's own host time per kind of record, µs, on the host that issues them (the replay's
+    # host lane): "page" per offloaded argument an op pages (dispatch through the subclass, cache
+    # lookup, use counts, release), "copy" per host->device copy it issues (slot, bookkeeping).
+    # Empty: the host is taken to issue at no cost (launch_us is the device's per-op gap).
+    host_us: dict = dataclasses.field(default_factory=dict)
+    host_source: str = ""
 
     def op_ms(self, flops: float, nbytes: float, dtype: Optional[str]) -> float:
         """An op takes its roofline time, compute or memory, whichever is longer, plus its overhead."""
@@ -36,6 +43,12 @@ class Profile:
     def copy_ms(self, nbytes: float) -> float:
         return (nbytes / (self.h2d_gbps * GB) + self.launch_us * 1e-6) * 1e3
 
+    def host_ms(self, kind: str, pages: int = 0) -> float:
+        """offtensor's host time for one record: a copy, or an op that paged ``pages`` arguments."""
+        if kind == "copy":
+            return self.host_us.get("copy", 0.0) * 1e-3
+        return pages * self.host_us.get("page", 0.0) * 1e-3 if pages else 0.0
+
 
 # The measured H200 figures (DESIGN.md, 2026-11-29, PCIe Gen5 x16, torch 2.11). A bf16 GEMM burst of
 # 8192^3 runs at about 790 TFLOP/s; what a step sustains is lower (clocks under sustained load): the
@@ -44,6 +57,14 @@ class Profile:
 _H200_PREFILL_FLOPS = 48 * 2 * 4096 * 8192 * 24576
 _H200_SUSTAINED_BF16 = _H200_PREFILL_FLOPS / 116.1e-3 / 1e12  # about 682 TFLOP/s
 
+# offtensor's own host time per op on the H200's host: an ESTIMATE until benchmarks/gpu_suite.sh
+# measures it there (measure_host_us). The development machine's emulated device measured about
+# 5 us per cache-hit page and 10 us per copy beyond the plain op; a GPU's hit also records an event
+# after the op (CUDA's last-use tracking), so the estimate adds a couple of microseconds.
+_H200_HOST_US = {"page": 7.0}
+_H200_HOST_SOURCE = ("estimate, not measured on the H200's host: the emulated device's measured host cost per page "
+                     "and per copy on a development machine plus an event record per op")
+
 PROFILES = {
     "h200": Profile(
         name="h200",
@@ -51,6 +72,8 @@ PROFILES = {
         tflops={"bfloat16": _H200_SUSTAINED_BF16, "float16": _H200_SUSTAINED_BF16, "float32": 67.0},
         hbm_gbps=4300.0,
         launch_us=4.0,
+        host_us=dict(_H200_HOST_US),
+        host_source=_H200_HOST_SOURCE,
         source=(
             "measured on an H200 SXM, torch 2.11, 2026-11-29 (DESIGN.md): pinned H2D 55.3 GB/s; bf16 GEMM "
             "790 TFLOP/s burst, sustained rate from the 116.1 ms all-resident prefill; device copy 4.3 TB/s "
@@ -130,14 +153,74 @@ def measure_profile(device=None, name: Optional[str] = None) -> Profile:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
         tflops[str(dtype).removeprefix("torch.")] = 2 * n**3 / timed(lambda: a @ b, 5 if cuda else 2) / 1e12
-    tiny = torch.zeros(16, device=device)
-    launch_us = timed(lambda: tiny.add_(1), 1000) * 1e6
-    return Profile(
+    profile = Profile(
         name=name or (torch.cuda.get_device_name(device) if cuda else "emulated-cpu"),
         h2d_gbps=h2d,
         tflops=tflops,
         hbm_gbps=hbm,
-        launch_us=launch_us,
+        launch_us=measure_launch_us(device),
         source=f"measured by offtensor.measure_profile on {device}, torch {torch.__version__}",
         host_blocking=not cuda,
+        host_source=f"measured by offtensor.measure_host_us on {device}'s host",
     )
+    return dataclasses.replace(profile, host_us=measure_host_us(device, profile))
+
+
+def _min_us(fn, iters: int, repeats: int, sync) -> float:
+    """µs per call of ``fn``: the fastest of ``repeats`` runs of ``iters`` calls (host wall-clock)."""
+    best = float("inf")
+    for _ in range(repeats):
+        fn()
+        sync()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - start) / iters * 1e6)
+    return best
+
+
+def measure_launch_us(device=None, iters: int = 1000, repeats: int = 5) -> float:
+    """The per-op overhead on ``device``: a 16-element in-place add, the fastest of ``repeats`` runs
+    (load on a shared host only adds time)."""
+    from ..pager import resolve_device
+
+    device = resolve_device(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    tiny = torch.zeros(16, device=device)
+    return _min_us(lambda: tiny.add_(1), iters, repeats, sync)
+
+
+def measure_host_us(device=None, profile: Optional[Profile] = None, iters: int = 2000, repeats: int = 5) -> dict:
+    """offtensor's own host time per op on ``device``'s host, µs: ``{"page": ..., "copy": ...}``.
+
+    ``page``: ``F.linear`` of one token on a tiny cached OffloadedTensor, less the same op on the
+    plain tensor (the dispatch, lookup, use counts and release around a cache hit). Where the host
+    runs the ops itself (a ``host_blocking`` ``profile``: the emulated device), less the time
+    ``profile`` gives that op instead, so that a replayed hit takes what a measured one does.
+    ``copy``: the same op on an uncached OffloadedTensor, less the cached one (issuing the copy and
+    its bookkeeping; the copy itself, of 1 KiB, is the profile's ``copy_ms``). Host wall-clock time,
+    the three interleaved, the fastest of ``repeats`` runs of ``iters`` ops: the host's cost, not the
+    noise of a shared machine."""
+    import torch.nn.functional as F
+
+    from ..pager import Pager, resolve_device
+    from ..tensor import offload
+
+    device = resolve_device(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    weight = torch.randn(16, 16)
+    x = torch.randn(1, 16, device=device)
+    cached_pager = Pager(device, budget_bytes=1 << 20)
+    subjects = {"plain": weight.to(device), "hit": offload(weight, pager=cached_pager),
+                "copy": offload(weight, device)}
+    best = {name: float("inf") for name in subjects}
+    with torch.no_grad():
+        for _ in range(repeats):  # interleaved: a burst of load hits all three alike
+            for name, w in subjects.items():
+                best[name] = min(best[name], _min_us(lambda: F.linear(x, w), iters, 1, sync))
+    plain = best["plain"]
+    if profile is not None and profile.host_blocking:
+        # What the replay charges the op itself: y (1 x 16) = x (1 x 16) @ W^T (16 x 16), float32.
+        plain = profile.op_ms(2 * 16 * 16, (16 + 16 * 16 + 16) * 4, "float32") * 1e3
+    return {"page": max(best["hit"] - plain, 0.0), "copy": max(best["copy"] - best["hit"], 0.0)}

@@ -103,6 +103,7 @@ class Recorder(TorchDispatchMode):
         self._copy_of = {}  # id(pager entry) -> the record id of the copy that filled it
         self._last_use = {}  # id(pager entry) -> the record id of the last op that read it
         self._pending_waits = []  # copies the next op reads
+        self._pending_pages = 0  # offloaded arguments the next op paged (cache hits included)
         self._pending_frees = []  # ops whose blocks the next copy reuses
         self._open_ops = []  # ids reserved for ops running now (their pages are released inside)
         self._last_op = None
@@ -173,7 +174,9 @@ class Recorder(TorchDispatchMode):
         else:
             flops, nbytes, dtype = _op_cost(func, args, kwargs, out)
         waits, self._pending_waits = self._pending_waits, []
-        self.tl.add_op(flops, nbytes, dtype, waits=_unique(waits), name=str(func.overloadpacket.__name__), id=rid)
+        pages, self._pending_pages = self._pending_pages, 0
+        self.tl.add_op(flops, nbytes, dtype, waits=_unique(waits), name=str(func.overloadpacket.__name__), id=rid,
+                       pages=pages)
         self._last_op = rid
         return out
 
@@ -187,6 +190,7 @@ class Recorder(TorchDispatchMode):
         self._copy_of[id(entry)] = rid
 
     def used(self, entry) -> None:
+        self._pending_pages += 1
         rid = self._copy_of.get(id(entry))
         if rid is not None:
             self._pending_waits.append(rid)

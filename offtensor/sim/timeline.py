@@ -1,5 +1,6 @@
 """A timeline: the records of a step in issue order (copies and ops, their bytes, FLOPs and what each
-waits for), its replay on two in-order streams under a Profile, and its export (Chrome trace, PNG)."""
+waits for), its replay on two in-order streams fed by one host lane under a Profile, and its export
+(Chrome trace, PNG)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class Record:
     waits: list
     key: Optional[tuple] = None  # copy: what it copies (master, dtype, range), so a step counts it once
     measured_ms: Optional[tuple] = None  # (start, end) from CUDA events, relative to the first record
+    pages: int = 0  # op: offloaded arguments it paged (cache hits or copies): offtensor's host work for it
 
 
 @dataclasses.dataclass
@@ -35,17 +37,26 @@ class Replay:
     ratio_to_bound: float
     copy_busy: float  # fraction of the last step's time the copy stream was busy
     compute_busy: float
-    compute_ms: float  # the last step's ops alone, back to back (the compute half of the bound)
-    copy_bound_ms: float  # the last step's distinct copied bytes / H2D (the copy half of the bound)
+    compute_ms: float  # the last step's ops alone, back to back (the compute part of the bound)
+    copy_bound_ms: float  # the last step's distinct copied bytes / H2D (the copy part of the bound)
     steps_ms: list  # every step's duration
     starts: dict  # record id -> predicted start, ms
     ends: dict
     step_windows: list  # (start, end) of every step, ms
+    # The last step's host lane: offtensor's own host work for its records (the profile's host_us),
+    # plus, where the host runs the ops itself (the emulated device), the ops (the host part of the bound).
+    host_ms: float = 0.0
+    bound_by: str = "compute"  # which of "compute", "copy", "host" the bound is
+
+    @property
+    def host_bound(self) -> bool:
+        return self.bound_by == "host"
 
     def __str__(self):
         return (
-            f"Replay({self.profile.name}: step {self.step_ms:.2f} ms, bound {self.bound_ms:.2f} ms, "
-            f"ratio {self.ratio_to_bound:.3f}, copy busy {self.copy_busy:.1%}, compute busy {self.compute_busy:.1%})"
+            f"Replay({self.profile.name}: step {self.step_ms:.2f} ms, bound {self.bound_ms:.2f} ms ({self.bound_by}), "
+            f"ratio {self.ratio_to_bound:.3f}, copy busy {self.copy_busy:.1%}, compute busy {self.compute_busy:.1%}, "
+            f"host {self.host_ms:.2f} ms)"
         )
 
 
@@ -74,10 +85,12 @@ class Timeline:
         return rid
 
     def add_op(self, flops: float, nbytes: int, dtype="bfloat16", waits: Sequence[int] = (), name: str = "op",
-               id: Optional[int] = None) -> int:
+               id: Optional[int] = None, pages: int = 0) -> int:
+        """An op on the compute stream; ``pages``: the offloaded arguments it paged (its host work)."""
         rid = self.new_id() if id is None else id
         dtype = str(dtype).removeprefix("torch.") if dtype is not None else None
-        self.records.append(Record(rid, "op", "compute", name, int(nbytes), int(flops), dtype, self.step, list(waits)))
+        self.records.append(Record(rid, "op", "compute", name, int(nbytes), int(flops), dtype, self.step, list(waits),
+                                   pages=int(pages)))
         return rid
 
     def add_sync(self, name: str = "host sync", id: Optional[int] = None) -> int:
@@ -124,10 +137,13 @@ class Timeline:
                 barrier = synchronised() or 0.0
                 barriers.append(barrier)
             if r.kind == "sync":
-                host = max(host, free["compute"])
+                host = max(host, barrier, free["compute"])
                 starts[r.id] = ends[r.id] = host
                 continue
-            ready = max(free[r.stream], barrier, host)
+            # The host lane: offtensor's own work for this record (its lookups, or issuing a copy)
+            # comes before the record is issued; nothing starts before the host has issued it.
+            host = max(host, barrier) + profile.host_ms(r.kind, r.pages)
+            ready = max(free[r.stream], host)
             for w in r.waits:
                 end = ends.get(w)
                 if end is None:
@@ -163,15 +179,29 @@ class Timeline:
             overlap = min(hi, ends[r.id]) - max(lo, starts[r.id])
             if overlap > 0 and r.stream in busy:
                 busy[r.stream] += overlap
-        compute_ms = sum(profile.op_ms(r.flops, r.nbytes, r.dtype) for r in self.records if r.kind == "op" and r.step == last)
-        copy_bound_ms = self.step_copy_bytes(last) / (profile.h2d_gbps * GB) * 1e3
-        bound = max(compute_ms, copy_bound_ms)
+        compute_ms, copy_bound_ms, host_ms = self._step_parts(profile, last)
+        parts = {"compute": compute_ms, "copy": copy_bound_ms, "host": host_ms}
+        bound_by = max(parts, key=parts.get)
+        bound = parts[bound_by]
         span = hi - lo
         return Replay(
             profile, span, bound, span / bound if bound else float("nan"),
             busy["copy"] / span if span else 0.0, busy["compute"] / span if span else 0.0,
-            compute_ms, copy_bound_ms, steps_ms, starts, ends, windows,
+            compute_ms, copy_bound_ms, steps_ms, starts, ends, windows, host_ms, bound_by,
         )
+
+    def _step_parts(self, profile: Profile, step: int) -> tuple:
+        """(compute, copy, host) ms of ``step``: its ops back to back, its distinct copied bytes /
+        H2D, and its host lane (offtensor's host work; with the ops, where the host runs them)."""
+        compute = host = 0.0
+        for r in self.records:
+            if r.step == step and r.kind in ("op", "copy"):
+                host += profile.host_ms(r.kind, r.pages)
+                if r.kind == "op":
+                    compute += profile.op_ms(r.flops, r.nbytes, r.dtype)
+        if profile.host_blocking:
+            host += compute
+        return compute, self.step_copy_bytes(step) / (profile.h2d_gbps * GB) * 1e3, host
 
     def step_copy_bytes(self, step: int) -> int:
         """Bytes the ops of ``step`` had to have copied: every copy whose first reader is in this
@@ -209,7 +239,8 @@ class Timeline:
         for r in self.records:
             if r.step < first:
                 continue
-            args = {"id": r.id, "bytes": r.nbytes, "flops": r.flops, "step": r.step, "waits": list(r.waits)}
+            args = {"id": r.id, "bytes": r.nbytes, "flops": r.flops, "step": r.step, "waits": list(r.waits),
+                    "pages": r.pages}
             if r.measured_ms is not None:
                 args["measured_ts_us"] = r.measured_ms[0] * 1e3
                 args["measured_dur_us"] = (r.measured_ms[1] - r.measured_ms[0]) * 1e3
@@ -223,7 +254,8 @@ class Timeline:
             "otherData": {
                 "profile": dataclasses.asdict(result.profile),
                 "step_ms": result.step_ms, "bound_ms": result.bound_ms, "ratio_to_bound": result.ratio_to_bound,
-                "copy_busy": result.copy_busy, "compute_busy": result.compute_busy, **_jsonable(self.info),
+                "copy_busy": result.copy_busy, "compute_busy": result.compute_busy, "host_ms": result.host_ms,
+                "bound_by": result.bound_by, **_jsonable(self.info),
             },
         }
 
@@ -293,8 +325,7 @@ class Timeline:
         return path
 
     def _step_bound(self, profile: Profile, step: int) -> float:
-        compute = sum(profile.op_ms(r.flops, r.nbytes, r.dtype) for r in self.records if r.kind == "op" and r.step == step)
-        return max(compute, self.step_copy_bytes(step) / (profile.h2d_gbps * GB) * 1e3)
+        return max(self._step_parts(profile, step))
 
 
 def _jsonable(info: dict) -> dict:
