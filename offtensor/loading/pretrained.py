@@ -67,14 +67,14 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
                     offload_gb: Optional[float] = None, prefetch: bool = True, policy=None,
                     progress: Optional[bool] = None, threads: Optional[int] = None, model_class=None,
                     trust_remote_code: bool = False, strict: bool = True,
-                    allow_outside_paths: bool = False, routing=None) -> nn.Module:
+                    allow_outside_paths: bool = False, routing=None, expert_compute: str = "device") -> nn.Module:
     """A transformers checkpoint directory -> its model built on meta from ``config.json``, every
     shard read through ``load_safetensors``, wrapped for the budget, in eval mode.
 
     ``dtype``: None keeps the checkpoint's floating dtype; another floating dtype converts while
     loading. ``model_class``: a transformers class to build instead of ``config.architectures[0]``
     (or ``AutoModelForCausalLM`` when the config names none). ``allow_outside_paths``: as for
-    ``load_safetensors``. transformers is needed only here.
+    ``load_safetensors``. ``expert_compute``: as for ``wrap_model``. transformers is needed only here.
     """
     try:
         import transformers
@@ -87,7 +87,8 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
     if not os.path.isdir(root) or not os.path.isfile(os.path.join(root, "config.json")):  # isfile: not a FIFO
         raise FileNotFoundError(f"offtensor: {root!r} is not a transformers checkpoint directory (no config.json)")
     config = OffloadConfig.from_arguments(budget_gb=budget_gb, offload_gb=offload_gb, device=device, prefetch=prefetch,
-                                          policy=policy, progress=progress, load_threads=threads, routing=routing)
+                                          policy=policy, progress=progress, load_threads=threads, routing=routing,
+                                          expert_compute=expert_compute)
     model_config = transformers.AutoConfig.from_pretrained(root, local_files_only=True,
                                                            trust_remote_code=trust_remote_code)
     files = shard_files(root, allow_outside_paths)

@@ -25,6 +25,10 @@ class Profile:
     # The emulated device runs each op on the host thread that issues the next one: nothing is
     # issued before the op before it has finished (a GPU's host runs ahead of its streams).
     host_blocking: bool = False
+    # The host's own compute, for routed experts computed from their host masters: GEMM TFLOP/s per
+    # dtype and host-memory read GB/s (None: not measured; ``with_host`` adds them).
+    host_tflops: Optional[dict] = None
+    host_gbps: Optional[float] = None
 
     def op_ms(self, flops: float, nbytes: float, dtype: Optional[str]) -> float:
         """An op takes its roofline time, compute or memory, whichever is longer, plus its overhead."""
@@ -32,6 +36,19 @@ class Profile:
         compute = flops / (rate * 1e12) if flops else 0.0
         memory = nbytes / (self.hbm_gbps * GB) if nbytes else 0.0
         return (max(compute, memory) + self.launch_us * 1e-6) * 1e3
+
+    def host_op_ms(self, flops: float, nbytes: float, dtype: Optional[str]) -> float:
+        """A host op (a routed expert's GEMM on its host master): its roofline time on the host."""
+        if not self.host_tflops or not self.host_gbps:
+            return float("inf")  # no host figures: the host is never chosen
+        rate = self.host_tflops.get(dtype) or self.host_tflops.get("float32")
+        compute = flops / (rate * 1e12) if flops else 0.0
+        memory = nbytes / (self.host_gbps * GB) if nbytes else 0.0
+        return max(compute, memory) * 1e3
+
+    def with_host(self, host_tflops: dict, host_gbps: float) -> "Profile":
+        """This profile with the host's compute figures (``measure_host``'s)."""
+        return dataclasses.replace(self, host_tflops=dict(host_tflops), host_gbps=float(host_gbps))
 
     def copy_ms(self, nbytes: float) -> float:
         return (nbytes / (self.h2d_gbps * GB) + self.launch_us * 1e-6) * 1e3
@@ -140,4 +157,34 @@ def measure_profile(device=None, name: Optional[str] = None) -> Profile:
         launch_us=launch_us,
         source=f"measured by offtensor.measure_profile on {device}, torch {torch.__version__}",
         host_blocking=not cuda,
+        **measure_host(),
     )
+
+
+_HOST = {}  # the host's figures, measured once per process
+
+
+def measure_host() -> dict:
+    """The host's GEMM TFLOP/s per dtype (at the shape of a decode's routed expert, a few rows
+    against a weight that is not in cache) and host-memory read GB/s: what computing a routed
+    expert from its host master costs (``Profile.host_tflops`` / ``host_gbps``). Measured once."""
+    if _HOST:
+        return dict(_HOST)
+
+    def timed(fn, repeat):
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        return (time.perf_counter() - t0) / repeat
+
+    src = torch.ones(16 << 20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    gbps = src.numel() / timed(lambda: dst.copy_(src), 5) / GB  # each byte read once (and written)
+    tflops = {}
+    n = 512
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        tflops[str(dtype).removeprefix("torch.")] = 2 * n**3 / timed(lambda: a @ b, 3) / 1e12
+    _HOST.update(host_tflops=tflops, host_gbps=gbps)
+    return dict(_HOST)

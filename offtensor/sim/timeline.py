@@ -74,10 +74,12 @@ class Timeline:
         return rid
 
     def add_op(self, flops: float, nbytes: int, dtype="bfloat16", waits: Sequence[int] = (), name: str = "op",
-               id: Optional[int] = None) -> int:
+               id: Optional[int] = None, stream: str = "compute") -> int:
+        """An op on the compute stream, or with ``stream="host"`` one the host computes itself (a
+        routed expert from its host master: ``Profile.host_op_ms``), which the issuing thread waits for."""
         rid = self.new_id() if id is None else id
         dtype = str(dtype).removeprefix("torch.") if dtype is not None else None
-        self.records.append(Record(rid, "op", "compute", name, int(nbytes), int(flops), dtype, self.step, list(waits)))
+        self.records.append(Record(rid, "op", stream, name, int(nbytes), int(flops), dtype, self.step, list(waits)))
         return rid
 
     def add_sync(self, name: str = "host sync", id: Optional[int] = None) -> int:
@@ -110,7 +112,7 @@ class Timeline:
             raise ValueError(f"offtensor: sync must be 'device', 'compute' or None, got {sync!r}")
         profile = get_profile(profile or self.profile or "h200")
         starts, ends = {}, {}
-        free = {"copy": 0.0, "compute": 0.0}
+        free = {"copy": 0.0, "compute": 0.0, "host": 0.0}
         step, barrier, host = 0, 0.0, 0.0
         barriers = [0.0]  # when the host may issue each step; then when the last one's sync returns
 
@@ -133,10 +135,15 @@ class Timeline:
                 if end is None:
                     raise ValueError(f"offtensor: record {r.id} ({r.name}) waits for {w}, which was not issued before it")
                 ready = max(ready, end)
-            dur = profile.copy_ms(r.nbytes) if r.kind == "copy" else profile.op_ms(r.flops, r.nbytes, r.dtype)
+            if r.kind == "copy":
+                dur = profile.copy_ms(r.nbytes)
+            elif r.stream == "host":
+                dur = profile.host_op_ms(r.flops, r.nbytes, r.dtype)
+            else:
+                dur = profile.op_ms(r.flops, r.nbytes, r.dtype)
             starts[r.id], ends[r.id] = ready, ready + dur
             free[r.stream] = ready + dur
-            if profile.host_blocking and r.stream == "compute":
+            if r.stream == "host" or (profile.host_blocking and r.stream == "compute"):
                 host = ready + dur
         n = self.steps
         if not n:
@@ -163,7 +170,8 @@ class Timeline:
             overlap = min(hi, ends[r.id]) - max(lo, starts[r.id])
             if overlap > 0 and r.stream in busy:
                 busy[r.stream] += overlap
-        compute_ms = sum(profile.op_ms(r.flops, r.nbytes, r.dtype) for r in self.records if r.kind == "op" and r.step == last)
+        compute_ms = sum(profile.op_ms(r.flops, r.nbytes, r.dtype) for r in self.records
+                         if r.kind == "op" and r.stream != "host" and r.step == last)
         copy_bound_ms = self.step_copy_bytes(last) / (profile.h2d_gbps * GB) * 1e3
         bound = max(compute_ms, copy_bound_ms)
         span = hi - lo
@@ -293,7 +301,8 @@ class Timeline:
         return path
 
     def _step_bound(self, profile: Profile, step: int) -> float:
-        compute = sum(profile.op_ms(r.flops, r.nbytes, r.dtype) for r in self.records if r.kind == "op" and r.step == step)
+        compute = sum(profile.op_ms(r.flops, r.nbytes, r.dtype) for r in self.records
+                      if r.kind == "op" and r.stream != "host" and r.step == step)
         return max(compute, self.step_copy_bytes(step) / (profile.h2d_gbps * GB) * 1e3)
 
 
