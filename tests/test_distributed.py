@@ -1,4 +1,4 @@
-"""torch.distributed with offloaded weights, on 2 ranks over gloo: collectives on OffloadedTensors,
+"""torch.distributed with offloaded weights, on 2 ranks over gloo: collectives and point-to-point transfers on OffloadedTensors,
 tensor parallelism with DTensor (``parallelize_module`` on a transformers Llama and on the reference
 DeepSeek) and by hand (Megatron-style), and FSDP2.
 
@@ -374,6 +374,46 @@ def _fsdp_all_sharded_reference(rank: int, mesh):
     return model, losses, None
 
 
+def _peft_fsdp(rank: int, mesh) -> dict:
+    """peft LoRA over a frozen base FSDP2 ignores, the base offloaded, with fully_shard before or
+    after wrap_model, against the unwrapped FSDP2 run."""
+    import peft
+
+    import offtensor as ot
+    from offtensor.tensor import OffloadedTensor
+    from torch.distributed.fsdp import fully_shard
+
+    def run(order):
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+        model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["0", "2"], init_lora_weights=False))
+        frozen = {p for p in model.parameters() if not p.requires_grad}
+        policy = {"offload": ["*base_layer*"], "keep": ["*lora_*"]}
+        if order == "wrap_first":
+            ot.wrap_model(model, budget_gb=_LORA_BUDGET_GB, policy=policy, device="cpu")
+        fully_shard(model, mesh=mesh, ignored_params=frozen)
+        if order == "fsdp_first":
+            ot.wrap_model(model, budget_gb=_LORA_BUDGET_GB, policy=policy, device="cpu")
+        offloaded = sum(isinstance(p, OffloadedTensor) for p in model.parameters())
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        g = torch.Generator().manual_seed(rank)
+        losses = []
+        for _ in range(3):
+            loss = model(torch.randn(4, 64, generator=g)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, [p.full_tensor() for p in model.parameters() if p.requires_grad], offloaded
+
+    ref_losses, ref_adapters, _ = run(None)
+    r = {}
+    for order in ("wrap_first", "fsdp_first"):
+        losses, adapters, offloaded = run(order)
+        r[order] = (losses == ref_losses, all(map(torch.equal, adapters, ref_adapters)), offloaded)
+    return r
+
+
 P2P_TIMEOUT = datetime.timedelta(seconds=20)
 
 
@@ -486,7 +526,8 @@ def _run_ranks(rank: int, init_file: str, out_dir: str) -> None:
         "wrap_then_parallelize": lambda: _llama_wrap_then_parallelize(rank, mesh),
         "deepseek_tp": lambda: _deepseek_tp(rank, mesh), "manual_tp": lambda: _manual_tp(rank),
         "fsdp": lambda: _fsdp(rank, mesh), "fsdp_then_wrap": lambda: _fsdp_then_wrap(rank, mesh),
-        "point_to_point": lambda: _point_to_point(rank), "seed": lambda: _seed(rank, out_dir),
+        "peft_fsdp": lambda: _peft_fsdp(rank, mesh), "point_to_point": lambda: _point_to_point(rank),
+        "seed": lambda: _seed(rank, out_dir),
     }
     for name, scenario in scenarios.items():
         try:
@@ -604,6 +645,12 @@ def test_fsdp2_first_then_wrap_offloads_the_ignored_base_bit_identically_and_ref
     same = "FSDP2 over offloaded weights is not supported: keep them out of it with fully_shard(module, ignored_params="
     for r, refusal in zip(_result(ranks, "fsdp"), fsdp_first_refusals):
         assert same in r["refusal"] and same in refusal
+
+
+def test_fsdp2_with_peft_lora_over_an_offloaded_ignored_base_matches_the_unwrapped_run_in_either_order(ranks):
+    for rank, r in enumerate(_result(ranks, "peft_fsdp")):
+        for order in ("wrap_first", "fsdp_first"):
+            assert r[order] == (True, True, 4), (rank, order)  # both base layers' weight and bias offloaded
 
 
 def _exchanged(rank: int, n: int = 5) -> list:
