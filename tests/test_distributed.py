@@ -1,6 +1,7 @@
-"""torch.distributed with offloaded weights, on 2 ranks over gloo: collectives and point-to-point transfers on OffloadedTensors,
-tensor parallelism with DTensor (``parallelize_module`` on a transformers Llama and on the reference
-DeepSeek) and by hand (Megatron-style), and FSDP2.
+"""torch.distributed with offloaded weights, on 2 ranks over gloo: collectives and point-to-point
+transfers on OffloadedTensors, tensor parallelism with DTensor (``parallelize_module`` on a
+transformers Llama and on the reference DeepSeek) and by hand (Megatron-style), and FSDP2 in
+either order (with peft LoRA too).
 
 One pair of processes runs every scenario (starting processes costs far more than the scenarios),
 each rank records what it saw, and the tests below check those records. A scenario that raises is
@@ -428,7 +429,8 @@ def _point_to_point(rank: int) -> dict:
     def buffers(send_off: bool, recv_off: bool, n: int = 5):
         send = torch.arange(n, dtype=torch.float32) + 10.0 * rank
         recv = torch.full((n,), -1.0)
-        return (ot.offload(send, device="cpu") if send_off else send), (ot.offload(recv, device="cpu") if recv_off else recv)
+        offload = lambda t, off: ot.offload(t, device="cpu") if off else t  # noqa: E731
+        return offload(send, send_off), offload(recv, recv_off)
 
     r = {}
     for send_off in (False, True):

@@ -48,7 +48,9 @@ _FSDP2_UNSUPPORTED = (
 def fsdp_managed(model: nn.Module) -> dict:
     """(module, attribute name) -> the FSDP2 module that manages that parameter, for every
     parameter that a ``fully_shard`` inside ``model`` shards (its ``ignored_params`` are not)."""
-    fsdp = getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None) if torch.distributed.is_available() else None
+    if not torch.distributed.is_available():
+        return {}
+    fsdp = getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None)
     if fsdp is None:
         return {}
     managed = {}
