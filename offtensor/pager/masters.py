@@ -6,14 +6,16 @@ by ``master.id``; when the last OffloadedTensor referencing the master dies, the
 it and a finalizer drops its cached copies, so an address reused by a later allocation can never
 hit a stale copy.
 
-Lifetimes run one way: a pager holds its masters only by id (its cache keys), a master holds its
-pager only weakly. So a wrapped model's pager (its cache, slots and budget) dies with the model,
-never kept by a state-dict value or a view that outlives it, and no cycle joins them. A master
+Lifetimes run one way: a master holds its pager only weakly (the pager's cache names masters by
+id). So a wrapped model's pager (its cache, slots and budget) dies with the model, never kept by a
+state-dict value or a view that outlives it, and no cycle through a master joins them. A master
 whose pager has died is an orphan: the first use re-charges it to the uncached default pager of
 the same device (``Pager.default``), so the tensors that outlive their model keep working, paging
-each op's bytes from their host master and freeing them with the op. The registry holds masters weakly: by storage address (tensors rebuilt from the
-same storage, unpickled aliases, share one master and one set of cached copies) and by id (a
-compiled graph names the master it pages from by id; ``__tensor_unflatten__`` rebuilds it).
+each op's bytes from their host master and freeing them with the op.
+
+The registry holds masters weakly: by storage address (tensors rebuilt from the same storage,
+unpickled aliases, share one master and one set of cached copies) and by id (a compiled graph
+names the master it pages from by id; ``__tensor_unflatten__`` rebuilds it).
 """
 
 from __future__ import annotations
