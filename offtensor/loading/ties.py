@@ -42,8 +42,9 @@ def tie_pairs(model: nn.Module) -> list:
 
 def decide(model: nn.Module, entries: dict) -> list:
     """Tie ``model``'s weights (parameters on meta) as transformers would for the files ``entries``
-    (key -> FileTensor); returns the (target, source) ties made, for ``apply``. A tie the files
-    contradict is dropped with a warning, as transformers drops it."""
+    (key -> FileTensor); returns what it did, for ``apply``: ``(target, source)`` for a tie made,
+    ``(target, None)`` for one dropped. A tie the files contradict is dropped with a warning, as
+    transformers drops it."""
     pairs = tie_pairs(model)
     if not pairs:
         return []
@@ -61,6 +62,7 @@ def decide(model: nn.Module, entries: dict) -> list:
                     f"different values: loading them untied, as transformers does (set tie_word_embeddings=False "
                     f"in config.json to say so)", UserWarning, stacklevel=3)
                 model.all_tied_weights_keys.pop(target, None)
+                made.append((target, None))
                 continue
         elif target in stored:
             target, source = source, target
@@ -73,17 +75,16 @@ def decide(model: nn.Module, entries: dict) -> list:
 
 
 def apply(model: nn.Module, made: list) -> None:
-    """Make on ``model`` (another build of the same config) the ties ``decide`` made."""
+    """Make on ``model`` (another build of the same config) the ties ``decide`` made and dropped."""
     pairs = tie_pairs(model)
     if not pairs:
         return
     _untie(model, pairs)
-    tied = {t for t, _ in made} | {s for _, s in made}
-    for target, _ in pairs:
-        if target not in tied:
-            model.all_tied_weights_keys.pop(target, None)
     for target, source in made:
-        _tie(model, target, source)
+        if source is None:
+            model.all_tied_weights_keys.pop(target, None)
+        else:
+            _tie(model, target, source)
 
 
 def _untie(model: nn.Module, pairs) -> None:
