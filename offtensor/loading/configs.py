@@ -55,10 +55,15 @@ def read_config(root: str, trust_remote_code: bool):
 
 
 def _check_fields(fields: dict, path: str, prefix: str) -> None:
+    """The fields of the config and of its model sub-configs (objects with a model_type); other
+    objects (a quantization config, rope parameters) have their own meanings and are not checked."""
+    is_config = not prefix or "model_type" in fields
     for key, value in fields.items():
         name = prefix + str(key)
         if isinstance(value, dict):
             _check_fields(value, path, name + ".")
+            continue
+        if not is_config:
             continue
         if key == "dtype" or (key == "torch_dtype" and "dtype" not in fields):  # the one transformers reads
             if isinstance(value, str) and value != "auto" and not isinstance(getattr(torch, value, None), torch.dtype):
