@@ -187,3 +187,19 @@ def test_a_model_whose_init_reads_values_still_loads_and_ties_as_transformers(tm
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_no_default_config_of_the_pinned_transformers_fails_the_field_checks():
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    checked = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model_type in CONFIG_MAPPING.keys():
+            try:
+                fields = json.loads(CONFIG_MAPPING[model_type]().to_json_string())
+            except Exception:  # a config that needs arguments or an optional package to be built
+                continue
+            loading_configs._check_fields(fields, "config.json", "")  # raises CheckpointError on a refusal
+            checked += 1
+    assert checked > 500
