@@ -79,6 +79,7 @@ def plan_main(argv) -> int:
               f"{png or 'skipped: no matplotlib'} |")
     if any(r.host_bound for *_, r, _, _ in rows):
         print("host-bound: offtensor's own host work per op (the profile's host_us) is the longest lane of a step")
+    _print_expert_compute(model, budget_gb, offload_gb, total, profile, args.decode_tokens, args.prefill_tokens)
     if routing is not None:
         _print_expert_paging(plan_expert_paging, model, budget_gb, inputs(args.decode_tokens), routing, profile,
                              args.steps, offload_gb)
@@ -146,6 +147,29 @@ def _print_expert_paging(plan_expert_paging, model, budget_gb, x, routing, profi
     chosen = f"page every stack (policy={verdict['policy']})" if verdict["paged"] else "the default placement"
     print(f"expert placement, decode: whole stacks resident {d.step_ms:.1f} ms, every stack paged {a.step_ms:.1f} ms "
           f"-> {chosen}")
+
+
+def _print_expert_compute(model, budget_gb, offload_gb, total, profile, decode_tokens, prefill_tokens) -> None:
+    """Per MoE layer: where expert_compute="auto" computes an uncached routed expert (the host or the
+    device) and the layer's replayed step time, for a decode step and a prefill."""
+    from .moe import is_routed_stack, model_top_k
+    from .pager import GiB
+    from .sim.host_compute import compute_rows, with_host_figures
+
+    stacks = [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters() if is_routed_stack(n, p.shape)]
+    if not stacks:
+        return
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if is_routed_stack(n, p.shape))
+    budget = budget_gb * GiB if budget_gb is not None else total - offload_gb * GiB
+    share = max(0.0, min(1.0, (budget - (total - expert_bytes)) / expert_bytes))
+    profile = with_host_figures(profile)
+    rows = compute_rows(stacks, profile, model_top_k(model), share, decode_tokens, prefill_tokens)
+    print(f'expert_compute="auto", {share:.0%} of the experts cached; host {profile.host_gbps:.0f} GB/s, '
+          f"{max(profile.host_tflops.values()):.2f} TFLOP/s (layer alone, replayed):")
+    print("| MoE layer | decode | decode ms (host / device) | prefill | prefill ms (host / device) |")
+    print("|---|---|---|---|---|")
+    for group, ((_, _, d, d_ms, d_host, d_dev), (_, _, p, p_ms, p_host, p_dev)) in rows:
+        print(f"| {group} | {d} | {d_ms:.3f} ({d_host:.3f} / {d_dev:.3f}) | {p} | {p_ms:.3f} ({p_host:.3f} / {p_dev:.3f}) |")
 
 
 def _dense_stack(args, dtype):

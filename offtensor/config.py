@@ -81,6 +81,9 @@ def placement_profile_from_env():
 # ``ot.Profile``): the measured H200, the GPU the decisions were validated on.
 DEFAULT_PLACEMENT_PROFILE = "h200"
 
+# Where a routed expert that is not cached on the device is computed (``OffloadConfig.expert_compute``).
+EXPERT_COMPUTE = ("device", "host", "auto")
+
 
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
@@ -106,6 +109,12 @@ class OffloadConfig:
     - ``routing_warmup``: routed tokens recorded before that decision; 0: no decision, the
       default placement stays.
     - ``placement_profile``: the GPU profile of that replay (``ot.PROFILES`` name or Profile).
+    - ``expert_compute``: where a routed expert that is not cached on the device is computed:
+      ``"device"`` (copied to the device first, the default), ``"host"`` (computed from its host
+      master, its tokens' activations sent to the host and the result sent back) or ``"auto"``
+      (per MoE layer and step shape, whichever the replay under the profile says is faster).
+    - ``expert_compute_choice``: what "auto" chose per MoE layer (set by the wrap-time replay,
+      ``sim.host_compute``); None otherwise.
     """
 
     budget_gb: Optional[float] = None
@@ -119,6 +128,8 @@ class OffloadConfig:
     routing: object = None
     routing_warmup: int = dataclasses.field(default_factory=routing_warmup_from_env)
     placement_profile: object = dataclasses.field(default_factory=placement_profile_from_env)
+    expert_compute: str = "device"
+    expert_compute_choice: object = None
 
     def __post_init__(self):
         if self.budget_gb is not None and self.offload_gb is not None:
@@ -132,10 +143,16 @@ class OffloadConfig:
             raise ValueError(f"offtensor: routing_warmup must be a number of routed tokens >= 0, got "
                              f"{self.routing_warmup!r}")
 
+        if self.expert_compute not in EXPERT_COMPUTE:
+            raise ValueError(f"offtensor: expert_compute must be one of {', '.join(map(repr, EXPERT_COMPUTE))}, got "
+                             f"{self.expert_compute!r}")
+
     @classmethod
     def from_arguments(cls, **arguments) -> "OffloadConfig":
         """The settings of a public call's keyword arguments: an argument left at None takes its
         default (for ``strict``, ``progress`` and ``load_threads``: the environment's)."""
+        if arguments.get("expert_compute", "") is None:
+            arguments = {**arguments, "expert_compute": "device"}
         from_env = ("strict", "progress", "load_threads", "routing_warmup", "placement_profile")
         return cls(**{k: v for k, v in arguments.items() if not (k in from_env and v is None)})
 

@@ -21,7 +21,7 @@ from .tensor import OffloadedTensor
 
 
 def wrap_model(model: nn.Module, budget_gb: Optional[float] = None, *, device=None, offload_gb: Optional[float] = None,
-               prefetch: bool = True, policy=None, routing=None) -> nn.Module:
+               prefetch: bool = True, policy=None, routing=None, expert_compute: str = "device") -> nn.Module:
     """Place ``model``'s weights for a device budget, in place; returns ``model``.
 
     Weights that fit stay plain device tensors; the rest become OffloadedTensors paged onto the
@@ -43,10 +43,14 @@ def wrap_model(model: nn.Module, budget_gb: Optional[float] = None, *, device=No
       (None: no opinion). Unnamed weights are placed by the default order.
     - ``routing``: an MoE model's measured routing, which decides at wrap time how its expert
       stacks are placed; see docs/moe.md.
+    - ``expert_compute``: where a routed expert that is not cached on the device is computed:
+      ``"device"`` (copied first), ``"host"`` (from its host master) or ``"auto"`` (per MoE layer
+      and step shape, chosen by replay); see docs/moe.md.
     """
     check_wrappable(model)
     config = OffloadConfig.from_arguments(budget_gb=budget_gb, offload_gb=offload_gb, device=device,
-                                          prefetch=prefetch, policy=policy, routing=routing)
+                                          prefetch=prefetch, policy=policy, routing=routing,
+                                          expert_compute=expert_compute)
     prepare(model, config, resolve_device(config.device), check=_check_groups, choose_experts=choose_expert_placement)
     return model
 

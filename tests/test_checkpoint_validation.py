@@ -196,6 +196,14 @@ REFUSED = {
     "entry_null": (_entries(scale=None) | {"scale": None}, DATA[:64], r"tensor 'scale' .* malformed header entry None"),
     "entry_missing_field": (_entries(scale={"dtype": "F32", "shape": [1]}), DATA, r"malformed header entry"),
     "header_list": ("[1, 2]", DATA, r"the header is a JSON list, not an object"),
+    # F4 packs two values per byte: safetensors refuses values that do not fill whole bytes, and a last
+    # dimension torch's float4_e2m1fn_x2 (one byte per element) cannot halve.
+    "f4_odd_value_count": (_entries(scale={"dtype": "F4", "shape": [1], "data_offsets": [64, 65]}), DATA[:65],
+                           r"tensor 'scale' .* shape \(1,\) in F4.*do not fill whole bytes"),
+    "f4_zero_dim": (_entries(scale={"dtype": "F4", "shape": [], "data_offsets": [64, 65]}), DATA[:65],
+                    r"tensor 'scale' .* shape \(\) in F4.*do not fill whole bytes"),
+    "f4_odd_last_dim": (_entries(scale={"dtype": "F4", "shape": [2, 1], "data_offsets": [64, 65]}), DATA[:65],
+                        r"tensor 'scale' .* shape \(2, 1\) in F4.*last dimension is not a multiple of 2"),
     # Nesting: Python's json recurses, safetensors' serde_json stops at 128 levels.
     "nested_100k_arrays": (_deep(100_000), DATA, r"nested deeper than any safetensors header"),
     "nested_100k_objects": (_deep_objects(100_000), DATA, r"nested deeper than any safetensors header"),

@@ -1,6 +1,7 @@
-"""torch.distributed with offloaded weights, on 2 ranks over gloo: collectives on OffloadedTensors,
-tensor parallelism with DTensor (``parallelize_module`` on a transformers Llama and on the reference
-DeepSeek) and by hand (Megatron-style), and FSDP2.
+"""torch.distributed with offloaded weights, on 2 ranks over gloo: collectives and point-to-point
+transfers on OffloadedTensors, tensor parallelism with DTensor (``parallelize_module`` on a
+transformers Llama and on the reference DeepSeek) and by hand (Megatron-style), and FSDP2 in
+either order (with peft LoRA too).
 
 One pair of processes runs every scenario (starting processes costs far more than the scenarios),
 each rank records what it saw, and the tests below check those records. A scenario that raises is
@@ -273,15 +274,17 @@ _LORA_POLICY = {"offload": ["*.base.*"], "keep": ["*.A.*", "*.B.*"]}
 _LORA_BUDGET_GB = 24000 / GiB
 
 
-def _lora_fsdp_run(rank: int, mesh, wrap: bool):
+def _lora_fsdp_run(rank: int, mesh, wrap: bool, wrap_first: bool = True):
     import offtensor as ot
     from torch.distributed.fsdp import fully_shard
 
     model = _LoraNet()
     frozen = {p for n, p in model.named_parameters() if ".base." in n}
-    if wrap:
+    if wrap and wrap_first:
         ot.wrap_model(model, budget_gb=_LORA_BUDGET_GB, policy=_LORA_POLICY, device="cpu")
     fully_shard(model, mesh=mesh, ignored_params=frozen)
+    if wrap and not wrap_first:
+        ot.wrap_model(model, budget_gb=_LORA_BUDGET_GB, policy=_LORA_POLICY, device="cpu")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     g = torch.Generator().manual_seed(rank)
     losses = []
@@ -314,6 +317,159 @@ def _fsdp(rank: int, mesh) -> dict:
     except RuntimeError as e:
         r["refusal"] = str(e)
     r["base_still_offloaded"] = isinstance(model.l1.base.weight, OffloadedTensor)
+    return r
+
+
+def _fsdp_then_wrap(rank: int, mesh) -> dict:
+    """The other order: fully_shard first, then a wrap that offloads the frozen base FSDP2 was told
+    to ignore (works), and one that would offload a weight FSDP2 shards (refused)."""
+    import offtensor as ot
+    from offtensor.model.copies import is_wrapped
+    from offtensor.tensor import OffloadedTensor
+    from torch.distributed.fsdp import fully_shard
+
+    _, ref_losses, ref_adapters = _lora_fsdp_run(rank, mesh, wrap=False)
+    model, losses, adapters = _lora_fsdp_run(rank, mesh, wrap=True, wrap_first=False)
+    r = {"losses_equal": losses == ref_losses, "adapters_equal": all(map(torch.equal, adapters, ref_adapters)),
+         "base_offloaded": isinstance(model.l1.base.weight, OffloadedTensor),
+         "offloaded_bytes": ot.stats(model).offloaded_bytes}
+    model = _LoraNet()
+    fully_shard(model, mesh=mesh)  # the base too
+    try:
+        ot.wrap_model(model, budget_gb=_LORA_BUDGET_GB, policy=_LORA_POLICY, device="cpu")
+        r["refusal"] = None
+    except RuntimeError as e:
+        r["refusal"] = str(e)
+    r["offloaded_leaves"] = sum(isinstance(leaf, OffloadedTensor) for p in model.parameters()
+                                for leaf in (p._local_tensor, p))
+    r["wrapped"] = is_wrapped(model)
+    # the refused model trains as the unwrapped FSDP2 model does
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    after = []
+    for _ in range(3):
+        loss = model(torch.randn(4, 64, generator=g)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        after.append(loss.item())
+    _, sharded_losses, _ = _fsdp_all_sharded_reference(rank, mesh)
+    r["refused_model_trains_as_unwrapped"] = after == sharded_losses
+    return r
+
+
+def _fsdp_all_sharded_reference(rank: int, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _LoraNet()
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(3):
+        loss = model(torch.randn(4, 64, generator=g)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model, losses, None
+
+
+def _peft_fsdp(rank: int, mesh) -> dict:
+    """peft LoRA over a frozen base FSDP2 ignores, the base offloaded, with fully_shard before or
+    after wrap_model, against the unwrapped FSDP2 run."""
+    import peft
+
+    import offtensor as ot
+    from offtensor.tensor import OffloadedTensor
+    from torch.distributed.fsdp import fully_shard
+
+    def run(order):
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+        model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["0", "2"], init_lora_weights=False))
+        frozen = {p for p in model.parameters() if not p.requires_grad}
+        policy = {"offload": ["*base_layer*"], "keep": ["*lora_*"]}
+        if order == "wrap_first":
+            ot.wrap_model(model, budget_gb=_LORA_BUDGET_GB, policy=policy, device="cpu")
+        fully_shard(model, mesh=mesh, ignored_params=frozen)
+        if order == "fsdp_first":
+            ot.wrap_model(model, budget_gb=_LORA_BUDGET_GB, policy=policy, device="cpu")
+        offloaded = sum(isinstance(p, OffloadedTensor) for p in model.parameters())
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        g = torch.Generator().manual_seed(rank)
+        losses = []
+        for _ in range(3):
+            loss = model(torch.randn(4, 64, generator=g)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, [p.full_tensor() for p in model.parameters() if p.requires_grad], offloaded
+
+    ref_losses, ref_adapters, _ = run(None)
+    r = {}
+    for order in ("wrap_first", "fsdp_first"):
+        losses, adapters, offloaded = run(order)
+        r[order] = (losses == ref_losses, all(map(torch.equal, adapters, ref_adapters)), offloaded)
+    return r
+
+
+P2P_TIMEOUT = datetime.timedelta(seconds=20)
+
+
+def _point_to_point(rank: int) -> dict:
+    """Exchanges in which each rank posts its send and then its receive, with plain and offloaded
+    buffers, on a group whose short timeout turns a deadlock into an error within seconds."""
+    import offtensor as ot
+
+    group = dist.new_group(timeout=P2P_TIMEOUT)
+    peer = 1 - rank
+
+    def buffers(send_off: bool, recv_off: bool, n: int = 5):
+        send = torch.arange(n, dtype=torch.float32) + 10.0 * rank
+        recv = torch.full((n,), -1.0)
+        offload = lambda t, off: ot.offload(t, device="cpu") if off else t  # noqa: E731
+        return offload(send, send_off), offload(recv, recv_off)
+
+    r = {}
+    for send_off in (False, True):
+        for recv_off in (False, True):
+            send, recv = buffers(send_off, recv_off)
+            _ = recv + 0  # a cached device copy of the receive buffer: the write-back must drop it
+            sent = dist.isend(send, peer, group=group)
+            received = dist.irecv(recv, peer, group=group)
+            received.wait()
+            sent.wait()
+            r[("isend_irecv", send_off, recv_off)] = (type(recv).__name__, recv.cpu().tolist(), (recv + 0).tolist())
+            send, recv = buffers(send_off, recv_off)
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer, group=group),
+                                            dist.P2POp(dist.irecv, recv, peer, group=group)])
+            for work in works:
+                work.wait()
+            r[("batch", send_off, recv_off)] = (type(recv).__name__, recv.cpu().tolist())
+    # a receive into a view of an offloaded tensor reaches its master: every alias sees it
+    base = ot.offload(torch.zeros(8), device="cpu")
+    view = base[2:7]
+    send, _ = buffers(True, False)
+    sent, received = dist.isend(send, peer, group=group), dist.irecv(view, peer, group=group)
+    received.wait()
+    sent.wait()
+    r["view"] = base.cpu().tolist()
+    # rank 0 sends two tensors and waits for neither before receiving; rank 1 receives them in order
+    a, b = torch.full((3,), 1.0 + rank), torch.full((3,), 2.0 + rank)
+    got = [ot.offload(torch.zeros(3), device="cpu") for _ in range(2)]
+    if rank == 0:
+        works = [dist.isend(ot.offload(a, device="cpu"), 1, group=group),
+                 dist.isend(ot.offload(b, device="cpu"), 1, group=group)]
+        works += [dist.irecv(t, 1, group=group) for t in got]
+    else:
+        works = [dist.irecv(t, 0, group=group) for t in got]
+        works += [dist.isend(a, 0, group=group), dist.isend(b, 0, group=group)]
+    for work in works:
+        work.wait()
+    r["two_each_way"] = [t.cpu().tolist() for t in got]
+    dist.destroy_process_group(group)
     return r
 
 
@@ -371,7 +527,9 @@ def _run_ranks(rank: int, init_file: str, out_dir: str) -> None:
         "collectives": lambda: _collectives(rank), "llama_tp": lambda: _llama_tp(rank, mesh),
         "wrap_then_parallelize": lambda: _llama_wrap_then_parallelize(rank, mesh),
         "deepseek_tp": lambda: _deepseek_tp(rank, mesh), "manual_tp": lambda: _manual_tp(rank),
-        "fsdp": lambda: _fsdp(rank, mesh), "seed": lambda: _seed(rank, out_dir),
+        "fsdp": lambda: _fsdp(rank, mesh), "fsdp_then_wrap": lambda: _fsdp_then_wrap(rank, mesh),
+        "peft_fsdp": lambda: _peft_fsdp(rank, mesh), "point_to_point": lambda: _point_to_point(rank),
+        "seed": lambda: _seed(rank, out_dir),
     }
     for name, scenario in scenarios.items():
         try:
@@ -472,6 +630,49 @@ def test_fsdp2_lora_over_an_offloaded_frozen_base_matches_and_sharding_offloaded
         assert r["base_offloaded"] and r["offloaded_bytes"] == 2 * 64 * 64 * 4 and r["peak"] <= r["budget"]
         assert r["refusal"] is not None and "'l1.base.weight' is offloaded" in r["refusal"]
         assert "ignored_params" in r["refusal"] and r["base_still_offloaded"]
+
+
+def test_fsdp2_first_then_wrap_offloads_the_ignored_base_bit_identically_and_refuses_what_fsdp2_manages(ranks):
+    # On main: the wrap offloaded the weights FSDP2 shards and training went silently wrong (FSDP2
+    # all-gathered its own stale copy after each optimizer step).
+    fsdp_first_refusals = []
+    for rank, r in enumerate(_result(ranks, "fsdp_then_wrap")):
+        assert r["losses_equal"] and r["adapters_equal"], rank
+        assert r["base_offloaded"] and r["offloaded_bytes"] == 2 * 64 * 64 * 4
+        assert r["refusal"] is not None and "'l1.base.weight' is managed by FSDP2" in r["refusal"], r["refusal"]
+        assert "Nothing was offloaded" in r["refusal"] and r["offloaded_leaves"] == 0 and not r["wrapped"]
+        assert r["refused_model_trains_as_unwrapped"]
+        fsdp_first_refusals.append(r["refusal"])
+    # the same reason and remedy as fully_shard after wrap_model
+    same = "FSDP2 over offloaded weights is not supported: keep them out of it with fully_shard(module, ignored_params="
+    for r, refusal in zip(_result(ranks, "fsdp"), fsdp_first_refusals):
+        assert same in r["refusal"] and same in refusal
+
+
+def test_fsdp2_with_peft_lora_over_an_offloaded_ignored_base_matches_the_unwrapped_run_in_either_order(ranks):
+    for rank, r in enumerate(_result(ranks, "peft_fsdp")):
+        for order in ("wrap_first", "fsdp_first"):
+            assert r[order] == (True, True, 4), (rank, order)  # both base layers' weight and bias offloaded
+
+
+def _exchanged(rank: int, n: int = 5) -> list:
+    """What a rank receives from its peer in ``_point_to_point``'s exchanges (the peer's send buffer)."""
+    return (torch.arange(n, dtype=torch.float32) + 10.0 * (1 - rank)).tolist()
+
+
+def test_isend_irecv_and_batch_isend_irecv_with_offloaded_buffers_return_at_once_and_receive_the_peers_values(ranks):
+    # On main: an offloaded send buffer made isend wait for the peer's irecv, which the peer posts only
+    # after its own isend returned: both ranks blocked until gloo's timeout.
+    for rank, r in enumerate(_result(ranks, "point_to_point")):
+        for send_off in (False, True):
+            for recv_off in (False, True):
+                kind = "OffloadedTensor" if recv_off else "Tensor"
+                plain = _exchanged(rank)
+                assert r[("isend_irecv", send_off, recv_off)] == (kind, plain, plain), (rank, send_off, recv_off)
+                assert r[("batch", send_off, recv_off)] == (kind, plain), (rank, send_off, recv_off)
+        assert r["view"] == [0.0, 0.0, *_exchanged(rank), 0.0]
+        peer = 1 - rank
+        assert r["two_each_way"] == [[1.0 + peer] * 3, [2.0 + peer] * 3]
 
 
 def test_the_seed_at_tp2_fp8_loaded_slice_by_slice_gives_the_unwrapped_tp_tokens_within_each_ranks_budget(ranks):

@@ -130,6 +130,62 @@ def test_floating_tensors_of_another_dtype_are_converted_on_request(tmp_path, re
     _check_same(model, expected, device)
 
 
+# Every dtype safetensors.torch writes (its _TYPES and the sub-byte ones its Rust core adds).
+SAFETENSORS_DTYPES = [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu,
+    torch.float4_e2m1fn_x2,
+]
+
+
+class Holder(nn.Module):
+    """Weights of one dtype: a large one (offloaded), a small one (resident), a 0-d one and an empty one."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        for name, shape in (("big", (64, 32)), ("small", (5, 2)), ("scalar", ()), ("empty", (0, 4))):
+            self.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False))
+
+
+def _random_bits(shape, dtype, generator):
+    if dtype is torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    raw = torch.randint(0, 256, tuple(shape) + (dtype.itemsize,), dtype=torch.uint8, generator=generator)
+    return raw.view(dtype).reshape(shape)
+
+
+def _bits(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", SAFETENSORS_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_every_dtype_safetensors_writes_loads_bit_for_bit_as_load_file_loads_it(tmp_path, device, dtype):
+    generator = torch.Generator().manual_seed(0)
+    with torch.device("meta"):
+        shapes = Holder(dtype)
+    # A 0-d float4_e2m1fn_x2 is two 4-bit values under a shape of one: safetensors cannot write it.
+    state = {name: _random_bits(p.shape, dtype, generator) for name, p in shapes.named_parameters()
+             if p.dim() or dtype is not torch.float4_e2m1fn_x2}
+    file = tmp_path / "model.safetensors"
+    safetensors_torch.save_file(state, str(file))
+    expected = safetensors_torch.load_file(str(file))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    for budget, offloaded in ((0.5 * total / GiB, True), (1.0, False)):  # big offloaded, then all resident
+        with torch.device("meta"):
+            model = Holder(dtype)
+        if "scalar" not in state:
+            del model.scalar
+        ot.load_safetensors(model, file, budget_gb=budget, device=device)
+        assert isinstance(model.big, ot.OffloadedTensor) is offloaded
+        for name, p in model.named_parameters():
+            want = expected[name]
+            assert p.dtype == want.dtype and p.shape == want.shape, name
+            copies = [p.cpu()] + ([p.materialize().cpu()] if isinstance(p, ot.OffloadedTensor) else [])
+            for got in copies:
+                assert got.dtype == want.dtype and torch.equal(_bits(got), _bits(want)), name
+
+
 def test_alloc_host_without_touch_is_exact_zeroed_and_passes_opcheck():
     if not _ext.NATIVE:
         pytest.skip("the native extension is not built")

@@ -204,6 +204,79 @@ def test_views_and_compute_allocate_no_host_memory(device):
 # errors name what was wrong
 # ------------------------------------------------------------------------------------------------
 
+# ------------------------------------------------------------------------------------------------
+# tensors that outlive their model
+# ------------------------------------------------------------------------------------------------
+
+
+def _wrapped_for_state_dict(device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    ot.wrap_model(model, budget_gb=1600 / 2**30, device=device)  # both weights offloaded, cached copies kept
+    model(torch.randn(2, 16, device=device))
+    return model
+
+
+def _uses(sd, view, x):
+    """What users do with state-dict values and views: compute, matmul, clone, copies out."""
+    clone = view.clone()
+    return [sd["0.weight"].sum(), x @ view.t(), clone.cpu(), (clone * 2).cpu(), sd["2.weight"].materialize(),
+            sd["2.bias"] + 1, sd["0.weight"].cpu()]
+
+
+def test_state_dict_values_and_views_keep_working_after_their_model_and_pager_are_dropped(device):
+    x = torch.randn(3, 16, device=device)
+    with gc_disabled():
+        model = _wrapped_for_state_dict(device)
+        sd = model.state_dict()
+        view = sd["0.weight"][2:]
+        assert isinstance(view, OffloadedTensor) and isinstance(sd["2.weight"], OffloadedTensor)
+        expected = [t.cpu().clone() for t in _uses(sd, view, x)]
+        pager = sd["0.weight"].pager
+        freed = []
+        weakref.finalize(model, freed.append, "model")
+        weakref.finalize(pager, freed.append, "pager")
+        del model, pager
+        # Nothing that outlives the model keeps it, its pager or its cached copies alive: no cycle either.
+        assert freed == ["model", "pager"]
+        got = [t.cpu() for t in _uses(sd, view, x)]
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+
+
+def test_orphaned_weights_are_charged_to_the_default_pager_until_they_die(device):
+    with gc_disabled():
+        model = _wrapped_for_state_dict(device)
+        sd = {k: v for k, v in model.state_dict().items() if isinstance(v, OffloadedTensor)}
+        nbytes = sum(v.host_nbytes for v in sd.values())
+        del model
+        default = Pager.default(resolve_device(device))
+        before = default.offloaded_bytes
+        live_before = _ext.live_host_bytes()
+        for value in sd.values():
+            assert value.pager is default  # the first use re-charges an orphan, once
+            assert value.pager is default
+        assert default.offloaded_bytes - before == nbytes
+        assert default.paged_bytes == 0  # the default pager caches nothing: each op's copies die with it
+        del value
+        sd.clear()
+        assert default.offloaded_bytes == before
+        assert live_before - _ext.live_host_bytes() == nbytes
+
+
+def test_a_weight_moved_to_another_pager_after_its_own_died_is_charged_there_once(device):
+    with gc_disabled():
+        model = _wrapped_for_state_dict(device)
+        weight = model[0].weight
+        del model
+        other = Pager(resolve_device(device), budget_bytes=1 << 16)
+        ot.offload(weight, pager=other)
+        assert weight.pager is other and other.offloaded_bytes == weight.host_nbytes
+        assert torch.equal((weight * 1).cpu(), weight.cpu())
+        del weight
+        assert other.offloaded_bytes == 0
+
+
 
 def test_offloading_a_meta_tensor_names_shape_and_bytes(device):
     with pytest.raises(ValueError) as error:

@@ -8,6 +8,8 @@ leaves it unchanged, because tensors are swapped into the model only after every
 
     files.py       which files a path names; each file's header, parsed and checked; CheckpointError
     names.py       how the files' names and dtypes map onto the model's tensors, and every mismatch
+    ties.py        a transformers checkpoint's tied weights, decided from the files as transformers does
+    configs.py     config.json checked, and the model built on meta and matched, before any allocation
     read.py        the threaded reader: pieces into host masters and, staged, into device buffers
     load.py        load_safetensors: check, choose the placement, read, then change the model
     pretrained.py  from_pretrained: a transformers directory -> its model on meta, then load

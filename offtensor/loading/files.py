@@ -15,12 +15,18 @@ import stat
 
 import torch
 
-_DTYPES = {
+# Every dtype safetensors writes, as ``safetensors.torch.load_file`` gives it. F4 packs two
+# 4-bit values in a byte: its header counts 4-bit values, torch's float4_e2m1fn_x2 counts bytes,
+# so the last dimension halves (``_torch_shape``).
+_DTYPES = {name: dtype for name, dtype in {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-}
+    "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "C64": torch.complex64,
+    "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
+    "F8_E4M3FNUZ": getattr(torch, "float8_e4m3fnuz", None), "F8_E5M2FNUZ": getattr(torch, "float8_e5m2fnuz", None),
+    "F8_E8M0": getattr(torch, "float8_e8m0fnu", None), "F4": getattr(torch, "float4_e2m1fn_x2", None),
+}.items() if dtype is not None}
+_PACKED = {"F4": 2}  # values per byte of the dtypes whose header shape counts sub-byte values
 # safetensors refuses headers above 100 MB; a larger length field means a corrupt file.
 _MAX_HEADER_BYTES = 100_000_000
 # An index is a small JSON file (one line per tensor); a larger one is not an index.
@@ -312,7 +318,8 @@ def _header_entry(file, key: str, info, data_start: int, data_bytes: int) -> "Fi
                               f"the file is corrupt")
     begin, end = offsets
     where = f"tensor {key!r} in {file!r}"
-    nbytes = numel * dtype.itemsize
+    torch_shape = _torch_shape(where, dtype_name, shape, numel)
+    nbytes = numel // _PACKED.get(dtype_name, 1) * dtype.itemsize
     if end - begin != nbytes:
         raise CheckpointError(
             f"offtensor: {where} spans bytes [{begin}, {end}) = {end - begin} bytes of the data section, but its "
@@ -323,7 +330,22 @@ def _header_entry(file, key: str, info, data_start: int, data_bytes: int) -> "Fi
             f"offtensor: {where} ({nbytes} bytes) lies at bytes [{begin}, {end}) of the data section, past the "
             f"end of the file ({data_bytes} bytes of data): the file is truncated"
         )
-    return FileTensor(file, key, dtype, dtype_name, tuple(shape), data_start + begin, nbytes)
+    return FileTensor(file, key, dtype, dtype_name, tuple(torch_shape), data_start + begin, nbytes)
+
+
+def _torch_shape(where: str, dtype_name: str, shape: list, numel: int) -> list:
+    """The torch shape of a header's shape: the same, except for packed dtypes (F4), whose last
+    dimension counts values, ``_PACKED`` of them per torch element; refused, as safetensors refuses
+    it, when the values do not fill whole bytes or the last dimension does not divide."""
+    per = _PACKED.get(dtype_name)
+    if per is None:
+        return shape
+    if numel % per or not shape or shape[-1] % per:
+        raise CheckpointError(
+            f"offtensor: {where} has shape {tuple(shape)} in {dtype_name}, {per} values per byte: "
+            f"{'its values do not fill whole bytes' if numel % per else 'its last dimension is not a multiple of ' + str(per)}"
+            f", which safetensors refuses: the file is corrupt")
+    return shape[:-1] + [shape[-1] // per]
 
 
 def _check_tiling(file, entries: dict, data_start: int, size: int) -> None:

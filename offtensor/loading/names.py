@@ -105,20 +105,7 @@ def match(entries: dict, model: nn.Module, groups, convert_dtypes: bool, path, s
         for member in group:
             for name in member.names:
                 members[name] = (group, member)
-    conversions = None
-    pieces: dict = {}
-    unmatched = []
-    for key, source in entries.items():
-        if key in members:
-            pieces.setdefault(key, []).append(Piece(source, key))
-            continue
-        if conversions is None:
-            conversions = _Conversions(model)
-        piece = conversions.piece(source, members)
-        if piece is None:
-            unmatched.append(key)
-        else:
-            pieces.setdefault(piece.target, []).append(piece)
+    pieces, unmatched, conversions = pieces_by_name(entries, model, members)
 
     # transformers models name checkpoint tensors they deliberately skip (DeepSeek-V3's MTP layer 61).
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
@@ -133,7 +120,10 @@ def match(entries: dict, model: nn.Module, groups, convert_dtypes: bool, path, s
                     t = member.tensor
                     missing.append(f"{member.names[0]} ({tuple(t.shape)}, {t.dtype}, {t.numel() * t.element_size()} bytes)")
                 continue
-            # Tied names stored more than once: the first is read, the others are only known.
+            # Tied names stored more than once: one is read, the others are only known. A tie's source
+            # is read, as transformers ties its target to the source's values.
+            if len(names) > 1:
+                names.sort(key=tie_targets(model).__contains__)
             chosen[id(member)] = (member, pieces[names[0]])
             problems += _check_pieces(names[0], member.tensor, pieces[names[0]], convert_dtypes)
     if strict and unmatched:
@@ -151,6 +141,32 @@ def match(entries: dict, model: nn.Module, groups, convert_dtypes: bool, path, s
         problems.append(f"only {found} of the model's {len(named)} weights are in {os.fspath(path)!r}: it looks like "
                         f"a checkpoint of another architecture (file: {sorted(entries)[:3]}, model: {named[:3]})")
     return chosen, problems
+
+
+def pieces_by_name(entries: dict, model: nn.Module, names):
+    """(model name -> the pieces of the files that fill it, the file keys no name in ``names``
+    takes, the conversions used or None): file keys as they are, else as transformers renames or
+    stacks them for ``model``."""
+    conversions = None
+    pieces: dict = {}
+    unmatched = []
+    for key, source in entries.items():
+        if key in names:
+            pieces.setdefault(key, []).append(Piece(source, key))
+            continue
+        if conversions is None:
+            conversions = _Conversions(model)
+        piece = conversions.piece(source, names)
+        if piece is None:
+            unmatched.append(key)
+        else:
+            pieces.setdefault(piece.target, []).append(piece)
+    return pieces, unmatched, conversions
+
+
+def tie_targets(model: nn.Module) -> set:
+    """The names a transformers model ties to another weight (``all_tied_weights_keys``' keys)."""
+    return set(getattr(model, "all_tied_weights_keys", None) or ())
 
 
 def _check_pieces(name, t: torch.Tensor, pieces, convert_dtypes: bool) -> list:

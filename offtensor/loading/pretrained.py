@@ -1,9 +1,11 @@
-"""from_pretrained: a transformers checkpoint directory -> its model, built on meta from
-``config.json`` (buffers kept real) and filled by the loader."""
+"""from_pretrained: a transformers checkpoint directory -> its model, built from a checked
+``config.json`` (once all on meta, to match it against the files; then with buffers kept real), tied
+as transformers ties it, and filled by the loader."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import threading
 from typing import Optional
@@ -12,8 +14,11 @@ import torch
 from torch import nn
 
 from ..config import OffloadConfig
+from .configs import building, check_on_meta, read_config
 from .files import headers, shard_files
 from .load import load
+from .ties import apply as apply_ties
+from .ties import decide as decide_ties
 
 
 class _ParametersOnMeta:
@@ -67,14 +72,18 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
                     offload_gb: Optional[float] = None, prefetch: bool = True, policy=None,
                     progress: Optional[bool] = None, threads: Optional[int] = None, model_class=None,
                     trust_remote_code: bool = False, strict: bool = True,
-                    allow_outside_paths: bool = False, routing=None) -> nn.Module:
+                    allow_outside_paths: bool = False, routing=None, expert_compute: str = "device") -> nn.Module:
     """A transformers checkpoint directory -> its model built on meta from ``config.json``, every
     shard read through ``load_safetensors``, wrapped for the budget, in eval mode.
 
     ``dtype``: None keeps the checkpoint's floating dtype; another floating dtype converts while
     loading. ``model_class``: a transformers class to build instead of ``config.architectures[0]``
     (or ``AutoModelForCausalLM`` when the config names none). ``allow_outside_paths``: as for
-    ``load_safetensors``. transformers is needed only here.
+    ``load_safetensors``. ``expert_compute``: as for ``wrap_model``. transformers is needed only here.
+
+    config.json is checked, and the model built once with every tensor on meta and matched against
+    the files, before anything is allocated (``configs.py``); tied weights are decided from the
+    files as transformers decides them (``ties.py``).
     """
     try:
         import transformers
@@ -87,13 +96,14 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
     if not os.path.isdir(root) or not os.path.isfile(os.path.join(root, "config.json")):  # isfile: not a FIFO
         raise FileNotFoundError(f"offtensor: {root!r} is not a transformers checkpoint directory (no config.json)")
     config = OffloadConfig.from_arguments(budget_gb=budget_gb, offload_gb=offload_gb, device=device, prefetch=prefetch,
-                                          policy=policy, progress=progress, load_threads=threads, routing=routing)
-    model_config = transformers.AutoConfig.from_pretrained(root, local_files_only=True,
-                                                           trust_remote_code=trust_remote_code)
+                                          policy=policy, progress=progress, load_threads=threads, routing=routing,
+                                          expert_compute=expert_compute)
+    model_config = read_config(root, trust_remote_code)
     files = shard_files(root, allow_outside_paths)
+    entries = headers(files)
     if dtype is None:
         by_dtype: dict = {}
-        for entry in headers(files).values():
+        for entry in entries.values():
             if entry.dtype.is_floating_point:
                 by_dtype[entry.dtype] = by_dtype.get(entry.dtype, 0) + entry.nbytes
         dtype = max(by_dtype, key=by_dtype.get) if by_dtype else torch.get_default_dtype()
@@ -101,14 +111,23 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
     if cls is None:
         names = getattr(model_config, "architectures", None) or []
         cls = next((getattr(transformers, n) for n in names if hasattr(transformers, n)), None)
+
+    def build(model_config):
+        with building(root, model_config):
+            if cls is None:
+                return transformers.AutoModelForCausalLM.from_config(model_config, dtype=dtype,
+                                                                     trust_remote_code=trust_remote_code)
+            return cls._from_config(model_config, dtype=dtype)
+
+    ties = check_on_meta(build, copy.deepcopy(model_config), entries, root, strict)
     with _parameters_on_meta():
-        if cls is None:
-            model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=dtype,
-                                                                  trust_remote_code=trust_remote_code)
-        else:
-            model = cls._from_config(model_config, dtype=dtype)
-    model.tie_weights()  # ties declared by the config (tie_word_embeddings), bound before loading
+        model = build(model_config)
+    if ties is None:  # the model cannot be built on meta (its __init__ reads values): decide on this build
+        decide_ties(model, entries)
+    else:
+        apply_ties(model, ties)
     model.eval()
     index = next((os.path.join(root, f) for f in sorted(os.listdir(root)) if f.endswith(".safetensors.index.json")),
                  None)
     return load(model, index or root, config, strict, convert_dtypes=True, allow_outside_paths=allow_outside_paths)
+

@@ -52,7 +52,8 @@ def _register_state(model: nn.Module, pager: Pager, choice: placement.Placement,
     if config.prefetch and choice.offload:
         pager.prefetcher = Prefetcher()
     # Offloaded stacked experts: per-stack stats, expert-aware eviction, routing speculation.
-    moe.attach(model, pager, speculate=config.prefetch and not planning)
+    moe.attach(model, pager, speculate=config.prefetch and not planning, compute=config.expert_compute,
+               compute_choice=config.expert_compute_choice)
     state.step_hook = model.register_forward_pre_hook(StepHook(config, choice.budget_bytes, pager))
 
 

@@ -1,5 +1,6 @@
-"""What a wrapped model refuses from torch.distributed: FSDP2 sharding an offloaded weight, and
-``parallelize_module`` while any weight is offloaded, each before anything changes."""
+"""What a wrapped model refuses from torch.distributed: FSDP2 managing an offloaded weight, in
+either order (``fully_shard`` of a wrapped model, or a wrap that would offload what ``fully_shard``
+manages), and ``parallelize_module`` while any weight is offloaded, each before anything changes."""
 
 from __future__ import annotations
 
@@ -31,11 +32,59 @@ def refuse_sharding_an_offloaded_weight(state: State, module: nn.Module, name: s
     raise RuntimeError(
         f"offtensor: '{full_name}' is offloaded ({before.host_nbytes} bytes of host master) and is being replaced by "
         f"a DTensor with a plain local shard on {t.device}, which is what FSDP2's fully_shard (and distribute_tensor) "
-        f"do to a wrapped model's weights: the shard would leave host memory, and FSDP2 all-gathers from a copy of its "
-        f"own. FSDP2 over offloaded weights is not supported: keep them out of it with fully_shard(module, "
-        f"ignored_params={{...}}) (the frozen base of LoRA training), or for tensor parallelism run parallelize_module "
-        f"first and ot.wrap_model after, on each rank. '{full_name}' was left as it was."
+        f"do to a wrapped model's weights: the shard would leave host memory, and {_FSDP2_UNSUPPORTED}, or for tensor "
+        f"parallelism run parallelize_module first and ot.wrap_model after, on each rank. '{full_name}' was left as "
+        f"it was."
     )
+
+
+_FSDP2_UNSUPPORTED = (
+    "FSDP2 all-gathers from a copy of its own, which an optimizer step on the offloaded weight would leave stale. "
+    "FSDP2 over offloaded weights is not supported: keep them out of it with fully_shard(module, "
+    "ignored_params={...}) (the frozen base of LoRA training)"
+)
+
+
+def fsdp_managed(model: nn.Module) -> dict:
+    """(module, attribute name) -> the FSDP2 module that manages that parameter, for every
+    parameter that a ``fully_shard`` inside ``model`` shards (its ``ignored_params`` are not)."""
+    if not torch.distributed.is_available():
+        return {}
+    fsdp = getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None)
+    if fsdp is None:
+        return {}
+    managed = {}
+    for module in model.modules():
+        if not isinstance(module, fsdp):
+            continue
+        state = module._get_fsdp_state()
+        for group in getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]:
+            for param in getattr(group, "fsdp_params", ()) if group is not None else ():
+                info = param._module_info
+                for owner, attr in ((info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)):
+                    managed[(owner, attr)] = module
+    return managed
+
+
+def refuse_offloading_what_fsdp2_manages(model: nn.Module, groups) -> None:
+    """``wrap_model`` after ``fully_shard`` would offload a weight FSDP2 manages: refused, naming
+    it, before anything moves (the same refusal as ``fully_shard`` after ``wrap_model``). FSDP2
+    all-gathers from its own copy of each shard, so the optimizer would step the offloaded master
+    while every forward computed with the stale copy: training silently wrong."""
+    managed = fsdp_managed(model)
+    if not managed:
+        return
+    for group in groups:
+        for member in group:
+            for module, attr, _ in member.slots:
+                if (module, attr) in managed:
+                    name = member.names[0]
+                    raise RuntimeError(
+                        f"offtensor: '{name}' is managed by FSDP2 (fully_shard) and would be offloaded "
+                        f"({member.tensor.numel() * member.tensor.element_size()} bytes of this rank's shard): "
+                        f"{_FSDP2_UNSUPPORTED}, or keep what FSDP2 manages resident "
+                        f"(wrap_model(..., policy={{'keep': [...]}})). Nothing was offloaded."
+                    )
 
 
 def refuse_distribute(module: nn.Module) -> None:

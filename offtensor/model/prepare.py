@@ -18,6 +18,7 @@ from ..pager import Pager
 from ..prefetch import Prefetcher
 from ..tensor import OffloadedTensor, check_offloadable
 from .copies import StepHook, register_wrapped, unregister_wrapped
+from .dtensor import refuse_offloading_what_fsdp2_manages
 from .groups import collect_groups
 from .moves import Undo, as_param_like, make_resident, offload_group, resident_bytes, swap
 from .state import WRAPPED, State
@@ -91,6 +92,7 @@ def apply_placement(model: nn.Module, placed: placement.ModelPlacement, pager: P
         if id(group[0]) not in loaded and not isinstance(t, OffloadedTensor) and not (planning and t.is_meta):
             for member in group:
                 check_offloadable(member.tensor, f"'{member.names[0]}'")
+    refuse_offloading_what_fsdp2_manages(model, [g for g in placed.offloaded if id(g[0]) not in loaded])
     try:
         with Undo():
             for group in placed.offloaded + placed.resident:

@@ -14,10 +14,16 @@ from .speculation import Router, RoutingSpeculator
 from .stacks import ExpertStacks
 
 
-def attach(model: nn.Module, pager, speculate: bool = True) -> Optional[ExpertStacks]:
+def attach(model: nn.Module, pager, speculate: bool = True, compute: str = "device",
+           compute_choice=None) -> Optional[ExpertStacks]:
     """Register ``model``'s offloaded stacked-expert tensors with ``pager`` and, with ``speculate``,
-    hook its routers. Returns the pager's ``ExpertStacks`` (None when nothing routed is offloaded)."""
-    stacks = ExpertStacks()
+    hook its routers. Returns the pager's ``ExpertStacks`` (None when nothing routed is offloaded).
+
+    ``compute`` says where an expert that is not cached is computed ("device", "host", "auto" with
+    its per-layer ``compute_choice``). Guesses are copied ahead only under "device": elsewhere a
+    copied guess would take the room of an expert the device computes from its cache."""
+    stacks = ExpertStacks(compute, compute_choice)
+    speculate = speculate and compute == "device"
     seen = set()
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
         master = getattr(t, "_master", None)

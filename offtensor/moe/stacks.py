@@ -28,15 +28,20 @@ if TYPE_CHECKING:
 class ExpertStacks:
     """The pager's view of routed experts: stacks by master, counters, and the parts it hands to."""
 
-    __slots__ = ("by_master", "speculator", "layers", "eviction", "issuer", "_stack_bytes", "__weakref__")
+    __slots__ = ("by_master", "speculator", "layers", "eviction", "issuer", "_stack_bytes", "compute", "compute_choice",
+                 "__weakref__")
 
-    def __init__(self):
+    def __init__(self, compute: str = "device", compute_choice=None):
         self.by_master: dict = {}  # master id -> Stack
         self.speculator: Optional[RoutingSpeculator] = None
         self.layers = LayerOrder()
         self.eviction = ExpertEviction(self.by_master, self.layers)
         self.issuer = ExpertIssuer(self.layers)
         self._stack_bytes = 0  # bytes of every registered stack
+        # Where an expert that is not cached is computed: "device", "host" or "auto"; for "auto",
+        # stack group -> ((most routed rows, on the host), ...) from the replay (ops/host_experts.py).
+        self.compute = compute
+        self.compute_choice = compute_choice
 
     @property
     def announcing(self) -> set:

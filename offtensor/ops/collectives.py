@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..tensor import OffloadedTensor
+from .p2p import is_point_to_point, point_to_point, takes_async_path
 from .paging import Paged, write_back
 
 
@@ -35,7 +36,9 @@ class Collective:
     written arguments go back to their host masters; the results name the OffloadedTensors again.
 
     An asynchronous collective (``async_op=True``) on an OffloadedTensor therefore completes before
-    it returns: its write-back needs the transfer done, and no hook runs when a Work completes."""
+    it returns: its write-back needs the transfer done. Point-to-point sends and receives are the
+    exception: they return at once (``p2p.py``), since an exchange whose ranks each send before
+    they receive deadlocks if a send waits for its peer's receive."""
 
     def __init__(self, func):
         self.func = func
@@ -45,6 +48,7 @@ class Collective:
         else:  # functional collectives declare their writes (all_reduce_, the out= variants)
             writes = tuple(a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write)
         self.written = None if writes is None else {i for i, n in enumerate(names) if n in writes} | set(writes)
+        self.point_to_point = is_point_to_point(func)
         self.__name__ = f"collective({func})"
 
     def __call__(self, func, types, args, kwargs, run=None):
@@ -55,6 +59,8 @@ class Collective:
                 f"offtensor: {func} with an OffloadedTensor argument is not supported: which of its arguments it "
                 f"writes is not known. Run it on t.materialize() and copy_ the result back into the OffloadedTensor"
             )
+        if self.point_to_point and run is None and takes_async_path(args, kwargs):
+            return point_to_point(func, args, kwargs)
         paged = Paged()
         originals = {}  # id(paged copy of a written argument) -> its OffloadedTensor
         try:

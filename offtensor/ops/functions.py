@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from ..pager import pins_host_memory
 from ..tensor import OffloadedTensor, check_offloadable, new_host_master, wrap_host
+from .host_experts import expert_on_host, host_linear
 from .paging import Paged
 from .tiling import as_linear_weight, folds_without_copy, linear_tiled, needs_tiling
 
@@ -27,6 +28,13 @@ def _linear(args, kwargs):
         # Let autograd see t + addmm so it saves the OffloadedTensor, not a device copy, and
         # backward pages the weight again.
         return NotImplemented
+    if isinstance(weight, OffloadedTensor):
+        experts = weight._master.pager.experts
+        if experts is not None and experts.compute != "device" and type(x) is torch.Tensor and x.dim():
+            # One expert of a stack that a model selecting its experts one by one computes: from its
+            # host master when it is not cached (host_experts.py).
+            if expert_on_host(weight, x.numel() // max(x.shape[-1], 1)) is not None:
+                return host_linear(x, weight, bias)
     if isinstance(weight, OffloadedTensor) and weight._host.dim() == 2 and needs_tiling(weight, [x, bias]):
         return linear_tiled(x, weight, bias)
     paged = Paged()

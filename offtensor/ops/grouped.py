@@ -1,6 +1,7 @@
 """Grouped GEMMs of tokens sorted by expert (``aten._grouped_mm``, transformers' own fallback op):
 page only the experts that have tokens, through the expert cache, from one host read of the routing
-offsets; on meta (``ot.plan``) the routing is planned instead."""
+offsets (or compute the uncached ones on the host: ``host_experts``); on meta (``ot.plan``) the
+routing is planned instead."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import weakref
 import torch
 
 from ..tensor import OffloadedTensor
+from .host_experts import host_grouped, split_groups
 from .paging import Paged, run
 from .rows import host_sync, read_to_host
 from .table import implements
@@ -37,20 +39,27 @@ def grouped_mm(func, types, args, kwargs):
         return run(func, args, kwargs)
     out_dtype = call.get("out_dtype")
     groups, sizes, covered = _routed_groups(weight, offs, x.shape[0])
+    groups, on_host = split_groups(weight, groups)
+    _announce(weight, groups)
+    # Host experts' activations go to the host before the device experts are issued (host_experts.py).
+    host_run = host_grouped(func, x, weight, bias, out_dtype, offs.dtype, on_host) if on_host else None
     recorder = weight._master.pager.recorder
-    pieces = []
+    done = {}
     for e, start, end in groups:
         paged = Paged()
         try:
             expert = paged.page(OffloadedTensor(weight._host[e : e + 1], weight._master))
             expert_bias = None if bias is None else paged.arg(bias[e : e + 1])
             if recorder is None:
-                pieces.append(func(x[start:end], expert, sizes[e : e + 1], expert_bias, out_dtype))
+                done[e] = func(x[start:end], expert, sizes[e : e + 1], expert_bias, out_dtype)
             else:
                 with recorder.kernels():  # timeline: this expert's kernel waits for its copy only
-                    pieces.append(func(x[start:end], expert, sizes[e : e + 1], expert_bias, out_dtype))
+                    done[e] = func(x[start:end], expert, sizes[e : e + 1], expert_bias, out_dtype)
         finally:
             paged.release()
+    if host_run is not None:
+        done.update(host_run())  # on the host while the device computes the experts issued above
+    pieces = [done[e] for e in sorted(done)]
     if covered < x.shape[0] or not pieces:
         # Rows after the last group belong to no expert; _grouped_mm leaves them uninitialised too.
         rest = x.shape[0] - covered
@@ -75,6 +84,10 @@ def grouped_mm_fallback(func, types, args, kwargs):
     ):
         return run(func, args, kwargs)
     groups, sizes, _ = _routed_groups(weight, offs, x.shape[0])
+    groups, on_host = split_groups(weight, groups)
+    _announce(weight, groups)
+    host_run = host_grouped(func, x, weight, None, False, offs.dtype, on_host) if on_host else None
+    starts = {e: (start, end) for e, start, end in on_host}
     recorder = weight._master.pager.recorder
     out = torch.zeros((x.shape[0], weight.shape[2]), dtype=x.dtype, device=x.device)  # as the op's own
     for e, start, end in groups:
@@ -88,23 +101,31 @@ def grouped_mm_fallback(func, types, args, kwargs):
                     out[start:end] = func(x[start:end], expert, sizes[e : e + 1])
         finally:
             paged.release()
+    if host_run is not None:
+        for e, y in host_run().items():
+            start, end = starts[e]
+            out[start:end] = y
     return out
 
 
 def _routed_groups(weight: OffloadedTensor, offs: torch.Tensor, rows: int):
     """For a grouped GEMM of tokens sorted by expert: (expert, first row, end row) of each expert
     with tokens, every group's size as a device tensor (sliced per expert, so no host->device copy),
-    and the rows the groups cover. The layer's experts are announced to the expert cache, which
-    issues the missing ones at once and may evict the layer's others for them."""
-    pager = weight._master.pager
-    ends = _group_ends(offs, pager, rows)
+    and the rows the groups cover."""
+    ends = _group_ends(offs, weight._master.pager, rows)
     starts = [0] + ends[:-1]
     groups = [(e, starts[e], ends[e]) for e in range(len(ends)) if ends[e] > starts[e]]
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    return groups, sizes, ends[-1] if ends else 0
+
+
+def _announce(weight: OffloadedTensor, groups: list) -> None:
+    """The experts the device computes are announced to the expert cache, which issues the missing
+    ones at once and may evict the layer's others for them."""
+    pager = weight._master.pager
     if pager.experts is not None:
         with pager.lock:  # the expert cache is pager state
             pager.experts.announce(pager, weight._master.id, [e for e, _, _ in groups], [b - a for _, a, b in groups])
-    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
-    return groups, sizes, ends[-1] if ends else 0
 
 
 def _group_ends(offs: torch.Tensor, pager, rows: int = 0) -> list:

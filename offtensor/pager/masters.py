@@ -4,14 +4,24 @@ that finds a master again from its storage or its id.
 A ``Master`` is shared by every OffloadedTensor aliasing one host storage. Cache entries are keyed
 by ``master.id``; when the last OffloadedTensor referencing the master dies, the master dies with
 it and a finalizer drops its cached copies, so an address reused by a later allocation can never
-hit a stale copy. The registry holds masters weakly: by storage address (tensors rebuilt from the
-same storage, unpickled aliases, share one master and one set of cached copies) and by id (a
-compiled graph names the master it pages from by id; ``__tensor_unflatten__`` rebuilds it).
+hit a stale copy.
+
+Lifetimes run one way: a master holds its pager only weakly (the pager's cache names masters by
+id). So a wrapped model's pager (its cache, slots and budget) dies with the model, never kept by a
+state-dict value or a view that outlives it, and no cycle through a master joins them. A master
+whose pager has died is an orphan: the first use re-charges it to the uncached default pager of
+the same device (``Pager.default``), so the tensors that outlive their model keep working, paging
+each op's bytes from their host master and freeing them with the op.
+
+The registry holds masters weakly: by storage address (tensors rebuilt from the same storage,
+unpickled aliases, share one master and one set of cached copies) and by id (a compiled graph
+names the master it pages from by id; ``__tensor_unflatten__`` rebuilds it).
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from typing import Optional
 
@@ -25,6 +35,7 @@ class Master:
     """Identity of one host master allocation, charged to one pager at a time."""
 
     __slots__ = ("id", "nbytes", "flat", "name", "_owner", "__weakref__")
+    _adopting = threading.Lock()  # two threads finding one orphan re-charge it once
     _ids = itertools.count(1)
 
     def __init__(self, pager, nbytes: int):
@@ -33,21 +44,38 @@ class Master:
         self.flat = None  # the master's whole storage as bytes, for prefetches (set by master_for)
         # The weight's name in its model (set by wrap and load), so that errors name the tensor.
         self.name = None
-        # A one-element list shared with the finalizer, so the finalizer always reaches the
-        # current owner without holding a reference to this object.
-        self._owner = [weakref.ref(pager)]
+        # [weak owner, device, the owner's class] shared with the finalizer, so the finalizer always
+        # reaches the current owner without holding a reference to this object, and an orphan
+        # finds the default pager of its device (``_orphaned``).
+        self._owner = [weakref.ref(pager), pager.device, type(pager)]
         with pager.lock:  # counts change under the pager's lock: another thread may be paging
             pager.budget.offloaded_bytes += nbytes
         weakref.finalize(self, Master._died, self._owner, self.id, nbytes)
 
     @property
     def pager(self):
-        return self._owner[0]()
+        # Every op on an offloaded weight reads this: one test more than the weak reference's call.
+        pager = self._owner[0]()
+        if pager is None:
+            pager = self._orphaned()
+        return pager
+
+    def _orphaned(self):
+        """The pager died (its model was dropped) while tensors of this master live on: charge the
+        master to the uncached default pager of its device, which the process keeps."""
+        with Master._adopting:
+            pager = self._owner[0]()
+            if pager is None:
+                pager = self._owner[2].default(self._owner[1])
+                with pager.lock:
+                    pager.budget.offloaded_bytes += self.nbytes
+                self._owner[0] = weakref.ref(pager)
+        return pager
 
     def move_to(self, pager) -> None:
         """Hand this master (and its accounting) to another pager, e.g. when wrap_model adopts an
         already offloaded tensor."""
-        old = self.pager
+        old = self._owner[0]()
         if pager is old:
             return
         if old is not None:

@@ -154,6 +154,11 @@ class Pager:
         """``nbytes`` of device values were written back to a host master (an in-place op's result)."""
         self.stats.bytes_d2h += nbytes
 
+    def count_host_compute(self, activation_bytes: int) -> None:
+        """One routed expert was computed on the host, moving ``activation_bytes`` to it and back."""
+        self.stats.host_experts += 1
+        self.stats.host_activation_bytes += activation_bytes
+
     def snapshot(self) -> OffloadStats:
         """A copy of the counters, with the budget's, the pool's and the device's figures now."""
         with self.lock:

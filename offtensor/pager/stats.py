@@ -43,6 +43,11 @@ class OffloadStats:
     # "policy", "why", and when replayed: "decided", "default_step_ms", "all_paged_step_ms", "profile",
     # "routing"}; None for a model without routed expert stacks or a standalone pager.
     expert_placement: Optional[dict] = None
+    # Routed experts computed on the host (expert_compute "host" / "auto"): expert GEMMs run from
+    # their host masters, and the activation bytes those moved (to the host and back); no weight
+    # byte of theirs is copied.
+    host_experts: int = 0
+    host_activation_bytes: int = 0
 
     def __str__(self) -> str:
         # Each figure under its field's name (stats.bytes_h2d prints as bytes_h2d=...), byte counts

@@ -15,7 +15,8 @@ from ..config import OffloadConfig
 from ..model.groups import StorageGroup
 from ..model.prepare import pinned, re_place_experts
 from ..model.state import State, wrapped_state
-from ..moe import RoutingRecorder, is_routed_stack, routing_stats_of
+from ..moe import RoutingRecorder, is_routed_stack, model_top_k, routing_stats_of
+from .host_compute import cached_share, choose_expert_compute
 from ..placement import ModelPlacement
 from .plan import faster_expert_placement
 from .twins import decode_example, meta_twin, sync_twin
@@ -33,7 +34,20 @@ def choose_expert_placement(model: nn.Module, groups: list, placed: ModelPlaceme
                              device: torch.device):
     """The expert placement at wrap time: (placement, config, report, watch). ``watch`` is a
     ``PlacementWatch`` when the decision waits for the model's own routing (or, for a model
-    that is not a transformers language model, for a forward to plan a step of)."""
+    that is not a transformers language model, for a forward to plan a step of). Under
+    ``expert_compute="auto"`` the config also carries the per-layer choice of where uncached
+    experts are computed (``host_compute``)."""
+    placed, config, report, watch = _choose_expert_placement(model, groups, placed, config, device)
+    if config.expert_compute == "auto":
+        stacks = [g for g in groups if is_expert_stack(g)]
+        named = [(g.names[0], tuple(g.tensor.shape), g.tensor.dtype) for g in stacks]
+        choice = choose_expert_compute(named, config.placement_profile, model_top_k(model), cached_share(placed, stacks))
+        config = config.replace(expert_compute_choice=choice)
+    return placed, config, report, watch
+
+
+def _choose_expert_placement(model: nn.Module, groups: list, placed: ModelPlacement, config: OffloadConfig,
+                             device: torch.device):
     stacks = [g for g in groups if is_expert_stack(g)]
     if not stacks:
         if config.routing is not None:

@@ -32,6 +32,10 @@ class Profile:
     # Empty: the host is taken to issue at no cost (launch_us is the device's per-op gap).
     host_us: dict = dataclasses.field(default_factory=dict)
     host_source: str = ""
+    # The host's own compute, for routed experts computed from their host masters: GEMM TFLOP/s per
+    # dtype and host-memory read GB/s (None: not measured; ``with_host`` adds them).
+    host_tflops: Optional[dict] = None
+    host_gbps: Optional[float] = None
 
     def op_ms(self, flops: float, nbytes: float, dtype: Optional[str]) -> float:
         """An op takes its roofline time, compute or memory, whichever is longer, plus its overhead."""
@@ -39,6 +43,19 @@ class Profile:
         compute = flops / (rate * 1e12) if flops else 0.0
         memory = nbytes / (self.hbm_gbps * GB) if nbytes else 0.0
         return (max(compute, memory) + self.launch_us * 1e-6) * 1e3
+
+    def host_op_ms(self, flops: float, nbytes: float, dtype: Optional[str]) -> float:
+        """A host op (a routed expert's GEMM on its host master): its roofline time on the host."""
+        if not self.host_tflops or not self.host_gbps:
+            return float("inf")  # no host figures: the host is never chosen
+        rate = self.host_tflops.get(dtype) or self.host_tflops.get("float32")
+        compute = flops / (rate * 1e12) if flops else 0.0
+        memory = nbytes / (self.host_gbps * GB) if nbytes else 0.0
+        return max(compute, memory) * 1e3
+
+    def with_host(self, host_tflops: dict, host_gbps: float) -> "Profile":
+        """This profile with the host's compute figures (``measure_host``'s)."""
+        return dataclasses.replace(self, host_tflops=dict(host_tflops), host_gbps=float(host_gbps))
 
     def copy_ms(self, nbytes: float) -> float:
         return (nbytes / (self.h2d_gbps * GB) + self.launch_us * 1e-6) * 1e3
@@ -162,6 +179,7 @@ def measure_profile(device=None, name: Optional[str] = None) -> Profile:
         source=f"measured by offtensor.measure_profile on {device}, torch {torch.__version__}",
         host_blocking=not cuda,
         host_source=f"measured by offtensor.measure_host_us on {device}'s host",
+        **measure_host(),
     )
     return dataclasses.replace(profile, host_us=measure_host_us(device, profile))
 
@@ -224,3 +242,32 @@ def measure_host_us(device=None, profile: Optional[Profile] = None, iters: int =
         # What the replay charges the op itself: y (1 x 16) = x (1 x 16) @ W^T (16 x 16), float32.
         plain = profile.op_ms(2 * 16 * 16, (16 + 16 * 16 + 16) * 4, "float32") * 1e3
     return {"page": max(best["hit"] - plain, 0.0), "copy": max(best["copy"] - best["hit"], 0.0)}
+
+
+_HOST = {}  # the host's figures, measured once per process
+
+
+def measure_host() -> dict:
+    """The host's GEMM TFLOP/s per dtype (at the shape of a decode's routed expert, a few rows
+    against a weight that is not in cache) and host-memory read GB/s: what computing a routed
+    expert from its host master costs (``Profile.host_tflops`` / ``host_gbps``). Measured once."""
+    if _HOST:
+        return dict(_HOST)
+
+    def timed(fn, repeat):
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        return (time.perf_counter() - t0) / repeat
+
+    src = torch.ones(16 << 20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    gbps = src.numel() / timed(lambda: dst.copy_(src), 5) / GB  # each byte read once (and written)
+    tflops = {}
+    n = 512
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        tflops[str(dtype).removeprefix("torch.")] = 2 * n**3 / timed(lambda: a @ b, 3) / 1e12
+    _HOST.update(host_tflops=tflops, host_gbps=gbps)
+    return dict(_HOST)

@@ -211,6 +211,14 @@ class Recorder(TorchDispatchMode):
         if op is not None:
             self._pending_frees.append(op)
 
+    def host_computed(self, flops: int, nbytes: int, dtype: str, moved: int) -> None:
+        """A routed expert computed on the host (ops.host_experts): an op on the host lane after the
+        device op that made its activations, and its result's copy back, which the next op waits for."""
+        waits = [self._last_op] if self._last_op is not None else []
+        rid = self.tl.add_op(flops, nbytes, dtype, waits=waits, name="host expert", stream="host")
+        back = self.tl.add_copy(moved, waits=[rid], name="host result")
+        self._pending_waits.append(back)
+
     def host_sync(self) -> None:
         """The host reads a device value (ops.rows.read_to_host) and waits for the compute stream."""
         self.tl.add_sync()

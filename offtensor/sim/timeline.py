@@ -85,11 +85,13 @@ class Timeline:
         return rid
 
     def add_op(self, flops: float, nbytes: int, dtype="bfloat16", waits: Sequence[int] = (), name: str = "op",
-               id: Optional[int] = None, pages: int = 0) -> int:
-        """An op on the compute stream; ``pages``: the offloaded arguments it paged (its host work)."""
+               id: Optional[int] = None, stream: str = "compute", pages: int = 0) -> int:
+        """An op on the compute stream, or with ``stream="host"`` one the host computes itself (a
+        routed expert from its host master: ``Profile.host_op_ms``), which the issuing thread waits
+        for; ``pages``: the offloaded arguments it paged (offtensor's host work for it)."""
         rid = self.new_id() if id is None else id
         dtype = str(dtype).removeprefix("torch.") if dtype is not None else None
-        self.records.append(Record(rid, "op", "compute", name, int(nbytes), int(flops), dtype, self.step, list(waits),
+        self.records.append(Record(rid, "op", stream, name, int(nbytes), int(flops), dtype, self.step, list(waits),
                                    pages=int(pages)))
         return rid
 
@@ -123,7 +125,7 @@ class Timeline:
             raise ValueError(f"offtensor: sync must be 'device', 'compute' or None, got {sync!r}")
         profile = get_profile(profile or self.profile or "h200")
         starts, ends = {}, {}
-        free = {"copy": 0.0, "compute": 0.0}
+        free = {"copy": 0.0, "compute": 0.0, "host": 0.0}
         step, barrier, host = 0, 0.0, 0.0
         barriers = [0.0]  # when the host may issue each step; then when the last one's sync returns
 
@@ -149,10 +151,15 @@ class Timeline:
                 if end is None:
                     raise ValueError(f"offtensor: record {r.id} ({r.name}) waits for {w}, which was not issued before it")
                 ready = max(ready, end)
-            dur = profile.copy_ms(r.nbytes) if r.kind == "copy" else profile.op_ms(r.flops, r.nbytes, r.dtype)
+            if r.kind == "copy":
+                dur = profile.copy_ms(r.nbytes)
+            elif r.stream == "host":
+                dur = profile.host_op_ms(r.flops, r.nbytes, r.dtype)
+            else:
+                dur = profile.op_ms(r.flops, r.nbytes, r.dtype)
             starts[r.id], ends[r.id] = ready, ready + dur
             free[r.stream] = ready + dur
-            if profile.host_blocking and r.stream == "compute":
+            if r.stream == "host" or (profile.host_blocking and r.stream == "compute"):
                 host = ready + dur
         n = self.steps
         if not n:
@@ -191,13 +198,16 @@ class Timeline:
         )
 
     def _step_parts(self, profile: Profile, step: int) -> tuple:
-        """(compute, copy, host) ms of ``step``: its ops back to back, its distinct copied bytes /
-        H2D, and its host lane (offtensor's host work; with the ops, where the host runs them)."""
+        """(compute, copy, host) ms of ``step``: its device ops back to back, its distinct copied bytes
+        / H2D, and its host lane (offtensor's host work and the ops the host computes; with every op,
+        where the host runs them)."""
         compute = host = 0.0
         for r in self.records:
             if r.step == step and r.kind in ("op", "copy"):
                 host += profile.host_ms(r.kind, r.pages)
-                if r.kind == "op":
+                if r.kind == "op" and r.stream == "host":  # an op the host computes itself
+                    host += profile.host_op_ms(r.flops, r.nbytes, r.dtype)
+                elif r.kind == "op":
                     compute += profile.op_ms(r.flops, r.nbytes, r.dtype)
         if profile.host_blocking:
             host += compute

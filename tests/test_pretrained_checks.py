@@ -1,0 +1,205 @@
+"""from_pretrained agrees with the pinned transformers on what a checkpoint means, and checks
+config.json before anything is allocated.
+
+Ties: a config that ties lm_head to the embeddings beside files that store a different head, no
+head, no embeddings or an equal head; an untied config without a head. Each is loaded by
+``transformers.AutoModelForCausalLM.from_pretrained`` in the same test, and ``ot.from_pretrained``
+must tie exactly what it ties and give bit-identical logits, or refuse where transformers would
+initialize a weight randomly.
+
+config.json: each hostile edit beside valid shards is a ``CheckpointError`` naming config.json and
+the field, never a raw error, and an absurd size is refused by arithmetic before any allocation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+import offtensor as ot
+from offtensor import _ext
+from offtensor.loading import configs as loading_configs
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+GiB = 1 << 30
+
+
+def _llama_config(tied: bool):
+    return transformers.LlamaConfig(vocab_size=128, hidden_size=64, num_attention_heads=4, max_position_embeddings=64,
+                                    num_hidden_layers=2, num_key_value_heads=2, intermediate_size=128,
+                                    tie_word_embeddings=tied)
+
+
+def _write(root, tied_config: bool, files_edit=None):
+    """A tiny Llama saved untied (embeddings and head differ), then its file edited and its config's
+    tie_word_embeddings set: the checkpoints users meet that transformers reads its own way."""
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(_llama_config(False)).eval().save_pretrained(root)
+    file = os.path.join(root, "model.safetensors")
+    state = safetensors_torch.load_file(file)
+    if files_edit is not None:
+        files_edit(state)
+        safetensors_torch.save_file(state, file, metadata={"format": "pt"})
+    path = os.path.join(root, "config.json")
+    config = json.loads(open(path).read())
+    config["tie_word_embeddings"] = tied_config
+    open(path, "w").write(json.dumps(config))
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def _tied(model) -> bool:
+    return model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def _drop(key):
+    return lambda state: state.pop(key)
+
+
+def _equal_head(state):
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+
+
+TIE_CASES = {
+    "tied_config_distinct_stored_head": None,  # the files as saved: both stored, different
+    "tied_config_head_absent": _drop("lm_head.weight"),
+    "tied_config_embeddings_absent": _drop("model.embed_tokens.weight"),
+    "tied_config_equal_stored_head": _equal_head,
+}
+
+
+@pytest.mark.parametrize("case", sorted(TIE_CASES))
+def test_from_pretrained_ties_as_transformers_does_with_bit_identical_logits(tmp_path, case):
+    nbytes = _write(tmp_path, True, TIE_CASES[case])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = ot.from_pretrained(tmp_path, device="cpu", budget_gb=0.4 * nbytes / GiB, progress=False)
+    assert ot.stats(model).offloaded_bytes > 0
+    assert _tied(model) == _tied(reference)
+    assert set(model.all_tied_weights_keys) == set(reference.all_tied_weights_keys)
+    untied_warnings = [w for w in caught if "different values" in str(w.message)]
+    assert len(untied_warnings) == (case == "tied_config_distinct_stored_head")
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_a_distinct_stored_head_under_a_tied_config_is_used_not_dropped(tmp_path):
+    _write(tmp_path, True)
+    stored = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
+    with pytest.warns(UserWarning, match=r"'lm_head\.weight' to 'model\.embed_tokens\.weight'.*untied"):
+        model = ot.from_pretrained(tmp_path, device="cpu", budget_gb=1, progress=False)
+    assert torch.equal(model.lm_head.weight.cpu(), stored["lm_head.weight"])
+    assert torch.equal(model.model.embed_tokens.weight.cpu(), stored["model.embed_tokens.weight"])
+
+
+def test_an_untied_config_without_a_head_is_refused_where_transformers_initializes_it_randomly(tmp_path):
+    _write(tmp_path, False, _drop("lm_head.weight"))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    stored = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
+    assert not _tied(reference)  # transformers neither ties it nor loads it: its values are a fresh initialization
+    assert not torch.equal(reference.lm_head.weight, stored["model.embed_tokens.weight"])
+    live = _ext.live_host_bytes()
+    with pytest.raises(ot.CheckpointError, match=r"lack 1 weights.*'lm_head\.weight"):
+        ot.from_pretrained(tmp_path, device="cpu", budget_gb=1, progress=False)
+    assert _ext.live_host_bytes() == live
+
+
+# ---------------------------------------------------------------------------- config.json
+
+
+def _tiny_checkpoint(root):
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(_llama_config(True)).eval().save_pretrained(root)
+
+
+def _edit_config(root, change):
+    path = os.path.join(root, "config.json")
+    if isinstance(change, str):
+        open(path, "w").write(change)
+        return
+    config = json.loads(open(path).read())
+    config.update(change)
+    open(path, "w").write(json.dumps(config))
+
+
+HOSTILE = {
+    "negative_hidden_size": ({"hidden_size": -64}, r"hidden_size = -64.*cannot be negative"),
+    "no_attention_heads": ({"num_attention_heads": 0}, r"num_attention_heads = 0.*at least one attention head"),
+    "no_key_value_heads": ({"num_key_value_heads": 0}, r"num_key_value_heads = 0.*at least one attention head"),
+    "unknown_dtype": ({"dtype": "X9"}, r"dtype = 'X9', which is not a torch dtype"),
+    "layer_count_a_string": ({"num_hidden_layers": "2"}, r"transformers refuses .*num_hidden_layers"),
+    "intermediate_size_minus_one": ({"intermediate_size": -1}, r"cannot build a model .*intermediate_size = -1"),
+    "unknown_model_type": ({"model_type": "X9"}, r"transformers refuses .*X9"),
+    "not_json": ("{not json", r"is not JSON"),
+    "a_json_list": ("[1]", r"is a JSON list"),
+    "absurd_vocabulary": ({"vocab_size": 10**15}, r"(?s)nothing was allocated.*vocab_size = 1000000000000000.*"
+                                                  r"'model\.embed_tokens\.weight' \(1000000000000000, 64\) "
+                                                  r"\(256000000000000000 bytes\).*stores \(128, 64\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_config_json_is_a_checkpoint_error_naming_it_and_the_field(tmp_path, case):
+    _tiny_checkpoint(tmp_path)
+    change, match = HOSTILE[case]
+    _edit_config(tmp_path, change)
+    live = _ext.live_host_bytes()
+    with pytest.raises(ot.CheckpointError, match=match) as error:
+        ot.from_pretrained(tmp_path, device="cpu", budget_gb=1, progress=False)
+    assert "config.json" in str(error.value)
+    assert _ext.live_host_bytes() == live
+
+
+def test_buffers_a_config_makes_larger_than_memory_are_refused_before_the_build(tmp_path, monkeypatch):
+    _tiny_checkpoint(tmp_path)
+    monkeypatch.setattr(loading_configs, "_physical_memory", lambda: 16)  # fewer bytes than the rotary buffers
+    built = []
+    real = transformers.LlamaForCausalLM._from_config.__func__
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "_from_config",
+                        classmethod(lambda cls, *a, **k: built.append(torch.empty(0).device) or real(cls, *a, **k)))
+    with pytest.raises(ot.CheckpointError, match=r"config\.json.*buffers .* more than this machine's 16 bytes.*inv_freq"):
+        ot.from_pretrained(tmp_path, device="cpu", budget_gb=1, progress=False)
+    assert built == [torch.device("meta")]  # only the build on meta ran
+
+
+class ReadsAValueAtInit(transformers.LlamaForCausalLM):
+    """A model whose __init__ reads a value (as remote-code models' drop-path schedules do): it
+    cannot be built on meta, and loads as before."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.schedule = torch.linspace(0, 1, 3)[1].item()
+
+
+def test_a_model_whose_init_reads_values_still_loads_and_ties_as_transformers(tmp_path):
+    _write(tmp_path, True)  # tied config, distinct stored head
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with pytest.warns(UserWarning, match="different values"):
+        model = ot.from_pretrained(tmp_path, device="cpu", budget_gb=1, progress=False, model_class=ReadsAValueAtInit)
+    assert model.schedule == 0.5 and not _tied(model)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_no_default_config_of_the_pinned_transformers_fails_the_field_checks():
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    checked = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model_type in CONFIG_MAPPING.keys():
+            try:
+                fields = json.loads(CONFIG_MAPPING[model_type]().to_json_string())
+            except Exception:  # a config that needs arguments or an optional package to be built
+                continue
+            loading_configs._check_fields(fields, "config.json", "")  # raises CheckpointError on a refusal
+            checked += 1
+    assert checked > 500
