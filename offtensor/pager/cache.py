@@ -90,6 +90,16 @@ class CachedCopy:
         # change them: a write pages a private copy.
         self.view = None
 
+    def view_of(self, layout, shape, stride, offset: int) -> torch.Tensor:
+        """The device view of ``buf`` for a cache hit: the one handed out last time when ``layout``
+        is the same memoized layout tuple (identity), else a new one, kept when ``layout`` is given."""
+        memo = self.view
+        if memo is not None and memo[0] is layout:  # never (None, view): see below
+            return memo[1]
+        view = self.buf.as_strided(shape, stride, offset)
+        self.view = (layout, view) if layout is not None else None
+        return view
+
 
 class DeviceCache:
     """The cached copies, least recently used first, and the same copies by master."""

@@ -225,12 +225,7 @@ class Pager:
                     notify(entry)
                 if entry.ready is not None:  # a cache hit on a completed copy skips the call
                     self.device_ops.wait_ready(entry, self.lifetimes)
-                memo = entry.view  # (the caller's memoized layout, the view it got last time); never (None, _)
-                if memo is not None and memo[0] is layout:
-                    return memo[1], entry
-                view = entry.buf.as_strided(shape, stride, offset - base)
-                entry.view = (layout, view) if layout is not None else None
-                return view, entry
+                return entry.view_of(layout, shape, stride, offset - base), entry
             for notify in observers.reading:
                 notify(entry)
             if entry.ready is not None:

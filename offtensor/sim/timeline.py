@@ -151,12 +151,8 @@ class Timeline:
                 if end is None:
                     raise ValueError(f"offtensor: record {r.id} ({r.name}) waits for {w}, which was not issued before it")
                 ready = max(ready, end)
-            if r.kind == "copy":
-                dur = profile.copy_ms(r.nbytes)
-            elif r.stream == "host":
-                dur = profile.host_op_ms(r.flops, r.nbytes, r.dtype)
-            else:
-                dur = profile.op_ms(r.flops, r.nbytes, r.dtype)
+            dur = (profile.copy_ms(r.nbytes) if r.kind == "copy" else profile.host_op_ms(r.flops, r.nbytes, r.dtype)
+                   if r.stream == "host" else profile.op_ms(r.flops, r.nbytes, r.dtype))
             starts[r.id], ends[r.id] = ready, ready + dur
             free[r.stream] = ready + dur
             if r.stream == "host" or (profile.host_blocking and r.stream == "compute"):
