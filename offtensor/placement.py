@@ -89,10 +89,21 @@ class Weight:
     # torchao tensor's int8 or float8 qdata) is read by the subclass's own kernels (dequantise,
     # int8 mm), which dispatch never tiles: it is paged whole.
     tileable: bool = True
+    # Device bytes it holds while resident, where that is more than ``nbytes``: a view into a bigger
+    # storage keeps the whole storage on the device, and offloading it (as its own elements) frees that.
+    device_bytes: Optional[int] = None
+    # (module path, class name) of a torch.nn module with a fused fast path reading it, which its
+    # forward skips for an offloaded weight (``warn_fast_paths``).
+    fast_path: Optional[tuple] = None
+    dtype: Optional[torch.dtype] = None
 
     @property
     def name(self) -> str:
         return self.names[0]
+
+    @property
+    def resident_cost(self) -> int:
+        return self.nbytes if self.device_bytes is None else max(self.nbytes, self.device_bytes)
 
 
 @dataclasses.dataclass
@@ -246,9 +257,50 @@ def choose_model_placement(groups: Sequence, config: OffloadConfig,
             return "offload" if name in already else policy_choice(_user, [name])
 
     choice = choose_placement(weights, budget_bytes, offload_bytes, policy, config.prefetch)
+    warn_fast_paths(choice.offload)
+    warn_inexact_tiles([w for w in choice.offload if w.working_set > choice.budget_bytes - choice.resident_bytes],
+                       stacklevel=5)
     group_of = {id(w): g for w, g in zip(weights, groups)}
     return ModelPlacement(list(groups), choice, [group_of[id(w)] for w in choice.offload],
                           [group_of[id(w)] for w in choice.resident])
+
+
+# The dtypes whose output tiles TILE_ALIGN wide are tested bit-identical to the whole op (integer
+# sums are exact in any order). A tile of another dtype (float64: 1.6e-15 apart for 16-row tiles
+# of a (96, 512) weight) may be summed in another order: wrap warns, naming the weight.
+EXACT_TILE_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.int16,
+                               torch.int32, torch.int64, torch.bool})
+
+
+def warn_inexact_tiles(tiled: Sequence[Weight], stacklevel: int) -> None:
+    """Warn about weights computed in tiles whose dtype tiles are not known to be exact in."""
+    inexact = [w for w in tiled if w.tileable and w.dtype is not None and w.dtype not in EXACT_TILE_DTYPES]
+    if inexact:
+        names = ", ".join(f"'{w.name}' ({w.dtype}, {w.nbytes} bytes)" for w in inexact[:3])
+        warnings.warn(
+            f"offtensor: {names}{' ...' if len(inexact) > 3 else ''} will be computed in output tiles (its whole "
+            f"working set is larger than the budget's room for paging), and tiles of its dtype may be summed in "
+            f"another order than the whole op, so results may differ in the last bits; tiles are bit-identical in "
+            f"float32, bfloat16, float16 and integer dtypes. Raise budget_gb for bit-identical results.",
+            UserWarning, stacklevel=stacklevel)
+
+
+def warn_fast_paths(offloaded: Sequence[Weight]) -> None:
+    """Warn, naming them, about offloaded weights of torch.nn modules whose fused fast path
+    (``torch._transformer_encoder_layer_fwd``, ``_native_multi_head_attention``) their forward
+    takes only when no argument has a ``__torch_function__``: with an OffloadedTensor weight they
+    run their composite path, which sums in another order than the unwrapped model's fast path."""
+    modules = {}
+    for w in offloaded:
+        if w.fast_path is not None:
+            modules.setdefault(w.fast_path, w.name)
+    if modules:
+        listed = ", ".join(f"'{path or '(the model)'}' ({cls}, e.g. '{name}')" for (path, cls), name in list(modules.items())[:3])
+        warnings.warn(
+            f"offtensor: {listed}{' ...' if len(modules) > 3 else ''} read offloaded weights; such a module's forward "
+            "skips its fused fast path when a weight is an OffloadedTensor and runs its composite path, which sums in "
+            "another order, so in inference its outputs may differ from the unwrapped model's in the last bits. Keep "
+            "these weights resident (policy={'keep': [...]}) for bit-identical results.", UserWarning, stacklevel=5)
 
 
 def _warn_unmatched_patterns(policy: Policy, names: list) -> None:
@@ -413,6 +465,7 @@ class _Offloading:
     def clear(self) -> None:
         self.weights = []
         self.nbytes = 0
+        self.freed = 0  # device bytes the offloaded weights held while resident
         self.working_set = 0
         self.widest = None  # the module whose offloaded tensors set ``working_set``
         self.by_module = {}  # module path -> [(rank, working set, fused)] of its offloaded tensors
@@ -425,6 +478,7 @@ class _Offloading:
         they need no more room than one of them. A model's own modules count as ``Weight.fused`` says."""
         self.weights.append(w)
         self.nbytes += w.nbytes
+        self.freed += w.resident_cost
         for stem in {name.rpartition(".")[0] for name in w.names}:
             tensors = self.by_module.setdefault(stem, [])
             tensors.append((len(w.shape), w.working_set, w.fused))
@@ -439,7 +493,7 @@ class _Offloading:
 
     @property
     def resident_bytes(self) -> int:
-        return self.total_bytes - self.nbytes
+        return self.total_bytes - self.freed
 
     def prefetch_room(self) -> int:
         """Room for copies ahead of the current op: another working set, or a layer's routed experts."""
@@ -479,7 +533,7 @@ def _choose_untiled(weights: Sequence[Weight], budget_bytes: Optional[int], offl
     position = {id(w): i for i, w in enumerate(weights)}
     free.sort(key=lambda w: _tie_key(w, position))
 
-    chosen = _Offloading(sum(w.nbytes for w in weights))
+    chosen = _Offloading(sum(w.resident_cost for w in weights))
     for w in forced:
         chosen.add(w)
     pending = list(free)

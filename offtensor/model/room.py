@@ -33,6 +33,10 @@ def reserve_paging_room(state: State, full_name: str, t: torch.Tensor, resident:
         )
     if narrow:  # the same fallback, and the same warning, as wrap-time placement's
         placement.warn_narrow_tiles(pager.budget_bytes, f"{kind}{full_name}", stacklevel=2)
+    whole = placement.working_set(full_name, tuple(t.shape), nbytes)
+    if tileable and ws < whole:
+        placement.warn_inexact_tiles([placement.Weight([full_name], nbytes, tuple(t.shape), ws, dtype=t.dtype)],
+                                     stacklevel=3)
     state.working_set_bytes = max(state.working_set_bytes, ws)
 
 
