@@ -142,6 +142,14 @@ _TILED_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _FAST_PATHS = (nn.TransformerEncoderLayer, nn.TransformerEncoder, nn.MultiheadAttention)
 
 
+def _batch_first(module: nn.Module) -> bool:
+    """Whether ``module``'s fast path can be taken at all: only with batch-first attention."""
+    if isinstance(module, nn.TransformerEncoder):
+        return any(_batch_first(layer) for layer in module.layers)
+    attention = module.self_attn if isinstance(module, nn.TransformerEncoderLayer) else module
+    return bool(getattr(attention, "batch_first", False))
+
+
 def read_in_tiles(module: nn.Module, attr: str) -> bool:
     """Whether dispatch may compute the ops reading ``module.attr`` in output tiles."""
     if not type(module).__module__.startswith("torch.nn"):
@@ -190,7 +198,7 @@ def collect_groups(model: nn.Module) -> list:
     members = {}
     fast = {}  # id(module) -> (path, class name) of the outermost module with a fused fast path holding it
     for prefix, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, _FAST_PATHS) and id(module) not in fast:
+        if isinstance(module, _FAST_PATHS) and id(module) not in fast and _batch_first(module):
             for sub in module.modules():
                 fast.setdefault(id(sub), (prefix, type(module).__name__))
         for table, is_buffer in ((module._parameters, False), (module._buffers, True)):
