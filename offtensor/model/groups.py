@@ -134,7 +134,8 @@ class StorageGroup(list):
 # weights in a kernel dispatch cannot cut (an RNN's _cudnn_rnn, ConvTranspose, Bilinear's
 # _trilinear, a norm's multi-dim weight), so they are paged whole. A model's own module is taken to
 # read its weights by linear, mm, bmm or convolution (GPT-2's Conv1D: addmm), which tile.
-_TILED_MODULES = (nn.Linear, nn.Embedding)
+# (RNN cells and attention's composite path read theirs by linear too.)
+_TILED_MODULES = (nn.Linear, nn.Embedding, nn.RNNCellBase, nn.MultiheadAttention)
 _TILED_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # torch.nn modules with a fused fast path that their forward takes only when no argument has a
 # __torch_function__: with an offloaded weight they run the composite path, which sums in
