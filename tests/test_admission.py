@@ -102,6 +102,39 @@ def test_views_of_one_storage_all_offloaded_count_its_bytes_once(device):
             assert torch.equal(model[n](x), reference[n].to(device)(x))
 
 
+def test_disjoint_views_of_a_storage_with_gaps_get_masters_of_their_own_elements(device):
+    # Two of a storage's three row blocks are parameters: their masters hold those blocks only.
+    torch.manual_seed(0)
+    storage = torch.randn(3 * 32, 64)
+    model = nn.ModuleDict({n: nn.Linear(64, 32, bias=False) for n in "ab"})
+    model["a"].weight = nn.Parameter(storage[:32])
+    model["b"].weight = nn.Parameter(storage[64:])
+    reference = copy.deepcopy(model)
+    ot.wrap_model(model, offload_gb=1, device=device)
+    assert [model[n].weight.host_nbytes for n in "ab"] == [32 * 64 * 4] * 2
+    assert ot.stats(model).offloaded_bytes == 2 * 32 * 64 * 4
+    x = torch.randn(2, 64).to(device)
+    with torch.no_grad():
+        for n in "ab":
+            assert torch.equal(model[n](x), reference[n].to(device)(x))
+
+
+def test_interleaved_column_slices_that_cover_their_storage_share_one_master(device):
+    torch.manual_seed(0)
+    storage = torch.randn(32, 128)
+    model = nn.ModuleDict({n: nn.Linear(64, 32, bias=False) for n in "ab"})
+    model["a"].weight = nn.Parameter(storage[:, :64])
+    model["b"].weight = nn.Parameter(storage[:, 64:])
+    reference = copy.deepcopy(model)
+    ot.wrap_model(model, offload_gb=1, device=device)
+    assert model["a"].weight._master is model["b"].weight._master
+    assert model["a"].weight.host_nbytes == storage.numel() * 4  # its bytes once
+    x = torch.randn(2, 64).to(device)
+    with torch.no_grad():
+        for n in "ab":
+            assert torch.equal(model[n](x), reference[n].to(device)(x))
+
+
 # ---------------------------------------------------------------------------- casts inside other subclasses
 
 

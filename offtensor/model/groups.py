@@ -70,7 +70,8 @@ class StorageGroup(list):
             layouts.setdefault((v.storage_offset(), tuple(v.shape), v.stride()), []).append(m)
         if sum(ms[0].tensor.numel() for ms in layouts.values()) >= hi - lo:
             return [(list(self), lo, hi, False)]
-        parts = sorted((host_layout(ms[0].tensor)[:2], ms) for ms in layouts.values() if ms[0].tensor.numel())
+        parts = sorted(((host_layout(ms[0].tensor)[:2], ms) for ms in layouts.values() if ms[0].tensor.numel()),
+                       key=lambda part: part[0])
         if any(a[0][1] > b[0][0] for a, b in zip(parts, parts[1:])):
             return [(list(self), lo, hi, False)]  # interleaved views: one master over their range
         empty = [m for ms in layouts.values() if not ms[0].tensor.numel() for m in ms]

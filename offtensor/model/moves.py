@@ -163,12 +163,16 @@ def offload_group(group: StorageGroup, pager: Pager) -> None:
         if compact:  # a view into a bigger storage: a master of its own elements only
             host_flat = new_host_master(compact_layout(members[0].tensor), pin=pins_host_memory(pager.device))
         else:
-            host_flat = new_host_master(first.detach().as_strided((hi - lo,), (1,), lo), pin=pins_host_memory(pager.device))
+            flat = members[0].tensor.detach().as_strided((hi - lo,), (1,), lo)  # members not swapped yet
+            host_flat = new_host_master(flat, pin=pins_host_memory(pager.device))
         master = master_for(host_flat, pager)
         master.name = next((n for m in members for n in m.names), None)
         for member in members:
             t = member.tensor
-            host = host_flat if compact else host_flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
+            if not t.numel():  # an empty view: no elements to place
+                host = host_flat.as_strided(t.shape, t.stride(), 0)
+            else:
+                host = host_flat if compact else host_flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
             swap(member, as_param_like(t, OffloadedTensor(host, master)))
 
 
