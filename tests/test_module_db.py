@@ -22,7 +22,22 @@ import torch
 import offtensor as ot
 from offtensor.pager import BudgetError
 
-common_modules = pytest.importorskip("torch.testing._internal.common_modules")
+
+def _import_module_db():
+    """``common_modules``, imported as test_opinfo.py imports op_db: torch.testing._internal's
+    common_utils freezes torch.backends flags and loads its own hypothesis profile at import; give
+    the rest of the session its normal flags and the project's profile back."""
+    import hypothesis
+
+    previous = getattr(torch.backends, "__allow_nonbracketed_mutation_flag", True)
+    try:
+        return pytest.importorskip("torch.testing._internal.common_modules")
+    finally:
+        setattr(torch.backends, "__allow_nonbracketed_mutation_flag", previous)
+        hypothesis.settings.load_profile("offtensor")
+
+
+common_modules = _import_module_db()
 
 GiB = 1 << 30
 FULL = any(os.environ.get(v, "") not in ("", "0") for v in ("OFFTENSOR_MODULEDB_FULL", "OFFTENSOR_OPINFO_FULL"))
