@@ -41,7 +41,8 @@ def warn_fast_paths(offloaded: Sequence) -> None:
         if w.fast_path is not None:
             modules.setdefault(w.fast_path, w.name)
     if modules:
-        listed = ", ".join(f"'{path or '(the model)'}' ({cls}, e.g. '{name}')" for (path, cls), name in list(modules.items())[:3])
+        listed = ", ".join(f"'{path or '(the model)'}' ({cls}, e.g. '{name}')"
+                           for (path, cls), name in list(modules.items())[:3])
         warnings.warn(
             f"offtensor: {listed}{' ...' if len(modules) > 3 else ''} read offloaded weights; such a module's forward "
             "skips its fused fast path when a weight is an OffloadedTensor and runs its composite path, which sums in "

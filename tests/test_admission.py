@@ -282,3 +282,21 @@ def test_a_foreach_step_on_a_weight_larger_than_the_free_room_raises_budget_erro
         opt.step()
     assert "196608 bytes" in str(refused.value)
     assert torch.equal(model[0].weight.detach().cpu(), before)  # nothing written before the refusal
+
+
+def test_the_backward_of_a_convolution_larger_than_the_room_runs_in_tiles_and_warns(device):
+    # On main: convolution_backward paged the whole weight, and raised BudgetError after wrap accepted.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(16, 64, 3, padding=1), nn.Linear(8, 8))
+    model[0].weight.requires_grad_(False)
+    reference = copy.deepcopy(model).to(device)
+    budget = int(0.6 * model[0].weight.numel() * 4)
+    ot.wrap_model(model, budget_gb=budget / GiB, device=device, prefetch=False)
+    x = torch.randn(2, 16, 8, 8, device=device, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    with pytest.warns(UserWarning, match=r"backward of a convolution with .*'0\.weight'.*output-channel tiles"):
+        model[0](x).square().sum().backward()
+    reference[0](x_ref).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    assert torch.equal(model[0].bias.grad, reference[0].bias.grad)
+    assert ot.stats(model).peak_device_bytes <= budget

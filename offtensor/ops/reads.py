@@ -1,6 +1,7 @@
 """Ops that read an OffloadedTensor without paging it through the general rule: copies, casts and
-values read from the host master (``clone``, ``.to(dtype)``, ``.to("cpu")``, ``item``), questions about memory the caller
-does not manage (``is_pinned``, ``record_stream``), and lazy conjugate/negative bits resolved."""
+values read from the host master (``clone``, ``.to(dtype)``, ``.to("cpu")``, ``item``), questions
+about memory the caller does not manage (``is_pinned``, ``record_stream``), and lazy
+conjugate/negative bits resolved."""
 
 from __future__ import annotations
 
