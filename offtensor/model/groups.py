@@ -21,7 +21,7 @@ class Member:
     too: ``owners`` lists the (outer tensor, attribute) pairs holding it, and it is replaced there;
     ``slots`` and ``names`` are then those of the outer tensor, which stays registered as it is."""
 
-    __slots__ = ("tensor", "slots", "names", "owners", "fast_path")
+    __slots__ = ("tensor", "slots", "names", "owners", "fast_path", "read_whole")
 
     def __init__(self, tensor):
         self.tensor = tensor
@@ -29,6 +29,9 @@ class Member:
         self.names = []
         self.owners = []
         self.fast_path = None  # (path, class name) of a torch.nn module with a fused fast path that reads it
+        # Bytes of every tensor of a parent whose fused kernel reads it with them whole
+        # (LinearCrossEntropyLoss: its linear's weight and its class weights), else 0: never tiled.
+        self.read_whole = 0
 
 
 class StorageGroup(list):
@@ -123,11 +126,12 @@ class StorageGroup(list):
                   and bool(slots))
         # An RNN reads its weights in its own kernels (cuDNN's _cudnn_rnn takes every layer's at once,
         # CPU's mkldnn_rnn_layer a layer's four), which dispatch cannot cut into output tiles.
-        tileable = (all(leaf_is_tileable(m.tensor, m.owners) for m in self)
+        tileable = (all(leaf_is_tileable(m.tensor, m.owners) and not m.read_whole for m in self)
                     and all(read_in_tiles(module, attr) for module, attr in slots))
         fast_path = next((m.fast_path for m in self if m.fast_path is not None), None)
-        return Weight(names, nbytes, shape, working_set(names[0], shape, nbytes, indexed), fused, indexed, sliced,
-                      tileable, self.device_bytes, fast_path, self[0].tensor.dtype)
+        ws = max([working_set(names[0], shape, nbytes, indexed)] + [m.read_whole for m in self])
+        return Weight(names, nbytes, shape, ws, fused, indexed, sliced, tileable, self.device_bytes, fast_path,
+                      self[0].tensor.dtype)
 
 
 # torch.nn's modules whose weights dispatch computes in output tiles (ops.tiling: linear, mm, and a
@@ -142,6 +146,8 @@ _TILED_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # __torch_function__: with an offloaded weight they run the composite path, which sums in
 # another order.
 _FAST_PATHS = (nn.TransformerEncoderLayer, nn.TransformerEncoder, nn.MultiheadAttention)
+# torch.nn modules whose own kernel reads their submodules' weights whole (F.linear_cross_entropy).
+_FUSED_PARENTS = tuple(c for c in (getattr(nn, "LinearCrossEntropyLoss", None),) if c is not None)
 
 
 def _batch_first(module: nn.Module) -> bool:
@@ -199,10 +205,15 @@ def collect_groups(model: nn.Module) -> list:
     """Every parameter and buffer of ``model`` once, grouped by storage: a list of StorageGroups."""
     members = {}
     fast = {}  # id(module) -> (path, class name) of the outermost module with a fused fast path holding it
+    whole = {}  # id(module) -> bytes of every tensor of the _FUSED_PARENTS module holding it
     for prefix, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, _FAST_PATHS) and id(module) not in fast and _batch_first(module):
             for sub in module.modules():
                 fast.setdefault(id(sub), (prefix, type(module).__name__))
+        if isinstance(module, _FUSED_PARENTS):
+            together = sum(tensor_bytes(t) for t in {id(t): t for t in [*module.parameters(), *module.buffers()]
+                                                     if t.layout == torch.strided}.values())
+            whole.update((id(sub), together) for sub in module.modules())
         for table, is_buffer in ((module._parameters, False), (module._buffers, True)):
             for attr, t in table.items():
                 if t is None:
@@ -213,6 +224,7 @@ def collect_groups(model: nn.Module) -> list:
                     if member is None:
                         member = members[id(tensor)] = Member(tensor)
                     member.fast_path = member.fast_path or fast.get(id(module))
+                    member.read_whole = max(member.read_whole, whole.get(id(module), 0))
                     if (module, attr) not in [(m, a) for m, a, _ in member.slots]:
                         member.slots.append((module, attr, is_buffer))
                     if name not in member.names:
