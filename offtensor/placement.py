@@ -31,6 +31,7 @@ from .config import OffloadConfig, Policy
 from .moe import is_routed_stack  # what the expert cache takes for a stack of routed experts
 from .ops import TILE_ALIGN  # the tile width ops cut; room is planned for it
 from .pager import GiB, BudgetError, format_bytes
+from .exactness import warn_fast_paths, warn_inexact_tiles, warn_narrow_tiles  # noqa: F401  (public here too)
 
 EXPERTS, ROWS, MLP, ATTENTION, OTHER, LAST = range(6)
 CLASS_NAMES = {EXPERTS: "routed experts", ROWS: "read by rows", MLP: "dense MLP", ATTENTION: "attention", OTHER: "other", LAST: "last"}
@@ -89,10 +90,21 @@ class Weight:
     # torchao tensor's int8 or float8 qdata) is read by the subclass's own kernels (dequantise,
     # int8 mm), which dispatch never tiles: it is paged whole.
     tileable: bool = True
+    # Device bytes it holds while resident, where that is more than ``nbytes``: a view into a bigger
+    # storage keeps the whole storage on the device, and offloading it (as its own elements) frees that.
+    device_bytes: Optional[int] = None
+    # (module path, class name) of a torch.nn module with a fused fast path reading it, which its
+    # forward skips for an offloaded weight (``warn_fast_paths``).
+    fast_path: Optional[tuple] = None
+    dtype: Optional[torch.dtype] = None
 
     @property
     def name(self) -> str:
         return self.names[0]
+
+    @property
+    def resident_cost(self) -> int:
+        return self.nbytes if self.device_bytes is None else max(self.nbytes, self.device_bytes)
 
 
 @dataclasses.dataclass
@@ -246,6 +258,9 @@ def choose_model_placement(groups: Sequence, config: OffloadConfig,
             return "offload" if name in already else policy_choice(_user, [name])
 
     choice = choose_placement(weights, budget_bytes, offload_bytes, policy, config.prefetch)
+    warn_fast_paths(choice.offload)
+    warn_inexact_tiles([w for w in choice.offload if w.working_set > choice.budget_bytes - choice.resident_bytes],
+                       stacklevel=5)
     group_of = {id(w): g for w, g in zip(weights, groups)}
     return ModelPlacement(list(groups), choice, [group_of[id(w)] for w in choice.offload],
                           [group_of[id(w)] for w in choice.resident])
@@ -357,15 +372,6 @@ def _choose_whole_or_tiled(weights: Sequence[Weight], budget_bytes: Optional[int
     raise error
 
 
-def warn_narrow_tiles(budget_bytes: int, what: str, stacklevel: int) -> None:
-    """The warning for a budget that leaves room only for tiles narrower than ``TILE_ALIGN``."""
-    warnings.warn(
-        f"offtensor: the budget of {budget_bytes} bytes leaves room for output tiles narrower than "
-        f"{TILE_ALIGN} slices of {what} only; such tiles are summed in another order, so results may "
-        "differ from the unwrapped model's in the last bits. Raise budget_gb for bit-identical results.",
-        stacklevel=stacklevel)
-
-
 def _choose_tiled(weights: Sequence[Weight], budget_bytes, offload_bytes, policy, prefetch,
                   slices: int) -> Placement:
     """``_choose_untiled`` with the weights of the largest working sets computed in tiles of ``slices``
@@ -413,6 +419,7 @@ class _Offloading:
     def clear(self) -> None:
         self.weights = []
         self.nbytes = 0
+        self.freed = 0  # device bytes the offloaded weights held while resident
         self.working_set = 0
         self.widest = None  # the module whose offloaded tensors set ``working_set``
         self.by_module = {}  # module path -> [(rank, working set, fused)] of its offloaded tensors
@@ -425,6 +432,7 @@ class _Offloading:
         they need no more room than one of them. A model's own modules count as ``Weight.fused`` says."""
         self.weights.append(w)
         self.nbytes += w.nbytes
+        self.freed += w.resident_cost
         for stem in {name.rpartition(".")[0] for name in w.names}:
             tensors = self.by_module.setdefault(stem, [])
             tensors.append((len(w.shape), w.working_set, w.fused))
@@ -439,7 +447,7 @@ class _Offloading:
 
     @property
     def resident_bytes(self) -> int:
-        return self.total_bytes - self.nbytes
+        return self.total_bytes - self.freed
 
     def prefetch_room(self) -> int:
         """Room for copies ahead of the current op: another working set, or a layer's routed experts."""
@@ -479,7 +487,7 @@ def _choose_untiled(weights: Sequence[Weight], budget_bytes: Optional[int], offl
     position = {id(w): i for i, w in enumerate(weights)}
     free.sort(key=lambda w: _tie_key(w, position))
 
-    chosen = _Offloading(sum(w.nbytes for w in weights))
+    chosen = _Offloading(sum(w.resident_cost for w in weights))
     for w in forced:
         chosen.add(w)
     pending = list(free)

@@ -16,6 +16,7 @@ LAYERS = [
     {"pager"},
     {"tensor", "moe"},
     {"ops"},
+    {"exactness"},
     {"placement"},
     {"model"},
     {"sim"},

@@ -21,13 +21,17 @@ class Member:
     too: ``owners`` lists the (outer tensor, attribute) pairs holding it, and it is replaced there;
     ``slots`` and ``names`` are then those of the outer tensor, which stays registered as it is."""
 
-    __slots__ = ("tensor", "slots", "names", "owners")
+    __slots__ = ("tensor", "slots", "names", "owners", "fast_path", "read_whole")
 
     def __init__(self, tensor):
         self.tensor = tensor
         self.slots = []
         self.names = []
         self.owners = []
+        self.fast_path = None  # (path, class name) of a torch.nn module with a fused fast path that reads it
+        # Bytes of every tensor of a parent whose fused kernel reads it with them whole
+        # (LinearCrossEntropyLoss: its linear's weight and its class weights), else 0: never tiled.
+        self.read_whole = 0
 
 
 class StorageGroup(list):
@@ -52,17 +56,57 @@ class StorageGroup(list):
             return 0, 0
         return min(r[0] for r in ranges), max(r[1] for r in ranges)
 
+    def master_parts(self) -> list:
+        """How offloading lays this group out in host masters: ``(members, lo, hi, compact)`` per
+        master. One master over the storage range the members cover together, unless that range
+        holds elements none of them views (a column shard of transformers' tensor parallelism is a
+        view into the full weight's storage, twice its bytes): then, where the members' ranges are
+        disjoint, each view gets a master of its own elements only (``compact``: a dense copy in
+        its memory order, ``compact_layout``), so the host holds, and paging covers, what it is."""
+        lo, hi = self.element_range()
+        t = self[0].tensor
+        if _is_offloaded(t) or t.is_meta or any(is_expanded(m.tensor) for m in self):
+            return [(list(self), lo, hi, False)]
+        layouts = {}
+        for m in self:
+            v = m.tensor
+            layouts.setdefault((v.storage_offset(), tuple(v.shape), v.stride()), []).append(m)
+        if sum(ms[0].tensor.numel() for ms in layouts.values()) >= hi - lo:
+            return [(list(self), lo, hi, False)]
+        parts = sorted(((host_layout(ms[0].tensor)[:2], ms) for ms in layouts.values() if ms[0].tensor.numel()),
+                       key=lambda part: part[0])
+        if any(a[0][1] > b[0][0] for a, b in zip(parts, parts[1:])):
+            return [(list(self), lo, hi, False)]  # interleaved views: one master over their range
+        empty = [m for ms in layouts.values() if not ms[0].tensor.numel() for m in ms]
+        out = [(ms, plo, phi, phi - plo > ms[0].tensor.numel()) for (plo, phi), ms in parts]
+        if empty:
+            out = out or [([], lo, lo, False)]
+            out[0] = (out[0][0] + empty, *out[0][1:])
+        return out
+
     @property
     def nbytes(self) -> int:
+        """The bytes of the host masters offloading makes (``master_parts``): the elements the
+        members view where their range has gaps, else the storage range they cover (256 B for
+        256 B expanded to 16 KiB)."""
         t = self[0].tensor
         if _is_offloaded(t):
             return t._master.nbytes
         if len(self) == 1 and (t.is_meta or not is_expanded(t)):
             return t.numel() * t.element_size()
-        # Several aliases, or an expanded (stride-0) tensor: the storage range they cover, which is
-        # what a host master or a resident copy of them holds (256 B for 256 B expanded to 16 KiB).
-        lo, hi = self.element_range()
-        return (hi - lo) * t.element_size()
+        return sum((m[0].tensor.numel() if compact else hi - lo) for m, lo, hi, compact in self.master_parts()
+                   if m) * t.element_size()
+
+    @property
+    def device_bytes(self) -> int:
+        """The device bytes this group holds while resident: its storage's, where that already is
+        one allocation larger than its masters would be (a shard viewing the full weight's
+        storage), since keeping the view keeps the whole storage."""
+        t = self[0].tensor
+        nbytes = self.nbytes
+        if _is_offloaded(t) or t.is_meta or t.layout != torch.strided or not t.untyped_storage().data_ptr():
+            return nbytes
+        return max(nbytes, t.untyped_storage().nbytes() // t.element_size() * t.element_size())
 
     def weight(self) -> Weight:
         """This group as placement sees it."""
@@ -82,10 +126,60 @@ class StorageGroup(list):
                   and bool(slots))
         # An RNN reads its weights in its own kernels (cuDNN's _cudnn_rnn takes every layer's at once,
         # CPU's mkldnn_rnn_layer a layer's four), which dispatch cannot cut into output tiles.
-        tileable = (all(leaf_is_tileable(m.tensor, m.owners) for m in self)
-                    and not any(isinstance(module, nn.RNNBase) for module, _ in slots))
-        return Weight(names, nbytes, shape, working_set(names[0], shape, nbytes, indexed), fused, indexed, sliced,
-                      tileable)
+        tileable = (all(leaf_is_tileable(m.tensor, m.owners) and not m.read_whole for m in self)
+                    and all(read_in_tiles(module, attr) for module, attr in slots))
+        fast_path = next((m.fast_path for m in self if m.fast_path is not None), None)
+        ws = max([working_set(names[0], shape, nbytes, indexed)] + [m.read_whole for m in self])
+        return Weight(names, nbytes, shape, ws, fused, indexed, sliced, tileable, self.device_bytes, fast_path,
+                      self[0].tensor.dtype)
+
+
+# torch.nn's modules whose weights dispatch computes in output tiles (ops.tiling: linear, mm, and a
+# convolution that is neither transposed nor grouped). Every other torch.nn module reads its
+# weights in a kernel dispatch cannot cut (an RNN's _cudnn_rnn, ConvTranspose, Bilinear's
+# _trilinear, a norm's multi-dim weight), so they are paged whole. A model's own module is taken to
+# read its weights by linear, mm, bmm or convolution (GPT-2's Conv1D: addmm), which tile.
+# (RNN cells and attention's composite path read theirs by linear too.)
+_TILED_MODULES = (nn.Linear, nn.Embedding, nn.RNNCellBase, nn.MultiheadAttention)
+_TILED_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+# torch.nn modules with a fused fast path that their forward takes only when no argument has a
+# __torch_function__: with an offloaded weight they run the composite path, which sums in
+# another order.
+_FAST_PATHS = (nn.TransformerEncoderLayer, nn.TransformerEncoder, nn.MultiheadAttention)
+# torch.nn modules whose own kernel reads their submodules' weights whole (F.linear_cross_entropy).
+_FUSED_PARENTS = tuple(c for c in (getattr(nn, "LinearCrossEntropyLoss", None),) if c is not None)
+
+
+def _batch_first(module: nn.Module) -> bool:
+    """Whether ``module``'s fast path can be taken at all: only with batch-first attention."""
+    if isinstance(module, nn.TransformerEncoder):
+        return any(_batch_first(layer) for layer in module.layers)
+    attention = module.self_attn if isinstance(module, nn.TransformerEncoderLayer) else module
+    return bool(getattr(attention, "batch_first", False))
+
+
+def read_in_tiles(module: nn.Module, attr: str) -> bool:
+    """Whether dispatch may compute the ops reading ``module.attr`` in output tiles."""
+    if not type(module).__module__.startswith("torch.nn"):
+        return True
+    if isinstance(module, _TILED_CONVS):
+        return module.groups == 1
+    return isinstance(module, _TILED_MODULES)
+
+
+def compact_layout(t: torch.Tensor) -> torch.Tensor:
+    """A dense copy of ``t``'s elements in its own memory order (strides sorted as ``t``'s are):
+    the host master of a view whose storage range has gaps. Kernels then see the same
+    transposition and order as for ``t`` itself."""
+    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]))  # innermost first
+    strides, step = [0] * t.dim(), 1
+    for d in order:
+        strides[d] = step
+        step *= t.shape[d]
+    out = torch.empty_strided(tuple(t.shape), strides, dtype=t.dtype, device=t.device)
+    with torch.no_grad():
+        out.copy_(t.detach())
+    return out
 
 
 def leaf_is_tileable(t: torch.Tensor, owners) -> bool:
@@ -110,7 +204,16 @@ def tensor_bytes(t: torch.Tensor) -> int:
 def collect_groups(model: nn.Module) -> list:
     """Every parameter and buffer of ``model`` once, grouped by storage: a list of StorageGroups."""
     members = {}
+    fast = {}  # id(module) -> (path, class name) of the outermost module with a fused fast path holding it
+    whole = {}  # id(module) -> bytes of every tensor of the _FUSED_PARENTS module holding it
     for prefix, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, _FAST_PATHS) and id(module) not in fast and _batch_first(module):
+            for sub in module.modules():
+                fast.setdefault(id(sub), (prefix, type(module).__name__))
+        if isinstance(module, _FUSED_PARENTS):
+            together = sum(tensor_bytes(t) for t in {id(t): t for t in [*module.parameters(), *module.buffers()]
+                                                     if t.layout == torch.strided}.values())
+            whole.update((id(sub), together) for sub in module.modules())
         for table, is_buffer in ((module._parameters, False), (module._buffers, True)):
             for attr, t in table.items():
                 if t is None:
@@ -120,6 +223,8 @@ def collect_groups(model: nn.Module) -> list:
                     member = members.get(id(tensor))
                     if member is None:
                         member = members[id(tensor)] = Member(tensor)
+                    member.fast_path = member.fast_path or fast.get(id(module))
+                    member.read_whole = max(member.read_whole, whole.get(id(module), 0))
                     if (module, attr) not in [(m, a) for m, a, _ in member.slots]:
                         member.slots.append((module, attr, is_buffer))
                     if name not in member.names:

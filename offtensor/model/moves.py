@@ -17,7 +17,7 @@ from ..tensor import (
     OWN_ATTRS, OffloadedTensor, check_offloadable, guard_data_ptr, new_host_master, offloaded_class, user_attrs,
     user_class,
 )
-from .groups import Member, StorageGroup
+from .groups import Member, StorageGroup, compact_layout
 
 
 class Undo:
@@ -159,15 +159,21 @@ def offload_group(group: StorageGroup, pager: Pager) -> None:
         return
     for member in group:
         check_offloadable(member.tensor, f"'{member.names[0]}'")
-    lo, hi = group.element_range()
-    flat = first.detach().as_strided((hi - lo,), (1,), lo)
-    host_flat = new_host_master(flat, pin=pins_host_memory(pager.device))
-    master = master_for(host_flat, pager)
-    master.name = next((n for m in group for n in m.names), None)
-    for member in group:
-        t = member.tensor
-        host = host_flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
-        swap(member, as_param_like(t, OffloadedTensor(host, master)))
+    for members, lo, hi, compact in group.master_parts():  # one master, or one per view of a gapped storage
+        if compact:  # a view into a bigger storage: a master of its own elements only
+            host_flat = new_host_master(compact_layout(members[0].tensor), pin=pins_host_memory(pager.device))
+        else:
+            flat = members[0].tensor.detach().as_strided((hi - lo,), (1,), lo)  # members not swapped yet
+            host_flat = new_host_master(flat, pin=pins_host_memory(pager.device))
+        master = master_for(host_flat, pager)
+        master.name = next((n for m in members for n in m.names), None)
+        for member in members:
+            t = member.tensor
+            if not t.numel():  # an empty view: no elements to place
+                host = host_flat.as_strided(t.shape, t.stride(), 0)
+            else:
+                host = host_flat if compact else host_flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
+            swap(member, as_param_like(t, OffloadedTensor(host, master)))
 
 
 def _offload_on_meta(group: StorageGroup, pager: Pager) -> None:

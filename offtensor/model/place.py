@@ -16,7 +16,7 @@ from .moves import (
     as_param_like, check_offloadable_quietly, offload_group, resident_bytes, resident_storages, resident_storages_of,
     storage_bytes, swap, weight_tensors,
 )
-from .room import replan_paging_room, reserve_paging_room
+from .room import replan_paging_room, reserve_paging_room, warn_view_of_a_bigger_master
 from .state import State
 
 
@@ -33,6 +33,7 @@ def place(state: State, module: nn.Module, name: str, t: torch.Tensor, is_buffer
         state.experts_stale = True
     if isinstance(t, OffloadedTensor):
         t._master.move_to(pager)
+        warn_view_of_a_bigger_master(full_name, t)
         return None
     if not leaves.is_leaf(t):
         _place_leaves(state, module, name, t, is_buffer, full_name, attaching)
@@ -54,6 +55,7 @@ def _place_leaves(state: State, module: nn.Module, name: str, t: torch.Tensor, i
     for owner, attr, leaf in leaves.leaves(t, f"'{full_name}'"):
         if isinstance(leaf, OffloadedTensor):
             leaf._master.move_to(state.pager)
+            warn_view_of_a_bigger_master(f"{full_name} (its leaf {attr})", leaf)
         elif not leaf.is_meta and leaf.layout == torch.strided:
             member = Member(leaf)
             member.slots.append((module, name, is_buffer))

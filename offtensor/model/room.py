@@ -3,10 +3,13 @@ wrapping, and planned again when resident weights grow (a weight the policy keep
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .. import placement
-from ..pager import BudgetError
+from ..pager import BudgetError, covering_range
+from ..tensor import OffloadedTensor
 from .groups import collect_groups, tensor_bytes
 from .state import State
 
@@ -33,6 +36,10 @@ def reserve_paging_room(state: State, full_name: str, t: torch.Tensor, resident:
         )
     if narrow:  # the same fallback, and the same warning, as wrap-time placement's
         placement.warn_narrow_tiles(pager.budget_bytes, f"{kind}{full_name}", stacklevel=2)
+    whole = placement.working_set(full_name, tuple(t.shape), nbytes)
+    if tileable and ws < whole:
+        placement.warn_inexact_tiles([placement.Weight([full_name], nbytes, tuple(t.shape), ws, dtype=t.dtype)],
+                                     stacklevel=3)
     state.working_set_bytes = max(state.working_set_bytes, ws)
 
 
@@ -64,3 +71,18 @@ def replan_paging_room(state: State, resident: int, why: str) -> None:
     if narrow is not None:
         placement.warn_narrow_tiles(pager.budget_bytes, f"'{narrow}'", stacklevel=3)
     state.working_set_bytes = need
+
+
+def warn_view_of_a_bigger_master(full_name: str, t: OffloadedTensor) -> None:
+    """``t``, assigned as ``full_name``, is a view of an offloaded weight whose host master holds
+    more than it covers (a shard taken after wrapping: quantise -> wrap -> shard): the master
+    stays whole, so this process keeps every byte of it. Say so, naming the weight and the bytes."""
+    lo, hi = covering_range(t._host)
+    covered = (hi - lo) * t._host.element_size()
+    if covered < t._master.nbytes:
+        warnings.warn(
+            f"offtensor: {full_name} is assigned a view of {t._host.numel() * t._host.element_size()} bytes (paging "
+            f"covers {covered}) of an offloaded host master of "
+            f"{t._master.nbytes} bytes (a shard or slice taken of a weight that was already offloaded); the master "
+            f"stays whole, so host memory keeps all {t._master.nbytes} bytes. To hold only the shard, shard (or "
+            f"parallelize) first and call ot.wrap_model afterwards, on each rank.", UserWarning, stacklevel=5)

@@ -38,7 +38,7 @@ from .grouped import grouped_mm, grouped_mm_fallback, planned_routing
 from .paging import Paged, run
 from .rows import CACHED_SLICE_BYTES, HOST_SYNCS, embedding, index, index_select
 from .table import OP_TABLE, implements
-from .tiling import TILE_ALIGN, ForeachInPieces, bmm, convolution, mm
+from .tiling import TILE_ALIGN, ForeachInPieces, bmm, convolution, convolution_backward, mm
 from .views import inplace_view, view
 from .writes import Mutation, batch_norm, copy_, resize_, set_
 
@@ -155,7 +155,7 @@ def _in_pieces_when_short(func, handler):
 
 # Handlers that page their arguments and compute (tiling when the room is short): under
 # torch.compile they run inside one opaque offtensor::compute op, which calls them at run time.
-_COMPUTE_HANDLERS = {_compute, mm, bmm, convolution, grouped_mm_fallback}
+_COMPUTE_HANDLERS = {_compute, mm, bmm, convolution, convolution_backward, grouped_mm_fallback}
 
 # Handlers that write host masters or page rows chosen by index values: a graph break under
 # torch.compile (see torch_dispatch).

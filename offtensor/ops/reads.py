@@ -1,6 +1,7 @@
-"""Ops that read an OffloadedTensor without paging it through the general rule: copies and values
-read from the host master (``clone``, ``.to("cpu")``, ``item``), questions about memory the caller
-does not manage (``is_pinned``, ``record_stream``), and lazy conjugate/negative bits resolved."""
+"""Ops that read an OffloadedTensor without paging it through the general rule: copies, casts and
+values read from the host master (``clone``, ``.to(dtype)``, ``.to("cpu")``, ``item``), questions
+about memory the caller does not manage (``is_pinned``, ``record_stream``), and lazy
+conjugate/negative bits resolved."""
 
 from __future__ import annotations
 
@@ -32,6 +33,15 @@ def _to_copy(func, types, args, kwargs):
         # .cpu() / .to("cpu"): read the host master, no device round trip.
         return func(args[0]._host, *args[1:], **kwargs)
     return run(func, args, kwargs)
+
+
+@implements(aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other)
+def _to(func, types, args, kwargs):
+    # Its schema returns an alias (``Tensor(a)``), which would make it a view here; but a cast is a
+    # new tensor. It reaches __torch_dispatch__ from inside another subclass's __torch_dispatch__
+    # (torchao's dequantise calls ``qdata.to(float32)``): run torch's own composite, which returns
+    # ``self`` for a no-op and otherwise calls ``_to_copy`` (a plain tensor, paged at its own size).
+    return func.decompose(*args, **kwargs)
 
 
 @implements(aten._local_scalar_dense.default)

@@ -4,6 +4,8 @@ time (``cat``, ``stack``, ``_foreach_*``), and weights larger than the room comp
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..pager import BudgetError, host_layout, page_layout
@@ -81,6 +83,11 @@ def _cat_or_stack(func, types, args, kwargs):
     return out
 
 
+def _offloaded(args, kwargs) -> list:
+    return [t for v in (*args, *kwargs.values()) for t in (v if isinstance(v, (list, tuple)) else (v,))
+            if isinstance(t, OffloadedTensor)]
+
+
 class ForeachInPieces:
     """A ``_foreach_*`` op whose offloaded list elements do not fit the free room together: run it
     once per element (each call pages one element's tensors), which is what the op computes."""
@@ -94,6 +101,12 @@ class ForeachInPieces:
         if not _short_of_room(pager, need):
             return self.handler(func, types, args, kwargs)
         n = len(args[0])
+        if n == 1:  # one element whose tensors do not fit: running it per element would recurse
+            raise BudgetError(
+                f"offtensor: {func} cannot run within the budget: its one element needs {need} bytes of "
+                f"offloaded copies ({', '.join(describe(t) for t in _offloaded(args, kwargs))}), but only "
+                f"{pager.budget_bytes - pager.budget.resident_bytes} of the budget's {pager.budget_bytes} bytes are "
+                f"not resident weights. Raise budget_gb, or offload more weights so fewer stay resident.")
         names = [a.name for a in func._schema.arguments]
 
         def piece(v, i, name):
@@ -134,13 +147,15 @@ def _slice_bytes(t: OffloadedTensor, dim: int) -> int:
 
 
 def _page_slice(t, dim: int, start: int, stop: int, paged: Paged):
-    """Device tensor of ``t.narrow(dim, start, stop - start)``, paging only that slice (a strided
-    slice whose covering range is much larger than its bytes is gathered on the host first)."""
+    """Device tensor of ``t.narrow(dim, start, stop - start)``, paging only that slice's own
+    elements: tiles are sized by them (``_tile_size``, ``placement.tile_working_set``), so a strided
+    slice whose covering range holds more (a column tile of a row-major weight covers nearly all of
+    its rows) is gathered on the host first and uploaded compact."""
     if not isinstance(t, OffloadedTensor):
         return t.narrow(dim, start, stop - start)
     host = t._host.narrow(dim, start, stop - start)
     lo, hi = host_layout(host)[:2]
-    if (hi - lo) <= 2 * host.numel():
+    if (hi - lo) <= host.numel():
         return paged.page(OffloadedTensor(host, t._master))
     view, entry = t._master.pager.upload(host.contiguous(), describe(t))
     paged.entries.append((t._master.pager, entry))
@@ -286,6 +301,40 @@ def convolution(func, types, args, kwargs):
         return func(paged.arg(x), _page_slice(weight, 0, start, stop, paged), b, **rest)
 
     return _tiled(weight, 0, others, "convolution", compute, 1, [(bias, 0)])
+
+
+@implements(aten.convolution_backward.default)
+def convolution_backward(func, types, args, kwargs):
+    """The backward of a convolution whose weight is larger than the room: output channels in tiles.
+    The weight's and bias's gradients are concatenated tiles, as the forward's outputs are; the
+    input's gradient sums over every output channel, so it is the sum of the tiles' and may differ
+    from the whole op's in the last bits (warned, naming the weight)."""
+    grad, x, weight = args[0], args[1], args[2]
+    rest = list(args[3:]) + [kwargs[k] for k in list(kwargs)]
+    bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = rest
+    if transposed or groups != 1 or not needs_tiling(weight, [grad, x]):
+        return run(func, args, kwargs)
+    _, others = _offloaded_bytes([grad, x])
+    warnings.warn(f"offtensor: the backward of a convolution with {describe(weight)}, larger than the budget's room, "
+                  "runs in output-channel tiles: its input gradient is the sum of the tiles' and may differ from the "
+                  "unwrapped model's in the last bits. Raise budget_gb for bit-identical gradients.", stacklevel=2)
+    grads = []
+
+    def compute(start, stop, paged):
+        part = _page_slice(weight, 0, start, stop, paged)
+        sizes = None if bias_sizes is None else [stop - start]
+        grads.append(func(paged.arg(grad).narrow(1, start, stop - start), paged.arg(x), part, sizes, stride, padding,
+                          dilation, transposed, output_padding, groups, mask))
+        return torch.empty(0)
+
+    _tiled(weight, 0, others, "convolution_backward", compute, 0)
+    grad_input = None
+    if mask[0]:
+        grad_input = grads[0][0]
+        for g in grads[1:]:
+            grad_input = grad_input + g[0]
+    cat = lambda i: torch.cat([g[i] for g in grads]) if mask[i] else None  # noqa: E731
+    return grad_input, cat(1), cat(2)
 
 
 def as_linear_weight(x, weight: OffloadedTensor, device_weight: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from ..model.state import pager_of
+from ..tensor import OffloadedTensor, new_view
 from .timeline import Timeline
 
 
@@ -87,10 +88,19 @@ def _meta_grouped_mm(func, args, kwargs):
     call and the result takes the inputs' dtype (meta: nothing is computed either way). The cost
     is counted on the real arguments."""
     dtype = args[0].dtype
-    cast = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-    kw = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+    cast = [_as_bf16(a) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    kw = {k: _as_bf16(v) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
           for k, v in kwargs.items() if k != "out_dtype"}
     return func(*cast, **kw).to(kwargs.get("out_dtype") or dtype)
+
+
+def _as_bf16(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as bf16 for the meta kernel. An offloaded stack stays an OffloadedTensor over its
+    master (meta values: nothing to convert), so the grouped GEMM still pages only the routed
+    experts; a cast (``.to``) would be a new tensor, paging the whole stack."""
+    if isinstance(t, OffloadedTensor):
+        return new_view(t._host.to(torch.bfloat16), t._master)
+    return t.to(torch.bfloat16)
 
 
 class Recorder(TorchDispatchMode):
