@@ -277,7 +277,10 @@ def _shut_down(pool: ThreadPoolExecutor) -> None:
         except BaseException as error:  # a second Ctrl-C: the workers still have to stop
             pending = error if pending is None else pending
     if pending is not None:
-        raise pending
+        try:
+            raise pending
+        finally:
+            pending = None  # not a cycle through this frame: what it holds goes with the traceback
 
 
 def read(groups, chosen: dict, placed: placement.ModelPlacement, pager: Pager, reader: "Reader") -> dict:

@@ -73,7 +73,10 @@ class Undo:
                     steps.pop()
                     failures = 0
         if pending is not None:
-            raise pending
+            try:
+                raise pending
+            finally:
+                pending = None  # not a cycle through this frame: what it holds goes with the traceback
 
 
 def _undo(what, *args) -> None:
