@@ -29,6 +29,8 @@ import weakref
 
 import torch
 
+from . import forking
+
 __all__ = ["NATIVE", "CUDA_COMPILED", "cuda_device_count", "alloc_host", "pin_host", "live_host_bytes", "CopyEngine",
            "StrictCopyEngine", "strict_failures"]
 
@@ -356,6 +358,17 @@ class _StrictWorker:
             self.thread = threading.Thread(target=self.run, name="offtensor-strict-copies", daemon=True)
             self.thread.start()
 
+    def after_fork_in_child(self):
+        """The worker thread does not exist in a forked child: a new condition and thread, and
+        every copy not finished at the fork queued again, in ticket order (a copy overwrites its
+        whole destination, so running one again is right)."""
+        self.cond = threading.Condition()
+        self.thread = None
+        self.urgent = set()
+        self.queue = collections.deque(sorted((j for j in self.jobs.values() if not j.done), key=lambda j: j.ticket))
+        if self.queue:
+            self.start()
+
     def run(self):
         rng = random.Random(0x0FF7E)
         while True:
@@ -393,6 +406,17 @@ class _StrictWorker:
 
 
 _strict_worker = _StrictWorker()
+
+
+def _renew_after_fork() -> None:
+    """A forked child (``offtensor.forking``): the process-wide locks free, the strict worker
+    renewed. The native worker renews itself (``pthread_atfork`` in csrc/offtensor.cpp)."""
+    for lock in (_fallback_lock, _ticket_lock):
+        forking.renew_lock(lock)
+    _strict_worker.after_fork_in_child()
+
+
+forking.at_fork_in_child(_renew_after_fork)
 
 
 class StrictCopyEngine:

@@ -124,6 +124,7 @@ class Reader:
         self.submit_lock = threading.Lock()
         self.pin_lock = threading.Lock()
         self.pending_pins: dict = {}  # id(raw) -> [chunks left, raw]
+        self.stopped = False  # the load failed or was interrupted: queued jobs do nothing
 
     def fd(self, file) -> int:
         if file not in self.fds:
@@ -214,25 +215,41 @@ class Reader:
                 for job in self.jobs:
                     job()
             else:
-                with ThreadPoolExecutor(self.threads, thread_name_prefix="offtensor-load") as pool:
-                    futures = [pool.submit(job) for job in self.jobs]
-                    done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-                    failed = next((f for f in done if f.exception() is not None), None)
-                    if failed is not None:
-                        for f in futures:
-                            f.cancel()
-                        raise failed.exception()
+                self._run_pool()
             self.drain()
         finally:
             self.discard()
 
+    def _run_pool(self) -> None:
+        """The jobs on ``threads`` threads. However the wait ends (a failed job, an interrupt of
+        this thread), the jobs not started yet are cancelled and those running are waited for
+        before this returns, even through a second interrupt: the files they read are closed and
+        their destinations freed after this, never under a running read."""
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="offtensor-load")
+        try:
+            futures = [pool.submit(self._job, job) for job in self.jobs]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in done if f.exception() is not None), None)
+            if failed is not None:
+                raise failed.exception()
+        finally:
+            self.stopped = True  # a job that a worker has not started yet does nothing
+            _shut_down(pool)
+
+    def _job(self, job) -> None:
+        if not self.stopped:
+            job()
+
     def discard(self) -> None:
         """Close the files and drop the jobs. Each job's closure holds this reader and a view of its
         destination (a cycle): dropped here, a failed load frees the memory it allocated at once
-        rather than at the next garbage collection."""
-        for fd in self.fds.values():
+        rather than at the next garbage collection. A descriptor leaves the table before it is
+        closed: an interrupt in between leaks it, a second ``discard`` never closes it twice (in a
+        threaded program that would close another file's descriptor)."""
+        fds = self.fds
+        while fds:
+            fd = fds.popitem()[1]
             os.close(fd)
-        self.fds.clear()
         self.jobs.clear()
         self.pending_pins.clear()
 
@@ -247,6 +264,23 @@ class Reader:
         for buf, _ in held:
             self.slots.put((buf, None))
 
+
+
+def _shut_down(pool: ThreadPoolExecutor) -> None:
+    """``pool.shutdown`` cancelling what has not started and waiting for what has, finished even
+    if this thread is interrupted meanwhile (the interrupt is raised after)."""
+    pending = None
+    while True:
+        try:
+            pool.shutdown(wait=True, cancel_futures=True)
+            break
+        except BaseException as error:  # a second Ctrl-C: the workers still have to stop
+            pending = error if pending is None else pending
+    if pending is not None:
+        try:
+            raise pending
+        finally:
+            pending = None  # not a cycle through this frame: what it holds goes with the traceback
 
 
 def read(groups, chosen: dict, placed: placement.ModelPlacement, pager: Pager, reader: "Reader") -> dict:

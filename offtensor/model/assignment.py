@@ -8,7 +8,6 @@ torch's global hooks are left alone, and ``leave`` gives a module its own class 
 from __future__ import annotations
 
 import copyreg
-import threading
 from typing import Optional
 
 import torch
@@ -162,9 +161,6 @@ def leave(module: nn.Module) -> None:
 _WRAPPING_CLASSES: dict = {}
 
 
-_WRAPPING_CLASSES_LOCK = threading.Lock()
-
-
 def _wrapping_class(user_class: type) -> type:
     """The subclass of ``user_class`` that the modules of a wrapped model take while wrapped.
 
@@ -176,10 +172,12 @@ def _wrapping_class(user_class: type) -> type:
     A module's ops never go through it: forwards cost what they cost unwrapped."""
     if "_offtensor_user_class" in user_class.__dict__:
         return user_class
-    with _WRAPPING_CLASSES_LOCK:
-        cls = _WRAPPING_CLASSES.get(user_class)
-        if cls is None:
-            cls = _WRAPPING_CLASSES[user_class] = _make_wrapping_class(user_class)
+    cls = _WRAPPING_CLASSES.get(user_class)
+    if cls is None:
+        # No lock: two threads' first wraps may both make one, and setdefault (one step under the
+        # GIL) keeps the first for both. A lock here could be left held by an interrupt (Ctrl-C)
+        # and, after a fork, by a thread that does not exist in the child.
+        cls = _WRAPPING_CLASSES.setdefault(user_class, _make_wrapping_class(user_class))
     return cls
 
 

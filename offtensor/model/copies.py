@@ -17,21 +17,24 @@ from ..config import OffloadConfig
 from ..pager import Pager
 from ..prefetch import Prefetcher
 from ..tensor import OffloadedTensor
-from .assignment import join, leave
+from .assignment import give_user_class, join, leave
 from .groups import collect_groups
 from .loads import after_load, portable_state_dict
-from .moves import resident_bytes, weight_tensors
+from .moves import Undo, resident_bytes, weight_tensors
 from .state import WRAPPED, State
 
 
 def register_wrapped(model: nn.Module, pager: Pager, choice: placement.Placement, config: OffloadConfig) -> None:
-    """Mark ``model`` as wrapped: its modules now place whatever is assigned into them."""
+    """Mark ``model`` as wrapped: its modules now place whatever is assigned into them. Inside a
+    placement (``Undo``) the undo is noted before anything is registered, so an interrupt at any
+    point of the registration is undone with the rest."""
     config = config.replace(device=pager.device)
     state = State(model, pager, choice, config)
+    Undo.note("call", undo_registration, model, state)
     try:
         _register_state(model, pager, choice, config, state)
     except BaseException:
-        unregister_wrapped(model, state)
+        undo_registration(model, state)
         raise
 
 
@@ -75,6 +78,23 @@ def unregister_wrapped(model: nn.Module, state: State) -> None:
     if state.step_hook is not None:
         state.step_hook.remove()
         state.step_hook = None
+
+
+def undo_registration(model: nn.Module, state: State) -> None:
+    """``unregister_wrapped`` for a registration that may have stopped anywhere (an interrupt):
+    also the modules that took the wrapping class or a hook before they were recorded. Idempotent."""
+    unregister_wrapped(model, state)
+    for module in model.modules():
+        if WRAPPED.get(module) is state:
+            leave(module)
+        give_user_class(module)
+        for hooks, hook in ((module._load_state_dict_post_hooks, after_load),
+                            (module._state_dict_hooks, portable_state_dict)):
+            for key in [k for k, h in hooks.items() if h is hook]:
+                del hooks[key]
+    for key in [k for k, h in model._forward_pre_hooks.items()
+                if isinstance(h, StepHook) and h.pager_ref is not None and h.pager_ref() is state.pager]:
+        del model._forward_pre_hooks[key]
 
 
 class StepHook:

@@ -4,6 +4,7 @@ undoes them all (``Undo``); and the count of the device bytes resident tensors h
 
 from __future__ import annotations
 
+import copyreg
 import itertools
 import threading
 import weakref
@@ -26,9 +27,16 @@ class Undo:
     objects with the same classes, attributes and storages, masters on their old pagers. Until the
     placement completes, the record keeps the original tensors alive (the price of an exact undo:
     for a wrap of a host model, its offloaded bytes are held twice until ``wrap_model`` returns);
-    dropping the record after an undo frees what the placement allocated."""
+    dropping the record after an undo frees what the placement allocated.
+
+    Exact under interrupts too (a ``KeyboardInterrupt`` raised at any bytecode, not only at a
+    call): each step notes its undo *before* it changes anything, and every undo puts back the
+    state it recorded, so undoing a step that did not happen, or happened in part, is right too.
+    The roll-back survives a second interrupt: a step whose undo was interrupted is undone again,
+    and the first exception raised meanwhile is raised once every step is undone."""
 
     _active = threading.local()  # the record of the placement running in this thread, if any
+    ATTEMPTS = 4  # undoes of one step that raise before the roll-back gives up on that step
 
     def __init__(self):
         self.steps = []
@@ -51,26 +59,88 @@ class Undo:
         return False
 
     def roll_back(self) -> None:
-        for step in reversed(self.steps):
-            what, *args = step
-            if what == "swapped":  # swap_tensors exchanged the contents: exchange them back
-                member, new = args
-                swap(member, new)
-            elif what == "slots":  # the slots took the new object: give them the old one
-                member, old = args
-                for module, attr, is_buffer in member.slots:
-                    if is_buffer is None:
-                        module.__dict__[attr] = old
-                    else:
-                        (module._buffers if is_buffer else module._parameters)[attr] = old
-                member.tensor = old
-            elif what == "data":
-                t, data = args
-                t.data = data
-            elif what == "moved":
-                master, pager = args
-                if pager is not None:
-                    master.move_to(pager)
+        steps, pending, failures = self.steps, None, 0
+        while steps:
+            try:
+                while steps:
+                    _undo(*steps[-1])
+                    steps.pop()
+                    failures = 0
+            except BaseException as error:  # a second Ctrl-C, or an undo that failed: go on
+                pending = error if pending is None else pending
+                failures += 1
+                if failures >= Undo.ATTEMPTS:
+                    steps.pop()
+                    failures = 0
+        if pending is not None:
+            try:
+                raise pending
+            finally:
+                pending = None  # not a cycle through this frame: what it holds goes with the traceback
+
+
+def _undo(what, *args) -> None:
+    """Undo one noted step; a no-op when the step did not happen."""
+    if what == "swapped":  # swap_tensors exchanged (some of) the contents: put each back
+        old, new, old_state, new_state = args
+        _restore(old, old_state, new)
+        _restore(new, new_state, old)
+    elif what == "slots":  # the slots took the new object: give them the old one
+        member, old = args
+        _register(member, old)
+    elif what == "leaf":  # the outer tensors took the new leaf: give them the old one
+        member, old = args
+        for owner, attr in member.owners:
+            leaves.replace_leaf(owner, attr, old)
+        member.tensor = old
+    elif what == "data":
+        t, data = args
+        t.data = data
+    elif what == "moved":
+        master, pager = args
+        if pager is not None:
+            master.move_to(pager)
+    elif what == "call":  # a registration's own undo (idempotent)
+        undo, *call_args = args
+        undo(*call_args)
+
+
+def _tensor_state(t: torch.Tensor) -> tuple:
+    """What ``torch.utils.swap_tensors`` exchanges between two tensor objects: class, attribute
+    dict, slots and the C++ tensor (``_cdata``)."""
+    slots = {name: getattr(t, name, _MISSING) for name in copyreg._slotnames(type(t))}
+    return type(t), t.__dict__, slots, t._cdata
+
+
+_MISSING = object()
+
+
+def _restore(t: torch.Tensor, state: tuple, other: torch.Tensor) -> None:
+    """Give ``t`` back what ``_tensor_state`` recorded, taking what it lost from ``other`` (its
+    partner in the swap); each part only if it changed, so a swap interrupted half-way is undone."""
+    cls, attrs, slots, cdata = state
+    if t._cdata != cdata:  # one C call exchanges them: either both moved or neither did
+        torch._C._swap_tensor_impl(t, other)
+    if type(t) is not cls:
+        t.__class__ = cls
+    if t.__dict__ is not attrs:
+        t.__dict__ = attrs
+    for name, value in slots.items():
+        if getattr(t, name, _MISSING) is not value:
+            if value is _MISSING:
+                delattr(t, name)
+            else:
+                setattr(t, name, value)
+
+
+def _register(member: Member, t: torch.Tensor) -> None:
+    """``t`` in every slot of ``member`` (its modules' parameters, buffers or attributes)."""
+    for module, attr, is_buffer in member.slots:
+        if is_buffer is None:  # a plain tensor attribute
+            module.__dict__[attr] = t
+        else:
+            (module._buffers if is_buffer else module._parameters)[attr] = t
+    member.tensor = t
 
 
 def swap(member: Member, new: torch.Tensor) -> None:
@@ -87,21 +157,16 @@ def swap(member: Member, new: torch.Tensor) -> None:
     for rnn in rnns:
         rnn._flat_weight_refs = []
     try:
-        torch.utils.swap_tensors(old, new)
-        Undo.note("swapped", member, new)  # ``new`` now holds the old contents
+        Undo.note("swapped", old, new, _tensor_state(old), _tensor_state(new))
+        torch.utils.swap_tensors(old, new)  # ``new`` now holds the old contents
         return
     except RuntimeError:
-        pass  # e.g. a live autograd graph still references the tensor
+        pass  # e.g. a live autograd graph still references the tensor (nothing was exchanged)
     finally:
         for rnn in rnns:
             rnn._flat_weight_refs = [weakref.ref(w) if w is not None else None for w in rnn._flat_weights]
-    for module, attr, is_buffer in member.slots:
-        if is_buffer is None:  # a plain tensor attribute
-            module.__dict__[attr] = new
-        else:
-            (module._buffers if is_buffer else module._parameters)[attr] = new
     Undo.note("slots", member, old)
-    member.tensor = new
+    _register(member, new)
 
 
 def _swap_leaf(member: Member, new: torch.Tensor) -> None:
@@ -110,6 +175,7 @@ def _swap_leaf(member: Member, new: torch.Tensor) -> None:
     old = member.tensor
     if new.requires_grad != old.requires_grad:
         new.requires_grad_(old.requires_grad)  # DTensor keeps its local shard's flag equal to its own
+    Undo.note("leaf", member, old)
     for owner, attr in member.owners:
         leaves.replace_leaf(owner, attr, new)
     member.tensor = new

@@ -104,11 +104,11 @@ def apply_placement(model: nn.Module, placed: placement.ModelPlacement, pager: P
                 else:
                     make_resident(group, pager.device)
             register_wrapped(model, pager, placed.choice, config)
+            if expert is not None:
+                _start_expert_placement(model, *expert)
     except BaseException:
         loaded.clear()  # the loader's destinations: freed now, not when the traceback goes
         raise
-    if expert is not None:
-        _start_expert_placement(model, *expert)
     return model
 
 
@@ -116,6 +116,7 @@ def _start_expert_placement(model: nn.Module, report: Optional[dict], watch) -> 
     state = WRAPPED[model]
     state.expert_placement = report
     if watch is not None:
+        Undo.note("call", watch.stop)
         watch.start(state, model)
 
 

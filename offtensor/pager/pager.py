@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from .. import forking
 from . import device as _device
 from .budget import Budget
 from .device import _NOTHING_AFTER
@@ -73,25 +74,51 @@ class Pager:
         self.lock = threading.RLock()
         self.stats = OffloadStats()
         self.budget = Budget(budget_bytes, self.stats)
-        self.cache = DeviceCache()
-        self._entries = self.cache.entries  # the hot path's lookup, without a method call
         self.device_ops = ops = _device.for_device(device, bool(_device.strict_from_env() if strict is None else strict))
         self.strict = ops.strict
-        self.pool = SlotPool(ops) if budget_bytes is not None else None
-        self.lifetimes = HostLifetimes(ops)
         self.observers = Observers()
         self._observed = False  # whether any observer is set: the hot path skips every event otherwise
+        self._new_paging_state()
+        self.experts = self.prefetcher = self.recorder = None
+        forking.track(self)  # a forked child renews the lock and the paging state (after_fork_in_child)
+
+    def _new_paging_state(self) -> None:
+        """An empty cache, slot pool and host lifetimes, and the collaborators over them."""
+        ops, device = self.device_ops, self.device
+        self.cache = DeviceCache()
+        self._entries = self.cache.entries  # the hot path's lookup, without a method call
+        self.pool = SlotPool(ops) if self.budget_bytes is not None else None
+        self.lifetimes = HostLifetimes(ops)
         # Collaborators over the same owners: making room (eviction, by LRU or the expert cache's
         # order) and dropping copies; issuing copies.
-        self.room = Room(self.lock, device, self.budget, self.cache, self.pool, self.lifetimes, self.observers, LRU)
+        policy = LRU if getattr(self, "experts", None) is None else self.experts
+        self.room = Room(self.lock, device, self.budget, self.cache, self.pool, self.lifetimes, self.observers, policy)
         self.copies = Copies(device, self.budget, self.cache, self.pool, self.lifetimes, self.observers, ops, self.room)
-        self.experts = self.prefetcher = self.recorder = None
         # dispatch's host read of a grouped GEMM's routing offsets, shared by the calls of one MoE
         # layer that pass the same unchanged offsets: (weakref to offs, its version, its values).
         self.routing_read = (None, -1, None)
         # Teardown waits for the last use of every slot and the last copy from every host source
         # before the slots and sources go (the finalizer holds them, not the pager).
-        weakref.finalize(self, _teardown, self.cache, self.pool, self.lifetimes, ops)
+        self._teardown = weakref.finalize(self, _teardown, self.cache, self.pool, self.lifetimes, ops)
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child (``offtensor.forking``): the lock is free and no copy that may have
+        been in flight at the fork is used (its bytes may be half copied). If another thread held
+        the lock (an op between its page and its release, which the child never finishes), the
+        cache, slots and host lifetimes start empty, as a new pager's. A CUDA pager only gets its
+        lock: CUDA cannot be used in a forked child, and torch says so on first use."""
+        if self.lock._is_owned():
+            return  # the forking thread's own op or call: it goes on as usual
+        held_elsewhere = forking.renew_lock(self.lock)
+        if self.device.type == "cuda":
+            return
+        if held_elsewhere:
+            self._teardown.detach()  # the old state's copies and uses are the parent's
+            self._new_paging_state()
+            self.budget.paged_bytes = 0
+        else:
+            for entry in [e for e in self.cache.entries.values() if e.ready is not None]:
+                self.room.remove(entry)
 
     # ------------------------------------------------------------------ construction and observers
 
@@ -342,6 +369,10 @@ class Pager:
         """Block until every copy this pager started has completed (and release their sources)."""
         with self.lock:
             self.lifetimes.wait_for(None)
+
+
+
+forking.at_fork_in_child(lambda: forking.renew_lock(Pager._defaults_lock))
 
 
 def _teardown(cache: DeviceCache, pool, lifetimes: HostLifetimes, ops) -> None:

@@ -1,0 +1,345 @@
+"""Ctrl-C and fork lose nothing in a wrap or a load.
+
+- An interrupt (``KeyboardInterrupt``) at any bytecode of ``wrap_model`` or ``load_safetensors``
+  leaves the model exactly as it was (the same tensor objects, classes and values, not wrapped),
+  frees the host memory the attempt allocated, and the next wrap or load works. Interrupts are
+  raised by ``sys.settrace`` at the n-th opcode executed in offtensor's frames, n sampled (seeded).
+- A second interrupt inside the roll-back is survived; an interrupted reader never closes a
+  descriptor twice; a threaded load interrupted by signals stops its workers before it returns.
+- ``fork()`` while another thread runs forwards: the child's forward finishes with the parent's
+  output (``offtensor.forking``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import signal
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import offtensor as ot
+from offtensor import _ext
+from offtensor.loading import read as _read
+from offtensor.model import copies as _copies
+from offtensor.model import moves as _moves
+
+from test_reliability import GiB, _assert_unchanged, _inputs, _meta_model, _nbytes, _reference, _snapshot
+
+OFFTENSOR_DIR = os.path.dirname(ot.__file__) + os.sep
+
+
+class _InterruptAt:
+    """A ``sys.settrace`` tracer raising ``KeyboardInterrupt`` at the ``n``-th opcode executed in
+    frames whose code passes ``where`` (offtensor's files by default); n < 0 only counts."""
+
+    def __init__(self, n, where=None):
+        self.n, self.count = n, 0
+        self.where = where or (lambda code: code.co_filename.startswith(OFFTENSOR_DIR))
+
+    def __call__(self, frame, event, arg):
+        if self.where(frame.f_code):
+            frame.f_trace_opcodes = True
+            frame.f_trace_lines = False
+            return self.local
+        return None
+
+    def local(self, frame, event, arg):
+        if event == "opcode":
+            self.count += 1
+            if self.count == self.n:
+                raise KeyboardInterrupt(f"injected at opcode {self.n}")
+        return self.local
+
+
+def _traced(tracer, run):
+    """Run ``run()`` under ``tracer``; whether it was interrupted."""
+    sys.settrace(tracer)
+    try:
+        run()
+        return False
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+
+
+def _opcodes(run, where=None) -> int:
+    counter = _InterruptAt(-1, where)
+    _traced(counter, run)
+    return counter.count
+
+
+def _wrap(model):
+    budget = int(_nbytes(model) * 0.4)
+    return ot.wrap_model(model, budget_gb=budget / GiB, device="cpu", policy={"offload": ["layers.*"]})
+
+
+def _check_interrupted(model, before, live_before, forward=None, want=None) -> None:
+    """Either the interrupt came after the wrap or load completed (then it is whole: outputs
+    agree), or the model is exactly as it was and holds no host memory from the attempt."""
+    if _copies.is_wrapped(model):
+        if forward is not None:
+            with torch.no_grad():
+                assert torch.equal(forward(model), want)
+        return
+    _assert_unchanged(model, before)
+    # At most what was live before: a model of an earlier attempt may be collected meanwhile.
+    assert _ext.live_host_bytes() <= live_before, "the interrupted placement kept host memory"
+
+
+def test_an_interrupt_at_any_bytecode_of_a_wrap_leaves_the_model_as_it_was():
+    """200 sampled opcodes of a wrap. On main an interrupt between a swap and its note in the
+    undo record left a weight an OffloadedTensor on a model not wrapped (16 of 3000)."""
+    x = _inputs("cpu", 1)[0]
+    total = _opcodes(lambda: _wrap(_reference()))
+    for n in sorted(random.Random(0).sample(range(1, total + 1), 200)):
+        model = _reference()
+        with torch.no_grad():
+            want = model(x)
+        live_before, before = _ext.live_host_bytes(), _snapshot(model)
+        _traced(_InterruptAt(n), lambda: _wrap(model))
+        _check_interrupted(model, before, live_before, lambda m: m(x), want)
+        if not _copies.is_wrapped(model):
+            _wrap(model)  # not "already wrapped", and whole
+            with torch.no_grad():
+                assert torch.equal(model(x), want), n
+        del model
+    gc.collect()
+
+
+def test_a_second_interrupt_inside_the_roll_back_is_survived(monkeypatch):
+    """An interrupt late in a wrap, then a second one at each of the roll-back's first opcodes:
+    the roll-back finishes (a step interrupted is undone again) and the model is as it was."""
+    total = _opcodes(lambda: _wrap(_reference()))
+    original = _moves.Undo.roll_back
+    second = {"n": 0}
+
+    # Counted in the undo steps the roll-back calls, not in the roll-back's own loop, which is
+    # what catches them.
+    in_steps = lambda code: code is not original.__code__ and code.co_filename.startswith(OFFTENSOR_DIR)  # noqa: E731
+
+    def interrupted_roll_back(self):
+        sys.settrace(_InterruptAt(second["n"], in_steps))
+        try:
+            original(self)
+        finally:
+            sys.settrace(None)
+
+    monkeypatch.setattr(_moves.Undo, "roll_back", interrupted_roll_back)
+    # An interrupt that lands in a finalizer run by the roll-back (a master dying) is ignored by
+    # Python; pytest's hook for such exceptions would keep their tracebacks (and the masters) alive.
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)
+    x = _inputs("cpu", 1)[0]
+    for m in range(1, 300, 4):
+        second["n"] = m
+        model = _reference()
+        with torch.no_grad():
+            want = model(x)
+        live_before, before = _ext.live_host_bytes(), _snapshot(model)
+        assert _traced(_InterruptAt(int(total * 0.75)), lambda: _wrap(model))
+        _check_interrupted(model, before, live_before)
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    from safetensors.torch import save_file
+
+    reference = _reference()
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
+    return reference, path
+
+
+def _loader(path, budget, threads):
+    def load(model):
+        return ot.load_safetensors(model, path, budget_gb=budget / GiB, device="cpu",
+                                   policy={"offload": ["layers.*"]}, threads=threads, progress=False)
+    return load
+
+
+def _finishes(run, timeout=20.0) -> bool:
+    """Whether ``run()`` returns within ``timeout`` (in a thread, so that a hang fails the test)."""
+    done = []
+    thread = threading.Thread(target=lambda: done.append(run()), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(done)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_an_interrupt_at_any_bytecode_of_a_load_leaves_the_model_as_it_was(checkpoint, threads):
+    """120 sampled opcodes of the main thread's load: the meta model is untouched and not wrapped,
+    the host memory read so far is freed, no worker is left running and the next load finishes."""
+    reference, path = checkpoint
+    load = _loader(path, int(_nbytes(reference) * 0.4), threads)
+    x = _inputs("cpu", 1)[0]
+    with torch.no_grad():
+        want = reference(x)
+    total = _opcodes(lambda: load(_meta_model()))
+    for n in sorted(random.Random(threads).sample(range(1, total + 1), 120)):
+        model = _meta_model()
+        live_before, before = _ext.live_host_bytes(), _snapshot(model)
+        _traced(_InterruptAt(n), lambda: load(model))
+        assert not [t for t in threading.enumerate() if t.name.startswith("offtensor-load")]
+        _check_interrupted(model, before, live_before, lambda m: m(x), want)
+        del model
+    model = _meta_model()
+    assert _finishes(lambda: load(model))
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_an_interrupted_reader_never_closes_a_descriptor_twice(checkpoint):
+    """An interrupt at every opcode of the reader's ``discard``, whose failure path runs it again:
+    never ``OSError: Bad file descriptor`` (on main: an interrupt between ``os.close`` and clearing
+    the table closed the descriptor twice), at most one descriptor leaked, and the next load works."""
+    reference, path = checkpoint
+    load = _loader(path, int(_nbytes(reference) * 0.4), 1)
+    in_discard = lambda code: code is _read.Reader.discard.__code__  # noqa: E731
+    total = _opcodes(lambda: load(_meta_model()), in_discard)
+    assert total > 0
+    for n in range(1, total + 1):
+        fds = _open_fds()
+        model = _meta_model()
+        try:
+            _traced(_InterruptAt(n, in_discard), lambda: load(model))
+        except OSError as error:  # the double close
+            pytest.fail(f"interrupt at opcode {n} of discard: {error!r}")
+        assert _open_fds() - fds <= 1
+    model = _meta_model()
+    load(model)
+    assert _copies.is_wrapped(model)
+
+
+class _Wide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(8))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_threaded_load_interrupted_by_signals_stops_its_workers_before_it_returns(tmp_path, monkeypatch):
+    """A storm of SIGALRM -> KeyboardInterrupt while the pool reads: once the load raises, no
+    worker still reads (on main a second interrupt during the pool's shutdown returned with workers
+    reading from descriptors the load then closed), and the next load finishes with right values."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    reference = _Wide().eval()
+    path = tmp_path / "wide.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
+
+    def meta():
+        with torch.device("meta"):
+            return _Wide()
+
+    def load(model):
+        return ot.load_safetensors(model, path, budget_gb=1e6 / GiB, device="cpu", policy={"offload": ["layers.*"]},
+                                   threads=4, progress=False)
+
+    def interrupt(signum, frame):
+        if frame is not None and frame.f_code.co_filename != __file__:  # inside the load, not this test's loop
+            raise KeyboardInterrupt("SIGALRM")
+
+    # An interrupt that lands in a finalizer is ignored by Python; pytest would report it.
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)
+    start = time.perf_counter()
+    load(meta())
+    seconds = time.perf_counter() - start
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    rng = random.Random(0)
+    try:
+        for _ in range(20):
+            model = meta()
+            try:
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(0, seconds), max(seconds / 20, 1e-3))
+                load(model)
+            except KeyboardInterrupt:
+                pass
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            assert not [t for t in threading.enumerate() if t.name.startswith("offtensor-load") and t.is_alive()]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    model = meta()
+    assert _finishes(lambda: load(model))
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+
+
+def _child_forward(model, x, want) -> int:
+    """In the forked child: one forward within 10 s, its exit status (0: the parent's output)."""
+    signal.alarm(10)
+    try:
+        with torch.no_grad():
+            return 0 if torch.equal(model(x), want) else 1
+    except BaseException:
+        return 2
+
+
+def _wait_child(pid, timeout=20.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return -1
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_fork_while_another_thread_runs_forwards_gives_the_child_a_working_model():
+    """8 forks while a thread runs forwards of a wrapped model: each child's forward finishes with
+    the parent's output. On main the child hung on the pager's lock, held by the parent's thread
+    (8 of 10 forks)."""
+    reference = _reference()
+    model = _reference()
+    _wrap(model)
+    x = _inputs("cpu", 1)[0]
+    with torch.no_grad():
+        want = reference(x)
+    stop = threading.Event()
+
+    def forwards():
+        with torch.no_grad():
+            while not stop.is_set():
+                model(x)
+
+    thread = threading.Thread(target=forwards, daemon=True)
+    thread.start()
+    statuses = []
+    try:
+        for _ in range(8):
+            time.sleep(0.01)
+            pid = os.fork()
+            if pid == 0:
+                os._exit(_child_forward(model, x, want))
+            statuses.append(_wait_child(pid))
+    finally:
+        stop.set()
+        thread.join()
+    assert statuses == [0] * 8
+    with torch.no_grad():
+        assert torch.equal(model(x), want)  # the parent is unaffected
