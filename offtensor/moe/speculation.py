@@ -6,7 +6,8 @@ The top-k of a router's output tells the expert cache which experts its layer wi
 ``routing.routed_experts``, the one reader of router outputs, so the router's own rule (DeepSeek-V3's
 correction bias) decides it. Before layer i's router runs, layer i+1's router weight is applied to
 its input (the residual stream changes little from one layer to the next, which MoE-Infinity and
-Pre-gated MoE exploit): a guess of layer i+1's experts, always scored against what layer i+1 pages.
+Pre-gated MoE exploit), or where a learned look-ahead is installed (``moe.predictor``: a map fitted
+on recorded routing) its weight and bias: a guess of layer i+1's experts, always scored against what layer i+1 pages.
 Guesses of experts not cached when guessed (the only ones a copy can save) are scored apart per
 router and confidence bin. Such a guess is copied (the most confident one per layer, behind layer
 i's own copies, and only into the room of a copy expected to be read much later) when its bin's
@@ -89,7 +90,7 @@ class Router:
     __slots__ = ("name", "module_ref", "stacks", "top_k", "bin_correct", "bin_guessed", "guessed", "correct",
                  "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts", "copied_correct",
                  "prefetched_bytes", "wasted_bytes", "tokens", "guess", "cached", "copied", "guess_tokens",
-                 "unpaid_steps", "missed", "misses_seen")
+                 "unpaid_steps", "missed", "misses_seen", "lookahead")
 
     def __init__(self, name: str, module: nn.Module):
         self.name = name
@@ -111,16 +112,29 @@ class Router:
         self.unpaid_steps = 0  # steps it could have been guessed for with copies off (every SPECULATE_SAMPLE-th is)
         self.missed = True  # whether its stacks missed in the last step (a guess could have saved a copy)
         self.misses_seen = 0  # its stacks' misses counted at the end of the last step
+        # (weight [E, H], bias [E]) of the learned look-ahead of the next layer from this router's
+        # input (moe.predictor.install), on the device; None: the next router's weight guesses.
+        self.lookahead = None
 
     def pays(self, confidence_bin: int, pool=None) -> bool:
         """Whether an uncached guess in this bin is right often enough to be worth its copy: by its
         own record once it has SPECULATE_EVIDENCE guesses, until then by ``pool`` (every router's
         record of that bin, (correct, guessed) lists), so a router need not wait for evidence of
         its own before its first copy (on the trained test models a bin took 20-40 decode steps)."""
+        correct, guessed = self._record(confidence_bin, pool)
+        return guessed >= SPECULATE_EVIDENCE and correct >= SPECULATE_PRECISION * guessed
+
+    def _record(self, confidence_bin: int, pool=None):
+        """(correct, guessed) decayed counts of a bin: its own, or the pool's until it has evidence."""
         correct, guessed = self.bin_correct[confidence_bin], self.bin_guessed[confidence_bin]
         if guessed < SPECULATE_EVIDENCE and pool is not None:
             correct, guessed = pool[0][confidence_bin], pool[1][confidence_bin]
-        return guessed >= SPECULATE_EVIDENCE and correct >= SPECULATE_PRECISION * guessed
+        return correct, guessed
+
+    def precision(self, confidence_bin: int, pool=None) -> float:
+        """The measured precision of its uncached guesses in a bin (0 without a record)."""
+        correct, guessed = self._record(confidence_bin, pool)
+        return correct / guessed if guessed else 0.0
 
     def speculating(self, pool=None) -> bool:
         return SPECULATE_COPY and any(self.pays(b, pool) for b in range(len(CONFIDENCE_BINS)))
@@ -212,13 +226,16 @@ class RoutingSpeculator:
             if (nxt.unpaid_steps - 1) % SPECULATE_SAMPLE:
                 return  # the first step and every SPECULATE_SAMPLE-th after it are guessed
         module = nxt.module_ref()
-        weight = getattr(module, "weight", None)
-        if module is None or not isinstance(weight, torch.Tensor) or hasattr(weight, "_master") \
+        weight, bias = getattr(module, "weight", None), None
+        learned = router.lookahead
+        if learned is not None and learned[0].device == x.device and learned[0].shape[-1] == x.shape[-1]:
+            weight, bias = learned  # the learned look-ahead (moe.predictor): logits of nxt's experts
+        elif module is None or not isinstance(weight, torch.Tensor) or hasattr(weight, "_master") \
                 or weight.device != x.device or weight.shape[-1] != x.shape[-1]:
             return  # an offloaded router would be paged for a guess: not worth it
         with torch.no_grad():
-            scores = F.linear(x.reshape(-1, x.shape[-1]).to(weight.dtype), weight)
-            biased = routing.correction_bias(module, scores.shape[-1]) is not None
+            scores = F.linear(x.reshape(-1, x.shape[-1]).to(weight.dtype), weight, bias)
+            biased = bias is None and routing.correction_bias(module, scores.shape[-1]) is not None
             if router.tokens <= GUESS_ON_HOST_TOKENS and not biased:
                 # A decode step: the router matmul is the guess's one kernel (on a GPU, plus the
                 # read-back copy). Its softmax and top-k over a few rows of E scores are done on the
@@ -346,8 +363,11 @@ class RoutingSpeculator:
         self._stacks.guard(router.stacks, router.guess)
         worth = [e for e, b in router.guess.items()
                  if SPECULATE_COPY and e not in router.cached and router.pays(b, self.pool)]
-        with self._stacks.in_spare_room_only():
-            for expert in worth[:SPECULATE_EXPERTS]:
+        for expert in worth[:SPECULATE_EXPERTS]:
+            # It may take only the room of copies expected to be used later than itself.
+            chance = router.precision(router.guess[expert], self.pool)
+            next_use = self._stacks.expected_next_use(router.stacks[0], expert, chance)
+            with self._stacks.in_spare_room_only(next_use):
                 for stack in router.stacks:
                     master = stack.master_ref()
                     if master is None or master.flat is None:
@@ -355,7 +375,7 @@ class RoutingSpeculator:
                     key = stack.key_of(expert)
                     cached = pager.is_cached(key)
                     if not pager.prefetch(master, *key[1:]):
-                        return  # no room without evicting copies this step may still read
+                        return  # no room without evicting copies used sooner than the guess
                     if not cached:
                         nbytes = stack.expert_bytes
                         router.copied[expert] = router.copied.get(expert, 0) + nbytes
