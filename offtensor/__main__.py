@@ -129,6 +129,7 @@ def _print_expert_paging(plan_expert_paging, model, budget_gb, x, routing, profi
     print(f"routing: {routing.source or 'measured'}, {s['layers']} layers x {s['experts']} experts top-{s['top_k']}, "
           f"entropy {min(s['entropy_bits']):.2f}-{max(s['entropy_bits']):.2f} bits, locality "
           f"{min(s['locality']):.2f}-{max(s['locality']):.2f}; scaled to this model's experts")
+    _print_hit_curve(model, routing)
     if budget_gb is None:
         print("expert placement: not compared (give --budget-gb)")
         return
@@ -140,6 +141,30 @@ def _print_expert_paging(plan_expert_paging, model, budget_gb, x, routing, profi
     chosen = f"page every stack (policy={verdict['policy']})" if verdict["paged"] else "the default placement"
     print(f"expert placement, decode: whole stacks resident {d.step_ms:.1f} ms, every stack paged {a.step_ms:.1f} ms "
           f"-> {chosen}")
+
+
+def _print_hit_curve(model, routing) -> None:
+    """Decode hit rate against cache slots a layer, from the measured routing, and the knee."""
+    from .pager import format_bytes
+    from .sim.hit_curve import format_curve, hit_curve
+
+    stacks = [p for n, p in model.named_parameters() if ".experts." in n and p.dim() == 3]
+    experts = stacks[0].shape[0] if stacks else len(routing.popularity[0])
+    per_expert = sum(p.numel() * p.element_size() for p in stacks) // max(experts, 1)
+    layers = len({n.split(".experts.")[0] for n, p in model.named_parameters() if ".experts." in n and p.dim() == 3})
+    dense = sum(p.numel() * p.element_size() for p in model.parameters()) - per_expert * experts
+    if stacks and experts != len(routing.popularity[0]):
+        routing = type(routing)([routing.layer_shares(i, layers, experts) for i in range(layers)],
+                                [routing.layer_locality(i, layers) for i in range(layers)], routing.top_k)
+    curve = hit_curve(routing)
+    per_layer = per_expert / max(layers, 1)  # one expert of one layer, every stack of it
+    print("decode hit rate against expert-cache slots a layer (a decode drawn from the measured routing):")
+    for line in format_curve(curve, per_layer, layers, dense):
+        print(line)
+    knee = curve["knee_slots"]
+    where = f", a budget of {format_bytes(int(dense + knee * layers * per_layer))}" if per_layer else ""
+    print(f"the curve bends at {knee} slots a layer ({knee / curve['experts']:.0%} of the experts cached{where}): "
+          f"each slot past it buys less hit than the average slot")
 
 
 def _dense_stack(args, dtype):

@@ -58,8 +58,10 @@ SPECULATE_PRECISION = 0.7
 CONFIDENCE_BINS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 # A bin's precision is correct / guessed over its recent uncached guesses: both counts decay by
 # this factor per scored guess, and at least SPECULATE_EVIDENCE guesses must stand behind it.
+# (4, not 8: on the trained Mixtral-shaped test model, top-2 of 16 over 4 layers, few guesses are
+# of uncached experts, and at 8 no bin had earned a copy in 160 decode steps.)
 PRECISION_DECAY = 0.98
-SPECULATE_EVIDENCE = 8.0
+SPECULATE_EVIDENCE = 4.0
 # At most this many guessed experts per layer are copied ahead, the most confident first. The copy
 # stream is idle only between a layer's last expert copy and the next layer's routing read (its
 # attention and router: ~0.3 ms on the DeepSeek-style stack under the H200 profile, less than one
@@ -75,10 +77,14 @@ SPECULATE_EXPERTS = 1
 # benchmarks/results/moe_sim.json and the README's MoE table). Off: guesses are still made, on a
 # sample of the steps, and scored (``ot.stats(model).guesses``).
 SPECULATE_COPY = True
-# With SPECULATE_COPY off a router is guessed for at every SPECULATE_SAMPLE-th step only: enough to
-# keep its score, while a guess's kernels (4 us each of launch on the compute stream) are not paid
-# every layer of every step.
-SPECULATE_SAMPLE = 8
+# A router whose layer missed nothing in the last step and none of whose bins pays (or every router,
+# with SPECULATE_COPY off) is guessed for at every SPECULATE_SAMPLE-th step only, which saves a
+# guess's kernel (4 us of launch on the compute stream) on steps where no copy would be made. 1:
+# every step, the default: with one kernel a guess (GUESS_ON_HOST_TOKENS) the cost is small, and on
+# the trained test models at 50% cached, where layers rarely miss, sampling starved the bins of
+# evidence (no guess was ever copied; guessing every step brings the hit rate 0.4-1.2 points closer
+# to Belady's, benchmarks/results/moe_sim.json).
+SPECULATE_SAMPLE = 1
 # Up to this many tokens (decode steps) a guess's softmax and top-k are taken on the host from the
 # router scores (E values a token, read back with the layer's routing); beyond it (a prefill) on the
 # device. Each kernel is a launch ahead of the layer's routing read: the matmul, softmax and top-k
