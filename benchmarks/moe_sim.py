@@ -1,14 +1,18 @@
 """Expert cache and routing speculation on a TRAINED MoE (issue 20): a recorded routing trace, the
 offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a real wrapped run.
 
-    python benchmarks/moe_sim.py                       # both committed models (tests/data/moe_*)
+    python benchmarks/moe_sim.py                       # the committed models (tests/data/moe_*)
     python benchmarks/moe_sim.py --models qwen3 --steps 128 --no-real
 
 1. **Trace.** A teacher-forced decode of held-out text (``tests/data/stdlib_heldout.txt.gz``, files
    scripts/train_moe.py never trained on): a ``--prefix``-byte prefill, then ``--steps`` one-byte
    decode steps fed the true next byte. Per step and MoE layer: the experts each token was routed
-   to, the router's logits, and the look-ahead logits: layer i+1's router weight applied to layer
-   i's router input (what offtensor's RoutingSpeculator guesses from).
+   to, the router's logits, and the look-ahead logits offtensor's RoutingSpeculator guesses from:
+   the learned look-ahead (``offtensor.moe.predictor``, kept beside the checkpoint as
+   ``lookahead.safetensors``; fitted when absent or with ``--refit`` on held-out windows the trace
+   never decodes, and kept per layer where it beat the router look-ahead on other held-out
+   windows), else layer i+1's router weight applied to layer i's router input (the router
+   look-ahead; ``--router-lookahead``: that alone). The real runs install the same predictor.
 2. **Routing statistics** (decode steps): entropy of expert use per layer (bits; uniform =
    log2 E), token-to-token locality (share of a token's experts the previous token also used at
    that layer; uniform = k / E), look-ahead top-k precision per layer.
@@ -219,7 +223,8 @@ def record_trace(model, ids, prefix: int, steps: int, predictor=None) -> dict:
         for h in handles:
             h.remove()
     config = model.config
-    return {"steps": trace, "layers": len(routers), "experts": _num_experts(model),
+    return {"steps": trace, "learned_layers": sorted(predictor.weights) if predictor is not None else [],
+            "layers": len(routers), "experts": _num_experts(model),
             "top_k": config.num_experts_per_tok, "prefix": prefix,
             "decode_bits_per_byte": nll / steps / math.log(2)}
 
@@ -389,6 +394,21 @@ class ReplayModel(nn.Module):
         return x
 
 
+def _as_installed(model, trace) -> None:
+    """The replay model's speculator told which layers the learned look-ahead guesses (their
+    look-ahead logits are in the trace), as ``moe.predictor.install`` tells a real model's."""
+    from offtensor.model.state import pager_of
+    from offtensor.moe import speculation
+
+    speculator = getattr(getattr(pager_of(model), "experts", None), "speculator", None)
+    if speculator is None:
+        return
+    routers = [r for r in speculator.routers if r.stacks]
+    for i in trace.get("learned_layers", ()):
+        if i + 1 < len(routers):
+            routers[i + 1].evidence = speculation.SPECULATE_EVIDENCE_LEARNED
+
+
 def h200_replay(trace, fraction: float, speculate: bool, hidden: int = 1024, inter: int = 768,
                 recorded: int = 16) -> dict:
     """The trace's decode through experts sized like Qwen3-30B-A3B's (1024 x 768 fp32 = 9.4 MB,
@@ -397,6 +417,7 @@ def h200_replay(trace, fraction: float, speculate: bool, hidden: int = 1024, int
     model = ReplayModel(trace, inter=inter, hidden=hidden, dense=True)
     ot.wrap_model(model, budget_gb=budget_gb(model, fraction), device="cpu", prefetch=speculate,
                   policy=EXPERTS_PAGED)
+    _as_installed(model, trace)
     steps = trace["steps"]
     with torch.no_grad():
         for step in steps[:-recorded]:
@@ -446,6 +467,7 @@ def replay_ours(trace, fraction: float, speculate: bool = False) -> dict:
     model = ReplayModel(trace)
     budget = budget_gb(model, fraction)
     ot.wrap_model(model, budget_gb=budget, device="cpu", prefetch=speculate, policy=EXPERTS_PAGED)
+    _as_installed(model, trace)
     t0 = time.perf_counter()
     with torch.no_grad():
         model(trace["steps"][0])
@@ -459,7 +481,7 @@ def replay_ours(trace, fraction: float, speculate: bool = False) -> dict:
 
 
 SPECULATION_KNOBS = ("SPECULATE_COPY", "SPECULATE_PRECISION", "SPECULATE_EXPERTS", "SPECULATE_VICTIM_CYCLES",
-                     "SPECULATE_SAMPLE", "SPECULATE_EVIDENCE")
+                     "SPECULATE_SAMPLE", "SPECULATE_EVIDENCE", "SPECULATE_EVIDENCE_LEARNED")
 # The gates tried for the coverage-against-waste curve (each point changes one knob of the
 # default): the bin precision a guess must have shown (1.01: no guess copied, the cache alone);
 # the room a guess may take, a victim whose expected next use is at least SPECULATE_VICTIM_CYCLES
@@ -641,7 +663,7 @@ def _keep_real_runs(path: str, results: dict) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=["qwen3", "qwen2"])
+    p.add_argument("--models", nargs="+", default=["qwen3", "qwen2", "mixtral"])
     p.add_argument("--fractions", nargs="+", type=float, default=[0.25, 0.5])
     p.add_argument("--prefix", type=int, default=32)
     p.add_argument("--steps", type=int, default=256)

@@ -144,10 +144,14 @@ def install(pager, predictor: LookaheadPredictor, device=None) -> list:
     if speculator is None:
         raise ValueError("offtensor: install(predictor): this pager has no routing speculator (no offloaded "
                          "expert stacks, or prefetch=False)")
+    from .speculation import SPECULATE_EVIDENCE, SPECULATE_EVIDENCE_LEARNED
+
     routers = [r for r in speculator.routers if r.stacks]
     names = []
     for i, router in enumerate(routers):
         w = predictor.weights.get(i)
+        if i + 1 < len(routers):  # the layer it guesses: its precision was measured held out
+            routers[i + 1].evidence = SPECULATE_EVIDENCE if w is None else SPECULATE_EVIDENCE_LEARNED
         if w is None:
             router.lookahead = None
             continue

@@ -58,10 +58,14 @@ SPECULATE_PRECISION = 0.7
 CONFIDENCE_BINS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 # A bin's precision is correct / guessed over its recent uncached guesses: both counts decay by
 # this factor per scored guess, and at least SPECULATE_EVIDENCE guesses must stand behind it.
-# (4, not 8: on the trained Mixtral-shaped test model, top-2 of 16 over 4 layers, few guesses are
-# of uncached experts, and at 8 no bin had earned a copy in 160 decode steps.)
 PRECISION_DECAY = 0.98
-SPECULATE_EVIDENCE = 4.0
+SPECULATE_EVIDENCE = 8.0
+# A layer guessed by a learned look-ahead (moe.predictor), whose precision was measured on
+# held-out routing before it was installed, needs this many: on the trained Mixtral-shaped test
+# model (top-2 of 16, 4 layers) few guesses are of uncached experts, and at 8 no bin had earned a
+# copy within 160 decode steps. (4 for every router lets an untrained router's lucky guesses be
+# copied: tests/test_moe.py's decode bytes.)
+SPECULATE_EVIDENCE_LEARNED = 4.0
 # At most this many guessed experts per layer are copied ahead, the most confident first. The copy
 # stream is idle only between a layer's last expert copy and the next layer's routing read (its
 # attention and router: ~0.3 ms on the DeepSeek-style stack under the H200 profile, less than one
@@ -96,7 +100,7 @@ class Router:
     __slots__ = ("name", "module_ref", "stacks", "top_k", "bin_correct", "bin_guessed", "guessed", "correct",
                  "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts", "copied_correct",
                  "prefetched_bytes", "wasted_bytes", "tokens", "guess", "cached", "copied", "guess_tokens",
-                 "unpaid_steps", "missed", "misses_seen", "lookahead")
+                 "unpaid_steps", "missed", "misses_seen", "lookahead", "evidence")
 
     def __init__(self, name: str, module: nn.Module):
         self.name = name
@@ -121,6 +125,7 @@ class Router:
         # (weight [E, H], bias [E]) of the learned look-ahead of the next layer from this router's
         # input (moe.predictor.install), on the device; None: the next router's weight guesses.
         self.lookahead = None
+        self.evidence = SPECULATE_EVIDENCE  # guesses a bin needs (SPECULATE_EVIDENCE_LEARNED: guessed by a learned map)
 
     def pays(self, confidence_bin: int, pool=None) -> bool:
         """Whether an uncached guess in this bin is right often enough to be worth its copy: by its
@@ -128,12 +133,12 @@ class Router:
         record of that bin, (correct, guessed) lists), so a router need not wait for evidence of
         its own before its first copy (on the trained test models a bin took 20-40 decode steps)."""
         correct, guessed = self._record(confidence_bin, pool)
-        return guessed >= SPECULATE_EVIDENCE and correct >= SPECULATE_PRECISION * guessed
+        return guessed >= self.evidence and correct >= SPECULATE_PRECISION * guessed
 
     def _record(self, confidence_bin: int, pool=None):
         """(correct, guessed) decayed counts of a bin: its own, or the pool's until it has evidence."""
         correct, guessed = self.bin_correct[confidence_bin], self.bin_guessed[confidence_bin]
-        if guessed < SPECULATE_EVIDENCE and pool is not None:
+        if guessed < self.evidence and pool is not None:
             correct, guessed = pool[0][confidence_bin], pool[1][confidence_bin]
         return correct, guessed
 
