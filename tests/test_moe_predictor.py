@@ -99,6 +99,10 @@ def test_an_installed_lookahead_decides_the_next_layers_guess(monkeypatch):
         predictor.weights[i] = torch.zeros(16, 64)
         predictor.biases[i] = torch.tensor([0.0] * 5 + [9.0, 8.0, 7.0, 6.0] + [0.0] * 7)
     assert len(install(pager_of(model), predictor)) == 3
+    routers = pager_of(model).experts.speculator.routers
+    # The layers it guesses were measured held out: their bins need less evidence of their own.
+    assert [r.evidence for r in routers] == [ot_speculation.SPECULATE_EVIDENCE] + \
+        [ot_speculation.SPECULATE_EVIDENCE_LEARNED] * 3
     guesses = []
     real_issue = ot_speculation.RoutingSpeculator._issue
 
