@@ -601,6 +601,8 @@ def evaluate(name: str, args) -> dict:
     t0 = time.perf_counter()
     predictor = None if args.router_lookahead else lookahead_of(name, model, args.refit)
     trace = record_trace(model, ids, args.prefix, args.steps, predictor)
+    # The same decode guessed by the router look-ahead alone, for the comparison row.
+    router_trace = record_trace(model, ids, args.prefix, args.steps) if predictor is not None else None
     stats = routing_stats_of(trace, name)
     with open(os.path.join(args.out, f"moe_routing_{name}.json"), "w") as f:
         json.dump(stats.to_dict(), f, indent=1)  # for ot.plan(..., routing=RoutingStats.load(path))
@@ -618,6 +620,8 @@ def evaluate(name: str, args) -> dict:
         row = {"capacity_experts": cap, "lru": simulate_lru(trace, cap), "belady": simulate_belady(trace, cap),
                "ours": replay_ours(trace, fraction, True), "ours_cache_alone": replay_ours(trace, fraction, False),
                "ours_scored_only": _with(SCORED_ONLY, replay_ours, trace, fraction, True)}
+        if router_trace is not None:
+            row["ours_router_lookahead"] = replay_ours(router_trace, fraction, True)
         row["speculation_curve"] = speculation_curve(trace, fraction, CURVE)
         row["h200_sized"] = h200_variants(trace, fraction)
         if not args.no_real:
