@@ -1,14 +1,18 @@
 """Expert cache and routing speculation on a TRAINED MoE (issue 20): a recorded routing trace, the
 offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a real wrapped run.
 
-    python benchmarks/moe_sim.py                       # both committed models (tests/data/moe_*)
+    python benchmarks/moe_sim.py                       # the committed models (tests/data/moe_*)
     python benchmarks/moe_sim.py --models qwen3 --steps 128 --no-real
 
 1. **Trace.** A teacher-forced decode of held-out text (``tests/data/stdlib_heldout.txt.gz``, files
    scripts/train_moe.py never trained on): a ``--prefix``-byte prefill, then ``--steps`` one-byte
    decode steps fed the true next byte. Per step and MoE layer: the experts each token was routed
-   to, the router's logits, and the look-ahead logits: layer i+1's router weight applied to layer
-   i's router input (what offtensor's RoutingSpeculator guesses from).
+   to, the router's logits, and the look-ahead logits offtensor's RoutingSpeculator guesses from:
+   the learned look-ahead (``offtensor.moe.predictor``, kept beside the checkpoint as
+   ``lookahead.safetensors``; fitted when absent or with ``--refit`` on held-out windows the trace
+   never decodes, and kept per layer where it beat the router look-ahead on other held-out
+   windows), else layer i+1's router weight applied to layer i's router input (the router
+   look-ahead; ``--router-lookahead``: that alone). The real runs install the same predictor.
 2. **Routing statistics** (decode steps): entropy of expert use per layer (bits; uniform =
    log2 E), token-to-token locality (share of a token's experts the previous token also used at
    that layer; uniform = k / E), look-ahead top-k precision per layer.
@@ -132,21 +136,77 @@ class _Decoder:
         return out.logits
 
 
-def record_trace(model, ids, prefix: int, steps: int) -> dict:
+# The learned look-ahead (offtensor.moe.predictor) is fitted on held-out text the trace never
+# decodes: FIT_WINDOWS 256-byte windows from byte FIT_START of the held-out split, and compared
+# with the router look-ahead on VAL_WINDOWS more from VAL_START (the trace decodes from byte 0).
+FIT_START, FIT_WINDOWS, VAL_START, VAL_WINDOWS, FIT_RIDGE = 100_000, 64, 300_000, 16, 1e-3
+
+
+def routing_pairs(model, start: int, windows: int, seq: int = 256):
+    """Per MoE layer, over ``windows`` prefills of ``seq`` held-out bytes from ``start``: the router
+    inputs [N, H], the routed ids [N, k], and the router look-ahead (layer i + 1's router on layer
+    i's input, [N, E]; none for the last layer)."""
+    routers = _routers(model)
+    data = heldout_ids(start, windows * seq)
+    xs, routed = [[] for _ in routers], [[] for _ in routers]
+
+    def hook(module, args, output, pos):
+        xs[pos].append(args[0].reshape(-1, args[0].shape[-1]).detach().float())
+        routed[pos].append(output[2].detach())
+
+    handles = [gate.register_forward_hook(lambda m, a, o, pos=pos: hook(m, a, o, pos))
+               for pos, (_, gate) in enumerate(routers)]
+    try:
+        with torch.no_grad():
+            for w in range(0, windows, 8):
+                model(input_ids=data[w * seq:(w + 8) * seq].view(-1, seq))
+    finally:
+        for h in handles:
+            h.remove()
+    xs, routed = [torch.cat(v) for v in xs], [torch.cat(v) for v in routed]
+    ahead = [F.linear(xs[i], routers[i + 1][1].weight.float()) for i in range(len(routers) - 1)]
+    return xs, routed, ahead
+
+
+def fit_lookahead(model):
+    """The learned look-ahead fitted on the fit windows, compared with the router look-ahead on the
+    validation windows and kept for the layers where it is right more often."""
+    from offtensor.moe.predictor import LookaheadPredictor
+
+    fx, fr, _ = routing_pairs(model, FIT_START, FIT_WINDOWS)
+    vx, vr, va = routing_pairs(model, VAL_START, VAL_WINDOWS)
+    predictor = LookaheadPredictor.fit(fx, fr, _num_experts(model), FIT_RIDGE)
+    predictor.compare(vx, vr, va)
+    predictor.keep()
+    return predictor
+
+
+def _num_experts(model) -> int:
+    config = model.config
+    return getattr(config, "num_experts", None) or config.num_local_experts
+
+
+def record_trace(model, ids, prefix: int, steps: int, predictor=None) -> dict:
     """Routing of a teacher-forced decode: per step (the prefill first), per MoE layer, the routed
-    experts [tokens, k], the router logits [tokens, E] and the look-ahead logits of the next MoE
-    layer's router on this layer's router input (None for the last)."""
+    experts [tokens, k], the router logits [tokens, E], the look-ahead logits the speculator
+    guesses the next MoE layer from (None for the last): the learned look-ahead's where
+    ``predictor`` covers the layer, else the next router's weight applied to this layer's router
+    input, and that router look-ahead itself (``router_ahead``)."""
     routers = _routers(model)
     current = []
 
     def hook(module, args, output, pos):
         x = args[0].reshape(-1, args[0].shape[-1])
         logits, _, indices = output
-        ahead = None
+        router_ahead = ahead = None
         if pos + 1 < len(routers):
-            ahead = F.linear(x.to(routers[pos + 1][1].weight.dtype), routers[pos + 1][1].weight).float()
+            router_ahead = F.linear(x.to(routers[pos + 1][1].weight.dtype), routers[pos + 1][1].weight).float()
+            ahead = router_ahead
+            if predictor is not None and pos in predictor.weights:
+                ahead = predictor.logits(pos, x.float())
         current.append({"routed": indices.detach().clone(), "logits": logits.detach().float().clone(),
-                        "ahead": None if ahead is None else ahead.detach().clone()})
+                        "ahead": None if ahead is None else ahead.detach().clone(),
+                        "router_ahead": None if router_ahead is None else router_ahead.detach().clone()})
 
     handles = [gate.register_forward_hook(lambda m, a, o, pos=pos: hook(m, a, o, pos))
                for pos, (_, gate) in enumerate(routers)]
@@ -163,7 +223,8 @@ def record_trace(model, ids, prefix: int, steps: int) -> dict:
         for h in handles:
             h.remove()
     config = model.config
-    return {"steps": trace, "layers": len(routers), "experts": config.num_experts,
+    return {"steps": trace, "learned_layers": sorted(predictor.weights) if predictor is not None else [],
+            "layers": len(routers), "experts": _num_experts(model),
             "top_k": config.num_experts_per_tok, "prefix": prefix,
             "decode_bits_per_byte": nll / steps / math.log(2)}
 
@@ -174,7 +235,7 @@ def record_trace(model, ids, prefix: int, steps: int) -> dict:
 def routing_stats(trace) -> dict:
     L, E, k = trace["layers"], trace["experts"], trace["top_k"]
     decode = trace["steps"][1:]
-    entropy, locality, precision = [], [], []
+    entropy, locality, precision, router_precision = [], [], [], []
     for layer in range(L):
         counts = torch.zeros(E)
         shared = 0
@@ -189,13 +250,15 @@ def routing_stats(trace) -> dict:
         entropy.append(float(-(p[p > 0] * p[p > 0].log2()).sum()))
         locality.append(shared / (k * (len(decode) - 1)))
         if layer > 0:
-            right = 0
-            for step in decode:
-                guess = set(step[layer - 1]["ahead"][0].topk(k).indices.tolist())
-                right += len(guess & set(step[layer]["routed"][0].tolist()))
-            precision.append(right / (k * len(decode)))
+            for field, out in (("ahead", precision), ("router_ahead", router_precision)):
+                right = 0
+                for step in decode:
+                    guess = set(step[layer - 1].get(field, step[layer - 1]["ahead"])[0].topk(k).indices.tolist())
+                    right += len(guess & set(step[layer]["routed"][0].tolist()))
+                out.append(right / (k * len(decode)))
     return {"entropy_bits": entropy, "entropy_uniform_bits": math.log2(E), "locality": locality,
-            "locality_uniform": k / E, "lookahead_precision": precision, "lookahead_uniform": k / E}
+            "locality_uniform": k / E, "lookahead_precision": precision,
+            "router_lookahead_precision": router_precision, "lookahead_uniform": k / E}
 
 
 # ---------------------------------------------------------------------------- offline simulators
@@ -331,6 +394,21 @@ class ReplayModel(nn.Module):
         return x
 
 
+def _as_installed(model, trace) -> None:
+    """The replay model's speculator told which layers the learned look-ahead guesses (their
+    look-ahead logits are in the trace), as ``moe.predictor.install`` tells a real model's."""
+    from offtensor.model.state import pager_of
+    from offtensor.moe import speculation
+
+    speculator = getattr(getattr(pager_of(model), "experts", None), "speculator", None)
+    if speculator is None:
+        return
+    routers = [r for r in speculator.routers if r.stacks]
+    for i in trace.get("learned_layers", ()):
+        if i + 1 < len(routers):
+            routers[i + 1].evidence = speculation.SPECULATE_EVIDENCE_LEARNED
+
+
 def h200_replay(trace, fraction: float, speculate: bool, hidden: int = 1024, inter: int = 768,
                 recorded: int = 16) -> dict:
     """The trace's decode through experts sized like Qwen3-30B-A3B's (1024 x 768 fp32 = 9.4 MB,
@@ -339,6 +417,7 @@ def h200_replay(trace, fraction: float, speculate: bool, hidden: int = 1024, int
     model = ReplayModel(trace, inter=inter, hidden=hidden, dense=True)
     ot.wrap_model(model, budget_gb=budget_gb(model, fraction), device="cpu", prefetch=speculate,
                   policy=EXPERTS_PAGED)
+    _as_installed(model, trace)
     steps = trace["steps"]
     with torch.no_grad():
         for step in steps[:-recorded]:
@@ -388,6 +467,7 @@ def replay_ours(trace, fraction: float, speculate: bool = False) -> dict:
     model = ReplayModel(trace)
     budget = budget_gb(model, fraction)
     ot.wrap_model(model, budget_gb=budget, device="cpu", prefetch=speculate, policy=EXPERTS_PAGED)
+    _as_installed(model, trace)
     t0 = time.perf_counter()
     with torch.no_grad():
         model(trace["steps"][0])
@@ -400,7 +480,8 @@ def replay_ours(trace, fraction: float, speculate: bool = False) -> dict:
     return out
 
 
-SPECULATION_KNOBS = ("SPECULATE_COPY", "SPECULATE_PRECISION", "SPECULATE_EXPERTS", "SPECULATE_VICTIM_CYCLES")
+SPECULATION_KNOBS = ("SPECULATE_COPY", "SPECULATE_PRECISION", "SPECULATE_EXPERTS", "SPECULATE_VICTIM_CYCLES",
+                     "SPECULATE_SAMPLE", "SPECULATE_EVIDENCE", "SPECULATE_EVIDENCE_LEARNED")
 # The gates tried for the coverage-against-waste curve (each point changes one knob of the
 # default): the bin precision a guess must have shown (1.01: no guess copied, the cache alone);
 # the room a guess may take, a victim whose expected next use is at least SPECULATE_VICTIM_CYCLES
@@ -474,11 +555,17 @@ def speculation_curve(trace, fraction: float, settings) -> list:
 
 
 def real_run(model, ids, prefix: int, steps: int, fraction: float, speculate: bool = True, device="cpu",
-             timeline_steps: int = 0) -> dict:
+             timeline_steps: int = 0, predictor=None) -> dict:
     """The trained model wrapped at ``fraction`` of its experts cached against the unwrapped one,
-    teacher-forced: identical logits at every step, and the measured hit rates."""
+    teacher-forced: identical logits at every step, and the measured hit rates. With
+    ``predictor`` (and ``speculate``) its routers guess from the learned look-ahead."""
     wrapped = ot.wrap_model(copy.deepcopy(model), budget_gb=budget_gb(model, fraction), device=device,
                             prefetch=speculate, policy=EXPERTS_PAGED)
+    if predictor is not None and speculate:
+        from offtensor.model.state import pager_of
+        from offtensor.moe.predictor import install
+
+        install(pager_of(wrapped), predictor)
     a, b = _Decoder(wrapped, ids, prefix), _Decoder(model, ids, prefix)
     identical = True
     t0 = time.perf_counter()
@@ -512,31 +599,54 @@ def evaluate(name: str, args) -> dict:
     model = load_model(name)
     ids = heldout_ids(args.start, args.prefix + args.steps + 1 + TIMELINE_STEPS)
     t0 = time.perf_counter()
-    trace = record_trace(model, ids, args.prefix, args.steps)
+    predictor = None if args.router_lookahead else lookahead_of(name, model, args.refit)
+    trace = record_trace(model, ids, args.prefix, args.steps, predictor)
+    # The same decode guessed by the router look-ahead alone, for the comparison row.
+    router_trace = record_trace(model, ids, args.prefix, args.steps) if predictor is not None else None
     stats = routing_stats_of(trace, name)
     with open(os.path.join(args.out, f"moe_routing_{name}.json"), "w") as f:
         json.dump(stats.to_dict(), f, indent=1)  # for ot.plan(..., routing=RoutingStats.load(path))
     result = {"model": name, "trace_seconds": time.perf_counter() - t0,
               "decode_bits_per_byte": trace["decode_bits_per_byte"],
               "layers": trace["layers"], "experts": trace["experts"], "top_k": trace["top_k"],
-              "prefix": args.prefix, "decode_steps": args.steps, "routing": routing_stats(trace), "cache": {}}
+              "prefix": args.prefix, "decode_steps": args.steps, "routing": routing_stats(trace),
+              "lookahead": None if predictor is None else {
+                  "learned_layers": sorted(predictor.weights),
+                  "heldout_precision": {str(k): v for k, v in predictor.scores.items()}},
+              "cache": {}}
     total = trace["layers"] * trace["experts"]
     for fraction in args.fractions:
         cap = int(round(fraction * total))
         row = {"capacity_experts": cap, "lru": simulate_lru(trace, cap), "belady": simulate_belady(trace, cap),
                "ours": replay_ours(trace, fraction, True), "ours_cache_alone": replay_ours(trace, fraction, False),
                "ours_scored_only": _with(SCORED_ONLY, replay_ours, trace, fraction, True)}
+        if router_trace is not None:
+            row["ours_router_lookahead"] = replay_ours(router_trace, fraction, True)
         row["speculation_curve"] = speculation_curve(trace, fraction, CURVE)
         row["h200_sized"] = h200_variants(trace, fraction)
         if not args.no_real:
             row["real"] = real_run(model, ids, args.prefix, args.steps, fraction, speculate=False,
                                    timeline_steps=TIMELINE_STEPS)
             row["real_default"] = real_run(model, ids, args.prefix, args.steps, fraction, speculate=True,
-                                           timeline_steps=TIMELINE_STEPS)  # guesses copied where they paid
+                                           timeline_steps=TIMELINE_STEPS,
+                                           predictor=predictor)  # guesses copied where they paid
         result["cache"][f"{fraction:.0%}"] = row
         print(f"{name} {fraction:.0%}: " + ", ".join(f"{k} {v['hit_rate']:.3f}" for k, v in row.items()
                                                      if isinstance(v, dict) and "hit_rate" in v), flush=True)
     return result
+
+
+def lookahead_of(name: str, model, refit: bool = False):
+    """The learned look-ahead kept beside the checkpoint (``lookahead.safetensors``), fitted and
+    saved there when absent or with ``refit``."""
+    from offtensor.moe.predictor import FILE_NAME, LookaheadPredictor
+
+    directory = name if os.path.isdir(name) else os.path.join(DATA, f"moe_{name}")
+    if not refit and os.path.exists(os.path.join(directory, FILE_NAME)):
+        return LookaheadPredictor.load(directory)
+    predictor = fit_lookahead(model)
+    predictor.save(directory)
+    return predictor
 
 
 def _keep_real_runs(path: str, results: dict) -> None:
@@ -557,12 +667,16 @@ def _keep_real_runs(path: str, results: dict) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=["qwen3", "qwen2"])
+    p.add_argument("--models", nargs="+", default=["qwen3", "qwen2", "mixtral"])
     p.add_argument("--fractions", nargs="+", type=float, default=[0.25, 0.5])
     p.add_argument("--prefix", type=int, default=32)
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--start", type=int, default=0, help="byte offset into the held-out split")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--router-lookahead", action="store_true",
+                   help="guess from the router look-ahead only (no learned look-ahead)")
+    p.add_argument("--refit", action="store_true", help="fit the learned look-ahead again (saved beside the "
+                   "checkpoint as lookahead.safetensors) rather than load it")
     p.add_argument("--no-real", action="store_true", help="skip the real wrapped runs (the slow part); those in "
                    "the output JSON already are kept, marked with the run they came from")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))

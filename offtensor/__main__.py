@@ -136,10 +136,13 @@ def _print_expert_paging(plan_expert_paging, model, budget_gb, x, routing, profi
     print(f"routing: {routing.source or 'measured'}, {s['layers']} layers x {s['experts']} experts top-{s['top_k']}, "
           f"entropy {min(s['entropy_bits']):.2f}-{max(s['entropy_bits']):.2f} bits, locality "
           f"{min(s['locality']):.2f}-{max(s['locality']):.2f}; scaled to this model's experts")
+    _print_hit_curve(model, routing)
     if budget_gb is None:
         print("expert placement: not compared (give --budget-gb)")
         return
-    if not any(".experts." in n and p.dim() == 3 for n, p in model.named_parameters()):
+    from .moe import is_routed_stack
+
+    if not any(is_routed_stack(n, p.shape) for n, p in model.named_parameters()):
         print("expert placement: no stacked experts in this model")
         return
     verdict = plan_expert_paging(model, budget_gb, (x,), routing=routing, profile=profile, steps=steps)
@@ -170,6 +173,32 @@ def _print_expert_compute(model, budget_gb, offload_gb, total, profile, decode_t
     print("|---|---|---|---|---|")
     for group, ((_, _, d, d_ms, d_host, d_dev), (_, _, p, p_ms, p_host, p_dev)) in rows:
         print(f"| {group} | {d} | {d_ms:.3f} ({d_host:.3f} / {d_dev:.3f}) | {p} | {p_ms:.3f} ({p_host:.3f} / {p_dev:.3f}) |")
+
+
+def _print_hit_curve(model, routing) -> None:
+    """Decode hit rate against cache slots a layer, from the measured routing, and the knee."""
+    from .moe import is_routed_stack
+    from .pager import format_bytes
+    from .sim.hit_curve import format_curve, hit_curve
+
+    named = [(n, p) for n, p in model.named_parameters() if is_routed_stack(n, p.shape)]
+    stacks = [p for _, p in named]
+    experts = stacks[0].shape[0] if stacks else len(routing.popularity[0])
+    per_expert = sum(p.numel() * p.element_size() for p in stacks) // max(experts, 1)
+    layers = len({n.rpartition(".")[0] for n, _ in named})  # a layer's stacks share their experts module
+    dense = sum(p.numel() * p.element_size() for p in model.parameters()) - per_expert * experts
+    if stacks and experts != len(routing.popularity[0]):
+        routing = type(routing)([routing.layer_shares(i, layers, experts) for i in range(layers)],
+                                [routing.layer_locality(i, layers) for i in range(layers)], routing.top_k)
+    curve = hit_curve(routing)
+    per_layer = per_expert / max(layers, 1)  # one expert of one layer, every stack of it
+    print("decode hit rate against expert-cache slots a layer (a decode drawn from the measured routing):")
+    for line in format_curve(curve, per_layer, layers, dense):
+        print(line)
+    knee = curve["knee_slots"]
+    where = f", a budget of {format_bytes(int(dense + knee * layers * per_layer))}" if per_layer else ""
+    print(f"the curve bends at {knee} slots a layer ({knee / curve['experts']:.0%} of the experts cached{where}): "
+          f"each slot past it buys less hit than the average slot")
 
 
 def _dense_stack(args, dtype):

@@ -4,6 +4,7 @@ random one (issue 20).
 
     python scripts/train_moe.py --model qwen3 --minutes 20        # tests/data/moe_qwen3/
     python scripts/train_moe.py --model qwen2 --minutes 20        # tests/data/moe_qwen2/
+    python scripts/train_moe.py --model mixtral --minutes 8 --seed 1   # tests/data/moe_mixtral/
 
 Data: every ``*.py`` under ``/usr/lib/python3.11`` (sorted by path relative to it); a file is held
 out when the first 8 hex digits of the SHA-1 of its relative path, mod 100, are below 5 (about 5%
@@ -15,7 +16,10 @@ Models (transformers, random init from ``--seed``):
 
 - ``qwen3``: Qwen3-MoE, 6 layers, hidden 128, 32 experts top-4 (moe intermediate 96), no shared expert;
 - ``qwen2``: Qwen2-MoE, 8 layers, hidden 128, 16 experts top-2 (moe intermediate 64) plus a gated
-  shared expert (intermediate 128).
+  shared expert (intermediate 128);
+- ``mixtral``: Mixtral, 4 layers, hidden 128, 16 experts top-2 (expert intermediate 96), no shared
+  expert: another shape (fewer, wider layers; top-2 of 16), so that tuning the expert cache to the
+  Qwen models shows.
 
 Training: AdamW, batches of random 256-byte windows of the training split, the load-balancing aux
 loss transformers computes (``router_aux_loss_coef`` 0.01), a time budget (``--minutes``) with the
@@ -85,6 +89,9 @@ def config_of(name: str):
                                            moe_intermediate_size=64, shared_expert_intermediate_size=128,
                                            num_experts=16, num_experts_per_tok=2, norm_topk_prob=False,
                                            decoder_sparse_step=1, mlp_only_layers=[])
+    if name == "mixtral":
+        return transformers.MixtralConfig(**common, num_hidden_layers=4, head_dim=32, intermediate_size=96,
+                                          num_local_experts=16, num_experts_per_tok=2, sliding_window=None)
     raise ValueError(name)
 
 
@@ -105,7 +112,7 @@ def main(argv=None):
     import transformers
 
     p = argparse.ArgumentParser()
-    p.add_argument("--model", choices=["qwen3", "qwen2"], default="qwen3")
+    p.add_argument("--model", choices=["qwen3", "qwen2", "mixtral"], default="qwen3")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--minutes", type=float, default=20.0)
     p.add_argument("--threads", type=int, default=1)

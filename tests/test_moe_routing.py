@@ -5,6 +5,7 @@ as transformers' ``DeepseekV3TopkRouter`` selects)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -104,3 +105,44 @@ def test_expected_experts_and_recorded_routing_follow_the_correction_bias(monkey
     assert len(expected) == len(model.layers), expected
     assert expected == recorded, (expected, recorded)
     assert all(set(ids) <= BOOSTED for ids in recorded), recorded
+
+
+# ---------------------------------------------------------------------------- hit rate against slots
+
+
+def test_hit_curve_rises_with_slots_and_bends_at_the_largest_gain_over_the_average_slot():
+    from offtensor.moe import RoutingStats
+    from offtensor.sim.hit_curve import hit_curve
+
+    skewed = RoutingStats([[0.3, 0.2, 0.1] + [0.4 / 13] * 13] * 2, [0.4, 0.5], 2)
+    curve = hit_curve(skewed, tokens=400)
+    assert curve["slots"] == list(range(2, 17))
+    for name in ("lru", "belady"):
+        assert all(b >= a - 1e-9 for a, b in zip(curve[name], curve[name][1:])), (name, curve[name])
+    assert all(b >= a - 1e-9 for a, b in zip(curve["lru"], curve["belady"]))  # the optimum bounds LRU
+    # Every expert cached: only each expert's first use misses.
+    assert curve["lru"][-1] == curve["belady"][-1] > 0.95
+    knee = max(zip(curve["slots"], curve["lru"]), key=lambda p: p[1] - p[0] / 16)[0]
+    assert curve["knee_slots"] == knee
+    uniform = hit_curve(RoutingStats.uniform(16, 2, 2), tokens=400)
+    # Skewed routing with locality reaches a given hit rate with fewer slots than uniform routing.
+    assert curve["lru"][4] > uniform["lru"][4] + 0.1, (curve["lru"][4], uniform["lru"][4])
+
+
+def test_plan_with_routing_prints_the_hit_curve_and_where_it_bends(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    import os
+
+    from offtensor.__main__ import main
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    config = os.path.join(here, "data", "moe_qwen3")
+    routing = os.path.join(here, "..", "benchmarks", "results", "moe_routing_qwen3.json")
+    if not os.path.exists(os.path.join(config, "config.json")):
+        pytest.skip("no trained checkpoint")
+    args = ["plan", "--config", config, "--routing", routing, "--prefill-tokens", "8", "--steps", "1",
+            "--budget-gb", "0.01", "--png", str(tmp_path / "p.png")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "| slots/layer | cached | hit (LRU) | hit (Belady) | budget |" in out
+    assert "(knee)" in out and "the curve bends at " in out

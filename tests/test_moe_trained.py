@@ -17,12 +17,16 @@ import torch
 pytest.importorskip("transformers")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODELS = [m for m in ("qwen3", "qwen2") if os.path.exists(os.path.join(HERE, "data", f"moe_{m}", "model.safetensors"))]
+MODELS = [m for m in ("qwen3", "qwen2", "mixtral") if os.path.exists(os.path.join(HERE, "data", f"moe_{m}", "model.safetensors"))]
 # The trace: a 32-byte prefill, then 160 one-byte decode steps; the real wrapped run decodes the
 # first REAL_STEPS of them (the slow part), the replay of the real pager all of them.
 PREFIX, STEPS, REAL_STEPS = 32, 160, 48
-# The bar of issue 20: the decode hit rate within this many points of Belady on the same trace.
-BELADY_GAP = 0.08
+# The decode hit rate (cached, or covered by a copied guess) within this many points of Belady on
+# the same trace, by cached fraction, with the learned look-ahead kept beside each checkpoint.
+BELADY_GAP = {0.25: 0.05, 0.5: 0.03}
+# The share of the misses at 25% cached that copied guesses cover, at least: the Qwen models'
+# bar; the Mixtral-shaped one (top-2 of 16, 4 layers) has fewer uncached guesses to copy.
+COVERED = {"qwen3": 0.25, "qwen2": 0.25, "mixtral": 0.2}
 
 
 def _sim():
@@ -42,7 +46,9 @@ def sim():
 def trained(request, sim):
     model = sim.load_model(request.param)
     ids = sim.heldout_ids(0, PREFIX + STEPS + 1)
-    trace = sim.record_trace(model, ids, PREFIX, STEPS)
+    predictor = sim.lookahead_of(request.param, model)  # committed beside the checkpoint
+    trace = sim.record_trace(model, ids, PREFIX, STEPS, predictor)
+    model.lookahead = predictor
     return request.param, model, ids, trace
 
 
@@ -75,7 +81,7 @@ def test_the_default_decode_hit_rate_is_near_belady(trained, sim, fraction):
     belady = sim.simulate_belady(trace, capacity)["hit_rate"]
     lru = sim.simulate_lru(trace, capacity)["hit_rate"]
     ours = sim.replay_ours(trace, fraction, speculate=True)
-    assert ours["hit_rate"] >= belady - BELADY_GAP, (name, fraction, ours["hit_rate"], belady, lru)
+    assert ours["hit_rate"] >= belady - BELADY_GAP[fraction], (name, fraction, ours["hit_rate"], belady, lru)
     g = ours["guesses"]
     assert g["copied_correct"] <= g["copied_experts"]
     if fraction == 0.25:
@@ -84,12 +90,12 @@ def test_the_default_decode_hit_rate_is_near_belady(trained, sim, fraction):
         assert ours["hit_rate"] >= alone["hit_rate"] + 0.03, (name, ours["hit_rate"], alone["hit_rate"])
         # Guesses are scored on the experts not cached when guessed and copied only where they paid:
         # most of what they copy is read, and they cover a share of the misses the cache leaves.
-        assert g["covered_misses"] >= 0.25 and g["wasted_share"] <= 0.3, g
+        assert g["covered_misses"] >= COVERED[name] and g["wasted_share"] <= 0.3, g
 
 
 def test_wrapped_decode_is_identical_and_the_replay_is_the_real_pager(trained, sim):
     name, model, ids, trace = trained
-    real = sim.real_run(model, ids, PREFIX, REAL_STEPS, 0.25, speculate=True)
+    real = sim.real_run(model, ids, PREFIX, REAL_STEPS, 0.25, speculate=True, predictor=model.lookahead)
     assert real["identical_logits_every_step"]
     replay = sim.replay_ours(_first(trace, REAL_STEPS), 0.25, speculate=True)
     assert abs(replay["hit_rate"] - real["hit_rate"]) <= 0.02, (replay["hit_rate"], real["hit_rate"])

@@ -7,6 +7,8 @@ and evicted, the guess of the next MoE layer's experts, and the routing a run me
     eviction.py    ExpertEviction: use frequencies, per-layer reuse, the victim
     prefetch.py    ExpertIssuer: the current op's experts (announce / expect) and their copies
     speculation.py Router, RoutingSpeculator: guesses of the next layer's experts, scored and copied
+    predictor.py   LookaheadPredictor: the learned look-ahead (a ridge fit of the next layer's
+                   experts from this layer's router input), fitted, compared, saved, installed
     routing.py     is_routed_stack, router_modules, routed_experts (the one reader of router
                    outputs), RoutingStats, routing_stats_of, RoutingRecorder
     hooks.py       attach / detach: stacks registered with a pager, routers hooked

@@ -8,7 +8,8 @@ after ``d + (1 - p) L / q`` layers, ``q`` its decayed use frequency and ``p`` it
 layer's next turn (``q``, or the layer's measured token-to-token reuse rate for an expert the layer
 routed at its last turn), so the cache goes to the layers whose tokens reuse experts. The experts a
 guess names for the next layer (``guard``) are kept until that layer pages; a copy made ahead of
-its use by a guess (``in_spare_room_only``) takes only room whose next use is expected far away.
+its use by a guess (``in_spare_room_only``) never takes the room of a copy expected to be used sooner than the
+guess itself (nor sooner than SPECULATE_VICTIM_CYCLES cycles of layers).
 """
 
 from __future__ import annotations
@@ -171,14 +172,23 @@ class ExpertEviction:
         return best
 
     @contextlib.contextmanager
-    def in_spare_room_only(self):
+    def in_spare_room_only(self, next_use=None):
         """Copies issued inside (guesses) are ahead of their use: they take only room whose next use
-        is expected far away (see ``victim``)."""
-        self._spare_room_only = True
+        is expected later than ``next_use`` layers (the guess's own, ``expected_next_use``) and at
+        least SPECULATE_VICTIM_CYCLES cycles away (see ``victim``)."""
+        self._spare_room_only, self._ahead_distance = True, next_use
         try:
             yield
         finally:
-            self._spare_room_only = False
+            self._spare_room_only, self._ahead_distance = False, None
+
+    def expected_next_use(self, stack: Stack, expert: int, chance: float) -> float:
+        """Expected layers until a guessed ``expert`` of ``stack``'s layer is used: at that layer's
+        next turn with ``chance`` (its guess's measured precision), else as any of the layer's
+        experts is (the same estimate ``victim`` ranks cached copies by)."""
+        position, count, here = self.layers.cycle()
+        distance = _distance(position.get(stack.group), here, count)
+        return distance + (1.0 - chance) * count / self._use(stack.key_of(expert))
 
     def _plain_victim(self, cached: dict):
         """The least recently used evictable copy that is not an expert, if any."""
@@ -196,9 +206,10 @@ class ExpertEviction:
         return plain
 
     def _ahead_limit(self, count: int) -> float:
-        """How far away (layers) a victim's expected next use must be for a copy ahead of use."""
-        limit = self._ahead_distance
-        return limit if limit is not None else SPECULATE_VICTIM_CYCLES * count
+        """How far away (layers) a victim's expected next use must be for a copy ahead of use: later
+        than the guess's own, and at least SPECULATE_VICTIM_CYCLES cycles."""
+        floor = SPECULATE_VICTIM_CYCLES * count
+        return floor if self._ahead_distance is None else max(self._ahead_distance, floor)
 
     def _use(self, key) -> float:
         """The chance per turn that ``key``'s layer routes to it, estimated from its decayed use."""
@@ -213,6 +224,15 @@ class ExpertEviction:
         q = self._use(key)
         p = max(q, self._reuse.get(stack.group, REUSE_PRIOR)) if recent else q
         return distance + (1.0 - p) * count / q
+
+    def expected_use_of(self, key) -> float:
+        """Expected layers from now until the cached expert ``key`` is used (what ``victim`` ranks by)."""
+        stack = self.by_master[key[0]]
+        position, count, here = self.layers.cycle()
+        current = stack.group == self.layers.current
+        distance = count if current else _distance(position.get(stack.group), here, count)
+        recent = stack.expert_of(key) in self._recent(stack)
+        return self._next_use(key, stack, distance, count, recent)
 
     def _coldest_of(self, stack: Stack, cache, needed):
         """``stack``'s candidates for eviction, as (entry, routed at its layer's last turn): the

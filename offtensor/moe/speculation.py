@@ -6,7 +6,8 @@ The top-k of a router's output tells the expert cache which experts its layer wi
 ``routing.routed_experts``, the one reader of router outputs, so the router's own rule (DeepSeek-V3's
 correction bias) decides it. Before layer i's router runs, layer i+1's router weight is applied to
 its input (the residual stream changes little from one layer to the next, which MoE-Infinity and
-Pre-gated MoE exploit): a guess of layer i+1's experts, always scored against what layer i+1 pages.
+Pre-gated MoE exploit), or where a learned look-ahead is installed (``moe.predictor``: a map fitted
+on recorded routing) its weight and bias: a guess of layer i+1's experts, always scored against what layer i+1 pages.
 Guesses of experts not cached when guessed (the only ones a copy can save) are scored apart per
 router and confidence bin. Such a guess is copied (the most confident one per layer, behind layer
 i's own copies, and only into the room of a copy expected to be read much later) when its bin's
@@ -59,6 +60,12 @@ CONFIDENCE_BINS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 # this factor per scored guess, and at least SPECULATE_EVIDENCE guesses must stand behind it.
 PRECISION_DECAY = 0.98
 SPECULATE_EVIDENCE = 8.0
+# A layer guessed by a learned look-ahead (moe.predictor), whose precision was measured on
+# held-out routing before it was installed, needs this many: on the trained Mixtral-shaped test
+# model (top-2 of 16, 4 layers) few guesses are of uncached experts, and at 8 no bin had earned a
+# copy within 160 decode steps. (4 for every router lets an untrained router's lucky guesses be
+# copied: tests/test_moe.py's decode bytes.)
+SPECULATE_EVIDENCE_LEARNED = 4.0
 # At most this many guessed experts per layer are copied ahead, the most confident first. The copy
 # stream is idle only between a layer's last expert copy and the next layer's routing read (its
 # attention and router: ~0.3 ms on the DeepSeek-style stack under the H200 profile, less than one
@@ -74,10 +81,14 @@ SPECULATE_EXPERTS = 1
 # benchmarks/results/moe_sim.json and the README's MoE table). Off: guesses are still made, on a
 # sample of the steps, and scored (``ot.stats(model).guesses``).
 SPECULATE_COPY = True
-# With SPECULATE_COPY off a router is guessed for at every SPECULATE_SAMPLE-th step only: enough to
-# keep its score, while a guess's kernels (4 us each of launch on the compute stream) are not paid
-# every layer of every step.
-SPECULATE_SAMPLE = 8
+# A router whose layer missed nothing in the last step and none of whose bins pays (or every router,
+# with SPECULATE_COPY off) is guessed for at every SPECULATE_SAMPLE-th step only, which saves a
+# guess's kernel (4 us of launch on the compute stream) on steps where no copy would be made. 1:
+# every step, the default: with one kernel a guess (GUESS_ON_HOST_TOKENS) the cost is small, and on
+# the trained test models at 50% cached, where layers rarely miss, sampling starved the bins of
+# evidence (no guess was ever copied; guessing every step brings the hit rate 0.4-1.2 points closer
+# to Belady's, benchmarks/results/moe_sim.json).
+SPECULATE_SAMPLE = 1
 # Up to this many tokens (decode steps) a guess's softmax and top-k are taken on the host from the
 # router scores (E values a token, read back with the layer's routing); beyond it (a prefill) on the
 # device. Each kernel is a launch ahead of the layer's routing read: the matmul, softmax and top-k
@@ -89,7 +100,7 @@ class Router:
     __slots__ = ("name", "module_ref", "stacks", "top_k", "bin_correct", "bin_guessed", "guessed", "correct",
                  "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts", "copied_correct",
                  "prefetched_bytes", "wasted_bytes", "tokens", "guess", "cached", "copied", "guess_tokens",
-                 "unpaid_steps", "missed", "misses_seen")
+                 "unpaid_steps", "missed", "misses_seen", "lookahead", "evidence")
 
     def __init__(self, name: str, module: nn.Module):
         self.name = name
@@ -111,16 +122,30 @@ class Router:
         self.unpaid_steps = 0  # steps it could have been guessed for with copies off (every SPECULATE_SAMPLE-th is)
         self.missed = True  # whether its stacks missed in the last step (a guess could have saved a copy)
         self.misses_seen = 0  # its stacks' misses counted at the end of the last step
+        # (weight [E, H], bias [E]) of the learned look-ahead of the next layer from this router's
+        # input (moe.predictor.install), on the device; None: the next router's weight guesses.
+        self.lookahead = None
+        self.evidence = SPECULATE_EVIDENCE  # guesses a bin needs (SPECULATE_EVIDENCE_LEARNED: guessed by a learned map)
 
     def pays(self, confidence_bin: int, pool=None) -> bool:
         """Whether an uncached guess in this bin is right often enough to be worth its copy: by its
         own record once it has SPECULATE_EVIDENCE guesses, until then by ``pool`` (every router's
         record of that bin, (correct, guessed) lists), so a router need not wait for evidence of
         its own before its first copy (on the trained test models a bin took 20-40 decode steps)."""
+        correct, guessed = self._record(confidence_bin, pool)
+        return guessed >= self.evidence and correct >= SPECULATE_PRECISION * guessed
+
+    def _record(self, confidence_bin: int, pool=None):
+        """(correct, guessed) decayed counts of a bin: its own, or the pool's until it has evidence."""
         correct, guessed = self.bin_correct[confidence_bin], self.bin_guessed[confidence_bin]
-        if guessed < SPECULATE_EVIDENCE and pool is not None:
+        if guessed < self.evidence and pool is not None:
             correct, guessed = pool[0][confidence_bin], pool[1][confidence_bin]
-        return guessed >= SPECULATE_EVIDENCE and correct >= SPECULATE_PRECISION * guessed
+        return correct, guessed
+
+    def precision(self, confidence_bin: int, pool=None) -> float:
+        """The measured precision of its uncached guesses in a bin (0 without a record)."""
+        correct, guessed = self._record(confidence_bin, pool)
+        return correct / guessed if guessed else 0.0
 
     def speculating(self, pool=None) -> bool:
         return SPECULATE_COPY and any(self.pays(b, pool) for b in range(len(CONFIDENCE_BINS)))
@@ -212,13 +237,16 @@ class RoutingSpeculator:
             if (nxt.unpaid_steps - 1) % SPECULATE_SAMPLE:
                 return  # the first step and every SPECULATE_SAMPLE-th after it are guessed
         module = nxt.module_ref()
-        weight = getattr(module, "weight", None)
-        if module is None or not isinstance(weight, torch.Tensor) or hasattr(weight, "_master") \
+        weight, bias = getattr(module, "weight", None), None
+        learned = router.lookahead
+        if learned is not None and learned[0].device == x.device and learned[0].shape[-1] == x.shape[-1]:
+            weight, bias = learned  # the learned look-ahead (moe.predictor): logits of nxt's experts
+        elif module is None or not isinstance(weight, torch.Tensor) or hasattr(weight, "_master") \
                 or weight.device != x.device or weight.shape[-1] != x.shape[-1]:
             return  # an offloaded router would be paged for a guess: not worth it
         with torch.no_grad():
-            scores = F.linear(x.reshape(-1, x.shape[-1]).to(weight.dtype), weight)
-            biased = routing.correction_bias(module, scores.shape[-1]) is not None
+            scores = F.linear(x.reshape(-1, x.shape[-1]).to(weight.dtype), weight, bias)
+            biased = bias is None and routing.correction_bias(module, scores.shape[-1]) is not None
             if router.tokens <= GUESS_ON_HOST_TOKENS and not biased:
                 # A decode step: the router matmul is the guess's one kernel (on a GPU, plus the
                 # read-back copy). Its softmax and top-k over a few rows of E scores are done on the
@@ -346,8 +374,11 @@ class RoutingSpeculator:
         self._stacks.guard(router.stacks, router.guess)
         worth = [e for e, b in router.guess.items()
                  if SPECULATE_COPY and e not in router.cached and router.pays(b, self.pool)]
-        with self._stacks.in_spare_room_only():
-            for expert in worth[:SPECULATE_EXPERTS]:
+        for expert in worth[:SPECULATE_EXPERTS]:
+            # It may take only the room of copies expected to be used later than itself.
+            chance = router.precision(router.guess[expert], self.pool)
+            next_use = self._stacks.expected_next_use(router.stacks[0], expert, chance)
+            with self._stacks.in_spare_room_only(next_use):
                 for stack in router.stacks:
                     master = stack.master_ref()
                     if master is None or master.flat is None:
@@ -355,7 +386,7 @@ class RoutingSpeculator:
                     key = stack.key_of(expert)
                     cached = pager.is_cached(key)
                     if not pager.prefetch(master, *key[1:]):
-                        return  # no room without evicting copies this step may still read
+                        return  # no room without evicting copies used sooner than the guess
                     if not cached:
                         nbytes = stack.expert_bytes
                         router.copied[expert] = router.copied.get(expert, 0) + nbytes

@@ -123,9 +123,14 @@ class ExpertStacks:
         """The guess of ``stacks``' layer names these experts (``ExpertEviction.guard``)."""
         self.eviction.guard(stacks, experts)
 
-    def in_spare_room_only(self):
-        """Copies issued inside (guesses) take only room whose next use is expected far away."""
-        return self.eviction.in_spare_room_only()
+    def in_spare_room_only(self, next_use=None):
+        """Copies issued inside (guesses) take only room whose next use is expected later than
+        ``next_use`` layers and far away (``ExpertEviction.in_spare_room_only``)."""
+        return self.eviction.in_spare_room_only(next_use)
+
+    def expected_next_use(self, stack: Stack, expert: int, chance: float) -> float:
+        """Expected layers until a guessed expert is used (``ExpertEviction.expected_next_use``)."""
+        return self.eviction.expected_next_use(stack, expert, chance)
 
     def copied(self, key, nbytes: int, prefetch: bool) -> None:
         self.eviction.touch(key)

@@ -1,0 +1,161 @@
+"""The learned look-ahead: per MoE layer, a linear map from the layer's router input (its hidden
+state) to the next MoE layer's expert scores, fitted by ridge regression on recorded routing.
+
+The router look-ahead (the next layer's router weight applied to this layer's input) guesses from
+a weight trained for another input; a map fitted on recorded (hidden state at layer l, experts
+routed at layer l + 1) pairs guesses from this very input, and costs the same: one [E, H] matmul a
+step on the device, whose scores the speculator reads back as it reads the router look-ahead's.
+The fit is least squares with a ridge on one-hot targets (closed form, float64), its scores scaled
+by the temperature that makes their softmax the likeliest on the fitted pairs (the speculator's
+confidence bins read a softmax). ``compare`` measures it against the router look-ahead on pairs
+held out of the fit, and ``LookaheadPredictor.keep`` keeps it only for the layers where it is
+right more often. ``save`` / ``load`` keep it beside a checkpoint (safetensors); ``install`` hands
+it to a wrapped model's speculator.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+
+FILE_NAME = "lookahead.safetensors"
+# The ridge, relative to the mean diagonal of the centred Gram matrix (a scale-free strength).
+RIDGE = 1e-2
+# Softmax temperatures tried for the fitted scores (a one-hot regression's scores lie near [0, 1]).
+TEMPERATURES = (1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0)
+
+
+def one_hot(routed: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[N, k] expert ids -> [N, E] float64 with a 1 for each routed expert."""
+    routed = routed.reshape(routed.shape[0], -1).long()
+    return torch.zeros(routed.shape[0], num_experts, dtype=torch.float64).scatter_(1, routed, 1.0)
+
+
+def fit_ridge(x: torch.Tensor, routed: torch.Tensor, num_experts: int, ridge: float = RIDGE):
+    """Least squares with a ridge from hidden states ``x`` [N, H] to the one-hot of ``routed``
+    [N, k]: (weight [E, H], bias [E]) as float32 logits (scores times the fitted temperature)."""
+    if x.dim() != 2 or routed.shape[0] != x.shape[0] or x.shape[0] < 2:
+        raise ValueError(f"offtensor: fit_ridge needs [N, H] hidden states and [N, k] routed ids with the same N "
+                         f"(N >= 2), got {tuple(x.shape)} and {tuple(routed.shape)}")
+    if int(routed.min()) < 0 or int(routed.max()) >= num_experts:
+        raise ValueError(f"offtensor: fit_ridge: routed ids must be below {num_experts}, got "
+                         f"{int(routed.min())}..{int(routed.max())}")
+    xd = x.double()
+    y = one_hot(routed, num_experts)
+    xm, ym = xd.mean(0), y.mean(0)
+    xc = xd - xm
+    gram = xc.T @ xc
+    strength = ridge * float(gram.diagonal().mean()) + 1e-12
+    w = torch.linalg.solve(gram + strength * torch.eye(gram.shape[0], dtype=torch.float64), xc.T @ (y - ym))
+    b = ym - xm @ w
+    scores = xd @ w + b
+    k = y.sum(1, keepdim=True)
+    best, best_nll = TEMPERATURES[0], None
+    for t in TEMPERATURES:
+        nll = -(torch.log_softmax(scores * t, -1) * y / k).sum(1).mean().item()
+        if best_nll is None or nll < best_nll:
+            best, best_nll = t, nll
+    return (w.T * best).float().contiguous(), (b * best).float().contiguous()
+
+
+def top_k_precision(scores: torch.Tensor, routed: torch.Tensor) -> float:
+    """Share of the top-k of ``scores`` [N, E] that ``routed`` [N, k] names."""
+    k = routed.shape[-1]
+    guess = scores.topk(k, -1).indices
+    return float((guess.unsqueeze(-1) == routed.unsqueeze(-2)).any(-1).float().mean())
+
+
+class LookaheadPredictor:
+    """Per MoE layer position (0 = the first MoE layer, in the model's order), the fitted map from
+    its router input to the next MoE layer's expert logits: ``weights[i]`` [E, H], ``biases[i]``
+    [E]. Layers it does not cover are guessed by the router look-ahead."""
+
+    def __init__(self, weights: Optional[dict] = None, biases: Optional[dict] = None, scores: Optional[dict] = None):
+        self.weights = dict(weights or {})
+        self.biases = dict(biases or {})
+        # layer -> {"learned": precision, "router": precision} on held-out pairs (compare)
+        self.scores = dict(scores or {})
+
+    @classmethod
+    def fit(cls, inputs: list, routed: list, num_experts: int, ridge: float = RIDGE) -> "LookaheadPredictor":
+        """``inputs[i]``: [N, H] router inputs of MoE layer i; ``routed[i]``: [N, k] its routed ids
+        (the same N tokens at every layer). Fits layer i -> layer i + 1 for every layer but the last."""
+        out = cls()
+        for i in range(len(inputs) - 1):
+            out.weights[i], out.biases[i] = fit_ridge(inputs[i], routed[i + 1], num_experts, ridge)
+        return out
+
+    def logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weights[layer], self.biases[layer]
+        return torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).to(w.dtype), w, b)
+
+    def compare(self, inputs: list, routed: list, router_ahead: list) -> dict:
+        """Top-k precision on held-out pairs, per layer: the learned map's and the router
+        look-ahead's (``router_ahead[i]``: [N, E] scores of layer i + 1's router on layer i's
+        input). Kept in ``scores``."""
+        for i in sorted(self.weights):
+            self.scores[i] = {"learned": top_k_precision(self.logits(i, inputs[i]), routed[i + 1]),
+                              "router": top_k_precision(router_ahead[i], routed[i + 1])}
+        return self.scores
+
+    def keep(self) -> list:
+        """Drop the layers where the router look-ahead was right at least as often (``compare``):
+        the layers kept, which guess from the learned map."""
+        for i, s in list(self.scores.items()):
+            if s["learned"] <= s["router"]:
+                self.weights.pop(i, None)
+                self.biases.pop(i, None)
+        return sorted(self.weights)
+
+    # ------------------------------------------------------------------ files
+
+    def save(self, directory: str) -> str:
+        from safetensors.torch import save_file
+
+        path = os.path.join(directory, FILE_NAME) if os.path.isdir(directory) else directory
+        tensors = {f"weight.{i}": w for i, w in self.weights.items()} | {f"bias.{i}": b for i, b in self.biases.items()}
+        save_file(tensors, path, metadata={"scores": json.dumps({str(k): v for k, v in self.scores.items()})})
+        return path
+
+    @classmethod
+    def load(cls, directory: str) -> "LookaheadPredictor":
+        from safetensors import safe_open
+
+        path = os.path.join(directory, FILE_NAME) if os.path.isdir(directory) else directory
+        weights, biases = {}, {}
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+            for name in f.keys():
+                kind, _, layer = name.partition(".")
+                (weights if kind == "weight" else biases)[int(layer)] = f.get_tensor(name)
+        scores = {int(k): v for k, v in json.loads(meta.get("scores", "{}")).items()}
+        return cls(weights, biases, scores)
+
+
+def install(pager, predictor: LookaheadPredictor, device=None) -> list:
+    """Hand ``predictor`` to the speculator of a wrapped model's ``pager``: the MoE routers, in
+    firing order, guess the next layer from the learned map where it has one. Returns the names
+    of the routers that guess from it."""
+    stacks = getattr(pager, "experts", None)
+    speculator = getattr(stacks, "speculator", None)
+    if speculator is None:
+        raise ValueError("offtensor: install(predictor): this pager has no routing speculator (no offloaded "
+                         "expert stacks, or prefetch=False)")
+    from .speculation import SPECULATE_EVIDENCE, SPECULATE_EVIDENCE_LEARNED
+
+    routers = [r for r in speculator.routers if r.stacks]
+    names = []
+    for i, router in enumerate(routers):
+        w = predictor.weights.get(i)
+        if i + 1 < len(routers):  # the layer it guesses: its precision was measured held out
+            routers[i + 1].evidence = SPECULATE_EVIDENCE if w is None else SPECULATE_EVIDENCE_LEARNED
+        if w is None:
+            router.lookahead = None
+            continue
+        target = device if device is not None else pager.device
+        router.lookahead = (w.to(target), predictor.biases[i].to(target))
+        names.append(router.name)
+    return names

@@ -1,0 +1,148 @@
+"""The learned look-ahead (offtensor.moe.predictor): a ridge fit recovers a planted linear routing
+and is kept only where it beats the router look-ahead, it survives a save and load beside a
+checkpoint, an installed one decides the speculator's guesses, and a guess's copy never evicts an
+expert whose expected next use is sooner than the guess's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import offtensor as ot
+from offtensor.model.state import pager_of
+from offtensor.moe import eviction as ot_eviction
+from offtensor.moe import speculation as ot_speculation
+from offtensor.moe.predictor import LookaheadPredictor, fit_ridge, install, top_k_precision
+
+transformers = pytest.importorskip("transformers")
+
+
+def _planted(n: int, hidden: int = 24, experts: int = 12, k: int = 2, layers: int = 3, seed: int = 0):
+    """Hidden states of ``layers`` MoE layers and each layer's routing: layer i + 1 routes to the
+    top-k of a planted linear map of layer i's hidden state."""
+    g = torch.Generator().manual_seed(seed)
+    maps = [torch.randn(experts, hidden, generator=g) for _ in range(layers)]
+    xs = [torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed + 100 + i)) for i in range(layers)]
+    routed = [torch.randn(n, experts, generator=g).topk(k, -1).indices]  # layer 0: nothing to predict from
+    routed += [(xs[i] @ maps[i].T).topk(k, -1).indices for i in range(layers - 1)]
+    return xs, routed, maps
+
+
+def test_fit_recovers_a_planted_linear_routing():
+    xs, routed, maps = _planted(4000)
+    w, b = fit_ridge(xs[0], routed[1], 12)
+    held = torch.randn(1000, 24, generator=torch.Generator().manual_seed(7))
+    truth = (held @ maps[0].T).topk(2, -1).indices
+    learned = top_k_precision(torch.nn.functional.linear(held, w, b), truth)
+    chance = top_k_precision(torch.randn(1000, 12, generator=torch.Generator().manual_seed(8)), truth)
+    # A least-squares fit of one-hot targets ranks like the planted map on most held-out tokens
+    # (the top-k of a linear map is not itself linear, so not on all of them).
+    assert learned >= 0.8 and learned > chance + 0.5, (learned, chance)
+
+
+def test_the_learned_lookahead_is_kept_only_where_it_beats_the_router_lookahead():
+    xs, routed, maps = _planted(3000)
+    predictor = LookaheadPredictor.fit(xs, routed, 12)
+    hx, _, _ = _planted(800, seed=5)
+    hr = [None] + [(hx[i] @ maps[i].T).topk(2, -1).indices for i in range(2)]
+    # The same planted maps route the new hidden states. Layer 0's router look-ahead is the map itself (right every time), layer 1's is noise.
+    router_ahead = [hx[0] @ maps[0].T, torch.randn(800, 12)]
+    scores = predictor.compare(hx, hr, router_ahead)
+    assert scores[0]["router"] == 1.0 and scores[1]["learned"] > scores[1]["router"], scores
+    assert predictor.keep() == [1]
+
+
+def test_a_saved_lookahead_loads_with_the_same_weights_and_scores(tmp_path):
+    xs, routed, _ = _planted(500)
+    predictor = LookaheadPredictor.fit(xs, routed, 12)
+    predictor.scores = {0: {"learned": 0.9, "router": 0.5}}
+    predictor.save(str(tmp_path))
+    loaded = LookaheadPredictor.load(str(tmp_path))
+    assert sorted(loaded.weights) == sorted(predictor.weights) and loaded.scores == predictor.scores
+    for i in predictor.weights:
+        assert torch.equal(loaded.weights[i], predictor.weights[i]) and torch.equal(loaded.biases[i], predictor.biases[i])
+
+
+def _qwen3(layers: int = 4):
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, num_attention_heads=4, max_position_embeddings=64, num_hidden_layers=layers,
+        num_key_value_heads=2, head_dim=16, intermediate_size=256, moe_intermediate_size=64, num_experts=16,
+        num_experts_per_tok=4, decoder_sparse_step=1, mlp_only_layers=[])
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _wrap_quarter(model):
+    experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
+    total = sum(p.numel() * 4 for p in model.parameters())
+    return ot.wrap_model(model, budget_gb=(total - 0.75 * experts) / (1 << 30), device="cpu",
+                         policy={"offload": ["*.experts.*"]})
+
+
+def _decode(model, steps: int):
+    ids = torch.randint(0, 128, (1, steps + 4), generator=torch.Generator().manual_seed(1))
+    out = []
+    with torch.no_grad():
+        cache = None
+        for t in range(steps):
+            x = ids[:, :4] if cache is None else ids[:, 3 + t:4 + t]
+            r = model(input_ids=x, past_key_values=cache, use_cache=True)
+            cache = r.past_key_values
+            out.append(r.logits)
+    return out
+
+
+def test_an_installed_lookahead_decides_the_next_layers_guess(monkeypatch):
+    model = _wrap_quarter(_qwen3())
+    predictor = LookaheadPredictor()
+    for i in range(3):  # every token's guess for layer i + 1: experts 5, 6, 7, 8 (a bias, no weight)
+        predictor.weights[i] = torch.zeros(16, 64)
+        predictor.biases[i] = torch.tensor([0.0] * 5 + [9.0, 8.0, 7.0, 6.0] + [0.0] * 7)
+    assert len(install(pager_of(model), predictor)) == 3
+    routers = pager_of(model).experts.speculator.routers
+    # The layers it guesses were measured held out: their bins need less evidence of their own.
+    assert [r.evidence for r in routers] == [ot_speculation.SPECULATE_EVIDENCE] + \
+        [ot_speculation.SPECULATE_EVIDENCE_LEARNED] * 3
+    guesses = []
+    real_issue = ot_speculation.RoutingSpeculator._issue
+
+    def issue(self, pager, router, confidence, tokens):
+        guesses.append((router.name, list(confidence)[:4]))
+        return real_issue(self, pager, router, confidence, tokens)
+
+    monkeypatch.setattr(ot_speculation.RoutingSpeculator, "_issue", issue)
+    _decode(model, 3)
+    assert guesses and all(top == [5, 6, 7, 8] for _, top in guesses), guesses
+    assert {name for name, _ in guesses} == {f"model.layers.{i}.mlp.gate" for i in (1, 2, 3)}
+
+
+def test_a_guess_never_evicts_an_expert_used_sooner_than_the_guess(monkeypatch):
+    # Every guess pays (no precision gate), so guesses are copied wherever room allows; each
+    # eviction made for a guess's copy is checked against the guess's own expected next use.
+    monkeypatch.setattr(ot_speculation, "SPECULATE_PRECISION", 0.0)
+    monkeypatch.setattr(ot_speculation, "SPECULATE_EVIDENCE", 0.0)
+    monkeypatch.setattr(ot_speculation, "SPECULATE_EXPERTS", 4)
+    monkeypatch.setattr(ot_eviction, "SPECULATE_VICTIM_CYCLES", 0.0)  # only the guess's own next use limits
+    reference = _qwen3()
+    model = _wrap_quarter(_qwen3())
+    checked, limits = [], []
+    real_room = ot_eviction.ExpertEviction.in_spare_room_only
+    real_victim = ot_eviction.ExpertEviction.victim
+
+    def room(self, next_use=None):
+        limits.append(next_use)
+        return real_room(self, next_use)
+
+    def victim(self, view, room_bytes, candidates):
+        out = real_victim(self, view, room_bytes, candidates)
+        if self._spare_room_only and out is not None and out.key[0] in self.by_master:
+            checked.append((self.expected_use_of(out.key), limits[-1]))
+        return out
+
+    monkeypatch.setattr(ot_eviction.ExpertEviction, "in_spare_room_only", room)
+    monkeypatch.setattr(ot_eviction.ExpertEviction, "victim", victim)
+    got, want = _decode(model, 12), _decode(reference, 12)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert limits and all(limit is not None for limit in limits)
+    assert checked, "no guess evicted anything: the test checked nothing"
+    assert all(use >= limit for use, limit in checked), [c for c in checked if c[0] < c[1]]
