@@ -29,6 +29,7 @@ from .lifetimes import HostLifetimes
 from .masters import Master
 from .observers import Observers
 from .room import Room
+from .safety import lock_depth, recount, restore_depth
 from .slots import SlotPool
 from .stats import OffloadStats, snapshot
 
@@ -71,6 +72,8 @@ class Pager:
         self.device = device
         self.budget_bytes = budget_bytes
         self.lock = threading.RLock()
+        self._depth = lock_depth(self.lock)  # the calling thread's holds of it
+        self._recount_due = False  # an exception cut a step short: counts to recount once no op holds the pager
         self.stats = OffloadStats()
         self.budget = Budget(budget_bytes, self.stats)
         self.cache = DeviceCache()
@@ -136,19 +139,36 @@ class Pager:
 
     def free_bytes(self) -> Optional[int]:
         """Bytes an op could page right now, evicting every unused cached copy; None without a budget."""
-        return self.room.free_bytes(self.budget_bytes)
+        return self._room(self.room.free_bytes, self.budget_bytes)
 
     def hold_resident(self, nbytes: int) -> None:
         """Resident weights grew to ``nbytes``; unused cached copies make room first."""
-        self.room.hold_resident(nbytes, self.budget_bytes)
+        self._room(self.room.hold_resident, nbytes, self.budget_bytes)
 
     def recount_resident(self, nbytes: int) -> None:
         """Resident weights hold ``nbytes`` now; when they grew, unused cached copies make room first."""
-        self.room.recount_resident(nbytes, self.budget_bytes)
+        self._room(self.room.recount_resident, nbytes, self.budget_bytes)
 
     def room_for_resident(self, nbytes: int) -> None:
         """Evict unused cached copies until ``nbytes`` of resident weights fit beside the rest."""
-        self.room.for_resident(nbytes, self.budget_bytes)
+        self._room(self.room.for_resident, nbytes, self.budget_bytes)
+
+    def _room(self, call, *args):
+        """A call into ``room.py`` (which takes ``lock``): counts a step of it cut short leaves
+        wrong are recounted before the next, as for the per-op path."""
+        if self._recount_due:
+            self.settle()
+        try:
+            return call(*args)
+        except BaseException:
+            self._recount_due = True
+            raise
+
+    def settle(self) -> None:
+        """Recount now what an exception cut short, if a recount is due and no op holds the pager."""
+        with self.lock:
+            if self._recount_due and self._depth() == 1:
+                self._recount()
 
     def count_write_back(self, nbytes: int) -> None:
         """``nbytes`` of device values were written back to a host master (an in-place op's result)."""
@@ -156,6 +176,7 @@ class Pager:
 
     def snapshot(self) -> OffloadStats:
         """A copy of the counters, with the budget's, the pool's and the device's figures now."""
+        self.settle()
         with self.lock:
             return snapshot(self.stats, self.budget, self.budget_bytes, self.pool, self.device_ops.memory_figures(),
                             self.experts)
@@ -172,30 +193,42 @@ class Pager:
 
     # ------------------------------------------------------------------ paging
 
-    def page(self, host: torch.Tensor, master: Master, what="tensor", private: bool = False, layout=None):
+    def page(self, host: torch.Tensor, master: Master, what="tensor", private: bool = False, layout=None, held=None):
         """Device tensor with ``host``'s values, shape and strides, and the entry backing it.
 
         The copy comes from the cache, an in-flight prefetch, or a new host->device copy. With
-        ``private=True`` (the op will write to it) the copy bypasses the cache. The caller must
-        ``release`` the entry once its op is enqueued; until then the entry cannot be evicted.
+        ``private=True`` (the op will write to it) the copy bypasses the cache. ``held`` is the op's
+        record (a list): the last step appends ``(pager, entry, depth)`` to it, the op's hold of the
+        entry, which the op gives back with ``release``; until then the entry cannot be evicted.
         ``what`` describes the tensor in a ``BudgetError``: a string, or any object whose repr does
         (formatted only for the error). ``layout`` is ``page_layout(host, master.id)`` if the caller
         has it already (it memoizes it per tensor).
 
         Takes ``lock``, and the entry returned keeps that hold until its ``release`` (see the class
         docstring); an empty tensor's None entry holds nothing. One function, not a locking wrapper
-        around a body: every compute op on an offloaded weight runs it.
-        """
+        around a body: every compute op on an offloaded weight runs it. An exception before the last
+        step gives back what it took (the package docstring's "Exceptions")."""
         if host.numel() == 0:
             return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device), None
-        self.lock.acquire()
+        depth = self._depth()
+        item = taken = users = None
         try:
+            self.lock.acquire()
+            if self._recount_due and not depth:
+                self._recount()
             lo, hi, shape, stride, offset, key = layout or page_layout(host, master.id)
             observers = self.observers if self._observed else _NO_OBSERVERS
             if private or self.budget_bytes is None:
                 entry = self.copies.transient(self, host.as_strided((hi - lo,), (1,), lo),
                                               (hi - lo) * host.element_size(), what)
                 base = lo
+                for notify in observers.reading:
+                    notify(entry)
+                if entry.ready is not None:
+                    self.device_ops.wait_ready(entry, self.lifetimes)
+                users = entry.users
+                taken = entry
+                entry.users = users + 1
             else:
                 for notify in observers.paging:  # before the lookup: eviction for this copy knows the layer
                     notify(master.id)
@@ -213,42 +246,69 @@ class Pager:
                 base = entry.key[2]
                 # Held before the observers run: a prefetch makes room by evicting unused entries, and
                 # this one must survive until its op is enqueued (on a GPU its block would be reused).
-                entry.users += 1
+                users = entry.users
+                taken = entry
+                entry.users = users + 1
                 for notify in observers.accessed:
                     notify(self, master, key, entry, hit)
                 for notify in observers.reading:  # timeline: the op about to run reads this copy
                     notify(entry)
                 if entry.ready is not None:  # a cache hit on a completed copy skips the call
                     self.device_ops.wait_ready(entry, self.lifetimes)
-                return entry.buf.as_strided(shape, stride, offset - base), entry
-            for notify in observers.reading:
-                notify(entry)
-            if entry.ready is not None:
-                self.device_ops.wait_ready(entry, self.lifetimes)
-            entry.users += 1
-            return entry.buf.as_strided(shape, stride, offset - base), entry
+            view = entry.buf.as_strided(shape, stride, offset - base)
+            item = (self, entry, depth)
+            if held is not None:
+                held.append(item)  # the commit: from here on the hold is the op's to give back
+            return view, entry
         except BaseException:
-            self.lock.release()
+            if item is None or not (held is None or (held and held[-1] is item)):
+                self.cut_short(depth, taken, users)
             raise
 
-    def upload(self, src: torch.Tensor, what="tensor"):
+    def upload(self, src: torch.Tensor, what="tensor", held=None):
         """Copy a host tensor (e.g. gathered rows) to the device for one op; accounted like a page.
         ``src`` is kept alive until the copy has completed, so the caller may drop it at once.
-        Takes ``lock``, held until the entry's ``release``, as ``page`` does (in its own body too:
-        every embedding lookup of an offloaded table runs it)."""
-        self.lock.acquire()
+        Takes ``lock``, held until the entry's ``release``, and commits into ``held`` as ``page``
+        does (in its own body too: every embedding lookup of an offloaded table runs it)."""
+        depth = self._depth()
+        item = taken = None
         try:
+            self.lock.acquire()
+            if self._recount_due and not depth:
+                self._recount()
             src = src.contiguous()
             entry = self.copies.transient(self, src.view(-1), src.numel() * src.element_size(), what)
             for notify in self.observers.reading:
                 notify(entry)
             if entry.ready is not None:
                 self.device_ops.wait_ready(entry, self.lifetimes)
-            entry.users += 1
-            return entry.buf.view(src.shape), entry
+            taken = entry
+            entry.users = 1
+            view = entry.buf.view(src.shape)
+            item = (self, entry, depth)
+            if held is not None:
+                held.append(item)
+            return view, entry
         except BaseException:
-            self.lock.release()
+            if item is None or not (held is None or (held and held[-1] is item)):
+                self.cut_short(depth, taken, 0)
             raise
+
+    def cut_short(self, depth: int, taken=None, users=None) -> None:
+        """An exception cut a step short: ``taken``'s use goes back to ``users``, the counts are due
+        for a recount (now, if no op holds the pager), the lock goes back to ``depth``."""
+        if taken is not None:
+            taken.users = users
+        self._recount_due = True
+        if not depth and self._depth():
+            self._recount()
+        restore_depth(self.lock, self._depth, depth)
+
+    def _recount(self) -> None:
+        """Recount what a step cut short may have left wrong (``safety.recount``); the lock is held
+        and no op holds a copy."""
+        recount(self.cache, self.budget, self.pool, self.lifetimes, self.device_ops)
+        self._recount_due = False
 
     def copy_out(self, host: torch.Tensor) -> torch.Tensor:
         """A device copy owned by the caller: never cached, outside the budget (``Copies.copy_out``)."""
@@ -278,26 +338,31 @@ class Pager:
         """Start copying elements [lo, hi) of ``master`` unless cached; never evicts an entry that
         is in use and never exceeds the budget. Returns whether a copy is cached or started."""
         with self.lock:
-            key = _new_key(CacheKey, (master.id, dtype, lo, hi))
-            if key in self._entries:
+            try:
+                key = _new_key(CacheKey, (master.id, dtype, lo, hi))
+                if key in self._entries:
+                    return True
+                if self.budget_bytes is None or master.flat is None:
+                    return False
+                itemsize = dtype.itemsize
+                nbytes = (hi - lo) * itemsize
+                if not self.room.make_room(nbytes, strict=False, keep_prefetched=True):
+                    return False
+                src = master.flat[lo * itemsize : hi * itemsize].view(dtype)
+                entry = self.copies.insert(self, key, src, nbytes, "a prefetch", prefetch=True, room_made=True)
+                entry.prefetched = True
+                self.stats.prefetches += 1
                 return True
-            if self.budget_bytes is None or master.flat is None:
-                return False
-            itemsize = dtype.itemsize
-            nbytes = (hi - lo) * itemsize
-            if not self.room.make_room(nbytes, strict=False, keep_prefetched=True):
-                return False
-            src = master.flat[lo * itemsize : hi * itemsize].view(dtype)
-            entry = self.copies.insert(self, key, src, nbytes, "a prefetch", prefetch=True, room_made=True)
-            entry.prefetched = True
-            self.stats.prefetches += 1
-            return True
+            except BaseException:
+                self._recount_due = True
+                raise
 
     def release(self, entries) -> None:
         """The op that used ``entries`` has been enqueued: mark when the device is done with them
         (on a GPU, an event after the op when a cached copy was used: ``CudaDevice.last_use``),
         then give back the holds of ``lock`` that ``page`` and ``upload`` took, one per entry: the
-        op is over, another thread's may run."""
+        op is over, another thread's may run. The op's owner gives back what an exception here
+        leaves held (``ops/paging.py``'s ``Paged``, by the depth its record holds)."""
         try:
             ops = self.device_ops
             stream, last_use = ops.after_op(entries) if ops.tracks_last_use else _NOTHING_AFTER
@@ -314,24 +379,26 @@ class Pager:
                         entry.slot = None
                 elif last_use is not None:
                     entry.last_use = last_use
-        finally:
-            release = self.lock.release
-            for _ in entries:
-                release()
+        except BaseException:
+            self.cut_short(self._depth() - len(entries))
+            raise
+        release = self.lock.release
+        for _ in entries:
+            release()
 
     # Dropping cached copies: ``room.py``.
 
     def before_write(self, master: Master) -> None:
         """``master`` is about to change: wait for its copies' reads and drop its cached copies."""
-        self.room.before_write(master)
+        self._room(self.room.before_write, master)
 
     def forget_master(self, master_id: int) -> None:
         """Drop every cached copy of ``master_id`` (it died, moved to another pager, or changes)."""
-        self.room.forget_master(master_id)
+        self._room(self.room.forget_master, master_id)
 
     def clear(self) -> None:
         """Drop every cached copy (e.g. before unwrapping) and the pool's idle slots."""
-        self.room.clear()
+        self._room(self.room.clear)
 
     def wait_copies(self) -> None:
         """Block until every copy this pager started has completed (and release their sources)."""
