@@ -21,10 +21,12 @@ slots and lifetimes only as objects handed to them):
     lifetimes.py  HostLifetimes: host sources kept until the copies reading them complete
     cache.py      CacheKey, CachedCopy, DeviceCache and the eviction policy (LRU by default)
     observers.py  Observers: the expert cache, the prefetcher and the timeline recorder, in order
-    room.py       Room: evicting unused copies until a copy or resident weights fit; dropping copies
+    room.py       Room: evicting unused copies until a copy or resident weights fit; dropping copies;
+                  RoomCalls, the pager's calls into it
     copies.py     Copies: issuing copies (cached ahead of use, transient in line, the caller's own)
     pager.py      Pager, the façade that composes them, and the per-op path (page, upload, release)
-    safety.py     exception safety's tools: lock depths, restoring them, the recount
+    safety.py     exception safety's tools: lock depths, restoring them, the recount; Recovering,
+                  the pager's side of them
 
 Exceptions. An exception may strike wherever Python raises one: a signal handler's (Ctrl-C's
 KeyboardInterrupt) on entering any function, after any call returns and at loop back edges, even

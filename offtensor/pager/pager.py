@@ -28,8 +28,8 @@ from .copies import Copies
 from .lifetimes import HostLifetimes
 from .masters import Master
 from .observers import Observers
-from .room import Room
-from .safety import lock_depth, recount, restore_depth
+from .room import Room, RoomCalls
+from .safety import Recovering, lock_depth
 from .slots import SlotPool
 from .stats import OffloadStats, snapshot
 
@@ -43,7 +43,7 @@ class _NoObservers:
 _NO_OBSERVERS = _NoObservers()  # what the hot path loops over when no observer is set
 
 
-class Pager:
+class Pager(RoomCalls, Recovering):
     """Budget, device cache and copies for one device.
 
     ``budget_bytes=None`` means "no cache": every op pages what it needs and the copy dies with the
@@ -135,41 +135,6 @@ class Pager:
     paged_bytes = property(_attrgetter("budget.paged_bytes"))
     offloaded_bytes = property(_attrgetter("budget.offloaded_bytes"))
 
-    # Room in the budget for resident weights, and the free bytes an op could page: ``room.py``.
-
-    def free_bytes(self) -> Optional[int]:
-        """Bytes an op could page right now, evicting every unused cached copy; None without a budget."""
-        return self._room(self.room.free_bytes, self.budget_bytes)
-
-    def hold_resident(self, nbytes: int) -> None:
-        """Resident weights grew to ``nbytes``; unused cached copies make room first."""
-        self._room(self.room.hold_resident, nbytes, self.budget_bytes)
-
-    def recount_resident(self, nbytes: int) -> None:
-        """Resident weights hold ``nbytes`` now; when they grew, unused cached copies make room first."""
-        self._room(self.room.recount_resident, nbytes, self.budget_bytes)
-
-    def room_for_resident(self, nbytes: int) -> None:
-        """Evict unused cached copies until ``nbytes`` of resident weights fit beside the rest."""
-        self._room(self.room.for_resident, nbytes, self.budget_bytes)
-
-    def _room(self, call, *args):
-        """A call into ``room.py`` (which takes ``lock``): counts a step of it cut short leaves
-        wrong are recounted before the next, as for the per-op path."""
-        if self._recount_due:
-            self.settle()
-        try:
-            return call(*args)
-        except BaseException:
-            self._recount_due = True
-            raise
-
-    def settle(self) -> None:
-        """Recount now what an exception cut short, if a recount is due and no op holds the pager."""
-        with self.lock:
-            if self._recount_due and self._depth() == 1:
-                self._recount()
-
     def count_write_back(self, nbytes: int) -> None:
         """``nbytes`` of device values were written back to a host master (an in-place op's result)."""
         self.stats.bytes_d2h += nbytes
@@ -197,17 +162,15 @@ class Pager:
         """Device tensor with ``host``'s values, shape and strides, and the entry backing it.
 
         The copy comes from the cache, an in-flight prefetch, or a new host->device copy. With
-        ``private=True`` (the op will write to it) the copy bypasses the cache. ``held`` is the op's
-        record (a list): the last step appends ``(pager, entry, depth)`` to it, the op's hold of the
-        entry, which the op gives back with ``release``; until then the entry cannot be evicted.
-        ``what`` describes the tensor in a ``BudgetError``: a string, or any object whose repr does
+        ``private=True`` (the op will write to it) the copy bypasses the cache. The last step appends
+        ``(pager, entry, depth)`` to ``held``, the op's record; the op gives the entry back with
+        ``release``, until then it cannot be evicted. ``what`` describes the tensor in a ``BudgetError``: a string, or any object whose repr does
         (formatted only for the error). ``layout`` is ``page_layout(host, master.id)`` if the caller
         has it already (it memoizes it per tensor).
 
         Takes ``lock``, and the entry returned keeps that hold until its ``release`` (see the class
         docstring); an empty tensor's None entry holds nothing. One function, not a locking wrapper
-        around a body: every compute op on an offloaded weight runs it. An exception before the last
-        step gives back what it took (the package docstring's "Exceptions")."""
+        around a body: every compute op on an offloaded weight runs it. Exceptions: the package's rule."""
         if host.numel() == 0:
             return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device), None
         depth = self._depth()
@@ -226,9 +189,8 @@ class Pager:
                     notify(entry)
                 if entry.ready is not None:
                     self.device_ops.wait_ready(entry, self.lifetimes)
-                users = entry.users
-                taken = entry
-                entry.users = users + 1
+                users, taken = 0, entry
+                entry.users = 1
             else:
                 for notify in observers.paging:  # before the lookup: eviction for this copy knows the layer
                     notify(master.id)
@@ -246,8 +208,7 @@ class Pager:
                 base = entry.key[2]
                 # Held before the observers run: a prefetch makes room by evicting unused entries, and
                 # this one must survive until its op is enqueued (on a GPU its block would be reused).
-                users = entry.users
-                taken = entry
+                users, taken = entry.users, entry
                 entry.users = users + 1
                 for notify in observers.accessed:
                     notify(self, master, key, entry, hit)
@@ -268,8 +229,8 @@ class Pager:
     def upload(self, src: torch.Tensor, what="tensor", held=None):
         """Copy a host tensor (e.g. gathered rows) to the device for one op; accounted like a page.
         ``src`` is kept alive until the copy has completed, so the caller may drop it at once.
-        Takes ``lock``, held until the entry's ``release``, and commits into ``held`` as ``page``
-        does (in its own body too: every embedding lookup of an offloaded table runs it)."""
+        Takes ``lock`` and commits into ``held`` as ``page`` does (in its own body too: every
+        embedding lookup of an offloaded table runs it)."""
         depth = self._depth()
         item = taken = None
         try:
@@ -293,22 +254,6 @@ class Pager:
             if item is None or not (held is None or (held and held[-1] is item)):
                 self.cut_short(depth, taken, 0)
             raise
-
-    def cut_short(self, depth: int, taken=None, users=None) -> None:
-        """An exception cut a step short: ``taken``'s use goes back to ``users``, the counts are due
-        for a recount (now, if no op holds the pager), the lock goes back to ``depth``."""
-        if taken is not None:
-            taken.users = users
-        self._recount_due = True
-        if not depth and self._depth():
-            self._recount()
-        restore_depth(self.lock, self._depth, depth)
-
-    def _recount(self) -> None:
-        """Recount what a step cut short may have left wrong (``safety.recount``); the lock is held
-        and no op holds a copy."""
-        recount(self.cache, self.budget, self.pool, self.lifetimes, self.device_ops)
-        self._recount_due = False
 
     def copy_out(self, host: torch.Tensor) -> torch.Tensor:
         """A device copy owned by the caller: never cached, outside the budget (``Copies.copy_out``)."""
@@ -361,8 +306,7 @@ class Pager:
         """The op that used ``entries`` has been enqueued: mark when the device is done with them
         (on a GPU, an event after the op when a cached copy was used: ``CudaDevice.last_use``),
         then give back the holds of ``lock`` that ``page`` and ``upload`` took, one per entry: the
-        op is over, another thread's may run. The op's owner gives back what an exception here
-        leaves held (``ops/paging.py``'s ``Paged``, by the depth its record holds)."""
+        op is over, another thread's may run (after an exception, the op's record: ``Paged``)."""
         try:
             ops = self.device_ops
             stream, last_use = ops.after_op(entries) if ops.tracks_last_use else _NOTHING_AFTER
@@ -385,20 +329,6 @@ class Pager:
         release = self.lock.release
         for _ in entries:
             release()
-
-    # Dropping cached copies: ``room.py``.
-
-    def before_write(self, master: Master) -> None:
-        """``master`` is about to change: wait for its copies' reads and drop its cached copies."""
-        self._room(self.room.before_write, master)
-
-    def forget_master(self, master_id: int) -> None:
-        """Drop every cached copy of ``master_id`` (it died, moved to another pager, or changes)."""
-        self._room(self.room.forget_master, master_id)
-
-    def clear(self) -> None:
-        """Drop every cached copy (e.g. before unwrapping) and the pool's idle slots."""
-        self._room(self.room.clear)
 
     def wait_copies(self) -> None:
         """Block until every copy this pager started has completed (and release their sources)."""

@@ -52,3 +52,43 @@ def recount(cache, budget, pool, lifetimes, ops) -> None:
     budget.paged_bytes, slots = cache.recount()
     if pool is not None:
         pool.recount(slots)
+
+
+class Recovering:
+    """The pager's side of the rule (``Pager``'s base): its steps cut short are undone here and its
+    counts recounted. Uses the pager's ``lock``, ``_depth`` (``lock_depth(lock)``), cache, budget,
+    pool, lifetimes and device operations, and its flag ``_recount_due``."""
+
+    __slots__ = ()
+
+    def cut_short(self, depth: int, taken=None, users=None) -> None:
+        """An exception cut a step short: ``taken``'s use goes back to ``users``, the counts are due
+        for a recount (now, if no op holds the pager), the lock goes back to ``depth``."""
+        if taken is not None:
+            taken.users = users
+        self._recount_due = True
+        if not depth and self._depth():
+            self._recount()
+        restore_depth(self.lock, self._depth, depth)
+
+    def settle(self) -> None:
+        """Recount now what an exception cut short, if a recount is due and no op holds the pager."""
+        with self.lock:
+            if self._recount_due and self._depth() == 1:
+                self._recount()
+
+    def _recount(self) -> None:
+        """``recount``, with the lock held and no op holding a copy."""
+        recount(self.cache, self.budget, self.pool, self.lifetimes, self.device_ops)
+        self._recount_due = False
+
+    def _room(self, call, *args):
+        """A call into ``room.py`` (which takes ``lock``): counts a step of it cut short leaves
+        wrong are recounted before the next, as on the per-op path."""
+        if self._recount_due:
+            self.settle()
+        try:
+            return call(*args)
+        except BaseException:
+            self._recount_due = True
+            raise
