@@ -345,7 +345,11 @@ class _StrictWorker:
     """One process-wide thread that runs strict copies late and out of order."""
 
     def __init__(self):
-        self.cond = threading.Condition()
+        # Sections take the lock itself (``with worker.lock``), not the Condition: a Condition's
+        # __enter__/__exit__ are Python calls, where a Ctrl-C could strike after the lock is taken
+        # and leave it held; the C lock's own ``with`` cannot be cut between acquire and release.
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
         self.queue: "collections.deque[_StrictJob]" = collections.deque()
         self.jobs: dict[int, _StrictJob] = {}
         self.held = 0  # > 0 while a test holds every copy back (StrictCopyEngine.held)
@@ -372,7 +376,7 @@ class _StrictWorker:
     def run(self):
         rng = random.Random(0x0FF7E)
         while True:
-            with self.cond:
+            with self.lock:
                 while True:
                     if self.held:
                         job = next((j for j in self.queue if j.ticket in self.urgent), None)
@@ -396,7 +400,7 @@ class _StrictWorker:
                 src = torch.empty(0, dtype=torch.uint8).set_(storage, job.byte_offset, (job.nbytes,))
                 _as_bytes(job.dst).copy_(src)
                 del src, storage
-            with self.cond:
+            with self.lock:
                 job.done = True
                 job.dst = None
                 self.urgent.discard(job.ticket)
@@ -438,7 +442,7 @@ class StrictCopyEngine:
         storage = src.untyped_storage()
         job = _StrictJob(ticket, dst, weakref.ref(storage), src.storage_offset() * src.element_size(), src.nbytes)
         worker = _strict_worker
-        with worker.cond:
+        with worker.lock:
             worker.jobs[ticket] = job
             worker.queue.append(job)
             worker.start()
@@ -464,7 +468,7 @@ class StrictCopyEngine:
         job = worker.jobs.get(ticket)
         if job is None:
             return
-        with worker.cond:
+        with worker.lock:
             if not job.done:
                 worker.urgent.add(ticket)
                 worker.cond.notify_all()
@@ -480,12 +484,12 @@ class StrictCopyEngine:
     def held():
         """Tests: no copy runs until the block ends, except one that someone waits for."""
         worker = _strict_worker
-        with worker.cond:
+        with worker.lock:
             worker.held += 1
         try:
             yield
         finally:
-            with worker.cond:
+            with worker.lock:
                 worker.held -= 1
                 worker.cond.notify_all()
 
@@ -493,7 +497,7 @@ class StrictCopyEngine:
     def drain() -> None:
         """Block until every strict copy submitted so far has run."""
         worker = _strict_worker
-        with worker.cond:
+        with worker.lock:
             for job in list(worker.jobs.values()):
                 worker.urgent.add(job.ticket)
             worker.cond.notify_all()

@@ -35,7 +35,7 @@ from . import reads  # noqa: F401  (registers clone, _to_copy, item, is_pinned, 
 from .collectives import COLLECTIVE_NAMESPACES, Collective
 from .functions import FUNCTION_TABLE
 from .grouped import grouped_mm, grouped_mm_fallback, planned_routing
-from .paging import Paged, run
+from .paging import Paged, reclaim, run
 from .rows import CACHED_SLICE_BYTES, HOST_SYNCS, embedding, index, index_select
 from .table import OP_TABLE, implements
 from .tiling import TILE_ALIGN, ForeachInPieces, bmm, convolution, convolution_backward, mm
@@ -70,7 +70,13 @@ def torch_dispatch(func, types, args, kwargs):
         traced = _compile.traced_compute(func, args, kwargs)
         if traced is not None:
             return traced
-    return handler(func, types, args, kwargs or {})
+    try:
+        return handler(func, types, args, kwargs or {})
+    except BaseException as error:
+        # An exception that struck on the way into a handler's ``paged.release()`` left its record
+        # holding the pager: release it here (pager/__init__.py, "Exceptions").
+        reclaim(error)
+        raise
 
 
 _get_dispatch_mode = torch._C._get_dispatch_mode

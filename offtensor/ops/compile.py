@@ -68,14 +68,14 @@ def page(host: torch.Tensor, master_id: int, device: torch.device) -> torch.Tens
         # holds at replay time.
         pager.copy_into_graph(out, host)
         return out
-    view, entry = pager.page(host, master, "a compiled graph's weight")
+    held = []  # the record the pager commits its hold to (pager/__init__.py, "Exceptions")
     try:
-        out.copy_(view)
+        out.copy_(pager.page(host, master, "a compiled graph's weight", held=held)[0])
     finally:
-        if entry is not None:
+        if held:
             # On a GPU the release event is recorded after the copy above, so the cached block is
             # evicted only once the copy has read it.
-            pager.release([entry])
+            pager.release([held[0][1]])
     return out
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from ..pager import pins_host_memory
 from ..tensor import OffloadedTensor, check_offloadable, new_host_master, wrap_host
 from .host_experts import expert_on_host, host_linear
-from .paging import Paged
+from .paging import Paged, reclaim
 from .tiling import as_linear_weight, folds_without_copy, linear_tiled, needs_tiling
 
 aten = torch.ops.aten
@@ -39,12 +39,16 @@ def _linear(args, kwargs):
         return linear_tiled(x, weight, bias)
     paged = Paged()
     try:
-        device_weight = paged.arg(weight)
-        if isinstance(weight, OffloadedTensor):
-            device_weight = as_linear_weight(x, weight, device_weight)
-        return torch._C._nn.linear(paged.arg(x), device_weight, paged.arg(bias))
-    finally:
-        paged.release()
+        try:
+            device_weight = paged.arg(weight)
+            if isinstance(weight, OffloadedTensor):
+                device_weight = as_linear_weight(x, weight, device_weight)
+            return torch._C._nn.linear(paged.arg(x), device_weight, paged.arg(bias))
+        finally:
+            paged.release()
+    except BaseException as error:  # torch_dispatch's net, for the ops intercepted here
+        reclaim(error)
+        raise
 
 
 def _matrix_product(product):
@@ -87,9 +91,13 @@ def _matrix_product(product):
             return NotImplemented  # tiling.mm computes it in tiles
         paged = Paged()
         try:
-            return product(paged.arg(a), paged.arg(b))
-        finally:
-            paged.release()
+            try:
+                return product(paged.arg(a), paged.arg(b))
+            finally:
+                paged.release()
+        except BaseException as error:  # torch_dispatch's net, for the ops intercepted here
+            reclaim(error)
+            raise
 
     return handler
 

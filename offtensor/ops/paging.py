@@ -14,12 +14,17 @@ from .views import resize_within_master
 
 class Paged:
     """Replaces OffloadedTensor arguments of one op by device tensors and releases their pages
-    once the op is enqueued."""
+    once the op is enqueued.
+
+    The op's record, made before anything is paged: the pager appends each hold to ``entries``
+    itself, as its last step, so no exception can fall between a hold and its record; ``release``
+    gives back exactly what the record holds, and after an exception at any point of its own, the
+    lock holds too, by the depth the record kept (the pager package's "Exceptions")."""
 
     __slots__ = ("entries", "private")
 
     def __init__(self):
-        self.entries = []  # (pager, entry)
+        self.entries = []  # (pager, entry, the pager's lock depth before this hold)
         self.private = []  # (OffloadedTensor, its private device copy), for arguments the op writes
 
     def page(self, t: OffloadedTensor, private: bool = False) -> torch.Tensor:
@@ -35,9 +40,7 @@ class Paged:
         layout = own.get("_layout")
         if layout is None:
             layout = own["_layout"] = page_layout(host, master.id)
-        view, entry = pager.page(host, master, t, private, layout)  # t's repr names it in a BudgetError
-        if entry is not None:
-            self.entries.append((pager, entry))
+        view = pager.page(host, master, t, private, layout, self.entries)[0]  # t's repr names it in a BudgetError
         if private:
             self.private.append((t, view))
         return view
@@ -50,22 +53,44 @@ class Paged:
         return a
 
     def release(self) -> None:
-        entries, self.entries = self.entries, []
+        """Give back the record's holds; idempotent (a second call finds the record empty)."""
+        entries = self.entries
         if not entries:
             return
-        if len(entries) == 1:  # most ops page one weight
-            pager, entry = entries[0]
-            pager.release((entry,))
-            return
-        first = entries[0][0]
-        if all(pager is first for pager, _ in entries):
-            first.release([entry for _, entry in entries])
-            return
-        by_pager = {}
-        for pager, entry in entries:
-            by_pager.setdefault(pager, []).append(entry)
-        for pager, group in by_pager.items():
-            pager.release(group)
+        try:
+            if len(entries) == 1:  # most ops page one weight
+                pager, entry, _ = entries[0]
+                pager.release((entry,))
+            else:
+                first = entries[0][0]
+                if all(item[0] is first for item in entries):
+                    first.release([item[1] for item in entries])
+                else:
+                    by_pager = {}
+                    for pager, entry, _ in entries:
+                        by_pager.setdefault(pager, []).append(entry)
+                    for pager, group in by_pager.items():
+                        pager.release(group)
+            self.entries = []
+        except BaseException:
+            # Cut short: each pager's lock goes back to its depth before this op's first hold, and its
+            # counts are recounted (now if no op holds it, else once none does).
+            self.entries = []
+            for pager, _, depth in entries:  # the first item of a pager has the lowest depth
+                pager.cut_short(depth)
+            raise
+
+
+def reclaim(error: BaseException) -> None:
+    """An exception crossed an op's dispatch: release the records it left behind in the frames it
+    unwound, those whose ``release`` it cut off at the call, before a line of it ran. Runs only on
+    the exceptional path, so the per-op path pays nothing for it."""
+    tb = error.__traceback__
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            if type(value) is Paged and value.entries:
+                value.release()
+        tb = tb.tb_next
 
 
 def describe(t: OffloadedTensor) -> str:

@@ -58,9 +58,7 @@ def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: Paged) -> torch.
     if rows.numel() == 1 and (row_bytes >= CACHED_SLICE_BYTES or per_expert):
         return paged.page(OffloadedTensor(host[int(rows[0])], t._master)).unsqueeze(0)
     gathered = pager.device_ops.gather_rows(host, rows)  # into pinned memory on a GPU: an async upload
-    view, entry = pager.upload(gathered, describe(t))
-    paged.entries.append((pager, entry))
-    return view
+    return pager.upload(gathered, describe(t), paged.entries)[0]
 
 
 # Device->host reads made by the index ops below and by grouped.py's read of the routing. On a GPU

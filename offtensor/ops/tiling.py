@@ -157,9 +157,7 @@ def _page_slice(t, dim: int, start: int, stop: int, paged: Paged):
     lo, hi = host_layout(host)[:2]
     if (hi - lo) <= host.numel():
         return paged.page(OffloadedTensor(host, t._master))
-    view, entry = t._master.pager.upload(host.contiguous(), describe(t))
-    paged.entries.append((t._master.pager, entry))
-    return view
+    return t._master.pager.upload(host.contiguous(), describe(t), paged.entries)[0]
 
 
 def _tile_size(weight: OffloadedTensor, dim: int, others: int, what: str, sliced=()) -> int:

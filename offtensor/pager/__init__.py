@@ -21,9 +21,40 @@ slots and lifetimes only as objects handed to them):
     lifetimes.py  HostLifetimes: host sources kept until the copies reading them complete
     cache.py      CacheKey, CachedCopy, DeviceCache and the eviction policy (LRU by default)
     observers.py  Observers: the expert cache, the prefetcher and the timeline recorder, in order
-    room.py       Room: evicting unused copies until a copy or resident weights fit; dropping copies
+    room.py       Room: evicting unused copies until a copy or resident weights fit; dropping copies;
+                  RoomCalls, the pager's calls into it
     copies.py     Copies: issuing copies (cached ahead of use, transient in line, the caller's own)
     pager.py      Pager, the façade that composes them, and the per-op path (page, upload, release)
+    safety.py     exception safety's tools: lock depths, restoring them, the recount; Recovering,
+                  the pager's side of them
+
+Exceptions. An exception may strike wherever Python raises one: a signal handler's (Ctrl-C's
+KeyboardInterrupt) on entering any function, after any call returns and at loop back edges, even
+inside ``finally`` and ``except`` blocks; a hook's, an observer's or a dispatch mode's at calls.
+No step here is made atomic one by one; one rule keeps the pager consistent instead:
+
+1. An op's hold is committed last, into the op's record. The record (``ops/paging.py``'s ``Paged``)
+   exists before anything is paged; ``page`` and ``upload`` append ``(pager, entry, depth)`` to it
+   as their last step (one ``list.append``), so a hold is either in the record or still the step's
+   own. A step cut short before its commit gives back what it took, by the before-states it read
+   before touching them: the entry's ``users`` is set back, the lock is given back down to the
+   ``depth`` (the thread's hold count) read before the lock was taken. Setting back to a state read
+   before is right wherever the exception struck, and harmless when repeated.
+2. The op gives back its record whatever happens: ``release`` in a ``finally``; if an exception cuts
+   that short, the lock goes back to the depth the record kept; if one strikes on the very call
+   into it, the dispatch entry finds the record in the unwound frames and releases it.
+3. Counts are recounted, not repaired. Any exception that cuts a step short marks the pager; the
+   next step that finds no op holding it (lock depth 0 on entry, or the cut-short op's own exit)
+   recounts from the cache itself: ``users`` 0, paged bytes the cached copies', the pool's live and
+   idle bytes from its slots (a slot an interrupted step took and never recorded is forgotten once
+   every copy in flight has completed). Until then every count errs towards "in use": a copy
+   pinned, bytes counted; never a copy in use counted free.
+
+``with lock:`` is atomic for the exceptions above (its exit releases before any point where one can
+strike), so sections that only take the lock for their duration need nothing more than to mark
+the pager when they raise (``Pager._room``, ``prefetch``). The rule holds for one exception at any
+point, and for several further apart than an op's cleanup takes; a second one inside that cleanup
+may leave counts to the next recount.
 """
 
 from .budget import GiB, Budget, BudgetError

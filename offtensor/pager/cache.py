@@ -156,6 +156,21 @@ class DeviceCache:
     def evictable_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values() if not e.users)
 
+    def recount(self):
+        """No op holds a copy (``pager/safety.py``): every copy's ``users`` back to 0 and the copies by
+        master rebuilt from ``entries`` (in place: the ``CacheView`` shows them). Returns the cached
+        bytes and the slots the cached copies hold."""
+        by_master, nbytes, slots = {}, 0, []
+        for key, entry in self.entries.items():
+            entry.users = 0
+            by_master.setdefault(key[0], []).append(entry)
+            nbytes += entry.nbytes
+            if entry.slot is not None:
+                slots.append(entry.slot)
+        self.by_master.clear()
+        self.by_master.update(by_master)
+        return nbytes, slots
+
 
 class CacheView:
     """What an eviction policy sees of the cache: read-only mappings of the cached copies by key

@@ -5,7 +5,7 @@
 ``release`` (the op that read these copies is enqueued), ``before_write`` (a master is about to
 change), ``clear``, ``new_step`` and ``snapshot``. What each call does is composed from the owners
 beside this file: budget, cache and eviction policy, device operations, slots, host lifetimes,
-masters, stats and observers, through two collaborators: ``room.py`` (eviction, resident room,
+masters, stats and observers (state.py builds them), through two collaborators: ``room.py`` (eviction, resident room,
 dropping copies) and ``copies.py`` (issuing copies). The per-op path (``page``, ``upload``,
 ``release``) stays here, one call per op.
 """
@@ -13,8 +13,6 @@ dropping copies) and ``copies.py`` (issuing copies). The per-op path (``page``, 
 from __future__ import annotations
 
 import threading
-import warnings
-import weakref
 from operator import attrgetter as _attrgetter
 from typing import Optional
 
@@ -24,13 +22,12 @@ from .. import forking
 from . import device as _device
 from .budget import Budget
 from .device import _NOTHING_AFTER
-from .cache import LRU, CacheKey, DeviceCache, page_layout
-from .copies import Copies
-from .lifetimes import HostLifetimes
+from .cache import LRU, CacheKey, page_layout
 from .masters import Master
 from .observers import Observers
-from .room import Room
-from .slots import SlotPool
+from .room import RoomCalls
+from .safety import Recovering, lock_depth
+from .state import PagingState
 from .stats import OffloadStats, snapshot
 
 _new_key = tuple.__new__  # cache_key() without its call
@@ -43,7 +40,7 @@ class _NoObservers:
 _NO_OBSERVERS = _NoObservers()  # what the hot path loops over when no observer is set
 
 
-class Pager:
+class Pager(RoomCalls, Recovering, PagingState):
     """Budget, device cache and copies for one device.
 
     ``budget_bytes=None`` means "no cache": every op pages what it needs and the copy dies with the
@@ -72,53 +69,17 @@ class Pager:
         self.device = device
         self.budget_bytes = budget_bytes
         self.lock = threading.RLock()
+        self._depth = lock_depth(self.lock)  # the calling thread's holds of it
+        self._recount_due = False  # an exception cut a step short: counts to recount once no op holds the pager
         self.stats = OffloadStats()
         self.budget = Budget(budget_bytes, self.stats)
         self.device_ops = ops = _device.for_device(device, bool(_device.strict_from_env() if strict is None else strict))
         self.strict = ops.strict
         self.observers = Observers()
         self._observed = False  # whether any observer is set: the hot path skips every event otherwise
-        self._new_paging_state()
+        self.new_paging_state()
         self.experts = self.prefetcher = self.recorder = None
         forking.track(self)  # a forked child renews the lock and the paging state (after_fork_in_child)
-
-    def _new_paging_state(self) -> None:
-        """An empty cache, slot pool and host lifetimes, and the collaborators over them."""
-        ops, device = self.device_ops, self.device
-        self.cache = DeviceCache()
-        self._entries = self.cache.entries  # the hot path's lookup, without a method call
-        self.pool = SlotPool(ops) if self.budget_bytes is not None else None
-        self.lifetimes = HostLifetimes(ops)
-        # Collaborators over the same owners: making room (eviction, by LRU or the expert cache's
-        # order) and dropping copies; issuing copies.
-        policy = LRU if getattr(self, "experts", None) is None else self.experts
-        self.room = Room(self.lock, device, self.budget, self.cache, self.pool, self.lifetimes, self.observers, policy)
-        self.copies = Copies(device, self.budget, self.cache, self.pool, self.lifetimes, self.observers, ops, self.room)
-        # dispatch's host read of a grouped GEMM's routing offsets, shared by the calls of one MoE
-        # layer that pass the same unchanged offsets: (weakref to offs, its version, its values).
-        self.routing_read = (None, -1, None)
-        # Teardown waits for the last use of every slot and the last copy from every host source
-        # before the slots and sources go (the finalizer holds them, not the pager).
-        self._teardown = weakref.finalize(self, _teardown, self.cache, self.pool, self.lifetimes, ops)
-
-    def after_fork_in_child(self) -> None:
-        """In a forked child (``offtensor.forking``): the lock is free and no copy that may have
-        been in flight at the fork is used (its bytes may be half copied). If another thread held
-        the lock (an op between its page and its release, which the child never finishes), the
-        cache, slots and host lifetimes start empty, as a new pager's. A CUDA pager only gets its
-        lock: CUDA cannot be used in a forked child, and torch says so on first use."""
-        if self.lock._is_owned():
-            return  # the forking thread's own op or call: it goes on as usual
-        held_elsewhere = forking.renew_lock(self.lock)
-        if self.device.type == "cuda":
-            return
-        if held_elsewhere:
-            self._teardown.detach()  # the old state's copies and uses are the parent's
-            self._new_paging_state()
-            self.budget.paged_bytes = 0
-        else:
-            for entry in [e for e in self.cache.entries.values() if e.ready is not None]:
-                self.room.remove(entry)
 
     # ------------------------------------------------------------------ construction and observers
 
@@ -159,24 +120,6 @@ class Pager:
     paged_bytes = property(_attrgetter("budget.paged_bytes"))
     offloaded_bytes = property(_attrgetter("budget.offloaded_bytes"))
 
-    # Room in the budget for resident weights, and the free bytes an op could page: ``room.py``.
-
-    def free_bytes(self) -> Optional[int]:
-        """Bytes an op could page right now, evicting every unused cached copy; None without a budget."""
-        return self.room.free_bytes(self.budget_bytes)
-
-    def hold_resident(self, nbytes: int) -> None:
-        """Resident weights grew to ``nbytes``; unused cached copies make room first."""
-        self.room.hold_resident(nbytes, self.budget_bytes)
-
-    def recount_resident(self, nbytes: int) -> None:
-        """Resident weights hold ``nbytes`` now; when they grew, unused cached copies make room first."""
-        self.room.recount_resident(nbytes, self.budget_bytes)
-
-    def room_for_resident(self, nbytes: int) -> None:
-        """Evict unused cached copies until ``nbytes`` of resident weights fit beside the rest."""
-        self.room.for_resident(nbytes, self.budget_bytes)
-
     def count_write_back(self, nbytes: int) -> None:
         """``nbytes`` of device values were written back to a host master (an in-place op's result)."""
         self.stats.bytes_d2h += nbytes
@@ -188,6 +131,7 @@ class Pager:
 
     def snapshot(self) -> OffloadStats:
         """A copy of the counters, with the budget's, the pool's and the device's figures now."""
+        self.settle()
         with self.lock:
             return snapshot(self.stats, self.budget, self.budget_bytes, self.pool, self.device_ops.memory_figures(),
                             self.experts)
@@ -204,30 +148,40 @@ class Pager:
 
     # ------------------------------------------------------------------ paging
 
-    def page(self, host: torch.Tensor, master: Master, what="tensor", private: bool = False, layout=None):
+    def page(self, host: torch.Tensor, master: Master, what="tensor", private: bool = False, layout=None, held=None):
         """Device tensor with ``host``'s values, shape and strides, and the entry backing it.
 
         The copy comes from the cache, an in-flight prefetch, or a new host->device copy. With
-        ``private=True`` (the op will write to it) the copy bypasses the cache. The caller must
-        ``release`` the entry once its op is enqueued; until then the entry cannot be evicted.
-        ``what`` describes the tensor in a ``BudgetError``: a string, or any object whose repr does
+        ``private=True`` (the op will write to it) the copy bypasses the cache. The last step appends
+        ``(pager, entry, depth)`` to ``held``, the op's record; the op gives the entry back with
+        ``release``, until then it cannot be evicted. ``what`` describes the tensor in a ``BudgetError``: a string, or any object whose repr does
         (formatted only for the error). ``layout`` is ``page_layout(host, master.id)`` if the caller
         has it already (it memoizes it per tensor).
 
         Takes ``lock``, and the entry returned keeps that hold until its ``release`` (see the class
         docstring); an empty tensor's None entry holds nothing. One function, not a locking wrapper
-        around a body: every compute op on an offloaded weight runs it.
-        """
+        around a body: every compute op on an offloaded weight runs it. Exceptions: the package's rule."""
         if host.numel() == 0:
             return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device), None
-        self.lock.acquire()
+        depth = self._depth()
+        item = taken = users = None
         try:
+            self.lock.acquire()
+            if self._recount_due and not depth:
+                self._recount()
             lo, hi, shape, stride, offset, key = layout or page_layout(host, master.id)
             observers = self.observers if self._observed else _NO_OBSERVERS
             if private or self.budget_bytes is None:
                 entry = self.copies.transient(self, host.as_strided((hi - lo,), (1,), lo),
                                               (hi - lo) * host.element_size(), what)
                 base = lo
+                for notify in observers.reading:
+                    notify(entry)
+                if entry.ready is not None:
+                    self.device_ops.wait_ready(entry, self.lifetimes)
+                users, taken = 0, entry
+                entry.users = 1
+                layout = None  # a copy for this op only: no view to memoize
             else:
                 for notify in observers.paging:  # before the lookup: eviction for this copy knows the layer
                     notify(master.id)
@@ -245,41 +199,52 @@ class Pager:
                 base = entry.key[2]
                 # Held before the observers run: a prefetch makes room by evicting unused entries, and
                 # this one must survive until its op is enqueued (on a GPU its block would be reused).
-                entry.users += 1
+                users, taken = entry.users, entry
+                entry.users = users + 1
                 for notify in observers.accessed:
                     notify(self, master, key, entry, hit)
                 for notify in observers.reading:  # timeline: the op about to run reads this copy
                     notify(entry)
                 if entry.ready is not None:  # a cache hit on a completed copy skips the call
                     self.device_ops.wait_ready(entry, self.lifetimes)
-                return entry.view_of(layout, shape, stride, offset - base), entry
-            for notify in observers.reading:
-                notify(entry)
-            if entry.ready is not None:
-                self.device_ops.wait_ready(entry, self.lifetimes)
-            entry.users += 1
-            return entry.buf.as_strided(shape, stride, offset - base), entry
+            # A hit with the caller's memoized layout gets the device view it got last time.
+            view = entry.view_of(layout, shape, stride, offset - base)
+            item = (self, entry, depth)
+            if held is not None:
+                held.append(item)  # the commit: from here on the hold is the op's to give back
+            return view, entry
         except BaseException:
-            self.lock.release()
+            if item is None or not (held is None or (held and held[-1] is item)):
+                self.cut_short(depth, taken, users)
             raise
 
-    def upload(self, src: torch.Tensor, what="tensor"):
+    def upload(self, src: torch.Tensor, what="tensor", held=None):
         """Copy a host tensor (e.g. gathered rows) to the device for one op; accounted like a page.
         ``src`` is kept alive until the copy has completed, so the caller may drop it at once.
-        Takes ``lock``, held until the entry's ``release``, as ``page`` does (in its own body too:
-        every embedding lookup of an offloaded table runs it)."""
-        self.lock.acquire()
+        Takes ``lock`` and commits into ``held`` as ``page`` does (in its own body too: every
+        embedding lookup of an offloaded table runs it)."""
+        depth = self._depth()
+        item = taken = None
         try:
+            self.lock.acquire()
+            if self._recount_due and not depth:
+                self._recount()
             src = src.contiguous()
             entry = self.copies.transient(self, src.view(-1), src.numel() * src.element_size(), what)
             for notify in self.observers.reading:
                 notify(entry)
             if entry.ready is not None:
                 self.device_ops.wait_ready(entry, self.lifetimes)
-            entry.users += 1
-            return entry.buf.view(src.shape), entry
+            taken = entry
+            entry.users = 1
+            view = entry.buf.view(src.shape)
+            item = (self, entry, depth)
+            if held is not None:
+                held.append(item)
+            return view, entry
         except BaseException:
-            self.lock.release()
+            if item is None or not (held is None or (held and held[-1] is item)):
+                self.cut_short(depth, taken, 0)
             raise
 
     def copy_out(self, host: torch.Tensor) -> torch.Tensor:
@@ -310,26 +275,30 @@ class Pager:
         """Start copying elements [lo, hi) of ``master`` unless cached; never evicts an entry that
         is in use and never exceeds the budget. Returns whether a copy is cached or started."""
         with self.lock:
-            key = _new_key(CacheKey, (master.id, dtype, lo, hi))
-            if key in self._entries:
+            try:
+                key = _new_key(CacheKey, (master.id, dtype, lo, hi))
+                if key in self._entries:
+                    return True
+                if self.budget_bytes is None or master.flat is None:
+                    return False
+                itemsize = dtype.itemsize
+                nbytes = (hi - lo) * itemsize
+                if not self.room.make_room(nbytes, strict=False, keep_prefetched=True):
+                    return False
+                src = master.flat[lo * itemsize : hi * itemsize].view(dtype)
+                entry = self.copies.insert(self, key, src, nbytes, "a prefetch", prefetch=True, room_made=True)
+                entry.prefetched = True
+                self.stats.prefetches += 1
                 return True
-            if self.budget_bytes is None or master.flat is None:
-                return False
-            itemsize = dtype.itemsize
-            nbytes = (hi - lo) * itemsize
-            if not self.room.make_room(nbytes, strict=False, keep_prefetched=True):
-                return False
-            src = master.flat[lo * itemsize : hi * itemsize].view(dtype)
-            entry = self.copies.insert(self, key, src, nbytes, "a prefetch", prefetch=True, room_made=True)
-            entry.prefetched = True
-            self.stats.prefetches += 1
-            return True
+            except BaseException:
+                self._recount_due = True
+                raise
 
     def release(self, entries) -> None:
         """The op that used ``entries`` has been enqueued: mark when the device is done with them
         (on a GPU, an event after the op when a cached copy was used: ``CudaDevice.last_use``),
         then give back the holds of ``lock`` that ``page`` and ``upload`` took, one per entry: the
-        op is over, another thread's may run."""
+        op is over, another thread's may run (after an exception, the op's record: ``Paged``)."""
         try:
             ops = self.device_ops
             stream, last_use = ops.after_op(entries) if ops.tracks_last_use else _NOTHING_AFTER
@@ -346,24 +315,12 @@ class Pager:
                         entry.slot = None
                 elif last_use is not None:
                     entry.last_use = last_use
-        finally:
-            release = self.lock.release
-            for _ in entries:
-                release()
-
-    # Dropping cached copies: ``room.py``.
-
-    def before_write(self, master: Master) -> None:
-        """``master`` is about to change: wait for its copies' reads and drop its cached copies."""
-        self.room.before_write(master)
-
-    def forget_master(self, master_id: int) -> None:
-        """Drop every cached copy of ``master_id`` (it died, moved to another pager, or changes)."""
-        self.room.forget_master(master_id)
-
-    def clear(self) -> None:
-        """Drop every cached copy (e.g. before unwrapping) and the pool's idle slots."""
-        self.room.clear()
+        except BaseException:
+            self.cut_short(self._depth() - len(entries))
+            raise
+        release = self.lock.release
+        for _ in entries:
+            release()
 
     def wait_copies(self) -> None:
         """Block until every copy this pager started has completed (and release their sources)."""
@@ -373,18 +330,3 @@ class Pager:
 
 
 forking.at_fork_in_child(lambda: forking.renew_lock(Pager._defaults_lock))
-
-
-def _teardown(cache: DeviceCache, pool, lifetimes: HostLifetimes, ops) -> None:
-    """A pager died: wait for the last use of each cached copy and slot and for each copy still
-    reading a host source, then let them go. Runs from a finalizer, so it must not raise."""
-    try:
-        for entry in cache.entries.values():
-            ops.settle(entry.ready)
-            ops.settle(entry.last_use)
-        if pool is not None:
-            for token in pool.tokens():
-                ops.settle(token)
-        lifetimes.wait_for(None)
-    except Exception as error:  # e.g. at interpreter exit, after CUDA has shut down
-        warnings.warn(f"offtensor: a pager's teardown could not wait for its copies: {error}", RuntimeWarning)

@@ -4,7 +4,8 @@ What comes next is a new copy, a prefetch, or resident weights moved onto the de
 policy picks each victim (``cache.py``: LRU by default, the expert cache's order when the model has
 routed experts); this module evicts it, tells the observers and gives its slot back. The calls the
 layers above make through the pager (resident bytes, free bytes, forgetting a master's copies)
-take the pager's ``lock``; ``make_room``, ``evict`` and ``remove`` run with it held.
+take the pager's ``lock``; ``make_room``, ``evict`` and ``remove`` run with it held. ``RoomCalls``
+is the pager's side of those calls.
 """
 
 from __future__ import annotations
@@ -127,3 +128,42 @@ class Room:
                 self.forget_master(master_id)
             if self.pool is not None:
                 self.pool.clear()
+
+
+class RoomCalls:
+    """The pager's calls into its ``Room`` (``Pager``'s base), each through ``Pager._room``: a step
+    cut short marks the pager for a recount (the package docstring's "Exceptions")."""
+
+    __slots__ = ()
+
+    # Room in the budget for resident weights, and the free bytes an op could page.
+
+    def free_bytes(self) -> Optional[int]:
+        """Bytes an op could page right now, evicting every unused cached copy; None without a budget."""
+        return self._room(self.room.free_bytes, self.budget_bytes)
+
+    def hold_resident(self, nbytes: int) -> None:
+        """Resident weights grew to ``nbytes``; unused cached copies make room first."""
+        self._room(self.room.hold_resident, nbytes, self.budget_bytes)
+
+    def recount_resident(self, nbytes: int) -> None:
+        """Resident weights hold ``nbytes`` now; when they grew, unused cached copies make room first."""
+        self._room(self.room.recount_resident, nbytes, self.budget_bytes)
+
+    def room_for_resident(self, nbytes: int) -> None:
+        """Evict unused cached copies until ``nbytes`` of resident weights fit beside the rest."""
+        self._room(self.room.for_resident, nbytes, self.budget_bytes)
+
+    # Dropping cached copies.
+
+    def before_write(self, master) -> None:
+        """``master`` is about to change: wait for its copies' reads and drop its cached copies."""
+        self._room(self.room.before_write, master)
+
+    def forget_master(self, master_id: int) -> None:
+        """Drop every cached copy of ``master_id`` (it died, moved to another pager, or changes)."""
+        self._room(self.room.forget_master, master_id)
+
+    def clear(self) -> None:
+        """Drop every cached copy (e.g. before unwrapping) and the pool's idle slots."""
+        self._room(self.room.clear)

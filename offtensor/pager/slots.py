@@ -108,5 +108,21 @@ class SlotPool:
     def clear(self) -> None:
         self._trim(0)
 
+    def recount(self, live) -> None:
+        """``live``: the slots in use now, all of them (``pager/safety.py``, after an exception cut a
+        step short). The counts are recomputed from them and the idle lists, which lose empty lists,
+        repeated slots and slots in use."""
+        seen = {id(slot) for slot in live}
+        idle = collections.OrderedDict()
+        for nbytes, slots in self._idle.items():
+            for slot in slots:
+                if id(slot) not in seen:
+                    seen.add(id(slot))
+                    idle.setdefault(nbytes, []).append(slot)
+        self._idle = idle
+        self.live_bytes = sum(slot.nbytes for slot in live)
+        self.idle_bytes = sum(slot.nbytes for slots in idle.values() for slot in slots)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes + self.idle_bytes)
+
     def tokens(self):
         return [self._ops.slot_token(s, None) for slots in self._idle.values() for s in slots]
