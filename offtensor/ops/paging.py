@@ -85,7 +85,11 @@ def reclaim(error: BaseException) -> None:
     """An exception crossed an op's dispatch: release the records it left behind in the frames it
     unwound, those whose ``release`` it cut off at the call, before a line of it ran. Runs only on
     the exceptional path, so the per-op path pays nothing for it."""
-    tb = error.__traceback__
+    # The first frame is the caller's own, still running its ``except ... as error``: reading its
+    # f_locals would snapshot ``error`` into the frame (error -> traceback -> frame -> error, a
+    # cycle that keeps everything the unwound frames held until the garbage collector runs), and
+    # it holds no record of its own.
+    tb = error.__traceback__.tb_next if error.__traceback__ is not None else None
     while tb is not None:
         for value in tb.tb_frame.f_locals.values():
             if type(value) is Paged and value.entries:
