@@ -10,6 +10,7 @@ buffer, the copy of one chunk overlapping the read of the next. Several threads 
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import sys
@@ -125,6 +126,7 @@ class Reader:
         self.pin_lock = threading.Lock()
         self.pending_pins: dict = {}  # id(raw) -> [chunks left, raw]
         self.stopped = False  # the load failed or was interrupted: queued jobs do nothing
+        self.pool = None  # the worker pool while it may have workers: shut down before files close
 
     def fd(self, file) -> int:
         if file not in self.fds:
@@ -225,7 +227,7 @@ class Reader:
         this thread), the jobs not started yet are cancelled and those running are waited for
         before this returns, even through a second interrupt: the files they read are closed and
         their destinations freed after this, never under a running read."""
-        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="offtensor-load")
+        pool = self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"offtensor-load-{next(_POOLS)}")
         try:
             futures = [pool.submit(self._job, job) for job in self.jobs]
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
@@ -233,8 +235,17 @@ class Reader:
             if failed is not None:
                 raise failed.exception()
         finally:
-            self.stopped = True  # a job that a worker has not started yet does nothing
+            self.stop_workers()
+
+    def stop_workers(self) -> None:
+        """Queued jobs do nothing and running ones are waited for. Run where the pool's wait ends
+        and again by ``discard``: an interrupt landing before the first call's shutdown began (in
+        a ``finally``, before its ``try``) cannot leave workers reading files that are then closed."""
+        self.stopped = True  # a job that a worker has not started yet does nothing
+        pool = self.pool
+        if pool is not None:
             _shut_down(pool)
+            self.pool = None
 
     def _job(self, job) -> None:
         if not self.stopped:
@@ -246,6 +257,7 @@ class Reader:
         rather than at the next garbage collection. A descriptor leaves the table before it is
         closed: an interrupt in between leaks it, a second ``discard`` never closes it twice (in a
         threaded program that would close another file's descriptor)."""
+        self.stop_workers()
         fds = self.fds
         while fds:
             fd = fds.popitem()[1]
@@ -266,13 +278,37 @@ class Reader:
 
 
 
+_POOLS = itertools.count()  # each load's pool names its threads apart from another load's
+
+
+def _join_started(thread: threading.Thread, patience: float = 5.0) -> None:
+    """Join a worker whose ``start`` may have been cut short before the new thread said it runs
+    (``join`` then refuses): wait for it to say so first."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            thread.join()
+            return
+        except RuntimeError:  # "cannot join thread before it is started": it is about to be
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.001)
+
+
 def _shut_down(pool: ThreadPoolExecutor) -> None:
     """``pool.shutdown`` cancelling what has not started and waiting for what has, finished even
-    if this thread is interrupted meanwhile (the interrupt is raised after)."""
+    if this thread is interrupted meanwhile (the interrupt is raised after). A worker whose
+    ``start`` an interrupt cut short is running but not among the pool's threads, which
+    ``shutdown`` joins: it is found by the pool's thread names and joined too (it leaves on the
+    shutdown's sentinel, having found every job cancelled or stopped)."""
     pending = None
     while True:
         try:
             pool.shutdown(wait=True, cancel_futures=True)
+            prefix = pool._thread_name_prefix + "_"
+            for thread in threading.enumerate():
+                if thread.name.startswith(prefix) and thread is not threading.current_thread():
+                    _join_started(thread)
             break
         except BaseException as error:  # a second Ctrl-C: the workers still have to stop
             pending = error if pending is None else pending
