@@ -287,6 +287,61 @@ def test_a_threaded_load_interrupted_by_signals_stops_its_workers_before_it_retu
         assert torch.equal(model(x), reference(x))
 
 
+def _in_progress_bar(code) -> bool:
+    """Code the main thread runs to create or close a load's progress bar: tqdm's, and the bar's own."""
+    import tqdm
+
+    return (code.co_filename.startswith(os.path.dirname(tqdm.__file__) + os.sep)
+            or code.co_qualname.endswith(("Progress.__init__", "Progress.close")) or code.co_name == "_off_this_thread")
+
+
+def test_a_default_load_interrupted_in_its_progress_bar_leaves_the_next_load_free_to_finish(tmp_path, monkeypatch):
+    """A load with the default arguments (the pool of readers, a progress bar: its threshold is
+    lowered here) interrupted at sampled opcodes the main thread runs in the bar's creation or close:
+    after each, a load in another thread finishes. On main the interrupt could land between the two
+    acquires of tqdm's class-wide lock, or inside it, leaving it held by the main thread: the next
+    load's reader blocked on it for good, updating its bar."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    reference = _Wide().eval()
+    path = tmp_path / "wide.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
+    monkeypatch.setattr(_read, "PROGRESS_MIN_BYTES", 0)
+    # A bar an interrupt left unclosed is closed by tqdm's finalizer, which the tracer may interrupt
+    # too; Python ignores that, pytest would report it.
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)
+
+    def meta():
+        with torch.device("meta"):
+            return _Wide()
+
+    def load(model):
+        return ot.load_safetensors(model, path, budget_gb=1e6 / GiB, device="cpu", policy={"offload": ["layers.*"]})
+
+    counter = _InterruptAt(-1, _in_progress_bar)
+    sys.settrace(counter)
+    try:
+        load(meta())
+    finally:
+        sys.settrace(None)
+    assert counter.count > 0
+    for n in range(1, counter.count + 1, max(1, counter.count // 60)):
+        sys.settrace(_InterruptAt(n, _in_progress_bar))
+        try:
+            load(meta())
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        assert _finishes(lambda: load(meta()), timeout=5.0), f"a load after an interrupt at opcode {n} hung"
+    model = meta()
+    assert _finishes(lambda: load(model))
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+
+
 def _child_forward(model, x, want) -> int:
     """In the forked child: one forward within 10 s, its exit status (0: the parent's output)."""
     signal.alarm(10)

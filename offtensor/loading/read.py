@@ -41,6 +41,33 @@ PROGRESS_MIN_BYTES = 256 << 20
 # ---------------------------------------------------------------------------- progress
 
 
+def _off_this_thread(call):
+    """``call()``, run on a short-lived thread and waited for. tqdm takes its class-wide lock (one for every bar) inside a bar's creation and
+    close, in two steps: a ``KeyboardInterrupt`` landing on this thread between them left the lock
+    held, and the next load's readers blocked on it for good, updating their bar. On another
+    thread the call always finishes and releases the lock; an interrupt lands in the wait, and
+    goes on once the call is done."""
+    box = []
+
+    def target():
+        try:
+            box.append((True, call()))
+        except BaseException as e:  # raised again on the caller's thread
+            box.append((False, e))
+
+    thread = threading.Thread(target=target, name="offtensor-progress", daemon=True)
+    thread.start()
+    try:
+        thread.join()
+    except BaseException:
+        thread.join()  # the call finishes either way; a second interrupt here only stops the wait
+        raise
+    done, value = box.pop()  # an exception's traceback holds ``box``: emptied, no cycle
+    if not done:
+        raise value
+    return value
+
+
 class Progress:
     """Bytes read so far, shown with tqdm when the load is large enough (thread-safe)."""
 
@@ -60,8 +87,15 @@ class Progress:
                 return  # a one-line summary is printed at the end instead
             tqdm = tqdm_auto.tqdm
             # unit_scale with base 1000 turns B/s into MB/s and GB/s, the units the README uses.
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=what, leave=False,
-                            dynamic_ncols=True)
+            made = []
+            try:
+                self.bar = _off_this_thread(lambda: made.append(tqdm(
+                    total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=what, leave=False,
+                    dynamic_ncols=True)) or made[0])
+            except BaseException:  # interrupted once the bar was made: it too goes through close, elsewhere
+                if made:
+                    _off_this_thread(made.pop().close)
+                raise
 
     def update(self, nbytes: int) -> None:
         if self.bar is not None:
@@ -70,7 +104,7 @@ class Progress:
 
     def close(self, ok: bool) -> None:
         if self.bar is not None:
-            self.bar.close()
+            _off_this_thread(self.bar.close)
         if self.enabled and ok:
             seconds = max(time.perf_counter() - self.start, 1e-9)
             print(f"offtensor: loaded {format_bytes(self.total)} in {seconds:.2f} s "
