@@ -11,9 +11,9 @@ import weakref
 
 import torch
 
+from ..pager import page_layout
 from ..tensor import OffloadedTensor
 from .host_experts import host_grouped, split_groups
-from ..pager import page_layout
 from .paging import Paged, run
 from .rows import host_sync, read_to_host
 from .table import implements
@@ -181,10 +181,10 @@ def _announce(weight: OffloadedTensor, groups: list) -> None:
             pager.experts.announce(pager, weight._master.id, [e for e, _, _ in groups], [b - a for _, a, b in groups])
 
 
-def _group_ends(offs: torch.Tensor, pager, rows: int = 0) -> list:
-    """``offs`` on the host: one small device->host read (copying every expert would cost far more),
-    shared by the calls of one MoE layer that pass the same unchanged ``offs`` (gate_up, down): the
-    pager keeps the last read (``Pager.routing_read``)."""
+def _group_ends(offs: torch.Tensor, pager, rows: int = 0) -> tuple:
+    """``_routed_groups``' answer from ``offs`` on the host: one small device->host read (copying
+    every expert would cost far more), shared by the calls of one MoE layer that pass the same
+    unchanged ``offs`` (gate_up, down): the pager keeps the last answer (``Pager.routing_read``)."""
     ref, version, routed = pager.routing_read
     if ref is not None and ref() is offs and version == offs._version:
         return routed
