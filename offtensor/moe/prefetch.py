@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 class ExpertIssuer:
     """The current op's experts (``announce`` / ``expect``) and the copies issued ahead of it."""
 
-    __slots__ = ("layers", "announcing", "_issued_for_op", "_announcing", "_announced", "_shares", "_expected")
+    __slots__ = ("layers", "announcing", "_issued_for_op", "_announcing", "_announced", "_shares", "_expected", "_last")
 
     def __init__(self, layers: "LayerOrder"):
         self.layers = layers  # ExpertStacks' LayerOrder: announce sets what the current op pages
@@ -28,6 +28,7 @@ class ExpertIssuer:
         self._issued_for_op = set()  # keys announce copied ahead of their op: misses, though found on the device
         self._announcing = False
         self._announced = None  # the key set the last announce issued
+        self._last = None  # (group, experts, tokens, the key set) of the last announce
         self._shares = {}  # expert -> its share of the current layer's tokens (announce), most routed = 1
         # group -> keys its router's output says the layer will page (RoutingSpeculator.router_output),
         # for models that select experts one by one and so announce nothing
@@ -73,8 +74,10 @@ class ExpertIssuer:
             self._shares = {}
         needed = {s.key_of(e) for s in group for e in experts}
         if needed == self._announced:
+            self._last = (stack.group, experts, tokens, self._announced)
             return False  # the layer's second stack (down after gate_up): already issued
         self.layers.needed = self._announced = needed
+        self._last = (stack.group, experts, tokens, needed)
         self.announcing.add(stack.group)
         # The layer's own experts are paged right after anyway: they take the victims in-line paging
         # would (no _spare_room_only restriction), only sooner.
@@ -94,6 +97,16 @@ class ExpertIssuer:
         finally:
             self._announcing = False
         return True
+
+    def repeats(self, group, experts, tokens) -> bool:
+        """Whether announcing ``experts`` (``tokens``) for ``group`` now would change nothing: the
+        last announce was the same, for the same layer, and nothing has reset it since (the layer's
+        second grouped GEMM, down after gate_up, skips computing its key set again)."""
+        last = self._last
+        if type(experts) is not list or not (tokens is None or type(tokens) is list):
+            return False
+        return (last is not None and last[3] is self._announced and last[0] == group
+                and last[1] == experts and last[2] == tokens)
 
     def expect(self, stacks: list, experts) -> None:
         """A router's output says its layer will page these experts of ``stacks``: once the layer

@@ -92,8 +92,8 @@ class ExpertStacks:
         them one at a time: the copy stream gets the whole layer at once, and the guess for the
         next layer (issued right after) queues behind them instead of ahead of them."""
         stack = self.by_master.get(master_id)
-        if stack is None:
-            return
+        if stack is None or (stack.group == self.layers.current and self.issuer.repeats(stack.group, experts, tokens)):
+            return  # the layer's other stack announced the same (paging would enter no layer)
         self.paging(master_id, issue_guesses=False)  # guesses go behind this layer's copies, below
         group = [s for s in self.by_master.values() if s.group == stack.group]
         if self.issuer.announce(pager, stack, group, experts, tokens) and self.speculator is not None:

@@ -11,6 +11,7 @@ import weakref
 
 import torch
 
+from ..pager import page_layout
 from ..tensor import OffloadedTensor
 from .host_experts import host_grouped, split_groups
 from .paging import Paged, run
@@ -44,17 +45,28 @@ def grouped_mm(func, types, args, kwargs):
     # Host experts' activations go to the host before the device experts are issued (host_experts.py).
     host_run = host_grouped(func, x, weight, bias, out_dtype, offs.dtype, on_host) if on_host else None
     recorder = weight._master.pager.recorder
+    page, cached = _expert_pager(weight)
     done = {}
+    if recorder is None and bias is None and cached(groups):
+        # Every expert is a cache hit: held together they take no room, so one record holds them
+        # all and one release gives them back (each expert still runs its own one-group kernel).
+        paged = Paged()
+        try:
+            for e, start, end in groups:
+                done[e] = func(x[start:end], page(paged, e), sizes[e], None, out_dtype)
+        finally:
+            paged.release()
+        groups = ()
     for e, start, end in groups:
         paged = Paged()
         try:
-            expert = paged.page(OffloadedTensor(weight._host[e : e + 1], weight._master))
+            expert = page(paged, e)
             expert_bias = None if bias is None else paged.arg(bias[e : e + 1])
             if recorder is None:
-                done[e] = func(x[start:end], expert, sizes[e : e + 1], expert_bias, out_dtype)
+                done[e] = func(x[start:end], expert, sizes[e], expert_bias, out_dtype)
             else:
                 with recorder.kernels():  # timeline: this expert's kernel waits for its copy only
-                    done[e] = func(x[start:end], expert, sizes[e : e + 1], expert_bias, out_dtype)
+                    done[e] = func(x[start:end], expert, sizes[e], expert_bias, out_dtype)
         finally:
             paged.release()
     if host_run is not None:
@@ -90,15 +102,16 @@ def grouped_mm_fallback(func, types, args, kwargs):
     starts = {e: (start, end) for e, start, end in on_host}
     recorder = weight._master.pager.recorder
     out = torch.zeros((x.shape[0], weight.shape[2]), dtype=x.dtype, device=x.device)  # as the op's own
+    page, _ = _expert_pager(weight)
     for e, start, end in groups:
         paged = Paged()
         try:
-            expert = paged.page(OffloadedTensor(weight._host[e : e + 1], weight._master))
+            expert = page(paged, e)
             if recorder is None:
-                out[start:end] = func(x[start:end], expert, sizes[e : e + 1])
+                out[start:end] = func(x[start:end], expert, sizes[e])
             else:
                 with recorder.kernels():  # timeline: this expert's kernel waits for its copy only
-                    out[start:end] = func(x[start:end], expert, sizes[e : e + 1])
+                    out[start:end] = func(x[start:end], expert, sizes[e])
         finally:
             paged.release()
     if host_run is not None:
@@ -110,13 +123,53 @@ def grouped_mm_fallback(func, types, args, kwargs):
 
 def _routed_groups(weight: OffloadedTensor, offs: torch.Tensor, rows: int):
     """For a grouped GEMM of tokens sorted by expert: (expert, first row, end row) of each expert
-    with tokens, every group's size as a device tensor (sliced per expert, so no host->device copy),
-    and the rows the groups cover."""
-    ends = _group_ends(offs, weight._master.pager, rows)
-    starts = [0] + ends[:-1]
-    groups = [(e, starts[e], ends[e]) for e in range(len(ends)) if ends[e] > starts[e]]
-    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
-    return groups, sizes, ends[-1] if ends else 0
+    with tokens, each expert's group size as a one-element device tensor (a slice of one
+    ``diff``, so no host->device copy), and the rows the groups cover. Read once per ``offs``:
+    the layer's second grouped GEMM (down after gate_up) reuses it (``_group_ends``)."""
+    return _group_ends(offs, weight._master.pager, rows)
+
+
+def _expert_pager(weight: OffloadedTensor):
+    """``(page, cached)``: ``cached(groups)`` says whether every group's expert is in the cache;
+    ``page(paged, e)``: expert ``e`` of ``weight`` paged into the op record ``paged``, through
+    the pager directly with a host slice and layout memoized per (stack layout, expert), so that no
+    wrapper is built per expert and a cache hit gets the device view it got last time
+    (``CachedCopy.view_of``). Memoized per master and view layout, not per tensor: transformers
+    passes a fresh ``weight.transpose(-2, -1)`` to every call."""
+    own = weight.__dict__
+    host, master = own["_host"], own["_master"]
+    if type(host) is not torch.Tensor:  # being traced by torch.compile: Paged.page's own path
+        return (lambda paged, e: paged.page(OffloadedTensor(host[e : e + 1], master))), lambda groups: False
+    by_layout = _EXPERT_LAYOUTS.get(master)
+    if by_layout is None or by_layout[0] is not master.flat:  # a new master storage: memo anew
+        by_layout = _EXPERT_LAYOUTS[master] = (master.flat, {})
+    view = (host.dtype, host.storage_offset(), host.shape, host.stride())
+    experts = by_layout[1].get(view)
+    if experts is None:
+        experts = by_layout[1][view] = [None] * host.shape[0]
+    pager = master.pager
+
+    def page(paged: Paged, e: int) -> torch.Tensor:
+        slot = experts[e]
+        if slot is None:
+            expert = host[e : e + 1]
+            slot = experts[e] = (expert, page_layout(expert, master.id))
+        # weight's repr names the stack in a BudgetError
+        return pager.page(slot[0], master, weight, False, slot[1], paged.entries)[0]
+
+    def cached(groups) -> bool:
+        is_cached = pager.is_cached
+        for e, _, _ in groups:
+            slot = experts[e]
+            if slot is None or not is_cached(slot[1][5]):
+                return False
+        return True
+
+    return page, cached
+
+
+# master -> (its storage when memoized, view layout -> per expert (host slice, its page_layout) or None)
+_EXPERT_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _announce(weight: OffloadedTensor, groups: list) -> None:
@@ -128,20 +181,25 @@ def _announce(weight: OffloadedTensor, groups: list) -> None:
             pager.experts.announce(pager, weight._master.id, [e for e, _, _ in groups], [b - a for _, a, b in groups])
 
 
-def _group_ends(offs: torch.Tensor, pager, rows: int = 0) -> list:
-    """``offs`` on the host: one small device->host read (copying every expert would cost far more),
-    shared by the calls of one MoE layer that pass the same unchanged ``offs`` (gate_up, down): the
-    pager keeps the last read (``Pager.routing_read``)."""
-    ref, version, ends = pager.routing_read
+def _group_ends(offs: torch.Tensor, pager, rows: int = 0) -> tuple:
+    """``_routed_groups``' answer from ``offs`` on the host: one small device->host read (copying
+    every expert would cost far more), shared by the calls of one MoE layer that pass the same
+    unchanged ``offs`` (gate_up, down): the pager keeps the last answer (``Pager.routing_read``)."""
+    ref, version, routed = pager.routing_read
     if ref is not None and ref() is offs and version == offs._version:
-        return ends
+        return routed
     if offs.is_meta:
         host_sync(pager)  # the GPU reads the routing here
         ends = (getattr(_planning, "ends", None) or _planned_ends)(offs.numel(), rows)
     else:
         ends = read_to_host(offs, pager).tolist()
-    pager.routing_read = (weakref.ref(offs), offs._version, ends)
-    return ends
+    starts = [0] + ends[:-1]
+    groups = [(e, starts[e], ends[e]) for e in range(len(ends)) if ends[e] > starts[e]]
+    diff = torch.diff(offs, prepend=offs.new_zeros(1))
+    sizes = {e: diff[e : e + 1] for e, _, _ in groups}
+    routed = (groups, sizes, ends[-1] if ends else 0)
+    pager.routing_read = (weakref.ref(offs), offs._version, routed)
+    return routed
 
 
 _PLANNED_ROUTING = torch.Generator().manual_seed(0)

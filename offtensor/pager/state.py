@@ -32,7 +32,8 @@ class PagingState:
         self.room = Room(self.lock, device, self.budget, self.cache, self.pool, self.lifetimes, self.observers, policy)
         self.copies = Copies(device, self.budget, self.cache, self.pool, self.lifetimes, self.observers, ops, self.room)
         # dispatch's host read of a grouped GEMM's routing offsets, shared by the calls of one MoE
-        # layer that pass the same unchanged offsets: (weakref to offs, its version, its values).
+        # layer that pass the same unchanged offsets: (weakref to offs, its version, what dispatch
+        # made of it: the routed groups and their sizes).
         self.routing_read = (None, -1, None)
         # Teardown waits for the last use of every slot and the last copy from every host source
         # before the slots and sources go (the finalizer holds them, not the pager).
