@@ -14,7 +14,7 @@ import re
 import torch
 
 from ..model.groups import collect_groups
-from .files import CheckpointError, open_regular, read_exactly
+from .files import CheckpointError, read_small_file
 from .names import match, pieces_by_name
 from .ties import decide as decide_ties
 
@@ -31,15 +31,7 @@ def read_config(root: str, trust_remote_code: bool):
     import transformers
 
     path = os.path.join(root, "config.json")
-    fd = open_regular(path, "config")
-    try:
-        size = os.fstat(fd).st_size
-        if size > _MAX_CONFIG_BYTES:
-            raise CheckpointError(f"offtensor: {path!r} is {size} bytes, larger than any config.json "
-                                  f"(at most {_MAX_CONFIG_BYTES}): it is not a transformers config")
-        raw = read_exactly(fd, 0, size)
-    finally:
-        os.close(fd)
+    raw = read_small_file(path, "config", _MAX_CONFIG_BYTES, "a transformers config", "config.json")
     try:
         fields = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:

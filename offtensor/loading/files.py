@@ -141,17 +141,23 @@ def _parse_json(raw: bytes, file, what: str):
     return value
 
 
-def _read_index(path) -> dict:
-    """The ``weight_map`` of a safetensors index: tensor name -> shard file name, both strings."""
-    fd = open_regular(path, "safetensors index")
+def read_small_file(path, what: str, limit: int, is_not: str, kind: str = "") -> bytes:
+    """The whole of a small regular file (an index, a config.json), refused when it is larger than
+    ``limit`` bytes: such a file ``is_not`` what it claims to be (any ``kind``, default ``what``)."""
+    fd = open_regular(path, what)
     try:
         size = os.fstat(fd).st_size
-        if size > _MAX_INDEX_BYTES:
-            raise CheckpointError(f"offtensor: {path!r} is {size} bytes, larger than any safetensors index "
-                                  f"(at most {_MAX_INDEX_BYTES}): it is not an index")
-        raw = read_exactly(fd, 0, size)
+        if size > limit:
+            raise CheckpointError(f"offtensor: {path!r} is {size} bytes, larger than any {kind or what} "
+                                  f"(at most {limit}): it is not {is_not}")
+        return read_exactly(fd, 0, size)
     finally:
         os.close(fd)
+
+
+def _read_index(path) -> dict:
+    """The ``weight_map`` of a safetensors index: tensor name -> shard file name, both strings."""
+    raw = read_small_file(path, "safetensors index", _MAX_INDEX_BYTES, "an index")
     index = _parse_json(raw, path, "index")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
