@@ -522,7 +522,6 @@ def _run_ranks(rank: int, init_file: str, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (WORLD,))
-    results = {}
     scenarios = {
         "collectives": lambda: _collectives(rank), "llama_tp": lambda: _llama_tp(rank, mesh),
         "wrap_then_parallelize": lambda: _llama_wrap_then_parallelize(rank, mesh),
@@ -531,6 +530,13 @@ def _run_ranks(rank: int, init_file: str, out_dir: str) -> None:
         "peft_fsdp": lambda: _peft_fsdp(rank, mesh), "point_to_point": lambda: _point_to_point(rank),
         "seed": lambda: _seed(rank, out_dir),
     }
+    _run_scenarios(rank, out_dir, scenarios)
+
+
+def _run_scenarios(rank: int, out_dir: str, scenarios: dict) -> None:
+    """Run each scenario on this rank in order (both ranks in step), record its result or its
+    exception, save them for the pytest process and leave the process group."""
+    results = {}
     for name, scenario in scenarios.items():
         try:
             results[name] = scenario()

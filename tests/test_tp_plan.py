@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import traceback
 import warnings
 
 import pytest
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from test_distributed import RUN_TIMEOUT_S, WORLD, _result
+from test_distributed import RUN_TIMEOUT_S, WORLD, _result, _run_scenarios
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -145,15 +144,7 @@ def _run_ranks(rank: int, init_file: str, out_dir: str) -> None:
     mesh = init_device_mesh("cpu", (WORLD,))
     scenarios = {kind: (lambda kind=kind: _tp_auto(rank, out_dir, kind)) for kind in KINDS}
     scenarios["fp8_tp"] = lambda: _fp8_tp(rank, mesh)
-    results = {}
-    for name, scenario in scenarios.items():
-        try:
-            results[name] = scenario()
-        except Exception:  # recorded; the test of this scenario shows it
-            results[name] = {"exception": traceback.format_exc()}
-        dist.barrier()
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    _run_scenarios(rank, out_dir, scenarios)
 
 
 @pytest.fixture(scope="module")
