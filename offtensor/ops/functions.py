@@ -28,20 +28,21 @@ def _linear(args, kwargs):
         # Let autograd see t + addmm so it saves the OffloadedTensor, not a device copy, and
         # backward pages the weight again.
         return NotImplemented
-    if isinstance(weight, OffloadedTensor):
+    offloaded = isinstance(weight, OffloadedTensor)
+    if offloaded:
         experts = weight._master.pager.experts
         if experts is not None and experts.compute != "device" and type(x) is torch.Tensor and x.dim():
             # One expert of a stack that a model selecting its experts one by one computes: from its
             # host master when it is not cached (host_experts.py).
             if expert_on_host(weight, x.numel() // max(x.shape[-1], 1)) is not None:
                 return host_linear(x, weight, bias)
-    if isinstance(weight, OffloadedTensor) and weight._host.dim() == 2 and needs_tiling(weight, [x, bias]):
-        return linear_tiled(x, weight, bias)
+        if weight._host.dim() == 2 and needs_tiling(weight, [x, bias]):
+            return linear_tiled(x, weight, bias)
     paged = Paged()
     try:
         try:
             device_weight = paged.arg(weight)
-            if isinstance(weight, OffloadedTensor):
+            if offloaded:
                 device_weight = as_linear_weight(x, weight, device_weight)
             return torch._C._nn.linear(paged.arg(x), device_weight, paged.arg(bias))
         finally:
