@@ -159,10 +159,11 @@ def _print_expert_compute(model, budget_gb, offload_gb, total, profile, decode_t
     from .pager import GiB
     from .sim.host_compute import compute_rows, with_host_figures
 
-    stacks = [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters() if is_routed_stack(n, p.shape)]
-    if not stacks:
+    routed = [(n, p) for n, p in model.named_parameters() if is_routed_stack(n, p.shape)]
+    if not routed:
         return
-    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if is_routed_stack(n, p.shape))
+    stacks = [(n, tuple(p.shape), p.dtype) for n, p in routed]
+    expert_bytes = sum(p.numel() * p.element_size() for _, p in routed)
     budget = budget_gb * GiB if budget_gb is not None else total - offload_gb * GiB
     share = max(0.0, min(1.0, (budget - (total - expert_bytes)) / expert_bytes))
     profile = with_host_figures(profile)
