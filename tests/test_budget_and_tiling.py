@@ -92,9 +92,16 @@ def test_foreach_op_over_offloaded_tensors_larger_than_the_free_room_runs_per_el
 
 def test_an_op_that_needs_more_than_the_budget_at_once_still_raises_budget_error(device):
     pager = Pager(torch.device(device), 1500)
+    a, b = torch.randn(256), torch.randn(256)
+    with pytest.raises(BudgetError, match="needs 1024 bytes"):  # a reduction cannot be cut into slices
+        torch.dot(_offload_under(pager, a), _offload_under(pager, b))
+
+
+def test_a_pointwise_op_whose_arguments_exceed_the_budget_together_runs_in_slices(device):
+    pager = Pager(torch.device(device), 1500)
     a, b = torch.randn(16, 16), torch.randn(16, 16)
-    with pytest.raises(BudgetError, match="needs 1024 bytes"):
-        _offload_under(pager, a) + _offload_under(pager, b)
+    assert torch.equal((_offload_under(pager, a) + _offload_under(pager, b)).cpu(), a + b)
+    assert pager.stats.peak_device_bytes <= 1500
 
 
 class _CatHead(nn.Module):
@@ -536,3 +543,64 @@ def test_placement_prefers_room_for_a_layers_routed_experts_but_runs_with_one():
     assert total - roomy.offloaded_bytes + expert + 2 * 8 * expert <= roomy.budget_bytes
     tight = placement.choose_placement(stacks, budget_bytes=2 * expert)  # everything offloaded, one expert of room
     assert len(tight.offload) == len(stacks) and tight.working_set_bytes == expert
+
+
+# ---------------------------------------------------------------------------- training past the room
+
+
+def _tiled_mlp(device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8)).to(device)
+    return model, copy.deepcopy(model)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
+        lambda p: torch.optim.Adam(p, lr=1e-3),
+        lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1, foreach=True),
+    ],
+    ids=["sgd-momentum-decay", "adam", "adamw-foreach"],
+)
+def test_an_optimizer_step_on_a_weight_larger_than_the_room_runs_in_slices_bit_identically(device, make):
+    # Forward and backward tile the 256 KiB weight under a 128 KiB budget; the step's in-place updates
+    # (add_, addcdiv_, lerp_, _foreach_mul_) and zeros_like(param) must run within it too.
+    model, reference = _tiled_mlp(device)
+    budget = 128 * 1024
+    ot.wrap_model(model, budget_gb=budget / GiB, device=device)
+    assert isinstance(model[0].weight, ot.OffloadedTensor)
+    assert model[0].weight.numel() * 4 > budget
+    opt, ref_opt = make(model.parameters()), make(reference.parameters())
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1)).to(device)
+    for _ in range(3):
+        for m, o in ((model, opt), (reference, ref_opt)):
+            o.zero_grad()
+            m(x).square().sum().backward()
+            o.step()
+    assert torch.equal(model[0].weight.cpu(), reference[0].weight.cpu())
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert ot.stats(model).peak_device_bytes <= budget
+
+
+def test_zeros_like_of_an_offloaded_weight_copies_nothing_to_the_device(device):
+    pager = Pager(torch.device(device), 1 << 20)
+    weight = _offload_under(pager, torch.randn(64, 32).t())
+    for make in (torch.zeros_like, torch.empty_like, lambda w: torch.full_like(w, 3.0), lambda w: w.new_zeros(5)):
+        out = make(weight)
+        assert type(out) is torch.Tensor and out.device.type == torch.device(device).type
+    zeros = torch.zeros_like(weight)
+    assert zeros.stride() == weight.stride() and torch.equal(zeros.cpu(), torch.zeros(32, 64))
+    assert pager.stats.bytes_h2d == 0
+
+
+def test_a_pointwise_read_of_a_weight_larger_than_the_room_runs_in_slices(device):
+    pager = Pager(torch.device(device), 16 * 1024)
+    values = torch.randn(64, 128)  # 32 KiB
+    weight = _offload_under(pager, values)
+    mask = (torch.arange(128) % 3 == 0).to(device)
+    assert torch.equal((weight * mask).cpu(), values * mask.cpu())
+    assert pager.stats.peak_device_bytes <= 16 * 1024
+    with pytest.raises(BudgetError, match="32768 bytes"):  # a reduction cannot be cut into slices
+        weight.sum()

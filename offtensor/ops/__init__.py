@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from ..pager import BudgetError
 from ..tensor import TRACED_ALIVE, OffloadedTensor
 from . import compile as _compile
 from . import reads  # noqa: F401  (registers clone, _to_copy, item, is_pinned, record_stream, _conj)
@@ -38,7 +39,7 @@ from .grouped import grouped_mm, grouped_mm_fallback, planned_routing
 from .paging import Paged, reclaim, run
 from .rows import CACHED_SLICE_BYTES, HOST_SYNCS, embedding, index, index_select
 from .table import OP_TABLE, implements
-from .tiling import TILE_ALIGN, ForeachInPieces, bmm, convolution, convolution_backward, mm
+from .tiling import TILE_ALIGN, ForeachInPieces, bmm, convolution, convolution_backward, mm, cutting, pointwise_in_pieces
 from .views import inplace_view, view
 from .writes import Mutation, batch_norm, copy_, resize_, set_
 
@@ -76,9 +77,13 @@ def torch_dispatch(func, types, args, kwargs):
         # An exception that struck on the way into a handler's ``paged.release()`` left its record
         # holding the pager: release it here (pager/__init__.py, "Exceptions").
         reclaim(error)
+        if type(error) is BudgetError and (handler is _compute or type(handler) is Mutation) and _POINTWISE in func.tags and not cutting():
+            # Its arguments do not fit the free room together: slices of them do (tiling.py).
+            return pointwise_in_pieces(func, handler, args, kwargs or {}, error)
         raise
 
 
+_POINTWISE = torch.Tag.pointwise
 _get_dispatch_mode = torch._C._get_dispatch_mode
 _FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE
 

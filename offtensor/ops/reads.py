@@ -1,14 +1,14 @@
 """Ops that read an OffloadedTensor without paging it through the general rule: copies, casts and
-values read from the host master (``clone``, ``.to(dtype)``, ``.to("cpu")``, ``item``), questions
-about memory the caller does not manage (``is_pinned``, ``record_stream``), and lazy
-conjugate/negative bits resolved."""
+values read from the host master (``clone``, ``.to(dtype)``, ``.to("cpu")``, ``item``), factories
+that read only metadata (``zeros_like``, ``new_empty``...), questions about memory the caller does
+not manage (``is_pinned``, ``record_stream``), and lazy conjugate/negative bits resolved."""
 
 from __future__ import annotations
 
 import torch
 
 from ..pager import pins_host_memory
-from ..tensor import new_host_master, wrap_host
+from ..tensor import OffloadedTensor, new_host_master, wrap_host
 from .paging import run
 from .table import implements
 
@@ -42,6 +42,38 @@ def _to(func, types, args, kwargs):
     # (torchao's dequantise calls ``qdata.to(float32)``): run torch's own composite, which returns
     # ``self`` for a no-op and otherwise calls ``_to_copy`` (a plain tensor, paged at its own size).
     return func.decompose(*args, **kwargs)
+
+
+def _overloads(*packets, names=None):
+    return [getattr(p, o) for p in packets for o in p.overloads() if o in (names or p.overloads())]
+
+
+# Factories shaped like their argument: its shape, strides, dtype and device, never its values.
+_LIKE = _overloads(aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.rand_like,
+                   aten.randn_like, aten.randint_like, names=("default", "generator", "Tensor", "low_dtype",
+                                                               "Tensor_generator", "low_generator_dtype"))
+# Factories that take only their argument's dtype and device.
+_NEW = _overloads(aten.new_empty, aten.new_zeros, aten.new_ones, aten.new_full, aten.new_empty_strided,
+                  names=("default",))
+
+
+@implements(*_LIKE, *_NEW)
+def _factory(func, types, args, kwargs):
+    # An optimizer's ``zeros_like(param)`` would otherwise page the whole weight only to read its
+    # metadata, and fail for one larger than the budget's free room. A device tensor of the same
+    # layout stands in (uninitialised: the op reads none of its values).
+    self = args[0]
+    if not isinstance(self, OffloadedTensor) or any(isinstance(a, OffloadedTensor) for a in args[1:]):
+        return run(func, args, kwargs)
+    host = self._host
+    if func in _NEW_SET:
+        stand_in = torch.empty(0, dtype=host.dtype, device=self.device)
+    else:
+        stand_in = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
+    return func(stand_in, *args[1:], **kwargs)
+
+
+_NEW_SET = frozenset(_NEW)
 
 
 @implements(aten._local_scalar_dense.default)

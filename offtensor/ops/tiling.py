@@ -4,6 +4,7 @@ time (``cat``, ``stack``, ``_foreach_*``), and weights larger than the room comp
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
@@ -101,12 +102,15 @@ class ForeachInPieces:
         if not _short_of_room(pager, need):
             return self.handler(func, types, args, kwargs)
         n = len(args[0])
-        if n == 1:  # one element whose tensors do not fit: running it per element would recurse
-            raise BudgetError(
+        if n == 1:  # one element that does not fit: slices of it may (pointwise_in_pieces)
+            error = BudgetError(
                 f"offtensor: {func} cannot run within the budget: its one element needs {need} bytes of "
                 f"offloaded copies ({', '.join(describe(t) for t in _offloaded(args, kwargs))}), but only "
                 f"{pager.budget_bytes - pager.budget.resident_bytes} of the budget's {pager.budget_bytes} bytes are "
                 f"not resident weights. Raise budget_gb, or offload more weights so fewer stay resident.")
+            if cutting():  # already a slice: the caller retries a smaller one
+                raise error
+            return pointwise_in_pieces(func, self.handler, args, kwargs, error)
         names = [a.name for a in func._schema.arguments]
 
         def piece(v, i, name):
@@ -354,3 +358,99 @@ def folds_without_copy(x: torch.Tensor) -> bool:
         return True
     sizes, strides = x.shape, x.stride()
     return all(strides[i] == strides[i + 1] * sizes[i + 1] for i in range(x.dim() - 2))
+
+
+# ---------------------------------------------------------------------------- pointwise ops in pieces
+
+# A pointwise op reading or writing an offloaded tensor larger than the free room (an optimizer's
+# ``param.add_(grad)`` on a weight that forward tiles, ``weight * mask``) runs on slices along one
+# dimension instead: every output element is the same function of the same input elements, so the
+# result is bit-identical. Reached only when paging the whole op raised BudgetError (ops/__init__),
+# so ops that fit pay nothing for it.
+
+
+_cutting = threading.local()  # .depth: pointwise_in_pieces calls running in this thread
+
+
+def cutting() -> bool:
+    """Whether this thread is inside ``pointwise_in_pieces``: a piece that does not fit is its
+    caller's to retry smaller, not cut again."""
+    return getattr(_cutting, "depth", 0) > 0
+
+
+def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
+    """Run pointwise ``func`` (or a ``_foreach_*`` op of one element) in slices along the output's
+    first dimension longer than 1 that fit the free room; re-raise ``error`` where no slicing helps
+    (one slice does not fit, a multi-output op, a write whose returns are not its arguments)."""
+    listed = isinstance(args[0], (list, tuple))  # a _foreach_* op of one element (ForeachInPieces)
+
+    def meta(v):
+        return [_meta(x) for x in v] if isinstance(v, (list, tuple)) else _meta(v)
+
+    shape = func(*(meta(a) for a in args), **{k: meta(v) for k, v in kwargs.items()})
+    if listed:  # in-place: no result, the element's own shape; else its one result
+        shape = _meta(args[0][0]) if shape is None else shape[0]
+    offloaded = _offloaded(args, kwargs)
+    mutation = getattr(handler, "returns", None)  # a Mutation: in-place / out= (ops/writes.py)
+    if (not isinstance(shape, torch.Tensor) or not offloaded
+            or (mutation is not None and not listed and (not mutation or None in mutation))):
+        raise error
+    n = shape.dim()
+    dim = next((d for d in range(n) if shape.shape[d] > 1), None)
+    if dim is None:
+        raise error
+    length = shape.shape[dim]
+
+    def aligned(v):  # v's dim that broadcasts along the output's ``dim``, or None if v is not cut
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            d = dim - (n - v.dim())
+            if d >= 0 and v.shape[d] == length:
+                return d
+        return None
+
+    per_slice = fixed = 0
+    for t in offloaded:
+        d = aligned(t)
+        if d is None:
+            fixed += t.numel() * t.element_size()
+        else:
+            per_slice += _slice_bytes(t, d)
+    pager = offloaded[0]._master.pager
+    room = (pager.free_bytes() or 0) - fixed
+    if room < per_slice:
+        raise error
+    step = max(1, room // max(per_slice, 1))
+
+    def cut(v, start, stop):
+        if isinstance(v, (list, tuple)):
+            return [cut(x, start, stop) for x in v]
+        d = aligned(v)
+        return v if d is None else v.narrow(d, start, stop - start)
+
+    writes = mutation is not None or (listed and func._schema.name.endswith("_"))
+    out = None if writes else torch.empty_strided(shape.shape, shape.stride(), dtype=shape.dtype, device=pager.device)
+    start = 0
+    _cutting.depth = getattr(_cutting, "depth", 0) + 1
+    try:
+        while start < length:
+            stop = min(length, start + step)
+            try:
+                piece = func(*(cut(a, start, stop) for a in args), **{k: cut(v, start, stop) for k, v in kwargs.items()})
+            except BudgetError:
+                # Paging failed before the piece computed anything (a cached copy of a whole
+                # argument covers its slice and stays in use beside the other): halve and retry.
+                if step == 1:
+                    raise error from None
+                step //= 2
+                continue
+            if out is not None:
+                out.narrow(dim, start, stop - start).copy_(piece[0] if listed else piece)
+            start = stop
+    finally:
+        _cutting.depth -= 1
+    if out is not None:
+        return [out] if listed else out
+    if listed:
+        return None  # in-place _foreach ops return nothing
+    results = [args[i] if i < len(args) else kwargs[name] for i, name in mutation]
+    return results[0] if len(results) == 1 else tuple(results)
