@@ -338,7 +338,7 @@ def choose_placement(weights: Sequence[Weight], budget_bytes: Optional[int], off
         warnings.warn(
             f"offtensor: {names} cannot be paged whole within the budget of {chosen.budget_bytes} bytes, so it is "
             f"offloaded as a table that forward reads in slices (a buffer of the model's own module), each read paging "
-            f"only its slice; an op that reads more of it at once than the "
+            f"only its slice (a pointwise op over all of it runs in slices too); any other op that reads more of it at once than the "
             f"{chosen.budget_bytes - chosen.resident_bytes} bytes of room raises BudgetError naming it",
             UserWarning, stacklevel=5)
     return chosen

@@ -26,6 +26,8 @@ class _Cropped(torch.nn.Module):
     def forward(self, x):  # x: (batch, side * side, width)
         side = int(x.shape[1] ** 0.5)
         table = self.table.reshape(1, self.grid, self.grid, -1)
+        if self.whole == "reduced":  # a reduction of the whole table: no slice of it computes this
+            return self.proj(x + self.table.mean(1, keepdim=True))
         crop = table if self.whole else table[:, 5:5 + side, 7:7 + side, :]
         return self.proj(x + crop.reshape(1, -1, crop.shape[-1])[:, : x.shape[1]])
 
@@ -49,10 +51,19 @@ def test_a_table_read_in_slices_is_offloaded_and_pages_only_the_slice(device):
 
 
 def test_a_table_read_whole_beyond_the_room_raises_naming_it_and_a_parameter_is_refused_at_wrap(device):
+    # Read whole by a pointwise op (x + table), it runs in slices that fit, bit-identically.
     model = _Cropped(whole=True).eval()
+    reference = copy.deepcopy(model).to(device)
     with pytest.warns(UserWarning, match="cannot be paged whole"):
         ot.wrap_model(model, budget_gb=BUDGET / GiB, device=device)
     x = torch.randn(1, 64 * 64, 32).to(device)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert ot.stats(model).peak_device_bytes <= BUDGET
+    # Read whole by a reduction, it cannot be cut: a BudgetError naming it.
+    model = _Cropped(whole="reduced").eval()
+    with pytest.warns(UserWarning, match="cannot be paged whole"):
+        ot.wrap_model(model, budget_gb=BUDGET / GiB, device=device)
     with torch.no_grad(), pytest.raises(ot.BudgetError, match=r"'table'.*needs 524288 bytes"):
         model(x)
     assert torch.equal(model.table.cpu(), _Cropped().table)  # nothing lost
