@@ -11,7 +11,7 @@ from torch import nn
 
 from .. import leaves
 from ..tensor import OffloadedTensor
-from .state import WRAPPED, State
+from .state import State, wrapped_state
 
 
 def _is_dtensor(t) -> bool:
@@ -93,7 +93,7 @@ def refuse_distribute(module: nn.Module) -> None:
     ``Tensor[][]`` argument, which the dispatcher never hands to the OffloadedTensor (rank 0 died
     of SIGSEGV). Refused at the first module asked while any weight of the model is offloaded, so
     no module has been parallelized yet when it raises."""
-    state = WRAPPED.get(module)
+    state = wrapped_state(module)
     model = state.model_ref() if state is not None else None
     if model is None:
         return
