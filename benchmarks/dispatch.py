@@ -57,6 +57,16 @@ def _ops(device):
         "select row [3]": lambda w: w[3],
         "embedding": lambda w: F.embedding(idx, w),
         "sum": lambda w: w.sum(),
+        # what model code reads of a weight at every call (transformers' expert code: a stack's
+        # dtype, device, dim() and size(i), and its transpose(-2, -1))
+        "w.dtype": lambda w: w.dtype,
+        "w.shape": lambda w: w.shape,
+        "w.device": lambda w: w.device,
+        "w.dim()": lambda w: w.dim(),
+        "w.size(-1)": lambda w: w.size(-1),
+        "w.is_contiguous()": lambda w: w.is_contiguous(),
+        "w.requires_grad": lambda w: w.requires_grad,
+        "transpose(-2,-1)": lambda w: w.transpose(-2, -1),
     }
 
 

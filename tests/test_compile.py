@@ -179,6 +179,37 @@ def test_no_recompilation_from_step_to_step(device):
     assert counter.graphs == 1
 
 
+class _SlicedLayers(nn.Module):
+    """A forward that slices its ModuleList, as transformers' decoders do (``self.layers[:n]``): the
+    slice is a new module of the wrapped module's class, built inside the traced forward."""
+
+    def __init__(self, layers: int = 3, width: int = 32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers[: len(self.layers)]:
+            x = layer(x)
+        return x
+
+
+def test_another_wrapped_model_collected_between_calls_does_not_recompile(device):
+    model = _wrap_weights_offloaded(_SlicedLayers().eval(), device)
+    counter = GraphCounter()
+    compiled = torch.compile(model, backend=counter)
+    x = torch.randn(4, 32).to(device)
+    with torch.no_grad():
+        expected = compiled(x)
+        graphs = counter.graphs
+        other = _wrap_weights_offloaded(_SlicedLayers().eval(), device)
+        torch.testing.assert_close(compiled(x), expected)
+        del other
+        gc.collect()
+        torch.testing.assert_close(compiled(x), expected)
+    assert counter.graphs == graphs
+
+
 class _Embedder(nn.Module):
     def __init__(self):
         super().__init__()
@@ -398,10 +429,6 @@ def test_static_cache_generate_on_a_compiled_wrapped_transformers_model(device, 
     kwargs = dict(max_new_tokens=5, do_sample=False, cache_implementation="static")
     expected = reference.generate(ids, **kwargs)
     ot.wrap_model(base, budget_gb=0.4 * _weight_bytes(base) / GiB, device=device)
-    # Earlier tests' compiled models hold themselves in cycles (model -> compiled forward -> model);
-    # collected in the middle of this generate, they would change the table of wrapped modules that
-    # a traced module lookup guards on, and recompile.
-    gc.collect()
     counter = GraphCounter()
     base.forward = torch.compile(base.forward, backend=counter)
     assert torch.equal(base.generate(ids, **kwargs), expected)

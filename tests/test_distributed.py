@@ -698,3 +698,61 @@ def test_the_seed_loader_names_a_checkpoint_tensor_it_cannot_place():
     bogus = r"checkpoint tensor 'model\.bogus\.weight' of shape \(4, 2\) matches no parameter"
     with pytest.raises(KeyError, match=bogus):
         tp_deepseek.load_weights(torch.nn.Linear(2, 4), [("model.bogus.weight", torch.zeros(4, 2))])
+
+
+# ---------------------------------------------------------------------------- FSDP2 in this process (one rank)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo group of this process alone and its mesh, for FSDP2 without starting ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _fsdp2_mlp_upcast(mesh, wrap_first: bool, budget_bytes=None):
+    """A bfloat16 MLP under FSDP2 whose unsharded parameters are float32 (MixedPrecisionPolicy), so
+    the parameters FSDP2 assigns before each forward are twice the bytes of the ones it wraps;
+    wrapped (before or after ``fully_shard``) unless ``budget_bytes`` is None."""
+    import offtensor as ot
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).to(torch.bfloat16)
+    if wrap_first and budget_bytes is not None:
+        ot.wrap_model(model, budget_gb=budget_bytes / GiB, device="cpu")
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+    if not wrap_first and budget_bytes is not None:
+        ot.wrap_model(model, budget_gb=budget_bytes / GiB, device="cpu")
+    return model
+
+
+@pytest.mark.parametrize("wrap_first", [True, False], ids=["wrap_first", "fsdp_first"])
+def test_fsdp2_assigning_a_parameter_that_placement_would_offload_is_refused_naming_it(one_rank_group, wrap_first):
+    # On main: the forward's re-assignment of FSDP2's unsharded (float32) '2.weight' did not fit and
+    # was offloaded, so the layer computed with a copy FSDP2 never sees; only the reshard after the
+    # forward then failed, blaming a fully_shard of an offloaded weight.
+    from offtensor.tensor import OffloadedTensor
+
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    wrapped_bytes = 2 * (64 * 64 + 64) * 2  # both layers in bfloat16, all resident
+    model = _fsdp2_mlp_upcast(one_rank_group, wrap_first, budget_bytes=int(1.5 * wrapped_bytes))
+    seen = []
+    model[2].register_forward_pre_hook(lambda m, args: seen.append(type(m.weight)))
+    with pytest.raises(RuntimeError, match=r"'2\.weight' \(Linear\.weight\) is managed by FSDP2 \(fully_shard\)"
+                                           r".* \(\d+ bytes, torch\.float32\).*'2\.weight' was left as it was"):
+        model(x)
+    assert OffloadedTensor not in seen  # no layer ever computed with an offloaded copy
+    assert not any(isinstance(leaf, OffloadedTensor) for p in model.parameters()
+                   for leaf in (p, getattr(p, "_local_tensor", p)))
+
+    # With room for the unsharded parameters, the wrapped FSDP2 model computes what the unwrapped one does.
+    reference = _fsdp2_mlp_upcast(one_rank_group, wrap_first)
+    roomy = _fsdp2_mlp_upcast(one_rank_group, wrap_first, budget_bytes=4 * wrapped_bytes)
+    assert torch.equal(roomy(x), reference(x))

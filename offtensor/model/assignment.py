@@ -18,7 +18,7 @@ from .dtensor import refuse_distribute, refuse_sharding_an_offloaded_weight
 from .loads import after_load, portable_state_dict
 from .moves import resident_bytes
 from .place import place, place_attribute
-from .state import WRAPPED, State, placing_state
+from .state import State, enrol, placing_state, withdraw, wrapped_state
 
 
 def _set_attribute(set_attribute, module: nn.Module, name: str, value) -> None:
@@ -115,7 +115,7 @@ def _attach_submodule(state: State, module: nn.Module, name: str, submodule: nn.
         state.prefixes.setdefault(child, f"{parent}.{path}" if path else parent)
     placed = []
     for child in submodule.modules():
-        if WRAPPED.get(child) is state:
+        if wrapped_state(child) is state:
             continue
         join(child, state)
         for table, is_buffer in ((child._parameters, False), (child._buffers, True)):
@@ -134,7 +134,7 @@ def _released(state: State, old: Optional[nn.Module] = None) -> None:
     if old is not None:
         live = set(model.modules())
         for m in old.modules():
-            if m not in live and WRAPPED.get(m) is state:
+            if m not in live and wrapped_state(m) is state:
                 leave(m)
     state.pager.recount_resident(resident_bytes(model, state.pager.device))
     if state.pager.experts is not None:
@@ -143,7 +143,7 @@ def _released(state: State, old: Optional[nn.Module] = None) -> None:
 
 def join(module: nn.Module, state: State) -> None:
     """``module`` joins a wrapped model: it places what is assigned into it and what it loads."""
-    WRAPPED[module] = state
+    enrol(module, state)
     state.load_hooks.append(module.register_load_state_dict_post_hook(after_load))
     state.load_hooks.append(module.register_state_dict_post_hook(portable_state_dict))
     give_wrapping_class(module)
@@ -151,7 +151,7 @@ def join(module: nn.Module, state: State) -> None:
 
 def leave(module: nn.Module) -> None:
     """``module`` is no longer part of a wrapped model: its own class back, no placement."""
-    del WRAPPED[module]
+    withdraw(module)
     give_user_class(module)
 
 

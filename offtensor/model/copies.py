@@ -21,7 +21,7 @@ from .assignment import give_user_class, join, leave
 from .groups import collect_groups
 from .loads import after_load, portable_state_dict
 from .moves import Undo, resident_bytes, weight_tensors
-from .state import WRAPPED, State
+from .state import WRAPPED, State, wrapped_state
 
 
 def register_wrapped(model: nn.Module, pager: Pager, choice: placement.Placement, config: OffloadConfig) -> None:
@@ -66,8 +66,8 @@ def unregister_wrapped(model: nn.Module, state: State) -> None:
     pager = state.pager
     pager.prefetcher = None
     moe.detach(pager)
-    for module in list(WRAPPED.keys()):
-        if WRAPPED.get(module) is state:
+    for module in [m for m, s in list(WRAPPED.items()) if s is state]:
+        if wrapped_state(module) is state:
             leave(module)
     if state.watch is not None:
         state.watch.stop()
@@ -85,7 +85,7 @@ def undo_registration(model: nn.Module, state: State) -> None:
     also the modules that took the wrapping class or a hook before they were recorded. Idempotent."""
     unregister_wrapped(model, state)
     for module in model.modules():
-        if WRAPPED.get(module) is state:
+        if wrapped_state(module) is state:
             leave(module)
         give_user_class(module)
         for hooks, hook in ((module._load_state_dict_post_hooks, after_load),
@@ -120,7 +120,7 @@ class StepHook:
         if torch.compiler.is_compiling() and self.pager_key is not None:
             torch.ops.offtensor.new_step(self.pager_key)
             return
-        state = WRAPPED.get(model)
+        state = wrapped_state(model)
         if state is None or state.model_ref() is not model:
             state = adopt_copy(model)
         if state is not None:
@@ -161,7 +161,7 @@ def adopt_copy(model: nn.Module) -> Optional[State]:
             del module._load_state_dict_post_hooks[key]
         for key in [k for k, h in module._state_dict_hooks.items() if h is portable_state_dict]:
             del module._state_dict_hooks[key]
-        if WRAPPED.get(module) is not None:
+        if module in WRAPPED:
             leave(module)
     for key, _ in hooks:
         del model._forward_pre_hooks[key]
@@ -181,13 +181,13 @@ def adopt_copy(model: nn.Module) -> Optional[State]:
     choice = placement.Placement(offload, resident, hook.budget_bytes, resident_bytes(model, pager.device), offloaded,
                                  ws)
     register_wrapped(model, pager, choice, hook.config)
-    return WRAPPED[model]
+    return wrapped_state(model)
 
 
 def is_wrapped(model: nn.Module) -> bool:
     """Whether ``model`` is currently wrapped (by wrap_model or load_safetensors, or is a
     ``copy.deepcopy`` of a wrapped model, which this registers on its own pager)."""
-    state = WRAPPED.get(model)
+    state = wrapped_state(model)
     if state is None or state.model_ref() is not model:
         state = adopt_copy(model) if isinstance(model, nn.Module) else None
     return state is not None and state.model_ref() is model
@@ -196,4 +196,4 @@ def is_wrapped(model: nn.Module) -> bool:
 def state_of(model: nn.Module) -> State:
     if not is_wrapped(model):
         raise ValueError(f"offtensor: this {type(model).__name__} is not wrapped; call ot.wrap_model(model, ...) first")
-    return WRAPPED[model]
+    return wrapped_state(model)

@@ -11,7 +11,7 @@ from torch import nn
 
 from .. import leaves
 from ..tensor import OffloadedTensor
-from .state import WRAPPED, State
+from .state import State, wrapped_state
 
 
 def _is_dtensor(t) -> bool:
@@ -87,13 +87,36 @@ def refuse_offloading_what_fsdp2_manages(model: nn.Module, groups) -> None:
                     )
 
 
+def refuse_offloading_an_fsdp2_parameter(state: State, module: nn.Module, name: str, t: torch.Tensor,
+                                         resident: int) -> None:
+    """Placement is about to offload ``t``, assigned as ``module.name``: refused if FSDP2 manages
+    that parameter. FSDP2 assigns its unsharded parameter before each forward and backward and its
+    sharded one after (through ``setattr`` once the module has a wrapping class); offloaded there,
+    the model would compute with a copy FSDP2 never sees, and gradients and optimizer steps would go
+    to the wrong tensor without an error. Only reached when placement offloads, never per op."""
+    model = state.model_ref()
+    if model is None or (module, name) not in fsdp_managed(model):
+        return
+    full_name = state.qualified_name(module, name)
+    nbytes = t.numel() * t.element_size()
+    raise RuntimeError(
+        f"offtensor: '{full_name}' ({type(module).__name__}.{name}) is managed by FSDP2 (fully_shard), which "
+        f"assigns it again at every forward and backward, and the tensor it assigns now ({nbytes} bytes, "
+        f"{t.dtype}) does not fit beside {resident} bytes of resident weights and {state.working_set_bytes} bytes "
+        f"of paging room in the budget of {state.pager.budget_bytes} bytes, so it would be offloaded where FSDP2 "
+        f"does not see it (training would go wrong without an error). Keep what FSDP2 manages resident with room "
+        f"for its unsharded parameters: raise budget_gb, or offload more of what FSDP2 does not manage "
+        f"(fully_shard(..., ignored_params=...)). '{full_name}' was left as it was."
+    )
+
+
 def refuse_distribute(module: nn.Module) -> None:
     """``distribute_module`` (``parallelize_module``) asks a wrapped module whether it was
     distributed before it scatters any weight; an offloaded weight would reach gloo/NCCL inside a
     ``Tensor[][]`` argument, which the dispatcher never hands to the OffloadedTensor (rank 0 died
     of SIGSEGV). Refused at the first module asked while any weight of the model is offloaded, so
     no module has been parallelized yet when it raises."""
-    state = WRAPPED.get(module)
+    state = wrapped_state(module)
     model = state.model_ref() if state is not None else None
     if model is None:
         return

@@ -16,6 +16,7 @@ from .moves import (
     as_param_like, check_offloadable_quietly, offload_group, resident_bytes, resident_storages, resident_storages_of,
     storage_bytes, swap, weight_tensors,
 )
+from .dtensor import refuse_offloading_an_fsdp2_parameter
 from .room import replan_paging_room, reserve_paging_room, warn_view_of_a_bigger_master
 from .state import State
 
@@ -117,6 +118,7 @@ def _place_member(state: State, member: Member, full_name: str, attaching=None):
         state.resident_ptrs.add(t.untyped_storage().data_ptr())
         pager.hold_resident(with_t)
         return None
+    refuse_offloading_an_fsdp2_parameter(state, module, name, t, resident)
     reserve_paging_room(state, full_name, t, resident, tileable=leaf_is_tileable(t, member.owners))
     member.names.append(full_name)
     source = t.detach()

@@ -21,7 +21,7 @@ from .copies import StepHook, register_wrapped, unregister_wrapped
 from .dtensor import refuse_offloading_what_fsdp2_manages
 from .groups import collect_groups
 from .moves import Undo, as_param_like, make_resident, offload_group, resident_bytes, swap
-from .state import WRAPPED, State
+from .state import State, wrapped_state
 
 
 class Prepared(NamedTuple):
@@ -63,8 +63,8 @@ def check_wrappable(model) -> None:
     """Refuse what ``wrap_model`` and ``load_safetensors`` cannot take: not a module, or wrapped already."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"offtensor: expected an nn.Module, got {type(model).__name__}")
-    if model in WRAPPED:
-        state = WRAPPED[model]
+    state = wrapped_state(model)
+    if state is not None:
         raise RuntimeError(
             f"offtensor: {type(model).__name__} is already wrapped (budget {state.pager.budget_bytes} bytes on "
             f"{state.pager.device}); call ot.unwrap_model(model) before wrapping it again"
@@ -113,7 +113,7 @@ def apply_placement(model: nn.Module, placed: placement.ModelPlacement, pager: P
 
 
 def _start_expert_placement(model: nn.Module, report: Optional[dict], watch) -> None:
-    state = WRAPPED[model]
+    state = wrapped_state(model)
     state.expert_placement = report
     if watch is not None:
         Undo.note("call", watch.stop)

@@ -19,7 +19,50 @@ from ..pager import Pager, covering_range
 from ..tensor import OffloadedTensor
 
 
+# Every wrapped module, for walking a model's modules (unwrapping them all, a copy's adoption). A
+# module's own state is looked up through the member it carries (``wrapped_state``), not here: a
+# lookup in this table inside a traced forward (a ModuleList slice builds a new module, whose
+# ``add_module`` asks whether it is wrapped) makes Dynamo guard on the table's entries, and the
+# compiled model recompiles whenever any other wrapped model comes or goes.
 WRAPPED: "weakref.WeakKeyDictionary[nn.Module, State]" = weakref.WeakKeyDictionary()
+_MEMBER = "_offtensor_member"
+
+
+class Member:
+    """What a wrapped module carries in its ``__dict__``: its model's state, for the module it was
+    given to only. A copy of the module (``copy.copy``, ``copy.deepcopy``, pickling) carries a
+    member that names no module, so it is not taken for a module of the original's model."""
+
+    __slots__ = ("module", "state")
+
+    def __init__(self, module: Optional[nn.Module], state: "Optional[State]"):
+        self.module = weakref.ref(module) if module is not None else _no_module
+        self.state = state
+
+    def __reduce__(self):
+        return Member, (None, None)
+
+    def __copy__(self):
+        return Member(None, None)
+
+    def __deepcopy__(self, memo):
+        return Member(None, None)
+
+
+def _no_module():
+    return None
+
+
+def enrol(module: nn.Module, state: "State") -> None:
+    """``module`` is a module of ``state``'s wrapped model."""
+    WRAPPED[module] = state
+    module.__dict__[_MEMBER] = Member(module, state)
+
+
+def withdraw(module: nn.Module) -> None:
+    """``module`` is no longer a module of a wrapped model."""
+    WRAPPED.pop(module, None)
+    module.__dict__.pop(_MEMBER, None)
 
 
 class Placed:
@@ -146,19 +189,21 @@ class State:
 
 def wrapped_state(module: nn.Module) -> Optional[State]:
     """The state of the wrapped model that ``module`` is (or is a module of), or None. A copy of a
-    wrapped model is not adopted here (``copies.state_of`` does that)."""
-    return WRAPPED.get(module)
+    wrapped model is not adopted here (``copies.state_of`` does that). Read from the module itself,
+    so that a traced forward guards on nothing but the module."""
+    member = module.__dict__.get(_MEMBER)
+    return member.state if member is not None and member.module() is module else None
 
 
 def placing_state(module: nn.Module) -> Optional[State]:
     """``wrapped_state(module)`` when what is assigned into, cast in or loaded into ``module`` is to
     be placed. None also while ``ot.plan`` runs the model on a meta pager: meta tensors hold no
     bytes, and the plan counts the bytes its placement chose, as a GPU run would hold them."""
-    state = WRAPPED.get(module)
+    state = wrapped_state(module)
     return None if state is None or state.pager.device.type == "meta" else state
 
 
 def pager_of(model: nn.Module) -> Optional[Pager]:
     """The pager of the wrapped model that ``model`` is (or is a module of), or None."""
-    state = WRAPPED.get(model)
+    state = wrapped_state(model)
     return state.pager if state is not None else None

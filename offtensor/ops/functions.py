@@ -1,6 +1,6 @@
 """Whole ops intercepted at ``__torch_function__`` where that saves work: ``F.linear`` (one page-in
 instead of ``t`` + ``addmm``), ``matmul``/``mm`` with grad off, ``.cpu()``, ``tolist``, the ``.data``
-setter, and ``tensor_split``'s host-read argument. ``FUNCTION_TABLE`` is what the class reads."""
+setter, ``tensor_split``'s host-read argument, and the memoized transposes of ``views``. ``FUNCTION_TABLE`` is what the class reads."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from ..tensor import OffloadedTensor, check_offloadable, new_host_master, wrap_h
 from .host_experts import expert_on_host, host_linear
 from .paging import Paged, reclaim
 from .tiling import as_linear_weight, folds_without_copy, linear_tiled, needs_tiling
+from .views import memoized_view, metadata_changed
 
 aten = torch.ops.aten
 
@@ -135,6 +136,7 @@ def _set_data(args, kwargs):
         torch.Tensor.data.__set__(self, value)  # the wrapper's sizes, strides and dtype
     self._host, self._master = value._host, value._master
     self.__dict__.pop("_layout", None)
+    metadata_changed()
     return None
 
 
@@ -167,6 +169,8 @@ FUNCTION_TABLE = {
     torch.Tensor.cpu: _cpu,
     torch.Tensor.tolist: _tolist,
     torch.Tensor.data.__set__: _set_data,
+    torch.Tensor.t: memoized_view(torch.Tensor.t),
+    torch.Tensor.transpose: memoized_view(torch.Tensor.transpose),
     **_host_read_argument(torch.tensor_split, 1, "indices_or_sections"),
     **_host_read_argument(torch.Tensor.tensor_split, 1, "indices_or_sections"),
 }

@@ -1,6 +1,8 @@
 """View ops: they never page. A view of an OffloadedTensor is an OffloadedTensor aliasing the same host
 master (the op runs on the host view); an in-place view op changes the host view's and the wrapper's
-metadata together."""
+metadata together. The transposes model code takes of a weight at every call (``w.t()``,
+``stack.transpose(-2, -1)``) are memoized on the weight: the same view object again while nothing
+changed, instead of a new wrapper through the dispatcher each call."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ def inplace_view(func, types, args, kwargs):
     self = args[0]
     func(self._host, *args[1:], **kwargs)
     self.__dict__.pop("_layout", None)  # the memoized paging layout of the old metadata
+    metadata_changed()
     # Change the wrapper's own sizes/strides without dispatching back here (the trick that
     # torch.utils._python_dispatch.return_and_correct_aliasing uses).
     with no_dispatch():
@@ -69,3 +72,57 @@ implements(aten._unsafe_view.default)(view)
 # Real views whose schemas declare no alias ("unsafe": autograd does not track them as views):
 # on plain tensors their results share the input's memory, so here they are host views too.
 implements(aten.unsafe_split.Tensor, aten.unsafe_split_with_sizes.default)(view)
+
+
+# ---------------------------------------------------------------------------- memoized transposes
+
+# Bumped whenever an OffloadedTensor's metadata changes in place (an in-place view op, the ``.data``
+# setter): every memoized view made before is stale, whichever tensor changed (the weight or the
+# view handed out). In-place metadata changes are rare, so one counter is cheaper than tracking
+# which view came from which weight.
+_EPOCH = [0]
+
+_Tensor = torch.Tensor
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._is_torch_function_mode_enabled
+_inference = torch.is_inference_mode_enabled
+_grad = torch.is_grad_enabled
+
+
+def metadata_changed() -> None:
+    _EPOCH[0] += 1
+
+
+def memoized_view(function):
+    """Whole-function handler for a transpose method (``Tensor.t``, ``Tensor.transpose``): the view
+    made the last time with these arguments while no metadata changed in place, else a new one
+    (kept for next time). Only with grad off (``torch.no_grad()``, as ``generate`` runs), so that
+    nothing can save the view for a backward, for a weight that needs no gradient, is no tracing
+    stand-in (its host view a fake tensor), with no torch function or dispatch mode on
+    (FakeTensorMode, a tracer, a user's mode must see the op); else NotImplemented, and the op
+    dispatches as before. The view is no autograd view of the weight (``_base`` is None)."""
+
+    def handler(args, kwargs):
+        self = args[0]
+        if (kwargs or _grad() or type(self) is not OffloadedTensor or self.requires_grad or _inference()
+                or _dispatch_modes() or _function_modes()):
+            return NotImplemented
+        own = self.__dict__
+        if type(own["_host"]) is not _Tensor:
+            return NotImplemented
+        key = (function, args[1:])
+        memo = own.get("_views")
+        if memo is None:
+            memo = own["_views"] = {}
+        else:
+            hit = memo.get(key)
+            if hit is not None and hit[0] == _EPOCH[0] and not hit[1].requires_grad:
+                return hit[1]
+        # Made on the host view, as ``view`` makes it, but not through the dispatcher: that view
+        # would hold its base (autograd's ``_base``), and the base holds the memo, a cycle through
+        # C++ that no garbage collection breaks. Its wrapper storage is the base's.
+        out = _alias_of(self, new_view(function(own["_host"], *args[1:]), own["_master"]))
+        memo[key] = (_EPOCH[0], out)
+        return out
+
+    return handler
