@@ -524,6 +524,49 @@ void copy_shutdown() {
 #endif
 }
 
+// The expert pool's fetch (offtensor/ops/expert_pool.py): dst[dest[e]] = src[e] for every row e of
+// src whose dest[e] is a slot of dst (0 <= dest[e] < dst.size(0)); other rows copy nothing. src is a
+// host master (pinned: read by the GPU through its device address), dst a device buffer, dest an
+// int64 tensor on dst's device. The CPU kernel is the emulated device's own gather.
+void check_gather(const at::Tensor& dst, const at::Tensor& src, const at::Tensor& dest) {
+  TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "offtensor: masked_row_gather needs contiguous ",
+              "rows, got a ", dst.sizes(), " pool buffer and a ", src.sizes(), " host stack");
+  TORCH_CHECK(dst.dtype() == src.dtype() && dst.dim() >= 1 && src.dim() == dst.dim() &&
+                  dst[0].numel() == src[0].numel(),
+              "offtensor: masked_row_gather: a ", src.sizes(), " ", src.dtype(), " stack does not fit a ",
+              dst.sizes(), " ", dst.dtype(), " pool");
+  TORCH_CHECK(dest.dtype() == at::kLong && dest.dim() == 1 && dest.size(0) == src.size(0),
+              "offtensor: masked_row_gather: dest must be int64 with one entry per row of the ", src.sizes(),
+              " stack, got ", dest.sizes(), " ", dest.dtype());
+}
+
+void masked_row_gather_cpu(at::Tensor dst, const at::Tensor& src, const at::Tensor& dest, int64_t stream) {
+  (void)stream;
+  check_gather(dst, src, dest);
+  const int64_t rows = src.size(0), slots = dst.size(0);
+  const size_t row_bytes = static_cast<size_t>(src[0].numel()) * src.element_size();
+  const int64_t* to = dest.data_ptr<int64_t>();
+  const char* from = static_cast<const char*>(src.data_ptr());
+  char* out = static_cast<char*>(dst.data_ptr());
+  for (int64_t e = 0; e < rows; ++e) {
+    const int64_t slot = to[e];
+    if (slot >= 0 && slot < slots) std::memcpy(out + slot * row_bytes, from + e * row_bytes, row_bytes);
+  }
+}
+
+#ifdef OFFTENSOR_WITH_CUDA
+void masked_row_gather_cuda(at::Tensor dst, const at::Tensor& src, const at::Tensor& dest, int64_t stream) {
+  check_gather(dst, src, dest);
+  TORCH_CHECK(src.device().is_cpu(), "offtensor: masked_row_gather reads a host stack, got one on ", src.device());
+  const size_t row_bytes = static_cast<size_t>(src[0].numel()) * src.element_size();
+  const int code = ot_cuda_masked_row_gather(dst.get_device(), dst.data_ptr(), src.data_ptr(),
+                                             dest.data_ptr<int64_t>(), src.size(0), dst.size(0), row_bytes,
+                                             reinterpret_cast<void*>(stream));
+  TORCH_CHECK(code >= 0, "offtensor: masked_row_gather of a ", src.sizes(), " host stack failed: ",
+              ot_cuda_error_string(-code), " (is the stack in pinned memory?)");
+}
+#endif
+
 bool cuda_compiled() { return kCudaCompiled; }
 
 }  // namespace
@@ -541,6 +584,7 @@ TORCH_LIBRARY(offtensor, m) {
   m.def("live_host_bytes() -> int", &offtensor::live_host_bytes);
   m.def("cuda_device_count() -> int", &offtensor::cuda_device_count);
   m.def("cuda_compiled() -> bool", &offtensor::cuda_compiled);
+  m.def("masked_row_gather(Tensor(a!) dst, Tensor src, Tensor dest, int stream) -> ()");
 }
 
 // A factory has no tensor argument to dispatch on; CompositeExplicitAutograd (unlike a catch-all
@@ -550,9 +594,15 @@ TORCH_LIBRARY_IMPL(offtensor, CompositeExplicitAutograd, m) { m.impl("alloc_host
 TORCH_LIBRARY_IMPL(offtensor, CPU, m) {
   m.impl("copy_async", &offtensor::copy_async);
   m.impl("pin_host", &offtensor::pin_host);
+  m.impl("masked_row_gather", &offtensor::masked_row_gather_cpu);
 }
 
-TORCH_LIBRARY_IMPL(offtensor, CUDA, m) { m.impl("copy_async", &offtensor::copy_async); }
+TORCH_LIBRARY_IMPL(offtensor, CUDA, m) {
+  m.impl("copy_async", &offtensor::copy_async);
+#ifdef OFFTENSOR_WITH_CUDA
+  m.impl("masked_row_gather", &offtensor::masked_row_gather_cuda);
+#endif
+}
 
 // `import offtensor._C` loads this library, whose static initializers register the ops above.
 extern "C" PyMODINIT_FUNC PyInit__C(void) {
