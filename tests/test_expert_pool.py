@@ -106,6 +106,20 @@ def test_pooled_decode_gives_the_plain_models_tokens_and_logits_bit_for_bit(pair
     assert int(pool.clock) > 0 and _consistent(pool) and _bytes_match(pool, pooled)
 
 
+def test_the_gpus_one_group_per_slot_form_gives_the_same_bits_on_the_emulated_device(pair, monkeypatch):
+    """The form a GPU runs (the admit as tensor ops; rows reordered by slot, one group per pool
+    slot, results put back)."""
+    monkeypatch.setattr(pool_ops, "SLOT_GROUPS", ("cuda", "cpu"))
+    monkeypatch.setattr(pool_ops, "NATIVE_ADMIT", False)
+    plain, pooled, pool = pair
+    ids = torch.randint(0, plain.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert torch.equal(pooled.generate(ids, max_new_tokens=16, do_sample=False),
+                           plain.generate(ids, max_new_tokens=16, do_sample=False))
+        assert torch.equal(pooled(ids[:, -2:]).logits, plain(ids[:, -2:]).logits)
+    assert _consistent(pool) and _bytes_match(pool, pooled)
+
+
 def test_a_pooled_decode_step_makes_no_host_sync_on_the_expert_path(pair):
     plain, pooled, pool = pair
     ids = torch.randint(0, plain.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(2))
@@ -221,6 +235,9 @@ def test_a_write_to_a_pooled_stack_empties_the_pool_and_the_next_step_reads_the_
 
 
 def test_an_interrupt_inside_the_pools_fetch_leaves_its_tables_consistent(monkeypatch):
+    """The tensor-op admit (the GPU's form) stopped between its steps; the native admit of the
+    emulated device is one call that checks everything before its first write."""
+    monkeypatch.setattr(pool_ops, "NATIVE_ADMIT", False)
     plain = _load("moe_mixtral")
     pooled = copy.deepcopy(plain)
     pool = _wrap_pooled(pooled, 3)
@@ -253,3 +270,38 @@ def test_pool_admit_is_a_custom_op_that_declares_what_it_mutates():
     for name in ("slot_of", "expert_in", "stamp", "clock", "buffers"):
         assert f"(a" in schema and name in schema
     assert schema.count("!") == 5
+
+
+@pytest.mark.skipif(pool_ops._NATIVE_ADMIT is None, reason="needs the native extension")
+def test_the_native_admit_makes_the_tensor_op_admits_decisions():
+    """Random routings, step after step, into two copies of one pool's tables, one admitted by the
+    tensor ops (the GPU's form) and its plan, one by the emulated device's native call: the same
+    plan, tables, stamps and slot bytes after every step."""
+    experts, slots, layers = 12, 5, 2
+    hosts = [torch.randn(experts, 3, 4), torch.randn(experts, 2)]
+    tables = []
+    for _ in range(2):
+        tables.append(dict(slot_of=torch.full((experts * layers + 1,), -1), expert_in=torch.full((slots + 1,), -1),
+                           stamp=torch.full((slots + 1,), -1), clock=torch.zeros(1, dtype=torch.int64),
+                           buffers=[torch.zeros(slots, 3, 4), torch.zeros(slots, 2)]))
+    pool = type("Pool", (), {"slots": slots})()
+    g = torch.Generator().manual_seed(0)
+    for step in range(60):
+        rows = int(torch.randint(1, slots + 1, (1,), generator=g))
+        routed = torch.sort(torch.randint(0, experts, (rows,), generator=g)).values
+        tail = int(torch.randint(0, 2, (1,), generator=g))  # rows past the routed ones (no expert)
+        offs = torch.cumsum(torch.bincount(routed[: rows - tail], minlength=experts), 0).to(torch.int32)
+        base = experts * (step % layers)
+        t = tables[0]
+        row_expert = pool_ops._row_expert_of(offs, rows)
+        row_slot = pool_ops.pool_admit(row_expert, t["slot_of"], t["expert_in"], t["stamp"], t["clock"], t["buffers"],
+                                       hosts, base, experts)
+        expected = pool_ops._compact_plan(pool, row_expert, row_slot, experts)[1:]
+        t = tables[1]
+        got = pool_ops._NATIVE_ADMIT(offs, rows, t["slot_of"], t["expert_in"], t["stamp"], t["clock"], t["buffers"],
+                                     hosts, base, experts)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got)), step
+        for name in ("slot_of", "expert_in", "stamp", "clock"):
+            assert torch.equal(tables[0][name], tables[1][name]), (step, name)
+        for a, b in zip(tables[0]["buffers"], tables[1]["buffers"]):
+            assert torch.equal(a, b)

@@ -93,6 +93,19 @@ def masked_row_gather(dst: torch.Tensor, host: torch.Tensor, dest: torch.Tensor)
 
 _HAVE_GATHER = _ext.NATIVE and hasattr(torch.ops.offtensor, "masked_row_gather")
 
+# On the emulated device the admit is one native call (``offtensor::pool_admit_cpu``: the same
+# decisions and copies as ``pool_admit`` followed by ``_compact_plan``, in loops; the tensor-op form
+# costs a few microseconds per op there). False: ``pool_admit`` everywhere (tests run the GPU's
+# form with it).
+NATIVE_ADMIT = True
+_NATIVE_ADMIT = (torch.ops.offtensor.pool_admit_cpu.default
+                 if _ext.NATIVE and hasattr(torch.ops.offtensor, "pool_admit_cpu") else None)
+if _NATIVE_ADMIT is not None:
+    @torch.library.register_fake("offtensor::pool_admit_cpu")
+    def _pool_admit_cpu_fake(offs, rows, slot_of, expert_in, stamp, clock, buffers, hosts, base, experts):
+        groups = min(rows, experts)
+        return slot_of.new_empty((groups,)), offs.new_empty((groups,))
+
 
 def _row_expert_of(offs: torch.Tensor, rows: int) -> torch.Tensor:
     """Each routed row's expert, from the cumulative group ends ``offs`` (``len(offs)`` past the
@@ -112,23 +125,58 @@ _ARANGES: dict = {}
 
 
 def pooled_plan(pool, master_id: int, offs: torch.Tensor, rows: int):
-    """(the rows in slot order, the pool's group ends) for a call on ``master_id``'s layer routed by
-    ``offs``: admitted once per ``offs``, so the layer's second grouped GEMM (down after gate_up)
-    reuses the first's admit while no other admit ran in between."""
+    """The plan of a call on ``master_id``'s layer routed by ``offs`` (``_slot_plan`` on a GPU,
+    ``_compact_plan`` on the emulated device), admitted once per ``offs``: the layer's second
+    grouped GEMM (down after gate_up) reuses the first's while no other admit ran in between."""
     _, base, experts, hosts = pool.layers[master_id]
     last = pool.plan
     if (last is not None and last[0]() is offs and last[1] == offs._version and last[2] == base
             and last[3] == pool.calls):
         return last[4]
-    row_slot = pool_admit(_row_expert_of(offs, rows), pool.slot_of, pool.expert_in, pool.stamp, pool.clock,
-                          pool.buffers, hosts, base, experts)
+    slot_groups = offs.device.type in SLOT_GROUPS
+    if NATIVE_ADMIT and _NATIVE_ADMIT is not None and not slot_groups and offs.device.type == "cpu" \
+            and offs.dtype == torch.int32 and offs.is_contiguous():
+        plan = ("compact",) + tuple(_NATIVE_ADMIT(offs, rows, pool.slot_of, pool.expert_in, pool.stamp, pool.clock,
+                                                  pool.buffers, hosts, base, experts))
+    else:
+        row_expert = _row_expert_of(offs, rows)
+        row_slot = pool_admit(row_expert, pool.slot_of, pool.expert_in, pool.stamp, pool.clock, pool.buffers, hosts,
+                              base, experts)
+        plan = (_slot_plan if slot_groups else _compact_plan)(pool, row_expert, row_slot, experts)
     pool.calls += 1
+    pool.plan = (weakref.ref(offs), offs._version, base, pool.calls, plan)
+    return plan
+
+
+# Device types whose pooled grouped GEMM has one group per slot (the others: one per expert used).
+SLOT_GROUPS = ("cuda",)
+
+
+def _slot_plan(pool, row_expert, row_slot, experts):
+    """One group per slot of the pool: (the rows in slot order, the slots' group ends). The GPU's
+    grouped GEMM reads the pool in place and skips empty groups at little cost."""
+    rows = row_slot.numel()
     order = torch.argsort(row_slot, stable=True)
     counts = torch.zeros(pool.slots + 1, dtype=torch.int32, device=row_slot.device)
     counts.index_add_(0, row_slot, _ones(rows, row_slot.device))
-    plan = (order, torch.cumsum(counts[: pool.slots], 0, dtype=torch.int32))
-    pool.plan = (weakref.ref(offs), offs._version, base, pool.calls, plan)
-    return plan
+    return ("slots", order, torch.cumsum(counts[: pool.slots], 0, dtype=torch.int32))
+
+
+def _compact_plan(pool, row_expert, row_slot, experts):
+    """One group per distinct expert of the call, at most ``min(rows, experts)`` (a static count):
+    (each group's slot, the groups' ends). The rows are already in group order (sorted by expert),
+    and the call gathers its groups' slots (a device copy of the few experts it uses): the emulated
+    device's grouped GEMM costs per group, empty or not, so a group per slot of a large pool would
+    cost more than the plain model's call."""
+    rows = row_expert.numel()
+    groups = min(rows, experts)
+    device = row_expert.device
+    first = torch.ones(rows, dtype=torch.bool, device=device)
+    first[1:] = row_expert[1:] != row_expert[:-1]
+    group = torch.where(row_expert < experts, torch.cumsum(first, 0) - 1, groups)
+    counts = torch.zeros(groups + 1, dtype=torch.int32, device=device).index_add_(0, group, _ones(rows, device))
+    group_slot = torch.zeros(groups + 1, dtype=torch.int64, device=device).index_copy_(0, group, row_slot)[:groups]
+    return ("compact", group_slot.clamp_(max=pool.slots - 1), torch.cumsum(counts[:groups], 0, dtype=torch.int32))
 
 
 def _ones(rows: int, device) -> torch.Tensor:
@@ -141,24 +189,32 @@ def _ones(rows: int, device) -> torch.Tensor:
 _ONES: dict = {}
 
 
-def pool_view(pool, master_id: int, host: torch.Tensor) -> torch.Tensor:
-    """The pool's slots of ``master_id``'s role in the layout the op passed the stack in (``host``:
-    the op's view of the stack, e.g. ``stack.transpose(-2, -1)``)."""
+def pool_view(pool, master_id: int, host: torch.Tensor, buffer=None) -> torch.Tensor:
+    """The pool's slots of ``master_id``'s role (or ``buffer``, slots gathered from them) in the
+    layout the op passed the stack in (``host``: the op's view of the stack, e.g.
+    ``stack.transpose(-2, -1)``), so the grouped GEMM takes the plain model's kernel path."""
     role, _, _, hosts = pool.layers[master_id]
-    buffer = pool.buffers[role]
-    return buffer.as_strided((pool.slots,) + tuple(host.shape[1:]), host.stride(),
+    if buffer is None:
+        buffer = pool.buffers[role]
+    return buffer.as_strided((buffer.shape[0],) + tuple(host.shape[1:]), host.stride(),
                              buffer.storage_offset() + host.storage_offset() - hosts[role].storage_offset())
 
 
 def pooled_grouped_mm(func, pool, weight, x, offs, out_dtype, fallback: bool = False) -> torch.Tensor:
-    """``func(x, weight, offs)`` computed from the pool: one grouped GEMM of the rows in slot order
-    against the pool's slots, the result put back in the rows' order. ``fallback``: transformers'
-    ``grouped_mm_fallback`` (its result is zeros past the routed rows; ``aten._grouped_mm``
-    computes each group as it does, with no host read of ``offs``)."""
-    master_id = weight._master.id
-    order, pool_offs = pooled_plan(pool, master_id, offs, x.shape[0])
-    slots = pool_view(pool, master_id, weight._host)
-    y = torch._grouped_mm(x.index_select(0, order), slots, pool_offs, out_dtype=out_dtype)
+    """``func(x, weight, offs)`` computed from the pool as one grouped GEMM, on a GPU of the rows
+    in slot order against the pool's slots (the result put back in the rows' order), on the
+    emulated device of the rows as they are against the slots of their experts. ``fallback``:
+    transformers' ``grouped_mm_fallback`` (its result is zeros past the routed rows;
+    ``aten._grouped_mm`` computes each group as it does, with no host read of ``offs``)."""
+    own = weight.__dict__
+    master_id, host = own["_master"].id, own["_host"]
+    kind, index, group_ends = pooled_plan(pool, master_id, offs, x.shape[0])
+    if kind == "slots":
+        y = torch._grouped_mm(x.index_select(0, index), pool_view(pool, master_id, host), group_ends,
+                              out_dtype=out_dtype)
+    else:
+        gathered = pool.buffers[pool.layers[master_id][0]].index_select(0, index)
+        y = torch._grouped_mm(x, pool_view(pool, master_id, host, gathered), group_ends, out_dtype=out_dtype)
     if fallback:  # rows past the routed ones are zeros in the fallback's result
-        y = y.masked_fill_((_positions(y.shape[0], y.device) >= pool_offs[-1]).unsqueeze(1), 0)
-    return torch.empty_like(y).index_copy_(0, order, y)
+        y = y.masked_fill_((_positions(y.shape[0], y.device) >= group_ends[-1]).unsqueeze(1), 0)
+    return torch.empty_like(y).index_copy_(0, index, y) if kind == "slots" else y
