@@ -305,3 +305,39 @@ def test_the_native_admit_makes_the_tensor_op_admits_decisions():
             assert torch.equal(tables[0][name], tables[1][name]), (step, name)
         for a, b in zip(tables[0]["buffers"], tables[1]["buffers"]):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fallback", "grouped_mm"])
+def test_the_capture_path_runs_a_pooled_compiled_expert_call_from_the_pool(dtype, monkeypatch):
+    """What a CUDA graph records, on the emulated device: a compiled expert call of a pooled stack
+    (transformers' fallback op in float32, ``_grouped_mm`` in bfloat16) runs from the pool under
+    capture, with the plain result; today's row-selective path refuses to be captured."""
+    from torch._dynamo.backends.debugging import aot_eager  # noqa: F401
+
+    from offtensor.ops import compile as ot_compile
+
+    plain = _load("moe_mixtral").to(dtype)
+    pooled = copy.deepcopy(plain)
+    pool = _wrap_pooled(pooled, 4)
+    module, reference = pooled.model.layers[1].mlp.experts, plain.model.layers[1].mlp.experts
+    hidden = torch.randn(1, plain.config.hidden_size, dtype=dtype)
+    weights = torch.full((1, 2), 0.5, dtype=dtype)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            run = torch.compile(module, backend="aot_eager", fullgraph=True)
+            run(hidden, torch.tensor([[0, 1]]), weights)  # compiled, outside capture
+            monkeypatch.setattr(ot_compile, "capturing", lambda pager: True)
+            for index in ([[2, 5]], [[5, 9]], [[1, 12]]):
+                index = torch.tensor(index)
+                assert torch.equal(run(hidden, index, weights), reference(hidden, index, weights))
+            if dtype == torch.bfloat16:
+                today = copy.deepcopy(plain)
+                ot.wrap_model(today, budget_gb=pool.nbytes * 4 / GiB + 0.01, device="cpu", prefetch=False,
+                              policy=["*.experts.*"])
+                other = torch.compile(today.model.layers[1].mlp.experts, backend="aot_eager", fullgraph=True)
+                with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+                    other(hidden, torch.tensor([[2, 5]]), weights)
+    finally:
+        torch._dynamo.reset()
+    assert _consistent(pool)
