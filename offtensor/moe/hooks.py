@@ -28,7 +28,8 @@ def attach(model: nn.Module, pager, speculate: bool = True, compute: str = "devi
     taken from the pager's budget (given back by ``detach``); a budget too small for them raises
     ``BudgetError`` before anything is registered."""
     stacks = ExpertStacks(compute, compute_choice)
-    speculate = speculate and compute == "device"
+    # Guesses are copied into the pager's cache, which a pooled decode does not read from.
+    speculate = speculate and compute == "device" and not pool
     seen, tensors, other_bytes = set(), {}, 0
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
         master = getattr(t, "_master", None)
