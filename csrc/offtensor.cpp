@@ -528,13 +528,19 @@ void copy_shutdown() {
 // src whose dest[e] is a slot of dst (0 <= dest[e] < dst.size(0)); other rows copy nothing. src is a
 // host master (pinned: read by the GPU through its device address), dst a device buffer, dest an
 // int64 tensor on dst's device. The CPU kernel is the emulated device's own gather.
-void check_gather(const at::Tensor& dst, const at::Tensor& src, const at::Tensor& dest) {
+void check_rows(const at::Tensor& dst, const at::Tensor& src) {
   TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "offtensor: masked_row_gather needs contiguous ",
               "rows, got a ", dst.sizes(), " pool buffer and a ", src.sizes(), " host stack");
-  TORCH_CHECK(dst.dtype() == src.dtype() && dst.dim() >= 1 && src.dim() == dst.dim() &&
-                  dst[0].numel() == src[0].numel(),
+  TORCH_CHECK(dst.dtype() == src.dtype() && dst.dim() >= 1 && src.dim() == dst.dim() && src.size(0) > 0 &&
+                  dst.numel() / std::max<int64_t>(dst.size(0), 1) == src.numel() / src.size(0),
               "offtensor: masked_row_gather: a ", src.sizes(), " ", src.dtype(), " stack does not fit a ",
               dst.sizes(), " ", dst.dtype(), " pool");
+}
+
+size_t row_bytes_of(const at::Tensor& src) { return static_cast<size_t>(src.numel() / src.size(0)) * src.element_size(); }
+
+void check_gather(const at::Tensor& dst, const at::Tensor& src, const at::Tensor& dest) {
+  check_rows(dst, src);
   TORCH_CHECK(dest.dtype() == at::kLong && dest.dim() == 1 && dest.size(0) == src.size(0),
               "offtensor: masked_row_gather: dest must be int64 with one entry per row of the ", src.sizes(),
               " stack, got ", dest.sizes(), " ", dest.dtype());
@@ -544,7 +550,7 @@ void masked_row_gather_cpu(at::Tensor dst, const at::Tensor& src, const at::Tens
   (void)stream;
   check_gather(dst, src, dest);
   const int64_t rows = src.size(0), slots = dst.size(0);
-  const size_t row_bytes = static_cast<size_t>(src[0].numel()) * src.element_size();
+  const size_t row_bytes = row_bytes_of(src);
   const int64_t* to = dest.data_ptr<int64_t>();
   const char* from = static_cast<const char*>(src.data_ptr());
   char* out = static_cast<char*>(dst.data_ptr());
@@ -558,7 +564,7 @@ void masked_row_gather_cpu(at::Tensor dst, const at::Tensor& src, const at::Tens
 void masked_row_gather_cuda(at::Tensor dst, const at::Tensor& src, const at::Tensor& dest, int64_t stream) {
   check_gather(dst, src, dest);
   TORCH_CHECK(src.device().is_cpu(), "offtensor: masked_row_gather reads a host stack, got one on ", src.device());
-  const size_t row_bytes = static_cast<size_t>(src[0].numel()) * src.element_size();
+  const size_t row_bytes = row_bytes_of(src);
   const int code = ot_cuda_masked_row_gather(dst.get_device(), dst.data_ptr(), src.data_ptr(),
                                              dest.data_ptr<int64_t>(), src.size(0), dst.size(0), row_bytes,
                                              reinterpret_cast<void*>(stream));
@@ -590,7 +596,7 @@ std::tuple<at::Tensor, at::Tensor> pool_admit_cpu(const at::Tensor& offs, int64_
   TORCH_CHECK(base >= 0 && base + experts <= total && stamp.size(0) == slots + 1,
               "offtensor: pool_admit: a layer of ", experts, " experts at ", base, " does not fit a table of ", total);
   for (size_t i = 0; i < buffers.size(); ++i) {
-    check_gather(buffers[i], hosts[i], at::empty({hosts[i].size(0)}, slot_of.options()));
+    check_rows(buffers[i], hosts[i]);
     TORCH_CHECK(hosts[i].size(0) == experts && buffers[i].size(0) == slots,
                 "offtensor: pool_admit: a ", hosts[i].sizes(), " stack for a layer of ", experts, " experts and ",
                 slots, " slots");
@@ -625,7 +631,7 @@ std::tuple<at::Tensor, at::Tensor> pool_admit_cpu(const at::Tensor& offs, int64_
     holder[dest[e]] = -1;
   }
   for (size_t i = 0; i < buffers.size(); ++i) {  // 2. the missed experts' bytes
-    const size_t row_bytes = static_cast<size_t>(hosts[i][0].numel()) * hosts[i].element_size();
+    const size_t row_bytes = row_bytes_of(hosts[i]);
     const char* from = static_cast<const char*>(hosts[i].data_ptr());
     char* to = static_cast<char*>(buffers[i].data_ptr());
     for (int64_t e = 0; e < experts; ++e)

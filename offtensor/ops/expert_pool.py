@@ -200,6 +200,19 @@ def pool_view(pool, master_id: int, host: torch.Tensor, buffer=None) -> torch.Te
                              buffer.storage_offset() + host.storage_offset() - hosts[role].storage_offset())
 
 
+def serving_pool(weight, rows: int):
+    """The expert pool that serves a grouped GEMM of ``rows`` routed rows on ``weight`` (a stack of
+    a model wrapped with ``expert_pool=True``), or None: no pool, or more rows than it has slots (a
+    prefill: the expert cache's path), or a stack being traced by torch.compile."""
+    own = weight.__dict__
+    master = own["_master"]
+    pools = master.pager.expert_pool
+    if pools is None or type(own["_host"]) is not torch.Tensor:
+        return None
+    pool = pools.of(master.id)
+    return pool if pool is not None and pool.covers(master.id, rows) else None
+
+
 def pooled_grouped_mm(func, pool, weight, x, offs, out_dtype, fallback: bool = False) -> torch.Tensor:
     """``func(x, weight, offs)`` computed from the pool as one grouped GEMM, on a GPU of the rows
     in slot order against the pool's slots (the result put back in the rows' order), on the

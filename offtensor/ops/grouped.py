@@ -13,7 +13,7 @@ import torch
 
 from ..pager import page_layout
 from ..tensor import OffloadedTensor
-from .expert_pool import pooled_grouped_mm
+from .expert_pool import pooled_grouped_mm, serving_pool
 from .host_experts import host_grouped, split_groups
 from .paging import Paged, run
 from .rows import host_sync, read_to_host
@@ -40,7 +40,7 @@ def grouped_mm(func, types, args, kwargs):
     ):
         return run(func, args, kwargs)
     out_dtype = call.get("out_dtype")
-    pool = _pool_of(weight, x) if bias is None else None
+    pool = serving_pool(weight, x.shape[0]) if bias is None else None
     if pool is not None:  # the device-side expert pool: no host read of offs (ops/expert_pool.py)
         return pooled_grouped_mm(func, pool, weight, x, offs, out_dtype)
     groups, sizes, covered = _routed_groups(weight, offs, x.shape[0])
@@ -99,7 +99,7 @@ def grouped_mm_fallback(func, types, args, kwargs):
         or weight.dim() != 3
     ):
         return run(func, args, kwargs)
-    pool = _pool_of(weight, x)
+    pool = serving_pool(weight, x.shape[0])
     if pool is not None:
         return pooled_grouped_mm(func, pool, weight, x, offs, None, fallback=True)
     groups, sizes, _ = _routed_groups(weight, offs, x.shape[0])
@@ -126,19 +126,6 @@ def grouped_mm_fallback(func, types, args, kwargs):
             start, end = starts[e]
             out[start:end] = y
     return out
-
-
-def _pool_of(weight: OffloadedTensor, x: torch.Tensor):
-    """The expert pool that serves this call of ``weight`` (a stack of a model wrapped with
-    ``expert_pool=True``) on ``x``'s routed rows, or None: no pool, or more rows than it has slots
-    (a prefill: today's path through the expert cache)."""
-    own = weight.__dict__
-    master = own["_master"]
-    pools = master.pager.expert_pool
-    if pools is None or type(own["_host"]) is not torch.Tensor:
-        return None
-    pool = pools.of(master.id)
-    return pool if pool is not None and pool.covers(master.id, x.shape[0]) else None
 
 
 def _routed_groups(weight: OffloadedTensor, offs: torch.Tensor, rows: int):
