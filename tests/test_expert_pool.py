@@ -341,3 +341,34 @@ def test_the_capture_path_runs_a_pooled_compiled_expert_call_from_the_pool(dtype
     finally:
         torch._dynamo.reset()
     assert _consistent(pool)
+
+
+def test_threads_sharing_a_pooled_model_each_get_the_plain_logits():
+    """Two threads decode different tokens through one small pool: each expert call's admit and
+    GEMM hold the pager's lock, so no thread's slots are given away under its GEMM."""
+    import threading
+
+    plain = _load("moe_mixtral")
+    pooled = copy.deepcopy(plain)
+    pool = _wrap_pooled(pooled, 3)
+    tokens = [torch.tensor([[t]]) for t in range(3, 43, 2)]
+    with torch.no_grad():
+        expected = [plain(t).logits for t in tokens]
+    got, errors = {}, []
+
+    def run(part):
+        try:
+            with torch.no_grad():
+                for i in range(part, len(tokens), 2):
+                    got[i] = pooled(tokens[i]).logits
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert all(torch.equal(got[i], expected[i]) for i in range(len(tokens)))
+    assert _consistent(pool)

@@ -220,14 +220,18 @@ def pooled_grouped_mm(func, pool, weight, x, offs, out_dtype, fallback: bool = F
     transformers' ``grouped_mm_fallback`` (its result is zeros past the routed rows;
     ``aten._grouped_mm`` computes each group as it does, with no host read of ``offs``)."""
     own = weight.__dict__
-    master_id, host = own["_master"].id, own["_host"]
-    kind, index, group_ends = pooled_plan(pool, master_id, offs, x.shape[0])
-    if kind == "slots":
-        y = torch._grouped_mm(x.index_select(0, index), pool_view(pool, master_id, host), group_ends,
-                              out_dtype=out_dtype)
-    else:
-        gathered = pool.buffers[pool.layers[master_id][0]].index_select(0, index)
-        y = torch._grouped_mm(x, pool_view(pool, master_id, host, gathered), group_ends, out_dtype=out_dtype)
+    master, host = own["_master"], own["_host"]
+    master_id = master.id
+    # The admit and the GEMM that reads its slots under the pager's lock: another thread's admit
+    # in between could give those slots to other experts (pool state is pager state).
+    with master.pager.lock:
+        kind, index, group_ends = pooled_plan(pool, master_id, offs, x.shape[0])
+        if kind == "slots":
+            y = torch._grouped_mm(x.index_select(0, index), pool_view(pool, master_id, host), group_ends,
+                                  out_dtype=out_dtype)
+        else:
+            gathered = pool.buffers[pool.layers[master_id][0]].index_select(0, index)
+            y = torch._grouped_mm(x, pool_view(pool, master_id, host, gathered), group_ends, out_dtype=out_dtype)
     if fallback:  # rows past the routed ones are zeros in the fallback's result
         y = y.masked_fill_((_positions(y.shape[0], y.device) >= group_ends[-1]).unsqueeze(1), 0)
     return torch.empty_like(y).index_copy_(0, index, y) if kind == "slots" else y
