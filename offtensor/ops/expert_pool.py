@@ -6,9 +6,11 @@ GEMM against the pool.
 Every step is a fixed-shape device op (no ``.item()``, ``.tolist()``, ``nonzero`` or host read), so
 the path runs unchanged inside a compiled graph and can be captured in a CUDA graph.
 
-Bit-identical to the plain model: each expert's rows are the same rows, in the same order (a stable
-reorder by slot), against the same bytes (the slot is a copy of the expert's host master), and
-``_grouped_mm`` computes each group on its own.
+Bit-identical to the plain model: each expert's rows are the same rows, in the same order, against
+the same bytes (a slot is a copy of the expert's host master), and ``_grouped_mm`` computes each
+group on its own. On a GPU the rows are reordered by slot (stably) and the groups are the pool's
+slots, read in place; on the emulated device, whose grouped GEMM costs per group even when empty,
+the groups are the experts the call uses, their slots gathered (a device copy of a few experts).
 """
 
 from __future__ import annotations
