@@ -38,7 +38,7 @@ class ExpertPool:
     """One shared pool: its slot buffers per stack role, its tables, and the layers it serves."""
 
     __slots__ = ("key", "slots", "experts", "buffers", "slot_of", "expert_in", "stamp", "clock", "layers",
-                 "calls", "plan", "__weakref__")
+                 "calls", "plan", "scratch", "__weakref__")
 
     def __init__(self, key, slots: int, layers: list, device: torch.device):
         self.key = key  # ((expert shape, dtype) per role, ...)
@@ -57,6 +57,7 @@ class ExpertPool:
             base += count
         self.calls = 0  # admits so far (host side): a plan is reused only while no other admit ran
         self.plan = None  # (offs ref, offs version, first expert, calls, the rows' plan) of the last admit
+        self.scratch = {}  # (role, slot count) -> the emulated device's gather buffer (ops/expert_pool.py)
 
     @property
     def nbytes(self) -> int:

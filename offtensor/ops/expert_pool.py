@@ -202,6 +202,19 @@ def pool_view(pool, master_id: int, host: torch.Tensor, buffer=None) -> torch.Te
                              buffer.storage_offset() + host.storage_offset() - hosts[role].storage_offset())
 
 
+def _gather_slots(pool, role: int, index: torch.Tensor) -> torch.Tensor:
+    """The slots ``index`` of the pool's buffer for ``role``, copied into a scratch buffer kept per
+    (role, count): a fresh allocation of that size is a page-faulting ``mmap`` on the host each call.
+    Used only while the pager's lock is held, and only until the GEMM that reads it returns (the
+    emulated device computes synchronously)."""
+    buffer = pool.buffers[role]
+    key = (role, index.numel())
+    scratch = pool.scratch.get(key)
+    if scratch is None:
+        scratch = pool.scratch[key] = buffer.new_empty((index.numel(),) + tuple(buffer.shape[1:]))
+    return torch.index_select(buffer, 0, index, out=scratch)
+
+
 def serving_pool(weight, rows: int):
     """The expert pool that serves a grouped GEMM of ``rows`` routed rows on ``weight`` (a stack of
     a model wrapped with ``expert_pool=True``), or None: no pool, or more rows than it has slots (a
@@ -232,7 +245,7 @@ def pooled_grouped_mm(func, pool, weight, x, offs, out_dtype, fallback: bool = F
             y = torch._grouped_mm(x.index_select(0, index), pool_view(pool, master_id, host), group_ends,
                                   out_dtype=out_dtype)
         else:
-            gathered = pool.buffers[pool.layers[master_id][0]].index_select(0, index)
+            gathered = _gather_slots(pool, pool.layers[master_id][0], index)
             y = torch._grouped_mm(x, pool_view(pool, master_id, host, gathered), group_ends, out_dtype=out_dtype)
     if fallback:  # rows past the routed ones are zeros in the fallback's result
         y = y.masked_fill_((_positions(y.shape[0], y.device) >= group_ends[-1]).unsqueeze(1), 0)
