@@ -20,8 +20,8 @@ from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CUDA_SOURCE = os.path.join("csrc", "cuda", "runtime.cu")
-# runtime.cu holds no kernels yet, so these only matter for future ones: SASS for Ampere, Hopper
-# and Blackwell, plus PTX of the newest so later GPUs can JIT it.
+# runtime.cu's kernel (the expert pool's masked gather) is built as SASS for Ampere, Hopper and
+# Blackwell, plus PTX of the newest so later GPUs can JIT it.
 CUDA_ARCH_FLAGS = [
     "-gencode", "arch=compute_80,code=sm_80",
     "-gencode", "arch=compute_90,code=sm_90",

@@ -178,6 +178,9 @@ step other_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m "not opinfo" test
 step bench_vllm 90 "$PY" benchmarks/vllm_path.py --device "$DEVICE" --out "$RESULTS"
 step bench_dispatch 60 "$PY" benchmarks/dispatch.py --device "$DEVICE" --out "$RESULTS"
 if [ "$DRY" = 0 ]; then
+  # A pooled MoE decode (expert_pool=True) eager and captured in a CUDA graph, tok/s against the
+  # resident model and today's wrapped path; tokens checked against the resident ones (~1 min).
+  step bench_pool_graph 90 "$PY" benchmarks/pool_graph_decode.py --device "$DEVICE" --out "$RESULTS"
   # The 15 GB Qwen3-MoE at a 4 GiB budget against resident, copy-all, accelerate and UVA (3-5 min:
   # usually a second call, OFFTENSOR_SUITE_ONLY="bench_moe ...").
   step bench_moe 300 "$PY" benchmarks/moe_bench.py --device "$DEVICE" --out "$RESULTS" --budget-gb 4

@@ -6,7 +6,10 @@ and the budget caches them all: after a warm-up step every expert a token routes
 so a decode step copies nothing (checked: no host->device bytes in the timed steps) and what it
 costs beyond the plain model is offtensor's own host work per op: dispatch, the cache lookup, use
 counts and release. Plain and wrapped steps alternate, step by step, and the medians are compared,
-so the ratio holds on a shared, noisy machine; both decode the same greedy tokens.
+so the ratio holds on a shared, noisy machine; both decode the same greedy tokens. A third model,
+wrapped with ``expert_pool=True`` (the device-side expert pool: no host decision on the expert
+path), alternates with them; its copies are the pager's plus the pool's fetches (slots whose expert
+changed).
 
 Then the per-op figures of ``benchmarks/dispatch.py`` (tiny tensors: dispatch overhead only) as
 ratios against plain tensors and against a pass-through wrapper subclass (the floor of any
@@ -91,33 +94,58 @@ def _route_to_every_expert(model, args) -> None:
             module(torch.randn(n, args.hidden), index, torch.full((n, k), 1.0 / k))
 
 
+def _pool_fetches(model) -> torch.Tensor:
+    """What each slot of ``model``'s expert pools holds (``expert_in``), to count the slots whose
+    expert changed across the timed steps: every such change is one expert fetched into the pool."""
+    pager = next(p for p in model.parameters() if isinstance(p, ot.OffloadedTensor))._master.pager
+    return torch.cat([pool.expert_in.clone() for pool in pager.expert_pool.pools])
+
+
+def _pool_bytes_per_fetch(model) -> int:
+    pager = next(p for p in model.parameters() if isinstance(p, ot.OffloadedTensor))._master.pager
+    return max(pool.nbytes // pool.slots for pool in pager.expert_pool.pools)
+
+
 def decode_ratio(args) -> dict:
     plain = trained_qwen3_moe(args) if args.model == "trained-qwen3-moe" else mixtral(args)
     wrapped = copy.deepcopy(plain)
+    pooled = copy.deepcopy(plain)
     weights = sum(p.numel() * p.element_size() for p in plain.parameters())
     ot.wrap_model(wrapped, budget_gb=2 * weights / GiB, device="cpu", prefetch=False, policy=["*.experts.*"])
+    # The pool: every expert of every layer fits its slots (the same budget), so after the warm-up
+    # a decode step fetches nothing into it either.
+    ot.wrap_model(pooled, budget_gb=2 * weights / GiB, device="cpu", prefetch=False, policy=["*.experts.*"],
+                  expert_pool=True)
     offloaded = [n for n, p in wrapped.named_parameters() if isinstance(p, ot.OffloadedTensor)]
     experts = [n for n, p in plain.named_parameters() if ".experts." in n]
     assert offloaded and sorted(offloaded) == sorted(experts), (offloaded, experts)
     prompt = torch.randint(0, args.vocab, (1, 8), generator=torch.Generator().manual_seed(1))
     plain_step, plain_state = _step_timer(plain, prompt)
     wrapped_step, wrapped_state = _step_timer(wrapped, prompt)
+    pooled_step, pooled_state = _step_timer(pooled, prompt)
     _route_to_every_expert(wrapped, args)  # every expert is cached from here on
+    _route_to_every_expert(pooled, args)  # every expert is in the pool from here on
     for _ in range(args.warmup):
-        plain_step(), wrapped_step()
-    h2d = ot.stats(wrapped).bytes_h2d
-    times = {"plain": [], "wrapped": []}
-    for _ in range(args.steps):  # alternating: drift hits both alike
+        plain_step(), wrapped_step(), pooled_step()
+    h2d, pool_h2d = ot.stats(wrapped).bytes_h2d, ot.stats(pooled).bytes_h2d
+    held = _pool_fetches(pooled)
+    times = {"plain": [], "wrapped": [], "pooled": []}
+    for _ in range(args.steps):  # alternating: drift hits all alike
         times["plain"].append(plain_step())
         times["wrapped"].append(wrapped_step())
+        times["pooled"].append(pooled_step())
     copied = ot.stats(wrapped).bytes_h2d - h2d
+    pool_copied = (ot.stats(pooled).bytes_h2d - pool_h2d
+                   + int((_pool_fetches(pooled) != held).sum()) * _pool_bytes_per_fetch(pooled))
     hits = ot.stats(wrapped).hits
-    if copied:
+    if copied or pool_copied:
         # A token routed to an expert no warm-up step used: its first copy. Not a hit-path figure.
-        print(f"note: the timed steps copied {copied} bytes (an expert first used after the warm-up)")
+        print(f"note: the timed steps copied {copied} bytes (wrapped), {pool_copied} (pooled)")
     assert plain_state["tokens"] == wrapped_state["tokens"], "wrapped decoding diverged from the plain model"
+    assert plain_state["tokens"] == pooled_state["tokens"], "pooled decoding diverged from the plain model"
     plain_ms = statistics.median(times["plain"]) * 1e3
     wrapped_ms = statistics.median(times["wrapped"]) * 1e3
+    pooled_ms = statistics.median(times["pooled"]) * 1e3
     return {
         "model": (f"trained Qwen3-MoE (tests/data/moe_qwen3): {plain.config.num_hidden_layers} layers x {args.experts} "
                   f"experts (top-{args.top_k}), hidden {args.hidden}, float32" if args.model == "trained-qwen3-moe" else
@@ -125,6 +153,8 @@ def decode_ratio(args) -> dict:
         "offloaded_weights": len(offloaded), "timed_steps": args.steps, "bytes_h2d_timed_steps": copied,
         "cache_hits_total": hits, "plain_ms_per_step": plain_ms, "wrapped_ms_per_step": wrapped_ms,
         "wrapped_over_plain": wrapped_ms / plain_ms, "target": TARGET,
+        "pooled_ms_per_step": pooled_ms, "pooled_over_plain": pooled_ms / plain_ms,
+        "pooled_bytes_copied_timed_steps": pool_copied,
     }
 
 
@@ -157,6 +187,8 @@ def main(argv=None):
     print(f"decode step, every expert offloaded and cached: plain {d['plain_ms_per_step']:.2f} ms, wrapped "
           f"{d['wrapped_ms_per_step']:.2f} ms: {d['wrapped_over_plain']:.3f}x (target <= {TARGET}x); "
           f"{d['bytes_h2d_timed_steps']} bytes copied in the timed steps")
+    print(f"pooled (expert_pool=True): {d['pooled_ms_per_step']:.2f} ms: {d['pooled_over_plain']:.3f}x; "
+          f"{d['pooled_bytes_copied_timed_steps']} bytes copied in the timed steps")
     if not args.no_dispatch:
         result["dispatch"] = dispatch_ratios(args)
         print(f"{'op':<16}{'cache hit us':>14}{'/ plain':>10}{'/ passthrough':>15}")

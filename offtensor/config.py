@@ -115,6 +115,8 @@ class OffloadConfig:
       (per MoE layer and step shape, whichever the replay under the profile says is faster).
     - ``expert_compute_choice``: what "auto" chose per MoE layer (set by the wrap-time replay,
       ``sim.host_compute``); None otherwise.
+    - ``expert_pool``: routed expert stacks get a device-side expert pool (``moe.pool``) whose
+      slots are assigned on the device: decode makes no host decision on the expert path.
     """
 
     budget_gb: Optional[float] = None
@@ -130,6 +132,7 @@ class OffloadConfig:
     placement_profile: object = dataclasses.field(default_factory=placement_profile_from_env)
     expert_compute: str = "device"
     expert_compute_choice: object = None
+    expert_pool: bool = False
 
     def __post_init__(self):
         if self.budget_gb is not None and self.offload_gb is not None:
@@ -143,6 +146,8 @@ class OffloadConfig:
             raise ValueError(f"offtensor: routing_warmup must be a number of routed tokens >= 0, got "
                              f"{self.routing_warmup!r}")
 
+        if not isinstance(self.expert_pool, bool):
+            raise ValueError(f"offtensor: expert_pool must be True or False, got {self.expert_pool!r}")
         if self.expert_compute not in EXPERT_COMPUTE:
             raise ValueError(f"offtensor: expert_compute must be one of {', '.join(map(repr, EXPERT_COMPUTE))}, got "
                              f"{self.expert_compute!r}")

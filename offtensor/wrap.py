@@ -21,7 +21,7 @@ from .tensor import OffloadedTensor
 
 
 def wrap_model(model: nn.Module, budget_gb: Optional[float] = None, *, device=None, offload_gb: Optional[float] = None,
-               prefetch: bool = True, policy=None, routing=None, expert_compute: str = "device") -> nn.Module:
+               prefetch: bool = True, policy=None, routing=None, expert_compute: str = "device", expert_pool: bool = False) -> nn.Module:
     """Place ``model``'s weights for a device budget, in place; returns ``model``.
 
     Weights that fit stay plain device tensors; the rest become OffloadedTensors paged onto the
@@ -46,11 +46,15 @@ def wrap_model(model: nn.Module, budget_gb: Optional[float] = None, *, device=No
     - ``expert_compute``: where a routed expert that is not cached on the device is computed:
       ``"device"`` (copied first), ``"host"`` (from its host master) or ``"auto"`` (per MoE layer
       and step shape, chosen by replay); see docs/moe.md.
+    - ``expert_pool``: give the routed expert stacks a device-side expert pool whose slots are
+      assigned on the device, so a decode step makes no host decision on the expert path (it can
+      be compiled with ``fullgraph=True`` and captured in a CUDA graph); its bytes come out of the
+      budget, and a budget too small for one step's experts raises ``BudgetError``; see docs/moe.md.
     """
     check_wrappable(model)
     config = OffloadConfig.from_arguments(budget_gb=budget_gb, offload_gb=offload_gb, device=device,
                                           prefetch=prefetch, policy=policy, routing=routing,
-                                          expert_compute=expert_compute)
+                                          expert_compute=expert_compute, expert_pool=expert_pool)
     prepare(model, config, resolve_device(config.device), check=_check_groups, choose_experts=choose_expert_placement)
     return model
 

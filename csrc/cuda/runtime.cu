@@ -217,3 +217,50 @@ extern "C" int ot_cuda_sync(int64_t ticket) {
 extern "C" const char* ot_cuda_error_string(int code) {
   return cudaGetErrorString(static_cast<cudaError_t>(code < 0 ? -code : code));
 }
+
+// ---------------------------------------------------------------- the expert pool's masked gather
+
+namespace {
+
+// One block per (row, chunk of the row): a row whose destination is not a slot returns at once, so
+// hits copy nothing. Rows are read from pinned host memory through its device address (UVA), 16
+// bytes at a time where both ends allow it.
+__global__ void masked_row_gather_kernel(char* dst, const char* src, const int64_t* dest, int64_t slots,
+                                         size_t row_bytes, size_t chunk_bytes) {
+  const int64_t row = blockIdx.x;
+  const int64_t slot = dest[row];
+  if (slot < 0 || slot >= slots) return;
+  const size_t begin = static_cast<size_t>(blockIdx.y) * chunk_bytes;
+  if (begin >= row_bytes) return;
+  const size_t end = begin + chunk_bytes < row_bytes ? begin + chunk_bytes : row_bytes;
+  const char* from = src + static_cast<size_t>(row) * row_bytes;
+  char* to = dst + static_cast<size_t>(slot) * row_bytes;
+  const bool aligned = ((reinterpret_cast<uintptr_t>(from) | reinterpret_cast<uintptr_t>(to) | begin | end) & 15) == 0;
+  if (aligned) {
+    const uint4* f = reinterpret_cast<const uint4*>(from + begin);
+    uint4* t = reinterpret_cast<uint4*>(to + begin);
+    for (size_t i = threadIdx.x; i < (end - begin) / 16; i += blockDim.x) t[i] = f[i];
+  } else {
+    for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) to[i] = from[i];
+  }
+}
+
+}  // namespace
+
+extern "C" int ot_cuda_masked_row_gather(int device, void* dst, const void* src, const int64_t* dest, int64_t rows,
+                                         int64_t slots, size_t row_bytes, void* stream) {
+  if (rows <= 0 || row_bytes == 0) return 0;
+  DeviceGuard guard(device);
+  if (guard.status() != cudaSuccess) return -static_cast<int>(guard.status());
+  void* device_src = nullptr;
+  cudaError_t status = cudaHostGetDevicePointer(&device_src, const_cast<void*>(src), 0);
+  if (status != cudaSuccess) return -static_cast<int>(status);
+  const size_t chunk_bytes = 1 << 16;  // 64 KiB per block
+  const size_t chunks = (row_bytes + chunk_bytes - 1) / chunk_bytes;
+  if (chunks > 65535) return -static_cast<int>(cudaErrorInvalidValue);
+  dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(chunks));
+  masked_row_gather_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<char*>(dst), static_cast<const char*>(device_src), dest, slots, row_bytes, chunk_bytes);
+  status = cudaGetLastError();
+  return status == cudaSuccess ? 0 : -static_cast<int>(status);
+}

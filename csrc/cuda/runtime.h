@@ -38,6 +38,12 @@ int ot_cuda_sync(int64_t ticket);
 
 const char* ot_cuda_error_string(int code);
 
+// The expert pool's fetch: on `stream`, dst[dest[e]] = src[e] (rows of `row_bytes`) for every
+// e < rows with 0 <= dest[e] < slots, read from pinned host memory `src` through its device
+// address; other rows copy nothing. `dest` is device memory. Returns 0 or a negative error code.
+int ot_cuda_masked_row_gather(int device, void* dst, const void* src, const int64_t* dest, int64_t rows,
+                              int64_t slots, size_t row_bytes, void* stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -22,7 +22,7 @@ def load_safetensors(model: nn.Module, path, budget_gb: Optional[float] = None, 
                      offload_gb: Optional[float] = None, prefetch: bool = True, policy=None,
                      strict: bool = True, progress: Optional[bool] = None, threads: Optional[int] = None,
                      convert_dtypes: bool = False, allow_outside_paths: bool = False, routing=None,
-                     expert_compute: str = "device") -> nn.Module:
+                     expert_compute: str = "device", expert_pool: bool = False) -> nn.Module:
     """Load ``model``'s weights (usually built on meta) from safetensors and wrap it for a budget.
 
     ``path`` is a ``.safetensors`` file, a directory of shards, or a ``*.safetensors.index.json``.
@@ -38,12 +38,12 @@ def load_safetensors(model: nn.Module, path, budget_gb: Optional[float] = None, 
     placement arguments, ``progress`` and ``threads`` make an ``OffloadConfig``; ``routing`` (an MoE
     model's measured routing, as for ``wrap_model``) decides the expert placement before any byte
     is read, else the loaded model decides from its own routing. ``expert_compute``: where a
-    routed expert that is not cached on the device is computed, as for ``wrap_model``.
+    routed expert that is not cached on the device is computed, and ``expert_pool``, as for ``wrap_model``.
     """
     check_wrappable(model)
     config = OffloadConfig.from_arguments(budget_gb=budget_gb, offload_gb=offload_gb, device=device, prefetch=prefetch,
                                           policy=policy, progress=progress, load_threads=threads, routing=routing,
-                                          expert_compute=expert_compute)
+                                          expert_compute=expert_compute, expert_pool=expert_pool)
     return load(model, path, config, strict, convert_dtypes, allow_outside_paths)
 
 

@@ -72,14 +72,14 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
                     offload_gb: Optional[float] = None, prefetch: bool = True, policy=None,
                     progress: Optional[bool] = None, threads: Optional[int] = None, model_class=None,
                     trust_remote_code: bool = False, strict: bool = True,
-                    allow_outside_paths: bool = False, routing=None, expert_compute: str = "device") -> nn.Module:
+                    allow_outside_paths: bool = False, routing=None, expert_compute: str = "device", expert_pool: bool = False) -> nn.Module:
     """A transformers checkpoint directory -> its model built on meta from ``config.json``, every
     shard read through ``load_safetensors``, wrapped for the budget, in eval mode.
 
     ``dtype``: None keeps the checkpoint's floating dtype; another floating dtype converts while
     loading. ``model_class``: a transformers class to build instead of ``config.architectures[0]``
     (or ``AutoModelForCausalLM`` when the config names none). ``allow_outside_paths``: as for
-    ``load_safetensors``. ``expert_compute``: as for ``wrap_model``. transformers is needed only here.
+    ``load_safetensors``. ``expert_compute``, ``expert_pool``: as for ``wrap_model``. transformers is needed only here.
 
     config.json is checked, and the model built once with every tensor on meta and matched against
     the files, before anything is allocated (``configs.py``); tied weights are decided from the
@@ -97,7 +97,7 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
         raise FileNotFoundError(f"offtensor: {root!r} is not a transformers checkpoint directory (no config.json)")
     config = OffloadConfig.from_arguments(budget_gb=budget_gb, offload_gb=offload_gb, device=device, prefetch=prefetch,
                                           policy=policy, progress=progress, load_threads=threads, routing=routing,
-                                          expert_compute=expert_compute)
+                                          expert_compute=expert_compute, expert_pool=expert_pool)
     model_config = read_config(root, trust_remote_code)
     files = shard_files(root, allow_outside_paths)
     entries = headers(files)

@@ -156,7 +156,7 @@ class State:
         if model is not None:
             moe.detach(self.pager)
             moe.attach(model, self.pager, speculate=self.config.prefetch, compute=self.config.expert_compute,
-                       compute_choice=self.config.expert_compute_choice)
+                       compute_choice=self.config.expert_compute_choice, pool=self.config.expert_pool)
 
     def qualified_name(self, module: nn.Module, attr: str) -> str:
         """``module``'s tensor ``attr`` under its name in the model, as policies and placement see it."""

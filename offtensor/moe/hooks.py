@@ -9,30 +9,45 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .routing import attribute_top_k, is_routed_stack, router_modules
+from .pool import build_pools
+from .routing import attribute_top_k, is_routed_stack, model_top_k, router_modules
 from .speculation import Router, RoutingSpeculator
 from .stacks import ExpertStacks
 
 
 def attach(model: nn.Module, pager, speculate: bool = True, compute: str = "device",
-           compute_choice=None) -> Optional[ExpertStacks]:
+           compute_choice=None, pool: bool = False) -> Optional[ExpertStacks]:
     """Register ``model``'s offloaded stacked-expert tensors with ``pager`` and, with ``speculate``,
     hook its routers. Returns the pager's ``ExpertStacks`` (None when nothing routed is offloaded).
 
     ``compute`` says where an expert that is not cached is computed ("device", "host", "auto" with
     its per-layer ``compute_choice``). Guesses are copied ahead only under "device": elsewhere a
-    copied guess would take the room of an expert the device computes from its cache."""
+    copied guess would take the room of an expert the device computes from its cache.
+
+    With ``pool``, the stacks get device-side expert pools (``pool.build_pools``) whose bytes are
+    taken from the pager's budget (given back by ``detach``); a budget too small for them raises
+    ``BudgetError`` before anything is registered."""
     stacks = ExpertStacks(compute, compute_choice)
-    speculate = speculate and compute == "device"
-    seen = set()
+    # Guesses are copied into the pager's cache, which a pooled decode does not read from.
+    speculate = speculate and compute == "device" and not pool
+    seen, tensors, other_bytes = set(), {}, 0
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
         master = getattr(t, "_master", None)
-        if master is None or master.id in seen or not is_routed_stack(name, t.shape):
+        if master is None or master.id in seen:
             continue
         seen.add(master.id)
+        if not is_routed_stack(name, t.shape):
+            other_bytes = max(other_bytes, master.nbytes)
+            continue
         stacks.register(name, t)
+        tensors[master.id] = t
     if not stacks.by_master:
         return None
+    if pool and pager.device.type != "meta":
+        pools = build_pools(pager, stacks, model_top_k(model), tensors, other_bytes)
+        if pools is not None:
+            pager.take_from_budget(pools.nbytes)
+            pager.expert_pool = pools
     pager.experts = stacks
     if not speculate:
         return stacks
@@ -100,6 +115,10 @@ class _RouterHook:
 
 
 def detach(pager) -> None:
+    pools = getattr(pager, "expert_pool", None)
+    if pools is not None:
+        pager.expert_pool = None
+        pager.take_from_budget(-pools.nbytes)
     stacks = getattr(pager, "experts", None)
     if stacks is not None and stacks.speculator is not None:
         stacks.speculator.remove()

@@ -123,11 +123,20 @@ def _page_fake(host, master_id, device):
 aten = torch.ops.aten
 
 
-def _offloaded(host: torch.Tensor, master_id: int, what: str):
+def _offloaded(host: torch.Tensor, master_id: int, what: str, pooled_rows: Optional[int] = None):
     master = _live_master(master_id, host)
-    # Routed experts and embedding rows under CUDA graph capture: excluded, with this error.
-    _refuse_under_capture(master.pager, what, host, master.name)
+    # Routed experts and embedding rows under CUDA graph capture: excluded, with this error, except
+    # the experts of a call that a device-side expert pool serves (``pooled_rows`` routed rows):
+    # that path makes no host decision (ops/expert_pool.py).
+    if pooled_rows is None or not _pool_serves(master, pooled_rows):
+        _refuse_under_capture(master.pager, what, host, master.name)
     return OffloadedTensor(host, master)
+
+
+def _pool_serves(master, rows: int) -> bool:
+    pools = master.pager.expert_pool
+    pool = None if pools is None else pools.of(master.id)
+    return pool is not None and pool.covers(master.id, rows)
 
 
 def _device_like(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -175,7 +184,8 @@ def grouped_mm(
     x: torch.Tensor, host: torch.Tensor, master_id: int, device: torch.device, offs: Optional[torch.Tensor],
     bias: Optional[torch.Tensor], out_dtype: Optional[torch.dtype],
 ) -> torch.Tensor:
-    return aten._grouped_mm.default(x, _offloaded(host, master_id, "_grouped_mm (routed experts)"), offs, bias, out_dtype)
+    expert = _offloaded(host, master_id, "_grouped_mm (routed experts)", None if bias is not None else x.shape[0])
+    return aten._grouped_mm.default(x, expert, offs, bias, out_dtype)
 
 
 @grouped_mm.register_fake
@@ -274,12 +284,22 @@ def _op_named(name: str):
 @torch.library.custom_op(f"{_LIB_NS}::compute", mutates_args=())
 def compute(op: str, device: torch.device, tensors: list[Optional[torch.Tensor]], master_ids: list[int]) -> torch.Tensor:
     """``op`` on ``tensors``, those with a master id as the OffloadedTensors they are host views of."""
-    if _capturing_any(master_ids):
+    pooled = tensors[0].shape[0] if _pooled_call(op, tensors, master_ids) else None
+    if pooled is None and _capturing_any(master_ids):
         # Under CUDA graph capture each weight is copied from its master into graph memory (page).
         args = [t if m < 0 else page(t, m, device) for t, m in zip(tensors, master_ids)]
     else:
-        args = [t if m < 0 else _offloaded(t, m, op) for t, m in zip(tensors, master_ids)]
+        args = [t if m < 0 else _offloaded(t, m, op, pooled) for t, m in zip(tensors, master_ids)]
     return _op_named(op)(*args)
+
+
+def _pooled_call(op: str, tensors, master_ids) -> bool:
+    """transformers' grouped GEMM fallback on a stack that an expert pool serves: under capture it
+    runs from the pool (no host decision) instead of copying the whole stack into the graph."""
+    if op != "transformers::grouped_mm_fallback.default" or len(master_ids) < 2 or master_ids[1] < 0:
+        return False
+    master = registered_master(master_ids[1])
+    return master is not None and master.pager is not None and _pool_serves(master, tensors[0].shape[0])
 
 
 def _capturing_any(master_ids) -> bool:

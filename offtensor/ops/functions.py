@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from ..pager import pins_host_memory
 from ..tensor import OffloadedTensor, check_offloadable, new_host_master, wrap_host
+from .expert_pool import pooled_grouped_mm, serving_pool
 from .host_experts import expert_on_host, host_linear
 from .paging import Paged, reclaim
 from .tiling import as_linear_weight, folds_without_copy, linear_tiled, needs_tiling
@@ -51,6 +52,24 @@ def _linear(args, kwargs):
     except BaseException as error:  # torch_dispatch's net, for the ops intercepted here
         reclaim(error)
         raise
+
+
+def _grouped_mm(args, kwargs):
+    """``torch._grouped_mm`` / ``F.grouped_mm`` of a stack an expert pool serves: straight to the
+    pool (ops/expert_pool.py), without the dispatch of the aten op; anything else dispatches."""
+    weight = args[1] if len(args) > 1 else kwargs.get("mat2", kwargs.get("mat_b"))
+    if type(weight) is not OffloadedTensor:
+        return NotImplemented
+    x = args[0] if args else kwargs.get("self", kwargs.get("mat_a"))
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    if (type(x) is not torch.Tensor or type(offs) is not torch.Tensor or x.dim() != 2
+            or weight.__dict__["_host"].dim() != 3 or (len(args) > 3 and args[3] is not None) or kwargs.get("bias") is not None
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return NotImplemented
+    pool = serving_pool(weight, x.shape[0])
+    if pool is None:
+        return NotImplemented
+    return pooled_grouped_mm(None, pool, weight, x, offs, args[4] if len(args) > 4 else kwargs.get("out_dtype"))
 
 
 def _matrix_product(product):
@@ -166,6 +185,8 @@ FUNCTION_TABLE = {
     torch.Tensor.matmul: _matrix_product(torch.matmul),  # also what `a @ b` arrives as
     torch.mm: _matrix_product(torch.mm),
     torch.Tensor.mm: _matrix_product(torch.mm),
+    torch._grouped_mm: _grouped_mm,
+    **({F.grouped_mm: _grouped_mm} if hasattr(F, "grouped_mm") else {}),
     torch.Tensor.cpu: _cpu,
     torch.Tensor.tolist: _tolist,
     torch.Tensor.data.__set__: _set_data,

@@ -13,6 +13,7 @@ import torch
 
 from ..pager import page_layout
 from ..tensor import OffloadedTensor
+from .expert_pool import pooled_grouped_mm, serving_pool
 from .host_experts import host_grouped, split_groups
 from .paging import Paged, run
 from .rows import host_sync, read_to_host
@@ -39,6 +40,9 @@ def grouped_mm(func, types, args, kwargs):
     ):
         return run(func, args, kwargs)
     out_dtype = call.get("out_dtype")
+    pool = serving_pool(weight, x.shape[0]) if bias is None else None
+    if pool is not None:  # the device-side expert pool: no host read of offs (ops/expert_pool.py)
+        return pooled_grouped_mm(func, pool, weight, x, offs, out_dtype)
     groups, sizes, covered = _routed_groups(weight, offs, x.shape[0])
     groups, on_host = split_groups(weight, groups)
     _announce(weight, groups)
@@ -95,6 +99,9 @@ def grouped_mm_fallback(func, types, args, kwargs):
         or weight.dim() != 3
     ):
         return run(func, args, kwargs)
+    pool = serving_pool(weight, x.shape[0])
+    if pool is not None:
+        return pooled_grouped_mm(func, pool, weight, x, offs, None, fallback=True)
     groups, sizes, _ = _routed_groups(weight, offs, x.shape[0])
     groups, on_host = split_groups(weight, groups)
     _announce(weight, groups)

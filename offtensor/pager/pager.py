@@ -79,6 +79,7 @@ class Pager(RoomCalls, Recovering, PagingState):
         self._observed = False  # whether any observer is set: the hot path skips every event otherwise
         self.new_paging_state()
         self.experts = self.prefetcher = self.recorder = None
+        self.expert_pool = None  # moe.pool.ExpertPools of a model wrapped with expert_pool=True
         forking.track(self)  # a forked child renews the lock and the paging state (after_fork_in_child)
 
     # ------------------------------------------------------------------ construction and observers
@@ -119,6 +120,14 @@ class Pager(RoomCalls, Recovering, PagingState):
     resident_bytes = property(_attrgetter("budget.resident_bytes"))
     paged_bytes = property(_attrgetter("budget.paged_bytes"))
     offloaded_bytes = property(_attrgetter("budget.offloaded_bytes"))
+
+    def take_from_budget(self, nbytes: int) -> None:
+        """``nbytes`` of the budget go to (or, negative, come back from) device memory the pager does
+        not page into: the expert pools (``moe.pool``). What the pager pages then fits the rest."""
+        with self.lock:
+            if self.budget_bytes is not None:
+                self.budget_bytes -= nbytes
+                self.budget.budget_bytes = self.budget_bytes
 
     def count_write_back(self, nbytes: int) -> None:
         """``nbytes`` of device values were written back to a host master (an in-place op's result)."""

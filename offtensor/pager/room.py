@@ -157,8 +157,11 @@ class RoomCalls:
     # Dropping cached copies.
 
     def before_write(self, master) -> None:
-        """``master`` is about to change: wait for its copies' reads and drop its cached copies."""
+        """``master`` is about to change: wait for its copies' reads and drop its cached copies (and,
+        for a pooled expert stack, empty its pool: ``moe.pool``)."""
         self._room(self.room.before_write, master)
+        if self.expert_pool is not None:
+            self.expert_pool.invalidate(master.id)
 
     def forget_master(self, master_id: int) -> None:
         """Drop every cached copy of ``master_id`` (it died, moved to another pager, or changes)."""

@@ -1,0 +1,157 @@
+"""The device-side expert pool (``expert_pool=True``): one pool of device slots per kind of MoE layer
+(the expert shapes and dtype of its stacks), shared by every layer of that kind, with its LRU tables
+on the device, so that a decode step decides which experts to copy without reading anything on the
+host.
+
+A pool holds, per stack role of the layer (``gate_up_proj``, ``down_proj``; ``w1``, ``w2``, ``w3``),
+``S`` slots of one expert each. Its tables are device tensors, each with one sink entry at the end
+(index ``S`` of a slot table) that takes what no row needs:
+
+- ``slot_of`` [experts of all its layers + 1]: the slot holding each expert, -1 when absent; the
+  last entry is the sink of rows that belong to no expert (always -1);
+- ``expert_in`` [S + 1]: the expert each slot holds, -1 when empty;
+- ``stamp`` [S + 1]: the clock value of each slot's last use, -1 for an empty slot;
+- ``clock`` [1]: the step counter.
+
+The decisions and the copies of one call are one op (``ops/expert_pool.py``, ``offtensor::pool_admit``).
+The slots are device copies of the immutable host masters: the masters stay the one source of the
+bytes, a write to a pooled stack empties its pool (``invalidate``), and the pager's own cache still
+serves the calls the pool does not cover (a prefill that routes more distinct experts than it has
+slots).
+
+The slot count is decided here, at wrap time, from the room the budget leaves beside the resident
+weights and what the pager needs for its largest other op; the pool's bytes are taken from the
+budget, and a budget whose room cannot hold one decode step's experts of a layer (``top_k`` slots)
+is refused with a ``BudgetError``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..pager import BudgetError
+
+
+class ExpertPool:
+    """One shared pool: its slot buffers per stack role, its tables, and the layers it serves."""
+
+    __slots__ = ("key", "slots", "experts", "buffers", "slot_of", "expert_in", "stamp", "clock", "layers",
+                 "calls", "plan", "scratch", "__weakref__")
+
+    def __init__(self, key, slots: int, layers: list, device: torch.device):
+        self.key = key  # ((expert shape, dtype) per role, ...)
+        self.slots = slots
+        self.experts = sum(n for _, n, _ in layers)
+        self.buffers = [torch.empty((slots,) + tuple(shape), dtype=dtype, device=device) for shape, dtype in key]
+        self.slot_of = torch.full((self.experts + 1,), -1, dtype=torch.int64, device=device)
+        self.expert_in = torch.full((slots + 1,), -1, dtype=torch.int64, device=device)
+        self.stamp = torch.full((slots + 1,), -1, dtype=torch.int64, device=device)
+        self.clock = torch.zeros(1, dtype=torch.int64, device=device)
+        self.layers = {}  # master id -> (role, first expert of its layer in slot_of, experts, host masters by role)
+        base = 0
+        for masters, count, hosts in layers:
+            for role, master_id in enumerate(masters):
+                self.layers[master_id] = (role, base, count, hosts)
+            base += count
+        self.calls = 0  # admits so far (host side): a plan is reused only while no other admit ran
+        self.plan = None  # (offs ref, offs version, first expert, calls, the rows' plan) of the last admit
+        self.scratch = {}  # (role, slot count) -> the emulated device's gather buffer (ops/expert_pool.py)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def covers(self, master_id: int, rows: int) -> bool:
+        """Whether a call of ``rows`` routed rows on ``master_id``'s stack is served from the pool:
+        it cannot route more distinct experts than the pool has slots (a static test of shapes)."""
+        layer = self.layers.get(master_id)
+        return layer is not None and min(rows, layer[2]) <= self.slots
+
+    def invalidate(self) -> None:
+        """Empty every slot (a pooled master is about to change): the next calls fetch again."""
+        self.slot_of.fill_(-1)
+        self.expert_in.fill_(-1)
+        self.stamp.fill_(-1)
+        self.plan = None
+
+    def report(self) -> dict:
+        return {"slots": self.slots, "experts": self.experts, "bytes": self.nbytes,
+                "stacks": [str(tuple(shape)) + " " + str(dtype).replace("torch.", "") for shape, dtype in self.key]}
+
+
+class ExpertPools:
+    """The pager's pools (``pager.expert_pool``): by master id of a pooled stack."""
+
+    __slots__ = ("pools", "by_master", "nbytes", "__weakref__")
+
+    def __init__(self, pools: list):
+        self.pools = pools
+        self.by_master = {m: p for p in pools for m in p.layers}
+        self.nbytes = sum(p.nbytes for p in pools)
+
+    def of(self, master_id: int) -> Optional[ExpertPool]:
+        return self.by_master.get(master_id)
+
+    def invalidate(self, master_id: int) -> None:
+        pool = self.by_master.get(master_id)
+        if pool is not None:
+            pool.invalidate()
+
+    def report(self) -> list:
+        return [p.report() for p in self.pools]
+
+
+def build_pools(pager, stacks, top_k: Optional[int], tensors: dict, other_bytes: int) -> Optional[ExpertPools]:
+    """The pools of ``stacks`` (``ExpertStacks``) sized from ``pager``'s budget; ``tensors``: the
+    registered stacks by master id; ``other_bytes``: the largest offloaded tensor that is not a
+    routed stack (room is kept for the pager to page it).
+    Raises ``BudgetError`` when the room left cannot hold ``top_k`` experts of a layer."""
+    if pager.budget_bytes is None:
+        raise BudgetError("offtensor: expert_pool=True needs a device budget (budget_gb or offload_gb): the pool's "
+                          "slots are taken from it")
+    groups: dict = {}
+    for stack in stacks.by_master.values():
+        t = tensors.get(stack.master_id)
+        if t is not None:
+            groups.setdefault(stack.group, []).append((stack.name, stack, t._host))
+    kinds: dict = {}  # key -> [(master ids, experts, hosts, names)]
+    for group, members in groups.items():
+        members.sort(key=lambda m: m[0])
+        counts = {s.num_experts for _, s, _ in members}
+        if len(counts) != 1:
+            continue  # stacks of one layer with different expert counts: left to the cache
+        key = tuple((tuple(h.shape[1:]), s.dtype) for _, s, h in members)
+        kinds.setdefault(key, []).append(([s.master_id for _, s, _ in members], counts.pop(),
+                                          [h for _, _, h in members], [n for n, _, _ in members]))
+    if not kinds:
+        return None
+    slot_bytes = {key: sum(_numel(shape) * dtype.itemsize for shape, dtype in key) for key in kinds}
+    reserve = max([other_bytes] + list(slot_bytes.values()))  # the pager's largest other op, or one paged expert set
+    room = pager.budget_bytes - pager.resident_bytes - reserve
+    total = sum(slot_bytes[k] * sum(n for _, n, _, _ in layers) for k, layers in kinds.items())
+    need = max(top_k or 1, 1)
+    pools = []
+    for key, layers in kinds.items():
+        experts = sum(n for _, n, _, _ in layers)
+        share = room * slot_bytes[key] * experts // max(total, 1)
+        slots = min(experts, max(share, 0) // slot_bytes[key])
+        if slots < min(need, experts):
+            names = ", ".join(layers[0][3]) + (f" and {len(layers) - 1} more layers" if len(layers) > 1 else "")
+            raise BudgetError(
+                f"offtensor: the expert pool for {names} needs {min(need, experts)} slots of {slot_bytes[key]} bytes "
+                f"({min(need, experts) * slot_bytes[key]} bytes: the top-{need} experts of one decode step), but the "
+                f"budget of {pager.budget_bytes} bytes holds {pager.resident_bytes} bytes of resident weights and keeps "
+                f"{reserve} bytes for the largest other paged op, leaving {max(share, 0)} bytes for it. Raise "
+                f"budget_gb, offload more weights, or wrap without expert_pool.")
+        pools.append(ExpertPool(key, slots, [(ids, n, hosts) for ids, n, hosts, _ in layers], pager.device))
+    return ExpertPools(pools)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+

@@ -1,0 +1,252 @@
+"""Grouped GEMMs of routed experts served from a device-side expert pool (``moe.pool``) with no host
+decision: the slots are assigned by LRU on the device (``offtensor::pool_admit``, one op that
+decides, updates the tables and fetches only the missed experts), and the call runs as one grouped
+GEMM against the pool.
+
+Every step is a fixed-shape device op (no ``.item()``, ``.tolist()``, ``nonzero`` or host read), so
+the path runs unchanged inside a compiled graph and can be captured in a CUDA graph.
+
+Bit-identical to the plain model: each expert's rows are the same rows, in the same order, against
+the same bytes (a slot is a copy of the expert's host master), and ``_grouped_mm`` computes each
+group on its own. On a GPU the rows are reordered by slot (stably) and the groups are the pool's
+slots, read in place; on the emulated device, whose grouped GEMM costs per group even when empty,
+the groups are the experts the call uses, their slots gathered (a device copy of a few experts).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .. import _ext
+
+_INT64_MAX = torch.iinfo(torch.int64).max
+
+
+@torch.library.custom_op("offtensor::pool_admit",
+                         mutates_args=("slot_of", "expert_in", "stamp", "clock", "buffers"))
+def pool_admit(rows_expert: torch.Tensor, slot_of: torch.Tensor, expert_in: torch.Tensor, stamp: torch.Tensor,
+               clock: torch.Tensor, buffers: list[torch.Tensor], hosts: list[torch.Tensor], base: int,
+               experts: int) -> torch.Tensor:
+    """Admit the experts ``rows_expert`` routes to (one entry per routed row, in ``[0, experts]``,
+    ``experts`` for a row of no expert) of the layer whose experts start at ``base`` in ``slot_of``:
+    returns each row's slot (``S``, the sink, for a row of no expert).
+
+    LRU on the device: the slots of experts this call needs and holds are protected; each missed
+    expert, ranked by a cumsum, takes the next of the other slots in (empty first, then oldest
+    stamp) order. The tables change in an order that keeps them consistent if the op stops
+    between any two steps: a slot is first taken from the expert that had it, then filled, and only
+    then given to its new expert, so ``slot_of[e] == s`` always means slot ``s`` holds ``e``'s bytes."""
+    slots = expert_in.numel() - 1
+    device = slot_of.device
+    local = slot_of[base : base + experts]  # a view: this layer's experts
+    needed = torch.zeros(experts + 1, dtype=torch.bool, device=device).index_fill_(0, rows_expert, True)[:experts]
+    present = local >= 0
+    miss = needed & ~present
+    hit_slot = torch.where(needed & present, local, slots)
+    protected = torch.zeros(slots + 1, dtype=torch.bool, device=device).index_fill_(0, hit_slot, True)
+    protected[slots] = True  # the sink is never given out
+    order = torch.argsort(torch.where(protected, _INT64_MAX, stamp), stable=True)
+    rank = torch.cumsum(miss, 0) - 1
+    dest = torch.where(miss, order[rank.clamp_(0, slots)], slots)  # each missed expert's new slot, else the sink
+    evicted = expert_in.index_select(0, dest)
+    evicted = torch.where(miss & (evicted >= 0), evicted, slot_of.numel() - 1)
+    # 1. the taken slots leave their old experts (slot_of first, so no expert points at a slot in change)
+    slot_of.index_fill_(0, evicted, -1)
+    expert_in.index_fill_(0, dest, -1)
+    # 2. the missed experts' bytes into their slots; rows whose slot is the sink copy nothing
+    for buffer, host in zip(buffers, hosts):
+        masked_row_gather(buffer, host, dest)
+    # 3. the slots are given to their new experts, then the experts to their slots
+    expert_in.index_copy_(0, dest, torch.arange(base, base + experts, device=device))
+    expert_in[slots] = -1
+    after = torch.where(miss, dest, local)
+    local.copy_(after)
+    used = torch.where(needed, after, slots)
+    stamp.index_copy_(0, used, clock.expand(experts))  # the sink may take several: reset below
+    stamp[slots] = -1
+    clock.add_(1)
+    return torch.cat((after, after.new_full((1,), slots))).index_select(0, rows_expert)
+
+
+@pool_admit.register_fake
+def _pool_admit_fake(rows_expert, slot_of, expert_in, stamp, clock, buffers, hosts, base, experts):
+    return torch.empty_like(rows_expert)
+
+
+def masked_row_gather(dst: torch.Tensor, host: torch.Tensor, dest: torch.Tensor) -> None:
+    """``dst[dest[e]] = host[e]`` for every expert ``e`` whose ``dest[e]`` is a slot (below
+    ``dst.shape[0]``, the sink); the others copy nothing. On a GPU the rows are read from pinned host
+    memory through its device address (a kernel of the native extension); on the emulated device
+    the extension's CPU kernel does the same copies."""
+    if _HAVE_GATHER:
+        stream = torch.cuda.current_stream(dst.device).cuda_stream if dst.is_cuda else 0
+        torch.ops.offtensor.masked_row_gather(dst, host, dest, stream)
+        return
+    # Without the native extension: a fixed-shape form that rewrites every slot (correct, but it
+    # moves a pool's worth of bytes): each slot's new expert, -1 to keep what it holds.
+    slots = dst.shape[0]
+    source = torch.full((slots + 1,), -1, dtype=torch.int64, device=dest.device)
+    source = source.index_copy_(0, dest, torch.arange(dest.numel(), device=dest.device))[:slots]
+    rows = host.to(dst.device).index_select(0, source.clamp(min=0))
+    dst.copy_(torch.where((source >= 0).view((slots,) + (1,) * (dst.dim() - 1)), rows, dst))
+
+
+_HAVE_GATHER = _ext.NATIVE and hasattr(torch.ops.offtensor, "masked_row_gather")
+
+# On the emulated device the admit is one native call (``offtensor::pool_admit_cpu``: the same
+# decisions and copies as ``pool_admit`` followed by ``_compact_plan``, in loops; the tensor-op form
+# costs a few microseconds per op there). False: ``pool_admit`` everywhere (tests run the GPU's
+# form with it).
+NATIVE_ADMIT = True
+_NATIVE_ADMIT = (torch.ops.offtensor.pool_admit_cpu.default
+                 if _ext.NATIVE and hasattr(torch.ops.offtensor, "pool_admit_cpu") else None)
+if _NATIVE_ADMIT is not None:
+    @torch.library.register_fake("offtensor::pool_admit_cpu")
+    def _pool_admit_cpu_fake(offs, rows, slot_of, expert_in, stamp, clock, buffers, hosts, base, experts):
+        groups = min(rows, experts)
+        return slot_of.new_empty((groups,)), offs.new_empty((groups,))
+
+
+def _row_expert_of(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each routed row's expert, from the cumulative group ends ``offs`` (``len(offs)`` past the
+    last group: a row of no expert)."""
+    return torch.searchsorted(offs, _positions(rows, offs.device, offs.dtype), right=True)
+
+
+def _positions(rows: int, device, dtype=torch.int64) -> torch.Tensor:
+    """``arange(rows)`` on ``device``, made once per shape (not per call)."""
+    positions = _ARANGES.get((rows, device, dtype))
+    if positions is None:
+        positions = _ARANGES[(rows, device, dtype)] = torch.arange(rows, device=device, dtype=dtype)
+    return positions
+
+
+_ARANGES: dict = {}
+
+
+def pooled_plan(pool, master_id: int, offs: torch.Tensor, rows: int):
+    """The plan of a call on ``master_id``'s layer routed by ``offs`` (``_slot_plan`` on a GPU,
+    ``_compact_plan`` on the emulated device), admitted once per ``offs``: the layer's second
+    grouped GEMM (down after gate_up) reuses the first's while no other admit ran in between."""
+    _, base, experts, hosts = pool.layers[master_id]
+    last = pool.plan
+    if (last is not None and last[0]() is offs and last[1] == offs._version and last[2] == base
+            and last[3] == pool.calls):
+        return last[4]
+    slot_groups = offs.device.type in SLOT_GROUPS
+    if NATIVE_ADMIT and _NATIVE_ADMIT is not None and not slot_groups and offs.device.type == "cpu" \
+            and offs.dtype == torch.int32 and offs.is_contiguous():
+        plan = ("compact",) + tuple(_NATIVE_ADMIT(offs, rows, pool.slot_of, pool.expert_in, pool.stamp, pool.clock,
+                                                  pool.buffers, hosts, base, experts))
+    else:
+        row_expert = _row_expert_of(offs, rows)
+        row_slot = pool_admit(row_expert, pool.slot_of, pool.expert_in, pool.stamp, pool.clock, pool.buffers, hosts,
+                              base, experts)
+        plan = (_slot_plan if slot_groups else _compact_plan)(pool, row_expert, row_slot, experts)
+    pool.calls += 1
+    pool.plan = (weakref.ref(offs), offs._version, base, pool.calls, plan)
+    return plan
+
+
+# Device types whose pooled grouped GEMM has one group per slot (the others: one per expert used).
+SLOT_GROUPS = ("cuda",)
+
+
+def _slot_plan(pool, row_expert, row_slot, experts):
+    """One group per slot of the pool: (the rows in slot order, the slots' group ends). The GPU's
+    grouped GEMM reads the pool in place and skips empty groups at little cost."""
+    rows = row_slot.numel()
+    order = torch.argsort(row_slot, stable=True)
+    counts = torch.zeros(pool.slots + 1, dtype=torch.int32, device=row_slot.device)
+    counts.index_add_(0, row_slot, _ones(rows, row_slot.device))
+    return ("slots", order, torch.cumsum(counts[: pool.slots], 0, dtype=torch.int32))
+
+
+def _compact_plan(pool, row_expert, row_slot, experts):
+    """One group per distinct expert of the call, at most ``min(rows, experts)`` (a static count):
+    (each group's slot, the groups' ends). The rows are already in group order (sorted by expert),
+    and the call gathers its groups' slots (a device copy of the few experts it uses): the emulated
+    device's grouped GEMM costs per group, empty or not, so a group per slot of a large pool would
+    cost more than the plain model's call."""
+    rows = row_expert.numel()
+    groups = min(rows, experts)
+    device = row_expert.device
+    first = torch.ones(rows, dtype=torch.bool, device=device)
+    first[1:] = row_expert[1:] != row_expert[:-1]
+    group = torch.where(row_expert < experts, torch.cumsum(first, 0) - 1, groups)
+    counts = torch.zeros(groups + 1, dtype=torch.int32, device=device).index_add_(0, group, _ones(rows, device))
+    group_slot = torch.zeros(groups + 1, dtype=torch.int64, device=device).index_copy_(0, group, row_slot)[:groups]
+    return ("compact", group_slot.clamp_(max=pool.slots - 1), torch.cumsum(counts[:groups], 0, dtype=torch.int32))
+
+
+def _ones(rows: int, device) -> torch.Tensor:
+    ones = _ONES.get((rows, device))
+    if ones is None:
+        ones = _ONES[(rows, device)] = torch.ones(rows, dtype=torch.int32, device=device)
+    return ones
+
+
+_ONES: dict = {}
+
+
+def pool_view(pool, master_id: int, host: torch.Tensor, buffer=None) -> torch.Tensor:
+    """The pool's slots of ``master_id``'s role (or ``buffer``, slots gathered from them) in the
+    layout the op passed the stack in (``host``: the op's view of the stack, e.g.
+    ``stack.transpose(-2, -1)``), so the grouped GEMM takes the plain model's kernel path."""
+    role, _, _, hosts = pool.layers[master_id]
+    if buffer is None:
+        buffer = pool.buffers[role]
+    return buffer.as_strided((buffer.shape[0],) + tuple(host.shape[1:]), host.stride(),
+                             buffer.storage_offset() + host.storage_offset() - hosts[role].storage_offset())
+
+
+def _gather_slots(pool, role: int, index: torch.Tensor) -> torch.Tensor:
+    """The slots ``index`` of the pool's buffer for ``role``, copied into a scratch buffer kept per
+    (role, count): a fresh allocation of that size is a page-faulting ``mmap`` on the host each call.
+    Used only while the pager's lock is held, and only until the GEMM that reads it returns (the
+    emulated device computes synchronously)."""
+    buffer = pool.buffers[role]
+    key = (role, index.numel())
+    scratch = pool.scratch.get(key)
+    if scratch is None:
+        scratch = pool.scratch[key] = buffer.new_empty((index.numel(),) + tuple(buffer.shape[1:]))
+    return torch.index_select(buffer, 0, index, out=scratch)
+
+
+def serving_pool(weight, rows: int):
+    """The expert pool that serves a grouped GEMM of ``rows`` routed rows on ``weight`` (a stack of
+    a model wrapped with ``expert_pool=True``), or None: no pool, or more rows than it has slots (a
+    prefill: the expert cache's path), or a stack being traced by torch.compile."""
+    own = weight.__dict__
+    master = own["_master"]
+    pools = master.pager.expert_pool
+    if pools is None or type(own["_host"]) is not torch.Tensor:
+        return None
+    pool = pools.of(master.id)
+    return pool if pool is not None and pool.covers(master.id, rows) else None
+
+
+def pooled_grouped_mm(func, pool, weight, x, offs, out_dtype, fallback: bool = False) -> torch.Tensor:
+    """``func(x, weight, offs)`` computed from the pool as one grouped GEMM, on a GPU of the rows
+    in slot order against the pool's slots (the result put back in the rows' order), on the
+    emulated device of the rows as they are against the slots of their experts. ``fallback``:
+    transformers' ``grouped_mm_fallback`` (its result is zeros past the routed rows;
+    ``aten._grouped_mm`` computes each group as it does, with no host read of ``offs``)."""
+    own = weight.__dict__
+    master, host = own["_master"], own["_host"]
+    master_id = master.id
+    # The admit and the GEMM that reads its slots under the pager's lock: another thread's admit
+    # in between could give those slots to other experts (pool state is pager state).
+    with master.pager.lock:
+        kind, index, group_ends = pooled_plan(pool, master_id, offs, x.shape[0])
+        if kind == "slots":
+            y = torch._grouped_mm(x.index_select(0, index), pool_view(pool, master_id, host), group_ends,
+                                  out_dtype=out_dtype)
+        else:
+            gathered = _gather_slots(pool, pool.layers[master_id][0], index)
+            y = torch._grouped_mm(x, pool_view(pool, master_id, host, gathered), group_ends, out_dtype=out_dtype)
+    if fallback:  # rows past the routed ones are zeros in the fallback's result
+        y = y.masked_fill_((_positions(y.shape[0], y.device) >= group_ends[-1]).unsqueeze(1), 0)
+    return torch.empty_like(y).index_copy_(0, index, y) if kind == "slots" else y
