@@ -166,6 +166,30 @@ def _loader(path, budget, threads):
     return load
 
 
+def _in_grad_mode_switch(code) -> bool:
+    """torch.no_grad's own enter and exit (and set_grad_enabled's), where grad goes off and on."""
+    return code.co_filename.endswith(os.path.join("autograd", "grad_mode.py"))
+
+
+@pytest.mark.parametrize("what", ["wrap", "load"])
+def test_an_interrupt_inside_no_grad_of_a_wrap_or_load_leaves_grad_mode_as_it_was(checkpoint, what):
+    """An interrupt at sampled opcodes of torch.no_grad's enter and exit inside a wrap or a load:
+    before, one that landed after grad went off but before the ``with`` took hold left grad off
+    for the rest of the thread (a later training step: "does not require grad")."""
+    reference, path = checkpoint
+    if what == "wrap":
+        run, make = _wrap, _reference
+    else:
+        run, make = _loader(path, int(_nbytes(reference) * 0.4), 1), _meta_model
+    model = make()  # built outside the trace: torch's own init runs no_grad too
+    total = _opcodes(lambda: run(model), _in_grad_mode_switch)
+    assert total > 0
+    for n in sorted(random.Random(3).sample(range(1, total + 1), min(total, 150))):
+        model = make()
+        _traced(_InterruptAt(n, _in_grad_mode_switch), lambda: run(model))
+        assert torch.is_grad_enabled(), f"grad mode left off by an interrupt at opcode {n} of {total}"
+
+
 def _finishes(run, timeout=20.0) -> bool:
     """Whether ``run()`` returns within ``timeout`` (in a thread, so that a hang fails the test)."""
     done = []

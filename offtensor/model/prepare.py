@@ -44,18 +44,27 @@ def prepare(model: nn.Module, config: OffloadConfig, device: torch.device, *,
        passes None and places by the policy it was given);
     4. ``read(groups, placed, pager, config)`` -> the loaded tensors (``apply_placement``'s
        ``loaded``), for a loader, between choosing and applying;
-    5. ``apply_placement`` on a new pager with the chosen budget (a meta pager for a meta device)."""
-    groups = collect_groups(model)
-    if check is not None:
-        check(groups)
-    placed = placement.choose_model_placement(groups, config, device)
-    expert = None
-    if choose_experts is not None:
-        placed, config, report, watch = choose_experts(model, groups, placed, config, device)
-        expert = (report, watch)
-    pager = Pager(device, placed.budget_bytes, strict=config.strict)
-    loaded = read(groups, placed, pager, config) if read is not None else None
-    apply_placement(model, placed, pager, config, loaded, expert=expert)
+    5. ``apply_placement`` on a new pager with the chosen budget (a meta pager for a meta device).
+
+    The caller's grad mode is the same after a failure as before: an interrupt that lands inside a
+    step's ``torch.no_grad()`` enter or exit (after grad went off, before the ``with`` took hold)
+    would otherwise leave it off for the rest of the thread."""
+    grad = torch.is_grad_enabled()
+    try:
+        groups = collect_groups(model)
+        if check is not None:
+            check(groups)
+        placed = placement.choose_model_placement(groups, config, device)
+        expert = None
+        if choose_experts is not None:
+            placed, config, report, watch = choose_experts(model, groups, placed, config, device)
+            expert = (report, watch)
+        pager = Pager(device, placed.budget_bytes, strict=config.strict)
+        loaded = read(groups, placed, pager, config) if read is not None else None
+        apply_placement(model, placed, pager, config, loaded, expert=expert)
+    except BaseException:
+        torch.set_grad_enabled(grad)
+        raise
     return Prepared(placed, pager)
 
 
