@@ -41,6 +41,17 @@ quiet_torchao_on_cpu_torch()
 
 
 @pytest.fixture(autouse=True)
+def _grad_mode_left_as_found():
+    """A test that leaves autograd's grad mode changed fails itself, instead of the training tests
+    that run after it in the same worker ("element 0 of tensors does not require grad")."""
+    before = torch.is_grad_enabled()
+    yield
+    after = torch.is_grad_enabled()
+    torch.set_grad_enabled(before)
+    assert after == before, f"this test left grad mode {'on' if after else 'off'}"
+
+
+@pytest.fixture(autouse=True)
 def _strict_device_catches_nothing():
     """Under ``OFFTENSOR_STRICT=1`` every test also proves that no copy lost its host source."""
     from offtensor import _ext

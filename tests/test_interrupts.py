@@ -190,8 +190,10 @@ def _storm(model, args, seconds: float, seed: int) -> int:
     deadline = time.monotonic() + seconds
     try:
         while time.monotonic() < deadline:
-            signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0002, 0.004))  # one shot
             try:
+                # One shot, armed inside the try: on a loaded machine it can fire at the very next
+                # bytecode, which outside the try would end the test instead of one forward.
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0002, 0.004))
                 while True:
                     model(*args)
             except KeyboardInterrupt:

@@ -279,8 +279,10 @@ def test_a_threaded_load_interrupted_by_signals_stops_its_workers_before_it_retu
         return ot.load_safetensors(model, path, budget_gb=1e6 / GiB, device="cpu", policy={"offload": ["layers.*"]},
                                    threads=4, progress=False)
 
+    armed = [False]  # only while load() runs: a signal still pending after the loop's cancel is dropped
+
     def interrupt(signum, frame):
-        if frame is not None and frame.f_code.co_filename != __file__:  # inside the load, not this test's loop
+        if armed[0] and frame is not None and frame.f_code.co_filename != __file__:  # inside the load
             raise KeyboardInterrupt("SIGALRM")
 
     # An interrupt that lands in a finalizer is ignored by Python; pytest would report it.
@@ -294,11 +296,13 @@ def test_a_threaded_load_interrupted_by_signals_stops_its_workers_before_it_retu
         for _ in range(20):
             model = meta()
             try:
+                armed[0] = True
                 signal.setitimer(signal.ITIMER_REAL, rng.uniform(0, seconds), max(seconds / 20, 1e-3))
                 load(model)
             except KeyboardInterrupt:
                 pass
             finally:
+                armed[0] = False
                 signal.setitimer(signal.ITIMER_REAL, 0)
             assert not [t for t in threading.enumerate() if t.name.startswith("offtensor-load") and t.is_alive()]
     finally:
