@@ -198,14 +198,16 @@ def record_trace(model, ids, prefix: int, steps: int, predictor=None) -> dict:
     def hook(module, args, output, pos):
         x = args[0].reshape(-1, args[0].shape[-1])
         logits, _, indices = output
-        router_ahead = ahead = None
+        router_ahead = ahead = ahead2 = None
+        if predictor is not None and pos in predictor.weights2:
+            ahead2 = predictor.logits2(pos, x.float()).detach().clone()
         if pos + 1 < len(routers):
             router_ahead = F.linear(x.to(routers[pos + 1][1].weight.dtype), routers[pos + 1][1].weight).float()
             ahead = router_ahead
             if predictor is not None and pos in predictor.weights:
                 ahead = predictor.logits(pos, x.float())
         current.append({"routed": indices.detach().clone(), "logits": logits.detach().float().clone(),
-                        "ahead": None if ahead is None else ahead.detach().clone(),
+                        "ahead": None if ahead is None else ahead.detach().clone(), "ahead2": ahead2,
                         "router_ahead": None if router_ahead is None else router_ahead.detach().clone()})
 
     handles = [gate.register_forward_hook(lambda m, a, o, pos=pos: hook(m, a, o, pos))
@@ -224,6 +226,7 @@ def record_trace(model, ids, prefix: int, steps: int, predictor=None) -> dict:
             h.remove()
     config = model.config
     return {"steps": trace, "learned_layers": sorted(predictor.weights) if predictor is not None else [],
+            "two_ahead_layers": sorted(predictor.weights2) if predictor is not None else [],
             "layers": len(routers), "experts": _num_experts(model),
             "top_k": config.num_experts_per_tok, "prefix": prefix,
             "decode_bits_per_byte": nll / steps / math.log(2)}
@@ -326,13 +329,14 @@ def simulate_belady(trace, capacity: int) -> dict:
 
 
 class _ReplayRouter(nn.Module):
-    """A router whose weight is the identity over experts (so layer i's look-ahead, the next
-    router's weight applied to this router's input, is the input itself) and whose output is the
-    recorded logits."""
+    """A router whose input is the recorded look-ahead logits, then those two layers ahead
+    ([tokens, 2E]), whose weight is the identity over the first E (so layer i's router look-ahead,
+    the next router's weight applied to this router's input, is the recorded one) and whose output
+    is the recorded logits."""
 
     def __init__(self, experts: int, top_k: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.eye(experts), requires_grad=False)
+        self.weight = nn.Parameter(torch.eye(experts, 2 * experts), requires_grad=False)
         self.top_k = top_k
         self.logits = None
 
@@ -389,7 +393,8 @@ class ReplayModel(nn.Module):
     def forward(self, step):
         x = torch.zeros(step[0]["routed"].shape[0], self.hidden)
         for i, (layer, rec) in enumerate(zip(self.layers, step)):
-            ahead = rec["ahead"] if rec["ahead"] is not None else torch.zeros_like(rec["logits"])
+            zero = torch.zeros_like(rec["logits"])
+            ahead = torch.cat([zero if rec.get(f) is None else rec[f] for f in ("ahead", "ahead2")], -1)
             x = layer(x, rec, ahead)
         return x
 
@@ -404,9 +409,16 @@ def _as_installed(model, trace) -> None:
     if speculator is None:
         return
     routers = [r for r in speculator.routers if r.stacks]
+    E = trace["experts"]
     for i in trace.get("learned_layers", ()):
         if i + 1 < len(routers):
             routers[i + 1].evidence = speculation.SPECULATE_EVIDENCE_LEARNED
+        # The learned look-ahead's logits are the router's input: its weight the identity (the
+        # first E columns guess the next layer; with a two-ahead map, the next E the one after).
+        two = i in trace.get("two_ahead_layers", ()) and i + 2 < len(routers)
+        rows = 2 * E if two else E
+        routers[i].lookahead = (torch.eye(rows, 2 * E), torch.zeros(rows))
+        routers[i].split = E if two else None
 
 
 def h200_replay(trace, fraction: float, speculate: bool, hidden: int = 1024, inter: int = 768,

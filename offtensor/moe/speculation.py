@@ -100,7 +100,8 @@ class Router:
     __slots__ = ("name", "module_ref", "stacks", "top_k", "bin_correct", "bin_guessed", "guessed", "correct",
                  "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts", "copied_correct",
                  "prefetched_bytes", "wasted_bytes", "tokens", "guess", "cached", "copied", "guess_tokens",
-                 "unpaid_steps", "missed", "misses_seen", "lookahead", "evidence")
+                 "unpaid_steps", "missed", "misses_seen", "lookahead", "evidence", "split", "guess2", "cached2",
+                 "bin2_correct", "bin2_guessed", "copied2", "copied2_experts", "copied2_correct")
 
     def __init__(self, name: str, module: nn.Module):
         self.name = name
@@ -125,26 +126,40 @@ class Router:
         # (weight [E, H], bias [E]) of the learned look-ahead of the next layer from this router's
         # input (moe.predictor.install), on the device; None: the next router's weight guesses.
         self.lookahead = None
+        # Where the learned look-ahead's weight also holds the map two layers ahead (its rows from
+        # ``split`` on: the experts of the layer after the next), the next layer's expert count.
+        self.split = None
+        # The open guess of this layer made two layers ahead (expert -> bin), the experts cached
+        # then, and its own bins' decayed counts (a guess from further away is right less often).
+        self.guess2 = None
+        self.cached2 = frozenset()
+        self.bin2_correct = [0.0] * len(CONFIDENCE_BINS)
+        self.bin2_guessed = [0.0] * len(CONFIDENCE_BINS)
+        self.copied2 = set()  # experts the open two-ahead guess copied
+        self.copied2_experts = self.copied2_correct = 0  # copies made by two-ahead guesses, those routed
         self.evidence = SPECULATE_EVIDENCE  # guesses a bin needs (SPECULATE_EVIDENCE_LEARNED: guessed by a learned map)
 
-    def pays(self, confidence_bin: int, pool=None) -> bool:
+    def pays(self, confidence_bin: int, pool=None, ahead: int = 1) -> bool:
         """Whether an uncached guess in this bin is right often enough to be worth its copy: by its
         own record once it has SPECULATE_EVIDENCE guesses, until then by ``pool`` (every router's
         record of that bin, (correct, guessed) lists), so a router need not wait for evidence of
         its own before its first copy (on the trained test models a bin took 20-40 decode steps)."""
-        correct, guessed = self._record(confidence_bin, pool)
+        correct, guessed = self._record(confidence_bin, pool, ahead)
         return guessed >= self.evidence and correct >= SPECULATE_PRECISION * guessed
 
-    def _record(self, confidence_bin: int, pool=None):
-        """(correct, guessed) decayed counts of a bin: its own, or the pool's until it has evidence."""
-        correct, guessed = self.bin_correct[confidence_bin], self.bin_guessed[confidence_bin]
+    def _record(self, confidence_bin: int, pool=None, ahead: int = 1):
+        """(correct, guessed) decayed counts of a bin (of the guesses made ``ahead`` layers ahead):
+        its own, or the pool's until it has evidence."""
+        own = (self.bin_correct, self.bin_guessed) if ahead == 1 else (self.bin2_correct, self.bin2_guessed)
+        correct, guessed = own[0][confidence_bin], own[1][confidence_bin]
         if guessed < self.evidence and pool is not None:
+            pool = pool if ahead == 1 else pool[2:]
             correct, guessed = pool[0][confidence_bin], pool[1][confidence_bin]
         return correct, guessed
 
-    def precision(self, confidence_bin: int, pool=None) -> float:
+    def precision(self, confidence_bin: int, pool=None, ahead: int = 1) -> float:
         """The measured precision of its uncached guesses in a bin (0 without a record)."""
-        correct, guessed = self._record(confidence_bin, pool)
+        correct, guessed = self._record(confidence_bin, pool, ahead)
         return correct / guessed if guessed else 0.0
 
     def speculating(self, pool=None) -> bool:
@@ -153,7 +168,9 @@ class Router:
     def report(self, pool=None) -> dict:
         return _guess_report(self.guessed, self.correct, self.routed, self.uncached_guessed, self.uncached_correct,
                              self.misses, self.copied_experts, self.copied_correct, self.prefetched_bytes,
-                             self.wasted_bytes) | {"speculating": self.speculating(pool)}
+                             self.wasted_bytes) | {"speculating": self.speculating(pool),
+                                                   "copied_two_ahead": self.copied2_experts,
+                                                   "copied_two_ahead_correct": self.copied2_correct}
 
 
 
@@ -193,6 +210,14 @@ def _host_guess(scores: torch.Tensor, top_k: int) -> list:
     return out
 
 
+def _ranked(pairs) -> dict:
+    """(expert, confidence) pairs -> expert: its highest confidence, the most confident first."""
+    confidence = {}
+    for e, p in sorted(pairs, key=lambda ep: -ep[1]):
+        confidence.setdefault(e, p)
+    return confidence
+
+
 def _confidence_bin(p: float) -> int:
     for i, edge in enumerate(CONFIDENCE_BINS):
         if p <= edge:
@@ -215,8 +240,9 @@ class RoutingSpeculator:
         self._pending = []  # (router, scores or (ids, confidences), event or None, tokens): guesses not yet issued
         self._expected = []  # GPU: (router, pinned ids, event) of router outputs read back without a sync
         self.hooks = []
-        # Every router's uncached guesses per confidence bin, decayed alike (Router.pays).
-        self.pool = ([0.0] * len(CONFIDENCE_BINS), [0.0] * len(CONFIDENCE_BINS))
+        # Every router's uncached guesses per confidence bin, decayed alike (Router.pays): (correct,
+        # guessed) of the guesses one layer ahead, then of those two layers ahead.
+        self.pool = tuple([0.0] * len(CONFIDENCE_BINS) for _ in range(4))
 
     # -------------------------------------------------------------- hooks
 
@@ -238,9 +264,12 @@ class RoutingSpeculator:
                 return  # the first step and every SPECULATE_SAMPLE-th after it are guessed
         module = nxt.module_ref()
         weight, bias = getattr(module, "weight", None), None
-        learned = router.lookahead
+        learned, after = router.lookahead, None
         if learned is not None and learned[0].device == x.device and learned[0].shape[-1] == x.shape[-1]:
             weight, bias = learned  # the learned look-ahead (moe.predictor): logits of nxt's experts
+            after = self._next.get(nxt) if router.split is not None else None
+            if after is None or not after.stacks or after.top_k is None:
+                after = None  # (and the weight's two-ahead rows, if any, are not read)
         elif module is None or not isinstance(weight, torch.Tensor) or hasattr(weight, "_master") \
                 or weight.device != x.device or weight.shape[-1] != x.shape[-1]:
             return  # an offloaded router would be paged for a guess: not worth it
@@ -253,8 +282,10 @@ class RoutingSpeculator:
                 # host (_host_guess): each kernel is a launch on the compute stream ahead of the
                 # layer's routing read, paid every layer of every step (3 kernels a layer cost the
                 # trained test models' H200 replay 0.08 ms a decode step, 5% of it).
-                self._queue(nxt, scores, router.tokens)
+                self._queue(nxt, scores, router.tokens, after, router.split)
                 return
+            if router.split is not None:
+                scores = scores[:, : router.split]  # a prefill guesses one layer ahead only
             # Many tokens (a prefill) or a biased router: top-k on the device, whose values are the
             # confidences (softmax keeps the order).
             k = min(nxt.top_k, scores.shape[-1])
@@ -270,9 +301,10 @@ class RoutingSpeculator:
         # Issued from the pager once this layer's own experts are (ExpertStacks.announce), so the
         # guesses queue behind them on the copy stream.
 
-    def _queue(self, router: Router, packed, tokens: int) -> None:
+    def _queue(self, router: Router, packed, tokens: int, after=None, split=None) -> None:
         """A guess for ``router``'s layer: ``packed`` is its scores (a tensor: top-k taken on the
-        host) or (ids, confidences). On a GPU they are read back without a host sync: pinned
+        host; with ``after``, the router of the layer after it, the scores from column ``split`` on
+        are the guess two layers ahead for that one) or (ids, confidences). On a GPU they are read back without a host sync: pinned
         staging copies and an event; the copies are issued from the pager's next call once the
         event has completed (by then the layer's own routing read has waited for the router anyway)."""
         event = None
@@ -284,7 +316,7 @@ class RoutingSpeculator:
             packed = staged if isinstance(packed, tuple) else staged[0]
             event = torch.cuda.Event()
             event.record()
-        self._pending.append((router, packed, event, tokens))
+        self._pending.append((router, packed, event, tokens, after, split))
 
     def router_output(self, router: Router, output) -> None:
         """The router ran: the experts it selected (``routing.routed_experts``: the ids it returns,
@@ -338,7 +370,7 @@ class RoutingSpeculator:
         pager = self.pager_ref()
         keep = []
         for item in self._pending:
-            router, packed, event, tokens = item
+            router, packed, event, tokens, after, split = item
             if event is not None and not event.query():
                 keep.append(item)
                 continue
@@ -346,11 +378,14 @@ class RoutingSpeculator:
                 ids, conf = packed
                 pairs = zip(ids.reshape(-1).tolist(), conf.reshape(-1).tolist())
             else:
-                pairs = _host_guess(packed, router.top_k)
-            confidence = {}  # expert -> its highest confidence over the tokens, most confident first
-            for e, p in sorted(pairs, key=lambda ep: -ep[1]):
-                confidence.setdefault(e, p)
-            self._issue(pager, router, confidence, tokens)
+                pairs = _host_guess(packed if after is None else packed[..., :split], router.top_k)
+            self._issue(pager, router, _ranked(pairs), tokens)
+            if after is not None:
+                # Two layers ahead: copied only into copy time the next layer is expected to leave
+                # idle (every expert it is guessed to route is cached or being copied), so that
+                # such a copy never queues ahead of a miss of the next layer.
+                idle = all(e in router.cached or e in router.copied for e in router.guess)
+                self._issue(pager, after, _ranked(_host_guess(packed[..., split:], after.top_k)), tokens, 2, idle)
         self._pending = keep
 
     def _cached_experts(self, pager, router: Router) -> frozenset:
@@ -361,22 +396,33 @@ class RoutingSpeculator:
         return frozenset(e for e in range(stacks[0].num_experts)
                          if all(pager.is_cached(s.key_of(e)) for s in stacks))
 
-    def _issue(self, pager, router: Router, confidence: dict, tokens: int) -> None:
-        """Open ``router``'s guess (scored at the step's end) and copy the guessed experts that are
-        not cached and whose confidence bin has paid (``Router.pays``), the most confident first."""
-        self._score(router)
-        router.guess = {e: _confidence_bin(p) for e, p in confidence.items()}
-        router.cached = self._cached_experts(pager, router)
-        router.guess_tokens = tokens
-        router.copied = {}
+    def _issue(self, pager, router: Router, confidence: dict, tokens: int, ahead: int = 1, idle: bool = True) -> None:
+        """Open ``router``'s guess made ``ahead`` layers before it (scored at the step's end) and,
+        with ``idle``, copy the guessed experts that are not cached and whose confidence bin has
+        paid (``Router.pays``), the most confident first, at most SPECULATE_EXPERTS."""
+        bins = {e: _confidence_bin(p) for e, p in confidence.items()}
+        cached = self._cached_experts(pager, router)
+        if ahead == 1:
+            if router.guess is not None:
+                self._score(router)  # one left open by a pass that did not end (no step)
+            router.guess, router.cached, router.guess_tokens = bins, cached, tokens
+            if router.guess2 is None:
+                router.copied = {}
+        else:
+            if router.guess is not None or router.guess2 is not None:
+                self._score(router)
+            router.guess2, router.cached2, router.copied, router.copied2 = bins, cached, {}, set()
         if pager is None:
             return
-        self._stacks.guard(router.stacks, router.guess)
-        worth = [e for e, b in router.guess.items()
-                 if SPECULATE_COPY and e not in router.cached and router.pays(b, self.pool)]
+        if ahead == 1:
+            self._stacks.guard(router.stacks, bins)
+        if not idle:
+            return
+        worth = [e for e, b in bins.items() if SPECULATE_COPY and e not in cached and e not in router.copied
+                 and router.pays(b, self.pool, ahead)]
         for expert in worth[:SPECULATE_EXPERTS]:
             # It may take only the room of copies expected to be used later than itself.
-            chance = router.precision(router.guess[expert], self.pool)
+            chance = router.precision(bins[expert], self.pool, ahead)
             next_use = self._stacks.expected_next_use(router.stacks[0], expert, chance)
             with self._stacks.in_spare_room_only(next_use):
                 for stack in router.stacks:
@@ -384,43 +430,57 @@ class RoutingSpeculator:
                     if master is None or master.flat is None:
                         continue
                     key = stack.key_of(expert)
-                    cached = pager.is_cached(key)
+                    cached_now = pager.is_cached(key)
                     if not pager.prefetch(master, *key[1:]):
                         return  # no room without evicting copies used sooner than the guess
-                    if not cached:
+                    if not cached_now:
                         nbytes = stack.expert_bytes
                         router.copied[expert] = router.copied.get(expert, 0) + nbytes
                         router.prefetched_bytes += nbytes
+                        if ahead == 2:
+                            router.copied2.add(expert)
 
     def _score(self, router: Router) -> None:
-        """Close ``router``'s open guess against the experts its stacks actually paged."""
-        guess = router.guess
-        if guess is None:
+        """Close ``router``'s open guesses against the experts its stacks actually paged."""
+        guess, guess2 = router.guess, router.guess2
+        if guess is None and guess2 is None:
             return
-        router.guess = None
+        router.guess = router.guess2 = None
         used = set()
         for stack in router.stacks:
             used |= stack.used
         if not used:
             return  # its layer has not run yet (a forward cut short): nothing to score against
-        router.guessed += len(guess)
-        router.correct += len(guess.keys() & used)
+        # The misses a guess could cover: routed experts not cached when the first guess was made
+        # (a two-ahead copy makes its expert cached by the time of the one-ahead guess).
+        router.misses += len(used - (router.cached2 if guess2 is not None else router.cached))
         router.routed += len(used)
-        router.misses += len(used - router.cached)
-        for e, b in guess.items():
-            if e in router.cached:
-                continue  # a guess of a cached expert costs nothing and saves nothing
-            right = e in used
-            router.uncached_guessed += 1
-            router.uncached_correct += right
-            router.bin_correct[b] = PRECISION_DECAY * router.bin_correct[b] + right
-            router.bin_guessed[b] = PRECISION_DECAY * router.bin_guessed[b] + 1.0
-            pool_correct, pool_guessed = self.pool
-            pool_correct[b] = PRECISION_DECAY * pool_correct[b] + right
-            pool_guessed[b] = PRECISION_DECAY * pool_guessed[b] + 1.0
+        for ahead, open_guess in ((1, guess), (2, guess2)):
+            if open_guess is None:
+                continue
+            cached = router.cached if ahead == 1 else router.cached2
+            own = (router.bin_correct, router.bin_guessed) if ahead == 1 else (router.bin2_correct, router.bin2_guessed)
+            pool = self.pool[:2] if ahead == 1 else self.pool[2:]
+            if ahead == 1:
+                router.guessed += len(open_guess)
+                router.correct += len(open_guess.keys() & used)
+            for e, b in open_guess.items():
+                if e in cached:
+                    continue  # a guess of a cached expert costs nothing and saves nothing
+                right = e in used
+                if ahead == 1:
+                    router.uncached_guessed += 1
+                    router.uncached_correct += right
+                for correct, guessed in (own, pool):
+                    correct[b] = PRECISION_DECAY * correct[b] + right
+                    guessed[b] = PRECISION_DECAY * guessed[b] + 1.0
+            if ahead == 2:
+                router.copied2_experts += len(router.copied2)
+                router.copied2_correct += len(router.copied2 & used)
         router.copied_experts += len(router.copied)
         router.copied_correct += len(router.copied.keys() & used)
         router.wasted_bytes += sum(b for e, b in router.copied.items() if e not in used)
+        router.copied = {}
         if router.guess_tokens == 1 and len(used) and router.top_k is None:
             router.top_k = len(used)
 
@@ -449,6 +509,7 @@ class RoutingSpeculator:
         for r in self.routers:
             r.guessed = r.correct = r.routed = r.prefetched_bytes = r.wasted_bytes = 0
             r.uncached_guessed = r.uncached_correct = r.misses = r.copied_experts = r.copied_correct = 0
+            r.copied2_experts = r.copied2_correct = 0
 
     def report(self) -> dict:
         rs = self.routers
