@@ -139,10 +139,10 @@ class _Decoder:
 # The learned look-ahead (offtensor.moe.predictor) is fitted on held-out text the trace never
 # decodes: FIT_WINDOWS 256-byte windows from byte FIT_START of the held-out split, and compared
 # with the router look-ahead on VAL_WINDOWS more from VAL_START (the trace decodes from byte 0).
-FIT_START, FIT_WINDOWS, VAL_START, VAL_WINDOWS, FIT_RIDGE = 100_000, 64, 300_000, 16, 1e-3
+FIT_START, FIT_WINDOWS, VAL_START, VAL_WINDOWS, FIT_RIDGE, FIT_SEQ = 100_000, 64, 300_000, 16, 1e-3, 256
 
 
-def routing_pairs(model, start: int, windows: int, seq: int = 256):
+def routing_pairs(model, start: int, windows: int, seq: int = FIT_SEQ):
     """Per MoE layer, over ``windows`` prefills of ``seq`` held-out bytes from ``start``: the router
     inputs [N, H], the routed ids [N, k], and the router look-ahead (layer i + 1's router on layer
     i's input, [N, E]; none for the last layer)."""
@@ -164,7 +164,8 @@ def routing_pairs(model, start: int, windows: int, seq: int = 256):
         for h in handles:
             h.remove()
     xs, routed = [torch.cat(v) for v in xs], [torch.cat(v) for v in routed]
-    ahead = [F.linear(xs[i], routers[i + 1][1].weight.float()) for i in range(len(routers) - 1)]
+    # (the last layer's: the first router on it, the look-ahead of the next token's first layer)
+    ahead = [F.linear(xs[i], routers[(i + 1) % len(routers)][1].weight.float()) for i in range(len(routers))]
     return xs, routed, ahead
 
 
@@ -175,8 +176,8 @@ def fit_lookahead(model):
 
     fx, fr, _ = routing_pairs(model, FIT_START, FIT_WINDOWS)
     vx, vr, va = routing_pairs(model, VAL_START, VAL_WINDOWS)
-    predictor = LookaheadPredictor.fit(fx, fr, _num_experts(model), FIT_RIDGE)
-    predictor.compare(vx, vr, va)
+    predictor = LookaheadPredictor.fit(fx, fr, _num_experts(model), FIT_RIDGE, seq=FIT_SEQ)
+    predictor.compare(vx, vr, va, seq=FIT_SEQ)
     predictor.keep()
     return predictor
 
@@ -204,8 +205,8 @@ def record_trace(model, ids, prefix: int, steps: int, predictor=None) -> dict:
         if pos + 1 < len(routers):
             router_ahead = F.linear(x.to(routers[pos + 1][1].weight.dtype), routers[pos + 1][1].weight).float()
             ahead = router_ahead
-            if predictor is not None and pos in predictor.weights:
-                ahead = predictor.logits(pos, x.float())
+        if predictor is not None and pos in predictor.weights:
+            ahead = predictor.logits(pos, x.float())  # the last layer's: the next token's first layer
         current.append({"routed": indices.detach().clone(), "logits": logits.detach().float().clone(),
                         "ahead": None if ahead is None else ahead.detach().clone(), "ahead2": ahead2,
                         "router_ahead": None if router_ahead is None else router_ahead.detach().clone()})
@@ -389,13 +390,15 @@ class ReplayModel(nn.Module):
         self.hidden = hidden or trace["experts"]
         self.layers = nn.ModuleList(_ReplayLayer(trace["experts"], trace["top_k"], inter, self.hidden, dense)
                                     for _ in range(trace["layers"]))
+        for step in trace["steps"]:  # the routers' inputs, made before any run (not ops of a step)
+            for rec in step:
+                zero = torch.zeros_like(rec["logits"])
+                rec["router_input"] = torch.cat([zero if rec.get(f) is None else rec[f] for f in ("ahead", "ahead2")], -1)
 
     def forward(self, step):
         x = torch.zeros(step[0]["routed"].shape[0], self.hidden)
         for i, (layer, rec) in enumerate(zip(self.layers, step)):
-            zero = torch.zeros_like(rec["logits"])
-            ahead = torch.cat([zero if rec.get(f) is None else rec[f] for f in ("ahead", "ahead2")], -1)
-            x = layer(x, rec, ahead)
+            x = layer(x, rec, rec["router_input"])
         return x
 
 
@@ -411,8 +414,8 @@ def _as_installed(model, trace) -> None:
     routers = [r for r in speculator.routers if r.stacks]
     E = trace["experts"]
     for i in trace.get("learned_layers", ()):
-        if i + 1 < len(routers):
-            routers[i + 1].evidence = speculation.SPECULATE_EVIDENCE_LEARNED
+        if len(routers) > 1:  # (the last layer's map guesses the next step's first layer)
+            routers[(i + 1) % len(routers)].evidence = speculation.SPECULATE_EVIDENCE_LEARNED
         # The learned look-ahead's logits are the router's input: its weight the identity (the
         # first E columns guess the next layer; with a two-ahead map, the next E the one after).
         two = i in trace.get("two_ahead_layers", ()) and i + 2 < len(routers)
@@ -492,7 +495,7 @@ def replay_ours(trace, fraction: float, speculate: bool = False) -> dict:
     return out
 
 
-SPECULATION_KNOBS = ("SPECULATE_COPY", "SPECULATE_PRECISION", "SPECULATE_EXPERTS", "SPECULATE_VICTIM_CYCLES",
+SPECULATION_KNOBS = ("SPECULATE_COPY", "SPECULATE_PRECISION", "SPECULATE_PRECISION_IDLE", "SPECULATE_EXPERTS", "SPECULATE_VICTIM_CYCLES",
                      "SPECULATE_SAMPLE", "SPECULATE_EVIDENCE", "SPECULATE_EVIDENCE_LEARNED")
 # The gates tried for the coverage-against-waste curve (each point changes one knob of the
 # default): the bin precision a guess must have shown (1.01: no guess copied, the cache alone);

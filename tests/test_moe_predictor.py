@@ -146,3 +146,84 @@ def test_a_guess_never_evicts_an_expert_used_sooner_than_the_guess(monkeypatch):
     assert limits and all(limit is not None for limit in limits)
     assert checked, "no guess evicted anything: the test checked nothing"
     assert all(use >= limit for use, limit in checked), [c for c in checked if c[0] < c[1]]
+
+
+def test_fit_two_ahead_recovers_a_routing_planted_two_layers_on_and_keeps_it_where_it_is_right():
+    xs, routed, maps = _planted(4000)
+    # Layer 2 routes by a planted map of layer 0's hidden state (two layers ahead).
+    plant = torch.randn(12, 24, generator=torch.Generator().manual_seed(3))
+    routed[2] = (xs[0] @ plant.T).topk(2, -1).indices
+    predictor = LookaheadPredictor.fit(xs, routed, 12)
+    assert sorted(predictor.weights2) == [0]  # only layer 0 has a layer two on
+    hx, _, _ = _planted(800, seed=5)
+    hr = [None, (hx[0] @ maps[0].T).topk(2, -1).indices, (hx[0] @ plant.T).topk(2, -1).indices]
+    scores = predictor.compare(hx, hr, [hx[0] @ maps[0].T, torch.randn(800, 12)])
+    chance = top_k_precision(torch.randn(800, 12), hr[2])
+    assert scores[0]["learned2"] >= 0.8 and scores[0]["learned2"] > chance + 0.5, scores
+    predictor.keep()
+    assert sorted(predictor.weights2) == [0]
+    predictor.scores[0]["learned2"] = 0.5  # below TWO_AHEAD_PRECISION: dropped
+    predictor.keep()
+    assert predictor.weights2 == {} and predictor.biases2 == {}
+
+
+def test_the_last_layer_is_fitted_to_the_next_tokens_first_layer():
+    # Sequences of 50 tokens; the first layer of token t + 1 routes by a planted map of the last
+    # layer's hidden state at token t (what the next decode step's first layer will page).
+    xs, routed, _ = _planted(4000)
+    plant = torch.randn(12, 24, generator=torch.Generator().manual_seed(4))
+    nxt = (xs[2] @ plant.T).topk(2, -1).indices.view(80, 50, 2)
+    routed[0] = torch.cat([routed[0].view(80, 50, 2)[:, :1], nxt[:, :-1]], 1).reshape(-1, 2)
+    predictor = LookaheadPredictor.fit(xs, routed, 12, seq=50)
+    assert sorted(predictor.weights) == [0, 1, 2]
+    with pytest.raises(ValueError, match="seq"):
+        LookaheadPredictor.fit(xs, routed, 12, seq=3000)
+    scores = predictor.compare(xs, routed, [torch.randn(4000, 12) for _ in range(3)], seq=50)
+    assert scores[2]["learned"] >= 0.8 and scores[2]["learned"] > scores[2]["router"] + 0.5, scores
+
+
+def test_a_saved_two_ahead_map_loads_back(tmp_path):
+    xs, routed, _ = _planted(500)
+    predictor = LookaheadPredictor.fit(xs, routed, 12)
+    predictor.save(str(tmp_path))
+    loaded = LookaheadPredictor.load(str(tmp_path))
+    assert sorted(loaded.weights2) == sorted(predictor.weights2) == [0]
+    assert torch.equal(loaded.weights2[0], predictor.weights2[0]) and torch.equal(loaded.biases2[0], predictor.biases2[0])
+
+
+def _biased(experts: list) -> torch.Tensor:
+    bias = torch.zeros(16)
+    for rank, e in enumerate(experts):
+        bias[e] = 9.0 - rank
+    return bias
+
+
+def test_an_installed_two_ahead_map_guesses_the_layer_after_next_and_the_last_the_next_step(monkeypatch):
+    model = _wrap_quarter(_qwen3())
+    reference = _qwen3()
+    predictor = LookaheadPredictor()
+    for i in range(4):  # one layer ahead: 5, 6, 7, 8 (the last layer's: the next step's first layer)
+        predictor.weights[i], predictor.biases[i] = torch.zeros(16, 64), _biased([5, 6, 7, 8])
+    for i in range(2):  # two layers ahead: 9, 10, 11, 12
+        predictor.weights2[i], predictor.biases2[i] = torch.zeros(16, 64), _biased([9, 10, 11, 12])
+    install(pager_of(model), predictor)
+    routers = pager_of(model).experts.speculator.routers
+    assert [r.split for r in routers] == [16, 16, None, None]  # one matmul guesses both
+    # Every router's guess was measured held out (the first's by the last layer's map).
+    assert all(r.evidence == ot_speculation.SPECULATE_EVIDENCE_LEARNED for r in routers)
+    guesses = []
+    real_issue = ot_speculation.RoutingSpeculator._issue
+
+    def issue(self, pager, router, confidence, tokens, ahead=1, idle=True):
+        guesses.append((router.name, ahead, list(confidence)[:4]))
+        return real_issue(self, pager, router, confidence, tokens, ahead, idle)
+
+    monkeypatch.setattr(ot_speculation.RoutingSpeculator, "_issue", issue)
+    got, want = _decode(model, 4), _decode(reference, 4)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    name = "model.layers.{}.mlp.gate".format
+    assert {(n, a) for n, a, _ in guesses} == {(name(i), 1) for i in range(4)} | {(name(i), 2) for i in (2, 3)}
+    assert all(top == ([5, 6, 7, 8] if a == 1 else [9, 10, 11, 12]) for _, a, top in guesses), guesses
+    # The first layer's guess, made at the end of a step, is scored against the next step's routing.
+    first = pager_of(model).experts.speculator.report()["routers"][name(0)]
+    assert first["guessed"] > 0 and first["routed"] > 0, first

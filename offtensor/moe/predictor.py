@@ -67,6 +67,19 @@ def fit_ridge(x: torch.Tensor, routed: torch.Tensor, num_experts: int, ridge: fl
     return (w.T * best).float().contiguous(), (b * best).float().contiguous()
 
 
+def _pairs(inputs: list, routed: list, i: int, ahead: int, seq: Optional[int]):
+    """(router inputs of layer i, routed ids of layer i + ahead) for the same tokens; past the last
+    layer, the first layer's of the next token in each sequence of ``seq`` (``fit``)."""
+    if i + ahead < len(inputs):
+        return inputs[i], routed[i + ahead]
+    if seq is None or inputs[i].shape[0] % seq:
+        raise ValueError(f"offtensor: the look-ahead past the last MoE layer needs seq dividing the {inputs[i].shape[0]} "
+                         f"tokens, got seq={seq}")
+    x = inputs[i].view(-1, seq, inputs[i].shape[-1])[:, :-1]
+    y = routed[0].view(-1, seq, routed[0].shape[-1])[:, 1:]
+    return x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+
+
 def top_k_precision(scores: torch.Tensor, routed: torch.Tensor) -> float:
     """Share of the top-k of ``scores`` [N, E] that ``routed`` [N, k] names."""
     k = routed.shape[-1]
@@ -92,13 +105,18 @@ class LookaheadPredictor:
         self.scores = dict(scores or {})
 
     @classmethod
-    def fit(cls, inputs: list, routed: list, num_experts: int, ridge: float = RIDGE) -> "LookaheadPredictor":
+    def fit(cls, inputs: list, routed: list, num_experts: int, ridge: float = RIDGE,
+            seq: Optional[int] = None) -> "LookaheadPredictor":
         """``inputs[i]``: [N, H] router inputs of MoE layer i; ``routed[i]``: [N, k] its routed ids
         (the same N tokens at every layer). Fits layer i -> layer i + 1 for every layer but the
-        last, and layer i -> layer i + 2 for every layer but the last two."""
+        last, and layer i -> layer i + 2 for every layer but the last two. With ``seq`` (the N
+        tokens are N / seq sequences of ``seq`` consecutive tokens) also the last layer -> the
+        first layer of the next token (``weights[last]``: the guess of the next decode step's first
+        MoE layer, made at the end of this one)."""
         out = cls()
-        for i in range(len(inputs) - 1):
-            out.weights[i], out.biases[i] = fit_ridge(inputs[i], routed[i + 1], num_experts, ridge)
+        for i in range(len(inputs) - (1 if seq is None else 0)):
+            x, y = _pairs(inputs, routed, i, 1, seq)
+            out.weights[i], out.biases[i] = fit_ridge(x, y, num_experts, ridge)
         for i in range(len(inputs) - 2):
             out.weights2[i], out.biases2[i] = fit_ridge(inputs[i], routed[i + 2], num_experts, ridge)
         return out
@@ -112,13 +130,17 @@ class LookaheadPredictor:
         w, b = self.weights2[layer], self.biases2[layer]
         return torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).to(w.dtype), w, b)
 
-    def compare(self, inputs: list, routed: list, router_ahead: list) -> dict:
+    def compare(self, inputs: list, routed: list, router_ahead: list, seq: Optional[int] = None) -> dict:
         """Top-k precision on held-out pairs, per layer: the learned map's and the router
         look-ahead's (``router_ahead[i]``: [N, E] scores of layer i + 1's router on layer i's
-        input). Kept in ``scores``."""
+        input; for the last layer, with ``seq`` as in ``fit``, the first layer's router on it).
+        Kept in ``scores``."""
         for i in sorted(self.weights):
-            self.scores[i] = {"learned": top_k_precision(self.logits(i, inputs[i]), routed[i + 1]),
-                              "router": top_k_precision(router_ahead[i], routed[i + 1])}
+            x, y = _pairs(inputs, routed, i, 1, seq)
+            ahead = router_ahead[i]
+            if i == len(inputs) - 1:  # the next token's: drop each sequence's last token
+                ahead = ahead.view(-1, seq, ahead.shape[-1])[:, :-1].reshape(x.shape[0], -1)
+            self.scores[i] = {"learned": top_k_precision(self.logits(i, x), y), "router": top_k_precision(ahead, y)}
             if i in self.weights2:
                 self.scores[i]["learned2"] = top_k_precision(self.logits2(i, inputs[i]), routed[i + 2])
         return self.scores
@@ -180,8 +202,8 @@ def install(pager, predictor: LookaheadPredictor, device=None) -> list:
     names = []
     for i, router in enumerate(routers):
         w, b = predictor.weights.get(i), predictor.biases.get(i)
-        if i + 1 < len(routers):  # the layer it guesses: its precision was measured held out
-            routers[i + 1].evidence = SPECULATE_EVIDENCE if w is None else SPECULATE_EVIDENCE_LEARNED
+        if len(routers) > 1:  # the layer it guesses (the last: the next step's first), measured held out
+            routers[(i + 1) % len(routers)].evidence = SPECULATE_EVIDENCE if w is None else SPECULATE_EVIDENCE_LEARNED
         router.lookahead = router.split = None
         if w is None:
             continue

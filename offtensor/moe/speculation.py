@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 # and Qwen2-MoE's 2% faster; the coverage-against-waste curve of the gates is in
 # benchmarks/results/moe_sim.json.
 SPECULATE_PRECISION = 0.7
+SPECULATE_PRECISION_IDLE = 0.7
 # Upper edges of the confidence bins (a guess's look-ahead probability; top-k of a softmax over
 # E experts: 1 / E is chance).
 CONFIDENCE_BINS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -101,7 +102,7 @@ class Router:
                  "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts", "copied_correct",
                  "prefetched_bytes", "wasted_bytes", "tokens", "guess", "cached", "copied", "guess_tokens",
                  "unpaid_steps", "missed", "misses_seen", "lookahead", "evidence", "split", "guess2", "cached2",
-                 "bin2_correct", "bin2_guessed", "copied2", "copied2_experts", "copied2_correct")
+                 "bin2_correct", "bin2_guessed", "copied2", "copied2_experts", "copied2_correct", "next_pass")
 
     def __init__(self, name: str, module: nn.Module):
         self.name = name
@@ -135,6 +136,7 @@ class Router:
         self.cached2 = frozenset()
         self.bin2_correct = [0.0] * len(CONFIDENCE_BINS)
         self.bin2_guessed = [0.0] * len(CONFIDENCE_BINS)
+        self.next_pass = False  # whether the open guess is for the next pass (made by the last router)
         self.copied2 = set()  # experts the open two-ahead guess copied
         self.copied2_experts = self.copied2_correct = 0  # copies made by two-ahead guesses, those routed
         self.evidence = SPECULATE_EVIDENCE  # guesses a bin needs (SPECULATE_EVIDENCE_LEARNED: guessed by a learned map)
@@ -145,7 +147,8 @@ class Router:
         record of that bin, (correct, guessed) lists), so a router need not wait for evidence of
         its own before its first copy (on the trained test models a bin took 20-40 decode steps)."""
         correct, guessed = self._record(confidence_bin, pool, ahead)
-        return guessed >= self.evidence and correct >= SPECULATE_PRECISION * guessed
+        gate = SPECULATE_PRECISION if ahead == 1 else SPECULATE_PRECISION_IDLE
+        return guessed >= self.evidence and correct >= gate * guessed
 
     def _record(self, confidence_bin: int, pool=None, ahead: int = 1):
         """(correct, guessed) decayed counts of a bin (of the guesses made ``ahead`` layers ahead):
@@ -233,7 +236,8 @@ class RoutingSpeculator:
         self.pager_ref = weakref.ref(pager)
         self._stacks = stacks
         self.routers = routers  # Router, in module order
-        self._next = {}  # router -> the router that ran after it in the last pass
+        self._next = {}  # router -> the router that ran after it in the last pass (the last: the first)
+        self._wrap_from = None  # the router that ran last in the last pass: it guesses the next pass's first
         self._order = []  # routers in firing order, this pass
         self._current = None  # the router that fired last: stacks paged now are its
         self._learned = {}  # router -> stacks paged after it this pass
@@ -254,7 +258,11 @@ class RoutingSpeculator:
         nxt = self._next.get(router)
         if nxt is None or not nxt.stacks or nxt.top_k is None:
             return
-        if not (SPECULATE_COPY and (nxt.missed or nxt.speculating(self.pool))):
+        wrap = router is self._wrap_from
+        if wrap and (router.lookahead is None or router.tokens > GUESS_ON_HOST_TOKENS):
+            return  # the next pass's first layer is guessed by a learned map only, at decode
+        after = self._next.get(nxt) if router.split is not None and not wrap else None
+        if not (SPECULATE_COPY and (nxt.missed or (after is not None and after.missed) or nxt.speculating(self.pool))):
             # Nothing for a copied guess to save (its layer missed nothing in the last step and no
             # bin pays): it is only scored, which needs a sample, not every step (a guess's kernel
             # is a cost on the compute stream: at 50% cached, where a layer rarely misses, guessing
@@ -267,7 +275,7 @@ class RoutingSpeculator:
         learned, after = router.lookahead, None
         if learned is not None and learned[0].device == x.device and learned[0].shape[-1] == x.shape[-1]:
             weight, bias = learned  # the learned look-ahead (moe.predictor): logits of nxt's experts
-            after = self._next.get(nxt) if router.split is not None else None
+            after = self._next.get(nxt) if router.split is not None and not wrap else None
             if after is None or not after.stacks or after.top_k is None:
                 after = None  # (and the weight's two-ahead rows, if any, are not read)
         elif module is None or not isinstance(weight, torch.Tensor) or hasattr(weight, "_master") \
@@ -282,7 +290,7 @@ class RoutingSpeculator:
                 # host (_host_guess): each kernel is a launch on the compute stream ahead of the
                 # layer's routing read, paid every layer of every step (3 kernels a layer cost the
                 # trained test models' H200 replay 0.08 ms a decode step, 5% of it).
-                self._queue(nxt, scores, router.tokens, after, router.split)
+                self._queue(nxt, scores, router.tokens, after, router.split, wrap)
                 return
             if router.split is not None:
                 scores = scores[:, : router.split]  # a prefill guesses one layer ahead only
@@ -301,10 +309,11 @@ class RoutingSpeculator:
         # Issued from the pager once this layer's own experts are (ExpertStacks.announce), so the
         # guesses queue behind them on the copy stream.
 
-    def _queue(self, router: Router, packed, tokens: int, after=None, split=None) -> None:
+    def _queue(self, router: Router, packed, tokens: int, after=None, split=None, wrap=False) -> None:
         """A guess for ``router``'s layer: ``packed`` is its scores (a tensor: top-k taken on the
         host; with ``after``, the router of the layer after it, the scores from column ``split`` on
-        are the guess two layers ahead for that one) or (ids, confidences). On a GPU they are read back without a host sync: pinned
+        are the guess two layers ahead for that one; ``wrap``: a guess for the next pass) or (ids,
+        confidences). On a GPU they are read back without a host sync: pinned
         staging copies and an event; the copies are issued from the pager's next call once the
         event has completed (by then the layer's own routing read has waited for the router anyway)."""
         event = None
@@ -316,7 +325,7 @@ class RoutingSpeculator:
             packed = staged if isinstance(packed, tuple) else staged[0]
             event = torch.cuda.Event()
             event.record()
-        self._pending.append((router, packed, event, tokens, after, split))
+        self._pending.append((router, packed, event, tokens, after, split, wrap))
 
     def router_output(self, router: Router, output) -> None:
         """The router ran: the experts it selected (``routing.routed_experts``: the ids it returns,
@@ -370,7 +379,7 @@ class RoutingSpeculator:
         pager = self.pager_ref()
         keep = []
         for item in self._pending:
-            router, packed, event, tokens, after, split = item
+            router, packed, event, tokens, after, split, wrap = item
             if event is not None and not event.query():
                 keep.append(item)
                 continue
@@ -380,6 +389,7 @@ class RoutingSpeculator:
             else:
                 pairs = _host_guess(packed if after is None else packed[..., :split], router.top_k)
             self._issue(pager, router, _ranked(pairs), tokens)
+            router.next_pass = wrap
             if after is not None:
                 # Two layers ahead: copied only into copy time the next layer is expected to leave
                 # idle (every expert it is guessed to route is cached or being copied), so that
@@ -494,7 +504,10 @@ class RoutingSpeculator:
                     used |= stack.used
                 if used:
                     router.top_k = len(used)  # one token picks exactly top_k experts
-            self._score(router)
+            if router.next_pass:
+                router.next_pass = False  # made for the pass to come: scored once that has run
+            else:
+                self._score(router)
             misses = sum(s.misses for s in router.stacks)
             router.missed = misses != router.misses_seen  # (a reset of the counters reads as a miss)
             router.misses_seen = misses
@@ -503,6 +516,9 @@ class RoutingSpeculator:
                 router.stacks = stacks
         if self._order:
             self._next = {a: b for a, b in zip(self._order, self._order[1:])}
+            self._wrap_from = self._order[-1] if len(self._order) > 1 else None
+            if self._wrap_from is not None:
+                self._next[self._wrap_from] = self._order[0]
         self._order, self._learned, self._current = [], {}, None
 
     def reset(self) -> None:
