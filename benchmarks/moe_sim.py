@@ -464,15 +464,19 @@ def _layer_of(name: str) -> int:
 def _wrapped_report(model, layers: int) -> dict:
     """Hit rates (overall, per layer) and speculation figures of a wrapped model's stats."""
     s = ot.stats(model)
-    hits, looks = [0] * layers, [0] * layers
+    hits, looks, misses, stacks = [0] * layers, [0] * layers, [0] * layers, [0] * layers
     names = sorted(s.experts, key=_layer_of)
     order = sorted({_layer_of(n) for n in names})
     for n in names:
         i = order.index(_layer_of(n))
         hits[i] += s.experts[n]["hits"]
         looks[i] += s.experts[n]["hits"] + s.experts[n]["misses"]
+        misses[i] += s.experts[n]["misses"]
+        stacks[i] += 1
     g = s.guesses or {}
     return {"hit_rate": sum(hits) / max(sum(looks), 1), "per_layer": [h / n if n else None for h, n in zip(hits, looks)],
+            # experts paged on a miss, per layer (each of an expert's stacks counts one miss)
+            "misses_per_layer": [m / max(n, 1) for m, n in zip(misses, stacks)],
             "bytes_h2d": s.bytes_h2d, "guesses": {k: v for k, v in g.items() if k != "routers"}}
 
 
@@ -495,22 +499,30 @@ def replay_ours(trace, fraction: float, speculate: bool = False) -> dict:
     return out
 
 
-SPECULATION_KNOBS = ("SPECULATE_COPY", "SPECULATE_PRECISION", "SPECULATE_PRECISION_IDLE", "SPECULATE_EXPERTS", "SPECULATE_VICTIM_CYCLES",
-                     "SPECULATE_SAMPLE", "SPECULATE_EVIDENCE", "SPECULATE_EVIDENCE_LEARNED")
+SPECULATION_KNOBS = ("SPECULATE_COPY", "SPECULATE_PRECISION", "SPECULATE_PRECISION_IDLE", "SPECULATE_NEXT_STEP",
+                     "SPECULATE_EXPERTS", "SPECULATE_VICTIM_CYCLES", "SPECULATE_SAMPLE", "SPECULATE_EVIDENCE",
+                     "SPECULATE_EVIDENCE_LEARNED")
 # The gates tried for the coverage-against-waste curve (each point changes one knob of the
 # default): the bin precision a guess must have shown (1.01: no guess copied, the cache alone);
 # the room a guess may take, a victim whose expected next use is at least SPECULATE_VICTIM_CYCLES
 # cycles away (a stricter limit copies fewer guesses and so evicts fewer copies that are read
-# again soon: fewer bytes, fewer misses covered); two guesses a layer instead of one.
+# again soon: fewer bytes, fewer misses covered); up to top-k guesses a layer instead of one (a
+# looser gate with them); the two-ahead guesses' gate (1.01: none copied); the next step's first
+# layer guessed and copied at the end of a step.
 COPIED = {"SPECULATE_COPY": True}
 SCORED_ONLY = {"SPECULATE_COPY": False}
 CURVE = [{**COPIED, "SPECULATE_PRECISION": p} for p in (0.5, 0.6, 0.7, 0.8, 0.9, 1.01)] + \
-    [{**COPIED, "SPECULATE_VICTIM_CYCLES": c} for c in (3.0, 4.0)] + [{**COPIED, "SPECULATE_EXPERTS": 2}]
-# The H200 replays: the cache alone, the default (one guess a layer, copied where it has paid) and
-# guesses scored but not copied; at 25% also two guesses a layer and a looser (60%) gate.
+    [{**COPIED, "SPECULATE_VICTIM_CYCLES": c} for c in (3.0, 4.0)] + [{**COPIED, "SPECULATE_EXPERTS": 8}] + \
+    [{**COPIED, "SPECULATE_EXPERTS": 8, "SPECULATE_PRECISION": 0.5}] + \
+    [{**COPIED, "SPECULATE_PRECISION_IDLE": p} for p in (0.5, 1.01)] + [{**COPIED, "SPECULATE_NEXT_STEP": True}]
+# The H200 replays: the cache alone, the default (a guess a layer, copied where it has paid, and
+# two-ahead guesses copied into the next layer's expected idle copy time) and guesses scored but
+# not copied; at 25% also one layer ahead only (no two-ahead copies), top-k guesses a layer at a
+# 50% gate, and the next step's first layer guessed and copied at the end of a step.
 H200_VARIANTS = {"cache_alone": None, "default": {}, "scored_only": SCORED_ONLY}
-H200_VARIANTS_25 = {**H200_VARIANTS, "two_per_layer": {**COPIED, "SPECULATE_EXPERTS": 2},
-                    "gate_60": {**COPIED, "SPECULATE_PRECISION": 0.6}}
+H200_VARIANTS_25 = {**H200_VARIANTS, "one_ahead_only": {**COPIED, "SPECULATE_PRECISION_IDLE": 1.01},
+                    "top_k_gate_50": {**COPIED, "SPECULATE_EXPERTS": 8, "SPECULATE_PRECISION": 0.5},
+                    "next_step": {**COPIED, "SPECULATE_NEXT_STEP": True}}
 TIMELINE_STEPS = 8
 
 
@@ -645,10 +657,27 @@ def evaluate(name: str, args) -> dict:
             row["real_default"] = real_run(model, ids, args.prefix, args.steps, fraction, speculate=True,
                                            timeline_steps=TIMELINE_STEPS,
                                            predictor=predictor)  # guesses copied where they paid
+        row["summary"] = _summary(row)
         result["cache"][f"{fraction:.0%}"] = row
         print(f"{name} {fraction:.0%}: " + ", ".join(f"{k} {v['hit_rate']:.3f}" for k, v in row.items()
                                                      if isinstance(v, dict) and "hit_rate" in v), flush=True)
     return result
+
+
+def _summary(row) -> dict:
+    """The figures the look-ahead is judged by: the default's hit rate against Belady's, the share
+    of all misses (those a copied guess covered included, every layer's) that copied guesses
+    covered and the share of their bytes wasted, and the H200 replay's step against the cache
+    alone's."""
+    ours, g = row["ours"], row["ours"]["guesses"]
+    h200 = row["h200_sized"]
+    covered = g.get("copied_correct") or 0
+    misses_left = sum(ours["misses_per_layer"])
+    return {"hit": ours["hit_rate"], "belady": row["belady"]["hit_rate"],
+            "hit_vs_belady": ours["hit_rate"] - row["belady"]["hit_rate"],
+            "covered_of_all_misses": covered / (misses_left + covered) if misses_left + covered else None,
+            "wasted_share": g.get("wasted_share"),
+            "h200_faster_than_cache_alone": 1 - h200["default"]["step_ms_mean"] / h200["cache_alone"]["step_ms_mean"]}
 
 
 def lookahead_of(name: str, model, refit: bool = False):

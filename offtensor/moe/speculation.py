@@ -12,7 +12,11 @@ Guesses of experts not cached when guessed (the only ones a copy can save) are s
 router and confidence bin. Such a guess is copied (the most confident one per layer, behind layer
 i's own copies, and only into the room of a copy expected to be read much later) when its bin's
 recent guesses were at least 70% right (the router's own record, or every router's until it has
-one); the guessed experts of layer i+1 are kept from eviction until it pages. A decode step's
+one); the guessed experts of layer i+1 are kept from eviction until it pages. Where the learned
+look-ahead also maps layer i's input to layer i+2's experts (the same matmul), that guess is
+scored in bins of its own and copied only when layer i+1's guess names nothing to copy: its copy
+then fills copy time layer i+1 is expected to leave idle, and never queues ahead of one of layer
+i+1's misses. With SPECULATE_NEXT_STEP the last layer guesses the next step's first. A decode step's
 guess costs one kernel, the router matmul (softmax and top-k on the host). With ``SPECULATE_COPY``
 off nothing is copied and a router is guessed for on a sample of the steps. Which modules are
 routers and which stacks each one selects is learned from the access order of a pass (the stacks
@@ -90,6 +94,13 @@ SPECULATE_COPY = True
 # evidence (no guess was ever copied; guessing every step brings the hit rate 0.4-1.2 points closer
 # to Belady's, benchmarks/results/moe_sim.json).
 SPECULATE_SAMPLE = 1
+# Whether the last MoE layer guesses the next decode step's first layer (where the learned
+# look-ahead has a map for it: ``moe.predictor.fit(..., seq=)``) and copies it ahead. Off by
+# default: the copy is issued at the end of a step, after the last layer's own copies, where one
+# layer's compute is left to hide it; under the H200 replay of benchmarks/moe_sim.py (a step ends
+# when both streams are idle) it made the trained models' decode step 0.5-3 % slower at 25 % cached
+# for 0.3-0.7 points of hit rate (benchmarks/results/moe_sim.json, "next_step").
+SPECULATE_NEXT_STEP = False
 # Up to this many tokens (decode steps) a guess's softmax and top-k are taken on the host from the
 # router scores (E values a token, read back with the layer's routing); beyond it (a prefill) on the
 # device. Each kernel is a launch ahead of the layer's routing read: the matmul, softmax and top-k
@@ -165,6 +176,19 @@ class Router:
         correct, guessed = self._record(confidence_bin, pool, ahead)
         return correct / guessed if guessed else 0.0
 
+    def record(self, confidence_bin: int, right: bool, ahead: int, pool) -> None:
+        """Score one uncached guess made ``ahead`` layers before this layer: its bin's decayed
+        counts, the pool's (``RoutingSpeculator.pool``) and, one ahead, the totals."""
+        if ahead == 1:
+            self.uncached_guessed += 1
+            self.uncached_correct += right
+            bins = (self.bin_correct, self.bin_guessed) + pool[:2]
+        else:
+            bins = (self.bin2_correct, self.bin2_guessed) + pool[2:]
+        for i in (0, 2):
+            bins[i][confidence_bin] = PRECISION_DECAY * bins[i][confidence_bin] + right
+            bins[i + 1][confidence_bin] = PRECISION_DECAY * bins[i + 1][confidence_bin] + 1.0
+
     def speculating(self, pool=None) -> bool:
         return SPECULATE_COPY and any(self.pays(b, pool) for b in range(len(CONFIDENCE_BINS)))
 
@@ -213,6 +237,14 @@ def _host_guess(scores: torch.Tensor, top_k: int) -> list:
     return out
 
 
+def _cached_experts(pager, router: Router) -> frozenset:
+    """The experts of ``router``'s layer with every stack cached."""
+    stacks = router.stacks
+    if pager is None or not stacks:
+        return frozenset()
+    return frozenset(e for e in range(stacks[0].num_experts) if all(pager.is_cached(s.key_of(e)) for s in stacks))
+
+
 def _ranked(pairs) -> dict:
     """(expert, confidence) pairs -> expert: its highest confidence, the most confident first."""
     confidence = {}
@@ -259,7 +291,7 @@ class RoutingSpeculator:
         if nxt is None or not nxt.stacks or nxt.top_k is None:
             return
         wrap = router is self._wrap_from
-        if wrap and (router.lookahead is None or router.tokens > GUESS_ON_HOST_TOKENS):
+        if wrap and not (SPECULATE_NEXT_STEP and router.lookahead is not None and router.tokens <= GUESS_ON_HOST_TOKENS):
             return  # the next pass's first layer is guessed by a learned map only, at decode
         after = self._next.get(nxt) if router.split is not None and not wrap else None
         if not (SPECULATE_COPY and (nxt.missed or (after is not None and after.missed) or nxt.speculating(self.pool))):
@@ -398,20 +430,12 @@ class RoutingSpeculator:
                 self._issue(pager, after, _ranked(_host_guess(packed[..., split:], after.top_k)), tokens, 2, idle)
         self._pending = keep
 
-    def _cached_experts(self, pager, router: Router) -> frozenset:
-        """The experts of ``router``'s layer with every stack cached."""
-        stacks = router.stacks
-        if pager is None or not stacks:
-            return frozenset()
-        return frozenset(e for e in range(stacks[0].num_experts)
-                         if all(pager.is_cached(s.key_of(e)) for s in stacks))
-
     def _issue(self, pager, router: Router, confidence: dict, tokens: int, ahead: int = 1, idle: bool = True) -> None:
         """Open ``router``'s guess made ``ahead`` layers before it (scored at the step's end) and,
         with ``idle``, copy the guessed experts that are not cached and whose confidence bin has
         paid (``Router.pays``), the most confident first, at most SPECULATE_EXPERTS."""
         bins = {e: _confidence_bin(p) for e, p in confidence.items()}
-        cached = self._cached_experts(pager, router)
+        cached = _cached_experts(pager, router)
         if ahead == 1:
             if router.guess is not None:
                 self._score(router)  # one left open by a pass that did not end (no step)
@@ -469,21 +493,12 @@ class RoutingSpeculator:
             if open_guess is None:
                 continue
             cached = router.cached if ahead == 1 else router.cached2
-            own = (router.bin_correct, router.bin_guessed) if ahead == 1 else (router.bin2_correct, router.bin2_guessed)
-            pool = self.pool[:2] if ahead == 1 else self.pool[2:]
             if ahead == 1:
                 router.guessed += len(open_guess)
                 router.correct += len(open_guess.keys() & used)
             for e, b in open_guess.items():
-                if e in cached:
-                    continue  # a guess of a cached expert costs nothing and saves nothing
-                right = e in used
-                if ahead == 1:
-                    router.uncached_guessed += 1
-                    router.uncached_correct += right
-                for correct, guessed in (own, pool):
-                    correct[b] = PRECISION_DECAY * correct[b] + right
-                    guessed[b] = PRECISION_DECAY * guessed[b] + 1.0
+                if e not in cached:  # a guess of a cached expert costs nothing and saves nothing
+                    router.record(b, e in used, ahead, self.pool)
             if ahead == 2:
                 router.copied2_experts += len(router.copied2)
                 router.copied2_correct += len(router.copied2 & used)
