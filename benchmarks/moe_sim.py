@@ -12,7 +12,9 @@ offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a 
    ``lookahead.safetensors``; fitted when absent or with ``--refit`` on held-out windows the trace
    never decodes, and kept per layer where it beat the router look-ahead on other held-out
    windows), else layer i+1's router weight applied to layer i's router input (the router
-   look-ahead; ``--router-lookahead``: that alone). The real runs install the same predictor.
+   look-ahead; ``--router-lookahead``: that alone); where the predictor has them, the logits of
+   layer i+2 from layer i (``ahead2``) and of the next token's first layer from the last. The real
+   runs install the same predictor.
 2. **Routing statistics** (decode steps): entropy of expert use per layer (bits; uniform =
    log2 E), token-to-token locality (share of a token's experts the previous token also used at
    that layer; uniform = k / E), look-ahead top-k precision per layer.
@@ -38,10 +40,16 @@ offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a 
 6. **H200 replay** (``h200_sized``): the trace through the replay model with experts of
    Qwen3-30B-A3B's bytes (9.4 MB) and a resident attention stand-in per layer, the last 16 decode
    steps recorded (``ot.timeline``) and replayed under ``h200``: the cache alone
-   (``prefetch=False``), the default (one guess a layer copied where its bin has been >= 70% right),
-   guesses scored but never copied, and at 25% two guesses a layer and a 60% gate; per step the
-   bytes copied ahead by guesses, those wasted, and the
-   misses left on the critical path (expert copies an op waited for after its layer's routing).
+   (``prefetch=False``), the default (one guess a layer copied where its bin has been >= 70% right,
+   and guesses two layers ahead copied into the next layer's expected idle copy time), guesses
+   scored but never copied, and at 25% one layer ahead only, top-k guesses a layer at a 50% gate
+   and the next step's first layer guessed at the end of a step; per step the bytes copied ahead
+   by guesses, those wasted, and the misses left on the critical path (expert copies an op waited
+   for after its layer's routing); each also replayed with the host waiting for the compute
+   stream only between steps (``step_ms_mean_sync_compute``).
+8. **Summary** per model and fraction (``summary``): the default's hit against Belady's, the share
+   of all misses (every layer's, the covered ones included) that copied guesses covered, the
+   share of their bytes wasted, and the H200 replay against the cache alone.
 7. **Routing statistics for plans**: ``moe_routing_{model}.json`` (``offtensor.RoutingStats``,
    what ``ot.plan(..., routing=...)`` and ``python -m offtensor plan --routing`` take).
 
@@ -442,6 +450,9 @@ def h200_replay(trace, fraction: float, speculate: bool, hidden: int = 1024, int
             for step in steps[-recorded:]:
                 model(step)
     r = tl.replay("h200")
+    # The same steps when the host waits only for each step's result (the compute stream), as a
+    # decode loop reading its token does: a copy still in flight runs on into the next step.
+    rc = tl.replay("h200", sync="compute")
     s = ot.stats(model)
     g = s.guesses or {}
     misses = sum(e["misses"] for e in s.experts.values())
@@ -450,6 +461,7 @@ def h200_replay(trace, fraction: float, speculate: bool, hidden: int = 1024, int
     # copies an op still waited for (misses: paged after the layer's own routing read).
     return {"expert_bytes": 3 * hidden * inter * 4, "recorded_steps": recorded,
             "step_ms_mean": sum(r.steps_ms) / len(r.steps_ms), "bound_ms_last": r.bound_ms,
+            "step_ms_mean_sync_compute": sum(rc.steps_ms) / len(rc.steps_ms),
             "copy_busy_last": r.copy_busy, "bytes_h2d_per_step": s.bytes_h2d / recorded,
             "guess_bytes_ahead_per_step": (g.get("prefetched_bytes") or 0) / recorded,
             "guess_bytes_wasted_per_step": (g.get("wasted_bytes") or 0) / recorded,
@@ -677,7 +689,9 @@ def _summary(row) -> dict:
             "hit_vs_belady": ours["hit_rate"] - row["belady"]["hit_rate"],
             "covered_of_all_misses": covered / (misses_left + covered) if misses_left + covered else None,
             "wasted_share": g.get("wasted_share"),
-            "h200_faster_than_cache_alone": 1 - h200["default"]["step_ms_mean"] / h200["cache_alone"]["step_ms_mean"]}
+            "h200_faster_than_cache_alone": 1 - h200["default"]["step_ms_mean"] / h200["cache_alone"]["step_ms_mean"],
+            "h200_faster_sync_compute": {name: 1 - v["step_ms_mean_sync_compute"] / h200["cache_alone"]["step_ms_mean_sync_compute"]
+                                         for name, v in h200.items() if name != "cache_alone"}}
 
 
 def lookahead_of(name: str, model, refit: bool = False):
