@@ -515,7 +515,7 @@ SPECULATION_KNOBS = ("SPECULATE_COPY", "SPECULATE_PRECISION", "SPECULATE_PRECISI
                      "SPECULATE_EXPERTS", "SPECULATE_VICTIM_CYCLES", "SPECULATE_SAMPLE", "SPECULATE_EVIDENCE",
                      "SPECULATE_EVIDENCE_LEARNED")
 # The gates tried for the coverage-against-waste curve (each point changes one knob of the
-# default): the bin precision a guess must have shown (1.01: no guess copied, the cache alone);
+# default): the bin precision a one-ahead guess must have shown (1.01: none copied, two-ahead ones still);
 # the room a guess may take, a victim whose expected next use is at least SPECULATE_VICTIM_CYCLES
 # cycles away (a stricter limit copies fewer guesses and so evicts fewer copies that are read
 # again soon: fewer bytes, fewer misses covered); up to top-k guesses a layer instead of one (a
