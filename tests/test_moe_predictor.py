@@ -232,3 +232,19 @@ def test_an_installed_two_ahead_map_guesses_the_layer_after_next_and_the_last_th
     # That guess is scored against the next step's routing.
     first = pager_of(model).experts.speculator.report()["routers"][name(0)]
     assert (first["guessed"] > 0 and first["routed"] > 0) == next_step, first
+
+
+def test_a_fused_guess_without_a_layer_after_next_guesses_only_the_next_layers_experts():
+    # A layer whose look-ahead also holds a two-ahead map, when the layer after next is unknown
+    # (not yet learned, or no top-k): only the first E scores are the next layer's.
+    model = _wrap_quarter(_qwen3())
+    _decode(model, 2)
+    speculator = pager_of(model).experts.speculator
+    nxt = speculator.routers[1]
+    scores = torch.zeros(1, 32)
+    scores[0, 16:20] = 9.0  # the two-ahead half names experts 0-3 of another layer: not nxt's 16-19
+    scores[0, [5, 6, 7, 8]] = 5.0
+    speculator._queue(nxt, scores, 1, None, 16)
+    speculator.issue_ready()
+    assert nxt.guess is not None and all(e < 16 for e in nxt.guess), nxt.guess
+    assert set(list(nxt.guess)[:4]) == {5, 6, 7, 8}

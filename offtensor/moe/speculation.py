@@ -419,7 +419,7 @@ class RoutingSpeculator:
                 ids, conf = packed
                 pairs = zip(ids.reshape(-1).tolist(), conf.reshape(-1).tolist())
             else:
-                pairs = _host_guess(packed if after is None else packed[..., :split], router.top_k)
+                pairs = _host_guess(packed if split is None else packed[..., :split], router.top_k)
             self._issue(pager, router, _ranked(pairs), tokens)
             router.next_pass = wrap
             if after is not None:
