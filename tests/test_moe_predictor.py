@@ -180,6 +180,8 @@ def test_the_last_layer_is_fitted_to_the_next_tokens_first_layer():
         LookaheadPredictor.fit(xs, routed, 12, seq=3000)
     scores = predictor.compare(xs, routed, [torch.randn(4000, 12) for _ in range(3)], seq=50)
     assert scores[2]["learned"] >= 0.8 and scores[2]["learned"] > scores[2]["router"] + 0.5, scores
+    # Without the first router's scores on the last layer's input, only the learned map is measured.
+    assert predictor.compare(xs, routed, [torch.randn(4000, 12) for _ in range(2)], seq=50)[2]["router"] == 0.0
 
 
 def test_a_saved_two_ahead_map_loads_back(tmp_path):

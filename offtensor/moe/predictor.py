@@ -137,10 +137,11 @@ class LookaheadPredictor:
         Kept in ``scores``."""
         for i in sorted(self.weights):
             x, y = _pairs(inputs, routed, i, 1, seq)
-            ahead = router_ahead[i]
-            if i == len(inputs) - 1:  # the next token's: drop each sequence's last token
+            ahead = router_ahead[i] if i < len(router_ahead) else None  # (none given: the router's is 0)
+            if ahead is not None and i == len(inputs) - 1:  # the next token's: drop each sequence's last
                 ahead = ahead.view(-1, seq, ahead.shape[-1])[:, :-1].reshape(x.shape[0], -1)
-            self.scores[i] = {"learned": top_k_precision(self.logits(i, x), y), "router": top_k_precision(ahead, y)}
+            self.scores[i] = {"learned": top_k_precision(self.logits(i, x), y),
+                              "router": 0.0 if ahead is None else top_k_precision(ahead, y)}
             if i in self.weights2:
                 self.scores[i]["learned2"] = top_k_precision(self.logits2(i, inputs[i]), routed[i + 2])
         return self.scores
