@@ -57,6 +57,10 @@ if TYPE_CHECKING:
 # and Qwen2-MoE's 2% faster; the coverage-against-waste curve of the gates is in
 # benchmarks/results/moe_sim.json.
 SPECULATE_PRECISION = 0.7
+# The same gate for a guess made two layers ahead (copied only into copy time the next layer is
+# expected to leave idle). Kept at SPECULATE_PRECISION: at 0.5 benchmarks/moe_sim.py's trained
+# models at 25% cached covered 2-5 points more misses for 4-6 points more bytes wasted and no more
+# hits (the speculation_curve in benchmarks/results/moe_sim.json).
 SPECULATE_PRECISION_IDLE = 0.7
 # Upper edges of the confidence bins (a guess's look-ahead probability; top-k of a softmax over
 # E experts: 1 / E is chance).
