@@ -250,3 +250,51 @@ def test_a_fused_guess_without_a_layer_after_next_guesses_only_the_next_layers_e
     speculator.issue_ready()
     assert nxt.guess is not None and all(e < 16 for e in nxt.guess), nxt.guess
     assert set(list(nxt.guess)[:4]) == {5, 6, 7, 8}
+
+
+def test_online_refit_records_the_decode_and_installs_what_beat_the_router_lookahead():
+    from offtensor.moe.refit import OnlineRefit
+
+    model = _wrap_quarter(_qwen3())
+    reference = _qwen3()
+    pager = pager_of(model)
+    with pytest.raises(ValueError, match="window >= minimum"):
+        OnlineRefit(pager, every=8, window=8, minimum=16)
+    refit = OnlineRefit(pager, every=24, window=64, minimum=24)
+    installed = []
+    real_refit = refit.refit
+    refit.refit = lambda: installed.append(real_refit()) or installed[-1]
+    got, want = _decode(model, 30), _decode(reference, 30)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))  # guesses never change a result
+    # 28 one-token passes recorded (not the prefill; the last pass is recorded when the next
+    # forward begins), a refit at the 24th.
+    assert refit.refits == 1 and len(refit.steps) == 28 and refit.since == 4, (refit.refits, len(refit.steps))
+    routers = [r for r in pager.experts.speculator.routers if r.stacks]
+    kept = sorted(refit.predictor.weights)
+    assert installed == [[routers[i].name for i in kept]]
+    assert all((r.lookahead is not None) == (i in kept) for i, r in enumerate(routers))
+    # Kept only where it was right more often than the router look-ahead on the held-out quarter.
+    assert all(refit.predictor.scores[i]["learned"] > refit.predictor.scores[i]["router"] for i in kept)
+
+
+def test_online_refit_learns_a_planted_routing_the_router_lookahead_misses():
+    from offtensor.moe.refit import OnlineRefit
+
+    model = _wrap_quarter(_qwen3())
+    _decode(model, 2)  # the speculator learns its routers' stacks
+    refit = OnlineRefit(pager_of(model), every=10_000, window=400, minimum=64)
+    # 400 recorded decode steps: layer i + 1 routes by a planted map of layer i's router input,
+    # the first layer by one of the last layer's input at the step before.
+    g = torch.Generator().manual_seed(0)
+    maps = [torch.randn(16, 64, generator=g) for _ in range(4)]
+    xs = torch.randn(400, 4, 64, generator=g)
+    for t in range(400):
+        ids = [(xs[t - 1, 3] if t else torch.randn(64, generator=g)) @ maps[3].T] + \
+            [xs[t, i] @ maps[i].T for i in range(3)]
+        refit.steps.append([(xs[t, i], ids[i].topk(4).indices.sort().values) for i in range(4)])
+    names = refit.refit()
+    scores = refit.predictor.scores
+    assert sorted(refit.predictor.weights) == [0, 1, 2, 3], scores  # every map beat the model's routers
+    assert all(scores[i]["learned"] >= 0.6 and scores[i]["learned"] > scores[i]["router"] + 0.2 for i in range(4)), scores
+    routers = [r for r in pager_of(model).experts.speculator.routers if r.stacks]
+    assert names == [r.name for r in routers] and all(r.lookahead is not None for r in routers)

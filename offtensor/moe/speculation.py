@@ -280,6 +280,7 @@ class RoutingSpeculator:
         self._pending = []  # (router, scores or (ids, confidences), event or None, tokens): guesses not yet issued
         self._expected = []  # GPU: (router, pinned ids, event) of router outputs read back without a sync
         self.hooks = []
+        self.recorder = None  # moe.refit.OnlineRefit, when one records the routing
         # Every router's uncached guesses per confidence bin, decayed alike (Router.pays): (correct,
         # guessed) of the guesses one layer ahead, then of those two layers ahead.
         self.pool = tuple([0.0] * len(CONFIDENCE_BINS) for _ in range(4))
@@ -291,6 +292,8 @@ class RoutingSpeculator:
         self._current = router
         self._learned.setdefault(router, [])
         router.tokens = x.numel() // max(x.shape[-1], 1)
+        if self.recorder is not None:
+            self.recorder.input(router, x)
         nxt = self._next.get(router)
         if nxt is None or not nxt.stacks or nxt.top_k is None:
             return
@@ -516,6 +519,8 @@ class RoutingSpeculator:
     def step(self) -> None:
         """A pass ended: score open guesses, learn the router order and which stacks each selects."""
         self.issue_ready()
+        if self.recorder is not None:
+            self.recorder.step()
         for router in self.routers:
             if router.tokens == 1 and router.stacks:
                 used = set()
