@@ -47,7 +47,9 @@ offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a 
    by guesses, those wasted, and the misses left on the critical path (expert copies an op waited
    for after its layer's routing); each also replayed with the host waiting for the compute
    stream only between steps (``step_ms_mean_sync_compute``).
-8. **Summary** per model and fraction (``summary``): the default's hit against Belady's, the share
+8. **Coverage ceiling** (``coverage_ceiling``): every layer guessed, every guess scored, none
+   copied; the uncached guesses ranked by confidence: the most any gate on it could cover.
+9. **Summary** per model and fraction (``summary``): the default's hit against Belady's, the share
    of all misses (every layer's, the covered ones included) that copied guesses covered, the
    share of their bytes wasted, and the H200 replay against the cache alone.
 7. **Routing statistics for plans**: ``moe_routing_{model}.json`` (``offtensor.RoutingStats``,
@@ -575,6 +577,59 @@ def routing_stats_of(trace, name: str):
                                    f"trained {name} (benchmarks/moe_sim.py, {len(steps)} held-out decode steps)")
 
 
+@contextlib.contextmanager
+def _uncached_guesses(out: list):
+    """Inside: every one-ahead guess of an uncached expert the speculator scores is appended to
+    ``out`` as (confidence, routed)."""
+    from offtensor.moe import speculation
+
+    cls = speculation.RoutingSpeculator
+    real_issue, real_score, open_guesses = cls._issue, cls._score, {}
+
+    def issue(self, pager, router, confidence, tokens, ahead=1, idle=True):
+        real_issue(self, pager, router, confidence, tokens, ahead, idle)
+        if ahead == 1:
+            open_guesses[router] = [(e, p) for e, p in confidence.items() if e not in router.cached]
+
+    def score(self, router):
+        guesses = open_guesses.pop(router, None)
+        if router.guess is not None and guesses:
+            used = set().union(*(s.used for s in router.stacks))
+            if used:
+                out.extend((p, e in used) for e, p in guesses)
+        real_score(self, router)
+
+    cls._issue, cls._score = issue, score
+    try:
+        yield
+    finally:
+        cls._issue, cls._score = real_issue, real_score
+
+
+def coverage_ceiling(trace, fraction: float) -> dict:
+    """What the look-ahead could cover at most: every layer guessed (the next step's first layer
+    too), every guess scored and none copied; the guesses of uncached experts ranked by their
+    confidence, the share of all misses the most confident ones would cover at a waste of at most
+    25%, and the waste at which they would cover 40%."""
+    guesses = []
+    with _uncached_guesses(guesses):
+        r = _with({"SPECULATE_COPY": False, "SPECULATE_NEXT_STEP": True}, replay_ours, trace, fraction, True)
+    misses = r["guesses"]["misses"]
+    guesses.sort(key=lambda g: -g[0])
+    right = best = 0
+    waste_at_40 = None
+    for n, (_, hit) in enumerate(guesses, 1):
+        right += hit
+        if right >= 0.75 * n:
+            best = right / misses
+        if waste_at_40 is None and right >= 0.4 * misses:
+            waste_at_40 = 1 - right / n
+    return {"misses": misses, "uncached_guesses": len(guesses),
+            "uncached_precision": right / len(guesses) if guesses else None,
+            "covered_if_all_copied": right / misses if misses else None,
+            "best_covered_at_most_25pct_wasted": best if misses else None, "wasted_at_40pct_covered": waste_at_40}
+
+
 def speculation_curve(trace, fraction: float, settings) -> list:
     """The real speculator on the trace under other gates: each of ``settings`` (a dict of
     ``offtensor.moe`` SPECULATION_KNOBS) replayed, restored afterwards. One point per setting:
@@ -662,6 +717,7 @@ def evaluate(name: str, args) -> dict:
         if router_trace is not None:
             row["ours_router_lookahead"] = replay_ours(router_trace, fraction, True)
         row["speculation_curve"] = speculation_curve(trace, fraction, CURVE)
+        row["coverage_ceiling"] = coverage_ceiling(trace, fraction)
         row["h200_sized"] = h200_variants(trace, fraction)
         if not args.no_real:
             row["real"] = real_run(model, ids, args.prefix, args.steps, fraction, speculate=False,
