@@ -12,7 +12,9 @@ offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a 
    ``lookahead.safetensors``; fitted when absent or with ``--refit`` on held-out windows the trace
    never decodes, and kept per layer where it beat the router look-ahead on other held-out
    windows), else layer i+1's router weight applied to layer i's router input (the router
-   look-ahead; ``--router-lookahead``: that alone). The real runs install the same predictor.
+   look-ahead; ``--router-lookahead``: that alone); where the predictor has them, the logits of
+   layer i+2 from layer i (``ahead2``) and of the next token's first layer from the last. The real
+   runs install the same predictor.
 2. **Routing statistics** (decode steps): entropy of expert use per layer (bits; uniform =
    log2 E), token-to-token locality (share of a token's experts the previous token also used at
    that layer; uniform = k / E), look-ahead top-k precision per layer.
@@ -38,10 +40,18 @@ offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a 
 6. **H200 replay** (``h200_sized``): the trace through the replay model with experts of
    Qwen3-30B-A3B's bytes (9.4 MB) and a resident attention stand-in per layer, the last 16 decode
    steps recorded (``ot.timeline``) and replayed under ``h200``: the cache alone
-   (``prefetch=False``), the default (one guess a layer copied where its bin has been >= 70% right),
-   guesses scored but never copied, and at 25% two guesses a layer and a 60% gate; per step the
-   bytes copied ahead by guesses, those wasted, and the
-   misses left on the critical path (expert copies an op waited for after its layer's routing).
+   (``prefetch=False``), the default (one guess a layer copied where its bin has been >= 70% right,
+   and guesses two layers ahead copied into the next layer's expected idle copy time), guesses
+   scored but never copied, and at 25% one layer ahead only, top-k guesses a layer at a 50% gate
+   and the next step's first layer guessed at the end of a step; per step the bytes copied ahead
+   by guesses, those wasted, and the misses left on the critical path (expert copies an op waited
+   for after its layer's routing); each also replayed with the host waiting for the compute
+   stream only between steps (``step_ms_mean_sync_compute``).
+8. **Coverage ceiling** (``coverage_ceiling``): every layer guessed, every guess scored, none
+   copied; the uncached guesses ranked by confidence: the most any gate on it could cover.
+9. **Summary** per model and fraction (``summary``): the default's hit against Belady's, the share
+   of all misses (every layer's, the covered ones included) that copied guesses covered, the
+   share of their bytes wasted, and the H200 replay against the cache alone.
 7. **Routing statistics for plans**: ``moe_routing_{model}.json`` (``offtensor.RoutingStats``,
    what ``ot.plan(..., routing=...)`` and ``python -m offtensor plan --routing`` take).
 
@@ -139,10 +149,10 @@ class _Decoder:
 # The learned look-ahead (offtensor.moe.predictor) is fitted on held-out text the trace never
 # decodes: FIT_WINDOWS 256-byte windows from byte FIT_START of the held-out split, and compared
 # with the router look-ahead on VAL_WINDOWS more from VAL_START (the trace decodes from byte 0).
-FIT_START, FIT_WINDOWS, VAL_START, VAL_WINDOWS, FIT_RIDGE = 100_000, 64, 300_000, 16, 1e-3
+FIT_START, FIT_WINDOWS, VAL_START, VAL_WINDOWS, FIT_RIDGE, FIT_SEQ = 100_000, 64, 300_000, 16, 1e-3, 256
 
 
-def routing_pairs(model, start: int, windows: int, seq: int = 256):
+def routing_pairs(model, start: int, windows: int, seq: int = FIT_SEQ):
     """Per MoE layer, over ``windows`` prefills of ``seq`` held-out bytes from ``start``: the router
     inputs [N, H], the routed ids [N, k], and the router look-ahead (layer i + 1's router on layer
     i's input, [N, E]; none for the last layer)."""
@@ -164,7 +174,8 @@ def routing_pairs(model, start: int, windows: int, seq: int = 256):
         for h in handles:
             h.remove()
     xs, routed = [torch.cat(v) for v in xs], [torch.cat(v) for v in routed]
-    ahead = [F.linear(xs[i], routers[i + 1][1].weight.float()) for i in range(len(routers) - 1)]
+    # (the last layer's: the first router on it, the look-ahead of the next token's first layer)
+    ahead = [F.linear(xs[i], routers[(i + 1) % len(routers)][1].weight.float()) for i in range(len(routers))]
     return xs, routed, ahead
 
 
@@ -175,8 +186,8 @@ def fit_lookahead(model):
 
     fx, fr, _ = routing_pairs(model, FIT_START, FIT_WINDOWS)
     vx, vr, va = routing_pairs(model, VAL_START, VAL_WINDOWS)
-    predictor = LookaheadPredictor.fit(fx, fr, _num_experts(model), FIT_RIDGE)
-    predictor.compare(vx, vr, va)
+    predictor = LookaheadPredictor.fit(fx, fr, _num_experts(model), FIT_RIDGE, seq=FIT_SEQ)
+    predictor.compare(vx, vr, va, seq=FIT_SEQ)
     predictor.keep()
     return predictor
 
@@ -198,14 +209,16 @@ def record_trace(model, ids, prefix: int, steps: int, predictor=None) -> dict:
     def hook(module, args, output, pos):
         x = args[0].reshape(-1, args[0].shape[-1])
         logits, _, indices = output
-        router_ahead = ahead = None
+        router_ahead = ahead = ahead2 = None
+        if predictor is not None and pos in predictor.weights2:
+            ahead2 = predictor.logits2(pos, x.float()).detach().clone()
         if pos + 1 < len(routers):
             router_ahead = F.linear(x.to(routers[pos + 1][1].weight.dtype), routers[pos + 1][1].weight).float()
             ahead = router_ahead
-            if predictor is not None and pos in predictor.weights:
-                ahead = predictor.logits(pos, x.float())
+        if predictor is not None and pos in predictor.weights:
+            ahead = predictor.logits(pos, x.float())  # the last layer's: the next token's first layer
         current.append({"routed": indices.detach().clone(), "logits": logits.detach().float().clone(),
-                        "ahead": None if ahead is None else ahead.detach().clone(),
+                        "ahead": None if ahead is None else ahead.detach().clone(), "ahead2": ahead2,
                         "router_ahead": None if router_ahead is None else router_ahead.detach().clone()})
 
     handles = [gate.register_forward_hook(lambda m, a, o, pos=pos: hook(m, a, o, pos))
@@ -224,6 +237,7 @@ def record_trace(model, ids, prefix: int, steps: int, predictor=None) -> dict:
             h.remove()
     config = model.config
     return {"steps": trace, "learned_layers": sorted(predictor.weights) if predictor is not None else [],
+            "two_ahead_layers": sorted(predictor.weights2) if predictor is not None else [],
             "layers": len(routers), "experts": _num_experts(model),
             "top_k": config.num_experts_per_tok, "prefix": prefix,
             "decode_bits_per_byte": nll / steps / math.log(2)}
@@ -326,13 +340,14 @@ def simulate_belady(trace, capacity: int) -> dict:
 
 
 class _ReplayRouter(nn.Module):
-    """A router whose weight is the identity over experts (so layer i's look-ahead, the next
-    router's weight applied to this router's input, is the input itself) and whose output is the
-    recorded logits."""
+    """A router whose input is the recorded look-ahead logits, then those two layers ahead
+    ([tokens, 2E]), whose weight is the identity over the first E (so layer i's router look-ahead,
+    the next router's weight applied to this router's input, is the recorded one) and whose output
+    is the recorded logits."""
 
     def __init__(self, experts: int, top_k: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.eye(experts), requires_grad=False)
+        self.weight = nn.Parameter(torch.eye(experts, 2 * experts), requires_grad=False)
         self.top_k = top_k
         self.logits = None
 
@@ -385,12 +400,15 @@ class ReplayModel(nn.Module):
         self.hidden = hidden or trace["experts"]
         self.layers = nn.ModuleList(_ReplayLayer(trace["experts"], trace["top_k"], inter, self.hidden, dense)
                                     for _ in range(trace["layers"]))
+        for step in trace["steps"]:  # the routers' inputs, made before any run (not ops of a step)
+            for rec in step:
+                zero = torch.zeros_like(rec["logits"])
+                rec["router_input"] = torch.cat([zero if rec.get(f) is None else rec[f] for f in ("ahead", "ahead2")], -1)
 
     def forward(self, step):
         x = torch.zeros(step[0]["routed"].shape[0], self.hidden)
         for i, (layer, rec) in enumerate(zip(self.layers, step)):
-            ahead = rec["ahead"] if rec["ahead"] is not None else torch.zeros_like(rec["logits"])
-            x = layer(x, rec, ahead)
+            x = layer(x, rec, rec["router_input"])
         return x
 
 
@@ -404,9 +422,16 @@ def _as_installed(model, trace) -> None:
     if speculator is None:
         return
     routers = [r for r in speculator.routers if r.stacks]
+    E = trace["experts"]
     for i in trace.get("learned_layers", ()):
-        if i + 1 < len(routers):
-            routers[i + 1].evidence = speculation.SPECULATE_EVIDENCE_LEARNED
+        if len(routers) > 1:  # (the last layer's map guesses the next step's first layer)
+            routers[(i + 1) % len(routers)].evidence = speculation.SPECULATE_EVIDENCE_LEARNED
+        # The learned look-ahead's logits are the router's input: its weight the identity (the
+        # first E columns guess the next layer; with a two-ahead map, the next E the one after).
+        two = i in trace.get("two_ahead_layers", ()) and i + 2 < len(routers)
+        rows = 2 * E if two else E
+        routers[i].lookahead = (torch.eye(rows, 2 * E), torch.zeros(rows))
+        routers[i].split = E if two else None
 
 
 def h200_replay(trace, fraction: float, speculate: bool, hidden: int = 1024, inter: int = 768,
@@ -427,6 +452,9 @@ def h200_replay(trace, fraction: float, speculate: bool, hidden: int = 1024, int
             for step in steps[-recorded:]:
                 model(step)
     r = tl.replay("h200")
+    # The same steps when the host waits only for each step's result (the compute stream), as a
+    # decode loop reading its token does: a copy still in flight runs on into the next step.
+    rc = tl.replay("h200", sync="compute")
     s = ot.stats(model)
     g = s.guesses or {}
     misses = sum(e["misses"] for e in s.experts.values())
@@ -435,6 +463,7 @@ def h200_replay(trace, fraction: float, speculate: bool, hidden: int = 1024, int
     # copies an op still waited for (misses: paged after the layer's own routing read).
     return {"expert_bytes": 3 * hidden * inter * 4, "recorded_steps": recorded,
             "step_ms_mean": sum(r.steps_ms) / len(r.steps_ms), "bound_ms_last": r.bound_ms,
+            "step_ms_mean_sync_compute": sum(rc.steps_ms) / len(rc.steps_ms),
             "copy_busy_last": r.copy_busy, "bytes_h2d_per_step": s.bytes_h2d / recorded,
             "guess_bytes_ahead_per_step": (g.get("prefetched_bytes") or 0) / recorded,
             "guess_bytes_wasted_per_step": (g.get("wasted_bytes") or 0) / recorded,
@@ -449,15 +478,19 @@ def _layer_of(name: str) -> int:
 def _wrapped_report(model, layers: int) -> dict:
     """Hit rates (overall, per layer) and speculation figures of a wrapped model's stats."""
     s = ot.stats(model)
-    hits, looks = [0] * layers, [0] * layers
+    hits, looks, misses, stacks = [0] * layers, [0] * layers, [0] * layers, [0] * layers
     names = sorted(s.experts, key=_layer_of)
     order = sorted({_layer_of(n) for n in names})
     for n in names:
         i = order.index(_layer_of(n))
         hits[i] += s.experts[n]["hits"]
         looks[i] += s.experts[n]["hits"] + s.experts[n]["misses"]
+        misses[i] += s.experts[n]["misses"]
+        stacks[i] += 1
     g = s.guesses or {}
     return {"hit_rate": sum(hits) / max(sum(looks), 1), "per_layer": [h / n if n else None for h, n in zip(hits, looks)],
+            # experts paged on a miss, per layer (each of an expert's stacks counts one miss)
+            "misses_per_layer": [m / max(n, 1) for m, n in zip(misses, stacks)],
             "bytes_h2d": s.bytes_h2d, "guesses": {k: v for k, v in g.items() if k != "routers"}}
 
 
@@ -480,22 +513,30 @@ def replay_ours(trace, fraction: float, speculate: bool = False) -> dict:
     return out
 
 
-SPECULATION_KNOBS = ("SPECULATE_COPY", "SPECULATE_PRECISION", "SPECULATE_EXPERTS", "SPECULATE_VICTIM_CYCLES",
-                     "SPECULATE_SAMPLE", "SPECULATE_EVIDENCE", "SPECULATE_EVIDENCE_LEARNED")
+SPECULATION_KNOBS = ("SPECULATE_COPY", "SPECULATE_PRECISION", "SPECULATE_PRECISION_IDLE", "SPECULATE_NEXT_STEP",
+                     "SPECULATE_EXPERTS", "SPECULATE_VICTIM_CYCLES", "SPECULATE_SAMPLE", "SPECULATE_EVIDENCE",
+                     "SPECULATE_EVIDENCE_LEARNED")
 # The gates tried for the coverage-against-waste curve (each point changes one knob of the
-# default): the bin precision a guess must have shown (1.01: no guess copied, the cache alone);
+# default): the bin precision a one-ahead guess must have shown (1.01: none copied, two-ahead ones still);
 # the room a guess may take, a victim whose expected next use is at least SPECULATE_VICTIM_CYCLES
 # cycles away (a stricter limit copies fewer guesses and so evicts fewer copies that are read
-# again soon: fewer bytes, fewer misses covered); two guesses a layer instead of one.
+# again soon: fewer bytes, fewer misses covered); up to top-k guesses a layer instead of one (a
+# looser gate with them); the two-ahead guesses' gate (1.01: none copied); the next step's first
+# layer guessed and copied at the end of a step.
 COPIED = {"SPECULATE_COPY": True}
 SCORED_ONLY = {"SPECULATE_COPY": False}
 CURVE = [{**COPIED, "SPECULATE_PRECISION": p} for p in (0.5, 0.6, 0.7, 0.8, 0.9, 1.01)] + \
-    [{**COPIED, "SPECULATE_VICTIM_CYCLES": c} for c in (3.0, 4.0)] + [{**COPIED, "SPECULATE_EXPERTS": 2}]
-# The H200 replays: the cache alone, the default (one guess a layer, copied where it has paid) and
-# guesses scored but not copied; at 25% also two guesses a layer and a looser (60%) gate.
+    [{**COPIED, "SPECULATE_VICTIM_CYCLES": c} for c in (3.0, 4.0)] + [{**COPIED, "SPECULATE_EXPERTS": 8}] + \
+    [{**COPIED, "SPECULATE_EXPERTS": 8, "SPECULATE_PRECISION": 0.5}] + \
+    [{**COPIED, "SPECULATE_PRECISION_IDLE": p} for p in (0.5, 1.01)] + [{**COPIED, "SPECULATE_NEXT_STEP": True}]
+# The H200 replays: the cache alone, the default (a guess a layer, copied where it has paid, and
+# two-ahead guesses copied into the next layer's expected idle copy time) and guesses scored but
+# not copied; at 25% also one layer ahead only (no two-ahead copies), top-k guesses a layer at a
+# 50% gate, and the next step's first layer guessed and copied at the end of a step.
 H200_VARIANTS = {"cache_alone": None, "default": {}, "scored_only": SCORED_ONLY}
-H200_VARIANTS_25 = {**H200_VARIANTS, "two_per_layer": {**COPIED, "SPECULATE_EXPERTS": 2},
-                    "gate_60": {**COPIED, "SPECULATE_PRECISION": 0.6}}
+H200_VARIANTS_25 = {**H200_VARIANTS, "one_ahead_only": {**COPIED, "SPECULATE_PRECISION_IDLE": 1.01},
+                    "top_k_gate_50": {**COPIED, "SPECULATE_EXPERTS": 8, "SPECULATE_PRECISION": 0.5},
+                    "next_step": {**COPIED, "SPECULATE_NEXT_STEP": True}}
 TIMELINE_STEPS = 8
 
 
@@ -534,6 +575,59 @@ def routing_stats_of(trace, name: str):
     steps = [[rec["routed"][0].tolist() for rec in step] for step in trace["steps"][1:]]
     return RoutingStats.from_trace(steps, trace["experts"], routing_stats(trace)["lookahead_precision"],
                                    f"trained {name} (benchmarks/moe_sim.py, {len(steps)} held-out decode steps)")
+
+
+@contextlib.contextmanager
+def _uncached_guesses(out: list):
+    """Inside: every one-ahead guess of an uncached expert the speculator scores is appended to
+    ``out`` as (confidence, routed)."""
+    from offtensor.moe import speculation
+
+    cls = speculation.RoutingSpeculator
+    real_issue, real_score, open_guesses = cls._issue, cls._score, {}
+
+    def issue(self, pager, router, confidence, tokens, ahead=1, idle=True):
+        real_issue(self, pager, router, confidence, tokens, ahead, idle)
+        if ahead == 1:
+            open_guesses[router] = [(e, p) for e, p in confidence.items() if e not in router.cached]
+
+    def score(self, router):
+        guesses = open_guesses.pop(router, None)
+        if router.guess is not None and guesses:
+            used = set().union(*(s.used for s in router.stacks))
+            if used:
+                out.extend((p, e in used) for e, p in guesses)
+        real_score(self, router)
+
+    cls._issue, cls._score = issue, score
+    try:
+        yield
+    finally:
+        cls._issue, cls._score = real_issue, real_score
+
+
+def coverage_ceiling(trace, fraction: float) -> dict:
+    """What the look-ahead could cover at most: every layer guessed (the next step's first layer
+    too), every guess scored and none copied; the guesses of uncached experts ranked by their
+    confidence, the share of all misses the most confident ones would cover at a waste of at most
+    25%, and the waste at which they would cover 40%."""
+    guesses = []
+    with _uncached_guesses(guesses):
+        r = _with({"SPECULATE_COPY": False, "SPECULATE_NEXT_STEP": True}, replay_ours, trace, fraction, True)
+    misses = r["guesses"]["misses"]
+    guesses.sort(key=lambda g: -g[0])
+    right = best = 0
+    waste_at_40 = None
+    for n, (_, hit) in enumerate(guesses, 1):
+        right += hit
+        if right >= 0.75 * n:
+            best = right / misses
+        if waste_at_40 is None and right >= 0.4 * misses:
+            waste_at_40 = 1 - right / n
+    return {"misses": misses, "uncached_guesses": len(guesses),
+            "uncached_precision": right / len(guesses) if guesses else None,
+            "covered_if_all_copied": right / misses if misses else None,
+            "best_covered_at_most_25pct_wasted": best if misses else None, "wasted_at_40pct_covered": waste_at_40}
 
 
 def speculation_curve(trace, fraction: float, settings) -> list:
@@ -623,6 +717,7 @@ def evaluate(name: str, args) -> dict:
         if router_trace is not None:
             row["ours_router_lookahead"] = replay_ours(router_trace, fraction, True)
         row["speculation_curve"] = speculation_curve(trace, fraction, CURVE)
+        row["coverage_ceiling"] = coverage_ceiling(trace, fraction)
         row["h200_sized"] = h200_variants(trace, fraction)
         if not args.no_real:
             row["real"] = real_run(model, ids, args.prefix, args.steps, fraction, speculate=False,
@@ -630,10 +725,29 @@ def evaluate(name: str, args) -> dict:
             row["real_default"] = real_run(model, ids, args.prefix, args.steps, fraction, speculate=True,
                                            timeline_steps=TIMELINE_STEPS,
                                            predictor=predictor)  # guesses copied where they paid
+        row["summary"] = _summary(row)
         result["cache"][f"{fraction:.0%}"] = row
         print(f"{name} {fraction:.0%}: " + ", ".join(f"{k} {v['hit_rate']:.3f}" for k, v in row.items()
                                                      if isinstance(v, dict) and "hit_rate" in v), flush=True)
     return result
+
+
+def _summary(row) -> dict:
+    """The figures the look-ahead is judged by: the default's hit rate against Belady's, the share
+    of all misses (those a copied guess covered included, every layer's) that copied guesses
+    covered and the share of their bytes wasted, and the H200 replay's step against the cache
+    alone's."""
+    ours, g = row["ours"], row["ours"]["guesses"]
+    h200 = row["h200_sized"]
+    covered = g.get("copied_correct") or 0
+    misses_left = sum(ours["misses_per_layer"])
+    return {"hit": ours["hit_rate"], "belady": row["belady"]["hit_rate"],
+            "hit_vs_belady": ours["hit_rate"] - row["belady"]["hit_rate"],
+            "covered_of_all_misses": covered / (misses_left + covered) if misses_left + covered else None,
+            "wasted_share": g.get("wasted_share"),
+            "h200_faster_than_cache_alone": 1 - h200["default"]["step_ms_mean"] / h200["cache_alone"]["step_ms_mean"],
+            "h200_faster_sync_compute": {name: 1 - v["step_ms_mean_sync_compute"] / h200["cache_alone"]["step_ms_mean_sync_compute"]
+                                         for name, v in h200.items() if name != "cache_alone"}}
 
 
 def lookahead_of(name: str, model, refit: bool = False):

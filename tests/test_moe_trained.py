@@ -24,9 +24,10 @@ PREFIX, STEPS, REAL_STEPS = 32, 160, 48
 # The decode hit rate (cached, or covered by a copied guess) within this many points of Belady on
 # the same trace, by cached fraction, with the learned look-ahead kept beside each checkpoint.
 BELADY_GAP = {0.25: 0.05, 0.5: 0.03}
-# The share of the misses at 25% cached that copied guesses cover, at least: the Qwen models'
-# bar; the Mixtral-shaped one (top-2 of 16, 4 layers) has fewer uncached guesses to copy.
-COVERED = {"qwen3": 0.25, "qwen2": 0.25, "mixtral": 0.2}
+# The share of the guessed layers' misses at 25% cached that copied guesses cover, at least, and
+# the share of their bytes wasted, at most: one bar for every model (with guesses two layers
+# ahead the Mixtral-shaped one, top-2 of 16 in 4 layers, no longer needs a lower one).
+COVERED, WASTED = 0.25, 0.25
 
 
 def _sim():
@@ -90,7 +91,7 @@ def test_the_default_decode_hit_rate_is_near_belady(trained, sim, fraction):
         assert ours["hit_rate"] >= alone["hit_rate"] + 0.03, (name, ours["hit_rate"], alone["hit_rate"])
         # Guesses are scored on the experts not cached when guessed and copied only where they paid:
         # most of what they copy is read, and they cover a share of the misses the cache leaves.
-        assert g["covered_misses"] >= COVERED[name] and g["wasted_share"] <= 0.3, g
+        assert g["covered_misses"] >= COVERED and g["wasted_share"] <= WASTED, (name, g)
 
 
 def test_wrapped_decode_is_identical_and_the_replay_is_the_real_pager(trained, sim):

@@ -8,7 +8,10 @@ and evicted, the guess of the next MoE layer's experts, and the routing a run me
     prefetch.py    ExpertIssuer: the current op's experts (announce / expect) and their copies
     speculation.py Router, RoutingSpeculator: guesses of the next layer's experts, scored and copied
     predictor.py   LookaheadPredictor: the learned look-ahead (a ridge fit of the next layer's
-                   experts from this layer's router input), fitted, compared, saved, installed
+                   experts from this layer's router input, and of the layer after next), fitted,
+                   compared, saved, installed
+    refit.py       OnlineRefit: the learned look-ahead refitted now and then from the routing a
+                   wrapped model records as it decodes
     routing.py     is_routed_stack, router_modules, routed_experts (the one reader of router
                    outputs), RoutingStats, routing_stats_of, RoutingRecorder
     hooks.py       attach / detach: stacks registered with a pager, routers hooked

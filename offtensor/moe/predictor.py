@@ -10,7 +10,9 @@ by the temperature that makes their softmax the likeliest on the fitted pairs (t
 confidence bins read a softmax). ``compare`` measures it against the router look-ahead on pairs
 held out of the fit, and ``LookaheadPredictor.keep`` keeps it only for the layers where it is
 right more often. ``save`` / ``load`` keep it beside a checkpoint (safetensors); ``install`` hands
-it to a wrapped model's speculator.
+it to a wrapped model's speculator. Where the copy of a guess needs more time than one layer's
+compute, a second map guesses two layers ahead from the same input (``weights2``), kept where its
+held-out precision is at least TWO_AHEAD_PRECISION; installed, both maps are one matmul.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ FILE_NAME = "lookahead.safetensors"
 RIDGE = 1e-2
 # Softmax temperatures tried for the fitted scores (a one-hot regression's scores lie near [0, 1]).
 TEMPERATURES = (1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0)
+# A two-ahead map is kept for a layer only where its held-out top-k precision is at least this:
+# its guesses are copied only when the next layer is expected to copy nothing of its own
+# (speculation), and a map right less often than this would mostly waste that idle copy time.
+TWO_AHEAD_PRECISION = 0.6
 
 
 def one_hot(routed: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -61,6 +67,19 @@ def fit_ridge(x: torch.Tensor, routed: torch.Tensor, num_experts: int, ridge: fl
     return (w.T * best).float().contiguous(), (b * best).float().contiguous()
 
 
+def _pairs(inputs: list, routed: list, i: int, ahead: int, seq: Optional[int]):
+    """(router inputs of layer i, routed ids of layer i + ahead) for the same tokens; past the last
+    layer, the first layer's of the next token in each sequence of ``seq`` (``fit``)."""
+    if i + ahead < len(inputs):
+        return inputs[i], routed[i + ahead]
+    if seq is None or inputs[i].shape[0] % seq:
+        raise ValueError(f"offtensor: the look-ahead past the last MoE layer needs seq dividing the {inputs[i].shape[0]} "
+                         f"tokens, got seq={seq}")
+    x = inputs[i].view(-1, seq, inputs[i].shape[-1])[:, :-1]
+    y = routed[0].view(-1, seq, routed[0].shape[-1])[:, 1:]
+    return x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+
+
 def top_k_precision(scores: torch.Tensor, routed: torch.Tensor) -> float:
     """Share of the top-k of ``scores`` [N, E] that ``routed`` [N, k] names."""
     k = routed.shape[-1]
@@ -71,43 +90,73 @@ def top_k_precision(scores: torch.Tensor, routed: torch.Tensor) -> float:
 class LookaheadPredictor:
     """Per MoE layer position (0 = the first MoE layer, in the model's order), the fitted map from
     its router input to the next MoE layer's expert logits: ``weights[i]`` [E, H], ``biases[i]``
-    [E]. Layers it does not cover are guessed by the router look-ahead."""
+    [E]. Layers it does not cover are guessed by the router look-ahead. ``weights2[i]`` /
+    ``biases2[i]``, where present, map the same input to the logits of the MoE layer after the next
+    (two layers ahead: a guess whose copy has the next layer's compute to finish in)."""
 
-    def __init__(self, weights: Optional[dict] = None, biases: Optional[dict] = None, scores: Optional[dict] = None):
+    def __init__(self, weights: Optional[dict] = None, biases: Optional[dict] = None, scores: Optional[dict] = None,
+                 weights2: Optional[dict] = None, biases2: Optional[dict] = None):
         self.weights = dict(weights or {})
         self.biases = dict(biases or {})
-        # layer -> {"learned": precision, "router": precision} on held-out pairs (compare)
+        self.weights2 = dict(weights2 or {})
+        self.biases2 = dict(biases2 or {})
+        # layer -> {"learned": precision, "router": precision, "learned2": precision two layers
+        # ahead} on held-out pairs (compare)
         self.scores = dict(scores or {})
 
     @classmethod
-    def fit(cls, inputs: list, routed: list, num_experts: int, ridge: float = RIDGE) -> "LookaheadPredictor":
+    def fit(cls, inputs: list, routed: list, num_experts: int, ridge: float = RIDGE,
+            seq: Optional[int] = None) -> "LookaheadPredictor":
         """``inputs[i]``: [N, H] router inputs of MoE layer i; ``routed[i]``: [N, k] its routed ids
-        (the same N tokens at every layer). Fits layer i -> layer i + 1 for every layer but the last."""
+        (the same N tokens at every layer). Fits layer i -> layer i + 1 for every layer but the
+        last, and layer i -> layer i + 2 for every layer but the last two. With ``seq`` (the N
+        tokens are N / seq sequences of ``seq`` consecutive tokens) also the last layer -> the
+        first layer of the next token (``weights[last]``: the guess of the next decode step's first
+        MoE layer, made at the end of this one)."""
         out = cls()
-        for i in range(len(inputs) - 1):
-            out.weights[i], out.biases[i] = fit_ridge(inputs[i], routed[i + 1], num_experts, ridge)
+        for i in range(len(inputs) - (1 if seq is None else 0)):
+            x, y = _pairs(inputs, routed, i, 1, seq)
+            out.weights[i], out.biases[i] = fit_ridge(x, y, num_experts, ridge)
+        for i in range(len(inputs) - 2):
+            out.weights2[i], out.biases2[i] = fit_ridge(inputs[i], routed[i + 2], num_experts, ridge)
         return out
 
     def logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weights[layer], self.biases[layer]
         return torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).to(w.dtype), w, b)
 
-    def compare(self, inputs: list, routed: list, router_ahead: list) -> dict:
+    def logits2(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Logits of the experts of MoE layer ``layer + 2`` from layer ``layer``'s router input."""
+        w, b = self.weights2[layer], self.biases2[layer]
+        return torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).to(w.dtype), w, b)
+
+    def compare(self, inputs: list, routed: list, router_ahead: list, seq: Optional[int] = None) -> dict:
         """Top-k precision on held-out pairs, per layer: the learned map's and the router
         look-ahead's (``router_ahead[i]``: [N, E] scores of layer i + 1's router on layer i's
-        input). Kept in ``scores``."""
+        input; for the last layer, with ``seq`` as in ``fit``, the first layer's router on it).
+        Kept in ``scores``."""
         for i in sorted(self.weights):
-            self.scores[i] = {"learned": top_k_precision(self.logits(i, inputs[i]), routed[i + 1]),
-                              "router": top_k_precision(router_ahead[i], routed[i + 1])}
+            x, y = _pairs(inputs, routed, i, 1, seq)
+            ahead = router_ahead[i] if i < len(router_ahead) else None  # (none given: the router's is 0)
+            if ahead is not None and i == len(inputs) - 1:  # the next token's: drop each sequence's last
+                ahead = ahead.view(-1, seq, ahead.shape[-1])[:, :-1].reshape(x.shape[0], -1)
+            self.scores[i] = {"learned": top_k_precision(self.logits(i, x), y),
+                              "router": 0.0 if ahead is None else top_k_precision(ahead, y)}
+            if i in self.weights2:
+                self.scores[i]["learned2"] = top_k_precision(self.logits2(i, inputs[i]), routed[i + 2])
         return self.scores
 
-    def keep(self) -> list:
-        """Drop the layers where the router look-ahead was right at least as often (``compare``):
-        the layers kept, which guess from the learned map."""
+    def keep(self, two_ahead_precision: float = TWO_AHEAD_PRECISION) -> list:
+        """Drop the layers where the router look-ahead was right at least as often (``compare``),
+        and the two-ahead maps right less than ``two_ahead_precision`` of the time: the layers
+        kept, which guess from the learned map."""
         for i, s in list(self.scores.items()):
             if s["learned"] <= s["router"]:
                 self.weights.pop(i, None)
                 self.biases.pop(i, None)
+            if s.get("learned2", 0.0) < two_ahead_precision:
+                self.weights2.pop(i, None)
+                self.biases2.pop(i, None)
         return sorted(self.weights)
 
     # ------------------------------------------------------------------ files
@@ -117,6 +166,8 @@ class LookaheadPredictor:
 
         path = os.path.join(directory, FILE_NAME) if os.path.isdir(directory) else directory
         tensors = {f"weight.{i}": w for i, w in self.weights.items()} | {f"bias.{i}": b for i, b in self.biases.items()}
+        tensors |= {f"weight2.{i}": w for i, w in self.weights2.items()}
+        tensors |= {f"bias2.{i}": b for i, b in self.biases2.items()}
         save_file(tensors, path, metadata={"scores": json.dumps({str(k): v for k, v in self.scores.items()})})
         return path
 
@@ -125,14 +176,16 @@ class LookaheadPredictor:
         from safetensors import safe_open
 
         path = os.path.join(directory, FILE_NAME) if os.path.isdir(directory) else directory
-        weights, biases = {}, {}
+        maps = {"weight": {}, "bias": {}, "weight2": {}, "bias2": {}}
         with safe_open(path, "pt") as f:
             meta = f.metadata() or {}
             for name in f.keys():
                 kind, _, layer = name.partition(".")
-                (weights if kind == "weight" else biases)[int(layer)] = f.get_tensor(name)
+                if kind not in maps:
+                    raise ValueError(f"offtensor: {path}: unknown tensor {name!r} in a look-ahead file")
+                maps[kind][int(layer)] = f.get_tensor(name)
         scores = {int(k): v for k, v in json.loads(meta.get("scores", "{}")).items()}
-        return cls(weights, biases, scores)
+        return cls(maps["weight"], maps["bias"], scores, maps["weight2"], maps["bias2"])
 
 
 def install(pager, predictor: LookaheadPredictor, device=None) -> list:
@@ -149,13 +202,17 @@ def install(pager, predictor: LookaheadPredictor, device=None) -> list:
     routers = [r for r in speculator.routers if r.stacks]
     names = []
     for i, router in enumerate(routers):
-        w = predictor.weights.get(i)
-        if i + 1 < len(routers):  # the layer it guesses: its precision was measured held out
-            routers[i + 1].evidence = SPECULATE_EVIDENCE if w is None else SPECULATE_EVIDENCE_LEARNED
+        w, b = predictor.weights.get(i), predictor.biases.get(i)
+        if len(routers) > 1:  # the layer it guesses (the last: the next step's first), measured held out
+            routers[(i + 1) % len(routers)].evidence = SPECULATE_EVIDENCE if w is None else SPECULATE_EVIDENCE_LEARNED
+        router.lookahead = router.split = None
         if w is None:
-            router.lookahead = None
             continue
+        if i in predictor.weights2 and i + 2 < len(routers):
+            # One matmul for both guesses: the rows from ``split`` on guess two layers ahead.
+            router.split = w.shape[0]
+            w, b = torch.cat([w, predictor.weights2[i]]), torch.cat([b, predictor.biases2[i]])
         target = device if device is not None else pager.device
-        router.lookahead = (w.to(target), predictor.biases[i].to(target))
+        router.lookahead = (w.to(target), b.to(target))
         names.append(router.name)
     return names

@@ -12,7 +12,11 @@ Guesses of experts not cached when guessed (the only ones a copy can save) are s
 router and confidence bin. Such a guess is copied (the most confident one per layer, behind layer
 i's own copies, and only into the room of a copy expected to be read much later) when its bin's
 recent guesses were at least 70% right (the router's own record, or every router's until it has
-one); the guessed experts of layer i+1 are kept from eviction until it pages. A decode step's
+one); the guessed experts of layer i+1 are kept from eviction until it pages. Where the learned
+look-ahead also maps layer i's input to layer i+2's experts (the same matmul), that guess is
+scored in bins of its own and copied only when layer i+1's guess names nothing to copy: its copy
+then fills copy time layer i+1 is expected to leave idle, and never queues ahead of one of layer
+i+1's misses. With SPECULATE_NEXT_STEP the last layer guesses the next step's first. A decode step's
 guess costs one kernel, the router matmul (softmax and top-k on the host). With ``SPECULATE_COPY``
 off nothing is copied and a router is guessed for on a sample of the steps. Which modules are
 routers and which stacks each one selects is learned from the access order of a pass (the stacks
@@ -53,6 +57,11 @@ if TYPE_CHECKING:
 # and Qwen2-MoE's 2% faster; the coverage-against-waste curve of the gates is in
 # benchmarks/results/moe_sim.json.
 SPECULATE_PRECISION = 0.7
+# The same gate for a guess made two layers ahead (copied only into copy time the next layer is
+# expected to leave idle). Kept at SPECULATE_PRECISION: at 0.5 benchmarks/moe_sim.py's trained
+# models at 25% cached covered 2-5 points more misses for 4-6 points more bytes wasted and no more
+# hits (the speculation_curve in benchmarks/results/moe_sim.json).
+SPECULATE_PRECISION_IDLE = 0.7
 # Upper edges of the confidence bins (a guess's look-ahead probability; top-k of a softmax over
 # E experts: 1 / E is chance).
 CONFIDENCE_BINS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -89,6 +98,13 @@ SPECULATE_COPY = True
 # evidence (no guess was ever copied; guessing every step brings the hit rate 0.4-1.2 points closer
 # to Belady's, benchmarks/results/moe_sim.json).
 SPECULATE_SAMPLE = 1
+# Whether the last MoE layer guesses the next decode step's first layer (where the learned
+# look-ahead has a map for it: ``moe.predictor.fit(..., seq=)``) and copies it ahead. Off by
+# default: the copy is issued at the end of a step, after the last layer's own copies, where one
+# layer's compute is left to hide it; under the H200 replay of benchmarks/moe_sim.py (a step ends
+# when both streams are idle) it made the trained models' decode step 0.5-3 % slower at 25 % cached
+# for 0.3-0.7 points of hit rate (benchmarks/results/moe_sim.json, "next_step").
+SPECULATE_NEXT_STEP = False
 # Up to this many tokens (decode steps) a guess's softmax and top-k are taken on the host from the
 # router scores (E values a token, read back with the layer's routing); beyond it (a prefill) on the
 # device. Each kernel is a launch ahead of the layer's routing read: the matmul, softmax and top-k
@@ -100,7 +116,8 @@ class Router:
     __slots__ = ("name", "module_ref", "stacks", "top_k", "bin_correct", "bin_guessed", "guessed", "correct",
                  "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts", "copied_correct",
                  "prefetched_bytes", "wasted_bytes", "tokens", "guess", "cached", "copied", "guess_tokens",
-                 "unpaid_steps", "missed", "misses_seen", "lookahead", "evidence")
+                 "unpaid_steps", "missed", "misses_seen", "lookahead", "evidence", "split", "guess2", "cached2",
+                 "bin2_correct", "bin2_guessed", "copied2", "copied2_experts", "copied2_correct", "next_pass")
 
     def __init__(self, name: str, module: nn.Module):
         self.name = name
@@ -125,27 +142,56 @@ class Router:
         # (weight [E, H], bias [E]) of the learned look-ahead of the next layer from this router's
         # input (moe.predictor.install), on the device; None: the next router's weight guesses.
         self.lookahead = None
+        # Where the learned look-ahead's weight also holds the map two layers ahead (its rows from
+        # ``split`` on: the experts of the layer after the next), the next layer's expert count.
+        self.split = None
+        # The open guess of this layer made two layers ahead (expert -> bin), the experts cached
+        # then, and its own bins' decayed counts (a guess from further away is right less often).
+        self.guess2 = None
+        self.cached2 = frozenset()
+        self.bin2_correct = [0.0] * len(CONFIDENCE_BINS)
+        self.bin2_guessed = [0.0] * len(CONFIDENCE_BINS)
+        self.next_pass = False  # whether the open guess is for the next pass (made by the last router)
+        self.copied2 = set()  # experts the open two-ahead guess copied
+        self.copied2_experts = self.copied2_correct = 0  # copies made by two-ahead guesses, those routed
         self.evidence = SPECULATE_EVIDENCE  # guesses a bin needs (SPECULATE_EVIDENCE_LEARNED: guessed by a learned map)
 
-    def pays(self, confidence_bin: int, pool=None) -> bool:
+    def pays(self, confidence_bin: int, pool=None, ahead: int = 1) -> bool:
         """Whether an uncached guess in this bin is right often enough to be worth its copy: by its
         own record once it has SPECULATE_EVIDENCE guesses, until then by ``pool`` (every router's
         record of that bin, (correct, guessed) lists), so a router need not wait for evidence of
         its own before its first copy (on the trained test models a bin took 20-40 decode steps)."""
-        correct, guessed = self._record(confidence_bin, pool)
-        return guessed >= self.evidence and correct >= SPECULATE_PRECISION * guessed
+        correct, guessed = self._record(confidence_bin, pool, ahead)
+        gate = SPECULATE_PRECISION if ahead == 1 else SPECULATE_PRECISION_IDLE
+        return guessed >= self.evidence and correct >= gate * guessed
 
-    def _record(self, confidence_bin: int, pool=None):
-        """(correct, guessed) decayed counts of a bin: its own, or the pool's until it has evidence."""
-        correct, guessed = self.bin_correct[confidence_bin], self.bin_guessed[confidence_bin]
+    def _record(self, confidence_bin: int, pool=None, ahead: int = 1):
+        """(correct, guessed) decayed counts of a bin (of the guesses made ``ahead`` layers ahead):
+        its own, or the pool's until it has evidence."""
+        own = (self.bin_correct, self.bin_guessed) if ahead == 1 else (self.bin2_correct, self.bin2_guessed)
+        correct, guessed = own[0][confidence_bin], own[1][confidence_bin]
         if guessed < self.evidence and pool is not None:
+            pool = pool if ahead == 1 else pool[2:]
             correct, guessed = pool[0][confidence_bin], pool[1][confidence_bin]
         return correct, guessed
 
-    def precision(self, confidence_bin: int, pool=None) -> float:
+    def precision(self, confidence_bin: int, pool=None, ahead: int = 1) -> float:
         """The measured precision of its uncached guesses in a bin (0 without a record)."""
-        correct, guessed = self._record(confidence_bin, pool)
+        correct, guessed = self._record(confidence_bin, pool, ahead)
         return correct / guessed if guessed else 0.0
+
+    def record(self, confidence_bin: int, right: bool, ahead: int, pool) -> None:
+        """Score one uncached guess made ``ahead`` layers before this layer: its bin's decayed
+        counts, the pool's (``RoutingSpeculator.pool``) and, one ahead, the totals."""
+        if ahead == 1:
+            self.uncached_guessed += 1
+            self.uncached_correct += right
+            bins = (self.bin_correct, self.bin_guessed) + pool[:2]
+        else:
+            bins = (self.bin2_correct, self.bin2_guessed) + pool[2:]
+        for i in (0, 2):
+            bins[i][confidence_bin] = PRECISION_DECAY * bins[i][confidence_bin] + right
+            bins[i + 1][confidence_bin] = PRECISION_DECAY * bins[i + 1][confidence_bin] + 1.0
 
     def speculating(self, pool=None) -> bool:
         return SPECULATE_COPY and any(self.pays(b, pool) for b in range(len(CONFIDENCE_BINS)))
@@ -153,7 +199,9 @@ class Router:
     def report(self, pool=None) -> dict:
         return _guess_report(self.guessed, self.correct, self.routed, self.uncached_guessed, self.uncached_correct,
                              self.misses, self.copied_experts, self.copied_correct, self.prefetched_bytes,
-                             self.wasted_bytes) | {"speculating": self.speculating(pool)}
+                             self.wasted_bytes) | {"speculating": self.speculating(pool),
+                                                   "copied_two_ahead": self.copied2_experts,
+                                                   "copied_two_ahead_correct": self.copied2_correct}
 
 
 
@@ -193,6 +241,22 @@ def _host_guess(scores: torch.Tensor, top_k: int) -> list:
     return out
 
 
+def _cached_experts(pager, router: Router) -> frozenset:
+    """The experts of ``router``'s layer with every stack cached."""
+    stacks = router.stacks
+    if pager is None or not stacks:
+        return frozenset()
+    return frozenset(e for e in range(stacks[0].num_experts) if all(pager.is_cached(s.key_of(e)) for s in stacks))
+
+
+def _ranked(pairs) -> dict:
+    """(expert, confidence) pairs -> expert: its highest confidence, the most confident first."""
+    confidence = {}
+    for e, p in sorted(pairs, key=lambda ep: -ep[1]):
+        confidence.setdefault(e, p)
+    return confidence
+
+
 def _confidence_bin(p: float) -> int:
     for i, edge in enumerate(CONFIDENCE_BINS):
         if p <= edge:
@@ -208,15 +272,18 @@ class RoutingSpeculator:
         self.pager_ref = weakref.ref(pager)
         self._stacks = stacks
         self.routers = routers  # Router, in module order
-        self._next = {}  # router -> the router that ran after it in the last pass
+        self._next = {}  # router -> the router that ran after it in the last pass (the last: the first)
+        self._wrap_from = None  # the router that ran last in the last pass: it guesses the next pass's first
         self._order = []  # routers in firing order, this pass
         self._current = None  # the router that fired last: stacks paged now are its
         self._learned = {}  # router -> stacks paged after it this pass
         self._pending = []  # (router, scores or (ids, confidences), event or None, tokens): guesses not yet issued
         self._expected = []  # GPU: (router, pinned ids, event) of router outputs read back without a sync
         self.hooks = []
-        # Every router's uncached guesses per confidence bin, decayed alike (Router.pays).
-        self.pool = ([0.0] * len(CONFIDENCE_BINS), [0.0] * len(CONFIDENCE_BINS))
+        self.recorder = None  # moe.refit.OnlineRefit, when one records the routing
+        # Every router's uncached guesses per confidence bin, decayed alike (Router.pays): (correct,
+        # guessed) of the guesses one layer ahead, then of those two layers ahead.
+        self.pool = tuple([0.0] * len(CONFIDENCE_BINS) for _ in range(4))
 
     # -------------------------------------------------------------- hooks
 
@@ -225,10 +292,16 @@ class RoutingSpeculator:
         self._current = router
         self._learned.setdefault(router, [])
         router.tokens = x.numel() // max(x.shape[-1], 1)
+        if self.recorder is not None:
+            self.recorder.input(router, x)
         nxt = self._next.get(router)
         if nxt is None or not nxt.stacks or nxt.top_k is None:
             return
-        if not (SPECULATE_COPY and (nxt.missed or nxt.speculating(self.pool))):
+        wrap = router is self._wrap_from
+        if wrap and not (SPECULATE_NEXT_STEP and router.lookahead is not None and router.tokens <= GUESS_ON_HOST_TOKENS):
+            return  # the next pass's first layer is guessed by a learned map only, at decode
+        after = self._next.get(nxt) if router.split is not None and not wrap else None
+        if not (SPECULATE_COPY and (nxt.missed or (after is not None and after.missed) or nxt.speculating(self.pool))):
             # Nothing for a copied guess to save (its layer missed nothing in the last step and no
             # bin pays): it is only scored, which needs a sample, not every step (a guess's kernel
             # is a cost on the compute stream: at 50% cached, where a layer rarely misses, guessing
@@ -238,9 +311,12 @@ class RoutingSpeculator:
                 return  # the first step and every SPECULATE_SAMPLE-th after it are guessed
         module = nxt.module_ref()
         weight, bias = getattr(module, "weight", None), None
-        learned = router.lookahead
+        learned, after = router.lookahead, None
         if learned is not None and learned[0].device == x.device and learned[0].shape[-1] == x.shape[-1]:
             weight, bias = learned  # the learned look-ahead (moe.predictor): logits of nxt's experts
+            after = self._next.get(nxt) if router.split is not None and not wrap else None
+            if after is None or not after.stacks or after.top_k is None:
+                after = None  # (and the weight's two-ahead rows, if any, are not read)
         elif module is None or not isinstance(weight, torch.Tensor) or hasattr(weight, "_master") \
                 or weight.device != x.device or weight.shape[-1] != x.shape[-1]:
             return  # an offloaded router would be paged for a guess: not worth it
@@ -253,8 +329,10 @@ class RoutingSpeculator:
                 # host (_host_guess): each kernel is a launch on the compute stream ahead of the
                 # layer's routing read, paid every layer of every step (3 kernels a layer cost the
                 # trained test models' H200 replay 0.08 ms a decode step, 5% of it).
-                self._queue(nxt, scores, router.tokens)
+                self._queue(nxt, scores, router.tokens, after, router.split, wrap)
                 return
+            if router.split is not None:
+                scores = scores[:, : router.split]  # a prefill guesses one layer ahead only
             # Many tokens (a prefill) or a biased router: top-k on the device, whose values are the
             # confidences (softmax keeps the order).
             k = min(nxt.top_k, scores.shape[-1])
@@ -270,9 +348,11 @@ class RoutingSpeculator:
         # Issued from the pager once this layer's own experts are (ExpertStacks.announce), so the
         # guesses queue behind them on the copy stream.
 
-    def _queue(self, router: Router, packed, tokens: int) -> None:
+    def _queue(self, router: Router, packed, tokens: int, after=None, split=None, wrap=False) -> None:
         """A guess for ``router``'s layer: ``packed`` is its scores (a tensor: top-k taken on the
-        host) or (ids, confidences). On a GPU they are read back without a host sync: pinned
+        host; with ``after``, the router of the layer after it, the scores from column ``split`` on
+        are the guess two layers ahead for that one; ``wrap``: a guess for the next pass) or (ids,
+        confidences). On a GPU they are read back without a host sync: pinned
         staging copies and an event; the copies are issued from the pager's next call once the
         event has completed (by then the layer's own routing read has waited for the router anyway)."""
         event = None
@@ -284,7 +364,7 @@ class RoutingSpeculator:
             packed = staged if isinstance(packed, tuple) else staged[0]
             event = torch.cuda.Event()
             event.record()
-        self._pending.append((router, packed, event, tokens))
+        self._pending.append((router, packed, event, tokens, after, split, wrap))
 
     def router_output(self, router: Router, output) -> None:
         """The router ran: the experts it selected (``routing.routed_experts``: the ids it returns,
@@ -338,7 +418,7 @@ class RoutingSpeculator:
         pager = self.pager_ref()
         keep = []
         for item in self._pending:
-            router, packed, event, tokens = item
+            router, packed, event, tokens, after, split, wrap = item
             if event is not None and not event.query():
                 keep.append(item)
                 continue
@@ -346,37 +426,44 @@ class RoutingSpeculator:
                 ids, conf = packed
                 pairs = zip(ids.reshape(-1).tolist(), conf.reshape(-1).tolist())
             else:
-                pairs = _host_guess(packed, router.top_k)
-            confidence = {}  # expert -> its highest confidence over the tokens, most confident first
-            for e, p in sorted(pairs, key=lambda ep: -ep[1]):
-                confidence.setdefault(e, p)
-            self._issue(pager, router, confidence, tokens)
+                pairs = _host_guess(packed if split is None else packed[..., :split], router.top_k)
+            self._issue(pager, router, _ranked(pairs), tokens)
+            router.next_pass = wrap
+            if after is not None:
+                # Two layers ahead: copied only into copy time the next layer is expected to leave
+                # idle (every expert it is guessed to route is cached or being copied), so that
+                # such a copy never queues ahead of a miss of the next layer.
+                idle = all(e in router.cached or e in router.copied for e in router.guess)
+                self._issue(pager, after, _ranked(_host_guess(packed[..., split:], after.top_k)), tokens, 2, idle)
         self._pending = keep
 
-    def _cached_experts(self, pager, router: Router) -> frozenset:
-        """The experts of ``router``'s layer with every stack cached."""
-        stacks = router.stacks
-        if pager is None or not stacks:
-            return frozenset()
-        return frozenset(e for e in range(stacks[0].num_experts)
-                         if all(pager.is_cached(s.key_of(e)) for s in stacks))
-
-    def _issue(self, pager, router: Router, confidence: dict, tokens: int) -> None:
-        """Open ``router``'s guess (scored at the step's end) and copy the guessed experts that are
-        not cached and whose confidence bin has paid (``Router.pays``), the most confident first."""
-        self._score(router)
-        router.guess = {e: _confidence_bin(p) for e, p in confidence.items()}
-        router.cached = self._cached_experts(pager, router)
-        router.guess_tokens = tokens
-        router.copied = {}
+    def _issue(self, pager, router: Router, confidence: dict, tokens: int, ahead: int = 1, idle: bool = True) -> None:
+        """Open ``router``'s guess made ``ahead`` layers before it (scored at the step's end) and,
+        with ``idle``, copy the guessed experts that are not cached and whose confidence bin has
+        paid (``Router.pays``), the most confident first, at most SPECULATE_EXPERTS."""
+        bins = {e: _confidence_bin(p) for e, p in confidence.items()}
+        cached = _cached_experts(pager, router)
+        if ahead == 1:
+            if router.guess is not None:
+                self._score(router)  # one left open by a pass that did not end (no step)
+            router.guess, router.cached, router.guess_tokens = bins, cached, tokens
+            if router.guess2 is None:
+                router.copied = {}
+        else:
+            if router.guess is not None or router.guess2 is not None:
+                self._score(router)
+            router.guess2, router.cached2, router.copied, router.copied2 = bins, cached, {}, set()
         if pager is None:
             return
-        self._stacks.guard(router.stacks, router.guess)
-        worth = [e for e, b in router.guess.items()
-                 if SPECULATE_COPY and e not in router.cached and router.pays(b, self.pool)]
+        if ahead == 1:
+            self._stacks.guard(router.stacks, bins)
+        if not idle:
+            return
+        worth = [e for e, b in bins.items() if SPECULATE_COPY and e not in cached and e not in router.copied
+                 and router.pays(b, self.pool, ahead)]
         for expert in worth[:SPECULATE_EXPERTS]:
             # It may take only the room of copies expected to be used later than itself.
-            chance = router.precision(router.guess[expert], self.pool)
+            chance = router.precision(bins[expert], self.pool, ahead)
             next_use = self._stacks.expected_next_use(router.stacks[0], expert, chance)
             with self._stacks.in_spare_room_only(next_use):
                 for stack in router.stacks:
@@ -384,49 +471,56 @@ class RoutingSpeculator:
                     if master is None or master.flat is None:
                         continue
                     key = stack.key_of(expert)
-                    cached = pager.is_cached(key)
+                    cached_now = pager.is_cached(key)
                     if not pager.prefetch(master, *key[1:]):
                         return  # no room without evicting copies used sooner than the guess
-                    if not cached:
+                    if not cached_now:
                         nbytes = stack.expert_bytes
                         router.copied[expert] = router.copied.get(expert, 0) + nbytes
                         router.prefetched_bytes += nbytes
+                        if ahead == 2:
+                            router.copied2.add(expert)
 
     def _score(self, router: Router) -> None:
-        """Close ``router``'s open guess against the experts its stacks actually paged."""
-        guess = router.guess
-        if guess is None:
+        """Close ``router``'s open guesses against the experts its stacks actually paged."""
+        guess, guess2 = router.guess, router.guess2
+        if guess is None and guess2 is None:
             return
-        router.guess = None
+        router.guess = router.guess2 = None
         used = set()
         for stack in router.stacks:
             used |= stack.used
         if not used:
             return  # its layer has not run yet (a forward cut short): nothing to score against
-        router.guessed += len(guess)
-        router.correct += len(guess.keys() & used)
+        # The misses a guess could cover: routed experts not cached when the first guess was made
+        # (a two-ahead copy makes its expert cached by the time of the one-ahead guess).
+        router.misses += len(used - (router.cached2 if guess2 is not None else router.cached))
         router.routed += len(used)
-        router.misses += len(used - router.cached)
-        for e, b in guess.items():
-            if e in router.cached:
-                continue  # a guess of a cached expert costs nothing and saves nothing
-            right = e in used
-            router.uncached_guessed += 1
-            router.uncached_correct += right
-            router.bin_correct[b] = PRECISION_DECAY * router.bin_correct[b] + right
-            router.bin_guessed[b] = PRECISION_DECAY * router.bin_guessed[b] + 1.0
-            pool_correct, pool_guessed = self.pool
-            pool_correct[b] = PRECISION_DECAY * pool_correct[b] + right
-            pool_guessed[b] = PRECISION_DECAY * pool_guessed[b] + 1.0
+        for ahead, open_guess in ((1, guess), (2, guess2)):
+            if open_guess is None:
+                continue
+            cached = router.cached if ahead == 1 else router.cached2
+            if ahead == 1:
+                router.guessed += len(open_guess)
+                router.correct += len(open_guess.keys() & used)
+            for e, b in open_guess.items():
+                if e not in cached:  # a guess of a cached expert costs nothing and saves nothing
+                    router.record(b, e in used, ahead, self.pool)
+            if ahead == 2:
+                router.copied2_experts += len(router.copied2)
+                router.copied2_correct += len(router.copied2 & used)
         router.copied_experts += len(router.copied)
         router.copied_correct += len(router.copied.keys() & used)
         router.wasted_bytes += sum(b for e, b in router.copied.items() if e not in used)
+        router.copied = {}
         if router.guess_tokens == 1 and len(used) and router.top_k is None:
             router.top_k = len(used)
 
     def step(self) -> None:
         """A pass ended: score open guesses, learn the router order and which stacks each selects."""
         self.issue_ready()
+        if self.recorder is not None:
+            self.recorder.step()
         for router in self.routers:
             if router.tokens == 1 and router.stacks:
                 used = set()
@@ -434,7 +528,10 @@ class RoutingSpeculator:
                     used |= stack.used
                 if used:
                     router.top_k = len(used)  # one token picks exactly top_k experts
-            self._score(router)
+            if router.next_pass:
+                router.next_pass = False  # made for the pass to come: scored once that has run
+            else:
+                self._score(router)
             misses = sum(s.misses for s in router.stacks)
             router.missed = misses != router.misses_seen  # (a reset of the counters reads as a miss)
             router.misses_seen = misses
@@ -443,12 +540,16 @@ class RoutingSpeculator:
                 router.stacks = stacks
         if self._order:
             self._next = {a: b for a, b in zip(self._order, self._order[1:])}
+            self._wrap_from = self._order[-1] if len(self._order) > 1 else None
+            if self._wrap_from is not None:
+                self._next[self._wrap_from] = self._order[0]
         self._order, self._learned, self._current = [], {}, None
 
     def reset(self) -> None:
         for r in self.routers:
             r.guessed = r.correct = r.routed = r.prefetched_bytes = r.wasted_bytes = 0
             r.uncached_guessed = r.uncached_correct = r.misses = r.copied_experts = r.copied_correct = 0
+            r.copied2_experts = r.copied2_correct = 0
 
     def report(self) -> dict:
         rs = self.routers
