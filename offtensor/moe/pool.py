@@ -27,6 +27,7 @@ is refused with a ``BudgetError``.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -91,8 +92,11 @@ class ExpertPools:
         self.by_master = {m: p for p in pools for m in p.layers}
         self.nbytes = sum(p.nbytes for p in pools)
 
-    def of(self, master_id: int) -> Optional[ExpertPool]:
-        return self.by_master.get(master_id)
+    def serving(self, master_id: int, rows: int) -> Optional[ExpertPool]:
+        """The pool that serves a call of ``rows`` routed rows on ``master_id``'s stack, or None
+        (not pooled, or more rows than the pool has slots: a prefill, the expert cache's path)."""
+        pool = self.by_master.get(master_id)
+        return pool if pool is not None and pool.covers(master_id, rows) else None
 
     def invalidate(self, master_id: int) -> None:
         pool = self.by_master.get(master_id)
@@ -127,7 +131,7 @@ def build_pools(pager, stacks, top_k: Optional[int], tensors: dict, other_bytes:
                                           [h for _, _, h in members], [n for n, _, _ in members]))
     if not kinds:
         return None
-    slot_bytes = {key: sum(_numel(shape) * dtype.itemsize for shape, dtype in key) for key in kinds}
+    slot_bytes = {key: sum(math.prod(shape) * dtype.itemsize for shape, dtype in key) for key in kinds}
     reserve = max([other_bytes] + list(slot_bytes.values()))  # the pager's largest other op, or one paged expert set
     room = pager.budget_bytes - pager.resident_bytes - reserve
     total = sum(slot_bytes[k] * sum(n for _, n, _, _ in layers) for k, layers in kinds.items())
@@ -147,11 +151,4 @@ def build_pools(pager, stacks, top_k: Optional[int], tensors: dict, other_bytes:
                 f"budget_gb, offload more weights, or wrap without expert_pool.")
         pools.append(ExpertPool(key, slots, [(ids, n, hosts) for ids, n, hosts, _ in layers], pager.device))
     return ExpertPools(pools)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 

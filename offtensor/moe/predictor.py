@@ -80,6 +80,11 @@ def _pairs(inputs: list, routed: list, i: int, ahead: int, seq: Optional[int]):
     return x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
 
 
+def _apply(w: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A fitted map's expert logits [N, E] for router inputs ``x`` [..., H]."""
+    return torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).to(w.dtype), w, b)
+
+
 def top_k_precision(scores: torch.Tensor, routed: torch.Tensor) -> float:
     """Share of the top-k of ``scores`` [N, E] that ``routed`` [N, k] names."""
     k = routed.shape[-1]
@@ -122,13 +127,11 @@ class LookaheadPredictor:
         return out
 
     def logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        w, b = self.weights[layer], self.biases[layer]
-        return torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).to(w.dtype), w, b)
+        return _apply(self.weights[layer], self.biases[layer], x)
 
     def logits2(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Logits of the experts of MoE layer ``layer + 2`` from layer ``layer``'s router input."""
-        w, b = self.weights2[layer], self.biases2[layer]
-        return torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).to(w.dtype), w, b)
+        return _apply(self.weights2[layer], self.biases2[layer], x)
 
     def compare(self, inputs: list, routed: list, router_ahead: list, seq: Optional[int] = None) -> dict:
         """Top-k precision on held-out pairs, per layer: the learned map's and the router

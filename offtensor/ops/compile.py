@@ -135,8 +135,7 @@ def _offloaded(host: torch.Tensor, master_id: int, what: str, pooled_rows: Optio
 
 def _pool_serves(master, rows: int) -> bool:
     pools = master.pager.expert_pool
-    pool = None if pools is None else pools.of(master.id)
-    return pool is not None and pool.covers(master.id, rows)
+    return pools is not None and pools.serving(master.id, rows) is not None
 
 
 def _device_like(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -224,8 +224,7 @@ def serving_pool(weight, rows: int):
     pools = master.pager.expert_pool
     if pools is None or type(own["_host"]) is not torch.Tensor:
         return None
-    pool = pools.of(master.id)
-    return pool if pool is not None and pool.covers(master.id, rows) else None
+    return pools.serving(master.id, rows)
 
 
 def pooled_grouped_mm(func, pool, weight, x, offs, out_dtype, fallback: bool = False) -> torch.Tensor:
