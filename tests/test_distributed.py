@@ -274,6 +274,21 @@ _LORA_POLICY = {"offload": ["*.base.*"], "keep": ["*.A.*", "*.B.*"]}
 _LORA_BUDGET_GB = 24000 / GiB
 
 
+def _adamw_losses(model, rank: int, steps: int = 3) -> list:
+    """The losses of ``steps`` AdamW steps on ``model``'s trainable parameters, on this rank's seeded
+    inputs: the same run for a wrapped model and its unwrapped reference."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(steps):
+        loss = model(torch.randn(4, 64, generator=g)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _lora_fsdp_run(rank: int, mesh, wrap: bool, wrap_first: bool = True):
     import offtensor as ot
     from torch.distributed.fsdp import fully_shard
@@ -285,15 +300,7 @@ def _lora_fsdp_run(rank: int, mesh, wrap: bool, wrap_first: bool = True):
     fully_shard(model, mesh=mesh, ignored_params=frozen)
     if wrap and not wrap_first:
         ot.wrap_model(model, budget_gb=_LORA_BUDGET_GB, policy=_LORA_POLICY, device="cpu")
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    g = torch.Generator().manual_seed(rank)
-    losses = []
-    for _ in range(3):
-        loss = model(torch.randn(4, 64, generator=g)).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _adamw_losses(model, rank)
     adapters = [p.full_tensor() for p in model.parameters() if p.requires_grad]
     return model, losses, adapters
 
@@ -344,15 +351,7 @@ def _fsdp_then_wrap(rank: int, mesh) -> dict:
                                 for leaf in (p._local_tensor, p))
     r["wrapped"] = is_wrapped(model)
     # the refused model trains as the unwrapped FSDP2 model does
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    g = torch.Generator().manual_seed(rank)
-    after = []
-    for _ in range(3):
-        loss = model(torch.randn(4, 64, generator=g)).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        after.append(loss.item())
+    after = _adamw_losses(model, rank)
     _, sharded_losses, _ = _fsdp_all_sharded_reference(rank, mesh)
     r["refused_model_trains_as_unwrapped"] = after == sharded_losses
     return r
@@ -363,15 +362,7 @@ def _fsdp_all_sharded_reference(rank: int, mesh):
 
     model = _LoraNet()
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    g = torch.Generator().manual_seed(rank)
-    losses = []
-    for _ in range(3):
-        loss = model(torch.randn(4, 64, generator=g)).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _adamw_losses(model, rank)
     return model, losses, None
 
 
@@ -396,15 +387,7 @@ def _peft_fsdp(rank: int, mesh) -> dict:
         if order == "fsdp_first":
             ot.wrap_model(model, budget_gb=_LORA_BUDGET_GB, policy=policy, device="cpu")
         offloaded = sum(isinstance(p, OffloadedTensor) for p in model.parameters())
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        g = torch.Generator().manual_seed(rank)
-        losses = []
-        for _ in range(3):
-            loss = model(torch.randn(4, 64, generator=g)).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = _adamw_losses(model, rank)
         return losses, [p.full_tensor() for p in model.parameters() if p.requires_grad], offloaded
 
     ref_losses, ref_adapters, _ = run(None)
