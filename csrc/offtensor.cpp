@@ -661,6 +661,36 @@ std::tuple<at::Tensor, at::Tensor> pool_admit_cpu(const at::Tensor& offs, int64_
   return std::make_tuple(group_slot, group_ends);
 }
 
+// The emulated device's grouped GEMM of a pooled call (offtensor/ops/expert_pool.py), with no copy of
+// the slots it reads: group g (rows [ends[g-1], ends[g])) against slot group_slot[g] of `pool` (the
+// pool's buffer in the layout the op passed the stack in). Each group is the at::mm_out that
+// aten's CPU _grouped_mm runs for it, on the same row slice and a matrix of the same strides, so the
+// rows are bit-identical to the plain model's call; rows past the last group end are left as they
+// are, as there. `ends` and `group_slot` are read on the host (they live there on this device).
+at::Tensor pool_grouped_mm_cpu(const at::Tensor& x, const at::Tensor& pool, const at::Tensor& group_slot,
+                               const at::Tensor& ends) {
+  TORCH_CHECK(x.dim() == 2 && pool.dim() == 3 && x.size(1) == pool.size(1) && x.scalar_type() == pool.scalar_type(),
+              "offtensor: pool_grouped_mm takes (rows, k) rows and (slots, k, n) slots of one dtype, got ", x.sizes(),
+              " ", x.dtype(), " and ", pool.sizes(), " ", pool.dtype());
+  TORCH_CHECK(ends.dtype() == at::kInt && group_slot.dtype() == at::kLong && ends.is_contiguous() &&
+                  group_slot.is_contiguous() && ends.numel() == group_slot.numel(),
+              "offtensor: pool_grouped_mm takes int32 group ends and one int64 slot per group");
+  const int64_t groups = ends.numel(), slots = pool.size(0), rows = x.size(0);
+  const int32_t* end = ends.data_ptr<int32_t>();
+  const int64_t* slot = group_slot.data_ptr<int64_t>();
+  for (int64_t g = 0, start = 0; g < groups; start = end[g++])  // all checks before the first GEMM
+    TORCH_CHECK(end[g] >= start && end[g] <= rows && slot[g] >= 0 && slot[g] < slots,
+                "offtensor: pool_grouped_mm: group ", g, " ends at ", end[g], " of ", rows, " rows in slot ", slot[g],
+                " of ", slots);
+  at::Tensor out = at::empty({rows, pool.size(2)}, x.options());
+  for (int64_t g = 0, start = 0; g < groups; start = end[g++])
+    if (end[g] > start) {
+      at::Tensor rows_out = out.slice(0, start, end[g]);
+      at::mm_out(rows_out, x.slice(0, start, end[g]), pool.select(0, slot[g]));
+    }
+  return out;
+}
+
 bool cuda_compiled() { return kCudaCompiled; }
 
 }  // namespace
@@ -681,6 +711,7 @@ TORCH_LIBRARY(offtensor, m) {
   m.def("masked_row_gather(Tensor(a!) dst, Tensor src, Tensor dest, int stream) -> ()");
   m.def("pool_admit_cpu(Tensor offs, int rows, Tensor(a!) slot_of, Tensor(b!) expert_in, Tensor(c!) stamp, "
         "Tensor(d!) clock, Tensor(e!)[] buffers, Tensor[] hosts, int base, int experts) -> (Tensor, Tensor)");
+  m.def("pool_grouped_mm_cpu(Tensor x, Tensor pool, Tensor group_slot, Tensor group_ends) -> Tensor");
 }
 
 // A factory has no tensor argument to dispatch on; CompositeExplicitAutograd (unlike a catch-all
@@ -692,6 +723,7 @@ TORCH_LIBRARY_IMPL(offtensor, CPU, m) {
   m.impl("pin_host", &offtensor::pin_host);
   m.impl("masked_row_gather", &offtensor::masked_row_gather_cpu);
   m.impl("pool_admit_cpu", &offtensor::pool_admit_cpu);
+  m.impl("pool_grouped_mm_cpu", &offtensor::pool_grouped_mm_cpu);
 }
 
 TORCH_LIBRARY_IMPL(offtensor, CUDA, m) {

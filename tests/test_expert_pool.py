@@ -311,6 +311,35 @@ def test_the_native_admit_makes_the_tensor_op_admits_decisions():
             assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(pool_ops._NATIVE_GMM is None, reason="needs the native extension")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_grouped_gemm_on_pool_slots_gives_atens_bits_and_copies_no_slot(dtype):
+    """The emulated device's pooled GEMM reads each group's slot in place: its rows are aten's
+    ``_grouped_mm`` of the plain stack (empty groups, a group of several rows, rows past the last
+    group left alone), bit for bit; a group naming a slot past the pool is refused before any GEMM."""
+    torch.manual_seed(0)
+    experts, slots, k, n = 8, 5, 16, 24
+    stack = torch.randn(experts, n, k, dtype=dtype)  # as transformers stores gate_up_proj: (E, out, in)
+    slot_of = torch.tensor([3, -1, 0, 4, -1, 1, 2, -1])  # experts 0, 2, 3, 5, 6 in slots 3, 0, 4, 1, 2
+    pool = torch.empty(slots, n, k, dtype=dtype)
+    for e, s in enumerate(slot_of.tolist()):
+        if s >= 0:
+            pool[s] = stack[e]
+    rows_per_expert = torch.tensor([2, 0, 3, 0, 0, 1, 1, 0])
+    x = torch.randn(int(rows_per_expert.sum()), k, dtype=dtype)
+    offs = torch.cumsum(rows_per_expert, 0, dtype=torch.int32)
+    expected = torch._grouped_mm(x, stack.transpose(-2, -1), offs)
+    used = [e for e in range(experts) if rows_per_expert[e] > 0]
+    group_slot = torch.tensor([int(slot_of[e]) for e in used] + [0, 0])  # two trailing empty groups
+    group_ends = torch.tensor([int(offs[e]) for e in used] + [int(offs[-1])] * 2, dtype=torch.int32)
+    pool_t = pool.transpose(-2, -1)
+    before = pool.clone()
+    got = pool_ops._NATIVE_GMM(x, pool_t, group_slot, group_ends)
+    assert torch.equal(got, expected) and torch.equal(pool, before)
+    with pytest.raises(RuntimeError, match=f"in slot {slots} of {slots}"):
+        pool_ops._NATIVE_GMM(x, pool_t, torch.tensor([0, 1, 2, slots, 0, 0]), group_ends)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fallback", "grouped_mm"])
 def test_the_capture_path_runs_a_pooled_compiled_expert_call_from_the_pool(dtype, monkeypatch):
     """What a CUDA graph records, on the emulated device: a compiled expert call of a pooled stack

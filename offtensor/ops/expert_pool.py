@@ -125,6 +125,17 @@ def _positions(rows: int, device, dtype=torch.int64) -> torch.Tensor:
 
 _ARANGES: dict = {}
 
+# The emulated device's grouped GEMM against the pool's slots in place (``pool_grouped_mm_cpu``: per
+# group the ``mm_out`` aten's CPU kernel runs, on the group's slot), instead of gathering the
+# call's slots into a scratch buffer first: a copy of every expert the call uses, which a GPU's
+# grouped GEMM (reading its slots in place) never makes. Without the extension: the gather.
+_NATIVE_GMM = (torch.ops.offtensor.pool_grouped_mm_cpu.default
+               if _ext.NATIVE and hasattr(torch.ops.offtensor, "pool_grouped_mm_cpu") else None)
+if _NATIVE_GMM is not None:
+    @torch.library.register_fake("offtensor::pool_grouped_mm_cpu")
+    def _pool_grouped_mm_cpu_fake(x, pool, group_slot, group_ends):
+        return x.new_empty((x.shape[0], pool.shape[2]))
+
 
 def pooled_plan(pool, master_id: int, offs: torch.Tensor, rows: int):
     """The plan of a call on ``master_id``'s layer routed by ``offs`` (``_slot_plan`` on a GPU,
@@ -243,6 +254,8 @@ def pooled_grouped_mm(func, pool, weight, x, offs, out_dtype, fallback: bool = F
         if kind == "slots":
             y = torch._grouped_mm(x.index_select(0, index), pool_view(pool, master_id, host), group_ends,
                                   out_dtype=out_dtype)
+        elif _NATIVE_GMM is not None and x.dtype == host.dtype and (out_dtype is None or out_dtype == x.dtype):
+            y = _NATIVE_GMM(x, pool_view(pool, master_id, host), index, group_ends)
         else:
             gathered = _gather_slots(pool, pool.layers[master_id][0], index)
             y = torch._grouped_mm(x, pool_view(pool, master_id, host, gathered), group_ends, out_dtype=out_dtype)
