@@ -327,10 +327,10 @@ def tracing_now() -> bool:
     return TRACED_ALIVE[0] > 0
 
 
-def new_view(host: torch.Tensor, master: Master) -> OffloadedTensor:
+def new_view(host: torch.Tensor, master: Master, requires_grad: bool = False) -> OffloadedTensor:
     """``OffloadedTensor(host, master)`` without the Python ``__new__`` and ``__init__`` calls: view
     ops make one per call, and the two calls cost about 0.5 µs of a view op's 12."""
-    t = _wrapper(OffloadedTensor, host, master)
+    t = _wrapper(OffloadedTensor, host, master, requires_grad)
     own = t.__dict__
     own["_host"] = host
     own["_master"] = master

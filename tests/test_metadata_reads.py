@@ -135,12 +135,24 @@ def test_a_memoized_transpose_does_not_keep_its_weights_host_memory_alive(device
     assert master() is None  # freed at once: no reference cycle through the memo
 
 
-def test_a_weight_that_needs_a_gradient_gets_a_new_transpose_each_call(device):
+def test_a_weight_that_needs_a_gradient_is_memoized_only_with_grad_off(device):
+    """transformers' weights need a gradient even in eval: with grad off their transposes are
+    memoized like any other's (and need no gradient, as a plain view made there); with grad on
+    each call is a new autograd view, and training is unchanged."""
     plain = torch.randn(3, 5)
     w = ot.offload(plain, device).requires_grad_()
     with torch.no_grad():
-        assert w.t() is not w.t()
+        v = w.t()
+        reference = plain.requires_grad_().t()
+        assert v is w.t() and torch.equal(v.cpu(), plain.t())
+        assert (v.requires_grad, v.is_leaf) == (reference.requires_grad, reference.is_leaf) == (True, True)
     x = torch.randn(2, 5).to(device)
+    (x @ v).sum().backward()  # a leaf: its gradient is its own, as the plain view's
+    torch.testing.assert_close(v.grad.cpu(), x.cpu().sum(0).unsqueeze(1).expand(5, 3))
+    assert w.grad is None
+    with torch.no_grad():
+        assert w.t() is not v and w.t().grad is None  # a view holding a gradient is made again
+    assert w.t() is not v and w.t().requires_grad
     for _ in range(2):  # each step's graph has its own view node: backward twice works
         (x @ w.t()).sum().backward()
     torch.testing.assert_close(w.grad.cpu(), 2 * x.cpu().sum(0).expand(3, 5))

@@ -89,6 +89,15 @@ _inference = torch.is_inference_mode_enabled
 _grad = torch.is_grad_enabled
 
 
+_GRAD = torch._C.TensorBase.grad.__get__
+_VIEW_TYPES = (OffloadedTensor,)
+
+
+def _grad_of(t: torch.Tensor):
+    """``t.grad`` without the torch-function protocol (the C read, as tensor.py's metadata reads)."""
+    return torch._C._disabled_torch_function_impl(_GRAD, _VIEW_TYPES, (t,), {})
+
+
 def metadata_changed() -> None:
     _EPOCH[0] += 1
 
@@ -96,16 +105,19 @@ def metadata_changed() -> None:
 def memoized_view(function):
     """Whole-function handler for a transpose method (``Tensor.t``, ``Tensor.transpose``): the view
     made the last time with these arguments while no metadata changed in place, else a new one
-    (kept for next time). Only with grad off (``torch.no_grad()``, as ``generate`` runs), so that
-    nothing can save the view for a backward, for a weight that needs no gradient, is no tracing
-    stand-in (its host view a fake tensor), with no torch function or dispatch mode on
-    (FakeTensorMode, a tracer, a user's mode must see the op); else NotImplemented, and the op
-    dispatches as before. The view is no autograd view of the weight (``_base`` is None)."""
+    (kept for next time). Only with grad off (``torch.no_grad()``, as ``generate`` runs: no graph
+    records the view, and it needs no gradient, as a plain view made there does not), for a tensor
+    that is no tracing stand-in (its host view a fake tensor), with no torch function or dispatch
+    mode on (FakeTensorMode, a tracer, a user's mode must see the op); else NotImplemented, and the
+    op dispatches as before. Weights that need a gradient are memoized too (transformers' weights
+    do, even in eval): their view needs a gradient as a plain one made under no_grad does (a leaf),
+    and is made again once it holds one. The view is no autograd view of the weight (``_base`` is
+    None), and it has a version counter of its own."""
 
     def handler(args, kwargs):
         self = args[0]
-        if (kwargs or _grad() or type(self) is not OffloadedTensor or self.requires_grad or _inference()
-                or _dispatch_modes() or _function_modes()):
+        if (kwargs or _grad() or type(self) is not OffloadedTensor or _inference() or _dispatch_modes()
+                or _function_modes()):
             return NotImplemented
         own = self.__dict__
         if type(own["_host"]) is not _Tensor:
@@ -116,12 +128,15 @@ def memoized_view(function):
             memo = own["_views"] = {}
         else:
             hit = memo.get(key)
-            if hit is not None and hit[0] == _EPOCH[0] and not hit[1].requires_grad:
-                return hit[1]
+            if hit is not None and hit[0] == _EPOCH[0]:
+                out = hit[1]
+                needs_grad = self.requires_grad
+                if out.requires_grad is needs_grad and (not needs_grad or _grad_of(out) is None):
+                    return out
         # Made on the host view, as ``view`` makes it, but not through the dispatcher: that view
         # would hold its base (autograd's ``_base``), and the base holds the memo, a cycle through
         # C++ that no garbage collection breaks. Its wrapper storage is the base's.
-        out = _alias_of(self, new_view(function(own["_host"], *args[1:]), own["_master"]))
+        out = _alias_of(self, new_view(function(own["_host"], *args[1:]), own["_master"], self.requires_grad))
         memo[key] = (_EPOCH[0], out)
         return out
 
