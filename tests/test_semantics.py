@@ -151,6 +151,53 @@ def test_view_ops_return_offloaded_aliases_without_copying(device, op):
     assert _ext.live_host_bytes() == host_before
 
 
+@pytest.mark.parametrize("op", list(SINGLE_VIEWS) + list(MULTI_VIEWS))
+def test_view_ops_in_inference_mode_give_what_plain_views_do(device, op):
+    """In ``torch.inference_mode()`` a view of a normal tensor is a normal tensor sharing its
+    base's version counter; a view of a weight offloaded outside it raised "Cannot set
+    version_counter for inference tensor". A view of a tensor made inside is an inference tensor."""
+    view_op = SINGLE_VIEWS.get(op) or MULTI_VIEWS[op]
+    reference = torch.randn(6, 8)
+    x = ot.offload(reference, device)
+    with torch.inference_mode():
+        views, expected = view_op(x), view_op(reference)
+        inside = ot.offload(torch.randn(6, 8), device)
+        inner, inner_expected = view_op(inside), view_op(inside.cpu())
+    for got, want in [(views, expected), (inner, inner_expected)]:
+        got, want = ([got], [want]) if op in SINGLE_VIEWS else (got, want)
+        for view, ref in zip(got, want):
+            assert isinstance(view, OffloadedTensor)
+            assert view.is_inference() == ref.is_inference()
+            assert (view.shape, view.stride(), view.storage_offset()) == (ref.shape, ref.stride(), ref.storage_offset())
+    for view, ref in zip([views] if op in SINGLE_VIEWS else views, [expected] if op in SINGLE_VIEWS else expected):
+        assert_same_values(host_values(view), ref)
+
+
+class _TransposedHead(nn.Module):
+    """``x @ w.T`` and a reshape of the weight: model code that takes views of its weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, x):
+        return x @ self.weight.T + self.weight.reshape(8, 16)[0]
+
+
+def test_a_wrapped_model_runs_in_inference_mode_with_the_plain_outputs(device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.GELU(), _TransposedHead()).eval()
+    ids = torch.randint(0, 16, (2, 5))
+    with torch.inference_mode():
+        expected = model(ids)
+    wrapped = copy.deepcopy(model)
+    ot.wrap_model(wrapped, budget_gb=1e-6, device=device, policy=["*"])
+    assert all(isinstance(p, OffloadedTensor) for p in wrapped.parameters())
+    with torch.inference_mode():
+        got = wrapped(ids.to(device))
+    torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=0)
+
+
 def test_conjugate_and_negative_views_read_resolved_values(device):
     # Conjugate/negative bits are resolved when such a view is taken: a kernel run on paged bytes
     # must see the conjugated values, not the raw ones.

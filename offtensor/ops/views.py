@@ -14,15 +14,26 @@ from .table import implements
 
 aten = torch.ops.aten
 _functionalize_unsafe_set = torch._functionalize_unsafe_set
+_inference = torch.is_inference_mode_enabled
 
 
 def view(func, types, args, kwargs):
     self = args[0]
     out = func(self._host, *args[1:], **kwargs)
     master = self._master
+    if _inference() and not (out if isinstance(out, torch.Tensor) else out[0]).is_inference():
+        # In inference mode, most views of a normal tensor are normal tensors (autograd's view
+        # kernel then gives them the base's version counter, which an inference tensor has none
+        # of); the host view just made says whether this one is, and the wrapper is made to match.
+        with _normal_tensors():
+            return view(func, types, args, kwargs)
     if isinstance(out, torch.Tensor):
         return _alias_of(self, new_view(out, master))
     return type(out)(_alias_of(self, new_view(o, master)) for o in out)
+
+
+def _normal_tensors():
+    return torch.inference_mode(False)
 
 
 def _alias_of(base: OffloadedTensor, view: OffloadedTensor) -> OffloadedTensor:
@@ -85,7 +96,6 @@ _EPOCH = [0]
 _Tensor = torch.Tensor
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
-_inference = torch.is_inference_mode_enabled
 _grad = torch.is_grad_enabled
 
 
