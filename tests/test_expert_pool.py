@@ -10,7 +10,6 @@ in float32, every expert stack offloaded; small pools (a few slots) make every d
 from __future__ import annotations
 
 import copy
-import gc
 import os
 
 import pytest
@@ -167,9 +166,6 @@ def test_compiled_fullgraph_pooled_decode_gives_the_plain_tokens_without_host_sy
         return aot_eager(gm, example_inputs)
 
     torch._dynamo.reset()
-    # Earlier tests' wrapped models, collected in the middle of the compiled generate, would change
-    # the table of wrapped modules that a traced module lookup guards on (as in test_compile.py).
-    gc.collect()
     try:
         pooled.forward = torch.compile(pooled.forward, backend="aot_eager", fullgraph=True)
         with torch.no_grad():
