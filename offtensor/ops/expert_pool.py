@@ -25,10 +25,10 @@ _INT64_MAX = torch.iinfo(torch.int64).max
 
 
 @torch.library.custom_op("offtensor::pool_admit",
-                         mutates_args=("slot_of", "expert_in", "stamp", "clock", "buffers"))
+                         mutates_args=("slot_of", "expert_in", "stamp", "clock", "counts", "buffers"))
 def pool_admit(rows_expert: torch.Tensor, slot_of: torch.Tensor, expert_in: torch.Tensor, stamp: torch.Tensor,
-               clock: torch.Tensor, buffers: list[torch.Tensor], hosts: list[torch.Tensor], base: int,
-               experts: int) -> torch.Tensor:
+               clock: torch.Tensor, counts: torch.Tensor, buffers: list[torch.Tensor], hosts: list[torch.Tensor],
+               base: int, experts: int) -> torch.Tensor:
     """Admit the experts ``rows_expert`` routes to (one entry per routed row, in ``[0, experts]``,
     ``experts`` for a row of no expert) of the layer whose experts start at ``base`` in ``slot_of``:
     returns each row's slot (``S``, the sink, for a row of no expert).
@@ -37,7 +37,9 @@ def pool_admit(rows_expert: torch.Tensor, slot_of: torch.Tensor, expert_in: torc
     expert, ranked by a cumsum, takes the next of the other slots in (empty first, then oldest
     stamp) order. The tables change in an order that keeps them consistent if the op stops
     between any two steps: a slot is first taken from the expert that had it, then filled, and only
-    then given to its new expert, so ``slot_of[e] == s`` always means slot ``s`` holds ``e``'s bytes."""
+    then given to its new expert, so ``slot_of[e] == s`` always means slot ``s`` holds ``e``'s bytes.
+    ``counts`` (fetches, hits) gains the call's missed and held experts, on the device, once the
+    call is done."""
     slots = expert_in.numel() - 1
     device = slot_of.device
     local = slot_of[base : base + experts]  # a view: this layer's experts
@@ -67,11 +69,12 @@ def pool_admit(rows_expert: torch.Tensor, slot_of: torch.Tensor, expert_in: torc
     stamp.index_copy_(0, used, clock.expand(experts))  # the sink may take several: reset below
     stamp[slots] = -1
     clock.add_(1)
+    counts.add_(torch.stack((miss.sum(), (needed & present).sum())))
     return torch.cat((after, after.new_full((1,), slots))).index_select(0, rows_expert)
 
 
 @pool_admit.register_fake
-def _pool_admit_fake(rows_expert, slot_of, expert_in, stamp, clock, buffers, hosts, base, experts):
+def _pool_admit_fake(rows_expert, slot_of, expert_in, stamp, clock, counts, buffers, hosts, base, experts):
     return torch.empty_like(rows_expert)
 
 
@@ -98,13 +101,15 @@ _HAVE_GATHER = _ext.NATIVE and hasattr(torch.ops.offtensor, "masked_row_gather")
 # On the emulated device the admit is one native call (``offtensor::pool_admit_cpu``: the same
 # decisions and copies as ``pool_admit`` followed by ``_compact_plan``, in loops; the tensor-op form
 # costs a few microseconds per op there). False: ``pool_admit`` everywhere (tests run the GPU's
-# form with it).
+# form with it). An extension built before the pool's counters (no ``counts`` argument) is not
+# used: the tensor-op form counts.
 NATIVE_ADMIT = True
 _NATIVE_ADMIT = (torch.ops.offtensor.pool_admit_cpu.default
-                 if _ext.NATIVE and hasattr(torch.ops.offtensor, "pool_admit_cpu") else None)
+                 if _ext.NATIVE and hasattr(torch.ops.offtensor, "pool_admit_cpu")
+                 and "counts" in str(torch.ops.offtensor.pool_admit_cpu.default._schema) else None)
 if _NATIVE_ADMIT is not None:
     @torch.library.register_fake("offtensor::pool_admit_cpu")
-    def _pool_admit_cpu_fake(offs, rows, slot_of, expert_in, stamp, clock, buffers, hosts, base, experts):
+    def _pool_admit_cpu_fake(offs, rows, slot_of, expert_in, stamp, clock, counts, buffers, hosts, base, experts):
         groups = min(rows, experts)
         return slot_of.new_empty((groups,)), offs.new_empty((groups,))
 
@@ -150,11 +155,11 @@ def pooled_plan(pool, master_id: int, offs: torch.Tensor, rows: int):
     if NATIVE_ADMIT and _NATIVE_ADMIT is not None and not slot_groups and offs.device.type == "cpu" \
             and offs.dtype == torch.int32 and offs.is_contiguous():
         plan = ("compact",) + tuple(_NATIVE_ADMIT(offs, rows, pool.slot_of, pool.expert_in, pool.stamp, pool.clock,
-                                                  pool.buffers, hosts, base, experts))
+                                                  pool.counts, pool.buffers, hosts, base, experts))
     else:
         row_expert = _row_expert_of(offs, rows)
-        row_slot = pool_admit(row_expert, pool.slot_of, pool.expert_in, pool.stamp, pool.clock, pool.buffers, hosts,
-                              base, experts)
+        row_slot = pool_admit(row_expert, pool.slot_of, pool.expert_in, pool.stamp, pool.clock, pool.counts,
+                              pool.buffers, hosts, base, experts)
         plan = (_slot_plan if slot_groups else _compact_plan)(pool, row_expert, row_slot, experts)
     pool.calls += 1
     pool.plan = (weakref.ref(offs), offs._version, base, pool.calls, plan)
