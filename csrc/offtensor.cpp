@@ -573,6 +573,22 @@ void masked_row_gather_cuda(at::Tensor dst, const at::Tensor& src, const at::Ten
 }
 #endif
 
+// The device address of a pinned host tensor's first element: what a kernel reads it through (UVA,
+// as masked_row_gather does). For a CUDA view of pinned memory (benchmarks' UVA offload baseline).
+int64_t host_device_address(const at::Tensor& host) {
+  TORCH_CHECK(host.device().is_cpu(), "offtensor: host_device_address takes a host tensor, got one on ", host.device());
+#ifdef OFFTENSOR_WITH_CUDA
+  void* device_ptr = nullptr;
+  const int code = ot_cuda_host_device_pointer(host.data_ptr(), &device_ptr);
+  TORCH_CHECK(code >= 0, "offtensor: host_device_address of a ", host.sizes(), " ", host.dtype(), " tensor (",
+              host.nbytes(), " bytes) failed: ", ot_cuda_error_string(-code), " (is it in pinned memory?)");
+  return static_cast<int64_t>(reinterpret_cast<intptr_t>(device_ptr));
+#else
+  TORCH_CHECK(false, "offtensor: host_device_address of a ", host.sizes(), " ", host.dtype(), " tensor (", host.nbytes(),
+              " bytes) needs the extension built with CUDA");
+#endif
+}
+
 // The expert pool's admit on the emulated device, in one call, with the call's grouped-GEMM plan
 // (offtensor/ops/expert_pool.py: pool_admit then _compact_plan are the same decisions as
 // fixed-shape tensor ops, the form a GPU runs). `offs`: the cumulative group ends of a grouped GEMM
@@ -713,6 +729,7 @@ TORCH_LIBRARY(offtensor, m) {
   m.def("cuda_device_count() -> int", &offtensor::cuda_device_count);
   m.def("cuda_compiled() -> bool", &offtensor::cuda_compiled);
   m.def("masked_row_gather(Tensor(a!) dst, Tensor src, Tensor dest, int stream) -> ()");
+  m.def("host_device_address(Tensor host) -> int");
   m.def("pool_admit_cpu(Tensor offs, int rows, Tensor(a!) slot_of, Tensor(b!) expert_in, Tensor(c!) stamp, "
         "Tensor(d!) clock, Tensor(e!) counts, Tensor(f!)[] buffers, Tensor[] hosts, int base, int experts) -> "
         "(Tensor, Tensor)");
@@ -727,6 +744,7 @@ TORCH_LIBRARY_IMPL(offtensor, CPU, m) {
   m.impl("copy_async", &offtensor::copy_async);
   m.impl("pin_host", &offtensor::pin_host);
   m.impl("masked_row_gather", &offtensor::masked_row_gather_cpu);
+  m.impl("host_device_address", &offtensor::host_device_address);
   m.impl("pool_admit_cpu", &offtensor::pool_admit_cpu);
   m.impl("pool_grouped_mm_cpu", &offtensor::pool_grouped_mm_cpu);
 }

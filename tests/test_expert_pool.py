@@ -504,3 +504,22 @@ def test_a_compiled_fullgraph_pooled_expert_call_counts_the_pools_fetches_and_hi
     finally:
         torch._dynamo.reset()
     _check_pool_stats(pooled, pool, seen)
+
+
+def test_the_pooled_decode_benchmark_gives_the_resident_tokens_in_every_variant_on_the_emulated_device(tmp_path):
+    """benchmarks/pool_graph_decode.py (a step of the GPU suite), tiny, on the emulated device: every
+    variant it can run here decodes the resident model's tokens, the pooled one fetches into its
+    pool, and the GPU-only UVA baseline is reported as skipped, not lost."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(DATA), "..", "benchmarks", "pool_graph_decode.py")
+    spec = importlib.util.spec_from_file_location("pool_graph_decode", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    body = bench.main(["--device", "cpu", "--hidden", "64", "--layers", "2", "--experts", "8", "--vocab", "128",
+                       "--tokens", "4", "--repeats", "2", "--out", str(tmp_path)])
+    modes = body["modes"]
+    assert {"resident", "wrapped", "pooled"} <= set(modes) and "skipped" in modes["uva"]
+    assert all(modes[m]["tokens_match_resident"] for m in ("resident", "wrapped", "pooled"))
+    assert modes["pooled"]["pool_fetches_per_token"] > 0 and body["pooled_over_resident_tok_s"] > 0
+    assert (tmp_path / "pool_graph_decode_cpu.json").exists()
