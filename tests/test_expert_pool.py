@@ -413,9 +413,9 @@ def _count_admits(monkeypatch, pool) -> list:
     admits = []
     plan = pool_ops.pooled_plan
 
-    def counted(p, master_id, offs, rows):
+    def counted(p, master_id, offs, rows, *rest):
         before, slot_of, calls = p.expert_in.clone(), p.slot_of.clone(), p.calls
-        out = plan(p, master_id, offs, rows)
+        out = plan(p, master_id, offs, rows, *rest)
         if p is pool and p.calls != calls:
             admits.append((before, p.expert_in.clone(), slot_of, p.layers[master_id], offs.clone(), rows))
         return out
@@ -523,3 +523,55 @@ def test_the_pooled_decode_benchmark_gives_the_resident_tokens_in_every_variant_
     assert all(modes[m]["tokens_match_resident"] for m in ("resident", "wrapped", "pooled"))
     assert modes["pooled"]["pool_fetches_per_token"] > 0 and body["pooled_over_resident_tok_s"] > 0
     assert (tmp_path / "pool_graph_decode_cpu.json").exists()
+
+
+def _meta_twin(name: str):
+    config = transformers.AutoConfig.from_pretrained(os.path.join(DATA, name))
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def test_a_plan_with_expert_pool_makes_the_pools_decisions_fetching_on_the_device_with_no_host_read(monkeypatch):
+    """``ot.plan(..., expert_pool=True)`` of the Mixtral on meta: the pool has the slots wrap_model
+    gives it at that budget; the admits' decisions on the host mirror are the tensor-op admit's on
+    the same routing (its fetches and hits); each fetch is a device-side copy of one slot on the
+    compute stream that the next op waits for; the expert path records no host sync and no page,
+    where the same plan without the pool reads the routing on the host every MoE layer."""
+    plain = _load("moe_mixtral")
+    slot, resident = _expert_sizes(plain)
+    budget = (resident + slot + 4 * slot + slot // 2) / GiB
+    wrapped_pool = _wrap_pooled(copy.deepcopy(plain), 4)
+    calls = []
+    admit = pool_ops.mirror_admit
+
+    def logged(pool, base, experts, ends, rows):
+        calls.append((base, experts, list(ends), rows))
+        return admit(pool, base, experts, ends, rows)
+
+    monkeypatch.setattr(pool_ops, "mirror_admit", logged)
+    meta, ids = _meta_twin("moe_mixtral"), torch.zeros(1, 1, dtype=torch.long)
+    kwargs = dict(budget_gb=budget, example_inputs=(ids,), policy=["*.experts.*"], prefetch=False, profile="h200")
+    tl = ot.plan(meta, expert_pool=True, **kwargs)
+    info = tl.info["expert_pool"]
+    assert info["slots"] == wrapped_pool.slots and info["bytes"] == wrapped_pool.nbytes
+    # The same routing through the tensor-op admit (the GPU's form) on tables of the pool's shape.
+    layers, slots = plain.config.num_hidden_layers, wrapped_pool.slots
+    experts = plain.config.num_local_experts
+    t = dict(slot_of=torch.full((experts * layers + 1,), -1), expert_in=torch.full((slots + 1,), -1),
+             stamp=torch.full((slots + 1,), -1), clock=torch.zeros(1, dtype=torch.int64),
+             counts=torch.zeros(2, dtype=torch.int64))
+    for base, n, ends, rows in calls:
+        row_expert = pool_ops._row_expert_of(torch.tensor(ends, dtype=torch.int32), rows)
+        pool_ops.pool_admit(row_expert, t["slot_of"], t["expert_in"], t["stamp"], t["clock"], t["counts"],
+                            [torch.zeros(slots, 1)], [torch.zeros(n, 1)], base, n)
+    assert len(calls) == tl.steps * layers and (info["fetches"], info["hits"]) == tuple(t["counts"].tolist())
+    fetches = [r for r in tl.records if r.name == "pool fetch"]
+    assert len(fetches) == info["fetches"] > 0 and info["bytes_h2d"] == info["fetches"] * slot
+    assert all(r.kind == "copy" and r.stream == "compute" and r.device_side and r.nbytes == slot for r in fetches)
+    readers = {w for r in tl.records if r.kind == "op" for w in r.waits}
+    assert all(r.id in readers for r in fetches)
+    assert not any(r.kind == "sync" for r in tl.records)
+    assert all(r.pages == 0 for r in tl.records if r.kind == "op")
+    cached = ot.plan(_meta_twin("moe_mixtral"), **kwargs)  # the expert cache's path: a host read per layer
+    assert sum(r.kind == "sync" for r in cached.records) == cached.steps * layers
+    assert cached.info["expert_pool"] is None

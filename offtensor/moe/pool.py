@@ -43,7 +43,7 @@ class ExpertPool:
 
     __slots__ = ("key", "slots", "experts", "buffers", "slot_of", "expert_in", "stamp", "clock", "counts",
                  "layers",
-                 "calls", "plan", "scratch", "__weakref__")
+                 "calls", "plan", "scratch", "mirror", "__weakref__")
 
     def __init__(self, key, slots: int, layers: list, device: torch.device):
         self.key = key  # ((expert shape, dtype) per role, ...)
@@ -64,6 +64,9 @@ class ExpertPool:
         self.calls = 0  # admits so far (host side): a plan is reused only while no other admit ran
         self.plan = None  # (offs ref, offs version, first expert, calls, the rows' plan) of the last admit
         self.scratch = {}  # (role, slot count) -> the emulated device's gather buffer (ops/expert_pool.py)
+        # On meta (ot.plan) the tables hold no values: ops/expert_pool.py keeps their host mirror here
+        # (slot_of, expert_in, stamp, clock, fetches, hits).
+        self.mirror = None
 
     @property
     def nbytes(self) -> int:
@@ -86,15 +89,23 @@ class ExpertPool:
         self.expert_in.fill_(-1)
         self.stamp.fill_(-1)
         self.plan = None
+        if self.mirror is not None:
+            self.mirror.update(slot_of={}, expert_in=[-1] * self.slots, stamp=[-1] * self.slots)
 
     def reset_counts(self) -> None:
         self.counts.zero_()
+        if self.mirror is not None:
+            self.mirror.update(fetches=0, hits=0)
 
     def report(self) -> dict:
         """The pool's size and its counters: ``fetches`` (experts copied into a slot), ``hits``
         (experts a call needed and found in a slot) and ``bytes_h2d`` (the bytes of the fetches).
-        Reads the device counters: on a GPU this waits for the work queued so far."""
-        fetches, hits = self.counts.tolist()
+        Reads the device counters: on a GPU this waits for the work queued so far (on meta, a
+        plan's, the host mirror's)."""
+        if self.counts.is_meta:  # a plan: the host mirror's counts
+            fetches, hits = (self.mirror["fetches"], self.mirror["hits"]) if self.mirror is not None else (0, 0)
+        else:
+            fetches, hits = self.counts.tolist()
         return {"slots": self.slots, "experts": self.experts, "bytes": self.nbytes, "fetches": fetches, "hits": hits,
                 "bytes_h2d": fetches * self.slot_bytes,
                 "stacks": [str(tuple(shape)) + " " + str(dtype).replace("torch.", "") for shape, dtype in self.key]}

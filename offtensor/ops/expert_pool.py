@@ -20,6 +20,7 @@ import weakref
 import torch
 
 from .. import _ext
+from .planned import planned_ends
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 
@@ -142,17 +143,23 @@ if _NATIVE_GMM is not None:
         return x.new_empty((x.shape[0], pool.shape[2]))
 
 
-def pooled_plan(pool, master_id: int, offs: torch.Tensor, rows: int):
+def pooled_plan(pool, master_id: int, offs: torch.Tensor, rows: int, recorder=None):
     """The plan of a call on ``master_id``'s layer routed by ``offs`` (``_slot_plan`` on a GPU,
-    ``_compact_plan`` on the emulated device), admitted once per ``offs``: the layer's second
-    grouped GEMM (down after gate_up) reuses the first's while no other admit ran in between."""
+    ``_compact_plan`` on the emulated device, ``("meta",)`` in a plan), admitted once per ``offs``:
+    the layer's second grouped GEMM (down after gate_up) reuses the first's while no other admit ran
+    in between. ``recorder``: the pager's timeline recorder, told of a plan's fetches."""
     _, base, experts, hosts = pool.layers[master_id]
     last = pool.plan
     if (last is not None and last[0]() is offs and last[1] == offs._version and last[2] == base
             and last[3] == pool.calls):
         return last[4]
     slot_groups = offs.device.type in SLOT_GROUPS
-    if NATIVE_ADMIT and _NATIVE_ADMIT is not None and not slot_groups and offs.device.type == "cpu" \
+    if offs.is_meta:
+        for _ in mirror_admit(pool, base, experts, planned_ends(experts, rows), rows):
+            if recorder is not None:
+                recorder.pool_fetched(pool.slot_bytes)
+        plan = ("meta",)
+    elif NATIVE_ADMIT and _NATIVE_ADMIT is not None and not slot_groups and offs.device.type == "cpu" \
             and offs.dtype == torch.int32 and offs.is_contiguous():
         plan = ("compact",) + tuple(_NATIVE_ADMIT(offs, rows, pool.slot_of, pool.expert_in, pool.stamp, pool.clock,
                                                   pool.counts, pool.buffers, hosts, base, experts))
@@ -164,6 +171,41 @@ def pooled_plan(pool, master_id: int, offs: torch.Tensor, rows: int):
     pool.calls += 1
     pool.plan = (weakref.ref(offs), offs._version, base, pool.calls, plan)
     return plan
+
+
+def mirror_admit(pool, base: int, experts: int, ends: list, rows: int) -> list:
+    """``pool_admit``'s decisions on a host mirror of the pool's tables (``pool.mirror``), for a plan
+    on meta, whose tables hold no values: the routing's cumulative group ``ends`` (planned), the
+    same LRU (the held experts' slots protected; each missed one, in expert order, takes the next
+    free slot, empty ones first, then the oldest stamp, lowest index on ties). Returns the slots
+    filled, one per fetch."""
+    m = pool.mirror
+    if m is None:
+        m = pool.mirror = {"slot_of": {}, "expert_in": [-1] * pool.slots, "stamp": [-1] * pool.slots, "clock": 0,
+                           "fetches": 0, "hits": 0}
+    slot_of, expert_in, stamp = m["slot_of"], m["expert_in"], m["stamp"]
+    needed, previous = [], 0
+    for e in range(experts):
+        end = min(ends[e], rows)
+        if end > previous:
+            needed.append(base + e)
+        previous = max(previous, end)
+    held = {slot_of[e] for e in needed if e in slot_of}
+    free = sorted((s for s in range(pool.slots) if s not in held), key=stamp.__getitem__)  # stable
+    filled = []
+    for e in needed:
+        if e not in slot_of:
+            s = free[len(filled)]
+            if expert_in[s] >= 0:
+                del slot_of[expert_in[s]]
+            expert_in[s], slot_of[e] = e, s
+            filled.append(s)
+    for e in needed:
+        stamp[slot_of[e]] = m["clock"]
+    m["clock"] += 1
+    m["fetches"] += len(filled)
+    m["hits"] += len(needed) - len(filled)
+    return filled
 
 
 # Device types whose pooled grouped GEMM has one group per slot (the others: one per expert used).
@@ -255,7 +297,12 @@ def pooled_grouped_mm(func, pool, weight, x, offs, out_dtype, fallback: bool = F
     # The admit and the GEMM that reads its slots under the pager's lock: another thread's admit
     # in between could give those slots to other experts (pool state is pager state).
     with master.pager.lock:
-        kind, index, group_ends = pooled_plan(pool, master_id, offs, x.shape[0])
+        plan = pooled_plan(pool, master_id, offs, x.shape[0], master.pager.recorder)
+        if plan[0] == "meta":  # a plan: shapes only, the GEMM's cost is recorded on the op
+            if master.pager.recorder is not None:
+                master.pager.recorder.pool_called()
+            return x.new_empty((x.shape[0], pool_view(pool, master_id, host).shape[-1]), dtype=out_dtype or x.dtype)
+        kind, index, group_ends = plan
         if kind == "slots":
             y = torch._grouped_mm(x.index_select(0, index), pool_view(pool, master_id, host), group_ends,
                                   out_dtype=out_dtype)
