@@ -4,7 +4,10 @@ decides, updates the tables and fetches only the missed experts), and the call r
 GEMM against the pool.
 
 Every step is a fixed-shape device op (no ``.item()``, ``.tolist()``, ``nonzero`` or host read), so
-the path runs unchanged inside a compiled graph and can be captured in a CUDA graph.
+the path runs unchanged inside a compiled graph and can be captured in a CUDA graph. The admit also
+counts its fetches and hits on the device (``pool.counts``, read by ``ot.stats`` only). In a plan
+on meta, whose tables hold no values, the same decisions are made on a host mirror of them
+(``mirror_admit``) from the planned routing, and each fetch is recorded for the replay.
 
 Bit-identical to the plain model: each expert's rows are the same rows, in the same order, against
 the same bytes (a slot is a copy of the expert's host master), and ``_grouped_mm`` computes each
