@@ -17,13 +17,14 @@ import copy
 import os
 import statistics
 import sys
-import time
 
 import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import offtensor as ot  # noqa: E402
+from decode_steps import decode, graphed  # noqa: E402
 from results_io import save_result  # noqa: E402
 
 GiB = 1 << 30
@@ -45,46 +46,6 @@ class ToyLM(nn.Module):
         for block in self.blocks:
             h = h + block(h)
         return self.head(h)
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def decode(step, start, tokens, device):
-    token, out = start, []
-    _sync(device)
-    began = time.perf_counter()
-    for _ in range(tokens):
-        token = step(token).argmax(-1)
-        out.append(token)
-    _sync(device)
-    return torch.cat(out, -1), (time.perf_counter() - began) * 1e3 / tokens
-
-
-def graphed(step, start, device, model):
-    """The step captured as a CUDA graph: a callable with the same signature, and the bytes each
-    replay copies host->device (those the capture recorded; replays run no Python to count them)."""
-    static_token = start.clone()
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step(static_token)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    before = ot.stats(model).bytes_h2d
-    with torch.cuda.graph(graph):
-        static_logits = step(static_token)
-    replay_bytes = ot.stats(model).bytes_h2d - before
-
-    def replay(token):
-        static_token.copy_(token)
-        graph.replay()
-        return static_logits
-
-    return replay, replay_bytes
 
 
 def main(argv=None):
@@ -113,15 +74,16 @@ def main(argv=None):
         compiled(start)
         variants["wrapped compiled"] = compiled
         if device.type == "cuda":
-            variants["wrapped CUDA graph"], replay_bytes = graphed(compiled, start, device, base)
+            variants["wrapped CUDA graph"], replay_bytes = graphed(compiled, start, device,
+                                                                   lambda: ot.stats(base).bytes_h2d)
         expected, _ = decode(reference, start, args.tokens, device)
         times = {name: [] for name in variants}
         same, h2d = {}, {}
         for _ in range(args.repeats):  # interleaved, medians reported
             for name, step in variants.items():
                 ot.reset_stats(base)
-                tokens, ms = decode(step, start, args.tokens, device)
-                times[name].append(ms)
+                tokens, seconds = decode(step, start, args.tokens, device)
+                times[name].append(seconds * 1e3)
                 same[name] = bool(torch.equal(tokens, expected))
                 if name == "wrapped CUDA graph":
                     h2d[name] = replay_bytes

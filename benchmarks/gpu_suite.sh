@@ -179,7 +179,9 @@ step bench_vllm 90 "$PY" benchmarks/vllm_path.py --device "$DEVICE" --out "$RESU
 step bench_dispatch 60 "$PY" benchmarks/dispatch.py --device "$DEVICE" --out "$RESULTS"
 if [ "$DRY" = 0 ]; then
   # A pooled MoE decode (expert_pool=True) eager and captured in a CUDA graph, tok/s against the
-  # resident model and today's wrapped path; tokens checked against the resident ones (~1 min).
+  # resident model, a UVA-style offload at the same budget (experts read in place from pinned
+  # memory, as vLLM's cpu_offload) and today's wrapped path, alternating; tokens checked against
+  # the resident ones; a variant that fails is recorded with its error (~1 min).
   step bench_pool_graph 90 "$PY" benchmarks/pool_graph_decode.py --device "$DEVICE" --out "$RESULTS"
   # The 15 GB Qwen3-MoE at a 4 GiB budget against resident, copy-all, accelerate and UVA (3-5 min:
   # usually a second call, OFFTENSOR_SUITE_ONLY="bench_moe ...").

@@ -59,6 +59,7 @@ from offtensor.pager import GiB, format_bytes, resolve_device  # noqa: E402
 from offtensor.moe import speculation as speculation_mod  # noqa: E402
 from offtensor.model.copies import state_of  # noqa: E402
 from results_io import save_result  # noqa: E402
+from uva import offload_params  # noqa: E402
 
 # ---------------------------------------------------------------------------- DeepSeek-style stack
 
@@ -496,23 +497,10 @@ def _accelerate_variant(base, device, budget_gb, record):
 
 def _uva_variant(base, device, record):
     """The expert stacks stay in pinned host memory and the kernels read them in place (zero-copy
-    CUDA views); everything else is resident."""
-
-    class _DeviceView:
-        def __init__(self, t):
-            self.__cuda_array_interface__ = {"shape": (t.numel(),), "typestr": "|u1", "data": (t.data_ptr(), False),
-                                             "version": 3, "strides": None}
-
+    CUDA views, benchmarks/uva.py); everything else is resident."""
     model = copy.deepcopy(base)
-    keep = []
-    for name, p in _expert_stacks(model):
-        pinned = p.detach().contiguous().pin_memory()
-        keep.append(pinned)
-        view = torch.as_tensor(_DeviceView(pinned.view(torch.uint8).view(-1)), device=device).view(p.dtype).view(p.shape)
-        module = model.get_submodule(name.rpartition(".")[0])
-        setattr(module, name.rpartition(".")[2], nn.Parameter(view, requires_grad=False))
+    model._uva_sources = offload_params(model, [name for name, _ in _expert_stacks(model)], device)
     model.to(device)
-    model._uva_sources = keep
     record("uva", model)
 
 

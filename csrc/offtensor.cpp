@@ -573,6 +573,22 @@ void masked_row_gather_cuda(at::Tensor dst, const at::Tensor& src, const at::Ten
 }
 #endif
 
+// The device address of a pinned host tensor's first element: what a kernel reads it through (UVA,
+// as masked_row_gather does). For a CUDA view of pinned memory (benchmarks' UVA offload baseline).
+int64_t host_device_address(const at::Tensor& host) {
+  TORCH_CHECK(host.device().is_cpu(), "offtensor: host_device_address takes a host tensor, got one on ", host.device());
+#ifdef OFFTENSOR_WITH_CUDA
+  void* device_ptr = nullptr;
+  const int code = ot_cuda_host_device_pointer(host.data_ptr(), &device_ptr);
+  TORCH_CHECK(code >= 0, "offtensor: host_device_address of a ", host.sizes(), " ", host.dtype(), " tensor (",
+              host.nbytes(), " bytes) failed: ", ot_cuda_error_string(-code), " (is it in pinned memory?)");
+  return static_cast<int64_t>(reinterpret_cast<intptr_t>(device_ptr));
+#else
+  TORCH_CHECK(false, "offtensor: host_device_address of a ", host.sizes(), " ", host.dtype(), " tensor (", host.nbytes(),
+              " bytes) needs the extension built with CUDA");
+#endif
+}
+
 // The expert pool's admit on the emulated device, in one call, with the call's grouped-GEMM plan
 // (offtensor/ops/expert_pool.py: pool_admit then _compact_plan are the same decisions as
 // fixed-shape tensor ops, the form a GPU runs). `offs`: the cumulative group ends of a grouped GEMM
@@ -581,15 +597,17 @@ void masked_row_gather_cuda(at::Tensor dst, const at::Tensor& src, const at::Ten
 // order, takes the unprotected slot of the oldest stamp, empty slots first, lowest index on ties),
 // the missed ones copied from their host stacks into the slot buffers. Returns (each group's slot,
 // the groups' ends), one group per distinct expert in expert order, min(rows, experts) groups.
-// All checks come before the first write, so the tables are never left half-changed.
+// `counts` (fetches, hits) gains the missed and the held experts. All checks come before the first
+// write, so the tables are never left half-changed.
 std::tuple<at::Tensor, at::Tensor> pool_admit_cpu(const at::Tensor& offs, int64_t rows, at::Tensor slot_of,
                                                   at::Tensor expert_in, at::Tensor stamp, at::Tensor clock,
-                                                  at::TensorList buffers, at::TensorList hosts, int64_t base,
-                                                  int64_t experts) {
+                                                  at::Tensor counts, at::TensorList buffers, at::TensorList hosts,
+                                                  int64_t base, int64_t experts) {
   TORCH_CHECK(offs.dtype() == at::kInt && offs.is_contiguous() && offs.size(0) == experts,
               "offtensor: pool_admit takes int32 group ends, one per expert, got ", offs.sizes(), " ", offs.dtype());
   TORCH_CHECK(slot_of.dtype() == at::kLong && expert_in.dtype() == at::kLong && stamp.dtype() == at::kLong &&
-                  clock.dtype() == at::kLong && slot_of.is_contiguous() && expert_in.is_contiguous() &&
+                  clock.dtype() == at::kLong && counts.dtype() == at::kLong && counts.numel() == 2 &&
+                  counts.is_contiguous() && slot_of.is_contiguous() && expert_in.is_contiguous() &&
                   stamp.is_contiguous() && buffers.size() == hosts.size(),
               "offtensor: pool_admit takes contiguous int64 tables and one host stack per buffer");
   const int64_t slots = expert_in.size(0) - 1, total = slot_of.size(0) - 1;
@@ -606,13 +624,13 @@ std::tuple<at::Tensor, at::Tensor> pool_admit_cpu(const at::Tensor& offs, int64_
   int64_t* holder = expert_in.data_ptr<int64_t>();
   int64_t* last = stamp.data_ptr<int64_t>();
   std::vector<char> needed(experts, 0), guarded(slots, 0);
-  int64_t misses = 0, previous = 0;
+  int64_t misses = 0, hits = 0, previous = 0;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t end = std::min<int64_t>(ends[e], rows);
     needed[e] = end > previous;
     previous = std::max(previous, end);
     if (!needed[e]) continue;
-    if (slot[e] >= 0) guarded[slot[e]] = 1; else ++misses;
+    if (slot[e] >= 0) guarded[slot[e]] = 1, ++hits; else ++misses;
   }
   std::vector<int64_t> free_slots;
   for (int64_t s = 0; s < slots; ++s)
@@ -658,6 +676,8 @@ std::tuple<at::Tensor, at::Tensor> pool_admit_cpu(const at::Tensor& offs, int64_
   }
   for (; group < groups; ++group) ge[group] = covered;
   clock.data_ptr<int64_t>()[0] = now + 1;
+  counts.data_ptr<int64_t>()[0] += misses;
+  counts.data_ptr<int64_t>()[1] += hits;
   return std::make_tuple(group_slot, group_ends);
 }
 
@@ -709,8 +729,10 @@ TORCH_LIBRARY(offtensor, m) {
   m.def("cuda_device_count() -> int", &offtensor::cuda_device_count);
   m.def("cuda_compiled() -> bool", &offtensor::cuda_compiled);
   m.def("masked_row_gather(Tensor(a!) dst, Tensor src, Tensor dest, int stream) -> ()");
+  m.def("host_device_address(Tensor host) -> int");
   m.def("pool_admit_cpu(Tensor offs, int rows, Tensor(a!) slot_of, Tensor(b!) expert_in, Tensor(c!) stamp, "
-        "Tensor(d!) clock, Tensor(e!)[] buffers, Tensor[] hosts, int base, int experts) -> (Tensor, Tensor)");
+        "Tensor(d!) clock, Tensor(e!) counts, Tensor(f!)[] buffers, Tensor[] hosts, int base, int experts) -> "
+        "(Tensor, Tensor)");
   m.def("pool_grouped_mm_cpu(Tensor x, Tensor pool, Tensor group_slot, Tensor group_ends) -> Tensor");
 }
 
@@ -722,6 +744,7 @@ TORCH_LIBRARY_IMPL(offtensor, CPU, m) {
   m.impl("copy_async", &offtensor::copy_async);
   m.impl("pin_host", &offtensor::pin_host);
   m.impl("masked_row_gather", &offtensor::masked_row_gather_cpu);
+  m.impl("host_device_address", &offtensor::host_device_address);
   m.impl("pool_admit_cpu", &offtensor::pool_admit_cpu);
   m.impl("pool_grouped_mm_cpu", &offtensor::pool_grouped_mm_cpu);
 }

@@ -86,7 +86,10 @@ def stats(model: nn.Module) -> OffloadStats:
     """The wrapped ``model``'s counters since wrapping or the last ``reset_stats``: budget,
     resident and offloaded bytes, page-ins, prefetches, cache hits and evictions, the peak device
     bytes, device bytes of tensor attributes no weight shares (``untracked_bytes``) and, for an MoE
-    model, how its experts were placed and why (``expert_placement``)."""
+    model, how its experts were placed and why (``expert_placement``). With ``expert_pool=True``
+    also the pool's fetches and hits (``expert_pool``; its fetched bytes are part of ``bytes_h2d``):
+    they are counted on the device, so this call reads them there, which on a GPU waits for the
+    work queued so far (the decode steps themselves never wait for them)."""
     state = state_of(model)
     with state.pager.lock:
         if state.experts_stale:

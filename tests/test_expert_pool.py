@@ -267,23 +267,23 @@ def test_an_interrupt_inside_the_pools_fetch_leaves_its_tables_consistent(monkey
 
 def test_pool_admit_is_a_custom_op_that_declares_what_it_mutates():
     schema = str(torch.ops.offtensor.pool_admit.default._schema)
-    for name in ("slot_of", "expert_in", "stamp", "clock", "buffers"):
+    for name in ("slot_of", "expert_in", "stamp", "clock", "counts", "buffers"):
         assert f"(a" in schema and name in schema
-    assert schema.count("!") == 5
+    assert schema.count("!") == 6
 
 
 @pytest.mark.skipif(pool_ops._NATIVE_ADMIT is None, reason="needs the native extension")
 def test_the_native_admit_makes_the_tensor_op_admits_decisions():
     """Random routings, step after step, into two copies of one pool's tables, one admitted by the
     tensor ops (the GPU's form) and its plan, one by the emulated device's native call: the same
-    plan, tables, stamps and slot bytes after every step."""
+    plan, tables, stamps, counters and slot bytes after every step."""
     experts, slots, layers = 12, 5, 2
     hosts = [torch.randn(experts, 3, 4), torch.randn(experts, 2)]
     tables = []
     for _ in range(2):
         tables.append(dict(slot_of=torch.full((experts * layers + 1,), -1), expert_in=torch.full((slots + 1,), -1),
                            stamp=torch.full((slots + 1,), -1), clock=torch.zeros(1, dtype=torch.int64),
-                           buffers=[torch.zeros(slots, 3, 4), torch.zeros(slots, 2)]))
+                           counts=torch.zeros(2, dtype=torch.int64), buffers=[torch.zeros(slots, 3, 4), torch.zeros(slots, 2)]))
     pool = type("Pool", (), {"slots": slots})()
     g = torch.Generator().manual_seed(0)
     for step in range(60):
@@ -294,14 +294,14 @@ def test_the_native_admit_makes_the_tensor_op_admits_decisions():
         base = experts * (step % layers)
         t = tables[0]
         row_expert = pool_ops._row_expert_of(offs, rows)
-        row_slot = pool_ops.pool_admit(row_expert, t["slot_of"], t["expert_in"], t["stamp"], t["clock"], t["buffers"],
-                                       hosts, base, experts)
+        row_slot = pool_ops.pool_admit(row_expert, t["slot_of"], t["expert_in"], t["stamp"], t["clock"], t["counts"],
+                                       t["buffers"], hosts, base, experts)
         expected = pool_ops._compact_plan(pool, row_expert, row_slot, experts)[1:]
         t = tables[1]
-        got = pool_ops._NATIVE_ADMIT(offs, rows, t["slot_of"], t["expert_in"], t["stamp"], t["clock"], t["buffers"],
-                                     hosts, base, experts)
+        got = pool_ops._NATIVE_ADMIT(offs, rows, t["slot_of"], t["expert_in"], t["stamp"], t["clock"], t["counts"],
+                                     t["buffers"], hosts, base, experts)
         assert all(torch.equal(a, b) for a, b in zip(expected, got)), step
-        for name in ("slot_of", "expert_in", "stamp", "clock"):
+        for name in ("slot_of", "expert_in", "stamp", "clock", "counts"):
             assert torch.equal(tables[0][name], tables[1][name]), (step, name)
         for a, b in zip(tables[0]["buffers"], tables[1]["buffers"]):
             assert torch.equal(a, b)
@@ -401,3 +401,173 @@ def test_threads_sharing_a_pooled_model_each_get_the_plain_logits():
     assert not errors
     assert all(torch.equal(got[i], expected[i]) for i in range(len(tokens)))
     assert _consistent(pool)
+
+
+def _count_admits(monkeypatch, pool) -> list:
+    """Each admit of ``pool``, seen from outside the op: its tables before and after, its routing
+    (counted by ``_seen`` after the calls: a host read here would count as the step's sync)."""
+    admits = []
+    plan = pool_ops.pooled_plan
+
+    def counted(p, master_id, offs, rows, *rest):
+        before, slot_of, calls = p.expert_in.clone(), p.slot_of.clone(), p.calls
+        out = plan(p, master_id, offs, rows, *rest)
+        if p is pool and p.calls != calls:
+            admits.append((before, p.expert_in.clone(), slot_of, p.layers[master_id], offs.clone(), rows))
+        return out
+
+    monkeypatch.setattr(pool_ops, "pooled_plan", counted)
+    return admits
+
+
+def _seen(admits) -> dict:
+    """``fetches``: the slots whose expert changed (a missed expert is held by no slot, so each fetch
+    changes one); ``hits``: the experts a call routed rows to that a slot held before it."""
+    seen = {"fetches": 0, "hits": 0, "admits": len(admits)}
+    for before, after, slot_of, (_, base, experts, _), offs, rows in admits:
+        ends = offs.clamp(max=rows)
+        needed = torch.diff(ends, prepend=ends.new_zeros(1)) > 0
+        seen["fetches"] += int((after != before).sum())
+        seen["hits"] += int((needed & (slot_of[base : base + experts] >= 0)).sum())
+    return seen
+
+
+def _check_pool_stats(model, pool, admits) -> None:
+    s, seen = ot.stats(model), _seen(admits)
+    slot_bytes = sum(b[0].numel() * b.element_size() for b in pool.buffers)
+    assert seen["admits"] > 0 and seen["fetches"] > 0 and seen["hits"] > 0
+    assert (s.expert_pool["fetches"], s.expert_pool["hits"]) == (seen["fetches"], seen["hits"])
+    assert s.expert_pool["bytes_h2d"] == seen["fetches"] * slot_bytes == s.expert_pool["pools"][0]["bytes_h2d"]
+    assert s.bytes_h2d == _pager(model).stats.bytes_h2d + s.expert_pool["bytes_h2d"]  # the pool's bytes included
+    ot.reset_stats(model)
+    assert ot.stats(model).expert_pool["fetches"] == ot.stats(model).expert_pool["hits"] == 0
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "tensor_ops"])
+def test_the_pools_fetches_and_hits_in_stats_are_its_changed_slots_counted_with_no_host_sync(pair, native,
+                                                                                            monkeypatch):
+    """Decode steps (two calls per layer on the same experts: the second hits) and a generate:
+    ``ot.stats``' expert_pool figures are the admits' changed slots and held experts, its bytes in
+    ``bytes_h2d``; the steps read nothing on the host (the counters stay on the device)."""
+    if native and pool_ops._NATIVE_ADMIT is None:
+        pytest.skip("needs the native extension")
+    monkeypatch.setattr(pool_ops, "NATIVE_ADMIT", native)
+    plain, pooled, pool = pair
+    experts = [m for n, m in pooled.named_modules() if n.endswith("mlp.experts")]
+    top_k = plain.config.num_experts_per_tok
+    ids = torch.randint(0, plain.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        pooled(ids)
+        ot.reset_stats(pooled)
+        seen = _count_admits(monkeypatch, pool)
+        hidden, weights = torch.randn(1, plain.config.hidden_size), torch.full((1, top_k), 1.0 / top_k)
+        for step in range(4):
+            index = torch.randperm(experts[0].num_experts, generator=torch.Generator().manual_seed(step))[:top_k]
+            before, counter = HOST_SYNCS[0], _SyncCounter()
+            with counter:
+                for module in experts:
+                    module(hidden, index[None], weights)
+                    module(hidden, index[None], weights)
+            assert HOST_SYNCS[0] == before and counter.syncs == []
+        assert torch.equal(pooled.generate(ids, max_new_tokens=6, do_sample=False),
+                           plain.generate(ids, max_new_tokens=6, do_sample=False))
+    _check_pool_stats(pooled, pool, seen)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "tensor_ops"])
+def test_a_compiled_fullgraph_pooled_expert_call_counts_the_pools_fetches_and_hits(native, monkeypatch):
+    if native and pool_ops._NATIVE_ADMIT is None:
+        pytest.skip("needs the native extension")
+    monkeypatch.setattr(pool_ops, "NATIVE_ADMIT", native)
+    plain = _load("moe_mixtral")
+    pooled = copy.deepcopy(plain)
+    pool = _wrap_pooled(pooled, 4)
+    experts = [m for n, m in pooled.named_modules() if n.endswith("mlp.experts")]
+    hidden, weights = torch.randn(1, plain.config.hidden_size), torch.full((1, 2), 0.5)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=64):
+            compiled = [torch.compile(m, backend="aot_eager", fullgraph=True) for m in experts]
+            compiled[0](hidden, torch.tensor([[0, 1]]), weights)  # compiled before counting
+            ot.reset_stats(pooled)
+            seen = _count_admits(monkeypatch, pool)
+            for index in ([[2, 5]], [[5, 9]], [[1, 12]], [[1, 12]]):
+                before = HOST_SYNCS[0]
+                for run in compiled:
+                    run(hidden, torch.tensor(index), weights)
+                    run(hidden, torch.tensor(index), weights)
+                assert HOST_SYNCS[0] == before
+    finally:
+        torch._dynamo.reset()
+    _check_pool_stats(pooled, pool, seen)
+
+
+def test_the_pooled_decode_benchmark_gives_the_resident_tokens_in_every_variant_on_the_emulated_device(tmp_path):
+    """benchmarks/pool_graph_decode.py (a step of the GPU suite), tiny, on the emulated device: every
+    variant it can run here decodes the resident model's tokens, the pooled one fetches into its
+    pool, and the GPU-only UVA baseline is reported as skipped, not lost."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(DATA), "..", "benchmarks", "pool_graph_decode.py")
+    spec = importlib.util.spec_from_file_location("pool_graph_decode", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    body = bench.main(["--device", "cpu", "--hidden", "64", "--layers", "2", "--experts", "8", "--vocab", "128",
+                       "--tokens", "4", "--repeats", "2", "--out", str(tmp_path)])
+    modes = body["modes"]
+    assert {"resident", "wrapped", "pooled"} <= set(modes) and "skipped" in modes["uva"]
+    assert all(modes[m]["tokens_match_resident"] for m in ("resident", "wrapped", "pooled"))
+    assert modes["pooled"]["pool_fetches_per_token"] > 0 and body["pooled_over_resident_tok_s"] > 0
+    assert (tmp_path / "pool_graph_decode_cpu.json").exists()
+
+
+def _meta_twin(name: str):
+    config = transformers.AutoConfig.from_pretrained(os.path.join(DATA, name))
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def test_a_plan_with_expert_pool_makes_the_pools_decisions_fetching_on_the_device_with_no_host_read(monkeypatch):
+    """``ot.plan(..., expert_pool=True)`` of the Mixtral on meta: the pool has the slots wrap_model
+    gives it at that budget; the admits' decisions on the host mirror are the tensor-op admit's on
+    the same routing (its fetches and hits); each fetch is a device-side copy of one slot on the
+    compute stream that the next op waits for; the expert path records no host sync and no page,
+    where the same plan without the pool reads the routing on the host every MoE layer."""
+    plain = _load("moe_mixtral")
+    slot, resident = _expert_sizes(plain)
+    budget = (resident + slot + 4 * slot + slot // 2) / GiB
+    wrapped_pool = _wrap_pooled(copy.deepcopy(plain), 4)
+    calls = []
+    admit = pool_ops.mirror_admit
+
+    def logged(pool, base, experts, ends, rows):
+        calls.append((base, experts, list(ends), rows))
+        return admit(pool, base, experts, ends, rows)
+
+    monkeypatch.setattr(pool_ops, "mirror_admit", logged)
+    meta, ids = _meta_twin("moe_mixtral"), torch.zeros(1, 1, dtype=torch.long)
+    kwargs = dict(budget_gb=budget, example_inputs=(ids,), policy=["*.experts.*"], prefetch=False, profile="h200")
+    tl = ot.plan(meta, expert_pool=True, **kwargs)
+    info = tl.info["expert_pool"]
+    assert info["slots"] == wrapped_pool.slots and info["bytes"] == wrapped_pool.nbytes
+    # The same routing through the tensor-op admit (the GPU's form) on tables of the pool's shape.
+    layers, slots = plain.config.num_hidden_layers, wrapped_pool.slots
+    experts = plain.config.num_local_experts
+    t = dict(slot_of=torch.full((experts * layers + 1,), -1), expert_in=torch.full((slots + 1,), -1),
+             stamp=torch.full((slots + 1,), -1), clock=torch.zeros(1, dtype=torch.int64),
+             counts=torch.zeros(2, dtype=torch.int64))
+    for base, n, ends, rows in calls:
+        row_expert = pool_ops._row_expert_of(torch.tensor(ends, dtype=torch.int32), rows)
+        pool_ops.pool_admit(row_expert, t["slot_of"], t["expert_in"], t["stamp"], t["clock"], t["counts"],
+                            [torch.zeros(slots, 1)], [torch.zeros(n, 1)], base, n)
+    assert len(calls) == tl.steps * layers and (info["fetches"], info["hits"]) == tuple(t["counts"].tolist())
+    fetches = [r for r in tl.records if r.name == "pool fetch"]
+    assert len(fetches) == info["fetches"] > 0 and info["bytes_h2d"] == info["fetches"] * slot
+    assert all(r.kind == "copy" and r.stream == "compute" and r.device_side and r.nbytes == slot for r in fetches)
+    readers = {w for r in tl.records if r.kind == "op" for w in r.waits}
+    assert all(r.id in readers for r in fetches)
+    assert not any(r.kind == "sync" for r in tl.records)
+    assert all(r.pages == 0 for r in tl.records if r.kind == "op")
+    cached = ot.plan(_meta_twin("moe_mixtral"), **kwargs)  # the expert cache's path: a host read per layer
+    assert sum(r.kind == "sync" for r in cached.records) == cached.steps * layers
+    assert cached.info["expert_pool"] is None

@@ -155,6 +155,23 @@ def test_pinned_allocations_are_pinned_on_a_gpu_machine():
     assert not _ext.alloc_host(4096, pin=False).is_pinned()
 
 
+@native_only
+def test_host_device_address_of_memory_no_gpu_can_read_is_refused_naming_the_tensor_and_its_bytes():
+    """Unpinned memory (or no GPU, or no CUDA in the build): a clear error, not an address."""
+    with pytest.raises(RuntimeError, match=r"host_device_address of a \[3, 5\] float tensor \(60 bytes\)"):
+        torch.ops.offtensor.host_device_address(torch.zeros(3, 5))
+
+
+@cuda_only
+def test_a_cuda_view_at_the_host_device_address_of_pinned_memory_reads_its_values():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from uva import uva_view
+
+    weight, keep = torch.randn(64, 33), []
+    view = uva_view(weight, torch.device("cuda"), keep)
+    assert view.is_cuda and keep[0].is_pinned() and torch.equal((view * 1).cpu(), weight)
+
+
 # ------------------------------------------------------------------------------------------------
 # Copy engine
 

@@ -152,9 +152,10 @@ def test_measure_profile_on_the_emulated_device_gives_positive_rates():
     profile = ot.measure_profile("cpu")
     assert profile.h2d_gbps > 0 and profile.hbm_gbps > 0 and profile.launch_us > 0
     assert all(v > 0 for v in profile.tflops.values())
-    # offtensor's own host time per page and per copy, measured on this host (a cache hit costs
-    # more than the plain op); the h200 profile's is an estimate and says so.
-    assert set(profile.host_us) == {"page", "copy"} and profile.host_us["page"] > 0
+    # offtensor's own host time per page, per copy and per pooled expert GEMM, measured on this host
+    # (a cache hit costs more than the plain op); the h200 profile's is an estimate and says so.
+    assert set(profile.host_us) == {"page", "copy", "pool"} and profile.host_us["page"] > 0
+    assert profile.host_us["pool"] > 0
     assert "measured" in profile.host_source and ot.get_profile("h200").host_source.startswith("estimate")
 
 

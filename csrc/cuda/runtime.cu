@@ -264,3 +264,8 @@ extern "C" int ot_cuda_masked_row_gather(int device, void* dst, const void* src,
   status = cudaGetLastError();
   return status == cudaSuccess ? 0 : -static_cast<int>(status);
 }
+
+extern "C" int ot_cuda_host_device_pointer(const void* host, void** device_ptr) {
+  const cudaError_t status = cudaHostGetDevicePointer(device_ptr, const_cast<void*>(host), 0);
+  return status == cudaSuccess ? 0 : -static_cast<int>(status);
+}

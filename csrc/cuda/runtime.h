@@ -44,6 +44,10 @@ const char* ot_cuda_error_string(int code);
 int ot_cuda_masked_row_gather(int device, void* dst, const void* src, const int64_t* dest, int64_t rows,
                               int64_t slots, size_t row_bytes, void* stream);
 
+// The device address of pinned host memory `host` (cudaHostGetDevicePointer), in *device_ptr: what a
+// kernel reads it through (UVA). Returns 0 or a negative error code.
+int ot_cuda_host_device_pointer(const void* host, void** device_ptr);
+
 #ifdef __cplusplus
 }
 #endif

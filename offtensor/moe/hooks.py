@@ -43,7 +43,7 @@ def attach(model: nn.Module, pager, speculate: bool = True, compute: str = "devi
         tensors[master.id] = t
     if not stacks.by_master:
         return None
-    if pool and pager.device.type != "meta":
+    if pool:  # on meta (ot.plan) too: its slots are sized and its fetches planned (ops/expert_pool.py)
         pools = build_pools(pager, stacks, model_top_k(model), tensors, other_bytes)
         if pools is not None:
             pager.take_from_budget(pools.nbytes)

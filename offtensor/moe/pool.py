@@ -11,7 +11,10 @@ A pool holds, per stack role of the layer (``gate_up_proj``, ``down_proj``; ``w1
   last entry is the sink of rows that belong to no expert (always -1);
 - ``expert_in`` [S + 1]: the expert each slot holds, -1 when empty;
 - ``stamp`` [S + 1]: the clock value of each slot's last use, -1 for an empty slot;
-- ``clock`` [1]: the step counter.
+- ``clock`` [1]: the step counter;
+- ``counts`` [2]: the experts fetched into a slot and the experts found in one, summed over the
+  admits (the pool's own statistics: device-side, so the decode path never reads them; ``report``
+  reads them, which on a GPU waits for the device).
 
 The decisions and the copies of one call are one op (``ops/expert_pool.py``, ``offtensor::pool_admit``).
 The slots are device copies of the immutable host masters: the masters stay the one source of the
@@ -38,8 +41,9 @@ from ..pager import BudgetError
 class ExpertPool:
     """One shared pool: its slot buffers per stack role, its tables, and the layers it serves."""
 
-    __slots__ = ("key", "slots", "experts", "buffers", "slot_of", "expert_in", "stamp", "clock", "layers",
-                 "calls", "plan", "scratch", "__weakref__")
+    __slots__ = ("key", "slots", "experts", "buffers", "slot_of", "expert_in", "stamp", "clock", "counts",
+                 "layers",
+                 "calls", "plan", "scratch", "mirror", "__weakref__")
 
     def __init__(self, key, slots: int, layers: list, device: torch.device):
         self.key = key  # ((expert shape, dtype) per role, ...)
@@ -50,6 +54,7 @@ class ExpertPool:
         self.expert_in = torch.full((slots + 1,), -1, dtype=torch.int64, device=device)
         self.stamp = torch.full((slots + 1,), -1, dtype=torch.int64, device=device)
         self.clock = torch.zeros(1, dtype=torch.int64, device=device)
+        self.counts = torch.zeros(2, dtype=torch.int64, device=device)  # (fetches, hits)
         self.layers = {}  # master id -> (role, first expert of its layer in slot_of, experts, host masters by role)
         base = 0
         for masters, count, hosts in layers:
@@ -59,10 +64,18 @@ class ExpertPool:
         self.calls = 0  # admits so far (host side): a plan is reused only while no other admit ran
         self.plan = None  # (offs ref, offs version, first expert, calls, the rows' plan) of the last admit
         self.scratch = {}  # (role, slot count) -> the emulated device's gather buffer (ops/expert_pool.py)
+        # On meta (ot.plan) the tables hold no values: ops/expert_pool.py keeps their host mirror here
+        # (slot_of, expert_in, stamp, clock, fetches, hits).
+        self.mirror = None
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    @property
+    def slot_bytes(self) -> int:
+        """The bytes of one slot: one expert of each stack of a layer, what one fetch copies."""
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.key)
 
     def covers(self, master_id: int, rows: int) -> bool:
         """Whether a call of ``rows`` routed rows on ``master_id``'s stack is served from the pool:
@@ -76,9 +89,25 @@ class ExpertPool:
         self.expert_in.fill_(-1)
         self.stamp.fill_(-1)
         self.plan = None
+        if self.mirror is not None:
+            self.mirror.update(slot_of={}, expert_in=[-1] * self.slots, stamp=[-1] * self.slots)
+
+    def reset_counts(self) -> None:
+        self.counts.zero_()
+        if self.mirror is not None:
+            self.mirror.update(fetches=0, hits=0)
 
     def report(self) -> dict:
-        return {"slots": self.slots, "experts": self.experts, "bytes": self.nbytes,
+        """The pool's size and its counters: ``fetches`` (experts copied into a slot), ``hits``
+        (experts a call needed and found in a slot) and ``bytes_h2d`` (the bytes of the fetches).
+        Reads the device counters: on a GPU this waits for the work queued so far (on meta, a
+        plan's, the host mirror's)."""
+        if self.counts.is_meta:  # a plan: the host mirror's counts
+            fetches, hits = (self.mirror["fetches"], self.mirror["hits"]) if self.mirror is not None else (0, 0)
+        else:
+            fetches, hits = self.counts.tolist()
+        return {"slots": self.slots, "experts": self.experts, "bytes": self.nbytes, "fetches": fetches, "hits": hits,
+                "bytes_h2d": fetches * self.slot_bytes,
                 "stacks": [str(tuple(shape)) + " " + str(dtype).replace("torch.", "") for shape, dtype in self.key]}
 
 
@@ -103,8 +132,16 @@ class ExpertPools:
         if pool is not None:
             pool.invalidate()
 
-    def report(self) -> list:
-        return [p.report() for p in self.pools]
+    def reset_counts(self) -> None:
+        for p in self.pools:
+            p.reset_counts()
+
+    def report(self) -> dict:
+        """The pools' counters summed (``fetches``, ``hits``, ``bytes_h2d``), their ``slots`` and
+        ``bytes``, and each pool's own report under ``pools``. Reads device counters (a sync on a GPU)."""
+        pools = [p.report() for p in self.pools]
+        total = {k: sum(p[k] for p in pools) for k in ("fetches", "hits", "bytes_h2d", "slots", "bytes")}
+        return dict(total, pools=pools)
 
 
 def build_pools(pager, stacks, top_k: Optional[int], tensors: dict, other_bytes: int) -> Optional[ExpertPools]:

@@ -35,8 +35,9 @@ from . import compile as _compile
 from . import reads  # noqa: F401  (registers clone, _to_copy, item, is_pinned, record_stream, _conj)
 from .collectives import COLLECTIVE_NAMESPACES, Collective
 from .functions import FUNCTION_TABLE
-from .grouped import grouped_mm, grouped_mm_fallback, planned_routing
+from .grouped import grouped_mm, grouped_mm_fallback
 from .paging import Paged, reclaim, run
+from .planned import planned_routing
 from .rows import CACHED_SLICE_BYTES, HOST_SYNCS, embedding, index, index_select
 from .table import OP_TABLE, implements
 from .tiling import TILE_ALIGN, ForeachInPieces, bmm, convolution, convolution_backward, mm, cutting, pointwise_in_pieces

@@ -4,7 +4,10 @@ decides, updates the tables and fetches only the missed experts), and the call r
 GEMM against the pool.
 
 Every step is a fixed-shape device op (no ``.item()``, ``.tolist()``, ``nonzero`` or host read), so
-the path runs unchanged inside a compiled graph and can be captured in a CUDA graph.
+the path runs unchanged inside a compiled graph and can be captured in a CUDA graph. The admit also
+counts its fetches and hits on the device (``pool.counts``, read by ``ot.stats`` only). In a plan
+on meta, whose tables hold no values, the same decisions are made on a host mirror of them
+(``mirror_admit``) from the planned routing, and each fetch is recorded for the replay.
 
 Bit-identical to the plain model: each expert's rows are the same rows, in the same order, against
 the same bytes (a slot is a copy of the expert's host master), and ``_grouped_mm`` computes each
@@ -20,15 +23,16 @@ import weakref
 import torch
 
 from .. import _ext
+from .planned import planned_ends
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 
 
 @torch.library.custom_op("offtensor::pool_admit",
-                         mutates_args=("slot_of", "expert_in", "stamp", "clock", "buffers"))
+                         mutates_args=("slot_of", "expert_in", "stamp", "clock", "counts", "buffers"))
 def pool_admit(rows_expert: torch.Tensor, slot_of: torch.Tensor, expert_in: torch.Tensor, stamp: torch.Tensor,
-               clock: torch.Tensor, buffers: list[torch.Tensor], hosts: list[torch.Tensor], base: int,
-               experts: int) -> torch.Tensor:
+               clock: torch.Tensor, counts: torch.Tensor, buffers: list[torch.Tensor], hosts: list[torch.Tensor],
+               base: int, experts: int) -> torch.Tensor:
     """Admit the experts ``rows_expert`` routes to (one entry per routed row, in ``[0, experts]``,
     ``experts`` for a row of no expert) of the layer whose experts start at ``base`` in ``slot_of``:
     returns each row's slot (``S``, the sink, for a row of no expert).
@@ -37,7 +41,9 @@ def pool_admit(rows_expert: torch.Tensor, slot_of: torch.Tensor, expert_in: torc
     expert, ranked by a cumsum, takes the next of the other slots in (empty first, then oldest
     stamp) order. The tables change in an order that keeps them consistent if the op stops
     between any two steps: a slot is first taken from the expert that had it, then filled, and only
-    then given to its new expert, so ``slot_of[e] == s`` always means slot ``s`` holds ``e``'s bytes."""
+    then given to its new expert, so ``slot_of[e] == s`` always means slot ``s`` holds ``e``'s bytes.
+    ``counts`` (fetches, hits) gains the call's missed and held experts, on the device, once the
+    call is done."""
     slots = expert_in.numel() - 1
     device = slot_of.device
     local = slot_of[base : base + experts]  # a view: this layer's experts
@@ -67,11 +73,12 @@ def pool_admit(rows_expert: torch.Tensor, slot_of: torch.Tensor, expert_in: torc
     stamp.index_copy_(0, used, clock.expand(experts))  # the sink may take several: reset below
     stamp[slots] = -1
     clock.add_(1)
+    counts.add_(torch.stack((miss.sum(), (needed & present).sum())))
     return torch.cat((after, after.new_full((1,), slots))).index_select(0, rows_expert)
 
 
 @pool_admit.register_fake
-def _pool_admit_fake(rows_expert, slot_of, expert_in, stamp, clock, buffers, hosts, base, experts):
+def _pool_admit_fake(rows_expert, slot_of, expert_in, stamp, clock, counts, buffers, hosts, base, experts):
     return torch.empty_like(rows_expert)
 
 
@@ -98,13 +105,15 @@ _HAVE_GATHER = _ext.NATIVE and hasattr(torch.ops.offtensor, "masked_row_gather")
 # On the emulated device the admit is one native call (``offtensor::pool_admit_cpu``: the same
 # decisions and copies as ``pool_admit`` followed by ``_compact_plan``, in loops; the tensor-op form
 # costs a few microseconds per op there). False: ``pool_admit`` everywhere (tests run the GPU's
-# form with it).
+# form with it). An extension built before the pool's counters (no ``counts`` argument) is not
+# used: the tensor-op form counts.
 NATIVE_ADMIT = True
 _NATIVE_ADMIT = (torch.ops.offtensor.pool_admit_cpu.default
-                 if _ext.NATIVE and hasattr(torch.ops.offtensor, "pool_admit_cpu") else None)
+                 if _ext.NATIVE and hasattr(torch.ops.offtensor, "pool_admit_cpu")
+                 and "counts" in str(torch.ops.offtensor.pool_admit_cpu.default._schema) else None)
 if _NATIVE_ADMIT is not None:
     @torch.library.register_fake("offtensor::pool_admit_cpu")
-    def _pool_admit_cpu_fake(offs, rows, slot_of, expert_in, stamp, clock, buffers, hosts, base, experts):
+    def _pool_admit_cpu_fake(offs, rows, slot_of, expert_in, stamp, clock, counts, buffers, hosts, base, experts):
         groups = min(rows, experts)
         return slot_of.new_empty((groups,)), offs.new_empty((groups,))
 
@@ -137,28 +146,69 @@ if _NATIVE_GMM is not None:
         return x.new_empty((x.shape[0], pool.shape[2]))
 
 
-def pooled_plan(pool, master_id: int, offs: torch.Tensor, rows: int):
+def pooled_plan(pool, master_id: int, offs: torch.Tensor, rows: int, recorder=None):
     """The plan of a call on ``master_id``'s layer routed by ``offs`` (``_slot_plan`` on a GPU,
-    ``_compact_plan`` on the emulated device), admitted once per ``offs``: the layer's second
-    grouped GEMM (down after gate_up) reuses the first's while no other admit ran in between."""
+    ``_compact_plan`` on the emulated device, ``("meta",)`` in a plan), admitted once per ``offs``:
+    the layer's second grouped GEMM (down after gate_up) reuses the first's while no other admit ran
+    in between. ``recorder``: the pager's timeline recorder, told of a plan's fetches."""
     _, base, experts, hosts = pool.layers[master_id]
     last = pool.plan
     if (last is not None and last[0]() is offs and last[1] == offs._version and last[2] == base
             and last[3] == pool.calls):
         return last[4]
     slot_groups = offs.device.type in SLOT_GROUPS
-    if NATIVE_ADMIT and _NATIVE_ADMIT is not None and not slot_groups and offs.device.type == "cpu" \
+    if offs.is_meta:
+        for _ in mirror_admit(pool, base, experts, planned_ends(experts, rows), rows):
+            if recorder is not None:
+                recorder.pool_fetched(pool.slot_bytes)
+        plan = ("meta",)
+    elif NATIVE_ADMIT and _NATIVE_ADMIT is not None and not slot_groups and offs.device.type == "cpu" \
             and offs.dtype == torch.int32 and offs.is_contiguous():
         plan = ("compact",) + tuple(_NATIVE_ADMIT(offs, rows, pool.slot_of, pool.expert_in, pool.stamp, pool.clock,
-                                                  pool.buffers, hosts, base, experts))
+                                                  pool.counts, pool.buffers, hosts, base, experts))
     else:
         row_expert = _row_expert_of(offs, rows)
-        row_slot = pool_admit(row_expert, pool.slot_of, pool.expert_in, pool.stamp, pool.clock, pool.buffers, hosts,
-                              base, experts)
+        row_slot = pool_admit(row_expert, pool.slot_of, pool.expert_in, pool.stamp, pool.clock, pool.counts,
+                              pool.buffers, hosts, base, experts)
         plan = (_slot_plan if slot_groups else _compact_plan)(pool, row_expert, row_slot, experts)
     pool.calls += 1
     pool.plan = (weakref.ref(offs), offs._version, base, pool.calls, plan)
     return plan
+
+
+def mirror_admit(pool, base: int, experts: int, ends: list, rows: int) -> list:
+    """``pool_admit``'s decisions on a host mirror of the pool's tables (``pool.mirror``), for a plan
+    on meta, whose tables hold no values: the routing's cumulative group ``ends`` (planned), the
+    same LRU (the held experts' slots protected; each missed one, in expert order, takes the next
+    free slot, empty ones first, then the oldest stamp, lowest index on ties). Returns the slots
+    filled, one per fetch."""
+    m = pool.mirror
+    if m is None:
+        m = pool.mirror = {"slot_of": {}, "expert_in": [-1] * pool.slots, "stamp": [-1] * pool.slots, "clock": 0,
+                           "fetches": 0, "hits": 0}
+    slot_of, expert_in, stamp = m["slot_of"], m["expert_in"], m["stamp"]
+    needed, previous = [], 0
+    for e in range(experts):
+        end = min(ends[e], rows)
+        if end > previous:
+            needed.append(base + e)
+        previous = max(previous, end)
+    held = {slot_of[e] for e in needed if e in slot_of}
+    free = sorted((s for s in range(pool.slots) if s not in held), key=stamp.__getitem__)  # stable
+    filled = []
+    for e in needed:
+        if e not in slot_of:
+            s = free[len(filled)]
+            if expert_in[s] >= 0:
+                del slot_of[expert_in[s]]
+            expert_in[s], slot_of[e] = e, s
+            filled.append(s)
+    for e in needed:
+        stamp[slot_of[e]] = m["clock"]
+    m["clock"] += 1
+    m["fetches"] += len(filled)
+    m["hits"] += len(needed) - len(filled)
+    return filled
 
 
 # Device types whose pooled grouped GEMM has one group per slot (the others: one per expert used).
@@ -250,7 +300,12 @@ def pooled_grouped_mm(func, pool, weight, x, offs, out_dtype, fallback: bool = F
     # The admit and the GEMM that reads its slots under the pager's lock: another thread's admit
     # in between could give those slots to other experts (pool state is pager state).
     with master.pager.lock:
-        kind, index, group_ends = pooled_plan(pool, master_id, offs, x.shape[0])
+        plan = pooled_plan(pool, master_id, offs, x.shape[0], master.pager.recorder)
+        if plan[0] == "meta":  # a plan: shapes only, the GEMM's cost is recorded on the op
+            if master.pager.recorder is not None:
+                master.pager.recorder.pool_called()
+            return x.new_empty((x.shape[0], pool_view(pool, master_id, host).shape[-1]), dtype=out_dtype or x.dtype)
+        kind, index, group_ends = plan
         if kind == "slots":
             y = torch._grouped_mm(x.index_select(0, index), pool_view(pool, master_id, host), group_ends,
                                   out_dtype=out_dtype)

@@ -5,8 +5,6 @@ routing is planned instead."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import weakref
 
 import torch
@@ -16,6 +14,7 @@ from ..tensor import OffloadedTensor
 from .expert_pool import pooled_grouped_mm, serving_pool
 from .host_experts import host_grouped, split_groups
 from .paging import Paged, run
+from .planned import planned_ends
 from .rows import host_sync, read_to_host
 from .table import implements
 
@@ -197,7 +196,7 @@ def _group_ends(offs: torch.Tensor, pager, rows: int = 0) -> tuple:
         return routed
     if offs.is_meta:
         host_sync(pager)  # the GPU reads the routing here
-        ends = (getattr(_planning, "ends", None) or _planned_ends)(offs.numel(), rows)
+        ends = planned_ends(offs.numel(), rows)
     else:
         ends = read_to_host(offs, pager).tolist()
     starts = [0] + ends[:-1]
@@ -207,36 +206,3 @@ def _group_ends(offs: torch.Tensor, pager, rows: int = 0) -> tuple:
     routed = (groups, sizes, ends[-1] if ends else 0)
     pager.routing_read = (weakref.ref(offs), offs._version, routed)
     return routed
-
-
-_PLANNED_ROUTING = torch.Generator().manual_seed(0)
-_planning = threading.local()  # .ends: the routing of a plan with measured routing, in this thread
-
-
-@contextlib.contextmanager
-def planned_routing(ends):
-    """While ``ot.plan`` replays with measured routing (``moe.RoutingStats``), a meta grouped
-    GEMM's routing comes from ``ends(experts, rows)`` instead of ``_planned_ends``; per thread, so a
-    plan in one thread changes no other thread's."""
-    saved = getattr(_planning, "ends", None)
-    _planning.ends = ends
-    try:
-        yield
-    finally:
-        _planning.ends = saved
-
-
-def _planned_ends(experts: int, rows: int) -> list:
-    """Planning on meta (ot.plan): routing has no values, so ``rows`` routed rows go to
-    min(experts, rows) distinct experts drawn uniformly at random (no locality: what an expert
-    cache gains from skewed routing is not assumed), as evenly as they divide. Seeded once per
-    process, so a plan is reproducible within it."""
-    chosen = sorted(torch.randperm(experts, generator=_PLANNED_ROUTING)[: min(experts, rows)].tolist())
-    counts = [0] * experts
-    for i, e in enumerate(chosen):
-        counts[e] = rows // len(chosen) + (i < rows % len(chosen))
-    ends, total = [], 0
-    for c in counts:
-        total += c
-        ends.append(total)
-    return ends

@@ -139,11 +139,12 @@ class Pager(RoomCalls, Recovering, PagingState):
         self.stats.host_activation_bytes += activation_bytes
 
     def snapshot(self) -> OffloadStats:
-        """A copy of the counters, with the budget's, the pool's and the device's figures now."""
+        """A copy of the counters, with the budget's, the pool's and the device's figures now (and
+        an expert pool's counters: read from the device, which on a GPU waits for it)."""
         self.settle()
         with self.lock:
             return snapshot(self.stats, self.budget, self.budget_bytes, self.pool, self.device_ops.memory_figures(),
-                            self.experts)
+                            self.experts, self.expert_pool)
 
     def reset_stats(self) -> None:
         """New counters; the peaks start again from what is held now."""
@@ -151,6 +152,8 @@ class Pager(RoomCalls, Recovering, PagingState):
             self.stats = self.budget.stats = OffloadStats()
             if self.experts is not None:
                 self.experts.reset()
+            if self.expert_pool is not None:
+                self.expert_pool.reset_counts()  # a device op: no wait
             if self.pool is not None:
                 self.pool.peak_bytes = self.pool.live_bytes + self.pool.idle_bytes
             self.budget.note_peak()

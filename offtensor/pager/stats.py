@@ -48,6 +48,11 @@ class OffloadStats:
     # byte of theirs is copied.
     host_experts: int = 0
     host_activation_bytes: int = 0
+    # The device-side expert pool of a model wrapped with expert_pool=True (None without one): its
+    # fetches (experts copied into a slot), hits (experts a call found in a slot), bytes_h2d (the
+    # fetches' bytes, also counted in the top-level bytes_h2d), slots and bytes, summed over its
+    # pools, and each pool's own figures under "pools". Its fetches are not page_ins.
+    expert_pool: Optional[dict] = None
 
     def __str__(self) -> str:
         # Each figure under its field's name (stats.bytes_h2d prints as bytes_h2d=...), byte counts
@@ -60,16 +65,21 @@ class OffloadStats:
             f"offloaded_bytes={size(self.offloaded_bytes)}, cached_bytes={size(self.cached_bytes)}, "
             f"budget_bytes={size(self.budget_bytes)}, peak_device_bytes={size(self.peak_device_bytes)}"
             + (f", pool_bytes={size(self.pool_bytes)}" if self.pool_bytes is not None else "")
+            + (f", expert_pool_fetches={self.expert_pool['fetches']}, expert_pool_hits={self.expert_pool['hits']}"
+               if self.expert_pool is not None else "")
             + (f", max_memory_allocated={size(self.max_memory_allocated)}, "
                f"max_memory_reserved={size(self.max_memory_reserved)}" if self.max_memory_reserved is not None else "")
             + ")"
         )
 
 
-def snapshot(stats: OffloadStats, budget, budget_bytes: Optional[int], pool, figures, experts) -> OffloadStats:
+def snapshot(stats: OffloadStats, budget, budget_bytes: Optional[int], pool, figures, experts,
+             expert_pool=None) -> OffloadStats:
     """A copy of a pager's ``stats`` with the amounts of the moment: its ``budget``'s counts, its slot
     ``pool``'s bytes (None without a budget), the device's ``figures`` (max allocated, max reserved;
-    None on the emulated device) and its ``experts``' report (None without routed experts)."""
+    None on the emulated device), its ``experts``' report (None without routed experts) and its
+    ``expert_pool``'s report, whose fetched bytes join ``bytes_h2d`` (reading the pool's device
+    counters: on a GPU a wait for the work queued so far)."""
     s = dataclasses.replace(stats)
     s.resident_bytes = budget.resident_bytes
     s.offloaded_bytes = budget.offloaded_bytes
@@ -84,6 +94,9 @@ def snapshot(stats: OffloadStats, budget, budget_bytes: Optional[int], pool, fig
         s.experts = experts.report()
         if experts.speculator is not None:
             s.guesses = experts.speculator.report()
+    if expert_pool is not None:
+        s.expert_pool = expert_pool.report()
+        s.bytes_h2d += s.expert_pool["bytes_h2d"]
     return s
 
 

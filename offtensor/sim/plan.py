@@ -26,7 +26,7 @@ from .timeline import Timeline
 
 def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(), profile="h200", steps: int = 3, *,
          offload_gb: Optional[float] = None, policy=None, prefetch: bool = True, warmup: int = 3,
-         forward=None, routing: Optional[RoutingStats] = None) -> Timeline:
+         forward=None, routing: Optional[RoutingStats] = None, expert_pool: bool = False) -> Timeline:
     """What ``model`` would do on a GPU at this budget: place its weights, run ``warmup + steps``
     forwards on the meta device with the real pager and prefetcher, and return the recorded
     timeline (replay it with ``tl.replay()``). Nothing is allocated or computed; ``model`` may be
@@ -35,11 +35,16 @@ def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(),
 
     Routing has no values on meta: MoE layers route each token to distinct experts drawn
     uniformly, unless ``routing`` (``RoutingStats``, measured on a real run) gives each layer's
-    skew and token-to-token locality, scaled to this model's expert count."""
+    skew and token-to-token locality, scaled to this model's expert count.
+
+    ``expert_pool``: plan the model as ``wrap_model(..., expert_pool=True)`` runs it: the pool's
+    slots sized from the budget as at wrap, its LRU decisions made on a host mirror of its tables
+    from the (planned) routing, each fetch a copy of one slot's bytes on the compute stream (where
+    the pool's gather kernel runs), with no host read or host decision on the expert path."""
     if budget_gb is None and offload_gb is None:
         raise ValueError("offtensor: plan() needs budget_gb or offload_gb: a meta model has no device to measure")
     config = OffloadConfig(budget_gb=budget_gb, offload_gb=offload_gb, device=torch.device("meta"), prefetch=prefetch,
-                           policy=policy, strict=False)
+                           policy=policy, strict=False, expert_pool=expert_pool)
     _check_built_on_meta(model)
     # The placement wrap_model would make, applied on a meta pager (on meta every copy is done when
     # issued: pager/device.py's MetaDevice); unwrapped when the plan ends, so the model is as it was.
@@ -97,6 +102,7 @@ def _planned_info(choice: placement.Placement, stats) -> dict:
         "prefetch_hits": stats.prefetch_hits,
         "budget_gb": choice.budget_bytes / GiB,
         "experts": stats.experts,  # per stacked-expert tensor: hits, misses, bytes (all planned steps)
+        "expert_pool": stats.expert_pool,  # expert_pool=True: its slots, fetches and hits (all planned steps)
     }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -28,7 +29,8 @@ class Profile:
     host_blocking: bool = False
     # offtensor's own host time per kind of record, µs, on the host that issues them (the replay's
     # host lane): "page" per offloaded argument an op pages (dispatch through the subclass, cache
-    # lookup, use counts, release), "copy" per host->device copy it issues (slot, bookkeeping).
+    # lookup, use counts, release), "copy" per host->device copy it issues (slot, bookkeeping), "pool"
+    # per grouped GEMM served from a device-side expert pool (its lookup, admit and plan).
     # Empty: the host is taken to issue at no cost (launch_us is the device's per-op gap).
     host_us: dict = dataclasses.field(default_factory=dict)
     host_source: str = ""
@@ -60,11 +62,12 @@ class Profile:
     def copy_ms(self, nbytes: float) -> float:
         return (nbytes / (self.h2d_gbps * GB) + self.launch_us * 1e-6) * 1e3
 
-    def host_ms(self, kind: str, pages: int = 0) -> float:
-        """offtensor's host time for one record: a copy, or an op that paged ``pages`` arguments."""
+    def host_ms(self, kind: str, pages: int = 0, pooled: int = 0) -> float:
+        """offtensor's host time for one record: a copy, or an op that paged ``pages`` arguments
+        and ran ``pooled`` grouped GEMMs from an expert pool."""
         if kind == "copy":
             return self.host_us.get("copy", 0.0) * 1e-3
-        return pages * self.host_us.get("page", 0.0) * 1e-3 if pages else 0.0
+        return (pages * self.host_us.get("page", 0.0) + pooled * self.host_us.get("pool", 0.0)) * 1e-3
 
 
 # The measured H200 figures (DESIGN.md, 2026-11-29, PCIe Gen5 x16, torch 2.11). A bf16 GEMM burst of
@@ -77,10 +80,13 @@ _H200_SUSTAINED_BF16 = _H200_PREFILL_FLOPS / 116.1e-3 / 1e12  # about 682 TFLOP/
 # offtensor's own host time per op on the H200's host: an ESTIMATE until benchmarks/gpu_suite.sh
 # measures it there (measure_host_us). The development machine's emulated device measured about
 # 5 us per cache-hit page and 10 us per copy beyond the plain op; a GPU's hit also records an event
-# after the op (CUDA's last-use tracking), so the estimate adds a couple of microseconds.
-_H200_HOST_US = {"page": 7.0}
-_H200_HOST_SOURCE = ("estimate, not measured on the H200's host: the emulated device's measured host cost per page "
-                     "and per copy on a development machine plus an event record per op")
+# after the op (CUDA's last-use tracking), so the estimate adds a couple of microseconds. A grouped
+# GEMM served from an expert pool measured about 18-25 us there (its admit is one native call on the
+# emulated device; a GPU's eager admit issues its tensor ops as kernels, which a CUDA graph replays
+# with no host work): the estimate takes 20.
+_H200_HOST_US = {"page": 7.0, "pool": 20.0}
+_H200_HOST_SOURCE = ("estimate, not measured on the H200's host: the emulated device's measured host cost per page, "
+                     "per copy and per pooled expert GEMM on a development machine plus an event record per op")
 
 PROFILES = {
     "h200": Profile(
@@ -210,16 +216,19 @@ def measure_launch_us(device=None, iters: int = 1000, repeats: int = 5) -> float
 
 
 def measure_host_us(device=None, profile: Optional[Profile] = None, iters: int = 2000, repeats: int = 5) -> dict:
-    """offtensor's own host time per op on ``device``'s host, µs: ``{"page": ..., "copy": ...}``.
+    """offtensor's own host time per op on ``device``'s host, µs: ``{"page": ..., "copy": ..., "pool": ...}``.
 
     ``page``: ``F.linear`` of one token on a tiny cached OffloadedTensor, less the same op on the
     plain tensor (the dispatch, lookup, use counts and release around a cache hit). Where the host
     runs the ops itself (a ``host_blocking`` ``profile``: the emulated device), less the time
     ``profile`` gives that op instead, so that a replayed hit takes what a measured one does.
     ``copy``: the same op on an uncached OffloadedTensor, less the cached one (issuing the copy and
-    its bookkeeping; the copy itself, of 1 KiB, is the profile's ``copy_ms``). Host wall-clock time,
-    the three interleaved, the fastest of ``repeats`` runs of ``iters`` ops: the host's cost, not the
-    noise of a shared machine."""
+    its bookkeeping; the copy itself, of 1 KiB, is the profile's ``copy_ms``). ``pool``: a one-row
+    ``_grouped_mm`` on a 4-expert stack served from a device-side expert pool that holds its expert,
+    two calls per routing as an MoE layer makes them (an admit, then its reuse), per call, less the
+    plain call (or, on the emulated device, less the time ``profile`` gives that op). Host
+    wall-clock time, interleaved, the fastest of ``repeats`` runs of ``iters`` ops: the host's
+    cost, not the noise of a shared machine."""
     import torch.nn.functional as F
 
     from ..pager import Pager, resolve_device
@@ -232,16 +241,60 @@ def measure_host_us(device=None, profile: Optional[Profile] = None, iters: int =
     cached_pager = Pager(device, budget_bytes=1 << 20)
     subjects = {"plain": weight.to(device), "hit": offload(weight, pager=cached_pager),
                 "copy": offload(weight, device)}
+    # The pooled grouped GEMM: bf16 on a GPU (its _grouped_mm kernel's dtype), float32 here.
+    gx = x.to(torch.bfloat16) if device.type == "cuda" else x
+    stack, offs = torch.randn(4, 16, 16, dtype=gx.dtype), torch.tensor([0, 1, 1, 1], dtype=torch.int32, device=device)
+    routings = (offs, offs.clone())
+
+    def layer(w):  # as an MoE layer calls them: two GEMMs per routing (the second reuses the admit)
+        for o in routings:
+            torch._grouped_mm(gx, w.transpose(-2, -1), o)
+            torch._grouped_mm(gx, w.transpose(-2, -1), o)
+
+    try:
+        pooled, pool_pager = _pooled(stack, device)  # a master holds its pager weakly: kept here
+        dense = stack.to(device)
+        with torch.no_grad():
+            for w in (dense, pooled):  # the first calls: the pool's fetch, the kernels' first launches
+                layer(w)
+        subjects.update(stack=dense, pool=pooled)
+    except RuntimeError as error:  # no grouped GEMM on this device: no "pool" figure, and why
+        warnings.warn(f"offtensor: measure_host_us: the pooled grouped GEMM does not run on {device} ({error}); "
+                      f"host_us has no 'pool' figure")
     best = {name: float("inf") for name in subjects}
     with torch.no_grad():
-        for _ in range(repeats):  # interleaved: a burst of load hits all three alike
+        for _ in range(repeats):  # interleaved: a burst of load hits all alike
             for name, w in subjects.items():
-                best[name] = min(best[name], _min_us(lambda: F.linear(x, w), iters, 1, sync))
-    plain = best["plain"]
+                if w.dim() == 3:  # per grouped GEMM
+                    best[name] = min(best[name], _min_us(lambda: layer(w), max(iters // 4, 1), 1, sync) / 4)
+                else:
+                    best[name] = min(best[name], _min_us(lambda: F.linear(x, w), iters, 1, sync))
+    plain, stacked = best["plain"], best.get("stack")
     if profile is not None and profile.host_blocking:
-        # What the replay charges the op itself: y (1 x 16) = x (1 x 16) @ W^T (16 x 16), float32.
+        # What the replay charges the ops themselves: y (1 x 16) = x (1 x 16) @ W^T (16 x 16), float32
+        # (the grouped one reads one expert of the stack and the group ends besides).
         plain = profile.op_ms(2 * 16 * 16, (16 + 16 * 16 + 16) * 4, "float32") * 1e3
-    return {"page": max(best["hit"] - plain, 0.0), "copy": max(best["copy"] - best["hit"], 0.0)}
+        stacked = profile.op_ms(2 * 16 * 16, (16 + 16 * 16 + 16 + 4) * 4, "float32") * 1e3
+    host = {"page": max(best["hit"] - plain, 0.0), "copy": max(best["copy"] - best["hit"], 0.0)}
+    if "pool" in best:
+        host["pool"] = max(best["pool"] - stacked, 0.0)
+    return host
+
+
+def _pooled(stack: torch.Tensor, device) -> tuple:
+    """``stack`` offloaded to a pager of its own whose device-side expert pool has a slot for each
+    of its experts (``moe.pool``): after its first call, a pooled grouped GEMM's hit path. (the
+    stack, its pager)"""
+    from ..moe.pool import ExpertPool, ExpertPools
+    from ..pager import Pager
+    from ..tensor import offload
+
+    pager = Pager(device, budget_bytes=1 << 20)
+    w = offload(stack, pager=pager)
+    n = stack.shape[0]
+    pool = ExpertPool(((tuple(stack.shape[1:]), stack.dtype),), n, [([w._master.id], n, [w._host])], device)
+    pager.expert_pool = ExpertPools([pool])
+    return w, pager
 
 
 _HOST = {}  # the host's figures, measured once per process

@@ -114,6 +114,7 @@ class Recorder(TorchDispatchMode):
         self._last_use = {}  # id(pager entry) -> the record id of the last op that read it
         self._pending_waits = []  # copies the next op reads
         self._pending_pages = 0  # offloaded arguments the next op paged (cache hits included)
+        self._pending_pooled = 0  # grouped GEMMs the next op ran from an expert pool
         self._pending_frees = []  # ops whose blocks the next copy reuses
         self._open_ops = []  # ids reserved for ops running now (their pages are released inside)
         self._last_op = None
@@ -185,8 +186,9 @@ class Recorder(TorchDispatchMode):
             flops, nbytes, dtype = _op_cost(func, args, kwargs, out)
         waits, self._pending_waits = self._pending_waits, []
         pages, self._pending_pages = self._pending_pages, 0
+        pooled, self._pending_pooled = self._pending_pooled, 0
         self.tl.add_op(flops, nbytes, dtype, waits=_unique(waits), name=str(func.overloadpacket.__name__), id=rid,
-                       pages=pages)
+                       pages=pages, pooled=pooled)
         self._last_op = rid
         return out
 
@@ -228,6 +230,17 @@ class Recorder(TorchDispatchMode):
         rid = self.tl.add_op(flops, nbytes, dtype, waits=waits, name="host expert", stream="host")
         back = self.tl.add_copy(moved, waits=[rid], name="host result")
         self._pending_waits.append(back)
+
+    def pool_called(self) -> None:
+        """The op running now is a grouped GEMM served from a device-side expert pool: its host work
+        (the pool's lookup, admit and plan) is the profile's ``host_us["pool"]``, not a page."""
+        self._pending_pooled += 1
+
+    def pool_fetched(self, nbytes: int) -> None:
+        """An expert copied into a slot of a device-side expert pool (ops/expert_pool.py): the pool's
+        gather kernel, issued by the device where its admit runs (the compute stream), so it runs in
+        order with the ops and the next one reads it; no page and no host read (no host decision)."""
+        self._pending_waits.append(self.tl.add_copy(nbytes, name="pool fetch", stream="compute", device_side=True))
 
     def host_sync(self) -> None:
         """The host reads a device value (ops.rows.read_to_host) and waits for the compute stream."""

@@ -25,6 +25,9 @@ class Record:
     key: Optional[tuple] = None  # copy: what it copies (master, dtype, range), so a step counts it once
     measured_ms: Optional[tuple] = None  # (start, end) from CUDA events, relative to the first record
     pages: int = 0  # op: offloaded arguments it paged (cache hits or copies): offtensor's host work for it
+    pooled: int = 0  # op: grouped GEMMs it ran from a device-side expert pool (offtensor's host work for them)
+    # copy: issued by the device itself (an expert pool's gather, decided on the device): no host work
+    device_side: bool = False
 
 
 @dataclasses.dataclass
@@ -79,20 +82,24 @@ class Timeline:
         return self._next_id - 1
 
     def add_copy(self, nbytes: int, waits: Sequence[int] = (), name: str = "copy", stream: str = "copy",
-                 key=None, id: Optional[int] = None) -> int:
+                 key=None, id: Optional[int] = None, device_side: bool = False) -> int:
+        """A host->device copy on ``stream``; ``device_side``: one the device decides and issues
+        itself (an expert pool's fetch), which costs the host lane nothing."""
         rid = self.new_id() if id is None else id
-        self.records.append(Record(rid, "copy", stream, name, int(nbytes), 0, None, self.step, list(waits), key))
+        self.records.append(Record(rid, "copy", stream, name, int(nbytes), 0, None, self.step, list(waits), key,
+                                   device_side=device_side))
         return rid
 
     def add_op(self, flops: float, nbytes: int, dtype="bfloat16", waits: Sequence[int] = (), name: str = "op",
-               id: Optional[int] = None, stream: str = "compute", pages: int = 0) -> int:
+               id: Optional[int] = None, stream: str = "compute", pages: int = 0, pooled: int = 0) -> int:
         """An op on the compute stream, or with ``stream="host"`` one the host computes itself (a
         routed expert from its host master: ``Profile.host_op_ms``), which the issuing thread waits
-        for; ``pages``: the offloaded arguments it paged (offtensor's host work for it)."""
+        for; ``pages``: the offloaded arguments it paged (offtensor's host work for it).; ``pooled``: the
+        expert calls it ran from a device-side expert pool (their host work, with no page)."""
         rid = self.new_id() if id is None else id
         dtype = str(dtype).removeprefix("torch.") if dtype is not None else None
         self.records.append(Record(rid, "op", stream, name, int(nbytes), int(flops), dtype, self.step, list(waits),
-                                   pages=int(pages)))
+                                   pages=int(pages), pooled=int(pooled)))
         return rid
 
     def add_sync(self, name: str = "host sync", id: Optional[int] = None) -> int:
@@ -144,7 +151,7 @@ class Timeline:
                 continue
             # The host lane: offtensor's own work for this record (its lookups, or issuing a copy)
             # comes before the record is issued; nothing starts before the host has issued it.
-            host = max(host, barrier) + profile.host_ms(r.kind, r.pages)
+            host = max(host, barrier) + (0.0 if r.device_side else profile.host_ms(r.kind, r.pages, r.pooled))
             ready = max(free[r.stream], host)
             for w in r.waits:
                 end = ends.get(w)
@@ -200,7 +207,7 @@ class Timeline:
         compute = host = 0.0
         for r in self.records:
             if r.step == step and r.kind in ("op", "copy"):
-                host += profile.host_ms(r.kind, r.pages)
+                host += 0.0 if r.device_side else profile.host_ms(r.kind, r.pages, r.pooled)
                 if r.kind == "op" and r.stream == "host":  # an op the host computes itself
                     host += profile.host_op_ms(r.flops, r.nbytes, r.dtype)
                 elif r.kind == "op":
