@@ -58,7 +58,8 @@ def plan_main(argv) -> int:
     stem, ext = os.path.splitext(args.png)
     for phase, tokens in (("prefill", args.prefill_tokens), ("decode", args.decode_tokens)):
         tl = plan(model, budget_gb=budget_gb, offload_gb=offload_gb, example_inputs=(inputs(tokens),),
-                  profile=profile, steps=args.steps, prefetch=not args.no_prefetch, routing=routing)
+                  profile=profile, steps=args.steps, prefetch=not args.no_prefetch, routing=routing,
+                  expert_pool=args.expert_pool)
         r = tl.replay()
         png = tl.plot(f"{stem}-{phase}{ext or '.png'}", title=f"{phase}, {tokens} tokens: {r}")
         if args.trace:
@@ -115,6 +116,9 @@ def _plan_parser() -> argparse.ArgumentParser:
                         help="forwards recorded per phase after the warm-up; the table reports the last (default: 2)")
     parser.add_argument("--no-prefetch", action="store_true",
                         help="page each weight in when an op needs it, with no copy ahead of use")
+    parser.add_argument("--expert-pool", action="store_true",
+                        help="MoE: plan the device-side expert pool (wrap_model(..., expert_pool=True)): calls whose "
+                             "routed rows fit its slots are served from it, the others by the expert cache")
     parser.add_argument("--routing", help="MoE: measured routing (a RoutingStats JSON, e.g. benchmarks/results/"
                         "moe_routing_qwen3.json) instead of uniform; also names the faster expert placement")
     parser.add_argument("--png", default="plan.png", help="timeline PNG; one per phase: plan-prefill.png, ...")

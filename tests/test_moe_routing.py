@@ -146,3 +146,27 @@ def test_plan_with_routing_prints_the_hit_curve_and_where_it_bends(tmp_path, cap
     out = capsys.readouterr().out
     assert "| slots/layer | cached | hit (LRU) | hit (Belady) | budget |" in out
     assert "(knee)" in out and "the curve bends at " in out
+
+
+def test_plan_with_expert_pool_plans_the_pool_and_a_pooled_decode_step_reads_no_routing_on_the_host(tmp_path, capsys):
+    """``python -m offtensor plan --expert-pool``: the decode phase is served from the pool (no
+    host sync on the expert path), so its host lane is shorter than the expert cache's plan."""
+    pytest.importorskip("transformers")
+    import os
+    import re
+
+    from offtensor.__main__ import main
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    config = os.path.join(here, "data", "moe_qwen3")
+    if not os.path.exists(os.path.join(config, "config.json")):
+        pytest.skip("no trained checkpoint")
+    rows = {}
+    for pooled in (False, True):
+        args = ["plan", "--config", config, "--prefill-tokens", "8", "--steps", "1", "--budget-gb", "0.01",
+                "--png", str(tmp_path / "p.png")] + (["--expert-pool"] if pooled else [])
+        assert main(args) == 0
+        out = capsys.readouterr().out
+        decode = next(line for line in out.splitlines() if line.startswith("| decode |"))
+        rows[pooled] = float(re.split(r"\s*\|\s*", decode)[9])  # host ms
+    assert rows[True] < rows[False], rows
