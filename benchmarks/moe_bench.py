@@ -56,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import offtensor as ot  # noqa: E402
 from offtensor.pager import GiB, format_bytes, resolve_device  # noqa: E402
+from offtensor.moe import guesses as guesses_mod  # noqa: E402
 from offtensor.moe import speculation as speculation_mod  # noqa: E402
 from offtensor.model.copies import state_of  # noqa: E402
 from results_io import save_result  # noqa: E402
@@ -643,7 +644,7 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=8, help="layers of the DeepSeek-style stack")
     p.add_argument("--cache-gb", type=float, default=4.0, help="GiB of expert cache beside the stack's dense weights")
     p.add_argument("--zipf", type=float, default=1.0, help="skew of the stack's synthetic routing")
-    p.add_argument("--guess-accuracy", type=float, default=speculation_mod.SPECULATE_PRECISION,
+    p.add_argument("--guess-accuracy", type=float, default=guesses_mod.SPECULATE_PRECISION,
                    help="share of the next layer's experts the ASSUMED guesses of the replay's "
                         "offtensor+assumed-guesses variant get right (a parameter, not a measurement; default: the "
                         "precision a router must show before offtensor copies its guesses)")

@@ -416,7 +416,7 @@ def _as_installed(model, trace) -> None:
     """The replay model's speculator told which layers the learned look-ahead guesses (their
     look-ahead logits are in the trace), as ``moe.predictor.install`` tells a real model's."""
     from offtensor.model.state import pager_of
-    from offtensor.moe import speculation
+    from offtensor.moe import guesses
 
     speculator = getattr(getattr(pager_of(model), "experts", None), "speculator", None)
     if speculator is None:
@@ -425,7 +425,7 @@ def _as_installed(model, trace) -> None:
     E = trace["experts"]
     for i in trace.get("learned_layers", ()):
         if len(routers) > 1:  # (the last layer's map guesses the next step's first layer)
-            routers[(i + 1) % len(routers)].evidence = speculation.SPECULATE_EVIDENCE_LEARNED
+            routers[(i + 1) % len(routers)].evidence = guesses.SPECULATE_EVIDENCE_LEARNED
         # The learned look-ahead's logits are the router's input: its weight the identity (the
         # first E columns guess the next layer; with a two-ahead map, the next E the one after).
         two = i in trace.get("two_ahead_layers", ()) and i + 2 < len(routers)
@@ -543,9 +543,9 @@ TIMELINE_STEPS = 8
 @contextlib.contextmanager
 def _knobs(setting):
     """``offtensor.moe``'s SPECULATION_KNOBS set to ``setting`` inside, restored after."""
-    from offtensor.moe import eviction, speculation
+    from offtensor.moe import eviction, guesses, speculation
 
-    owner = {k: eviction if hasattr(eviction, k) else speculation for k in SPECULATION_KNOBS}
+    owner = {k: next(m for m in (eviction, guesses, speculation) if hasattr(m, k)) for k in SPECULATION_KNOBS}
     saved = {k: getattr(owner[k], k) for k in SPECULATION_KNOBS}
     try:
         for k, v in (setting or {}).items():

@@ -14,6 +14,7 @@ from torch import nn
 
 import offtensor as ot
 from offtensor.moe import ExpertStacks
+from offtensor.moe import guesses as ot_guesses
 from offtensor.moe import speculation as ot_speculation
 from offtensor.models import DeepSeekConfig, DeepSeekForCausalLM, LatentCache, weight_bytes
 from offtensor.model.copies import state_of
@@ -353,7 +354,7 @@ def test_unreliable_guesses_are_scored_but_cost_no_bytes(device):
     g = ot.stats(model).guesses
     assert g["guessed"] and g["accuracy"] is not None
     # Only guesses of experts not cached cost a copy: those are scored apart, and stay below the bar.
-    assert g["uncached_guessed"] and g["uncached_precision"] < ot_speculation.SPECULATE_PRECISION, g
+    assert g["uncached_guessed"] and g["uncached_precision"] < ot_guesses.SPECULATE_PRECISION, g
     assert g["prefetched_bytes"] == 0 and g["wasted_bytes"] == 0  # never earned speculation
     assert not any(r["speculating"] for r in g["routers"].values())
 

@@ -11,6 +11,7 @@ import torch
 import offtensor as ot
 from offtensor.model.state import pager_of
 from offtensor.moe import eviction as ot_eviction
+from offtensor.moe import guesses as ot_guesses
 from offtensor.moe import speculation as ot_speculation
 from offtensor.moe.predictor import LookaheadPredictor, fit_ridge, install, top_k_precision
 
@@ -101,8 +102,8 @@ def test_an_installed_lookahead_decides_the_next_layers_guess(monkeypatch):
     assert len(install(pager_of(model), predictor)) == 3
     routers = pager_of(model).experts.speculator.routers
     # The layers it guesses were measured held out: their bins need less evidence of their own.
-    assert [r.evidence for r in routers] == [ot_speculation.SPECULATE_EVIDENCE] + \
-        [ot_speculation.SPECULATE_EVIDENCE_LEARNED] * 3
+    assert [r.evidence for r in routers] == [ot_guesses.SPECULATE_EVIDENCE] + \
+        [ot_guesses.SPECULATE_EVIDENCE_LEARNED] * 3
     guesses = []
     real_issue = ot_speculation.RoutingSpeculator._issue
 
@@ -119,8 +120,8 @@ def test_an_installed_lookahead_decides_the_next_layers_guess(monkeypatch):
 def test_a_guess_never_evicts_an_expert_used_sooner_than_the_guess(monkeypatch):
     # Every guess pays (no precision gate), so guesses are copied wherever room allows; each
     # eviction made for a guess's copy is checked against the guess's own expected next use.
-    monkeypatch.setattr(ot_speculation, "SPECULATE_PRECISION", 0.0)
-    monkeypatch.setattr(ot_speculation, "SPECULATE_EVIDENCE", 0.0)
+    monkeypatch.setattr(ot_guesses, "SPECULATE_PRECISION", 0.0)
+    monkeypatch.setattr(ot_guesses, "SPECULATE_EVIDENCE", 0.0)
     monkeypatch.setattr(ot_speculation, "SPECULATE_EXPERTS", 4)
     monkeypatch.setattr(ot_eviction, "SPECULATE_VICTIM_CYCLES", 0.0)  # only the guess's own next use limits
     reference = _qwen3()
@@ -214,7 +215,7 @@ def test_an_installed_two_ahead_map_guesses_the_layer_after_next_and_the_last_th
     routers = pager_of(model).experts.speculator.routers
     assert [r.split for r in routers] == [16, 16, None, None]  # one matmul guesses both
     # Every router's guess was measured held out (the first's by the last layer's map).
-    assert all(r.evidence == ot_speculation.SPECULATE_EVIDENCE_LEARNED for r in routers)
+    assert all(r.evidence == ot_guesses.SPECULATE_EVIDENCE_LEARNED for r in routers)
     guesses = []
     real_issue = ot_speculation.RoutingSpeculator._issue
 

@@ -11,7 +11,8 @@ from torch import nn
 
 from .pool import build_pools
 from .routing import attribute_top_k, is_routed_stack, model_top_k, router_modules
-from .speculation import Router, RoutingSpeculator
+from .guesses import Router
+from .speculation import RoutingSpeculator
 from .stacks import ExpertStacks
 
 

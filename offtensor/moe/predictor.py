@@ -200,7 +200,7 @@ def install(pager, predictor: LookaheadPredictor, device=None) -> list:
     if speculator is None:
         raise ValueError("offtensor: install(predictor): this pager has no routing speculator (no offloaded "
                          "expert stacks, or prefetch=False)")
-    from .speculation import SPECULATE_EVIDENCE, SPECULATE_EVIDENCE_LEARNED
+    from .guesses import SPECULATE_EVIDENCE, SPECULATE_EVIDENCE_LEARNED
 
     routers = [r for r in speculator.routers if r.stacks]
     names = []

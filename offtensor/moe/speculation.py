@@ -18,7 +18,8 @@ scored in bins of its own and copied only when layer i+1's guess names nothing t
 then fills copy time layer i+1 is expected to leave idle, and never queues ahead of one of layer
 i+1's misses. With SPECULATE_NEXT_STEP the last layer guesses the next step's first. A decode step's
 guess costs one kernel, the router matmul (softmax and top-k on the host). With ``SPECULATE_COPY``
-off nothing is copied and a router is guessed for on a sample of the steps. Which modules are
+off nothing is copied and a router is guessed for on a sample of the steps. Each router's record of
+its guesses (confidence bins, their precision, the gate a copy must pass) is ``moe.guesses``. Which modules are
 routers and which stacks each one selects is learned from the access order of a pass (the stacks
 paged after a router fires, before the next one); before the first pass, from names
 (``<prefix>.gate`` selects ``<prefix>.experts.*``).
@@ -29,52 +30,18 @@ buffers and events, and are used once the event has completed.
 
 from __future__ import annotations
 
-import heapq
-import math
 import weakref
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from . import routing
+from .guesses import CONFIDENCE_BINS, Router, confidence_bin, guess_report, host_guess, ranked
 
 if TYPE_CHECKING:
     from .stack import Stack
 
-# Speculation is scored on what it can save: only a guess of an expert that is NOT cached when the
-# guess is made costs a copy, so a router's guesses are scored apart by their confidence (the
-# look-ahead probability of the guessed expert, in CONFIDENCE_BINS bins) on uncached experts only.
-# An uncached guess is copied only when the guesses of its router and bin have been right at least
-# SPECULATE_PRECISION of the time: its copy then saves a miss on the critical path more often than
-# it spends the copy stream for nothing. Guesses are scored whether or not they were copied, so a
-# bin earns (or loses) speculation by its record before any byte is spent on it.
-# The gate is set by the H200 replay of benchmarks/moe_sim.py (experts of Qwen3-30B-A3B's bytes, 25%
-# cached, ms per decode step, one guess a layer): at 0.6 Qwen3-MoE's step is 7% slower than the
-# cache alone (each wrong copy delays the next layer's own copies by most of an expert's copy, a
-# right one saves only the ~0.06 ms gap before that layer's routing read), at 0.7 it is within 1%
-# and Qwen2-MoE's 2% faster; the coverage-against-waste curve of the gates is in
-# benchmarks/results/moe_sim.json.
-SPECULATE_PRECISION = 0.7
-# The same gate for a guess made two layers ahead (copied only into copy time the next layer is
-# expected to leave idle). Kept at SPECULATE_PRECISION: at 0.5 benchmarks/moe_sim.py's trained
-# models at 25% cached covered 2-5 points more misses for 4-6 points more bytes wasted and no more
-# hits (the speculation_curve in benchmarks/results/moe_sim.json).
-SPECULATE_PRECISION_IDLE = 0.7
-# Upper edges of the confidence bins (a guess's look-ahead probability; top-k of a softmax over
-# E experts: 1 / E is chance).
-CONFIDENCE_BINS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-# A bin's precision is correct / guessed over its recent uncached guesses: both counts decay by
-# this factor per scored guess, and at least SPECULATE_EVIDENCE guesses must stand behind it.
-PRECISION_DECAY = 0.98
-SPECULATE_EVIDENCE = 8.0
-# A layer guessed by a learned look-ahead (moe.predictor), whose precision was measured on
-# held-out routing before it was installed, needs this many: on the trained Mixtral-shaped test
-# model (top-2 of 16, 4 layers) few guesses are of uncached experts, and at 8 no bin had earned a
-# copy within 160 decode steps. (4 for every router lets an untrained router's lucky guesses be
-# copied: tests/test_moe.py's decode bytes.)
-SPECULATE_EVIDENCE_LEARNED = 4.0
 # At most this many guessed experts per layer are copied ahead, the most confident first. The copy
 # stream is idle only between a layer's last expert copy and the next layer's routing read (its
 # attention and router: ~0.3 ms on the DeepSeek-style stack under the H200 profile, less than one
@@ -112,157 +79,12 @@ SPECULATE_NEXT_STEP = False
 GUESS_ON_HOST_TOKENS = 4
 
 
-class Router:
-    __slots__ = ("name", "module_ref", "stacks", "top_k", "bin_correct", "bin_guessed", "guessed", "correct",
-                 "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts", "copied_correct",
-                 "prefetched_bytes", "wasted_bytes", "tokens", "guess", "cached", "copied", "guess_tokens",
-                 "unpaid_steps", "missed", "misses_seen", "lookahead", "evidence", "split", "guess2", "cached2",
-                 "bin2_correct", "bin2_guessed", "copied2", "copied2_experts", "copied2_correct", "next_pass")
-
-    def __init__(self, name: str, module: nn.Module):
-        self.name = name
-        self.module_ref = weakref.ref(module)
-        self.stacks: list = []  # Stack objects this router selects experts of
-        self.top_k = routing.attribute_top_k(module)
-        # Decayed counts of its uncached guesses per confidence bin (their running precision).
-        self.bin_correct = [0.0] * len(CONFIDENCE_BINS)
-        self.bin_guessed = [0.0] * len(CONFIDENCE_BINS)
-        self.guessed = self.correct = self.routed = self.prefetched_bytes = self.wasted_bytes = 0
-        # Guesses of experts not cached when guessed, how many were routed, the routed experts not
-        # cached at guess time (the misses a guess could cover), guesses copied and routed.
-        self.uncached_guessed = self.uncached_correct = self.misses = self.copied_experts = self.copied_correct = 0
-        self.tokens = 0  # tokens of its last real routing
-        self.guess = None  # open guess: expert -> confidence bin, scored when the step ends
-        self.cached = frozenset()  # experts cached (every stack) when the open guess was made
-        self.copied = {}  # expert -> bytes the open guess copied for it
-        self.guess_tokens = 0
-        self.unpaid_steps = 0  # steps it could have been guessed for with copies off (every SPECULATE_SAMPLE-th is)
-        self.missed = True  # whether its stacks missed in the last step (a guess could have saved a copy)
-        self.misses_seen = 0  # its stacks' misses counted at the end of the last step
-        # (weight [E, H], bias [E]) of the learned look-ahead of the next layer from this router's
-        # input (moe.predictor.install), on the device; None: the next router's weight guesses.
-        self.lookahead = None
-        # Where the learned look-ahead's weight also holds the map two layers ahead (its rows from
-        # ``split`` on: the experts of the layer after the next), the next layer's expert count.
-        self.split = None
-        # The open guess of this layer made two layers ahead (expert -> bin), the experts cached
-        # then, and its own bins' decayed counts (a guess from further away is right less often).
-        self.guess2 = None
-        self.cached2 = frozenset()
-        self.bin2_correct = [0.0] * len(CONFIDENCE_BINS)
-        self.bin2_guessed = [0.0] * len(CONFIDENCE_BINS)
-        self.next_pass = False  # whether the open guess is for the next pass (made by the last router)
-        self.copied2 = set()  # experts the open two-ahead guess copied
-        self.copied2_experts = self.copied2_correct = 0  # copies made by two-ahead guesses, those routed
-        self.evidence = SPECULATE_EVIDENCE  # guesses a bin needs (SPECULATE_EVIDENCE_LEARNED: guessed by a learned map)
-
-    def pays(self, confidence_bin: int, pool=None, ahead: int = 1) -> bool:
-        """Whether an uncached guess in this bin is right often enough to be worth its copy: by its
-        own record once it has SPECULATE_EVIDENCE guesses, until then by ``pool`` (every router's
-        record of that bin, (correct, guessed) lists), so a router need not wait for evidence of
-        its own before its first copy (on the trained test models a bin took 20-40 decode steps)."""
-        correct, guessed = self._record(confidence_bin, pool, ahead)
-        gate = SPECULATE_PRECISION if ahead == 1 else SPECULATE_PRECISION_IDLE
-        return guessed >= self.evidence and correct >= gate * guessed
-
-    def _record(self, confidence_bin: int, pool=None, ahead: int = 1):
-        """(correct, guessed) decayed counts of a bin (of the guesses made ``ahead`` layers ahead):
-        its own, or the pool's until it has evidence."""
-        own = (self.bin_correct, self.bin_guessed) if ahead == 1 else (self.bin2_correct, self.bin2_guessed)
-        correct, guessed = own[0][confidence_bin], own[1][confidence_bin]
-        if guessed < self.evidence and pool is not None:
-            pool = pool if ahead == 1 else pool[2:]
-            correct, guessed = pool[0][confidence_bin], pool[1][confidence_bin]
-        return correct, guessed
-
-    def precision(self, confidence_bin: int, pool=None, ahead: int = 1) -> float:
-        """The measured precision of its uncached guesses in a bin (0 without a record)."""
-        correct, guessed = self._record(confidence_bin, pool, ahead)
-        return correct / guessed if guessed else 0.0
-
-    def record(self, confidence_bin: int, right: bool, ahead: int, pool) -> None:
-        """Score one uncached guess made ``ahead`` layers before this layer: its bin's decayed
-        counts, the pool's (``RoutingSpeculator.pool``) and, one ahead, the totals."""
-        if ahead == 1:
-            self.uncached_guessed += 1
-            self.uncached_correct += right
-            bins = (self.bin_correct, self.bin_guessed) + pool[:2]
-        else:
-            bins = (self.bin2_correct, self.bin2_guessed) + pool[2:]
-        for i in (0, 2):
-            bins[i][confidence_bin] = PRECISION_DECAY * bins[i][confidence_bin] + right
-            bins[i + 1][confidence_bin] = PRECISION_DECAY * bins[i + 1][confidence_bin] + 1.0
-
-    def speculating(self, pool=None) -> bool:
-        return SPECULATE_COPY and any(self.pays(b, pool) for b in range(len(CONFIDENCE_BINS)))
-
-    def report(self, pool=None) -> dict:
-        return _guess_report(self.guessed, self.correct, self.routed, self.uncached_guessed, self.uncached_correct,
-                             self.misses, self.copied_experts, self.copied_correct, self.prefetched_bytes,
-                             self.wasted_bytes) | {"speculating": self.speculating(pool),
-                                                   "copied_two_ahead": self.copied2_experts,
-                                                   "copied_two_ahead_correct": self.copied2_correct}
-
-
-
-def _ratio(a, b):
-    return a / b if b else None
-
-
-def _guess_report(guessed, correct, routed, uncached_guessed, uncached_correct, misses, copied, copied_correct,
-                  prefetched_bytes, wasted_bytes) -> dict:
-    """``accuracy``/``recall``: all guesses against the routed experts. What speculation can save:
-    ``uncached_precision`` (guesses of experts not cached when guessed that were routed),
-    ``miss_coverage`` (share of the misses, routed experts not cached at guess time, that those
-    guesses named: what copying every guess would cover), ``covered_misses`` (share of the misses
-    a copied guess covered), ``wasted_share`` (copied bytes no op read)."""
-    return {
-        "guessed": guessed, "correct": correct, "routed": routed,
-        "accuracy": _ratio(correct, guessed), "recall": _ratio(correct, routed),
-        "uncached_guessed": uncached_guessed, "uncached_correct": uncached_correct,
-        "uncached_precision": _ratio(uncached_correct, uncached_guessed),
-        "misses": misses, "miss_coverage": _ratio(uncached_correct, misses),
-        "copied_experts": copied, "copied_correct": copied_correct, "covered_misses": _ratio(copied_correct, misses),
-        "prefetched_bytes": prefetched_bytes, "wasted_bytes": wasted_bytes,
-        "wasted_share": _ratio(wasted_bytes, prefetched_bytes),
-    }
-
-
-def _host_guess(scores: torch.Tensor, top_k: int) -> list:
-    """(expert, softmax probability) of each row's ``top_k`` highest scores, computed on the host
-    from a few rows of router scores (no kernel: see RoutingSpeculator.router_ran)."""
-    rows = scores.reshape(-1, scores.shape[-1]).tolist()
-    out = []
-    for row in rows:
-        top = max(row)
-        total = sum(math.exp(v - top) for v in row)
-        for e in heapq.nlargest(min(top_k, len(row)), range(len(row)), key=row.__getitem__):
-            out.append((e, math.exp(row[e] - top) / total))
-    return out
-
-
 def _cached_experts(pager, router: Router) -> frozenset:
     """The experts of ``router``'s layer with every stack cached."""
     stacks = router.stacks
     if pager is None or not stacks:
         return frozenset()
     return frozenset(e for e in range(stacks[0].num_experts) if all(pager.is_cached(s.key_of(e)) for s in stacks))
-
-
-def _ranked(pairs) -> dict:
-    """(expert, confidence) pairs -> expert: its highest confidence, the most confident first."""
-    confidence = {}
-    for e, p in sorted(pairs, key=lambda ep: -ep[1]):
-        confidence.setdefault(e, p)
-    return confidence
-
-
-def _confidence_bin(p: float) -> int:
-    for i, edge in enumerate(CONFIDENCE_BINS):
-        if p <= edge:
-            return i
-    return len(CONFIDENCE_BINS) - 1
-
 
 
 class RoutingSpeculator:
@@ -301,7 +123,7 @@ class RoutingSpeculator:
         if wrap and not (SPECULATE_NEXT_STEP and router.lookahead is not None and router.tokens <= GUESS_ON_HOST_TOKENS):
             return  # the next pass's first layer is guessed by a learned map only, at decode
         after = self._next.get(nxt) if router.split is not None and not wrap else None
-        if not (SPECULATE_COPY and (nxt.missed or (after is not None and after.missed) or nxt.speculating(self.pool))):
+        if not (SPECULATE_COPY and (nxt.missed or (after is not None and after.missed) or nxt.pays_any(self.pool))):
             # Nothing for a copied guess to save (its layer missed nothing in the last step and no
             # bin pays): it is only scored, which needs a sample, not every step (a guess's kernel
             # is a cost on the compute stream: at 50% cached, where a layer rarely misses, guessing
@@ -426,22 +248,22 @@ class RoutingSpeculator:
                 ids, conf = packed
                 pairs = zip(ids.reshape(-1).tolist(), conf.reshape(-1).tolist())
             else:
-                pairs = _host_guess(packed if split is None else packed[..., :split], router.top_k)
-            self._issue(pager, router, _ranked(pairs), tokens)
+                pairs = host_guess(packed if split is None else packed[..., :split], router.top_k)
+            self._issue(pager, router, ranked(pairs), tokens)
             router.next_pass = wrap
             if after is not None:
                 # Two layers ahead: copied only into copy time the next layer is expected to leave
                 # idle (every expert it is guessed to route is cached or being copied), so that
                 # such a copy never queues ahead of a miss of the next layer.
                 idle = all(e in router.cached or e in router.copied for e in router.guess)
-                self._issue(pager, after, _ranked(_host_guess(packed[..., split:], after.top_k)), tokens, 2, idle)
+                self._issue(pager, after, ranked(host_guess(packed[..., split:], after.top_k)), tokens, 2, idle)
         self._pending = keep
 
     def _issue(self, pager, router: Router, confidence: dict, tokens: int, ahead: int = 1, idle: bool = True) -> None:
         """Open ``router``'s guess made ``ahead`` layers before it (scored at the step's end) and,
         with ``idle``, copy the guessed experts that are not cached and whose confidence bin has
         paid (``Router.pays``), the most confident first, at most SPECULATE_EXPERTS."""
-        bins = {e: _confidence_bin(p) for e, p in confidence.items()}
+        bins = {e: confidence_bin(p) for e, p in confidence.items()}
         cached = _cached_experts(pager, router)
         if ahead == 1:
             if router.guess is not None:
@@ -553,10 +375,11 @@ class RoutingSpeculator:
 
     def report(self) -> dict:
         rs = self.routers
-        total = _guess_report(*(sum(getattr(r, f) for r in rs) for f in (
+        total = guess_report(*(sum(getattr(r, f) for r in rs) for f in (
             "guessed", "correct", "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts",
             "copied_correct", "prefetched_bytes", "wasted_bytes")))
-        return total | {"routers": {r.name: r.report(self.pool) for r in rs if r.stacks}}
+        return total | {"routers": {r.name: r.report(self.pool) | {"speculating": SPECULATE_COPY and r.pays_any(self.pool)}
+                                    for r in rs if r.stacks}}
 
     def remove(self) -> None:
         for h in self.hooks:
