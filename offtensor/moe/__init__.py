@@ -6,7 +6,9 @@ and evicted, the guess of the next MoE layer's experts, and the routing a run me
                    ``pager.experts`` (its observer and eviction policy for experts)
     eviction.py    ExpertEviction: use frequencies, per-layer reuse, the victim
     prefetch.py    ExpertIssuer: the current op's experts (announce / expect) and their copies
-    speculation.py Router, RoutingSpeculator: guesses of the next layer's experts, scored and copied
+    guesses.py     Router: a router's record of its guesses (confidence bins, their precision, the
+                   gates a copy must pass, the report); the host softmax / top-k of a guess
+    speculation.py RoutingSpeculator: guesses of the next layer's experts, scored and copied
     predictor.py   LookaheadPredictor: the learned look-ahead (a ridge fit of the next layer's
                    experts from this layer's router input, and of the layer after next), fitted,
                    compared, saved, installed
