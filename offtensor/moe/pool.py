@@ -38,12 +38,16 @@ import torch
 from ..pager import BudgetError
 
 
+def slot_bytes_of(key) -> int:
+    """The bytes of one slot of a pool of ``key`` ((expert shape, dtype) per stack role)."""
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in key)
+
+
 class ExpertPool:
     """One shared pool: its slot buffers per stack role, its tables, and the layers it serves."""
 
     __slots__ = ("key", "slots", "experts", "buffers", "slot_of", "expert_in", "stamp", "clock", "counts",
-                 "layers",
-                 "calls", "plan", "scratch", "mirror", "__weakref__")
+                 "layers", "calls", "plan", "scratch", "mirror", "__weakref__")
 
     def __init__(self, key, slots: int, layers: list, device: torch.device):
         self.key = key  # ((expert shape, dtype) per role, ...)
@@ -75,7 +79,7 @@ class ExpertPool:
     @property
     def slot_bytes(self) -> int:
         """The bytes of one slot: one expert of each stack of a layer, what one fetch copies."""
-        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.key)
+        return slot_bytes_of(self.key)
 
     def covers(self, master_id: int, rows: int) -> bool:
         """Whether a call of ``rows`` routed rows on ``master_id``'s stack is served from the pool:
@@ -168,7 +172,7 @@ def build_pools(pager, stacks, top_k: Optional[int], tensors: dict, other_bytes:
                                           [h for _, _, h in members], [n for n, _, _ in members]))
     if not kinds:
         return None
-    slot_bytes = {key: sum(math.prod(shape) * dtype.itemsize for shape, dtype in key) for key in kinds}
+    slot_bytes = {key: slot_bytes_of(key) for key in kinds}
     reserve = max([other_bytes] + list(slot_bytes.values()))  # the pager's largest other op, or one paged expert set
     room = pager.budget_bytes - pager.resident_bytes - reserve
     total = sum(slot_bytes[k] * sum(n for _, n, _, _ in layers) for k, layers in kinds.items())

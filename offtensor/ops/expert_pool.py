@@ -13,7 +13,8 @@ Bit-identical to the plain model: each expert's rows are the same rows, in the s
 the same bytes (a slot is a copy of the expert's host master), and ``_grouped_mm`` computes each
 group on its own. On a GPU the rows are reordered by slot (stably) and the groups are the pool's
 slots, read in place; on the emulated device, whose grouped GEMM costs per group even when empty,
-the groups are the experts the call uses, their slots gathered (a device copy of a few experts).
+the groups are the experts the call uses, each run against its slot in place by the extension's
+``pool_grouped_mm_cpu`` (without the extension, against a gathered copy of those slots).
 """
 
 from __future__ import annotations
@@ -228,9 +229,8 @@ def _slot_plan(pool, row_expert, row_slot, experts):
 def _compact_plan(pool, row_expert, row_slot, experts):
     """One group per distinct expert of the call, at most ``min(rows, experts)`` (a static count):
     (each group's slot, the groups' ends). The rows are already in group order (sorted by expert),
-    and the call gathers its groups' slots (a device copy of the few experts it uses): the emulated
-    device's grouped GEMM costs per group, empty or not, so a group per slot of a large pool would
-    cost more than the plain model's call."""
+    and each group runs against its slot: the emulated device's grouped GEMM costs per group, empty
+    or not, so a group per slot of a large pool would cost more than the plain model's call."""
     rows = row_expert.numel()
     groups = min(rows, experts)
     device = row_expert.device
@@ -304,7 +304,7 @@ def pooled_grouped_mm(func, pool, weight, x, offs, out_dtype, fallback: bool = F
         if plan[0] == "meta":  # a plan: shapes only, the GEMM's cost is recorded on the op
             if master.pager.recorder is not None:
                 master.pager.recorder.pool_called()
-            return x.new_empty((x.shape[0], pool_view(pool, master_id, host).shape[-1]), dtype=out_dtype or x.dtype)
+            return x.new_empty((x.shape[0], host.shape[-1]), dtype=out_dtype or x.dtype)
         kind, index, group_ends = plan
         if kind == "slots":
             y = torch._grouped_mm(x.index_select(0, index), pool_view(pool, master_id, host), group_ends,

@@ -20,20 +20,21 @@ _inference = torch.is_inference_mode_enabled
 def view(func, types, args, kwargs):
     self = args[0]
     out = func(self._host, *args[1:], **kwargs)
-    master = self._master
     if _inference() and not (out if isinstance(out, torch.Tensor) else out[0]).is_inference():
         # In inference mode, most views of a normal tensor are normal tensors (autograd's view
         # kernel then gives them the base's version counter, which an inference tensor has none
         # of); the host view just made says whether this one is, and the wrapper is made to match.
-        with _normal_tensors():
-            return view(func, types, args, kwargs)
+        with torch.inference_mode(False):
+            return _wrappers(self, out)
+    return _wrappers(self, out)
+
+
+def _wrappers(self: OffloadedTensor, out):
+    """OffloadedTensor views of ``self``'s master over the host view(s) ``out``."""
+    master = self._master
     if isinstance(out, torch.Tensor):
         return _alias_of(self, new_view(out, master))
     return type(out)(_alias_of(self, new_view(o, master)) for o in out)
-
-
-def _normal_tensors():
-    return torch.inference_mode(False)
 
 
 def _alias_of(base: OffloadedTensor, view: OffloadedTensor) -> OffloadedTensor:
@@ -97,8 +98,6 @@ _Tensor = torch.Tensor
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
 _grad = torch.is_grad_enabled
-
-
 _GRAD = torch._C.TensorBase.grad.__get__
 _VIEW_TYPES = (OffloadedTensor,)
 
