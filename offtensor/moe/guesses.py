@@ -56,7 +56,7 @@ class Router:
                  "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts", "copied_correct",
                  "prefetched_bytes", "wasted_bytes", "tokens", "guess", "cached", "copied", "guess_tokens",
                  "unpaid_steps", "missed", "misses_seen", "lookahead", "evidence", "split", "guess2", "cached2",
-                 "bin2_correct", "bin2_guessed", "copied2", "copied2_experts", "copied2_correct", "next_pass")
+                 "bin2_correct", "bin2_guessed", "copied2", "copied2_experts", "copied2_correct", "next_pass", "own")
 
     def __init__(self, name: str, module: nn.Module):
         self.name = name
@@ -84,6 +84,9 @@ class Router:
         # Where the learned look-ahead's weight also holds the map two layers ahead (its rows from
         # ``split`` on: the experts of the layer after the next), the next layer's expert count.
         self.split = None
+        # Where it also holds this layer's own experts at the next token (moe.predictor's next-token
+        # map: its rows from ``own`` on, logits of a sigmoid), eviction is told their chances.
+        self.own = None
         # The open guess of this layer made two layers ahead (expert -> bin), the experts cached
         # then, and its own bins' decayed counts (a guess from further away is right less often).
         self.guess2 = None
@@ -178,6 +181,17 @@ def host_guess(scores: torch.Tensor, top_k: int) -> list:
         for e in heapq.nlargest(min(top_k, len(row)), range(len(row)), key=row.__getitem__):
             out.append((e, math.exp(row[e] - top) / total))
     return out
+
+
+def host_chances(scores: torch.Tensor) -> list:
+    """Per expert, its chance of use at a layer's next turn from the next-token map's logits of a
+    few rows (one a token of the turn): 1 - prod(1 - sigmoid), on the host like ``host_guess``."""
+    rows = scores.reshape(-1, scores.shape[-1]).tolist()
+    out = [1.0] * len(rows[0])
+    for row in rows:
+        for e, v in enumerate(row):
+            out[e] *= 1.0 - (1.0 / (1.0 + math.exp(-v)) if v > -60.0 else 0.0)
+    return [1.0 - v for v in out]
 
 
 def ranked(pairs) -> dict:
