@@ -79,8 +79,9 @@ def test_auto_chooses_the_side_the_profiles_make_faster(host_wins):
 
 def test_auto_takes_the_host_for_a_decode_and_the_device_for_a_prefill_where_the_profile_says_so():
     # A host that streams weights fast but computes slowly: one row per expert is cheaper there,
-    # hundreds of rows are cheaper copied.
-    stacks = [("m.experts.w", (16, 256, 256), torch.float32)]
+    # hundreds of rows are cheaper copied. The experts are 16 MB, so that copying one (0.3 ms on
+    # the H200) weighs more than offtensor's own host time per copy, which both sides pay.
+    stacks = [("m.experts.w", (16, 2048, 2048), torch.float32)]
     profile = PROFILES["h200"].with_host({"float32": 0.05}, 500.0)
     decode, prefill = host_compute.choose_layer(host_compute.layer_shapes(stacks)[0], profile, 2, 0.25, (1, 4096))
     assert decode.on_host and not prefill.on_host
