@@ -6,6 +6,8 @@ and torchao's tensors here; tests/test_distributed.py does the same with DTensor
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -54,8 +56,8 @@ def test_wrap_offloads_the_leaves_inside_the_subclass_and_keeps_the_outer_object
     model = _two_tensor_model()
     param = model[0].weight
     param.loader_tag = tag = object()
-    x = torch.randn(3, HIDDEN)
-    ref = model(x)
+    x = torch.randn(3, HIDDEN).to(device)
+    ref = _two_tensor_model().to(device)(x)  # the same model unwrapped, on the same device
     budget = LINEAR_BYTES + 2 * 1024  # one leaf of 16 KiB paged at a time, biases resident
     ot.wrap_model(model, budget_gb=budget / 2**30, device=device)
     assert model[0].weight is param and type(param) is TwoTensor and isinstance(param, nn.Parameter)
@@ -63,7 +65,7 @@ def test_wrap_offloads_the_leaves_inside_the_subclass_and_keeps_the_outer_object
     assert isinstance(param.a, OffloadedTensor) and isinstance(param.b, OffloadedTensor)
     out = model(x)
     assert type(out) is TwoTensor
-    assert torch.equal(out.a.cpu(), ref.a) and torch.equal(out.b.cpu(), ref.b)
+    assert torch.equal(out.a, ref.a) and torch.equal(out.b, ref.b)
     s = ot.stats(model)
     assert s.offloaded_bytes == 3 * LINEAR_BYTES  # both leaves and the plain second weight: leaf bytes
     assert s.resident_bytes == 2 * HIDDEN * 4  # the two biases
@@ -79,13 +81,14 @@ def test_nested_subclasses_are_walked_to_their_plain_leaves(device):
     model = nn.Linear(8, 8, bias=False)
     model.weight = nn.Parameter(outer)
     x = TwoTensor(TwoTensor(torch.randn(2, 8), torch.randn(2, 8)), TwoTensor(torch.randn(2, 8), torch.randn(2, 8)))
-    ref = model(x)
+    x = x.to(device)
+    ref = nn.functional.linear(x, outer.to(device))  # the unwrapped weight on the same device
     ot.wrap_model(model, budget_gb=1 / 1024, policy="*", device=device)
     assert all(isinstance(leaf, OffloadedTensor) for leaf in leaves.leaf_tensors(model.weight))
     assert ot.stats(model).offloaded_bytes == 4 * 8 * 8 * 4
     out = model(x)
-    for got, want in zip(leaves.leaf_tensors(out), leaves.leaf_tensors(ref)):
-        assert torch.equal(got.cpu(), want)
+    for got, want in zip(leaves.leaf_tensors(out), leaves.leaf_tensors(ref), strict=True):
+        assert torch.equal(got, want)
 
 
 def test_offload_of_a_subclass_gives_its_class_with_offloaded_leaves(device):
@@ -94,7 +97,7 @@ def test_offload_of_a_subclass_gives_its_class_with_offloaded_leaves(device):
     assert type(o) is TwoTensor and o is not t
     assert isinstance(o.a, OffloadedTensor) and isinstance(o.b, OffloadedTensor)
     assert type(t.a) is torch.Tensor  # the argument is left as it was
-    assert torch.equal(o.a.cpu(), t.a) and torch.equal((o * 2).b.cpu(), t.b * 2)
+    assert torch.equal(o.a.cpu(), t.a) and torch.equal((o * 2).b, (t.to(device) * 2).b)
 
 
 def test_a_subclass_that_cannot_be_flattened_is_refused_naming_its_class(device):
@@ -112,8 +115,8 @@ def test_a_subclass_that_cannot_be_flattened_is_refused_naming_its_class(device)
 def test_a_subclass_assigned_after_wrapping_has_its_leaves_placed(device):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN))
-    x = torch.randn(3, HIDDEN)
-    ref = model(x)
+    x = torch.randn(3, HIDDEN).to(device)
+    ref = copy.deepcopy(model).to(device)(x)  # the same model unwrapped, on the same device
     ot.wrap_model(model, budget_gb=(LINEAR_BYTES + 2048) / 2**30, device=device)
     w = model[0].weight.detach().cpu()
     model[0].weight = nn.Parameter(TwoTensor(w.clone(), w.clone()))  # the way quantize_ swaps in its weights
@@ -121,7 +124,8 @@ def test_a_subclass_assigned_after_wrapping_has_its_leaves_placed(device):
     param = model[0].weight
     assert type(param) is TwoTensor and isinstance(param.a, OffloadedTensor) and isinstance(param.b, OffloadedTensor)
     out = model(x)
-    assert torch.equal(out.a.cpu(), ref) and torch.equal(out.b.cpu(), ref)
+    assert param.device == ref.device  # on a GPU: the leaves' device, not the host it was made on
+    assert torch.equal(out.a, ref) and torch.equal(out.b, ref)
     assert ot.stats(model).peak_device_bytes <= ot.stats(model).budget_bytes
 
 
