@@ -45,10 +45,21 @@ def test_host_compute_copies_at_most_5_percent_of_the_default_decode_bytes_with_
     host_logits, host_bytes, stats = _run(name, device, expert_compute="host")
     for want, got_default, got_host in zip(expected, default_logits, host_logits):
         assert torch.equal(got_default, want)
-        assert torch.equal(got_host, want)  # the same kernels on the same values, on the host
+        _assert_host_computed(got_host, want, device)
     assert default_bytes > 0
     assert host_bytes <= 0.05 * default_bytes, (host_bytes, default_bytes)
     assert stats.host_experts > 0 and stats.host_activation_bytes > 0
+
+
+def _assert_host_computed(got, want, device):
+    """Logits with some experts computed on the host against the device's own. The emulated device
+    runs the same kernels on the same values, so they are bit-identical; a GPU's host experts run
+    the CPU's kernels, which round differently in the last bits (a documented limit), so there they
+    agree within float tolerance."""
+    if torch.device(device).type == "cpu":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want)
 
 
 def _profile(host_wins: bool):
@@ -95,7 +106,7 @@ def test_auto_gives_identical_logits_and_computes_where_the_profile_says(name, h
     monkeypatch.setattr(host_compute, "with_host_figures", lambda profile: _profile(host_wins))
     logits, moved, stats = _run(name, device, expert_compute="auto")
     for want, got in zip(expected, logits):
-        assert torch.equal(got, want)
+        _assert_host_computed(got, want, device)
     assert (stats.host_experts > 0) == host_wins
 
 
