@@ -117,9 +117,9 @@ def masked_row_gather(dst: torch.Tensor, host: torch.Tensor, dest: torch.Tensor)
         raise RuntimeError(
             f"offtensor: the expert pool's fetch from a {tuple(host.shape)} {host.dtype} host stack "
             f"({host.numel() * host.element_size()} bytes) cannot be captured in a CUDA graph without the native "
-            f"extension's masked gather kernel (offtensor._C built with CUDA), which reads the pinned stack through its "
-            f"device address; without it every fetch would copy the whole stack from the host. Build the extension "
-            f"({_ext._BUILD_HINT}) or run this step without CUDA graphs.")
+            f"extension's masked gather kernel (offtensor._C built with CUDA), which reads the pinned stack "
+            f"through its device address; without it every fetch would copy the whole stack from the host. Build "
+            f"the extension ({_ext._BUILD_HINT}) or run this step without CUDA graphs.")
     slots = dst.shape[0]
     source = torch.full((slots + 1,), -1, dtype=torch.int64, device=dest.device)
     source = source.index_copy_(0, dest, torch.arange(dest.numel(), device=dest.device))[:slots]
