@@ -32,8 +32,6 @@ import offtensor as ot
 from offtensor.ops import expert_pool as pool_ops
 from offtensor.ops.rows import HOST_SYNCS
 
-from conftest import TEST_DEVICE
-
 transformers = pytest.importorskip("transformers")
 
 aten = torch.ops.aten
@@ -80,14 +78,18 @@ class HostTraffic(TorchDispatchMode):
             host = t.device.type == "cpu" and t.untyped_storage().data_ptr() in self.hosts
             if host and func not in FETCHES:
                 self.found.append(f"{func} reads a host master ({tuple(t.shape)} {t.dtype})")
-            elif t.device != self.device and not host and not (self._number(t) and func not in COPIES):
+            elif self._off(t) and not host and not (self._number(t) and func not in COPIES):
                 self.found.append(f"{func} takes a {tuple(t.shape)} tensor on {t.device}, off the step's device")
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
-            if type(t) is torch.Tensor and t.device != self.device and not (
+            if type(t) is torch.Tensor and self._off(t) and not (
                     func is aten.scalar_tensor.default and self._number(t)):
                 self.found.append(f"{func} makes a {tuple(t.shape)} tensor on {t.device}, off the step's device")
         return out
+
+    def _off(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is off the step's device ("cuda" is any CUDA device unless an index is given)."""
+        return t.device.type != self.device.type or (self.device.index is not None and t.device != self.device)
 
     @staticmethod
     def _number(t: torch.Tensor) -> bool:
@@ -134,13 +136,13 @@ def form(request, monkeypatch):
     return request.param
 
 
-def test_a_pooled_decode_step_moves_nothing_between_host_and_device_after_warm_up(form):
+def test_a_pooled_decode_step_moves_nothing_between_host_and_device_after_warm_up(form, device):
     """Decode steps after two warm-up steps, recorded: no host-made value, no tensor off the device,
     no read of a host master but the pool's fetches, no host sync, no page by the pager; the steps
     fetch into the pool and decode the resident model's tokens."""
-    resident, pooled = _models(TEST_DEVICE)
+    resident, pooled = _models(device)
     pager, pool = _pager(pooled), _pager(pooled).expert_pool.pools[0]
-    token = torch.tensor([[3]], device=TEST_DEVICE)
+    token = torch.tensor([[3]], device=device)
     expected, got = [], []
     with torch.no_grad():
         for _ in range(2):  # warm-up: the pool's first fetches, the caches of shapes
@@ -149,7 +151,7 @@ def test_a_pooled_decode_step_moves_nothing_between_host_and_device_after_warm_u
         for step in range(8):
             expected.append(resident(token).argmax(-1))
             paged, syncs = pager.stats.bytes_h2d, HOST_SYNCS[0]
-            recorder = HostTraffic(TEST_DEVICE, _hosts(pooled))
+            recorder = HostTraffic(device, _hosts(pooled))
             with recorder, torch.device("meta"):
                 logits = pooled(token)
             assert recorder.found == [], (step, recorder.found)
@@ -196,10 +198,11 @@ def test_the_pools_fetch_without_the_native_gather_refuses_cuda_graph_capture(mo
         pool_ops.masked_row_gather(dst, host, dest)
 
 
-@pytest.mark.skipif(TEST_DEVICE != "cuda" or not torch.cuda.is_available(), reason="captures a CUDA graph")
-def test_a_pooled_decode_step_captures_in_a_cuda_graph_and_replays_the_resident_tokens():
+def test_a_pooled_decode_step_captures_in_a_cuda_graph_and_replays_the_resident_tokens(device):
     """On a GPU: the pooled step captured once (after two warm-up steps) replays the resident
     model's greedy tokens, its LRU decisions and fetches replayed on the device."""
+    if device != "cuda" or not torch.cuda.is_available():
+        pytest.skip("captures a CUDA graph: runs with OFFTENSOR_TEST_DEVICE=cuda")
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
