@@ -83,7 +83,9 @@ _H200_SUSTAINED_BF16 = _H200_PREFILL_FLOPS / 116.1e-3 / 1e12  # about 682 TFLOP/
 # grouped GEMM served from the device-side expert pool in eager mode (its admit is tens of small
 # tensor ops, each a kernel launch; a captured CUDA graph replays them with no host work). These are
 # 3.6x and 32x the emulated device's figures on the development machine: the GPU path records an
-# event per use and launches real kernels where the emulated device runs one native call.
+# event per use and launches real kernels where the emulated device runs one native call. The pool's
+# figure was measured on an admit that still wrote host-made values into device tables (three
+# blocking copies, each a stream sync); it stands until the suite measures the admit without them.
 _H200_HOST_US = {"page": 25.4, "copy": 25.7, "pool": 649.2}
 _H200_HOST_SOURCE = ("measured by benchmarks/gpu_probe.py (offtensor.measure_host_us) on the H200 machine's host, "
                      "torch 2.11+cu130: per cache-hit page, per copy issued, per pooled expert GEMM (eager)")
