@@ -216,22 +216,6 @@ def test_a_failed_wrap_puts_the_subclass_back_on_the_host_with_its_host_leaves(m
     assert torch.equal(out.a, ref.a) and torch.equal(out.b, ref.b)
 
 
-@pytest.fixture
-def one_rank_mesh(tmp_path):
-    """A gloo group of this process alone and its cpu mesh: DTensors without starting ranks."""
-    import datetime
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("local", ["plain", "float8"])
 def test_a_dtensor_and_its_quantised_local_shard_are_on_their_leaves_device_when_they_move(one_rank_mesh, local):
     """A DTensor's local shard, plain or a torchao Float8Tensor (a wrapper inside the wrapper)."""
