@@ -380,7 +380,9 @@ def real_run(model, ids, prefix: int, steps: int, fraction: float, speculate: bo
         from offtensor.moe.predictor import install
 
         install(pager_of(wrapped), predictor)
-    a, b = _Decoder(wrapped, ids, prefix), _Decoder(model, ids, prefix)
+    # The unwrapped model runs on the wrapped one's device: a GPU's kernels need not round as the host's do.
+    plain = model if next(model.parameters()).device == torch.device(device) else copy.deepcopy(model).to(device)
+    a, b = _Decoder(wrapped, ids.to(device), prefix), _Decoder(plain, ids.to(device), prefix)
     identical = True
     t0 = time.perf_counter()
     for t in range(steps + 1):

@@ -122,6 +122,8 @@ def alloc_host(nbytes: int, *, pin: bool, touch: bool = True) -> torch.Tensor:
         raise ValueError(f"offtensor: cannot allocate {nbytes} bytes of host memory")
     wants_torch_pinning = pin and not CUDA_COMPILED and torch.cuda.is_available()
     if NATIVE and not wants_torch_pinning:
+        if pin:
+            _torch_sees_pinning()
         try:
             return torch.ops.offtensor.alloc_host(nbytes, pin, touch)
         except RuntimeError as error:
@@ -167,7 +169,26 @@ def pin_host(host: torch.Tensor) -> bool:
     False without a GPU, or when the extension cannot register memory (``can_pin_after_fill``)."""
     if not can_pin_after_fill():
         return False
+    base = host.untyped_storage().data_ptr()
+    if host.device.type != "cpu" or base % _PAGE_BYTES:
+        # Refused here, before the extension: its refusal names the same things.
+        raise RuntimeError(
+            f"offtensor.pin_host: the storage of {host.untyped_storage().nbytes()} bytes at {base:#x} on {host.device} "
+            "is not a page-aligned host allocation, so it is not an alloc_host allocation")
+    _torch_sees_pinning()
     return torch.ops.offtensor.pin_host(host)
+
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _torch_sees_pinning() -> None:
+    """Initialises torch's CUDA state before the extension pins memory. torch answers
+    ``Tensor.is_pinned()`` with False until it has initialised CUDA itself, whatever the driver
+    says, and torch's pinned-memory checks (a copy during CUDA graph capture, ``non_blocking``
+    copies) read that answer. Pinning with torch's own allocator initialises CUDA the same way."""
+    if cuda_device_count() > 0:
+        torch.cuda.init()
 
 
 def live_host_bytes() -> int:

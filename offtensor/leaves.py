@@ -104,3 +104,38 @@ def rebuild(t: torch.Tensor, convert) -> torch.Tensor:
         value = getattr(t, name)
         inner[name] = rebuild(value, convert) if isinstance(value, torch.Tensor) else value
     return type(t).__tensor_unflatten__(inner, context, t.size(), t.stride())
+
+
+def nested_wrappers(t: torch.Tensor) -> list:
+    """``(owner, attribute, wrapper)`` for every wrapper subclass inside ``t`` (a torchao tensor as
+    a DTensor's local shard), innermost first: the order ``refitted`` must see them in, as a
+    wrapper's device is read off its inner tensors."""
+    found = []
+    if is_wrapper(t):
+        for name in inner_names(t):
+            inner = getattr(t, name)
+            if is_wrapper(inner):
+                found.extend(nested_wrappers(inner))
+                found.append((t, name, inner))
+    return found
+
+
+def refitted(t: torch.Tensor):
+    """A new object of ``t``'s class around ``t``'s inner tensors as they are now (built through
+    ``__tensor_unflatten__``) when ``t`` itself is not on the device they are on, else None.
+
+    A wrapper subclass's own device (and its storage's, which torch keeps on that device) is fixed
+    when the object is made (``_make_wrapper_subclass(..., device=a.device)``); ``replace_leaf``
+    changes only the Python attribute. Leaves moved from the host to a GPU therefore leave the outer
+    object on the host, and torch refuses every view of it: ``return_and_correct_aliasing`` sets the
+    view's storage (on the GPU, from its leaves) to the argument's (on the host). The class's own
+    ``__tensor_unflatten__`` says what the object is around these inner tensors, as torch.compile
+    and FSDP2 rebuild it. Also None while the inner tensors are on different devices (some leaves
+    not placed yet): the class itself may refuse that (``TwoTensor`` does)."""
+    names, context = t.__tensor_flatten__()
+    inner = {name: getattr(t, name) for name in names}
+    devices = {v.device for v in inner.values() if isinstance(v, torch.Tensor)}
+    if len(devices) != 1 or t.device in devices:
+        return None
+    new = type(t).__tensor_unflatten__(inner, context, t.size(), t.stride())
+    return new if new.device != t.device else None  # a class whose device is not its inner tensors'

@@ -68,6 +68,22 @@ def _strict_device_catches_nothing():
 
 
 @pytest.fixture
+def one_rank_mesh(tmp_path):
+    """A gloo group of this process alone and its cpu mesh: DTensors and FSDP2 without starting ranks."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def device() -> str:
     """The device OffloadedTensors are offloaded to in this run."""
     return TEST_DEVICE

@@ -686,19 +686,6 @@ def test_the_seed_loader_names_a_checkpoint_tensor_it_cannot_place():
 # ---------------------------------------------------------------------------- FSDP2 in this process (one rank)
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A gloo group of this process alone and its mesh, for FSDP2 without starting ranks."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
 def _fsdp2_mlp_upcast(mesh, wrap_first: bool, budget_bytes=None):
     """A bfloat16 MLP under FSDP2 whose unsharded parameters are float32 (MixedPrecisionPolicy), so
     the parameters FSDP2 assigns before each forward are twice the bytes of the ones it wraps;
@@ -717,7 +704,7 @@ def _fsdp2_mlp_upcast(mesh, wrap_first: bool, budget_bytes=None):
 
 
 @pytest.mark.parametrize("wrap_first", [True, False], ids=["wrap_first", "fsdp_first"])
-def test_fsdp2_assigning_a_parameter_that_placement_would_offload_is_refused_naming_it(one_rank_group, wrap_first):
+def test_fsdp2_assigning_a_parameter_that_placement_would_offload_is_refused_naming_it(one_rank_mesh, wrap_first):
     # On main: the forward's re-assignment of FSDP2's unsharded (float32) '2.weight' did not fit and
     # was offloaded, so the layer computed with a copy FSDP2 never sees; only the reshard after the
     # forward then failed, blaming a fully_shard of an offloaded weight.
@@ -725,7 +712,7 @@ def test_fsdp2_assigning_a_parameter_that_placement_would_offload_is_refused_nam
 
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
     wrapped_bytes = 2 * (64 * 64 + 64) * 2  # both layers in bfloat16, all resident
-    model = _fsdp2_mlp_upcast(one_rank_group, wrap_first, budget_bytes=int(1.5 * wrapped_bytes))
+    model = _fsdp2_mlp_upcast(one_rank_mesh, wrap_first, budget_bytes=int(1.5 * wrapped_bytes))
     seen = []
     model[2].register_forward_pre_hook(lambda m, args: seen.append(type(m.weight)))
     with pytest.raises(RuntimeError, match=r"'2\.weight' \(Linear\.weight\) is managed by FSDP2 \(fully_shard\)"
@@ -736,6 +723,6 @@ def test_fsdp2_assigning_a_parameter_that_placement_would_offload_is_refused_nam
                    for leaf in (p, getattr(p, "_local_tensor", p)))
 
     # With room for the unsharded parameters, the wrapped FSDP2 model computes what the unwrapped one does.
-    reference = _fsdp2_mlp_upcast(one_rank_group, wrap_first)
-    roomy = _fsdp2_mlp_upcast(one_rank_group, wrap_first, budget_bytes=4 * wrapped_bytes)
+    reference = _fsdp2_mlp_upcast(one_rank_mesh, wrap_first)
+    roomy = _fsdp2_mlp_upcast(one_rank_mesh, wrap_first, budget_bytes=4 * wrapped_bytes)
     assert torch.equal(roomy(x), reference(x))

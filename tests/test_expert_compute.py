@@ -45,10 +45,21 @@ def test_host_compute_copies_at_most_5_percent_of_the_default_decode_bytes_with_
     host_logits, host_bytes, stats = _run(name, device, expert_compute="host")
     for want, got_default, got_host in zip(expected, default_logits, host_logits):
         assert torch.equal(got_default, want)
-        assert torch.equal(got_host, want)  # the same kernels on the same values, on the host
+        _assert_host_computed(got_host, want, device)
     assert default_bytes > 0
     assert host_bytes <= 0.05 * default_bytes, (host_bytes, default_bytes)
     assert stats.host_experts > 0 and stats.host_activation_bytes > 0
+
+
+def _assert_host_computed(got, want, device):
+    """Logits with some experts computed on the host against the device's own. The emulated device
+    runs the same kernels on the same values, so they are bit-identical; a GPU's host experts run
+    the CPU's kernels, which round differently in the last bits (a documented limit), so there they
+    agree within float tolerance."""
+    if torch.device(device).type == "cpu":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want)
 
 
 def _profile(host_wins: bool):
@@ -79,8 +90,9 @@ def test_auto_chooses_the_side_the_profiles_make_faster(host_wins):
 
 def test_auto_takes_the_host_for_a_decode_and_the_device_for_a_prefill_where_the_profile_says_so():
     # A host that streams weights fast but computes slowly: one row per expert is cheaper there,
-    # hundreds of rows are cheaper copied.
-    stacks = [("m.experts.w", (16, 256, 256), torch.float32)]
+    # hundreds of rows are cheaper copied. The experts are 16 MB, so that copying one (0.3 ms on
+    # the H200) weighs more than offtensor's own host time per copy, which both sides pay.
+    stacks = [("m.experts.w", (16, 2048, 2048), torch.float32)]
     profile = PROFILES["h200"].with_host({"float32": 0.05}, 500.0)
     decode, prefill = host_compute.choose_layer(host_compute.layer_shapes(stacks)[0], profile, 2, 0.25, (1, 4096))
     assert decode.on_host and not prefill.on_host
@@ -94,7 +106,7 @@ def test_auto_gives_identical_logits_and_computes_where_the_profile_says(name, h
     monkeypatch.setattr(host_compute, "with_host_figures", lambda profile: _profile(host_wins))
     logits, moved, stats = _run(name, device, expert_compute="auto")
     for want, got in zip(expected, logits):
-        assert torch.equal(got, want)
+        _assert_host_computed(got, want, device)
     assert (stats.host_experts > 0) == host_wins
 
 

@@ -150,7 +150,7 @@ def test_plan_with_routing_prints_the_hit_curve_and_where_it_bends(tmp_path, cap
 
 def test_plan_with_expert_pool_plans_the_pool_and_a_pooled_decode_step_reads_no_routing_on_the_host(tmp_path, capsys):
     """``python -m offtensor plan --expert-pool``: the decode phase is served from the pool (no
-    host sync on the expert path), so its host lane is shorter than the expert cache's plan."""
+    host sync on the expert path, no copy stream), so its step is shorter than the expert cache's."""
     pytest.importorskip("transformers")
     import os
     import re
@@ -167,6 +167,9 @@ def test_plan_with_expert_pool_plans_the_pool_and_a_pooled_decode_step_reads_no_
                 "--png", str(tmp_path / "p.png")] + (["--expert-pool"] if pooled else [])
         assert main(args) == 0
         out = capsys.readouterr().out
-        decode = next(line for line in out.splitlines() if line.startswith("| decode |"))
-        rows[pooled] = float(re.split(r"\s*\|\s*", decode)[9])  # host ms
-    assert rows[True] < rows[False], rows
+        decode = re.split(r"\s*\|\s*", next(line for line in out.splitlines() if line.startswith("| decode |")))
+        rows[pooled] = {"ms": float(decode[3]), "copy busy": decode[7], "host ms": float(decode[9])}
+    # No routing read on the host and no copy stream: the step waits for neither. (Its host lane is
+    # longer than the cache's under the H200's measured eager admit, 649 us per pooled GEMM.)
+    assert rows[True]["ms"] < rows[False]["ms"] and rows[True]["copy busy"] == "0%", rows
+    assert rows[True]["host ms"] > 0

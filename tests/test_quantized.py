@@ -72,6 +72,7 @@ def test_a_quantised_model_wrapped_in_either_order_gives_the_unwrapped_outputs_w
     weight = model[0].weight
     assert type(weight) is type(reference[0].weight) and isinstance(weight, torch.nn.Parameter)
     assert isinstance(weight.qdata, ot.OffloadedTensor)
+    assert weight.device == reference[0].weight.device  # on a GPU: cuda, not the host it was quantised on
     with torch.no_grad():
         got = model(x)
     assert torch.equal(got, expected)
@@ -85,7 +86,10 @@ def test_wrap_then_quantise_without_on_host_pages_the_weights_and_still_matches(
     """Without ``ot.on_host`` quantisation reads each offloaded weight through paging, which works
     while each fits the room; the result is the same."""
     cfg = _configs()["int8"]
-    reference = _quantised(cfg).to(device)
+    # Quantised on the device, as the wrapped model's paged weights are: a GPU's kernels need not
+    # round as the host's do.
+    reference = _model().to(device)
+    _torchao().quantize_(reference, cfg)
     model = _model()
     ot.wrap_model(model, budget_gb=0.8 * _bytes(model) / GiB, device=device)
     ot.reset_stats(model)
@@ -102,9 +106,14 @@ def test_offload_of_a_quantised_tensor_keeps_its_class_with_offloaded_leaves(dev
     offloaded = ot.offload(weight, device=device)
     assert type(offloaded) is type(weight)
     assert isinstance(offloaded.qdata, ot.OffloadedTensor) and isinstance(offloaded.scale, ot.OffloadedTensor)
-    assert torch.equal(offloaded.dequantize().cpu(), weight.dequantize())
-    x = torch.randn(3, 128, dtype=torch.bfloat16)
-    assert torch.equal(torch.nn.functional.linear(x.to(device), offloaded), torch.nn.functional.linear(x, weight))
+    assert torch.equal(offloaded.qdata.cpu(), weight.qdata) and torch.equal(offloaded.scale.cpu(), weight.scale)
+    # Computed values are compared with the plain quantised weight on the same device: a GPU's
+    # kernels need not round as the host's do.
+    on_device = weight.to(device)
+    assert offloaded.device == on_device.device and offloaded.dequantize().device == on_device.device
+    assert torch.equal(offloaded.dequantize(), on_device.dequantize())
+    x = torch.randn(3, 128, dtype=torch.bfloat16).to(device)
+    assert torch.equal(torch.nn.functional.linear(x, offloaded), torch.nn.functional.linear(x, on_device))
 
 
 def test_on_host_gives_back_the_weights_it_lent_and_a_write_through_them_reaches_the_next_forward(device):
@@ -124,5 +133,29 @@ def test_on_host_gives_back_the_weights_it_lent_and_a_write_through_them_reaches
     assert torch.equal(doubled, lent.detach())
     reference = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     reference.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+    reference.to(device)  # compared on the same device: a GPU's kernels need not round as the host's do
     with torch.no_grad():
-        assert torch.equal(model(x).cpu(), reference(x.cpu()))
+        assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("config", ["int8", "float8", "int4"])
+def test_a_wrapped_quantised_weight_is_on_its_leaves_device_when_they_move_to_another_device_type(config):
+    """On a GPU the leaves move from the host to cuda, another device type: wrap_model's own
+    pipeline (``prepare``) onto a meta pager does the same move on any machine (the emulated
+    device is the host's own type, where an outer object left on the host looks right). Before:
+    the quantised tensor stayed on cpu around meta leaves, and ``detach()`` (``state_dict()``)
+    raised "Attempted to set the storage of a tensor on device "meta" to a storage on different
+    device "cpu"" from torchao's ``return_and_correct_aliasing``."""
+    from offtensor import leaves
+    from offtensor.config import OffloadConfig
+    from offtensor.model.prepare import prepare
+
+    model = _quantised(_configs()[config])
+    weight = model[0].weight
+    cfg = OffloadConfig(budget_gb=1.0, device=torch.device("meta"), policy="*", strict=False)
+    prepare(model, cfg, cfg.device)
+    meta = torch.device("meta")
+    assert model[0].weight is weight and all(isinstance(t, ot.OffloadedTensor) for t in leaves.leaf_tensors(weight))
+    assert weight.device == meta and weight.untyped_storage().device == meta
+    assert weight.detach().device == meta and model.state_dict()["0.weight"].device == meta
+    assert model(torch.randn(2, 128, dtype=torch.bfloat16, device="meta")).device == meta

@@ -69,6 +69,12 @@ def _wrapped(device, fraction=0.4, **kwargs):
     return reference, model, budget
 
 
+def _on(device, reference):
+    """A copy of the unwrapped ``reference`` on ``device``: outputs are compared with the plain model
+    on the same device, since a GPU's kernels need not round as the host's do."""
+    return copy.deepcopy(reference).to(device)
+
+
 def _run_threads(work, n):
     errors = []
     threads_per_op = torch.get_num_threads()
@@ -100,8 +106,9 @@ def test_concurrent_forwards_agree_with_the_unwrapped_model_within_budget(device
     the budget and every later forward raised."""
     reference, model, budget = _wrapped(device)
     xs = _inputs(device)
+    plain = _on(device, reference)
     with torch.no_grad():
-        want = [reference(x.cpu()) for x in xs]
+        want = [plain(x).cpu() for x in xs]
     mismatches = []
 
     def work(k):
@@ -126,8 +133,9 @@ def test_unwrap_racing_forwards_waits_for_the_op_in_flight(device):
     plain one, the same values; on main strict mode gave NaN (a cached copy freed under an op)."""
     reference, model, _ = _wrapped(device)
     xs = _inputs(device)
+    plain = _on(device, reference)
     with torch.no_grad():
-        want = [reference(x.cpu()) for x in xs]
+        want = [plain(x).cpu() for x in xs]
     started, bad = threading.Event(), []
 
     def work(k):
@@ -151,8 +159,9 @@ def _forwards_racing(model, reference, device, mutate) -> list:
     0.5 ms between calls, so the forward thread takes the GIL): the steps whose outputs differ
     from ``reference``'s."""
     xs = _inputs(device)
+    plain = _on(device, reference)
     with torch.no_grad():
-        want = [reference(x.cpu()) for x in xs]
+        want = [plain(x).cpu() for x in xs]
     done, bad = threading.Event(), []
 
     def work(k):
@@ -304,7 +313,8 @@ def test_a_failed_wrap_leaves_the_model_exactly_as_it_was(monkeypatch, device, s
     model = _reference()
     x = _inputs("cpu", 1)[0]
     with torch.no_grad():
-        want = model(x)
+        want = model(x)  # on the host, where the model stays when its wrap fails
+        want_on_device = _on(device, model)(x.to(device))
     live_before = _ext.live_host_bytes()
     before = _snapshot(model)
     _fail_and_check(monkeypatch, step, k, lambda: _wrap_for_faults(model, device), model, before, live_before)
@@ -312,7 +322,7 @@ def test_a_failed_wrap_leaves_the_model_exactly_as_it_was(monkeypatch, device, s
         assert torch.equal(model(x), want)
     _wrap_for_faults(model, device)  # not "already wrapped"
     with torch.no_grad():
-        assert torch.equal(model(x.to(device)).cpu(), want)
+        assert torch.equal(model(x.to(device)), want_on_device)
 
 
 def test_an_unoffloadable_buffer_is_refused_before_anything_moves(device):
@@ -372,7 +382,7 @@ def test_a_failed_load_leaves_the_model_exactly_as_it_was(monkeypatch, tmp_path,
     load(model)
     x = _inputs(device, 1)[0]
     with torch.no_grad():
-        assert torch.equal(model(x).cpu(), reference(x.cpu()))
+        assert torch.equal(model(x), _on(device, reference)(x))
 
 
 # ---------------------------------------------------------------------------- the budget on every path (item 5)
@@ -409,7 +419,7 @@ def _warm_wrapped(device):
 def _agrees(model, reference, device):
     x = _inputs(device, 1)[0]
     with torch.no_grad():
-        return torch.equal(model(x).cpu(), reference(x.cpu()))
+        return torch.equal(model(x), _on(device, reference)(x))
 
 
 def test_assigning_a_resident_weight_to_a_warm_model_stays_within_budget(device):
@@ -467,16 +477,17 @@ def test_concurrent_forwards_of_a_moe_model_with_routing_guesses_agree_within_bu
     budget = int(0.4 * weight_bytes(reference))
     ot.wrap_model(model, budget_gb=budget / GiB, device=device)
     assert any(isinstance(p, OffloadedTensor) and "experts" in n for n, p in model.named_parameters())
-    ids = [torch.randint(0, 256, (1, 3), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    ids = [torch.randint(0, 256, (1, 3), generator=torch.Generator().manual_seed(i)).to(device) for i in range(4)]
+    plain = _on(device, reference)
     with torch.no_grad():
-        want = [reference(x) for x in ids]
+        want = [plain(x).cpu() for x in ids]
     mismatches = []
 
     def work(k):
         for i in range(40):
             j = (i + k) % len(ids)
             with torch.no_grad():
-                if not torch.equal(model(ids[j].to(device)).cpu(), want[j]):
+                if not torch.equal(model(ids[j]).cpu(), want[j]):
                     mismatches.append((k, i))
 
     assert _run_threads(work, 2) == []

@@ -187,15 +187,15 @@ class _TransposedHead(nn.Module):
 def test_a_wrapped_model_runs_in_inference_mode_with_the_plain_outputs(device):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.GELU(), _TransposedHead()).eval()
-    ids = torch.randint(0, 16, (2, 5))
-    with torch.inference_mode():
-        expected = model(ids)
+    ids = torch.randint(0, 16, (2, 5), device=device)
     wrapped = copy.deepcopy(model)
+    with torch.inference_mode():  # the plain model on the same device: the same kernels, the same bits
+        expected = model.to(device)(ids)
     ot.wrap_model(wrapped, budget_gb=1e-6, device=device, policy=["*"])
     assert all(isinstance(p, OffloadedTensor) for p in wrapped.parameters())
     with torch.inference_mode():
-        got = wrapped(ids.to(device))
-    torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=0)
+        got = wrapped(ids)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_conjugate_and_negative_views_read_resolved_values(device):

@@ -6,6 +6,8 @@ and torchao's tensors here; tests/test_distributed.py does the same with DTensor
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -14,7 +16,12 @@ from torch.testing._internal.two_tensor import TwoTensor
 import offtensor as ot
 from offtensor import leaves
 from offtensor.tensor import OffloadedTensor
+from offtensor.config import OffloadConfig
+from offtensor.model import prepare as prepare_module
 from offtensor.model.copies import is_wrapped
+from offtensor.model.place import place
+from offtensor.model.prepare import prepare
+from offtensor.model.state import wrapped_state
 
 HIDDEN = 64
 LINEAR_BYTES = HIDDEN * HIDDEN * 4
@@ -49,8 +56,8 @@ def test_wrap_offloads_the_leaves_inside_the_subclass_and_keeps_the_outer_object
     model = _two_tensor_model()
     param = model[0].weight
     param.loader_tag = tag = object()
-    x = torch.randn(3, HIDDEN)
-    ref = model(x)
+    x = torch.randn(3, HIDDEN).to(device)
+    ref = _two_tensor_model().to(device)(x)  # the same model unwrapped, on the same device
     budget = LINEAR_BYTES + 2 * 1024  # one leaf of 16 KiB paged at a time, biases resident
     ot.wrap_model(model, budget_gb=budget / 2**30, device=device)
     assert model[0].weight is param and type(param) is TwoTensor and isinstance(param, nn.Parameter)
@@ -58,7 +65,7 @@ def test_wrap_offloads_the_leaves_inside_the_subclass_and_keeps_the_outer_object
     assert isinstance(param.a, OffloadedTensor) and isinstance(param.b, OffloadedTensor)
     out = model(x)
     assert type(out) is TwoTensor
-    assert torch.equal(out.a.cpu(), ref.a) and torch.equal(out.b.cpu(), ref.b)
+    assert torch.equal(out.a, ref.a) and torch.equal(out.b, ref.b)
     s = ot.stats(model)
     assert s.offloaded_bytes == 3 * LINEAR_BYTES  # both leaves and the plain second weight: leaf bytes
     assert s.resident_bytes == 2 * HIDDEN * 4  # the two biases
@@ -74,13 +81,14 @@ def test_nested_subclasses_are_walked_to_their_plain_leaves(device):
     model = nn.Linear(8, 8, bias=False)
     model.weight = nn.Parameter(outer)
     x = TwoTensor(TwoTensor(torch.randn(2, 8), torch.randn(2, 8)), TwoTensor(torch.randn(2, 8), torch.randn(2, 8)))
-    ref = model(x)
+    x = x.to(device)
+    ref = nn.functional.linear(x, outer.to(device))  # the unwrapped weight on the same device
     ot.wrap_model(model, budget_gb=1 / 1024, policy="*", device=device)
     assert all(isinstance(leaf, OffloadedTensor) for leaf in leaves.leaf_tensors(model.weight))
     assert ot.stats(model).offloaded_bytes == 4 * 8 * 8 * 4
     out = model(x)
-    for got, want in zip(leaves.leaf_tensors(out), leaves.leaf_tensors(ref)):
-        assert torch.equal(got.cpu(), want)
+    for got, want in zip(leaves.leaf_tensors(out), leaves.leaf_tensors(ref), strict=True):
+        assert torch.equal(got, want)
 
 
 def test_offload_of_a_subclass_gives_its_class_with_offloaded_leaves(device):
@@ -89,7 +97,7 @@ def test_offload_of_a_subclass_gives_its_class_with_offloaded_leaves(device):
     assert type(o) is TwoTensor and o is not t
     assert isinstance(o.a, OffloadedTensor) and isinstance(o.b, OffloadedTensor)
     assert type(t.a) is torch.Tensor  # the argument is left as it was
-    assert torch.equal(o.a.cpu(), t.a) and torch.equal((o * 2).b.cpu(), t.b * 2)
+    assert torch.equal(o.a.cpu(), t.a) and torch.equal((o * 2).b, (t.to(device) * 2).b)
 
 
 def test_a_subclass_that_cannot_be_flattened_is_refused_naming_its_class(device):
@@ -107,8 +115,8 @@ def test_a_subclass_that_cannot_be_flattened_is_refused_naming_its_class(device)
 def test_a_subclass_assigned_after_wrapping_has_its_leaves_placed(device):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN))
-    x = torch.randn(3, HIDDEN)
-    ref = model(x)
+    x = torch.randn(3, HIDDEN).to(device)
+    ref = copy.deepcopy(model).to(device)(x)  # the same model unwrapped, on the same device
     ot.wrap_model(model, budget_gb=(LINEAR_BYTES + 2048) / 2**30, device=device)
     w = model[0].weight.detach().cpu()
     model[0].weight = nn.Parameter(TwoTensor(w.clone(), w.clone()))  # the way quantize_ swaps in its weights
@@ -116,5 +124,112 @@ def test_a_subclass_assigned_after_wrapping_has_its_leaves_placed(device):
     param = model[0].weight
     assert type(param) is TwoTensor and isinstance(param.a, OffloadedTensor) and isinstance(param.b, OffloadedTensor)
     out = model(x)
-    assert torch.equal(out.a.cpu(), ref) and torch.equal(out.b.cpu(), ref)
+    assert param.device == ref.device  # on a GPU: the leaves' device, not the host it was made on
+    assert torch.equal(out.a, ref) and torch.equal(out.b, ref)
     assert ot.stats(model).peak_device_bytes <= ot.stats(model).budget_bytes
+
+
+# A GPU run moves the leaves from the host (cpu) to another device type (cuda). On the emulated
+# device the target is the host's own device type, so an outer object left on the host looks
+# right there. wrap_model's own pipeline (``prepare``) onto a meta pager is the same move from
+# cpu to another device type, on any machine: what the tests below prove holds on a GPU too.
+
+def _wrap_onto_meta(model):
+    config = OffloadConfig(budget_gb=1.0, device=torch.device("meta"), policy="*", strict=False)
+    return prepare(model, config, config.device).pager
+
+
+def _wrappers(t):
+    """``t`` and every wrapper subclass inside it."""
+    if not isinstance(t, torch.Tensor) or leaves.is_leaf(t):  # DTensor names its device mesh too
+        return []
+    return [t, *(w for name in t.__tensor_flatten__()[0] for w in _wrappers(getattr(t, name)))]
+
+
+def _assert_on_its_leaves_device(t, device):
+    for w in _wrappers(t):
+        assert w.device == device and w.untyped_storage().device == device, (type(w).__name__, w.device)
+    assert all(leaf.device == device for leaf in leaves.leaf_tensors(t))
+    view = t.t()  # the view F.linear takes first: torch aliases its storage to the weight's
+    assert view.device == device and view.untyped_storage().device == device
+
+
+def test_a_wrapped_subclass_is_on_its_leaves_device_when_they_move_to_another_device_type():
+    # Before: TwoTensor.t() -> return_and_correct_aliasing -> "Attempted to set the storage of a
+    # tensor on device "meta" to a storage on different device "cpu"" (on a GPU: "cuda:0", "cpu").
+    model = _two_tensor_model()
+    param = model[0].weight
+    param.loader_tag = tag = object()
+    _wrap_onto_meta(model)
+    assert model[0].weight is param and type(param) is TwoTensor and isinstance(param, nn.Parameter)
+    assert param.loader_tag is tag and param.requires_grad
+    assert isinstance(param.a, OffloadedTensor) and isinstance(param.b, OffloadedTensor)
+    _assert_on_its_leaves_device(param, torch.device("meta"))
+    out = model(torch.randn(3, HIDDEN, device="meta"))
+    assert type(out) is TwoTensor and out.device.type == "meta" and out.shape == (3, HIDDEN)
+    ot.unwrap_model(model)
+    assert model[0].weight is param and type(param.a) is torch.Tensor
+    _assert_on_its_leaves_device(param, torch.device("meta"))
+
+
+def test_nested_subclasses_are_each_on_their_leaves_device_when_they_move_to_another_device_type():
+    outer = TwoTensor(TwoTensor(torch.randn(8, 8), torch.randn(8, 8)), TwoTensor(torch.randn(8, 8), torch.randn(8, 8)))
+    model = nn.Linear(8, 8, bias=False)
+    model.weight = param = nn.Parameter(outer)
+    _wrap_onto_meta(model)
+    assert model.weight is param and all(isinstance(leaf, OffloadedTensor) for leaf in leaves.leaf_tensors(param))
+    _assert_on_its_leaves_device(param, torch.device("meta"))
+    x = TwoTensor(*(TwoTensor(torch.randn(2, 8, device="meta"), torch.randn(2, 8, device="meta")) for _ in "ab"))
+    assert model(x).device.type == "meta"
+
+
+def test_a_subclass_assigned_after_wrapping_is_on_its_leaves_device_when_they_move_to_another_device_type():
+    model = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN))
+    _wrap_onto_meta(model)
+    w = torch.randn(HIDDEN, HIDDEN)
+    param = nn.Parameter(TwoTensor(w.clone(), w.clone()))
+    # What ``model[0].weight = param`` runs on a wrapped model (a plan's meta model places nothing
+    # assigned to it, so the test calls it): registration, then placement of the new weight.
+    model[0]._parameters["weight"] = param
+    assert place(wrapped_state(model), model[0], "weight", param, False) is None
+    assert model[0].weight is param and isinstance(param.a, OffloadedTensor)
+    _assert_on_its_leaves_device(param, torch.device("meta"))
+    assert model(torch.randn(3, HIDDEN, device="meta")).device.type == "meta"
+
+
+def test_a_failed_wrap_puts_the_subclass_back_on_the_host_with_its_host_leaves(monkeypatch):
+    model = _two_tensor_model()
+    param = model[0].weight
+    a, b = param.a, param.b
+    x = torch.randn(3, HIDDEN)
+    ref = model(x)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("registration failed")
+
+    monkeypatch.setattr(prepare_module, "register_wrapped", fail)
+    with pytest.raises(RuntimeError, match="registration failed"):
+        _wrap_onto_meta(model)
+    assert model[0].weight is param and param.a is a and param.b is b
+    _assert_on_its_leaves_device(param, torch.device("cpu"))
+    out = model(x)
+    assert torch.equal(out.a, ref.a) and torch.equal(out.b, ref.b)
+
+
+@pytest.mark.parametrize("local", ["plain", "float8"])
+def test_a_dtensor_and_its_quantised_local_shard_are_on_their_leaves_device_when_they_move(one_rank_mesh, local):
+    """A DTensor's local shard, plain or a torchao Float8Tensor (a wrapper inside the wrapper)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    model = nn.Linear(32, 32).to(torch.bfloat16)
+    if local == "float8":
+        pytest.importorskip("torchao.quantization").quantize_(
+            model, pytest.importorskip("torchao.quantization").Float8WeightOnlyConfig())
+    shard = model.weight.detach()
+    model.weight = param = nn.Parameter(DTensor.from_local(shard, one_rank_mesh, [Shard(0)], run_check=False),
+                                        requires_grad=False)
+    _wrap_onto_meta(model)
+    assert model.weight is param and type(param) is DTensor
+    assert all(isinstance(leaf, OffloadedTensor) for leaf in leaves.leaf_tensors(param))
+    _assert_on_its_leaves_device(param, torch.device("meta"))
+    assert param.detach().device.type == "meta"

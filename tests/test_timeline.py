@@ -153,10 +153,12 @@ def test_measure_profile_on_the_emulated_device_gives_positive_rates():
     assert profile.h2d_gbps > 0 and profile.hbm_gbps > 0 and profile.launch_us > 0
     assert all(v > 0 for v in profile.tflops.values())
     # offtensor's own host time per page, per copy and per pooled expert GEMM, measured on this host
-    # (a cache hit costs more than the plain op); the h200 profile's is an estimate and says so.
+    # (a cache hit costs more than the plain op); the h200 profile's was measured on the H200's host.
     assert set(profile.host_us) == {"page", "copy", "pool"} and profile.host_us["page"] > 0
     assert profile.host_us["pool"] > 0
-    assert "measured" in profile.host_source and ot.get_profile("h200").host_source.startswith("estimate")
+    h200 = ot.get_profile("h200")
+    assert "measured" in profile.host_source and h200.host_source.startswith("measured") and "H200" in h200.host_source
+    assert set(h200.host_us) == {"page", "copy", "pool"}
 
 
 # ---------------------------------------------------------------------------- planning on meta
@@ -282,14 +284,16 @@ def test_a_step_of_many_small_paged_ops_is_bound_by_the_host_lane():
 
 @pytest.mark.parametrize("phase,tokens", [("prefill", 4096), ("decode", 1)])
 def test_the_host_lane_leaves_the_dense_plans_where_it_is_not_the_bound(h200_workload, phase, tokens):
-    # `python -m offtensor plan --offload-layers 12`: the H200's estimated host cost per page is far
-    # below its copies and GEMMs, so the replay gives the same step as a host that issues for free.
+    # `python -m offtensor plan --offload-layers 12`: the H200's measured host cost per page is far
+    # below its copies and GEMMs, so the replay gives the step of a host that issues for free, but
+    # for the first copy of the step, which starts only once the host has issued it (~50 us).
     tl = _plan(h200_workload, 12, tokens, profile="h200", steps=2)
     with_host = tl.replay("h200")
     without = tl.replay(dataclasses.replace(ot.get_profile("h200"), host_us={}))
     assert with_host.host_ms > 0 and with_host.bound_by != "host"
-    assert with_host.step_ms == pytest.approx(without.step_ms, rel=1e-9)
-    assert with_host.steps_ms == pytest.approx(without.steps_ms, rel=1e-9)
+    first_issue_ms = (ot.get_profile("h200").host_us["page"] + ot.get_profile("h200").host_us["copy"]) * 1e-3
+    assert without.step_ms <= with_host.step_ms <= without.step_ms + first_issue_ms
+    assert with_host.steps_ms == pytest.approx(without.steps_ms, abs=first_issue_ms)
 
 
 def test_name_order_placement_would_miss_the_bound(h200_workload):

@@ -181,6 +181,50 @@ def _swap_leaf(member: Member, new: torch.Tensor) -> None:
     member.tensor = new
 
 
+def refit_wrappers(members) -> None:
+    """Each wrapper subclass holding a leaf of ``members`` (replaced by ``_swap_leaf``, or moved by
+    ``make_resident``) brought onto its leaves' device, the nested ones first: the registered outer
+    object in place (``swap``: same object, class and attributes, its C++ tensor now on the device),
+    a nested one replaced in its owner as a leaf is. See ``leaves.refitted`` for why."""
+    roots = {}
+    for member in members:
+        for module, attr, is_buffer in member.slots if member.owners else ():
+            if is_buffer is None:  # a plain tensor attribute: never a wrapper's leaf
+                continue
+            t = (module._buffers if is_buffer else module._parameters).get(attr)
+            if t is not None and leaves.is_wrapper(t):
+                root = roots.setdefault(id(t), Member(t))
+                if (module, attr, is_buffer) not in root.slots:
+                    root.slots.append((module, attr, is_buffer))
+    for root in roots.values():
+        refit(root)
+
+
+def refit(root: Member) -> torch.Tensor:
+    """``refit_wrappers`` for one registered wrapper (``root.tensor`` in ``root.slots``); returns
+    the object now registered there (``root.tensor`` itself unless torch refused to swap it)."""
+    for owner, attr, inner in leaves.nested_wrappers(root.tensor):
+        new = leaves.refitted(inner)
+        if new is not None:
+            nested = Member(inner)
+            nested.owners.append((owner, attr))
+            _swap_leaf(nested, _dressed_as(inner, new))
+    new = leaves.refitted(root.tensor)
+    if new is not None:
+        swap(root, _dressed_as(root.tensor, new))
+    return root.tensor
+
+
+def _dressed_as(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``new`` (``old`` rebuilt by its class) with ``old``'s attributes (its leaves, which ``new``
+    holds too, Parameter-ness, ``weight_loader``...) and ``requires_grad``: ``swap`` moves them onto
+    ``old``'s object with the rebuilt C++ tensor."""
+    new.__dict__.update(old.__dict__)
+    if new.requires_grad != old.requires_grad:
+        new.requires_grad_(old.requires_grad)
+    return new
+
+
 def check_attribute_names(t: torch.Tensor, what: str) -> None:
     clash = sorted(OWN_ATTRS & t.__dict__.keys()) if not isinstance(t, OffloadedTensor) else ()
     if clash:

@@ -13,8 +13,8 @@ from ..pager import BudgetError
 from ..tensor import OffloadedTensor
 from .groups import Member, StorageGroup, leaf_is_tileable
 from .moves import (
-    as_param_like, check_offloadable_quietly, offload_group, resident_bytes, resident_storages, resident_storages_of,
-    storage_bytes, swap, weight_tensors,
+    as_param_like, check_offloadable_quietly, offload_group, refit, resident_bytes, resident_storages,
+    resident_storages_of, storage_bytes, swap, weight_tensors,
 )
 from .dtensor import refuse_offloading_an_fsdp2_parameter
 from .room import replan_paging_room, reserve_paging_room, warn_view_of_a_bigger_master
@@ -38,7 +38,12 @@ def place(state: State, module: nn.Module, name: str, t: torch.Tensor, is_buffer
         return None
     if not leaves.is_leaf(t):
         _place_leaves(state, module, name, t, is_buffer, full_name, attaching)
-        return None  # the outer object stays registered; its leaves were placed inside it
+        # The outer object stays registered, brought onto its leaves' device (as itself unless
+        # torch refuses to swap it, then as the rebuilt object, to register instead).
+        root = Member(t)
+        root.slots.append((module, name, is_buffer))
+        placed = refit(root)
+        return None if placed is t else placed
     if t.is_meta or t.layout != torch.strided:
         return None
     member = Member(t)

@@ -20,7 +20,7 @@ from ..tensor import OffloadedTensor, check_offloadable
 from .copies import StepHook, register_wrapped, unregister_wrapped
 from .dtensor import refuse_offloading_what_fsdp2_manages
 from .groups import collect_groups
-from .moves import Undo, as_param_like, make_resident, offload_group, resident_bytes, swap
+from .moves import Undo, as_param_like, make_resident, offload_group, refit_wrappers, resident_bytes, swap
 from .state import State, wrapped_state
 
 
@@ -112,6 +112,7 @@ def apply_placement(model: nn.Module, placed: placement.ModelPlacement, pager: P
                     offload_group(group, pager)  # for a load: not in the files, has values (a buffer made at init)
                 else:
                     make_resident(group, pager.device)
+            refit_wrappers(m for group in placed.offloaded + placed.resident for m in group)
             register_wrapped(model, pager, placed.choice, config)
             if expert is not None:
                 _start_expert_placement(model, *expert)
@@ -136,9 +137,10 @@ def unwrap(model: nn.Module, state: State) -> nn.Module:
     pager.prefetcher = None
     moe.detach(pager)
     pager.clear()
-    for group in collect_groups(model):
-        if group.is_offloaded:
-            make_resident(group, pager.device)
+    offloaded = [group for group in collect_groups(model) if group.is_offloaded]
+    for group in offloaded:
+        make_resident(group, pager.device)
+    refit_wrappers(m for group in offloaded for m in group)
     unregister_wrapped(model, state)
     # The model's weights are no longer this pager's: what it still pages (a view of a master taken
     # before unwrapping, an op of another thread's forward dispatched before the swap) pages within

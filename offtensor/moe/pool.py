@@ -47,7 +47,8 @@ class ExpertPool:
     """One shared pool: its slot buffers per stack role, its tables, and the layers it serves."""
 
     __slots__ = ("key", "slots", "experts", "buffers", "slot_of", "expert_in", "stamp", "clock", "counts",
-                 "layers", "calls", "plan", "scratch", "mirror", "__weakref__")
+                 "layers", "calls", "plan", "scratch", "mirror", "ids", "slot_ids", "sink", "absent", "views",
+                 "__weakref__")
 
     def __init__(self, key, slots: int, layers: list, device: torch.device):
         self.key = key  # ((expert shape, dtype) per role, ...)
@@ -60,11 +61,22 @@ class ExpertPool:
         self.clock = torch.zeros(1, dtype=torch.int64, device=device)
         self.counts = torch.zeros(2, dtype=torch.int64, device=device)  # (fetches, hits)
         self.layers = {}  # master id -> (role, first expert of its layer in slot_of, experts, host masters by role)
+        # Constants of the admit and its plan, made here once so that a decode step makes no index
+        # (ops/expert_pool.py): each layer's entries in slot_of (by its first), the slots' indices,
+        # the sink's index and -1 (no expert, no slot) as one-element tensors. Device tensors: nothing
+        # is copied from the host.
+        every = torch.arange(self.experts + 1, dtype=torch.int64, device=device)
+        self.ids = {}
         base = 0
         for masters, count, hosts in layers:
             for role, master_id in enumerate(masters):
                 self.layers[master_id] = (role, base, count, hosts)
+            self.ids[base] = every[base : base + count]
             base += count
+        self.slot_ids = torch.arange(slots, dtype=torch.int64, device=device)
+        self.sink = torch.full((1,), slots, dtype=torch.int64, device=device)
+        self.absent = torch.full((1,), -1, dtype=torch.int64, device=device)
+        self.views = {}  # (master id, layout of the op's view of its stack) -> that view of the pool's buffer
         self.calls = 0  # admits so far (host side): a plan is reused only while no other admit ran
         self.plan = None  # (offs ref, offs version, first expert, calls, the rows' plan) of the last admit
         self.scratch = {}  # (role, slot count) -> the emulated device's gather buffer (ops/expert_pool.py)

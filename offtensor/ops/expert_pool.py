@@ -3,8 +3,10 @@ decision: the slots are assigned by LRU on the device (``offtensor::pool_admit``
 decides, updates the tables and fetches only the missed experts), and the call runs as one grouped
 GEMM against the pool.
 
-Every step is a fixed-shape device op (no ``.item()``, ``.tolist()``, ``nonzero`` or host read), so
-the path runs unchanged inside a compiled graph and can be captured in a CUDA graph. The admit also
+Every step is a fixed-shape device op (no ``.item()``, ``.tolist()``, ``nonzero`` or host read, and
+no value made on the host: no ``t[i] = v``, no tensor without ``device=``), so the path runs
+unchanged inside a compiled graph and can be captured in a CUDA graph (tests/test_pool_capture.py
+records every op of a pooled decode step to keep it so). The admit also
 counts its fetches and hits on the device (``pool.counts``, read by ``ot.stats`` only). In a plan
 on meta, whose tables hold no values, the same decisions are made on a host mirror of them
 (``mirror_admit``) from the planned routing, and each fetch is recorded for the replay.
@@ -36,7 +38,22 @@ def pool_admit(rows_expert: torch.Tensor, slot_of: torch.Tensor, expert_in: torc
                base: int, experts: int) -> torch.Tensor:
     """Admit the experts ``rows_expert`` routes to (one entry per routed row, in ``[0, experts]``,
     ``experts`` for a row of no expert) of the layer whose experts start at ``base`` in ``slot_of``:
-    returns each row's slot (``S``, the sink, for a row of no expert).
+    returns each row's slot (``S``, the sink, for a row of no expert). The op a traced graph would
+    hold; eager callers run its body, ``admit``, without the custom op's dispatch."""
+    return admit(rows_expert, slot_of, expert_in, stamp, clock, counts, buffers, hosts, base, experts)
+
+
+@pool_admit.register_fake
+def _pool_admit_fake(rows_expert, slot_of, expert_in, stamp, clock, counts, buffers, hosts, base, experts):
+    return torch.empty_like(rows_expert)
+
+
+def admit(rows_expert, slot_of, expert_in, stamp, clock, counts, buffers, hosts, base: int, experts: int,
+          ids=None, sink=None, absent=None) -> torch.Tensor:
+    """``pool_admit``'s body. ``ids`` (the layer's experts' entries in ``slot_of``, ``arange(base,
+    base + experts)``), ``sink`` (a one-element ``S``) and ``absent`` (a one-element -1): the pool's
+    own copies of them (``ExpertPool.ids``, ``.sink``, ``.absent``), made once, or made here (a
+    Python number where a tensor goes is made into a tensor by every op that takes it).
 
     LRU on the device: the slots of experts this call needs and holds are protected; each missed
     expert, ranked by a cumsum, takes the next of the other slots in (empty first, then oldest
@@ -44,43 +61,44 @@ def pool_admit(rows_expert: torch.Tensor, slot_of: torch.Tensor, expert_in: torc
     between any two steps: a slot is first taken from the expert that had it, then filled, and only
     then given to its new expert, so ``slot_of[e] == s`` always means slot ``s`` holds ``e``'s bytes.
     ``counts`` (fetches, hits) gains the call's missed and held experts, on the device, once the
-    call is done."""
+    call is done.
+
+    Every value is made on the device: no Python scalar is written into a table by indexing (on a
+    GPU ``t[i] = v`` makes ``v`` on the host and copies it, a blocking copy that CUDA graph capture
+    refuses), and the sink entries are kept by the writes themselves: ``expert_in[S]`` and
+    ``stamp[S]`` stay -1, ``slot_of``'s last entry stays -1."""
     slots = expert_in.numel() - 1
     device = slot_of.device
+    if ids is None:
+        ids = torch.arange(base, base + experts, device=device)
+    if sink is None:
+        sink = slot_of.new_full((1,), slots)
+    if absent is None:
+        absent = slot_of.new_full((1,), -1)
     local = slot_of[base : base + experts]  # a view: this layer's experts
     needed = torch.zeros(experts + 1, dtype=torch.bool, device=device).index_fill_(0, rows_expert, True)[:experts]
-    present = local >= 0
-    miss = needed & ~present
-    hit_slot = torch.where(needed & present, local, slots)
-    protected = torch.zeros(slots + 1, dtype=torch.bool, device=device).index_fill_(0, hit_slot, True)
-    protected[slots] = True  # the sink is never given out
-    order = torch.argsort(torch.where(protected, _INT64_MAX, stamp), stable=True)
-    rank = torch.cumsum(miss, 0) - 1
-    dest = torch.where(miss, order[rank.clamp_(0, slots)], slots)  # each missed expert's new slot, else the sink
-    evicted = expert_in.index_select(0, dest)
-    evicted = torch.where(miss & (evicted >= 0), evicted, slot_of.numel() - 1)
-    # 1. the taken slots leave their old experts (slot_of first, so no expert points at a slot in change)
-    slot_of.index_fill_(0, evicted, -1)
+    hit = needed & (local >= 0)
+    miss = needed ^ hit
+    # The held experts' slots take the largest stamp, and so does the sink whenever an expert is not
+    # held (any miss): a stable sort puts the free slots first, empty ones (-1) before the oldest.
+    order = torch.argsort(stamp.index_fill(0, torch.where(hit, local, sink), _INT64_MAX), stable=True)
+    # The k-th missed expert (its cumsum is k) takes order[k - 1]: order rolled by one, indexed by k.
+    dest = torch.where(miss, order.roll(1).index_select(0, torch.cumsum(miss, 0)), sink)
+    # 1. the taken slots leave their old experts (slot_of first, so no expert points at a slot in
+    # change); an empty slot's -1, and the sink's (expert_in[S] is -1), fill slot_of[-1], the sink
+    slot_of.index_fill_(0, expert_in.index_select(0, dest), -1)
     expert_in.index_fill_(0, dest, -1)
     # 2. the missed experts' bytes into their slots; rows whose slot is the sink copy nothing
     for buffer, host in zip(buffers, hosts):
         masked_row_gather(buffer, host, dest)
-    # 3. the slots are given to their new experts, then the experts to their slots
-    expert_in.index_copy_(0, dest, torch.arange(base, base + experts, device=device))
-    expert_in[slots] = -1
+    # 3. the slots are given to their new experts (the sink gets -1 only), then the experts to their slots
+    expert_in.index_copy_(0, dest, torch.where(miss, ids, absent))
     after = torch.where(miss, dest, local)
     local.copy_(after)
-    used = torch.where(needed, after, slots)
-    stamp.index_copy_(0, used, clock.expand(experts))  # the sink may take several: reset below
-    stamp[slots] = -1
+    stamp.index_copy_(0, torch.where(needed, after, sink), torch.where(needed, clock, absent))
     clock.add_(1)
-    counts.add_(torch.stack((miss.sum(), (needed & present).sum())))
-    return torch.cat((after, after.new_full((1,), slots))).index_select(0, rows_expert)
-
-
-@pool_admit.register_fake
-def _pool_admit_fake(rows_expert, slot_of, expert_in, stamp, clock, counts, buffers, hosts, base, experts):
-    return torch.empty_like(rows_expert)
+    counts.add_(torch.stack((miss, hit)).sum(1))
+    return torch.cat((after, sink)).index_select(0, rows_expert)
 
 
 def masked_row_gather(dst: torch.Tensor, host: torch.Tensor, dest: torch.Tensor) -> None:
@@ -93,7 +111,15 @@ def masked_row_gather(dst: torch.Tensor, host: torch.Tensor, dest: torch.Tensor)
         torch.ops.offtensor.masked_row_gather(dst, host, dest, stream)
         return
     # Without the native extension: a fixed-shape form that rewrites every slot (correct, but it
-    # moves a pool's worth of bytes): each slot's new expert, -1 to keep what it holds.
+    # moves a pool's worth of bytes): each slot's new expert, -1 to keep what it holds. On a GPU it
+    # copies the whole host stack with a blocking copy, which CUDA graph capture cannot record.
+    if capturing_on(dst.device):
+        raise RuntimeError(
+            f"offtensor: the expert pool's fetch from a {tuple(host.shape)} {host.dtype} host stack "
+            f"({host.numel() * host.element_size()} bytes) cannot be captured in a CUDA graph without the native "
+            f"extension's masked gather kernel (offtensor._C built with CUDA), which reads the pinned stack "
+            f"through its device address; without it every fetch would copy the whole stack from the host. Build "
+            f"the extension ({_ext._BUILD_HINT}) or run this step without CUDA graphs.")
     slots = dst.shape[0]
     source = torch.full((slots + 1,), -1, dtype=torch.int64, device=dest.device)
     source = source.index_copy_(0, dest, torch.arange(dest.numel(), device=dest.device))[:slots]
@@ -102,6 +128,12 @@ def masked_row_gather(dst: torch.Tensor, host: torch.Tensor, dest: torch.Tensor)
 
 
 _HAVE_GATHER = _ext.NATIVE and hasattr(torch.ops.offtensor, "masked_row_gather")
+
+
+def capturing_on(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
 
 # On the emulated device the admit is one native call (``offtensor::pool_admit_cpu``: the same
 # decisions and copies as ``pool_admit`` followed by ``_compact_plan``, in loops; the tensor-op form
@@ -169,8 +201,8 @@ def pooled_plan(pool, master_id: int, offs: torch.Tensor, rows: int, recorder=No
                                                   pool.counts, pool.buffers, hosts, base, experts))
     else:
         row_expert = _row_expert_of(offs, rows)
-        row_slot = pool_admit(row_expert, pool.slot_of, pool.expert_in, pool.stamp, pool.clock, pool.counts,
-                              pool.buffers, hosts, base, experts)
+        row_slot = admit(row_expert, pool.slot_of, pool.expert_in, pool.stamp, pool.clock, pool.counts, pool.buffers,
+                         hosts, base, experts, pool.ids[base], pool.sink, pool.absent)
         plan = (_slot_plan if slot_groups else _compact_plan)(pool, row_expert, row_slot, experts)
     pool.calls += 1
     pool.plan = (weakref.ref(offs), offs._version, base, pool.calls, plan)
@@ -217,13 +249,13 @@ SLOT_GROUPS = ("cuda",)
 
 
 def _slot_plan(pool, row_expert, row_slot, experts):
-    """One group per slot of the pool: (the rows in slot order, the slots' group ends). The GPU's
-    grouped GEMM reads the pool in place and skips empty groups at little cost."""
-    rows = row_slot.numel()
-    order = torch.argsort(row_slot, stable=True)
-    counts = torch.zeros(pool.slots + 1, dtype=torch.int32, device=row_slot.device)
-    counts.index_add_(0, row_slot, _ones(rows, row_slot.device))
-    return ("slots", order, torch.cumsum(counts[: pool.slots], 0, dtype=torch.int32))
+    """One group per slot of the pool: (the rows in slot order, the slots' group ends, where each
+    row's result is in slot order). The GPU's grouped GEMM reads the pool in place and skips empty
+    groups at little cost. Slot ``s``'s group ends after the rows of slots up to ``s`` (a search of
+    the sorted slots); rows of no expert (the sink, ``S``) come last, past every group."""
+    sorted_slots, order = torch.sort(row_slot, stable=True)
+    ends = torch.searchsorted(sorted_slots, pool.slot_ids, right=True, out_int32=True)
+    return ("slots", order, ends, torch.argsort(order))
 
 
 def _compact_plan(pool, row_expert, row_slot, experts):
@@ -255,12 +287,18 @@ _ONES: dict = {}
 def pool_view(pool, master_id: int, host: torch.Tensor, buffer=None) -> torch.Tensor:
     """The pool's slots of ``master_id``'s role (or ``buffer``, slots gathered from them) in the
     layout the op passed the stack in (``host``: the op's view of the stack, e.g.
-    ``stack.transpose(-2, -1)``), so the grouped GEMM takes the plain model's kernel path."""
-    role, _, _, hosts = pool.layers[master_id]
-    if buffer is None:
-        buffer = pool.buffers[role]
-    return buffer.as_strided((buffer.shape[0],) + tuple(host.shape[1:]), host.stride(),
-                             buffer.storage_offset() + host.storage_offset() - hosts[role].storage_offset())
+    ``stack.transpose(-2, -1)``), so the grouped GEMM takes the plain model's kernel path. A view
+    of the pool's own buffer is made once per layout (the buffers live as long as the pool)."""
+    key = (master_id, host.shape, host.stride(), host.storage_offset()) if buffer is None else None
+    view = pool.views.get(key) if key is not None else None
+    if view is None:
+        role, _, _, hosts = pool.layers[master_id]
+        source = pool.buffers[role] if buffer is None else buffer
+        view = source.as_strided((source.shape[0],) + tuple(host.shape[1:]), host.stride(),
+                                 source.storage_offset() + host.storage_offset() - hosts[role].storage_offset())
+        if key is not None:
+            pool.views[key] = view
+    return view
 
 
 def _gather_slots(pool, role: int, index: torch.Tensor) -> torch.Tensor:
@@ -305,7 +343,7 @@ def pooled_grouped_mm(func, pool, weight, x, offs, out_dtype, fallback: bool = F
             if master.pager.recorder is not None:
                 master.pager.recorder.pool_called()
             return x.new_empty((x.shape[0], host.shape[-1]), dtype=out_dtype or x.dtype)
-        kind, index, group_ends = plan
+        kind, index, group_ends = plan[:3]
         if kind == "slots":
             y = torch._grouped_mm(x.index_select(0, index), pool_view(pool, master_id, host), group_ends,
                                   out_dtype=out_dtype)
@@ -316,4 +354,4 @@ def pooled_grouped_mm(func, pool, weight, x, offs, out_dtype, fallback: bool = F
             y = torch._grouped_mm(x, pool_view(pool, master_id, host, gathered), group_ends, out_dtype=out_dtype)
     if fallback:  # rows past the routed ones are zeros in the fallback's result
         y = y.masked_fill_((_positions(y.shape[0], y.device) >= group_ends[-1]).unsqueeze(1), 0)
-    return torch.empty_like(y).index_copy_(0, index, y) if kind == "slots" else y
+    return y.index_select(0, plan[3]) if kind == "slots" else y  # back in the rows' order

@@ -77,16 +77,18 @@ class Profile:
 _H200_PREFILL_FLOPS = 48 * 2 * 4096 * 8192 * 24576
 _H200_SUSTAINED_BF16 = _H200_PREFILL_FLOPS / 116.1e-3 / 1e12  # about 682 TFLOP/s
 
-# offtensor's own host time per op on the H200's host: an ESTIMATE until benchmarks/gpu_suite.sh
-# measures it there (measure_host_us). The development machine's emulated device measured about
-# 5 us per cache-hit page and 10 us per copy beyond the plain op; a GPU's hit also records an event
-# after the op (CUDA's last-use tracking), so the estimate adds a couple of microseconds. A grouped
-# GEMM served from an expert pool measured about 18-25 us there (its admit is one native call on the
-# emulated device; a GPU's eager admit issues its tensor ops as kernels, which a CUDA graph replays
-# with no host work): the estimate takes 20.
-_H200_HOST_US = {"page": 7.0, "pool": 20.0}
-_H200_HOST_SOURCE = ("estimate, not measured on the H200's host: the emulated device's measured host cost per page, "
-                     "per copy and per pooled expert GEMM on a development machine plus an event record per op")
+# offtensor's own host time per op on the H200's host, measured there by benchmarks/gpu_probe.py
+# (offtensor.measure_host_us; benchmarks/results/gpu_suite_h200.json holds the run and its command):
+# 25.4 us per cache-hit page beyond the plain op, 25.7 us more per copy issued, and 649 us per
+# grouped GEMM served from the device-side expert pool in eager mode (its admit is tens of small
+# tensor ops, each a kernel launch; a captured CUDA graph replays them with no host work). These are
+# 3.6x and 32x the emulated device's figures on the development machine: the GPU path records an
+# event per use and launches real kernels where the emulated device runs one native call. The pool's
+# figure was measured on an admit that still wrote host-made values into device tables (three
+# blocking copies, each a stream sync); it stands until the suite measures the admit without them.
+_H200_HOST_US = {"page": 25.4, "copy": 25.7, "pool": 649.2}
+_H200_HOST_SOURCE = ("measured by benchmarks/gpu_probe.py (offtensor.measure_host_us) on the H200 machine's host, "
+                     "torch 2.11+cu130: per cache-hit page, per copy issued, per pooled expert GEMM (eager)")
 
 PROFILES = {
     "h200": Profile(
