@@ -13,8 +13,9 @@ offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a 
    never decodes, and kept per layer where it beat the router look-ahead on other held-out
    windows), else layer i+1's router weight applied to layer i's router input (the router
    look-ahead; ``--router-lookahead``: that alone); where the predictor has them, the logits of
-   layer i+2 from layer i (``ahead2``) and of the next token's first layer from the last. The real
-   runs install the same predictor.
+   layer i+2 from layer i (``ahead2``), of the next token's first layer from the last, and of the
+   layer's own experts at the next token (``own``, the chances eviction ranks by). The real runs
+   install the same predictor.
 2. **Routing statistics** (decode steps): entropy of expert use per layer (bits; uniform =
    log2 E), token-to-token locality (share of a token's experts the previous token also used at
    that layer; uniform = k / E), look-ahead top-k precision per layer.
@@ -27,8 +28,9 @@ offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a 
    ``torch._grouped_mm``, whose routers output the recorded logits and whose router inputs are the
    recorded look-ahead logits, so the speculator guesses exactly what it would have guessed on the
    trained model); ``ours_cache_alone`` (``prefetch=False``: no router hooks, no guesses) and
-   ``ours_scored_only`` (guesses made and scored, never copied). A copied guess that its layer then
-   routes is a hit. Hit rates count decode steps only.
+   ``ours_scored_only`` (guesses made and scored, never copied; eviction still takes the
+   next-token chances). A copied guess that its layer then routes is a hit. Hit rates count
+   decode steps only. The replay model and both replays are ``moe_replay.py``.
 4. **Real run** (``--no-real`` skips it): the trained model wrapped at the same budgets (dense
    weights + fraction x expert bytes) against the unwrapped model on the same teacher-forced
    decode; logits must be identical at every step. Its measured hit rate, per layer, beside the
@@ -39,14 +41,16 @@ offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a 
    path; and the offline coverage-against-waste curve of gates on the look-ahead probability.
 6. **H200 replay** (``h200_sized``): the trace through the replay model with experts of
    Qwen3-30B-A3B's bytes (9.4 MB) and a resident attention stand-in per layer, the last
-   ``H200_RECORDED`` decode steps recorded (``ot.timeline``) and replayed under ``h200``: the cache alone
+   ``moe_replay.H200_RECORDED`` (192) decode steps recorded (``ot.timeline``) and replayed under
+   ``h200`` (its host lane: offtensor's measured host time per page and copy): the cache alone
    (``prefetch=False``), the default (one guess a layer copied where its bin has been >= 70% right,
    and guesses two layers ahead copied into the next layer's expected idle copy time), guesses
    scored but never copied, and at 25% one layer ahead only, top-k guesses a layer at a 50% gate
    and the next step's first layer guessed at the end of a step; per step the bytes copied ahead
    by guesses, those wasted, and the misses left on the critical path (expert copies an op waited
    for after its layer's routing); each also replayed with the host waiting for the compute
-   stream only between steps (``step_ms_mean_sync_compute``).
+   stream only between steps (``step_ms_mean_sync_compute``), and the mean of the last 16 steps
+   alone (``step_ms_mean_last_16``, the window of earlier runs).
 8. **Coverage ceiling** (``coverage_ceiling``): every layer guessed, every guess scored, none
    copied; the uncached guesses ranked by confidence: the most any gate on it could cover.
 9. **Summary** per model and fraction (``summary``): the default's hit against Belady's, the share
