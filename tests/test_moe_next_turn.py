@@ -245,3 +245,26 @@ def test_guesses_never_read_the_next_token_rows_as_experts(monkeypatch, next_ste
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert guessed and all(e < 16 for _, experts in guessed for e in experts), guessed
     assert any(name == "model.layers.0.mlp.gate" for name, _ in guessed) == next_step
+
+
+def test_online_refit_fits_the_next_token_maps_inside_an_inference_mode_decode():
+    # A refit runs at the start of a forward: under torch.inference_mode its logistic fit still
+    # needs autograd (made outside inference mode from the recorded inputs).
+    from offtensor.moe.refit import OnlineRefit
+
+    model = _wrap_quarter(_qwen3())
+    reference = _qwen3()
+    refit = OnlineRefit(pager_of(model), every=16, window=64, minimum=16)
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(4))
+    got, want = [], []
+    with torch.inference_mode():
+        for m, out in ((model, got), (reference, want)):
+            cache = None
+            for t in range(20):
+                r = m(input_ids=ids[:, :4] if cache is None else ids[:, 3 + t:4 + t], past_key_values=cache,
+                      use_cache=True)
+                cache = r.past_key_values
+                out.append(r.logits)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert refit.refits == 1 and refit.predictor is not None
+    assert set(refit.predictor.scores) == {0, 1, 2, 3} and all("own" in s for s in refit.predictor.scores.values())

@@ -1,9 +1,11 @@
 """One router's record of its guesses: the confidence bins of a guess (the look-ahead probability
 of the guessed expert), their decayed precision on experts not cached when guessed, the gate a
 guess must pass before its copy is made, and the figures reported for them (``ot.stats(model).
-guesses``). Also the host side of a decode step's guess: the softmax and top-k of a few rows of
-look-ahead scores, ranked by confidence. ``speculation`` makes the guesses, scores them into these
-records and copies the ones whose record pays.
+guesses``), and the scoring of its open guesses against what its layer paged (``score``). Also
+the host side of a decode step's guess: the softmax and top-k of a few rows of look-ahead scores,
+ranked by confidence, and the chances of a next-token map's logits (``host_chances``).
+``speculation`` makes the guesses, has them scored into these records and copies the ones whose
+record pays.
 """
 
 from __future__ import annotations
@@ -145,6 +147,43 @@ class Router:
                              self.wasted_bytes) | {"copied_two_ahead": self.copied2_experts,
                                                    "copied_two_ahead_correct": self.copied2_correct}
 
+
+
+def score(router: Router, pool) -> None:
+    """Close ``router``'s open guesses against the experts its stacks actually paged (``pool``:
+    every router's bins, ``RoutingSpeculator.pool``)."""
+    guess, guess2 = router.guess, router.guess2
+    if guess is None and guess2 is None:
+        return
+    router.guess = router.guess2 = None
+    used = set()
+    for stack in router.stacks:
+        used |= stack.used
+    if not used:
+        return  # its layer has not run yet (a forward cut short): nothing to score against
+    # The misses a guess could cover: routed experts not cached when the first guess was made
+    # (a two-ahead copy makes its expert cached by the time of the one-ahead guess).
+    router.misses += len(used - (router.cached2 if guess2 is not None else router.cached))
+    router.routed += len(used)
+    for ahead, open_guess in ((1, guess), (2, guess2)):
+        if open_guess is None:
+            continue
+        cached = router.cached if ahead == 1 else router.cached2
+        if ahead == 1:
+            router.guessed += len(open_guess)
+            router.correct += len(open_guess.keys() & used)
+        for e, b in open_guess.items():
+            if e not in cached:  # a guess of a cached expert costs nothing and saves nothing
+                router.record(b, e in used, ahead, pool)
+        if ahead == 2:
+            router.copied2_experts += len(router.copied2)
+            router.copied2_correct += len(router.copied2 & used)
+    router.copied_experts += len(router.copied)
+    router.copied_correct += len(router.copied.keys() & used)
+    router.wasted_bytes += sum(b for e, b in router.copied.items() if e not in used)
+    router.copied = {}
+    if router.guess_tokens == 1 and len(used) and router.top_k is None:
+        router.top_k = len(used)
 
 
 def ratio(a, b):

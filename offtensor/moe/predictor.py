@@ -89,22 +89,24 @@ def fit_logistic(x: torch.Tensor, routed: torch.Tensor, num_experts: int, l2: fl
     if x.dim() != 2 or routed.shape[0] != x.shape[0] or x.shape[0] < 2:
         raise ValueError(f"offtensor: fit_logistic needs [N, H] hidden states and [N, k] routed ids with the same N "
                          f"(N >= 2), got {tuple(x.shape)} and {tuple(routed.shape)}")
-    y = one_hot(routed, num_experts).float()
-    xf = x.float()
-    mean, scale = xf.mean(0), xf.std(0).clamp_min(1e-6)
-    xs = (xf - mean) / scale
-    w = torch.zeros(num_experts, xs.shape[1], requires_grad=True)
-    prior = y.mean(0).clamp(1e-4, 1 - 1e-4)
-    b = torch.log(prior / (1 - prior)).clone().requires_grad_(True)
-    opt = torch.optim.LBFGS([w, b], max_iter=iterations, line_search_fn="strong_wolfe")
+    # A refit can run inside a forward under torch.inference_mode (OnlineRefit): autograd needs
+    # normal tensors, made outside it from the recorded ones.
+    with torch.inference_mode(False), torch.enable_grad():
+        y = one_hot(routed, num_experts).float()
+        xf = x.float()
+        mean, scale = xf.mean(0), xf.std(0).clamp_min(1e-6)
+        xs = (xf - mean) / scale
+        w = torch.zeros(num_experts, xs.shape[1], requires_grad=True)
+        prior = y.mean(0).clamp(1e-4, 1 - 1e-4)
+        b = torch.log(prior / (1 - prior)).clone().requires_grad_(True)
+        opt = torch.optim.LBFGS([w, b], max_iter=iterations, line_search_fn="strong_wolfe")
 
-    def loss():
-        opt.zero_grad()
-        out = F.binary_cross_entropy_with_logits(F.linear(xs, w, b), y) + l2 * (w * w).sum()
-        out.backward()
-        return out
+        def loss():
+            opt.zero_grad()
+            out = F.binary_cross_entropy_with_logits(F.linear(xs, w, b), y) + l2 * (w * w).sum()
+            out.backward()
+            return out
 
-    with torch.enable_grad():
         opt.step(loss)
     w, b = w.detach() / scale, b.detach()
     return w.contiguous(), (b - w @ mean).contiguous()

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from . import routing
-from .guesses import CONFIDENCE_BINS, Router, confidence_bin, guess_report, host_chances, host_guess, ranked
+from .guesses import CONFIDENCE_BINS, Router, confidence_bin, guess_report, host_chances, host_guess, ranked, score
 
 if TYPE_CHECKING:
     from .stack import Stack
@@ -80,6 +80,20 @@ SPECULATE_NEXT_STEP = False
 # device. Each kernel is a launch ahead of the layer's routing read: the matmul, softmax and top-k
 # of a guess on the device cost the trained models' H200 replay ~0.08 ms a decode step (5%).
 GUESS_ON_HOST_TOKENS = 4
+
+
+def _read_back(packed):
+    """(``packed`` on the host, an event or None): on a GPU, pinned staging copies of its tensors
+    (a tensor, or a tuple of them) and an event after them, so nothing waits for the device."""
+    tensors = packed if isinstance(packed, tuple) else (packed,)
+    if tensors[0].device.type != "cuda":
+        return packed, None
+    staged = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
+    for host, t in zip(staged, tensors):
+        host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return (staged if isinstance(packed, tuple) else staged[0]), event
 
 
 def _cached_experts(pager, router: Router) -> frozenset:
@@ -200,18 +214,11 @@ class RoutingSpeculator:
         are the guess two layers ahead for that one; ``wrap``: a guess for the next pass) or (ids,
         confidences). The scores from column ``own`` on are the next-token map's (not a guess);
         with ``owner`` (the router that ran; ``router`` None: no guess), they are its own layer's
-        experts at the next token, for eviction (``predictions_ready``). On a GPU they are read back without a host sync: pinned
-        staging copies and an event; the copies are issued from the pager's next call once the
-        event has completed (by then the layer's own routing read has waited for the router anyway)."""
-        event = None
-        tensors = packed if isinstance(packed, tuple) else (packed,)
-        if tensors[0].device.type == "cuda":
-            staged = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
-            for host, t in zip(staged, tensors):
-                host.copy_(t, non_blocking=True)
-            packed = staged if isinstance(packed, tuple) else staged[0]
-            event = torch.cuda.Event()
-            event.record()
+        experts at the next token, for eviction (``predictions_ready``). On a GPU they are read
+        back without a host sync (``_read_back``); the copies are issued from the pager's next call
+        once the event has completed (by then the layer's own routing read has waited for the
+        router anyway)."""
+        packed, event = _read_back(packed)
         self._pending.append((router, packed, event, tokens, after, split, wrap, owner, own))
 
     def router_output(self, router: Router, output) -> None:
@@ -345,38 +352,7 @@ class RoutingSpeculator:
 
     def _score(self, router: Router) -> None:
         """Close ``router``'s open guesses against the experts its stacks actually paged."""
-        guess, guess2 = router.guess, router.guess2
-        if guess is None and guess2 is None:
-            return
-        router.guess = router.guess2 = None
-        used = set()
-        for stack in router.stacks:
-            used |= stack.used
-        if not used:
-            return  # its layer has not run yet (a forward cut short): nothing to score against
-        # The misses a guess could cover: routed experts not cached when the first guess was made
-        # (a two-ahead copy makes its expert cached by the time of the one-ahead guess).
-        router.misses += len(used - (router.cached2 if guess2 is not None else router.cached))
-        router.routed += len(used)
-        for ahead, open_guess in ((1, guess), (2, guess2)):
-            if open_guess is None:
-                continue
-            cached = router.cached if ahead == 1 else router.cached2
-            if ahead == 1:
-                router.guessed += len(open_guess)
-                router.correct += len(open_guess.keys() & used)
-            for e, b in open_guess.items():
-                if e not in cached:  # a guess of a cached expert costs nothing and saves nothing
-                    router.record(b, e in used, ahead, self.pool)
-            if ahead == 2:
-                router.copied2_experts += len(router.copied2)
-                router.copied2_correct += len(router.copied2 & used)
-        router.copied_experts += len(router.copied)
-        router.copied_correct += len(router.copied.keys() & used)
-        router.wasted_bytes += sum(b for e, b in router.copied.items() if e not in used)
-        router.copied = {}
-        if router.guess_tokens == 1 and len(used) and router.top_k is None:
-            router.top_k = len(used)
+        score(router, self.pool)
 
     def step(self) -> None:
         """A pass ended: score open guesses, learn the router order and which stacks each selects."""
