@@ -13,8 +13,9 @@ offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a 
    never decodes, and kept per layer where it beat the router look-ahead on other held-out
    windows), else layer i+1's router weight applied to layer i's router input (the router
    look-ahead; ``--router-lookahead``: that alone); where the predictor has them, the logits of
-   layer i+2 from layer i (``ahead2``) and of the next token's first layer from the last. The real
-   runs install the same predictor.
+   layer i+2 from layer i (``ahead2``), of the next token's first layer from the last, and of the
+   layer's own experts at the next token (``own``, the chances eviction ranks by). The real runs
+   install the same predictor.
 2. **Routing statistics** (decode steps): entropy of expert use per layer (bits; uniform =
    log2 E), token-to-token locality (share of a token's experts the previous token also used at
    that layer; uniform = k / E), look-ahead top-k precision per layer.
@@ -27,8 +28,9 @@ offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a 
    ``torch._grouped_mm``, whose routers output the recorded logits and whose router inputs are the
    recorded look-ahead logits, so the speculator guesses exactly what it would have guessed on the
    trained model); ``ours_cache_alone`` (``prefetch=False``: no router hooks, no guesses) and
-   ``ours_scored_only`` (guesses made and scored, never copied). A copied guess that its layer then
-   routes is a hit. Hit rates count decode steps only.
+   ``ours_scored_only`` (guesses made and scored, never copied; eviction still takes the
+   next-token chances). A copied guess that its layer then routes is a hit. Hit rates count
+   decode steps only. The replay model and both replays are ``moe_replay.py``.
 4. **Real run** (``--no-real`` skips it): the trained model wrapped at the same budgets (dense
    weights + fraction x expert bytes) against the unwrapped model on the same teacher-forced
    decode; logits must be identical at every step. Its measured hit rate, per layer, beside the
@@ -38,15 +40,17 @@ offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a 
    of the layer's misses they cover, bytes copied ahead, bytes wasted, misses left on the critical
    path; and the offline coverage-against-waste curve of gates on the look-ahead probability.
 6. **H200 replay** (``h200_sized``): the trace through the replay model with experts of
-   Qwen3-30B-A3B's bytes (9.4 MB) and a resident attention stand-in per layer, the last 16 decode
-   steps recorded (``ot.timeline``) and replayed under ``h200``: the cache alone
+   Qwen3-30B-A3B's bytes (9.4 MB) and a resident attention stand-in per layer, the last
+   ``moe_replay.H200_RECORDED`` (192) decode steps recorded (``ot.timeline``) and replayed under
+   ``h200`` (its host lane: offtensor's measured host time per page and copy): the cache alone
    (``prefetch=False``), the default (one guess a layer copied where its bin has been >= 70% right,
    and guesses two layers ahead copied into the next layer's expected idle copy time), guesses
    scored but never copied, and at 25% one layer ahead only, top-k guesses a layer at a 50% gate
    and the next step's first layer guessed at the end of a step; per step the bytes copied ahead
    by guesses, those wasted, and the misses left on the critical path (expert copies an op waited
    for after its layer's routing); each also replayed with the host waiting for the compute
-   stream only between steps (``step_ms_mean_sync_compute``).
+   stream only between steps (``step_ms_mean_sync_compute``), and the mean of the last 16 steps
+   alone (``step_ms_mean_last_16``, the window of earlier runs).
 8. **Coverage ceiling** (``coverage_ceiling``): every layer guessed, every guess scored, none
    copied; the uncached guesses ranked by confidence: the most any gate on it could cover.
 9. **Summary** per model and fraction (``summary``): the default's hit against Belady's, the share
@@ -69,25 +73,20 @@ import math
 import os
 import sys
 import time
-from collections import OrderedDict
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import offtensor as ot  # noqa: E402
+from moe_replay import (EXPERTS_PAGED, _wrapped_report, budget_gb, h200_replay, replay_ours,  # noqa: E402
+                        simulate_belady, simulate_lru)
 
 DATA = os.path.join(ROOT, "tests", "data")
 HELDOUT = os.path.join(DATA, "stdlib_heldout.txt.gz")
-GiB = 1 << 30
-# Every routed expert stack offloaded: the whole budget beyond the dense weights is expert cache
-# (default placement would keep whole stacks resident and leave the cache a sliver).
-EXPERTS_PAGED = {"offload": ["*.experts.*"]}
 
 
 # ---------------------------------------------------------------------------- the trained model
@@ -117,16 +116,6 @@ def _routers(model):
     return out
 
 
-def expert_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n and p.dim() == 3)
-
-
-def budget_gb(model, fraction: float) -> float:
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    experts = expert_bytes(model)
-    return (total - experts + fraction * experts) / GiB
-
-
 class _Decoder:
     """Teacher-forced: prefill ``ids[:prefix]``, then one true byte per step."""
 
@@ -152,44 +141,14 @@ class _Decoder:
 FIT_START, FIT_WINDOWS, VAL_START, VAL_WINDOWS, FIT_RIDGE, FIT_SEQ = 100_000, 64, 300_000, 16, 1e-3, 256
 
 
-def routing_pairs(model, start: int, windows: int, seq: int = FIT_SEQ):
-    """Per MoE layer, over ``windows`` prefills of ``seq`` held-out bytes from ``start``: the router
-    inputs [N, H], the routed ids [N, k], and the router look-ahead (layer i + 1's router on layer
-    i's input, [N, E]; none for the last layer)."""
-    routers = _routers(model)
-    data = heldout_ids(start, windows * seq)
-    xs, routed = [[] for _ in routers], [[] for _ in routers]
-
-    def hook(module, args, output, pos):
-        xs[pos].append(args[0].reshape(-1, args[0].shape[-1]).detach().float())
-        routed[pos].append(output[2].detach())
-
-    handles = [gate.register_forward_hook(lambda m, a, o, pos=pos: hook(m, a, o, pos))
-               for pos, (_, gate) in enumerate(routers)]
-    try:
-        with torch.no_grad():
-            for w in range(0, windows, 8):
-                model(input_ids=data[w * seq:(w + 8) * seq].view(-1, seq))
-    finally:
-        for h in handles:
-            h.remove()
-    xs, routed = [torch.cat(v) for v in xs], [torch.cat(v) for v in routed]
-    # (the last layer's: the first router on it, the look-ahead of the next token's first layer)
-    ahead = [F.linear(xs[i], routers[(i + 1) % len(routers)][1].weight.float()) for i in range(len(routers))]
-    return xs, routed, ahead
-
-
 def fit_lookahead(model):
-    """The learned look-ahead fitted on the fit windows, compared with the router look-ahead on the
-    validation windows and kept for the layers where it is right more often."""
-    from offtensor.moe.predictor import LookaheadPredictor
+    """The learned look-ahead fitted on the fit windows, compared with the router look-ahead (its
+    next-token maps with the previous token's experts) on the validation windows and kept for the
+    layers where it is right more often (``offtensor.moe.refit.fit_offline``)."""
+    from offtensor.moe.refit import fit_offline
 
-    fx, fr, _ = routing_pairs(model, FIT_START, FIT_WINDOWS)
-    vx, vr, va = routing_pairs(model, VAL_START, VAL_WINDOWS)
-    predictor = LookaheadPredictor.fit(fx, fr, _num_experts(model), FIT_RIDGE, seq=FIT_SEQ)
-    predictor.compare(vx, vr, va, seq=FIT_SEQ)
-    predictor.keep()
-    return predictor
+    return fit_offline(model, heldout_ids(FIT_START, FIT_WINDOWS * FIT_SEQ), heldout_ids(VAL_START, VAL_WINDOWS * FIT_SEQ),
+                       FIT_SEQ, ridge=FIT_RIDGE)
 
 
 def _num_experts(model) -> int:
@@ -209,16 +168,18 @@ def record_trace(model, ids, prefix: int, steps: int, predictor=None) -> dict:
     def hook(module, args, output, pos):
         x = args[0].reshape(-1, args[0].shape[-1])
         logits, _, indices = output
-        router_ahead = ahead = ahead2 = None
+        router_ahead = ahead = ahead2 = own = None
         if predictor is not None and pos in predictor.weights2:
             ahead2 = predictor.logits2(pos, x.float()).detach().clone()
+        if predictor is not None and pos in predictor.own_weights:
+            own = predictor.own_logits(pos, x.float()).detach().clone()
         if pos + 1 < len(routers):
             router_ahead = F.linear(x.to(routers[pos + 1][1].weight.dtype), routers[pos + 1][1].weight).float()
             ahead = router_ahead
         if predictor is not None and pos in predictor.weights:
             ahead = predictor.logits(pos, x.float())  # the last layer's: the next token's first layer
         current.append({"routed": indices.detach().clone(), "logits": logits.detach().float().clone(),
-                        "ahead": None if ahead is None else ahead.detach().clone(), "ahead2": ahead2,
+                        "ahead": None if ahead is None else ahead.detach().clone(), "ahead2": ahead2, "own": own,
                         "router_ahead": None if router_ahead is None else router_ahead.detach().clone()})
 
     handles = [gate.register_forward_hook(lambda m, a, o, pos=pos: hook(m, a, o, pos))
@@ -238,6 +199,7 @@ def record_trace(model, ids, prefix: int, steps: int, predictor=None) -> dict:
     config = model.config
     return {"steps": trace, "learned_layers": sorted(predictor.weights) if predictor is not None else [],
             "two_ahead_layers": sorted(predictor.weights2) if predictor is not None else [],
+            "own_layers": sorted(predictor.own_weights) if predictor is not None else [],
             "layers": len(routers), "experts": _num_experts(model),
             "top_k": config.num_experts_per_tok, "prefix": prefix,
             "decode_bits_per_byte": nll / steps / math.log(2)}
@@ -273,244 +235,6 @@ def routing_stats(trace) -> dict:
     return {"entropy_bits": entropy, "entropy_uniform_bits": math.log2(E), "locality": locality,
             "locality_uniform": k / E, "lookahead_precision": precision,
             "router_lookahead_precision": router_precision, "lookahead_uniform": k / E}
-
-
-# ---------------------------------------------------------------------------- offline simulators
-
-
-def _accesses(trace):
-    """(step, layer, expert) in paging order: layer by layer, each layer's experts in id order."""
-    out = []
-    for s, step in enumerate(trace["steps"]):
-        for layer, rec in enumerate(step):
-            for e in sorted(set(rec["routed"].reshape(-1).tolist())):
-                out.append((s, layer, e))
-    return out
-
-
-def _tally(trace, hits_of):
-    """Per-layer and overall hit rates over decode steps from (step, layer, hit) tuples."""
-    L = trace["layers"]
-    hits, looks = [0] * L, [0] * L
-    for s, layer, hit in hits_of:
-        if s == 0:
-            continue
-        looks[layer] += 1
-        hits[layer] += hit
-    return {"hit_rate": sum(hits) / sum(looks), "per_layer": [h / n if n else None for h, n in zip(hits, looks)]}
-
-
-def simulate_lru(trace, capacity: int) -> dict:
-    cache, out = OrderedDict(), []
-    for s, layer, e in _accesses(trace):
-        key = (layer, e)
-        hit = key in cache
-        if hit:
-            cache.move_to_end(key)
-        else:
-            if len(cache) >= capacity:
-                cache.popitem(last=False)
-            cache[key] = True
-        out.append((s, layer, hit))
-    return _tally(trace, out)
-
-
-def simulate_belady(trace, capacity: int) -> dict:
-    """Belady's MIN: on a miss with the cache full, evict the expert whose next use is furthest."""
-    acc = _accesses(trace)
-    nxt = [math.inf] * len(acc)
-    seen = {}
-    for i in range(len(acc) - 1, -1, -1):
-        key = acc[i][1:]
-        nxt[i] = seen.get(key, math.inf)
-        seen[key] = i
-    cache, out = {}, []  # key -> index of its next use
-    for i, (s, layer, e) in enumerate(acc):
-        key = (layer, e)
-        hit = key in cache
-        if not hit and len(cache) >= capacity:
-            victim = max(cache, key=cache.get)
-            del cache[victim]
-        cache[key] = nxt[i]
-        out.append((s, layer, hit))
-    return _tally(trace, out)
-
-
-# ---------------------------------------------------------------------------- ours: the real pager on the trace
-
-
-class _ReplayRouter(nn.Module):
-    """A router whose input is the recorded look-ahead logits, then those two layers ahead
-    ([tokens, 2E]), whose weight is the identity over the first E (so layer i's router look-ahead,
-    the next router's weight applied to this router's input, is the recorded one) and whose output
-    is the recorded logits."""
-
-    def __init__(self, experts: int, top_k: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.eye(experts, 2 * experts), requires_grad=False)
-        self.top_k = top_k
-        self.logits = None
-
-    def forward(self, x):
-        return self.logits
-
-
-class _ReplayLayer(nn.Module):
-    def __init__(self, experts: int, top_k: int, inter: int, hidden: int, dense: bool):
-        super().__init__()
-        if dense:  # resident stand-in for attention: the compute a layer does before its router
-            self.self_attn = nn.Module()
-            self.self_attn.q_proj = nn.Linear(hidden, hidden, bias=False)
-            self.self_attn.o_proj = nn.Linear(hidden, hidden, bias=False)
-        self.mlp = nn.Module()
-        self.mlp.gate = _ReplayRouter(experts, top_k)
-        self.mlp.experts = nn.Module()
-        w = torch.zeros if dense else lambda *shape: torch.randn(*shape) * 0.1
-        self.mlp.experts.gate_up_proj = nn.Parameter(w(experts, hidden, 2 * inter), requires_grad=False)
-        self.mlp.experts.down_proj = nn.Parameter(w(experts, inter, hidden), requires_grad=False)
-        self.inter = inter
-
-    def forward(self, x, rec, ahead):
-        if hasattr(self, "self_attn"):
-            x = x + self.self_attn.o_proj(self.self_attn.q_proj(x))
-        gate = self.mlp.gate
-        gate.logits = rec["logits"]
-        gate(ahead)  # hooks: the speculator sees the recorded look-ahead, the cache the routing
-        routed = rec["routed"]
-        tokens, k = routed.shape
-        flat = routed.reshape(-1)
-        order = flat.argsort(stable=True)
-        offs = torch.bincount(flat, minlength=gate.weight.shape[0]).cumsum(0).to(torch.int32)
-        rows = x.repeat_interleave(k, 0)[order]
-        e = self.mlp.experts
-        h = torch._grouped_mm(rows, e.gate_up_proj, offs=offs)
-        h = F.silu(h[:, : self.inter]) * h[:, self.inter:]
-        y = torch._grouped_mm(h, e.down_proj, offs=offs)
-        return x + y.view(tokens, k, -1).sum(1) * 0
-
-
-class ReplayModel(nn.Module):
-    """Stacked experts of the traced model's count and top-k, driven by a recorded trace. By
-    default tiny (the pager's decisions do not depend on an expert's size, only on how many fit);
-    with ``hidden`` and ``inter`` (and ``dense``: a resident attention stand-in per layer) sized
-    for a timeline replayed under a GPU profile."""
-
-    def __init__(self, trace, inter: int = 8, hidden: Optional[int] = None, dense: bool = False):
-        super().__init__()
-        self.hidden = hidden or trace["experts"]
-        self.layers = nn.ModuleList(_ReplayLayer(trace["experts"], trace["top_k"], inter, self.hidden, dense)
-                                    for _ in range(trace["layers"]))
-        for step in trace["steps"]:  # the routers' inputs, made before any run (not ops of a step)
-            for rec in step:
-                zero = torch.zeros_like(rec["logits"])
-                rec["router_input"] = torch.cat([zero if rec.get(f) is None else rec[f] for f in ("ahead", "ahead2")], -1)
-
-    def forward(self, step):
-        x = torch.zeros(step[0]["routed"].shape[0], self.hidden)
-        for i, (layer, rec) in enumerate(zip(self.layers, step)):
-            x = layer(x, rec, rec["router_input"])
-        return x
-
-
-def _as_installed(model, trace) -> None:
-    """The replay model's speculator told which layers the learned look-ahead guesses (their
-    look-ahead logits are in the trace), as ``moe.predictor.install`` tells a real model's."""
-    from offtensor.model.state import pager_of
-    from offtensor.moe import guesses
-
-    speculator = getattr(getattr(pager_of(model), "experts", None), "speculator", None)
-    if speculator is None:
-        return
-    routers = [r for r in speculator.routers if r.stacks]
-    E = trace["experts"]
-    for i in trace.get("learned_layers", ()):
-        if len(routers) > 1:  # (the last layer's map guesses the next step's first layer)
-            routers[(i + 1) % len(routers)].evidence = guesses.SPECULATE_EVIDENCE_LEARNED
-        # The learned look-ahead's logits are the router's input: its weight the identity (the
-        # first E columns guess the next layer; with a two-ahead map, the next E the one after).
-        two = i in trace.get("two_ahead_layers", ()) and i + 2 < len(routers)
-        rows = 2 * E if two else E
-        routers[i].lookahead = (torch.eye(rows, 2 * E), torch.zeros(rows))
-        routers[i].split = E if two else None
-
-
-def h200_replay(trace, fraction: float, speculate: bool, hidden: int = 1024, inter: int = 768,
-                recorded: int = 16) -> dict:
-    """The trace's decode through experts sized like Qwen3-30B-A3B's (1024 x 768 fp32 = 9.4 MB,
-    its bf16 2048 x 768 experts' bytes) and a resident attention stand-in, run on the emulated
-    device; the last ``recorded`` steps recorded and replayed under the ``h200`` profile."""
-    model = ReplayModel(trace, inter=inter, hidden=hidden, dense=True)
-    ot.wrap_model(model, budget_gb=budget_gb(model, fraction), device="cpu", prefetch=speculate,
-                  policy=EXPERTS_PAGED)
-    _as_installed(model, trace)
-    steps = trace["steps"]
-    with torch.no_grad():
-        for step in steps[:-recorded]:
-            model(step)
-        ot.reset_stats(model)
-        with ot.timeline(model) as tl:
-            for step in steps[-recorded:]:
-                model(step)
-    r = tl.replay("h200")
-    # The same steps when the host waits only for each step's result (the compute stream), as a
-    # decode loop reading its token does: a copy still in flight runs on into the next step.
-    rc = tl.replay("h200", sync="compute")
-    s = ot.stats(model)
-    g = s.guesses or {}
-    misses = sum(e["misses"] for e in s.experts.values())
-    ot.unwrap_model(model)
-    # Per recorded step: bytes a guess copied ahead of its layer, those no op read, and the expert
-    # copies an op still waited for (misses: paged after the layer's own routing read).
-    return {"expert_bytes": 3 * hidden * inter * 4, "recorded_steps": recorded,
-            "step_ms_mean": sum(r.steps_ms) / len(r.steps_ms), "bound_ms_last": r.bound_ms,
-            "step_ms_mean_sync_compute": sum(rc.steps_ms) / len(rc.steps_ms),
-            "copy_busy_last": r.copy_busy, "bytes_h2d_per_step": s.bytes_h2d / recorded,
-            "guess_bytes_ahead_per_step": (g.get("prefetched_bytes") or 0) / recorded,
-            "guess_bytes_wasted_per_step": (g.get("wasted_bytes") or 0) / recorded,
-            "critical_path_misses_per_step": misses / 2 / recorded,  # two stacks (gate_up, down) per expert
-            "covered_misses": g.get("covered_misses"), "wasted_share": g.get("wasted_share")}
-
-
-def _layer_of(name: str) -> int:
-    return int(name.split(".")[1]) if name.startswith("layers.") else int(name.split("layers.")[1].split(".")[0])
-
-
-def _wrapped_report(model, layers: int) -> dict:
-    """Hit rates (overall, per layer) and speculation figures of a wrapped model's stats."""
-    s = ot.stats(model)
-    hits, looks, misses, stacks = [0] * layers, [0] * layers, [0] * layers, [0] * layers
-    names = sorted(s.experts, key=_layer_of)
-    order = sorted({_layer_of(n) for n in names})
-    for n in names:
-        i = order.index(_layer_of(n))
-        hits[i] += s.experts[n]["hits"]
-        looks[i] += s.experts[n]["hits"] + s.experts[n]["misses"]
-        misses[i] += s.experts[n]["misses"]
-        stacks[i] += 1
-    g = s.guesses or {}
-    return {"hit_rate": sum(hits) / max(sum(looks), 1), "per_layer": [h / n if n else None for h, n in zip(hits, looks)],
-            # experts paged on a miss, per layer (each of an expert's stacks counts one miss)
-            "misses_per_layer": [m / max(n, 1) for m, n in zip(misses, stacks)],
-            "bytes_h2d": s.bytes_h2d, "guesses": {k: v for k, v in g.items() if k != "routers"}}
-
-
-def replay_ours(trace, fraction: float, speculate: bool = False) -> dict:
-    """offtensor's pager and expert policy on the trace (wrap_model of the replay model)."""
-    torch.manual_seed(0)
-    model = ReplayModel(trace)
-    budget = budget_gb(model, fraction)
-    ot.wrap_model(model, budget_gb=budget, device="cpu", prefetch=speculate, policy=EXPERTS_PAGED)
-    _as_installed(model, trace)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        model(trace["steps"][0])
-        ot.reset_stats(model)  # decode steps only
-        for step in trace["steps"][1:]:
-            model(step)
-    out = _wrapped_report(model, trace["layers"])
-    out["seconds"] = time.perf_counter() - t0
-    ot.unwrap_model(model)
-    return out
 
 
 SPECULATION_KNOBS = ("SPECULATE_COPY", "SPECULATE_PRECISION", "SPECULATE_PRECISION_IDLE", "SPECULATE_NEXT_STEP",

@@ -103,3 +103,30 @@ def test_the_layers_second_stack_skips_its_announce_with_the_same_cache_state(de
         for k, v in experts.eviction.frequency.items() if k[0] in experts.by_master
     )
     assert frequencies(fast_experts) == frequencies(slow_experts)
+
+
+def test_a_wrapped_moe_decodes_under_inference_mode_with_one_routing_read_a_layer(device, monkeypatch):
+    # transformers makes a layer's grouped-GEMM offsets once and both of its grouped GEMMs (gate_up,
+    # down) read them; under torch.inference_mode they are inference tensors, which keep no version
+    # counter, so the second call reuses the first's read by the layer (it used to raise there).
+    from offtensor.ops import grouped
+
+    plain = _qwen3_moe(device)
+    model = copy.deepcopy(plain)
+    experts = sum(p.numel() * p.element_size() for n, p in plain.named_parameters() if ".experts." in n)
+    weights = sum(p.numel() * p.element_size() for p in plain.parameters())
+    ot.wrap_model(model, budget_gb=(weights - experts // 2) / GiB, device=device, policy=["*.experts.*"])
+    reads = []
+    real = grouped.read_to_host
+    monkeypatch.setattr(grouped, "read_to_host", lambda t, pager: reads.append(1) or real(t, pager))
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(1)).to(device)
+    got, want = [], []
+    with torch.inference_mode():
+        for m, out in ((model, got), (plain, want)):
+            cache, token = None, ids
+            for _ in range(4):
+                r = m(input_ids=token, past_key_values=cache, use_cache=True)
+                cache, token = r.past_key_values, r.logits[:, -1:].argmax(-1)
+                out.append(r.logits)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(reads) == 4 * 3  # one routing read per MoE layer per forward

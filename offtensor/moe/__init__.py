@@ -4,16 +4,19 @@ and evicted, the guess of the next MoE layer's experts, and the routing a run me
     stack.py       Stack (per-stack counters), LayerOrder (the layer order of a pass)
     stacks.py      ExpertStacks: what the pager holds as
                    ``pager.experts`` (its observer and eviction policy for experts)
-    eviction.py    ExpertEviction: use frequencies, per-layer reuse, the victim
+    eviction.py    ExpertEviction: use frequencies, per-layer reuse, predicted next turns (NextTurn),
+                   the victim
     prefetch.py    ExpertIssuer: the current op's experts (announce / expect) and their copies
     guesses.py     Router: a router's record of its guesses (confidence bins, their precision, the
                    gates a copy must pass, the report); the host softmax / top-k of a guess
     speculation.py RoutingSpeculator: guesses of the next layer's experts, scored and copied
     predictor.py   LookaheadPredictor: the learned look-ahead (a ridge fit of the next layer's
-                   experts from this layer's router input, and of the layer after next), fitted,
+                   experts from this layer's router input, and of the layer after next; a logistic
+                   fit of the layer's own experts at the next token, for eviction), fitted,
                    compared, saved, installed
-    refit.py       OnlineRefit: the learned look-ahead refitted now and then from the routing a
-                   wrapped model records as it decodes
+    refit.py       fit_offline: the learned look-ahead fitted from a model's recorded routing and
+                   saved beside its checkpoint; OnlineRefit: refitted now and then from the
+                   routing a wrapped model records as it decodes
     routing.py     is_routed_stack, router_modules, routed_experts (the one reader of router
                    outputs), RoutingStats, routing_stats_of, RoutingRecorder
     hooks.py       attach / detach: stacks registered with a pager, routers hooked

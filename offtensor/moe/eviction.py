@@ -9,7 +9,9 @@ layer's next turn (``q``, or the layer's measured token-to-token reuse rate for 
 routed at its last turn), so the cache goes to the layers whose tokens reuse experts. The experts a
 guess names for the next layer (``guard``) are kept until that layer pages; a copy made ahead of
 its use by a guess (``in_spare_room_only``) never takes the room of a copy expected to be used sooner than the
-guess itself (nor sooner than SPECULATE_VICTIM_CYCLES cycles of layers).
+guess itself (nor sooner than SPECULATE_VICTIM_CYCLES cycles of layers). Where a learned map
+predicts a layer's experts at its next turn (``moe.predictor``'s next-token map, through the
+speculator: ``NextTurn``), its chances replace ``p`` for that layer.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ UNSEEN_USE = 0.02
 # A guess's copy may evict only a copy whose next use is expected at least this many cycles of
 # layers away: one that is likelier to be read before the guess is never given up for it.
 SPECULATE_VICTIM_CYCLES = 2.0
+# A layer with a predicted next turn keeps this many times its top-k of its likeliest experts out
+# of the frequency index: they are ranked one by one (few), the rest by frequency off the heap.
+LIKELY_PER_TOP_K = 2
 
 
 def _distance(where, here: int, count: int) -> float:
@@ -50,11 +55,45 @@ def _distance(where, here: int, count: int) -> float:
     return (where - here) % count or count if where is not None else 0.5
 
 
+class NextTurn:
+    """Per stack group, each expert's chance of use at the layer's next turn, as predicted when the
+    layer last routed (``predict``), and its likeliest few (``likely``). A layer without one (none
+    installed, or a prefill since) is estimated by use frequency and reuse instead."""
+
+    __slots__ = ("_chances", "_likely")
+
+    def __init__(self):
+        self._chances: dict = {}  # group -> [chance per expert]
+        self._likely: dict = {}  # group -> frozenset of its likeliest experts
+
+    def predict(self, stacks: list, chances: list, top_k) -> None:
+        if stacks:
+            group = stacks[0].group
+            self._chances[group] = chances
+            count = min(len(chances), LIKELY_PER_TOP_K * (top_k or 1))
+            self._likely[group] = frozenset(sorted(range(len(chances)), key=chances.__getitem__)[-count:])
+
+    def forget(self, stacks: list) -> None:
+        if stacks:
+            self._chances.pop(stacks[0].group, None)
+            self._likely.pop(stacks[0].group, None)
+
+    def clear(self) -> None:
+        self._chances, self._likely = {}, {}
+
+    def of(self, group):
+        """The chances of ``group``'s experts, or None."""
+        return self._chances.get(group)
+
+    def likely(self, group):
+        return self._likely.get(group)
+
+
 class ExpertEviction:
     """Use frequencies, per-layer reuse and the index of cached experts by coldness: the victim."""
 
     __slots__ = ("by_master", "layers", "frequency", "_spare_room_only", "_guarded", "_clock", "_last", "_coldest",
-                 "_scale", "_reuse", "_ahead_distance")
+                 "_scale", "_reuse", "_ahead_distance", "next_turn")
 
     def __init__(self, by_master: dict, layers):
         self.by_master = by_master  # master id -> Stack (ExpertStacks' own dict)
@@ -76,6 +115,7 @@ class ExpertEviction:
         self._coldest: dict = {}  # master id -> heap of records
         self._scale = 1.0
         self._reuse: dict = {}  # stack group -> its measured token-to-token locality (REUSE_PRIOR until measured)
+        self.next_turn = NextTurn()  # predicted chances at a layer's next turn, where a learned map gives them
         # A guess's copy may evict only a copy whose expected next use is this many layers away or
         # more (None: twice the cycle); set by the speculator per guess.
         self._ahead_distance = None
@@ -222,7 +262,11 @@ class ExpertEviction:
     def _next_use(self, key, stack: Stack, distance: float, count: int, recent: bool) -> float:
         """Expected layers until ``key`` is next used (see victim)."""
         q = self._use(key)
-        p = max(q, self._reuse.get(stack.group, REUSE_PRIOR)) if recent else q
+        chances = self.next_turn.of(stack.group)
+        if chances is not None:
+            p = chances[stack.expert_of(key)]
+        else:
+            p = max(q, self._reuse.get(stack.group, REUSE_PRIOR)) if recent else q
         return distance + (1.0 - p) * count / q
 
     def expected_use_of(self, key) -> float:
@@ -237,20 +281,23 @@ class ExpertEviction:
     def _coldest_of(self, stack: Stack, cache, needed):
         """``stack``'s candidates for eviction, as (entry, routed at its layer's last turn): the
         least used evictable copy its layer did not route at its last turn (off the heap) and the
-        least used one it did (few: scanned). With ``needed`` (the current layer's), what its op
-        pages is kept."""
-        recent = self._recent(stack)
+        least used one it did (few: scanned). Where its next turn is predicted, the likeliest few
+        take the place of the last turn's (the one whose use is expected latest). With ``needed``
+        (the current layer's), what its op pages is kept."""
+        chances = self.next_turn.of(stack.group)
+        recent = self._recent(stack) if chances is None else self.next_turn.likely(stack.group)
         out = []
-        best = None
+        best, best_rank = None, None
         for e in recent:
             key = stack.key_of(e)
             entry = cache.get(key)
             if entry is None or entry.users or entry.prefetched or (needed is not None and key in needed):
                 continue
-            if best is None or self.frequency.get(key, 0.0) < self.frequency.get(best.key, 0.0):
-                best = entry
+            rank = self.frequency.get(key, 0.0) if chances is None else (chances[e] - 1.0) / self._use(key)
+            if best is None or rank < best_rank:
+                best, best_rank = entry, rank
         if best is not None:
-            out.append((best, True))
+            out.append((best, chances is None))
         heap = self._coldest.get(stack.master_id)
         if not heap:
             return out

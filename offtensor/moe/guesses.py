@@ -1,9 +1,11 @@
 """One router's record of its guesses: the confidence bins of a guess (the look-ahead probability
 of the guessed expert), their decayed precision on experts not cached when guessed, the gate a
 guess must pass before its copy is made, and the figures reported for them (``ot.stats(model).
-guesses``). Also the host side of a decode step's guess: the softmax and top-k of a few rows of
-look-ahead scores, ranked by confidence. ``speculation`` makes the guesses, scores them into these
-records and copies the ones whose record pays.
+guesses``), and the scoring of its open guesses against what its layer paged (``score``). Also
+the host side of a decode step's guess: the softmax and top-k of a few rows of look-ahead scores,
+ranked by confidence, and the chances of a next-token map's logits (``host_chances``).
+``speculation`` makes the guesses, has them scored into these records and copies the ones whose
+record pays.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class Router:
                  "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts", "copied_correct",
                  "prefetched_bytes", "wasted_bytes", "tokens", "guess", "cached", "copied", "guess_tokens",
                  "unpaid_steps", "missed", "misses_seen", "lookahead", "evidence", "split", "guess2", "cached2",
-                 "bin2_correct", "bin2_guessed", "copied2", "copied2_experts", "copied2_correct", "next_pass")
+                 "bin2_correct", "bin2_guessed", "copied2", "copied2_experts", "copied2_correct", "next_pass", "own")
 
     def __init__(self, name: str, module: nn.Module):
         self.name = name
@@ -84,6 +86,9 @@ class Router:
         # Where the learned look-ahead's weight also holds the map two layers ahead (its rows from
         # ``split`` on: the experts of the layer after the next), the next layer's expert count.
         self.split = None
+        # Where it also holds this layer's own experts at the next token (moe.predictor's next-token
+        # map: its rows from ``own`` on, logits of a sigmoid), eviction is told their chances.
+        self.own = None
         # The open guess of this layer made two layers ahead (expert -> bin), the experts cached
         # then, and its own bins' decayed counts (a guess from further away is right less often).
         self.guess2 = None
@@ -144,6 +149,43 @@ class Router:
 
 
 
+def score(router: Router, pool) -> None:
+    """Close ``router``'s open guesses against the experts its stacks actually paged (``pool``:
+    every router's bins, ``RoutingSpeculator.pool``)."""
+    guess, guess2 = router.guess, router.guess2
+    if guess is None and guess2 is None:
+        return
+    router.guess = router.guess2 = None
+    used = set()
+    for stack in router.stacks:
+        used |= stack.used
+    if not used:
+        return  # its layer has not run yet (a forward cut short): nothing to score against
+    # The misses a guess could cover: routed experts not cached when the first guess was made
+    # (a two-ahead copy makes its expert cached by the time of the one-ahead guess).
+    router.misses += len(used - (router.cached2 if guess2 is not None else router.cached))
+    router.routed += len(used)
+    for ahead, open_guess in ((1, guess), (2, guess2)):
+        if open_guess is None:
+            continue
+        cached = router.cached if ahead == 1 else router.cached2
+        if ahead == 1:
+            router.guessed += len(open_guess)
+            router.correct += len(open_guess.keys() & used)
+        for e, b in open_guess.items():
+            if e not in cached:  # a guess of a cached expert costs nothing and saves nothing
+                router.record(b, e in used, ahead, pool)
+        if ahead == 2:
+            router.copied2_experts += len(router.copied2)
+            router.copied2_correct += len(router.copied2 & used)
+    router.copied_experts += len(router.copied)
+    router.copied_correct += len(router.copied.keys() & used)
+    router.wasted_bytes += sum(b for e, b in router.copied.items() if e not in used)
+    router.copied = {}
+    if router.guess_tokens == 1 and len(used) and router.top_k is None:
+        router.top_k = len(used)
+
+
 def ratio(a, b):
     return a / b if b else None
 
@@ -178,6 +220,17 @@ def host_guess(scores: torch.Tensor, top_k: int) -> list:
         for e in heapq.nlargest(min(top_k, len(row)), range(len(row)), key=row.__getitem__):
             out.append((e, math.exp(row[e] - top) / total))
     return out
+
+
+def host_chances(scores: torch.Tensor) -> list:
+    """Per expert, its chance of use at a layer's next turn from the next-token map's logits of a
+    few rows (one a token of the turn): 1 - prod(1 - sigmoid), on the host like ``host_guess``."""
+    rows = scores.reshape(-1, scores.shape[-1]).tolist()
+    out = [1.0] * len(rows[0])
+    for row in rows:
+        for e, v in enumerate(row):
+            out[e] *= 1.0 - (1.0 / (1.0 + math.exp(-v)) if v > -60.0 else 0.0)
+    return [1.0 - v for v in out]
 
 
 def ranked(pairs) -> dict:

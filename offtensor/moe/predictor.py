@@ -13,6 +13,13 @@ right more often. ``save`` / ``load`` keep it beside a checkpoint (safetensors);
 it to a wrapped model's speculator. Where the copy of a guess needs more time than one layer's
 compute, a second map guesses two layers ahead from the same input (``weights2``), kept where its
 held-out precision is at least TWO_AHEAD_PRECISION; installed, both maps are one matmul.
+
+A third map (``own_weights``) predicts the layer's own experts at the next token, for eviction
+rather than for copies: fitted by logistic regression (``fit_logistic``) so that its sigmoids are
+each expert's chance of use at the layer's next turn, it replaces the eviction's estimate of that
+chance (the layer's token-to-token reuse rate for the experts it just routed, their use frequency
+for the others), and is kept where it ranks the next token's experts better than that reuse does.
+Installed, it is more rows of the same matmul.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import os
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 FILE_NAME = "lookahead.safetensors"
 # The ridge, relative to the mean diagonal of the centred Gram matrix (a scale-free strength).
@@ -32,6 +40,11 @@ TEMPERATURES = (1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0)
 # its guesses are copied only when the next layer is expected to copy nothing of its own
 # (speculation), and a map right less often than this would mostly waste that idle copy time.
 TWO_AHEAD_PRECISION = 0.6
+# The logistic fit of the next-token map: its L2 penalty on the weights (on inputs scaled to unit
+# variance per feature) and its L-BFGS iterations. On the trained test models 1e-5 to 1e-3 move
+# the held-out top-k precision by under a point; fewer than ~50 iterations leave it short.
+OWN_L2 = 1e-4
+OWN_ITERATIONS = 100
 
 
 def one_hot(routed: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -67,6 +80,47 @@ def fit_ridge(x: torch.Tensor, routed: torch.Tensor, num_experts: int, ridge: fl
     return (w.T * best).float().contiguous(), (b * best).float().contiguous()
 
 
+def fit_logistic(x: torch.Tensor, routed: torch.Tensor, num_experts: int, l2: float = OWN_L2,
+                 iterations: int = OWN_ITERATIONS):
+    """Per expert, the logistic regression of whether ``routed`` [N, k] names it on hidden states
+    ``x`` [N, H]: (weight [E, H], bias [E]) as float32 logits whose sigmoids are the experts'
+    chances of being routed (calibrated marginals, as eviction needs them; a one-hot least-squares
+    fit ranks as well but its scores are no probabilities)."""
+    if x.dim() != 2 or routed.shape[0] != x.shape[0] or x.shape[0] < 2:
+        raise ValueError(f"offtensor: fit_logistic needs [N, H] hidden states and [N, k] routed ids with the same N "
+                         f"(N >= 2), got {tuple(x.shape)} and {tuple(routed.shape)}")
+    # A refit can run inside a forward under torch.inference_mode (OnlineRefit): autograd needs
+    # normal tensors, made outside it from the recorded ones.
+    with torch.inference_mode(False), torch.enable_grad():
+        y = one_hot(routed, num_experts).float()
+        xf = x.float()
+        mean, scale = xf.mean(0), xf.std(0).clamp_min(1e-6)
+        xs = (xf - mean) / scale
+        w = torch.zeros(num_experts, xs.shape[1], requires_grad=True)
+        prior = y.mean(0).clamp(1e-4, 1 - 1e-4)
+        b = torch.log(prior / (1 - prior)).clone().requires_grad_(True)
+        opt = torch.optim.LBFGS([w, b], max_iter=iterations, line_search_fn="strong_wolfe")
+
+        def loss():
+            opt.zero_grad()
+            out = F.binary_cross_entropy_with_logits(F.linear(xs, w, b), y) + l2 * (w * w).sum()
+            out.backward()
+            return out
+
+        opt.step(loss)
+    w, b = w.detach() / scale, b.detach()
+    return w.contiguous(), (b - w @ mean).contiguous()
+
+
+def _next_token(x: torch.Tensor, routed: torch.Tensor, seq: int):
+    """(inputs of tokens 0..seq-2, routed ids of tokens 1..seq-1) of each sequence of ``seq``."""
+    if seq is None or x.shape[0] % seq or seq < 2:
+        raise ValueError(f"offtensor: a next-token map needs seq dividing the {x.shape[0]} tokens, got seq={seq}")
+    xs = x.reshape(-1, seq, x.shape[-1])[:, :-1]
+    ys = routed.reshape(-1, seq, routed.shape[-1])[:, 1:]
+    return xs.reshape(-1, x.shape[-1]), ys.reshape(-1, routed.shape[-1])
+
+
 def _pairs(inputs: list, routed: list, i: int, ahead: int, seq: Optional[int]):
     """(router inputs of layer i, routed ids of layer i + ahead) for the same tokens; past the last
     layer, the first layer's of the next token in each sequence of ``seq`` (``fit``)."""
@@ -97,14 +151,19 @@ class LookaheadPredictor:
     its router input to the next MoE layer's expert logits: ``weights[i]`` [E, H], ``biases[i]``
     [E]. Layers it does not cover are guessed by the router look-ahead. ``weights2[i]`` /
     ``biases2[i]``, where present, map the same input to the logits of the MoE layer after the next
-    (two layers ahead: a guess whose copy has the next layer's compute to finish in)."""
+    (two layers ahead: a guess whose copy has the next layer's compute to finish in).
+    ``own_weights[i]`` / ``own_biases[i]``, where present, map it to logits (sigmoid: chance of
+    use) of layer i's own experts at the next token, for eviction."""
 
     def __init__(self, weights: Optional[dict] = None, biases: Optional[dict] = None, scores: Optional[dict] = None,
-                 weights2: Optional[dict] = None, biases2: Optional[dict] = None):
+                 weights2: Optional[dict] = None, biases2: Optional[dict] = None, own_weights: Optional[dict] = None,
+                 own_biases: Optional[dict] = None):
         self.weights = dict(weights or {})
         self.biases = dict(biases or {})
         self.weights2 = dict(weights2 or {})
         self.biases2 = dict(biases2 or {})
+        self.own_weights = dict(own_weights or {})
+        self.own_biases = dict(own_biases or {})
         # layer -> {"learned": precision, "router": precision, "learned2": precision two layers
         # ahead} on held-out pairs (compare)
         self.scores = dict(scores or {})
@@ -117,13 +176,17 @@ class LookaheadPredictor:
         last, and layer i -> layer i + 2 for every layer but the last two. With ``seq`` (the N
         tokens are N / seq sequences of ``seq`` consecutive tokens) also the last layer -> the
         first layer of the next token (``weights[last]``: the guess of the next decode step's first
-        MoE layer, made at the end of this one)."""
+        MoE layer, made at the end of this one), and every layer -> its own experts at the next
+        token (``own_weights``, ``fit_logistic``)."""
         out = cls()
         for i in range(len(inputs) - (1 if seq is None else 0)):
             x, y = _pairs(inputs, routed, i, 1, seq)
             out.weights[i], out.biases[i] = fit_ridge(x, y, num_experts, ridge)
         for i in range(len(inputs) - 2):
             out.weights2[i], out.biases2[i] = fit_ridge(inputs[i], routed[i + 2], num_experts, ridge)
+        if seq is not None:
+            for i in range(len(inputs)):
+                out.own_weights[i], out.own_biases[i] = fit_logistic(*_next_token(inputs[i], routed[i], seq), num_experts)
         return out
 
     def logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -133,11 +196,16 @@ class LookaheadPredictor:
         """Logits of the experts of MoE layer ``layer + 2`` from layer ``layer``'s router input."""
         return _apply(self.weights2[layer], self.biases2[layer], x)
 
+    def own_logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Logits (sigmoid: chance of use) of MoE layer ``layer``'s experts at the next token."""
+        return _apply(self.own_weights[layer], self.own_biases[layer], x)
+
     def compare(self, inputs: list, routed: list, router_ahead: list, seq: Optional[int] = None) -> dict:
         """Top-k precision on held-out pairs, per layer: the learned map's and the router
         look-ahead's (``router_ahead[i]``: [N, E] scores of layer i + 1's router on layer i's
-        input; for the last layer, with ``seq`` as in ``fit``, the first layer's router on it).
-        Kept in ``scores``."""
+        input; for the last layer, with ``seq`` as in ``fit``, the first layer's router on it);
+        with ``seq``, the next-token map's (``own``) and the previous token's experts' (``reuse``:
+        what eviction ranks by without it) against the next token's. Kept in ``scores``."""
         for i in sorted(self.weights):
             x, y = _pairs(inputs, routed, i, 1, seq)
             ahead = router_ahead[i] if i < len(router_ahead) else None  # (none given: the router's is 0)
@@ -147,13 +215,29 @@ class LookaheadPredictor:
                               "router": 0.0 if ahead is None else top_k_precision(ahead, y)}
             if i in self.weights2:
                 self.scores[i]["learned2"] = top_k_precision(self.logits2(i, inputs[i]), routed[i + 2])
+        for i in sorted(self.own_weights):
+            if seq is None:
+                break
+            x, y = _next_token(inputs[i], routed[i], seq)
+            prev = _next_token(routed[i], routed[i], seq)[0]
+            # The previous token's experts, ties broken by a fixed random order (reuse alone names k).
+            reuse = one_hot(prev, self.own_weights[i].shape[0]) + 1e-3 * torch.rand(
+                prev.shape[0], self.own_weights[i].shape[0], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+            self.scores.setdefault(i, {}).update(own=top_k_precision(self.own_logits(i, x), y),
+                                                 reuse=top_k_precision(reuse, y))
         return self.scores
 
     def keep(self, two_ahead_precision: float = TWO_AHEAD_PRECISION) -> list:
         """Drop the layers where the router look-ahead was right at least as often (``compare``),
-        and the two-ahead maps right less than ``two_ahead_precision`` of the time: the layers
-        kept, which guess from the learned map."""
+        the two-ahead maps right less than ``two_ahead_precision`` of the time, and the next-token
+        maps that do not rank better than the previous token's experts: the layers kept, which
+        guess from the learned map."""
         for i, s in list(self.scores.items()):
+            if s.get("own", 0.0) <= s.get("reuse", 0.0):
+                self.own_weights.pop(i, None)
+                self.own_biases.pop(i, None)
+            if "learned" not in s:
+                continue
             if s["learned"] <= s["router"]:
                 self.weights.pop(i, None)
                 self.biases.pop(i, None)
@@ -171,6 +255,8 @@ class LookaheadPredictor:
         tensors = {f"weight.{i}": w for i, w in self.weights.items()} | {f"bias.{i}": b for i, b in self.biases.items()}
         tensors |= {f"weight2.{i}": w for i, w in self.weights2.items()}
         tensors |= {f"bias2.{i}": b for i, b in self.biases2.items()}
+        tensors |= {f"own_weight.{i}": w for i, w in self.own_weights.items()}
+        tensors |= {f"own_bias.{i}": b for i, b in self.own_biases.items()}
         save_file(tensors, path, metadata={"scores": json.dumps({str(k): v for k, v in self.scores.items()})})
         return path
 
@@ -179,7 +265,7 @@ class LookaheadPredictor:
         from safetensors import safe_open
 
         path = os.path.join(directory, FILE_NAME) if os.path.isdir(directory) else directory
-        maps = {"weight": {}, "bias": {}, "weight2": {}, "bias2": {}}
+        maps = {"weight": {}, "bias": {}, "weight2": {}, "bias2": {}, "own_weight": {}, "own_bias": {}}
         with safe_open(path, "pt") as f:
             meta = f.metadata() or {}
             for name in f.keys():
@@ -188,13 +274,15 @@ class LookaheadPredictor:
                     raise ValueError(f"offtensor: {path}: unknown tensor {name!r} in a look-ahead file")
                 maps[kind][int(layer)] = f.get_tensor(name)
         scores = {int(k): v for k, v in json.loads(meta.get("scores", "{}")).items()}
-        return cls(maps["weight"], maps["bias"], scores, maps["weight2"], maps["bias2"])
+        return cls(maps["weight"], maps["bias"], scores, maps["weight2"], maps["bias2"], maps["own_weight"],
+                   maps["own_bias"])
 
 
 def install(pager, predictor: LookaheadPredictor, device=None) -> list:
     """Hand ``predictor`` to the speculator of a wrapped model's ``pager``: the MoE routers, in
-    firing order, guess the next layer from the learned map where it has one. Returns the names
-    of the routers that guess from it."""
+    firing order, guess the next layer from the learned map where it has one, and where that
+    layer also has a next-token map, tell eviction their own experts' chances at the next token
+    (rows of the same matmul). Returns the names of the routers that guess from it."""
     stacks = getattr(pager, "experts", None)
     speculator = getattr(stacks, "speculator", None)
     if speculator is None:
@@ -204,17 +292,27 @@ def install(pager, predictor: LookaheadPredictor, device=None) -> list:
 
     routers = [r for r in speculator.routers if r.stacks]
     names = []
+    stacks.eviction.next_turn.clear()  # made by the maps being replaced
     for i, router in enumerate(routers):
         w, b = predictor.weights.get(i), predictor.biases.get(i)
         if len(routers) > 1:  # the layer it guesses (the last: the next step's first), measured held out
             routers[(i + 1) % len(routers)].evidence = SPECULATE_EVIDENCE if w is None else SPECULATE_EVIDENCE_LEARNED
-        router.lookahead = router.split = None
+        router.lookahead = router.split = router.own = None
         if w is None:
-            continue
+            continue  # (a next-token map alone would be a kernel of its own: not installed)
+        rows, extra = w.shape[0], []
         if i in predictor.weights2 and i + 2 < len(routers):
-            # One matmul for both guesses: the rows from ``split`` on guess two layers ahead.
-            router.split = w.shape[0]
-            w, b = torch.cat([w, predictor.weights2[i]]), torch.cat([b, predictor.biases2[i]])
+            # One matmul for every map: the rows from ``split`` on guess two layers ahead, those
+            # from ``own`` on are this layer's experts at the next token.
+            router.split = rows
+            extra.append((predictor.weights2[i], predictor.biases2[i]))
+            rows += predictor.weights2[i].shape[0]
+        if i in predictor.own_weights:
+            router.own = rows
+            extra.append((predictor.own_weights[i], predictor.own_biases[i]))
+        if extra:
+            w = torch.cat([w] + [m for m, _ in extra])
+            b = torch.cat([b] + [v for _, v in extra])
         target = device if device is not None else pager.device
         router.lookahead = (w.to(target), b.to(target))
         names.append(router.name)

@@ -1,12 +1,15 @@
-"""Online refit of the learned look-ahead: the routing a wrapped model records as it decodes (each
-MoE layer's router input and the experts its layer then paged, one token a step), refitted now and
-then (``moe.predictor``'s ridge fit) and installed in place of the look-ahead it guessed from.
+"""Fitting the learned look-ahead from recorded routing: offline (``fit_offline``: a model's
+routers' inputs and routed experts over token sequences, fitted, compared on held-out ones, kept
+and saved beside the checkpoint) or during a run (``OnlineRefit``: the routing a wrapped model
+records as it decodes, each MoE layer's router input and the experts its layer then paged, one
+token a step, refitted now and then and installed in place of the look-ahead it guessed from).
 
-The last quarter of the recorded window is held out of each fit and measures the refitted map
-against the router look-ahead, layer by layer (``LookaheadPredictor.keep``), so a refit keeps
-only what it measured as better. A refit runs on the host at the start of a forward: one [H, H]
-solve in float64 per map (three maps a layer at most), so ``every`` should be hundreds of steps
-on a model with a wide hidden state.
+The last quarter of the recorded window is held out of each online fit and measures the refitted
+maps against the router look-ahead (and the next-token maps against the previous token's experts),
+layer by layer (``LookaheadPredictor.keep``), so a refit keeps only what it measured as better. A
+refit runs on the host at the start of a forward: one [H, H] solve in float64 per least-squares
+map (three a layer at most) and a logistic fit of the next-token map, so ``every`` should be
+hundreds of steps on a model with a wide hidden state.
 """
 
 from __future__ import annotations
@@ -17,13 +20,66 @@ import torch
 import torch.nn.functional as F
 
 from .predictor import RIDGE, LookaheadPredictor, install
+from .routing import _router_modules, model_top_k, routed_experts
+
+
+def record_routing(model, ids: torch.Tensor, seq: int, batch: int = 8):
+    """Per MoE router of ``model`` (module order, its firing order): its inputs [N, H] and routed
+    ids [N, k] over ``ids`` cut into sequences of ``seq`` tokens, run as prefills ``batch`` at a
+    time (N: every token, sequence by sequence), and the router look-ahead on them (the next
+    router's scores; the last router's: the first router's, for the next token)."""
+    routers, top_k = _router_modules(model), model_top_k(model)
+    if not routers or top_k is None:
+        raise ValueError(f"offtensor: record_routing: {type(model).__name__} has no MoE routers (a gate / router "
+                         f"with a [num_experts, hidden] weight beside routed expert stacks) or no top-k")
+    usable = ids.numel() // seq * seq
+    if usable < 2 * seq:
+        raise ValueError(f"offtensor: record_routing needs at least two sequences of {seq} tokens, got {ids.numel()}")
+    xs, routed = [[] for _ in routers], [[] for _ in routers]
+
+    def seen(i, module, args, output):
+        xs[i].append(args[0].reshape(-1, args[0].shape[-1]).detach().float().cpu())
+        routed[i].append(routed_experts(output, routers[i][2], top_k, module).cpu())
+
+    hooks = [module.register_forward_hook(lambda m, a, o, i=i: seen(i, m, a, o)) for i, (_, module, _) in enumerate(routers)]
+    try:
+        with torch.no_grad():
+            sequences = ids.reshape(-1)[:usable].view(-1, seq)
+            for start in range(0, sequences.shape[0], batch):
+                model(sequences[start:start + batch])
+    finally:
+        for h in hooks:
+            h.remove()
+    xs, routed = [torch.cat(v) for v in xs], [torch.cat(v) for v in routed]
+    ahead = [F.linear(x, routers[(i + 1) % len(routers)][1].weight.detach().float().cpu()) for i, x in enumerate(xs)]
+    return xs, routed, ahead
+
+
+def fit_offline(model, ids: torch.Tensor, held_out: torch.Tensor, seq: int, save=None,
+                ridge: float = RIDGE) -> LookaheadPredictor:
+    """The learned look-ahead of ``model`` fitted on the routing of token ids ``ids``, compared
+    with the router look-ahead (and its next-token maps with the previous token's experts) on
+    ``held_out`` and kept per layer where it was right more often, both recorded in sequences of
+    ``seq`` tokens (``record_routing``); with ``save`` (a checkpoint directory), written beside
+    it as ``lookahead.safetensors``. ``install`` hands it to a wrapped model."""
+    fx, fr, _ = record_routing(model, ids, seq)
+    hx, hr, ha = record_routing(model, held_out, seq)
+    experts = _router_modules(model)[0][2]
+    predictor = LookaheadPredictor.fit(fx, fr, experts, ridge, seq=seq)
+    predictor.compare(hx, hr, ha, seq=seq)
+    predictor.keep()
+    if save is not None:
+        predictor.save(save)
+    return predictor
 
 
 class OnlineRefit:
     """Records decode routing through a wrapped model's speculator and refits its look-ahead every
-    ``every`` recorded steps, on the last ``window`` of them (at least ``minimum``)."""
+    ``every`` recorded steps, on the last ``window`` of them (at least ``minimum``); with
+    ``save`` (a checkpoint directory), each refit is written beside it (``lookahead.safetensors``)."""
 
-    def __init__(self, pager, every: int = 256, window: int = 2048, minimum: int = 64, ridge: float = RIDGE):
+    def __init__(self, pager, every: int = 256, window: int = 2048, minimum: int = 64, ridge: float = RIDGE,
+                 save=None):
         stacks = getattr(pager, "experts", None)
         speculator = getattr(stacks, "speculator", None)
         if speculator is None:
@@ -33,7 +89,7 @@ class OnlineRefit:
             raise ValueError(f"offtensor: OnlineRefit needs every >= 1, minimum >= 8 and window >= minimum, got "
                              f"every={every}, window={window}, minimum={minimum}")
         self.pager, self.speculator = pager, speculator
-        self.every, self.minimum, self.ridge = every, minimum, ridge
+        self.every, self.minimum, self.ridge, self.save = every, minimum, ridge, save
         self.steps = deque(maxlen=window)  # per recorded step: [(router input [H], routed ids [k])] by layer
         self._inputs = {}  # router -> its input this pass
         self.since = 0  # steps recorded since the last refit
@@ -79,6 +135,8 @@ class OnlineRefit:
         fit.compare(held_x, held_y, self._router_ahead(routers, held_x), seq=len(steps) - cut)
         fit.keep()
         self.predictor, self.since, self.refits = fit, 0, self.refits + 1
+        if self.save is not None:
+            fit.save(self.save)
         return install(self.pager, fit)
 
     @staticmethod

@@ -16,8 +16,11 @@ one); the guessed experts of layer i+1 are kept from eviction until it pages. Wh
 look-ahead also maps layer i's input to layer i+2's experts (the same matmul), that guess is
 scored in bins of its own and copied only when layer i+1's guess names nothing to copy: its copy
 then fills copy time layer i+1 is expected to leave idle, and never queues ahead of one of layer
-i+1's misses. With SPECULATE_NEXT_STEP the last layer guesses the next step's first. A decode step's
-guess costs one kernel, the router matmul (softmax and top-k on the host). With ``SPECULATE_COPY``
+i+1's misses. With SPECULATE_NEXT_STEP the last layer guesses the next step's first. Where the
+learned look-ahead also maps layer i's input to layer i's own experts at the next token (more rows
+of the same matmul), their chances go to eviction (``ExpertEviction.next_turn``) before layer i's
+copies take their room. A decode step's guess costs one kernel, the router matmul (softmax and
+top-k on the host). With ``SPECULATE_COPY``
 off nothing is copied and a router is guessed for on a sample of the steps. Each router's record of
 its guesses (confidence bins, their precision, the gate a copy must pass) is ``moe.guesses``. Which modules are
 routers and which stacks each one selects is learned from the access order of a pass (the stacks
@@ -37,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from . import routing
-from .guesses import CONFIDENCE_BINS, Router, confidence_bin, guess_report, host_guess, ranked
+from .guesses import CONFIDENCE_BINS, Router, confidence_bin, guess_report, host_chances, host_guess, ranked, score
 
 if TYPE_CHECKING:
     from .stack import Stack
@@ -79,6 +82,20 @@ SPECULATE_NEXT_STEP = False
 GUESS_ON_HOST_TOKENS = 4
 
 
+def _read_back(packed):
+    """(``packed`` on the host, an event or None): on a GPU, pinned staging copies of its tensors
+    (a tensor, or a tuple of them) and an event after them, so nothing waits for the device."""
+    tensors = packed if isinstance(packed, tuple) else (packed,)
+    if tensors[0].device.type != "cuda":
+        return packed, None
+    staged = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
+    for host, t in zip(staged, tensors):
+        host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return (staged if isinstance(packed, tuple) else staged[0]), event
+
+
 def _cached_experts(pager, router: Router) -> frozenset:
     """The experts of ``router``'s layer with every stack cached."""
     stacks = router.stacks
@@ -99,7 +116,10 @@ class RoutingSpeculator:
         self._order = []  # routers in firing order, this pass
         self._current = None  # the router that fired last: stacks paged now are its
         self._learned = {}  # router -> stacks paged after it this pass
-        self._pending = []  # (router, scores or (ids, confidences), event or None, tokens): guesses not yet issued
+        # (router or None, scores or (ids, confidences), event or None, tokens, the layer after it, its
+        # column, wrap, the router whose next-token prediction it holds (None once delivered), that
+        # prediction's column): guesses and predictions not yet used
+        self._pending = []
         self._expected = []  # GPU: (router, pinned ids, event) of router outputs read back without a sync
         self.hooks = []
         self.recorder = None  # moe.refit.OnlineRefit, when one records the routing
@@ -120,21 +140,35 @@ class RoutingSpeculator:
         if nxt is None or not nxt.stacks or nxt.top_k is None:
             return
         wrap = router is self._wrap_from
-        if wrap and not (SPECULATE_NEXT_STEP and router.lookahead is not None and router.tokens <= GUESS_ON_HOST_TOKENS):
-            return  # the next pass's first layer is guessed by a learned map only, at decode
+        # Where the learned map also predicts this layer's experts at the next token (rows from
+        # ``own`` on), the matmul runs every decode step, for eviction, guess or not.
+        learned = router.lookahead
+        if learned is not None and (learned[0].device != x.device or learned[0].shape[-1] != x.shape[-1]):
+            learned = None
+        own = learned is not None and router.own is not None
+        if own and wrap and not router.missed:
+            # The last layer's matmul guesses nothing (the next step's first layer is not guessed
+            # by default): run only for its prediction where the layer copied something in the
+            # last step (at 50% cached, rarely; a kernel every step made the trained models' H200
+            # replay 0.5% slower there, benchmarks/moe_sim.py).
+            own = False
+            self._stacks.eviction.next_turn.forget(router.stacks)  # (stale: made for an earlier turn)
+        guess = not wrap or (SPECULATE_NEXT_STEP and learned is not None and router.tokens <= GUESS_ON_HOST_TOKENS)
         after = self._next.get(nxt) if router.split is not None and not wrap else None
-        if not (SPECULATE_COPY and (nxt.missed or (after is not None and after.missed) or nxt.pays_any(self.pool))):
+        if guess and not (SPECULATE_COPY and (nxt.missed or (after is not None and after.missed) or nxt.pays_any(self.pool))):
             # Nothing for a copied guess to save (its layer missed nothing in the last step and no
             # bin pays): it is only scored, which needs a sample, not every step (a guess's kernel
             # is a cost on the compute stream: at 50% cached, where a layer rarely misses, guessing
             # every step made the trained Qwen2-MoE's H200 replay 7% slower than the cache alone).
             nxt.unpaid_steps += 1
-            if (nxt.unpaid_steps - 1) % SPECULATE_SAMPLE:
-                return  # the first step and every SPECULATE_SAMPLE-th after it are guessed
+            guess = not (nxt.unpaid_steps - 1) % SPECULATE_SAMPLE  # the first step and every SPECULATE_SAMPLE-th
+        if not guess and not (own and router.tokens <= GUESS_ON_HOST_TOKENS):
+            if own:
+                self._stacks.eviction.next_turn.forget(router.stacks)  # a prefill: its next turn is not predicted
+            return  # (the next pass's first layer is guessed by a learned map only, at decode)
         module = nxt.module_ref()
-        weight, bias = getattr(module, "weight", None), None
-        learned, after = router.lookahead, None
-        if learned is not None and learned[0].device == x.device and learned[0].shape[-1] == x.shape[-1]:
+        weight, bias, after = getattr(module, "weight", None), None, None
+        if learned is not None:
             weight, bias = learned  # the learned look-ahead (moe.predictor): logits of nxt's experts
             after = self._next.get(nxt) if router.split is not None and not wrap else None
             if after is None or not after.stacks or after.top_k is None:
@@ -151,10 +185,14 @@ class RoutingSpeculator:
                 # host (_host_guess): each kernel is a launch on the compute stream ahead of the
                 # layer's routing read, paid every layer of every step (3 kernels a layer cost the
                 # trained test models' H200 replay 0.08 ms a decode step, 5% of it).
-                self._queue(nxt, scores, router.tokens, after, router.split, wrap)
+                self._queue(nxt if guess else None, scores, router.tokens, after, router.split, wrap,
+                            router if own else None, router.own if learned is not None else None)
                 return
-            if router.split is not None:
-                scores = scores[:, : router.split]  # a prefill guesses one layer ahead only
+            if own:
+                self._stacks.eviction.next_turn.forget(router.stacks)  # a prefill: its next turn is not predicted
+            first = router.split if router.split is not None else router.own
+            if first is not None:
+                scores = scores[:, :first]  # a prefill guesses one layer ahead only
             # Many tokens (a prefill) or a biased router: top-k on the device, whose values are the
             # confidences (softmax keeps the order).
             k = min(nxt.top_k, scores.shape[-1])
@@ -170,23 +208,18 @@ class RoutingSpeculator:
         # Issued from the pager once this layer's own experts are (ExpertStacks.announce), so the
         # guesses queue behind them on the copy stream.
 
-    def _queue(self, router: Router, packed, tokens: int, after=None, split=None, wrap=False) -> None:
+    def _queue(self, router, packed, tokens: int, after=None, split=None, wrap=False, owner=None, own=None) -> None:
         """A guess for ``router``'s layer: ``packed`` is its scores (a tensor: top-k taken on the
         host; with ``after``, the router of the layer after it, the scores from column ``split`` on
         are the guess two layers ahead for that one; ``wrap``: a guess for the next pass) or (ids,
-        confidences). On a GPU they are read back without a host sync: pinned
-        staging copies and an event; the copies are issued from the pager's next call once the
-        event has completed (by then the layer's own routing read has waited for the router anyway)."""
-        event = None
-        tensors = packed if isinstance(packed, tuple) else (packed,)
-        if tensors[0].device.type == "cuda":
-            staged = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
-            for host, t in zip(staged, tensors):
-                host.copy_(t, non_blocking=True)
-            packed = staged if isinstance(packed, tuple) else staged[0]
-            event = torch.cuda.Event()
-            event.record()
-        self._pending.append((router, packed, event, tokens, after, split, wrap))
+        confidences). The scores from column ``own`` on are the next-token map's (not a guess);
+        with ``owner`` (the router that ran; ``router`` None: no guess), they are its own layer's
+        experts at the next token, for eviction (``predictions_ready``). On a GPU they are read
+        back without a host sync (``_read_back``); the copies are issued from the pager's next call
+        once the event has completed (by then the layer's own routing read has waited for the
+        router anyway)."""
+        packed, event = _read_back(packed)
+        self._pending.append((router, packed, event, tokens, after, split, wrap, owner, own))
 
     def router_output(self, router: Router, output) -> None:
         """The router ran: the experts it selected (``routing.routed_experts``: the ids it returns,
@@ -233,22 +266,36 @@ class RoutingSpeculator:
 
     # -------------------------------------------------------------- issuing and scoring
 
+    def predictions_ready(self) -> None:
+        """Hand eviction the next-token predictions whose scores have reached the host (before the
+        current layer's copies take their room: ``ExpertStacks.announce``)."""
+        for n, item in enumerate(self._pending):
+            packed, event, owner, own = item[1], item[2], item[7], item[8]
+            if owner is None or (event is not None and not event.query()):
+                continue
+            self._stacks.eviction.next_turn.predict(owner.stacks, host_chances(packed[..., own:]), owner.top_k)
+            self._pending[n] = item[:7] + (None, own)  # delivered
+
     def issue_ready(self) -> None:
         """Start the copies of every guess whose ids have reached the host."""
         if not self._pending:
             return
+        self.predictions_ready()
         pager = self.pager_ref()
         keep = []
         for item in self._pending:
-            router, packed, event, tokens, after, split, wrap = item
+            router, packed, event, tokens, after, split, wrap, _, own = item
             if event is not None and not event.query():
                 keep.append(item)
                 continue
+            if router is None:
+                continue  # only a next-token prediction (predictions_ready)
             if isinstance(packed, tuple):
                 ids, conf = packed
                 pairs = zip(ids.reshape(-1).tolist(), conf.reshape(-1).tolist())
             else:
-                pairs = host_guess(packed if split is None else packed[..., :split], router.top_k)
+                end = split if split is not None else own
+                pairs = host_guess(packed[..., :end], router.top_k)
             self._issue(pager, router, ranked(pairs), tokens)
             router.next_pass = wrap
             if after is not None:
@@ -256,7 +303,7 @@ class RoutingSpeculator:
                 # idle (every expert it is guessed to route is cached or being copied), so that
                 # such a copy never queues ahead of a miss of the next layer.
                 idle = all(e in router.cached or e in router.copied for e in router.guess)
-                self._issue(pager, after, ranked(host_guess(packed[..., split:], after.top_k)), tokens, 2, idle)
+                self._issue(pager, after, ranked(host_guess(packed[..., split:own], after.top_k)), tokens, 2, idle)
         self._pending = keep
 
     def _issue(self, pager, router: Router, confidence: dict, tokens: int, ahead: int = 1, idle: bool = True) -> None:
@@ -305,38 +352,7 @@ class RoutingSpeculator:
 
     def _score(self, router: Router) -> None:
         """Close ``router``'s open guesses against the experts its stacks actually paged."""
-        guess, guess2 = router.guess, router.guess2
-        if guess is None and guess2 is None:
-            return
-        router.guess = router.guess2 = None
-        used = set()
-        for stack in router.stacks:
-            used |= stack.used
-        if not used:
-            return  # its layer has not run yet (a forward cut short): nothing to score against
-        # The misses a guess could cover: routed experts not cached when the first guess was made
-        # (a two-ahead copy makes its expert cached by the time of the one-ahead guess).
-        router.misses += len(used - (router.cached2 if guess2 is not None else router.cached))
-        router.routed += len(used)
-        for ahead, open_guess in ((1, guess), (2, guess2)):
-            if open_guess is None:
-                continue
-            cached = router.cached if ahead == 1 else router.cached2
-            if ahead == 1:
-                router.guessed += len(open_guess)
-                router.correct += len(open_guess.keys() & used)
-            for e, b in open_guess.items():
-                if e not in cached:  # a guess of a cached expert costs nothing and saves nothing
-                    router.record(b, e in used, ahead, self.pool)
-            if ahead == 2:
-                router.copied2_experts += len(router.copied2)
-                router.copied2_correct += len(router.copied2 & used)
-        router.copied_experts += len(router.copied)
-        router.copied_correct += len(router.copied.keys() & used)
-        router.wasted_bytes += sum(b for e, b in router.copied.items() if e not in used)
-        router.copied = {}
-        if router.guess_tokens == 1 and len(used) and router.top_k is None:
-            router.top_k = len(used)
+        score(router, self.pool)
 
     def step(self) -> None:
         """A pass ended: score open guesses, learn the router order and which stacks each selects."""

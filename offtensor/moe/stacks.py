@@ -96,6 +96,8 @@ class ExpertStacks:
             return  # the layer's other stack announced the same (paging would enter no layer)
         self.paging(master_id, issue_guesses=False)  # guesses go behind this layer's copies, below
         group = [s for s in self.by_master.values() if s.group == stack.group]
+        if self.speculator is not None:
+            self.speculator.predictions_ready()  # this layer's next turn, before its copies take room
         if self.issuer.announce(pager, stack, group, experts, tokens) and self.speculator is not None:
             self.speculator.issue_ready()
 
@@ -109,6 +111,7 @@ class ExpertStacks:
         if stack is not None and stack.group != self.layers.current:
             if speculator is not None:
                 speculator.expected_ready()
+                speculator.predictions_ready()
             self.issuer.entered(stack.group)
             self.eviction.entered(stack.group)
             self.layers.enter(stack.group)

@@ -132,7 +132,19 @@ def _routed_groups(weight: OffloadedTensor, offs: torch.Tensor, rows: int):
     with tokens, each expert's group size as a one-element device tensor (a slice of one
     ``diff``, so no host->device copy), and the rows the groups cover. Read once per ``offs``:
     the layer's second grouped GEMM (down after gate_up) reuses it (``_group_ends``)."""
-    return _group_ends(offs, weight._master.pager, rows)
+    return _group_ends(offs, weight._master.pager, rows, _unchanged_since(offs, weight))
+
+
+def _unchanged_since(offs: torch.Tensor, weight: OffloadedTensor):
+    """What says ``offs`` is unchanged since an earlier read: its version counter, or for an
+    inference tensor (``torch.inference_mode``, which keeps none) the MoE layer reading it: a
+    layer's ``offs`` is made once and read by its grouped GEMMs, another layer's call reads again
+    (None: no such layer known, read every time)."""
+    if not offs.is_inference():
+        return offs._version
+    stacks = getattr(weight._master.pager, "experts", None)
+    stack = stacks.by_master.get(weight._master.id) if stacks is not None else None
+    return None if stack is None else ("layer", stack.group)
 
 
 def _expert_pager(weight: OffloadedTensor):
@@ -187,12 +199,13 @@ def _announce(weight: OffloadedTensor, groups: list) -> None:
             pager.experts.announce(pager, weight._master.id, [e for e, _, _ in groups], [b - a for _, a, b in groups])
 
 
-def _group_ends(offs: torch.Tensor, pager, rows: int = 0) -> tuple:
+def _group_ends(offs: torch.Tensor, pager, rows: int = 0, version=None) -> tuple:
     """``_routed_groups``' answer from ``offs`` on the host: one small device->host read (copying
     every expert would cost far more), shared by the calls of one MoE layer that pass the same
-    unchanged ``offs`` (gate_up, down): the pager keeps the last answer (``Pager.routing_read``)."""
-    ref, version, routed = pager.routing_read
-    if ref is not None and ref() is offs and version == offs._version:
+    unchanged ``offs`` (gate_up, down; ``version``: ``_unchanged_since``): the pager keeps the last
+    answer (``Pager.routing_read``)."""
+    ref, last, routed = pager.routing_read
+    if ref is not None and ref() is offs and version is not None and version == last:
         return routed
     if offs.is_meta:
         host_sync(pager)  # the GPU reads the routing here
@@ -204,5 +217,5 @@ def _group_ends(offs: torch.Tensor, pager, rows: int = 0) -> tuple:
     diff = torch.diff(offs, prepend=offs.new_zeros(1))
     sizes = {e: diff[e : e + 1] for e, _, _ in groups}
     routed = (groups, sizes, ends[-1] if ends else 0)
-    pager.routing_read = (weakref.ref(offs), offs._version, routed)
+    pager.routing_read = (weakref.ref(offs), version, routed)
     return routed
