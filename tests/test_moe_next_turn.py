@@ -20,6 +20,8 @@ from offtensor.moe.predictor import FILE_NAME, LookaheadPredictor, fit_logistic,
 
 transformers = pytest.importorskip("transformers")
 
+from test_moe_predictor import _qwen3  # noqa: E402  (the same tiny Qwen3-MoE the look-ahead tests build)
+
 
 def _next_token_planted(sequences: int = 60, seq: int = 50, hidden: int = 24, experts: int = 12, k: int = 2,
                         layers: int = 2, seed: int = 0):
@@ -73,15 +75,6 @@ def test_a_saved_next_token_map_loads_back(tmp_path):
     for i in predictor.own_weights:
         assert torch.equal(loaded.own_weights[i], predictor.own_weights[i])
         assert torch.equal(loaded.own_biases[i], predictor.own_biases[i])
-
-
-def _qwen3(layers: int = 4):
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, num_attention_heads=4, max_position_embeddings=64, num_hidden_layers=layers,
-        num_key_value_heads=2, head_dim=16, intermediate_size=256, moe_intermediate_size=64, num_experts=16,
-        num_experts_per_tok=4, decoder_sparse_step=1, mlp_only_layers=[])
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
 def _wrap_quarter(model, cached: float = 0.25):
