@@ -96,7 +96,8 @@ class CachedCopy:
         memo = self.view
         if memo is not None and memo[0] is layout:  # never (None, view): see below
             return memo[1]
-        view = self.buf.as_strided(shape, stride, offset)
+        buf = self.buf  # a range of the arena: as_strided's offset counts from the arena's start
+        view = buf.as_strided(shape, stride, buf.storage_offset() + offset)
         self.view = (layout, view) if layout is not None else None
         return view
 

@@ -159,19 +159,23 @@ class EmulatedDevice:
     # ------------------------------------------------------------------ memory
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        # Never an inference tensor, though the first copy may come under inference_mode: the arena
+        # outlives it, and strict mode writes its poison into it in any mode.
+        with torch.inference_mode(False):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def slot_token(self, slot, stream):
-        """What work on ``stream`` must wait for before reusing ``slot``: its last use's token."""
-        token = slot.free_after
-        slot.free_after = slot.last_stream = None
+    def reuse_token(self, token, last_stream, stream):
+        """What work on ``stream`` must wait for before reusing memory given back with ``token``
+        (``last_stream``: its last use's stream, GPU only): the token itself here."""
         return token
 
-    def before_free(self, slot) -> None:
-        """A slot's block goes back to the allocator: the host waits for its last use first."""
-        token = self.slot_token(slot, None)
+    def before_free(self, token, last_stream) -> None:
+        """Memory given back with ``token`` goes back to the allocator: the host waits for it first."""
         if token is not None:
             self.engine.wait(token)
+
+    def release_cached(self) -> None:
+        """An arena was let go: nothing to give back here (the CPU allocator frees it)."""
 
     def gather_rows(self, host: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``host[rows]`` in host memory, ready to upload."""
@@ -305,28 +309,34 @@ class CudaDevice(EmulatedDevice):
     # ------------------------------------------------------------------ memory
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        # Every slot comes from the copy stream's pool of the caching allocator; reuse is ordered by
-        # the slots' own events, not by the allocator.
-        with torch.cuda.stream(self.copy_stream):
+        # From the copy stream's pool of the caching allocator (an arena, once; an overflow slot):
+        # never a pool that a graph capture on the compute stream owns. Reuse of the arena's ranges
+        # is ordered by the pager's own events, not by the allocator.
+        with torch.cuda.stream(self.copy_stream), torch.inference_mode(False):
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def slot_token(self, slot, stream):
-        """A slot last used by transient copies on a compute stream has no event: on that same
+    def reuse_token(self, token, last_stream, stream):
+        """Memory last used by transient copies on a compute stream has no event: on that same
         stream, order is enough; another stream gets an event recorded now, after everything
-        enqueued there, the last use included. So events are made only where a slot crosses
+        enqueued there, the last use included. So events are made only where memory crosses
         streams, not per op."""
-        token, last = slot.free_after, slot.last_stream
-        slot.free_after = slot.last_stream = None
-        if token is None and last is not None and last != stream:
-            token = self.new_event(last)
+        if token is None and last_stream is not None and last_stream != stream:
+            token = self.new_event(last_stream)
         return token
 
-    def before_free(self, slot) -> None:
+    def before_free(self, token, last_stream) -> None:
         """The allocator may hand the block to the next copy-stream allocation at once: that stream
         waits for its last use first."""
-        token = self.slot_token(slot, self.copy_stream)
+        token = self.reuse_token(token, last_stream, self.copy_stream)
         if token is not None:
             self.copy_stream.wait_event(token)
+
+    def release_cached(self) -> None:
+        """An arena was let go (a resize, ``clear``): its block goes back to the driver rather than
+        staying reserved in the allocator's cache for the copy stream, where neither resident
+        weights nor an arena of another size could use it. Rare: the arena is re-made only when the
+        room changes."""
+        torch.cuda.empty_cache()
 
     def gather_rows(self, host: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         # Gathered straight into pinned memory, so the upload is an asynchronous DMA (a pageable
@@ -368,7 +378,7 @@ class CudaDevice(EmulatedDevice):
     def last_use(self, entries, stream):
         """An event on the op's stream, after the op, only when a cached copy was used: it is that
         copy's last use, which eviction waits for. Transient copies need none: their slots are
-        reused in the op stream's order (``slot_token``) and their host sources are released in
+        reused in the op stream's order (``reuse_token``) and their host sources are released in
         batches (``HostLifetimes``)."""
         for entry in entries:
             if entry.key is not None:

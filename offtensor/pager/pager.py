@@ -128,6 +128,8 @@ class Pager(RoomCalls, Recovering, PagingState):
             if self.budget_bytes is not None:
                 self.budget_bytes -= nbytes
                 self.budget.budget_bytes = self.budget_bytes
+                # The arena must not hold the bytes the expert pools now do (Room.fit_arena).
+                self._room(self.room.fit_arena)
 
     def count_write_back(self, nbytes: int) -> None:
         """``nbytes`` of device values were written back to a host master (an in-place op's result)."""
@@ -155,7 +157,7 @@ class Pager(RoomCalls, Recovering, PagingState):
             if self.expert_pool is not None:
                 self.expert_pool.reset_counts()  # a device op: no wait
             if self.pool is not None:
-                self.pool.peak_bytes = self.pool.live_bytes + self.pool.idle_bytes
+                self.pool.reset_peak()
             self.budget.note_peak()
 
     # ------------------------------------------------------------------ paging
@@ -323,10 +325,12 @@ class Pager(RoomCalls, Recovering, PagingState):
                 if entry.key is None:  # transient, or dropped from the cache while this op used it
                     budget.paged_bytes -= entry.nbytes
                     if entry.slot is not None:
-                        self.pool.give(entry.slot, ops.transient_free_after(entry), budget.room(), stream)
+                        self.pool.give(entry.slot, ops.transient_free_after(entry), stream)
                         entry.slot = None
                 elif last_use is not None:
                     entry.last_use = last_use
+            if self._overflowed:  # cached copies outside the arena go when their op is done
+                self.room.drop_overflowed()
         except BaseException:
             self.cut_short(self._depth() - len(entries))
             raise

@@ -2,7 +2,10 @@
 
 What comes next is a new copy, a prefetch, or resident weights moved onto the device. The eviction
 policy picks each victim (``cache.py``: LRU by default, the expert cache's order when the model has
-routed experts); this module evicts it, tells the observers and gives its slot back. The calls the
+routed experts); this module evicts it, tells the observers and gives its slot back. A copy also
+needs one free range of the arena (``arena.py``): when the budget holds it but the free ranges are
+too short, the victims are the copies whose ranges open one (``open_range``). The arena's size
+follows the room (``fit_arena``). The calls the
 layers above make through the pager (resident bytes, free bytes, forgetting a master's copies)
 take the pager's ``lock``; ``make_room``, ``evict`` and ``remove`` run with it held. ``RoomCalls``
 is the pager's side of those calls.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .arena import aligned
 from .lifetimes import storage_ptr
 
 
@@ -22,6 +26,8 @@ class Room:
         self.lock, self.device, self.budget, self.cache, self.pool = lock, device, budget, cache, pool
         self.lifetimes, self.observers = lifetimes, observers
         self.policy = policy  # the eviction policy: LRU, or the expert cache's order (the pager sets it)
+        self.refit_due = False  # the arena is larger than the room but a range of it is in use: fit_arena
+        self.overflowed = []  # cached copies in overflow slots (slots.py): evicted once no op holds them
 
     # ``budget_bytes`` below is the pager's (``Pager.budget_bytes``), passed by each call.
 
@@ -52,36 +58,103 @@ class Room:
 
     def for_resident(self, nbytes: int, budget_bytes: Optional[int]) -> None:
         """Evict cached copies no op uses until ``nbytes`` of resident weights fit beside the copies
-        left: called before a weight is moved onto the device, so its bytes are never allocated while
-        the copies they displace still hold the budget."""
+        left, and let the arena go if it is now larger than the room: called before a weight is
+        moved onto the device, so its bytes are never allocated while the copies (and on a GPU the
+        arena memory) they displace still hold the budget."""
         if budget_bytes is None:
             return
         with self.lock:
             grow = nbytes - self.budget.resident_bytes
             if grow > 0:
-                self.make_room(grow, strict=False)
+                self.evict_for(grow)
+            self.fit_arena(budget_bytes - nbytes)
 
     def make_room(self, nbytes: int, strict: bool, what="tensor", keep_prefetched: bool = False) -> bool:
-        """Evict unused copies until ``nbytes`` more fit the budget. A prefetch passes
-        ``keep_prefetched``: evicting an earlier prefetch that is still to be used would throw away
-        a copy to make room for one needed later."""
+        """Evict unused copies until ``nbytes`` more fit the budget and one free range of the arena
+        holds them. A prefetch passes ``keep_prefetched``: evicting an earlier prefetch that is still
+        to be used would throw away a copy to make room for one needed later. False when the budget
+        cannot hold them (``strict``: a ``BudgetError``) or no range can be made free (then a copy
+        that goes ahead gets an overflow slot: ``slots.py``)."""
         budget = self.budget
-        if budget.fits(nbytes):
+        if not budget.fits(nbytes) and not self.evict_for(nbytes, keep_prefetched):
+            if not strict:
+                return False
+            in_use = budget.paged_bytes - self.cache.evictable_bytes()
+            raise budget.shortfall_error(what if isinstance(what, str) else repr(what), nbytes, in_use, self.device)
+        if self.pool.has_range(nbytes):
             return True
-        cache, policy = self.cache, self.policy
-        while True:
+        return self.open_range(nbytes, keep_prefetched)
+
+    def evict_for(self, nbytes: int, keep_prefetched: bool = False) -> bool:
+        """Evict unused copies, in the policy's order, until ``nbytes`` more fit the budget."""
+        budget, cache, policy = self.budget, self.cache, self.policy
+        while not budget.fits(nbytes):
             # The few entries the current op holds are skipped. The policy picks among the rest:
             # least recently used first, routed experts by layer order and use frequency.
             victim = policy.victim(cache.view, budget.room(), cache.evictable(keep_prefetched))
             if victim is None:
-                break
+                return False
             self.evict(victim)
-            if budget.fits(nbytes):
-                return True
-        if not strict:
+        return True
+
+    # The arena (``arena.py``): one free range for each copy, and its size.
+
+    def open_range(self, nbytes: int, keep_prefetched: bool) -> bool:
+        """The budget holds ``nbytes`` more but no free range of the arena does: evict the copies
+        that open one (``Arena.window``: the run of adjacent free or evictable ranges whose most
+        recently used copy is the oldest, then the fewest bytes), rather than more copies in the
+        policy's order until two free ranges happen to meet. An arena smaller than the pager may
+        page now (masters added, resident weights gone since it was made) is re-made at that size
+        instead, when no op holds a range of it. False: the ranges in use split every run."""
+        pool = self.pool
+        arena = pool.arena
+        evictable = {}
+        for rank, entry in enumerate(self.cache.evictable(keep_prefetched)):
+            slot = entry.slot
+            if slot is not None and slot.start is not None:
+                evictable[id(slot)] = (rank, entry)
+        if arena.capacity < pool.wanted_bytes() and all(id(slot) in evictable for slot in arena.live.values()):
+            for _, entry in list(evictable.values()):
+                self.evict(entry)
+            pool.drop()
+            return pool.has_range(nbytes)
+        victims = arena.window(aligned(nbytes), evictable)
+        if victims is None:
             return False
-        in_use = budget.paged_bytes - cache.evictable_bytes()
-        raise budget.shortfall_error(what if isinstance(what, str) else repr(what), nbytes, in_use, self.device)
+        for entry in victims:
+            self.evict(entry)
+        return True
+
+    def drop_overflowed(self) -> None:
+        """Evict the cached copies in overflow slots that no op holds: an overflow lasts for the op
+        that needed it, not for as long as its copy would stay cached."""
+        with self.lock:
+            entries = self.cache.entries
+            kept = []
+            for entry in self.overflowed:
+                if entry.key is not None and entries.get(entry.key) is entry:
+                    if entry.users:
+                        kept.append(entry)
+                    else:
+                        self.evict(entry)
+            self.overflowed[:] = kept
+
+    def fit_arena(self, room: Optional[int] = None) -> bool:
+        """Let the arena go if it is larger than the budget's room (``room``, default the room now)
+        allows: the copies no op uses are evicted, and the next copy makes an arena of the new size.
+        If an op holds a range of it, it stays until the pager's next recount, when none does
+        (``refit_due``)."""
+        pool = self.pool
+        self.refit_due = False
+        if pool is None or not pool.exceeds(self.budget.room() if room is None else room):
+            return True
+        with self.lock:
+            for entry in list(self.cache.evictable(False)):
+                self.evict(entry)
+            if pool.drop():
+                return True
+            self.refit_due = True
+            return False
 
     def evict(self, entry) -> None:
         for notify in self.observers.evicted:
@@ -104,7 +177,7 @@ class Room:
             return
         self.budget.paged_bytes -= entry.nbytes
         if entry.slot is not None:
-            self.pool.give(entry.slot, entry.last_use or entry.ready, self.budget.room())
+            self.pool.give(entry.slot, entry.last_use or entry.ready)
             entry.slot = None
 
     def before_write(self, master) -> None:

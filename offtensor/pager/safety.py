@@ -81,6 +81,7 @@ class Recovering:
         """``recount``, with the lock held and no op holding a copy."""
         recount(self.cache, self.budget, self.pool, self.lifetimes, self.device_ops)
         self._recount_due = False
+        self.room.fit_arena()  # an arena re-make that had to wait for the ranges in use (room.py)
 
     def _room(self, call, *args):
         """A call into ``room.py`` (which takes ``lock``): counts a step of it cut short leaves
@@ -92,3 +93,6 @@ class Recovering:
         except BaseException:
             self._recount_due = True
             raise
+        finally:
+            if self.room.refit_due:
+                self._recount_due = True  # the arena is re-made by the recount, once no op holds a range
