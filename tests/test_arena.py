@@ -213,7 +213,7 @@ def _instrument(monkeypatch, pager, log):
             # Unavoidable: no run of free ranges and copies the policy may evict spans the copy.
             evictable = {id(e.slot): (i, e) for i, e in enumerate(pager.cache.evictable(False))
                          if e.slot is not None and e.slot.start is not None}
-            assert arena.window(aligned(nbytes), evictable) is None, "an overflow a run of ranges could have held"
+            assert arena.window(nbytes, evictable) is None, "an overflow a run of ranges could have held"
             log["overflows"] += 1
         else:
             assert _within(arena, slot) and arena.live[slot.start] is slot

@@ -62,7 +62,7 @@ class Arena:
     it) and the free ones, with what their previous users left pending."""
 
     __slots__ = ("buf", "capacity", "epoch", "live", "live_bytes", "_ops", "_free", "_by_size", "_sizes", "_loose",
-                 "_memo")
+                 "_found", "_memo")
 
     def __init__(self, buf, epoch: int, ops):
         self.buf = buf
@@ -75,19 +75,29 @@ class Arena:
         self._by_size: dict = {}  # size -> {start: None}, the range given back last last
         self._sizes: list = []  # the sizes of _by_size, sorted
         self._loose = False  # whether free ranges may lie side by side (given back since the last merge)
+        self._found = None  # (size, start) that find() answered last: the pager's take follows its find
         self._memo: dict = {}  # (start, nbytes) -> Slot
         if self.capacity:
             self._add(0, self.capacity, [])
 
     # ------------------------------------------------------------------ taking and giving back
 
-    def find(self, size: int):
-        """The start of the best free range for ``size`` aligned bytes (merging free neighbours
-        first if none holds it), or None."""
+    def find(self, nbytes: int):
+        """The start of the best free range for ``nbytes`` (merging free neighbours first if none
+        holds it), or None."""
+        size = (nbytes + ALIGN - 1) & -ALIGN
+        starts = self._by_size.get(size)
+        if starts:  # an exact fit, the usual case: _best's first step, inlined
+            start = next(reversed(starts))
+            found = self._free.get(start)
+            if found is not None and found[0] - start == size:
+                self._found = (size, start)
+                return start
         start = self._best(size)
         if start is None and self._loose:
             self._merge()
             start = self._best(size)
+        self._found = (size, start)
         return start
 
     def _best(self, size: int):
@@ -110,9 +120,13 @@ class Arena:
         """A slot of ``nbytes`` whose previous contents are dead for work enqueued next on ``stream``
         (emulated: now); None when no free range holds it."""
         size = (nbytes + ALIGN - 1) & -ALIGN
-        start = self.find(size)
-        if start is None:
-            return None
+        found, self._found = self._found, None
+        if found is not None and found[0] == size and found[1] in self._free:
+            start = found[1]  # the room made for this copy (Room.make_room) found it just now
+        else:
+            start = self.find(size)
+            if start is None:
+                return None
         ops = self._ops
         end, pieces = self._remove(start)
         cut = start + size
@@ -148,7 +162,14 @@ class Arena:
             # very races strict mode is for; a range still being copied into is poisoned when taken.
             slot.buf.fill_(0xFF)
             token = None
-        self._add(start, end, [] if token is None and last_stream is None else [(start, end, token, last_stream)])
+        # _add, inlined: every eviction runs this
+        self._free[start] = (end, [] if token is None and last_stream is None else [(start, end, token, last_stream)])
+        size = slot.size
+        starts = self._by_size.get(size)
+        if starts is None:
+            starts = self._by_size[size] = {}
+            insort(self._sizes, size)
+        starts[start] = None
         self._loose = True
         return True
 
@@ -168,13 +189,7 @@ class Arena:
         size = end - start
         starts = self._by_size.get(size)
         if starts is not None:
-            starts.pop(start, None)
-            if not starts:
-                del self._by_size[size]
-                sizes = self._sizes
-                i = bisect_left(sizes, size)
-                if i < len(sizes) and sizes[i] == size:
-                    del sizes[i]
+            starts.pop(start, None)  # an emptied size stays for the next range of it; _best drops it
         return end, pieces
 
     def _merge(self) -> None:
@@ -198,8 +213,8 @@ class Arena:
 
     # ------------------------------------------------------------------ opening a range
 
-    def window(self, size: int, evictable: dict):
-        """The copies to evict so that ``size`` aligned bytes are free in one range, or None if no
+    def window(self, nbytes: int, evictable: dict):
+        """The copies to evict so that ``nbytes`` are free in one range, or None if no
         run of ranges can be made free (ranges held by ops split every one).
 
         ``evictable`` maps ``id(slot)`` to ``(rank, copy)`` for the copies the eviction policy may
@@ -207,6 +222,7 @@ class Arena:
         ranges, each free or holding an evictable copy, that span ``size`` bytes and are shortest
         for their last range, the run whose most recently used copy was used longest ago (LRU, with
         a run as the unit), then the one that evicts the fewest bytes."""
+        size = (nbytes + ALIGN - 1) & -ALIGN
         blocks = self.blocks()
         best = None
         first, evicted, edge = 0, 0, 0

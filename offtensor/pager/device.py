@@ -101,7 +101,7 @@ _NOTHING_AFTER = (None, None)
 class EmulatedDevice:
     """The emulated device: copies on the extension's worker thread, tokens are its tickets.
 
-    Owned by one pager; its slot pool and lifetime records hold this object, not the pager, so the
+    Owned by one pager; its slot pool, arena and lifetime records hold this object, not the pager, so the
     pager's finalizer can run."""
 
     gpu = False

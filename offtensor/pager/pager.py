@@ -46,7 +46,7 @@ class Pager(RoomCalls, Recovering, PagingState):
     ``budget_bytes=None`` means "no cache": every op pages what it needs and the copy dies with the
     op. That is what a standalone ``offload()`` tensor uses. With a budget, paged copies stay
     cached (LRU, or the expert cache's order) as long as resident + cached + in-flight bytes fit,
-    in slots of one pool.
+    in ranges of one device arena (``arena.py``, ``slots.py``).
 
     One code path for both devices: only ``device_ops`` (``device.py``) tells them apart.
     ``strict`` (default: the ``OFFTENSOR_STRICT`` environment variable) makes the emulated device

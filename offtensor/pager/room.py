@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .arena import aligned
 from .lifetimes import storage_ptr
 
 
@@ -65,7 +64,7 @@ class Room:
             return
         with self.lock:
             grow = nbytes - self.budget.resident_bytes
-            if grow > 0:
+            if grow > 0 and not self.budget.fits(grow):
                 self.evict_for(grow)
             self.fit_arena(budget_bytes - nbytes)
 
@@ -81,21 +80,26 @@ class Room:
                 return False
             in_use = budget.paged_bytes - self.cache.evictable_bytes()
             raise budget.shortfall_error(what if isinstance(what, str) else repr(what), nbytes, in_use, self.device)
-        if self.pool.has_range(nbytes):
+        arena = self.pool.arena
+        if arena is not None and arena.find(nbytes) is not None:
+            return True
+        if self.pool.has_range(nbytes):  # the first copy makes the arena
             return True
         return self.open_range(nbytes, keep_prefetched)
 
     def evict_for(self, nbytes: int, keep_prefetched: bool = False) -> bool:
-        """Evict unused copies, in the policy's order, until ``nbytes`` more fit the budget."""
+        """Evict unused copies, in the policy's order, until ``nbytes`` more (which do not fit now)
+        fit the budget."""
         budget, cache, policy = self.budget, self.cache, self.policy
-        while not budget.fits(nbytes):
+        while True:
             # The few entries the current op holds are skipped. The policy picks among the rest:
             # least recently used first, routed experts by layer order and use frequency.
             victim = policy.victim(cache.view, budget.room(), cache.evictable(keep_prefetched))
             if victim is None:
                 return False
             self.evict(victim)
-        return True
+            if budget.fits(nbytes):
+                return True
 
     # The arena (``arena.py``): one free range for each copy, and its size.
 
@@ -118,7 +122,7 @@ class Room:
                 self.evict(entry)
             pool.drop()
             return pool.has_range(nbytes)
-        victims = arena.window(aligned(nbytes), evictable)
+        victims = arena.window(nbytes, evictable)
         if victims is None:
             return False
         for entry in victims:
@@ -195,7 +199,7 @@ class Room:
                 self.remove(entry)
 
     def clear(self) -> None:
-        """Drop every cached copy (e.g. before unwrapping) and the pool's idle slots."""
+        """Drop every cached copy (e.g. before unwrapping) and let the arena go."""
         with self.lock:
             for master_id in self.cache.masters():
                 self.forget_master(master_id)
@@ -241,5 +245,5 @@ class RoomCalls:
         self._room(self.room.forget_master, master_id)
 
     def clear(self) -> None:
-        """Drop every cached copy (e.g. before unwrapping) and the pool's idle slots."""
+        """Drop every cached copy (e.g. before unwrapping) and let the arena go."""
         self._room(self.room.clear)

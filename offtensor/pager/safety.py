@@ -41,9 +41,9 @@ def restore_depth(lock, depth_of, depth: int) -> None:
 def recount(cache, budget, pool, lifetimes, ops) -> None:
     """Recount, from the cached copies, everything a step cut short may have left wrong. Runs with
     the lock held and no op holding a copy: every copy's users is 0, the paged bytes are the cached
-    copies', the slot pool holds the cached copies' slots as live and its idle lists as idle.
+    copies', the arena's live ranges are the cached copies' slots and every other byte is free.
 
-    A slot or transient copy an interrupted step took and never recorded is simply forgotten, once
+    A slot or transient copy an interrupted step took and never recorded is simply freed, once
     every copy in flight has completed and, on a GPU, every op queued has run (nothing reads or
     writes it after that)."""
     lifetimes.wait_for(None)

@@ -80,7 +80,7 @@ class SlotPool:
     def has_range(self, nbytes: int) -> bool:
         """Whether a free range of the arena (made now if there is none) holds ``nbytes``."""
         arena = self.arena or self._make()
-        return arena.find(aligned(nbytes)) is not None
+        return arena.find(nbytes) is not None
 
     def take(self, nbytes: int, stream=None) -> Slot:
         """A slot of ``nbytes`` whose previous contents are dead for work enqueued on ``stream`` (the
