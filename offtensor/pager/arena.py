@@ -261,7 +261,7 @@ class Arena:
         free with nothing pending: after a step cut short, once every copy and op has completed."""
         self.live = {slot.start: slot for slot in live}
         self.live_bytes = sum(slot.size for slot in self.live.values())
-        self._free, self._by_size, self._sizes, self._loose = {}, {}, [], False
+        self._free, self._by_size, self._sizes, self._loose, self._found = {}, {}, [], False, None
         edge = 0
         for start in sorted(self.live):
             if start > edge:

@@ -121,16 +121,6 @@ class Pager(RoomCalls, Recovering, PagingState):
     paged_bytes = property(_attrgetter("budget.paged_bytes"))
     offloaded_bytes = property(_attrgetter("budget.offloaded_bytes"))
 
-    def take_from_budget(self, nbytes: int) -> None:
-        """``nbytes`` of the budget go to (or, negative, come back from) device memory the pager does
-        not page into: the expert pools (``moe.pool``). What the pager pages then fits the rest."""
-        with self.lock:
-            if self.budget_bytes is not None:
-                self.budget_bytes -= nbytes
-                self.budget.budget_bytes = self.budget_bytes
-                # The arena must not hold the bytes the expert pools now do (Room.fit_arena).
-                self._room(self.room.fit_arena)
-
     def count_write_back(self, nbytes: int) -> None:
         """``nbytes`` of device values were written back to a host master (an in-place op's result)."""
         self.stats.bytes_d2h += nbytes
@@ -329,8 +319,8 @@ class Pager(RoomCalls, Recovering, PagingState):
                         entry.slot = None
                 elif last_use is not None:
                     entry.last_use = last_use
-            if self._overflowed:  # cached copies outside the arena go when their op is done
-                self.room.drop_overflowed()
+            if self._overflowed:
+                self.room.drop_overflowed()  # cached copies outside the arena go with their op
         except BaseException:
             self.cut_short(self._depth() - len(entries))
             raise

@@ -215,6 +215,15 @@ class RoomCalls:
 
     # Room in the budget for resident weights, and the free bytes an op could page.
 
+    def take_from_budget(self, nbytes: int) -> None:
+        """``nbytes`` of the budget go to (or, negative, come back from) device memory the pager does
+        not page into: the expert pools (``moe.pool``). What the pager pages then fits the rest."""
+        with self.lock:
+            if self.budget_bytes is not None:
+                self.budget_bytes -= nbytes
+                self.budget.budget_bytes = self.budget_bytes
+                self._room(self.room.fit_arena)  # the arena must not hold the expert pools' bytes
+
     def free_bytes(self) -> Optional[int]:
         """Bytes an op could page right now, evicting every unused cached copy; None without a budget."""
         return self._room(self.room.free_bytes, self.budget_bytes)
