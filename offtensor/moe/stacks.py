@@ -151,6 +151,10 @@ class ExpertStacks:
         """The pager's eviction policy for a model with offloaded experts (``ExpertEviction.victim``)."""
         return self.eviction.victim(view, room, candidates)
 
+    def order(self, view, candidates) -> list:
+        """The policy's ranking of every evictable copy (``ExpertEviction.order``)."""
+        return self.eviction.order(view, candidates)
+
     def step(self) -> None:
         """A forward begins: decay use frequencies, close the last step's guesses."""
         self.eviction.decay()

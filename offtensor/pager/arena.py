@@ -218,10 +218,10 @@ class Arena:
         run of ranges can be made free (ranges held by ops split every one).
 
         ``evictable`` maps ``id(slot)`` to ``(rank, copy)`` for the copies the eviction policy may
-        drop, ``rank`` its place in least-recently-used order. The rule: of the runs of adjacent
-        ranges, each free or holding an evictable copy, that span ``size`` bytes and are shortest
-        for their last range, the run whose most recently used copy was used longest ago (LRU, with
-        a run as the unit), then the one that evicts the fewest bytes."""
+        drop, ``rank`` its place in the policy's order (0: the first it would drop). The rule: of
+        the runs of adjacent ranges, each free or holding an evictable copy, that span ``nbytes``
+        and are shortest for their last range, the run whose highest-ranked copy ranks lowest (the
+        policy's order, with a run as the unit), then the one that evicts the fewest bytes."""
         size = (nbytes + ALIGN - 1) & -ALIGN
         blocks = self.blocks()
         best = None

@@ -105,15 +105,21 @@ class Room:
 
     def open_range(self, nbytes: int, keep_prefetched: bool) -> bool:
         """The budget holds ``nbytes`` more but no free range of the arena does: evict the copies
-        that open one (``Arena.window``: the run of adjacent free or evictable ranges whose most
-        recently used copy is the oldest, then the fewest bytes), rather than more copies in the
-        policy's order until two free ranges happen to meet. An arena smaller than the pager may
-        page now (masters added, resident weights gone since it was made) is re-made at that size
-        instead, when no op holds a range of it. False: the ranges in use split every run."""
+        that open one (``Arena.window``: of the runs of adjacent free or evictable ranges long
+        enough, the one whose copy the policy would keep longest is the first it would drop among
+        such runs, then the fewest bytes), rather than more copies in the policy's order until two
+        free ranges happen to meet. The policy ranks the evictable copies (``order``: least
+        recently used first, or the expert cache's expected next use, furthest first). An arena
+        smaller than the pager may page now (masters added, resident weights gone since it was
+        made) is re-made at that size instead, when no op holds a range of it. False: the ranges in
+        use split every run."""
         pool = self.pool
         arena = pool.arena
         evictable = {}
-        for rank, entry in enumerate(self.cache.evictable(keep_prefetched)):
+        cache = self.cache
+        order = getattr(self.policy, "order", None)  # the policy's ranking of all (LRU without one)
+        ranked = cache.evictable(keep_prefetched) if order is None else order(cache.view, cache.evictable(keep_prefetched))
+        for rank, entry in enumerate(ranked):
             slot = entry.slot
             if slot is not None and slot.start is not None:
                 evictable[id(slot)] = (rank, entry)
