@@ -62,9 +62,9 @@ def test_sizes_that_alternate_page_into_one_arena_that_never_grows_past_the_budg
 # ---------------------------------------------------------------------------- the eviction rule
 
 
-def test_a_copy_that_finds_no_free_range_evicts_the_run_that_opens_one_not_the_next_in_lru_order():
+def test_a_copy_that_finds_no_free_range_moves_copies_to_open_one_instead_of_evicting_more():
     unit = 16384  # bytes of each small copy; the big one is two units
-    pager = Pager(CPU, budget_bytes=6 * unit)
+    pager = Pager(CPU, budget_bytes=6 * unit, strict=True)  # strict: the move's copy completes late
     small = [ot.offload(torch.randn(unit // 4), pager=pager) for _ in range(6)]  # A..F, in that order
     big = ot.offload(torch.randn(2 * unit // 4), pager=pager)
     for t in small:
@@ -76,13 +76,18 @@ def test_a_copy_that_finds_no_free_range_evicts_the_run_that_opens_one_not_the_n
     evictions = pager.snapshot().evictions
     view, entry = _page(pager, big)
     assert torch.equal(view, big._host)
-    # The budget needed two units: A and C went, in LRU order, leaving two holes one unit long. LRU
-    # would now evict E, then B. The rule evicts the run around a hole whose newest copy is the
-    # oldest: B, between the holes of A and C; E (older than B) stays.
-    assert pager.snapshot().evictions == evictions + 3
-    assert [bool(_cached(pager, t)) for t in small] == [False, False, False, True, True, True]
-    assert entry.slot.start == 0 and pager.snapshot().arena_overflows == 0
+    # The budget takes A and C, leaving two holes of one unit. Evicting on in LRU order until two
+    # holes meet would take E and B as well. The run with the fewest bytes of copies, and of those
+    # the one whose copy the policy would drop first, is A's hole and B: B moves into C's hole.
+    s = pager.snapshot()
+    assert s.evictions == evictions + 2 and s.arena_moves == 1 and s.arena_moved_bytes == unit
+    assert [bool(_cached(pager, t)) for t in small] == [False, True, False, True, True, True]
+    assert entry.slot.start == 0 and _cached(pager, b)[0].slot.start == 2 * unit
     pager.release([entry])
+    view, entry = _page(pager, b)  # a hit on the moved copy: its values, once the move has landed
+    assert s.hits < pager.snapshot().hits and torch.equal(view, b._host)
+    pager.release([entry])
+    assert s.arena_overflows == 0
 
 
 class _RanksByName:
@@ -100,7 +105,7 @@ class _RanksByName:
         return sorted(candidates, key=lambda entry: self.order_of.index(self.names[entry.key[0]]))
 
 
-def test_the_run_evicted_to_open_a_range_follows_the_policy_s_ranking():
+def test_the_run_freed_to_open_a_range_follows_the_policy_s_ranking():
     unit = 16384
     pager = Pager(CPU, budget_bytes=6 * unit)
     small = [ot.offload(torch.randn(unit // 4), pager=pager) for _ in range(6)]
@@ -109,12 +114,14 @@ def test_the_run_evicted_to_open_a_range_follows_the_policy_s_ranking():
     pager.room.policy = _RanksByName(names, "EDFBAC")  # E the first to drop, B kept longest
     for t in small + small[1::2]:  # least recently used first: A C E B D F
         pager.release([_page(pager, t)[1]])
-    evictions = pager.snapshot().evictions
     pager.release([_page(pager, big)[1]])
-    # The budget evicts A and C (least recently used); of the runs that open two units, the one
-    # beside C's hole holding D ranks lowest by the policy (B, beside both holes, it keeps longest).
-    assert pager.snapshot().evictions == evictions + 3
-    assert [bool(_cached(pager, t)) for t in small] == [False, True, False, False, True, True]
+    # The budget takes A and C (its victims: least recently used). Three runs of two hold one unit
+    # of copies (B beside either hole, D beside C's): of those, the policy would drop D first, so
+    # D moves into A's hole and the big copy takes C's and D's ranges.
+    s = pager.snapshot()
+    assert s.evictions == 2 and s.arena_moves == 1
+    assert [bool(_cached(pager, t)) for t in small] == [False, True, False, True, True, True]
+    assert _cached(pager, small[3])[0].slot.start == 0 and _cached(pager, big)[0].slot.start == 2 * unit
 
 
 def test_a_copy_goes_outside_the_arena_only_while_ranges_in_use_split_it_and_only_for_its_op():

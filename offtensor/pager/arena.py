@@ -116,12 +116,15 @@ class Arena:
             del sizes[i]
         return None
 
-    def take(self, nbytes: int, stream):
+    def take(self, nbytes: int, stream, at=None):
         """A slot of ``nbytes`` whose previous contents are dead for work enqueued next on ``stream``
-        (emulated: now); None when no free range holds it."""
+        (emulated: now); None when no free range holds it. ``at``: the start of the free range to
+        cut it from."""
         size = (nbytes + ALIGN - 1) & -ALIGN
         found, self._found = self._found, None
-        if found is not None and found[0] == size and found[1] in self._free:
+        if at is not None:
+            start = at
+        elif found is not None and found[0] == size and found[1] in self._free:
             start = found[1]  # the room made for this copy (Room.make_room) found it just now
         else:
             start = self.find(size)
@@ -213,40 +216,55 @@ class Arena:
 
     # ------------------------------------------------------------------ opening a range
 
-    def window(self, nbytes: int, evictable: dict):
-        """The copies to evict so that ``nbytes`` are free in one range, or None if no
-        run of ranges can be made free (ranges held by ops split every one).
+    def window(self, nbytes: int, movable: dict):
+        """The run of ranges to free so that ``nbytes`` are free in one range: (its start, its end,
+        the copies in it), or None if ranges held by ops split every run long enough.
 
-        ``evictable`` maps ``id(slot)`` to ``(rank, copy)`` for the copies the eviction policy may
-        drop, ``rank`` its place in the policy's order (0: the first it would drop). The rule: of
-        the runs of adjacent ranges, each free or holding an evictable copy, that span ``nbytes``
-        and are shortest for their last range, the run whose highest-ranked copy ranks lowest (the
-        policy's order, with a run as the unit), then the one that evicts the fewest bytes."""
+        ``movable`` maps ``id(slot)`` to ``(rank, copy)`` for the copies no op holds that the
+        eviction policy may move or drop, ``rank`` its place in the policy's order (0: the first it
+        would drop). The rule: of the runs of adjacent ranges, each free or holding such a copy,
+        that span ``nbytes`` and are shortest for their last range, the run with the fewest bytes
+        of copies (what has to move out of it), then the one whose highest-ranked copy ranks lowest
+        (the policy's order, with a run as the unit: what is evicted if it cannot move)."""
+        if self._loose:
+            self._merge()
         size = (nbytes + ALIGN - 1) & -ALIGN
         blocks = self.blocks()
         best = None
-        first, evicted, edge = 0, 0, 0
+        first, held, edge = 0, 0, 0
         for j, (start, end, slot) in enumerate(blocks):
-            if slot is not None and id(slot) not in evictable:
-                first, evicted, edge = j + 1, 0, end  # a range in use ends every run
+            if slot is not None and id(slot) not in movable:
+                first, held, edge = j + 1, 0, end  # a range in use ends every run
                 continue
             if start != edge:
-                first, evicted = j, 0  # a gap (a range a cut-short step left out) ends every run too
+                first, held = j, 0  # a gap (a range a cut-short step left out) ends every run too
             edge = end
             if slot is not None:
-                evicted += end - start
+                held += end - start
             while end - blocks[first][1] >= size:  # the run without its first range still spans size
                 if blocks[first][2] is not None:
-                    evicted -= blocks[first][1] - blocks[first][0]
+                    held -= blocks[first][1] - blocks[first][0]
                 first += 1
             if end - blocks[first][0] >= size:
-                newest = max(evictable[id(b[2])][0] for b in blocks[first : j + 1] if b[2] is not None)
-                if best is None or (newest, evicted) < best[0]:
-                    best = ((newest, evicted), first, j)
+                newest = max((movable[id(b[2])][0] for b in blocks[first : j + 1] if b[2] is not None), default=-1)
+                if best is None or (held, newest) < best[0]:
+                    best = ((held, newest), first, j)
         if best is None:
             return None
         _, first, last = best
-        return [evictable[id(b[2])][1] for b in blocks[first : last + 1] if b[2] is not None]
+        return (blocks[first][0], blocks[last][1],
+                [movable[id(b[2])][1] for b in blocks[first : last + 1] if b[2] is not None])
+
+    def place_outside(self, nbytes: int, lo: int, hi: int):
+        """The start of the best free range for ``nbytes`` that does not overlap [lo, hi), or None."""
+        size = (nbytes + ALIGN - 1) & -ALIGN
+        sizes, by_size, free = self._sizes, self._by_size, self._free
+        for have in sizes[bisect_left(sizes, size):]:
+            for start in reversed(by_size.get(have, ())):
+                found = free.get(start)
+                if found is not None and found[0] - start == have and (start + have <= lo or start >= hi):
+                    return start
+        return None
 
     def blocks(self) -> list:
         """(start, end, slot) of every range by start; ``slot`` None for a free one."""

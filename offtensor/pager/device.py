@@ -222,6 +222,14 @@ class EmulatedDevice:
         """The loader's staged copy of ``src`` (host) into ``dst``, memory the caller allocated."""
         return self.engine.submit(dst, src)
 
+    def copy_within(self, dst: torch.Tensor, src: torch.Tensor, after):
+        """Copy device memory ``src`` into ``dst`` (a cached copy moving within the arena) once the
+        tokens ``after`` have completed (here the host waits for them); the copy's token."""
+        for token in after:
+            if token is not None:
+                self.engine.wait(token)
+        return self.engine.submit(dst, src)
+
     # ------------------------------------------------------------------ CUDA graphs
 
     def capturing(self) -> bool:
@@ -387,6 +395,19 @@ class CudaDevice(EmulatedDevice):
 
     def transient_free_after(self, entry):
         return None  # ordered by the op's stream (give's last_stream)
+
+    def copy_within(self, dst: torch.Tensor, src: torch.Tensor, after):
+        """On the copy stream, after the tokens ``after``: a device-to-device copy at memory
+        bandwidth, far cheaper than paging the weights again from the host."""
+        stream = self.copy_stream
+        for token in after:
+            if token is not None:
+                stream.wait_event(token)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            moved = torch.cuda.Event()
+            moved.record(stream)
+        return moved
 
     def load_copy(self, dst: torch.Tensor, src: torch.Tensor):
         # The copy stream first waits for the work queued on the caller's stream (the last reader

@@ -3,9 +3,9 @@
 What comes next is a new copy, a prefetch, or resident weights moved onto the device. The eviction
 policy picks each victim (``cache.py``: LRU by default, the expert cache's order when the model has
 routed experts); this module evicts it, tells the observers and gives its slot back. A copy also
-needs one free range of the arena (``arena.py``): when the budget holds it but the free ranges are
-too short, the victims are the copies whose ranges open one (``open_range``). The arena's size
-follows the room (``fit_arena``). The calls the
+needs one free range of the arena (``arena.py``): when no free range is long enough, the copies of a
+run of ranges move out of it, into free ranges elsewhere (``open_range``). The arena's size follows
+the room (``fit_arena``). The calls the
 layers above make through the pager (resident bytes, free bytes, forgetting a master's copies)
 take the pager's ``lock``; ``make_room``, ``evict`` and ``remove`` run with it held. ``RoomCalls``
 is the pager's side of those calls.
@@ -69,21 +69,20 @@ class Room:
             self.fit_arena(budget_bytes - nbytes)
 
     def make_room(self, nbytes: int, strict: bool, what="tensor", keep_prefetched: bool = False) -> bool:
-        """Evict unused copies until ``nbytes`` more fit the budget and one free range of the arena
-        holds them. A prefetch passes ``keep_prefetched``: evicting an earlier prefetch that is still
-        to be used would throw away a copy to make room for one needed later. False when the budget
-        cannot hold them (``strict``: a ``BudgetError``) or no range can be made free (then a copy
-        that goes ahead gets an overflow slot: ``slots.py``)."""
+        """Evict unused copies until ``nbytes`` more fit the budget, and open one free range of the
+        arena for them (``open_range``). A prefetch passes ``keep_prefetched``: evicting an earlier
+        prefetch that is still to be used would throw away a copy to make room for one needed
+        later. False when the budget cannot hold them (``strict``: a ``BudgetError``) or no range can
+        be made free (then a copy that goes ahead gets an overflow slot: ``slots.py``)."""
         budget = self.budget
         if not budget.fits(nbytes) and not self.evict_for(nbytes, keep_prefetched):
             if not strict:
                 return False
             in_use = budget.paged_bytes - self.cache.evictable_bytes()
             raise budget.shortfall_error(what if isinstance(what, str) else repr(what), nbytes, in_use, self.device)
-        arena = self.pool.arena
-        if arena is not None and arena.find(nbytes) is not None:
-            return True
-        if self.pool.has_range(nbytes):  # the first copy makes the arena
+        pool = self.pool
+        arena = pool.arena
+        if arena is not None and arena.find(nbytes) is not None or pool.has_range(nbytes):
             return True
         return self.open_range(nbytes, keep_prefetched)
 
@@ -104,36 +103,54 @@ class Room:
     # The arena (``arena.py``): one free range for each copy, and its size.
 
     def open_range(self, nbytes: int, keep_prefetched: bool) -> bool:
-        """The budget holds ``nbytes`` more but no free range of the arena does: evict the copies
-        that open one (``Arena.window``: of the runs of adjacent free or evictable ranges long
-        enough, the one whose copy the policy would keep longest is the first it would drop among
-        such runs, then the fewest bytes), rather than more copies in the policy's order until two
-        free ranges happen to meet. The policy ranks the evictable copies (``order``: least
-        recently used first, or the expert cache's expected next use, furthest first). An arena
-        smaller than the pager may page now (masters added, resident weights gone since it was
-        made) is re-made at that size instead, when no op holds a range of it. False: the ranges in
-        use split every run."""
-        pool = self.pool
+        """The budget holds ``nbytes`` more but no free range of the arena does (its free bytes lie
+        in pieces): free a run of ranges (``Arena.window``: the run long enough with the fewest
+        bytes of copies in it, then the one whose copies the policy would drop first) by moving its
+        copies into free ranges outside it (``move``: a copy at device memory bandwidth, not a page
+        from the host), evicting only those no free range outside holds. So the arena costs the
+        cache no copy the budget itself would not evict, and a new copy evicts no copy by LRU
+        until two holes happen to meet. The policy's order ranks the copies (``order``: least
+        recently used first, or the expert cache's expected next use, furthest first; without one,
+        least recently used first). An arena smaller than the pager may page now (masters added,
+        resident weights gone since it was made) is re-made at that size instead, when no op holds a
+        range of it. False: the ranges in use split every run."""
+        pool, cache = self.pool, self.cache
         arena = pool.arena
-        evictable = {}
-        cache = self.cache
-        order = getattr(self.policy, "order", None)  # the policy's ranking of all (LRU without one)
+        order = getattr(self.policy, "order", None)
         ranked = cache.evictable(keep_prefetched) if order is None else order(cache.view, cache.evictable(keep_prefetched))
+        movable = {}
         for rank, entry in enumerate(ranked):
             slot = entry.slot
             if slot is not None and slot.start is not None:
-                evictable[id(slot)] = (rank, entry)
-        if arena.capacity < pool.wanted_bytes() and all(id(slot) in evictable for slot in arena.live.values()):
-            for _, entry in list(evictable.values()):
+                movable[id(slot)] = (rank, entry)
+        if arena.capacity < pool.wanted_bytes() and all(id(slot) in movable for slot in arena.live.values()):
+            for _, entry in list(movable.values()):
                 self.evict(entry)
             pool.drop()
             return pool.has_range(nbytes)
-        victims = arena.window(nbytes, evictable)
-        if victims is None:
+        run = arena.window(nbytes, movable)
+        if run is None:
             return False
-        for entry in victims:
-            self.evict(entry)
+        lo, hi, copies = run
+        for entry in sorted(copies, key=lambda e: -e.slot.size):  # the largest first: the hardest to place
+            at = arena.place_outside(entry.slot.size, lo, hi)
+            if at is None:
+                self.evict(entry)
+            else:
+                self.move(entry, at)
         return True
+
+    def move(self, entry, at: int) -> None:
+        """Move ``entry``'s copy to the free range at ``at``: the next op reading it waits for the
+        move, and its old range is free once the move has read it."""
+        old = entry.slot
+        new, moved = self.pool.move(old, at, (entry.ready, entry.last_use))
+        # One assignment, no call inside it: an interrupt sees the entry before or after the move.
+        entry.slot, entry.buf, entry.ready, entry.last_use, entry.view = new, new.buf.view(entry.buf.dtype), moved, None, None
+        self.pool.give(old, moved)
+        stats = self.budget.stats
+        stats.arena_moves += 1
+        stats.arena_moved_bytes += old.nbytes
 
     def drop_overflowed(self) -> None:
         """Evict the cached copies in overflow slots that no op holds: an overflow lasts for the op

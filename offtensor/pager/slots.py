@@ -32,7 +32,8 @@ class SlotPool:
       ``stats.arena_overflows`` and ``stats.arena_overflow_bytes``: the slack over the arena.
     - Ordering: a range is reused only after every reader and writer of its previous contents
       (the tokens it was given back with, ``Arena.take``); strict mode poisons ranges given back
-      and taken.
+      and taken. A copy moved within the arena (``move``, to open a range) is read once the copy
+      that filled it and the ops that read it are done, and its old range is free once the move is.
     - ``live_bytes``: aligned bytes in use; ``reserved_bytes``: the arena and overflow slots in use,
       what paging holds of device memory (``stats.pool_bytes``); ``peak_bytes`` its high-water mark.
     """
@@ -96,6 +97,14 @@ class SlotPool:
             stats.arena_overflow_bytes += nbytes
             self._note_peak()
         return slot
+
+    def move(self, slot: Slot, at: int, after):
+        """A copy of ``slot``'s bytes into the free range of the arena at ``at``, made once the
+        tokens ``after`` (the copy that filled ``slot``, the last op that read it) have completed:
+        (the new slot, the move's token). The caller gives ``slot`` back with that token."""
+        ops = self._ops
+        new = self.arena.take(slot.nbytes, ops.copy_stream, at)
+        return new, ops.copy_within(new.buf, slot.buf, after)
 
     def give(self, slot: Slot, free_after, last_stream=None) -> None:
         """``slot`` is no longer used once ``free_after`` has completed, or (GPU, ``free_after``

@@ -33,6 +33,10 @@ class OffloadStats:
     # allocation outside it: how many, and their bytes (summed over all of them).
     arena_overflows: int = 0
     arena_overflow_bytes: int = 0
+    # Cached copies moved within the arena to open a range for another (a device-to-device copy
+    # instead of an eviction): how many, and their bytes.
+    arena_moves: int = 0
+    arena_moved_bytes: int = 0
     # On a GPU, torch.cuda.max_memory_allocated / max_memory_reserved of the device (None on the
     # emulated device): the allocator's real figures beside the logical peak_device_bytes.
     max_memory_allocated: Optional[int] = None
