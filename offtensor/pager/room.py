@@ -111,19 +111,23 @@ class Room:
         cache no copy the budget itself would not evict, and a new copy evicts no copy by LRU
         until two holes happen to meet. The policy's order ranks the copies (``order``: least
         recently used first, or the expert cache's expected next use, furthest first; without one,
-        least recently used first). An arena smaller than the pager may page now (masters added,
-        resident weights gone since it was made) is re-made at that size instead, when no op holds a
-        range of it. False: the ranges in use split every run."""
+        least recently used first). Any copy no op holds may move; for a prefetch, a copy
+        prefetched and still to be used is never evicted (if it fits nowhere else, no range opens).
+        An arena smaller than the pager may page now (masters added, resident weights gone since it
+        was made) is re-made at that size instead, when no op holds a range of it. False: the
+        ranges in use split every run."""
         pool, cache = self.pool, self.cache
         arena = pool.arena
         order = getattr(self.policy, "order", None)
-        ranked = cache.evictable(keep_prefetched) if order is None else order(cache.view, cache.evictable(keep_prefetched))
+        # Any copy no op holds may move; a prefetch evicts no copy prefetched and still to be used.
+        ranked = cache.evictable(False) if order is None else order(cache.view, cache.evictable(False))
         movable = {}
         for rank, entry in enumerate(ranked):
             slot = entry.slot
             if slot is not None and slot.start is not None:
                 movable[id(slot)] = (rank, entry)
-        if arena.capacity < pool.wanted_bytes() and all(id(slot) in movable for slot in arena.live.values()):
+        if not keep_prefetched and arena.capacity < pool.wanted_bytes() and \
+                all(id(slot) in movable for slot in arena.live.values()):
             for _, entry in list(movable.values()):
                 self.evict(entry)
             pool.drop()
@@ -132,17 +136,24 @@ class Room:
         if run is None:
             return False
         lo, hi, copies = run
-        for entry in sorted(copies, key=lambda e: -e.slot.size):  # the largest first: the hardest to place
+        # Copies that may not be evicted first (they decide whether the range opens), then the
+        # largest first (the hardest to place).
+        copies.sort(key=lambda e: (not (keep_prefetched and e.prefetched), -e.slot.size))
+        for entry in copies:
             at = arena.place_outside(entry.slot.size, lo, hi)
-            if at is None:
-                self.evict(entry)
-            else:
+            if at is not None:
                 self.move(entry, at)
+            elif keep_prefetched and entry.prefetched:
+                return False
+            else:
+                self.evict(entry)
         return True
 
     def move(self, entry, at: int) -> None:
         """Move ``entry``'s copy to the free range at ``at``: the next op reading it waits for the
         move, and its old range is free once the move has read it."""
+        for notify in self.observers.freed:  # timeline: the copy into its old range waits for its last reader
+            notify(entry)
         old = entry.slot
         new, moved = self.pool.move(old, at, (entry.ready, entry.last_use))
         # One assignment, no call inside it: an interrupt sees the entry before or after the move.
