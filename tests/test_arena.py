@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from test_interrupts import assert_arena_consistent
 
 import offtensor as ot
+from offtensor import _ext
 from offtensor.pager import BudgetError, Pager
-from offtensor.pager.arena import PAD, aligned
+from offtensor.pager.arena import PAD, Arena, aligned
 from offtensor.pager.slots import SlotPool, arena_bytes
 
 CPU = torch.device("cpu")
@@ -88,6 +89,26 @@ def test_a_copy_that_finds_no_free_range_moves_copies_to_open_one_instead_of_evi
     assert s.hits < pager.snapshot().hits and torch.equal(view, b._host)
     pager.release([entry])
     assert s.arena_overflows == 0
+
+
+def test_a_copy_moved_while_its_prefetch_is_in_flight_is_read_after_both_have_landed():
+    unit = 16384
+    pager = Pager(CPU, budget_bytes=4 * unit, strict=True)
+    a, p, c = (ot.offload(torch.randn(unit // 4), pager=pager) for _ in range(3))
+    big = ot.offload(torch.randn(2 * unit // 4), pager=pager)
+    with _ext.StrictCopyEngine.held():  # no copy runs unless someone waits for it
+        pager.release([_page(pager, a)[1]])
+        assert pager.prefetch(p._master, p.dtype, 0, p.numel())  # its copy stays in flight
+        pager.release([_page(pager, c)[1]])
+        assert _cached(pager, p)[0].ready is not None
+        # A goes for the budget; the run of A's hole and P opens the big copy's range: P moves to
+        # the free end of the arena, its copy from the host not yet run. The move must read P's old
+        # range only after that copy, and P's next reader only after the move.
+        pager.release([_page(pager, big)[1]])
+        assert pager.snapshot().arena_moves == 1 and _cached(pager, p)[0].slot.start == 3 * unit
+        view, entry = _page(pager, p)
+        assert torch.equal(view, p._host)
+        pager.release([entry])
 
 
 class _RanksByName:
@@ -238,8 +259,9 @@ def test_strict_mode_poisons_a_range_given_back():
 
 
 def _instrument(monkeypatch, pager, log):
-    """Check every take and give of ``pager``'s pool as it happens."""
-    take, give = SlotPool.take, SlotPool.give
+    """Check every take and give of ``pager``'s pool and arena as it happens (a move takes its new
+    range from the arena directly)."""
+    take, arena_take, give = SlotPool.take, Arena.take, SlotPool.give
     engine = pager.device_ops.engine
 
     def checked_take(pool, nbytes, stream=None):
@@ -249,18 +271,24 @@ def _instrument(monkeypatch, pager, log):
         arena = pool.arena
         assert arena.capacity <= aligned(pager.budget.room()) + PAD, "an arena larger than the room"
         if slot.start is None:
-            # Unavoidable: no run of free ranges and copies the policy may evict spans the copy.
-            evictable = {id(e.slot): (i, e) for i, e in enumerate(pager.cache.evictable(False))
-                         if e.slot is not None and e.slot.start is not None}
-            assert arena.window(nbytes, evictable) is None, "an overflow a run of ranges could have held"
+            # Unavoidable: no run of free ranges and copies no op holds spans the copy.
+            movable = {id(e.slot): (i, e) for i, e in enumerate(pager.cache.evictable(False))
+                       if e.slot is not None and e.slot.start is not None}
+            assert arena.window(nbytes, movable) is None, "an overflow a run of ranges could have held"
             log["overflows"] += 1
-        else:
-            assert _within(arena, slot) and arena.live[slot.start] is slot
-            end = slot.start + slot.size
-            for start, stop, token, epoch in log["given"]:
-                if epoch == slot.epoch and start < end and slot.start < stop:
-                    assert token is None or engine.query(token), "a range reused before its last use completed"
-            log["given"] = [g for g in log["given"] if g[2] is not None and not engine.query(g[2])]
+        return slot
+
+    def checked_arena_take(arena, nbytes, stream, at=None):
+        slot = arena_take(arena, nbytes, stream, at)
+        if slot is None or pager.pool is None or arena is not pager.pool.arena:
+            return slot
+        assert _within(arena, slot) and arena.live[slot.start] is slot
+        end = slot.start + slot.size
+        for start, stop, token, epoch in log["given"]:
+            if epoch == slot.epoch and start < end and slot.start < stop:
+                assert token is None or engine.query(token), "a range reused before its last use completed"
+        log["given"] = [g for g in log["given"] if g[2] is not None and not engine.query(g[2])]
+        log["moves"] += at is not None
         return slot
 
     def checked_give(pool, slot, free_after, last_stream=None):
@@ -269,6 +297,7 @@ def _instrument(monkeypatch, pager, log):
         return give(pool, slot, free_after, last_stream)
 
     monkeypatch.setattr(SlotPool, "take", checked_take)
+    monkeypatch.setattr(Arena, "take", checked_arena_take)
     monkeypatch.setattr(SlotPool, "give", checked_give)
 
 
@@ -288,7 +317,7 @@ def test_the_arena_holds_any_sequence_of_sizes_within_its_size(monkeypatch, size
     budget = need + int(extra * sum(nbytes))
     pager = Pager(CPU, budget_bytes=budget, strict=True)  # copies complete late: tokens are pending
     ts = [ot.offload(torch.randn(n), pager=pager) for n in sizes]
-    log = {"given": [], "overflows": 0}
+    log = {"given": [], "overflows": 0, "moves": 0}
     with monkeypatch.context() as patch:
         _instrument(patch, pager, log)
         for op, private, prefetch, resident in steps:
@@ -319,6 +348,6 @@ def test_the_arena_holds_any_sequence_of_sizes_within_its_size(monkeypatch, size
             assert pool.live_bytes == sum(s.size for s in cached if s.start is not None)
             s = pager.snapshot()
             assert s.peak_device_bytes <= budget
-            assert s.arena_overflows == log["overflows"]
+            assert s.arena_overflows == log["overflows"] and s.arena_moves == log["moves"]
     # What the pool reserved at most: an arena no larger than the room, plus the overflows of one op.
     assert pager.pool.peak_bytes <= aligned(budget) + PAD + (need if log["overflows"] else 0)
