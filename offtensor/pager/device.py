@@ -141,6 +141,16 @@ class EmulatedDevice:
         """A dying pager's wait for a cached copy's last use: tickets are settled by the lifetime
         records, which wait for every copy still reading a host source."""
 
+    def drain(self) -> None:
+        """Block until every copy submitted so far has run, tracked or not: the recount frees the
+        ranges of copies a cut-short step lost track of (``pager/safety.py``), which a copy still
+        to run must not write after another copy reused them."""
+        if self.strict:
+            _ext.StrictCopyEngine.drain()
+            return
+        # The worker copies in submission order: a copy submitted now is done after every earlier one.
+        self.engine.wait(self.engine.submit(torch.empty(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)))
+
     def block_stream(self, stream) -> None:
         raise AssertionError("the emulated device has no streams")  # only GPU records carry one
 
@@ -295,6 +305,9 @@ class CudaDevice(EmulatedDevice):
     def settle(self, token) -> None:
         if token is not None:
             token.synchronize()
+
+    def drain(self) -> None:
+        torch.cuda.synchronize(self.device)  # the copy stream's copies and every op queued
 
     def block_stream(self, stream) -> None:
         stream.synchronize()  # a transient copy without an event of its own: its stream

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 
-import torch
 
 
 def lock_depth(lock):
@@ -44,11 +43,10 @@ def recount(cache, budget, pool, lifetimes, ops) -> None:
     copies', the arena's live ranges are the cached copies' slots and every other byte is free.
 
     A slot or transient copy an interrupted step took and never recorded is simply freed, once
-    every copy in flight has completed and, on a GPU, every op queued has run (nothing reads or
-    writes it after that)."""
+    every copy submitted has run, those whose record the step lost included, and, on a GPU, every
+    op queued has run (nothing reads or writes it after that)."""
     lifetimes.wait_for(None)
-    if ops.gpu:
-        torch.cuda.synchronize(ops.device)
+    ops.drain()
     budget.paged_bytes, slots = cache.recount()
     if pool is not None:
         pool.recount(slots)
