@@ -10,6 +10,7 @@ leave no run long enough, the bytes are accounted, and the arena follows the roo
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -19,6 +20,7 @@ import offtensor as ot
 from offtensor import _ext
 from offtensor.pager import BudgetError, Pager
 from offtensor.pager.arena import PAD, Arena, aligned
+from offtensor.pager.lifetimes import HostLifetimes
 from offtensor.pager.slots import SlotPool, arena_bytes
 
 CPU = torch.device("cpu")
@@ -109,6 +111,31 @@ def test_a_copy_moved_while_its_prefetch_is_in_flight_is_read_after_both_have_la
         view, entry = _page(pager, p)
         assert torch.equal(view, p._host)
         pager.release([entry])
+
+
+def test_a_range_a_cut_short_copy_left_behind_is_reused_only_after_that_copy_has_run(monkeypatch):
+    pager = Pager(CPU, budget_bytes=2 * 4096, strict=True)
+    a, b = (ot.offload(torch.randn(1024), pager=pager) for _ in range(2))
+    keep, sources = HostLifetimes.keep, []
+
+    def interrupted_keep(lifetimes, src, token, stream=None):
+        monkeypatch.setattr(HostLifetimes, "keep", keep)
+        sources.append(src)  # the host bytes stay (a DMA reading a master that lives on)
+        raise KeyboardInterrupt  # A's copy is submitted; its record and its cache entry never made
+
+    with _ext.StrictCopyEngine.held():  # A's copy stays in flight
+        monkeypatch.setattr(HostLifetimes, "keep", interrupted_keep)
+        with pytest.raises(KeyboardInterrupt):
+            pager.prefetch(a._master, a.dtype, 0, a.numel())
+        # The recount frees A's range, and B's copy takes it: only once A's copy has run, which
+        # would otherwise land on B's bytes.
+        view, entry = _page(pager, b)
+        assert entry.slot.start == 0
+        pager.release([entry])
+    _ext.StrictCopyEngine.drain()  # every copy submitted has run, A's lost one too
+    view, entry = _page(pager, b)
+    assert torch.equal(view, b._host)
+    pager.release([entry])
 
 
 class _RanksByName:
