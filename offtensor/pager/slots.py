@@ -26,9 +26,9 @@ class SlotPool:
       memory) and when it has grown past it (more masters, fewer resident weights) and a copy
       finds no range. ``drop`` lets it go once no range is in use; the next take makes the new one.
     - An overflow slot is a plain allocation outside the arena, for a copy that fits the budget
-      but finds no free range of the arena even after every copy the policy may evict is gone:
-      the ranges in use (the current op's copies, prefetches in flight) split the arena so that no
-      run of them is long enough. Freed when given back (after its last use). Counted in
+      but finds no range of the arena that moving or evicting copies no op holds could free: the
+      ranges in use (the current op's copies) split the arena so that no run of the others is long
+      enough. Freed when its op is done (``Room.drop_overflowed``), after its last use. Counted in
       ``stats.arena_overflows`` and ``stats.arena_overflow_bytes``: the slack over the arena.
     - Ordering: a range is reused only after every reader and writer of its previous contents
       (the tokens it was given back with, ``Arena.take``); strict mode poisons ranges given back

@@ -28,8 +28,8 @@ class OffloadStats:
     # None without a budget.
     pool_bytes: Optional[int] = None
     peak_pool_bytes: Optional[int] = None
-    # Copies that found no range of the arena free, even with every copy the policy may evict gone
-    # (ranges held by the current op or by prefetches in flight split it), and were given a plain
+    # Copies that found no range of the arena that moving or evicting the copies no op holds could
+    # free (ranges held by the current op split it), and were given a plain
     # allocation outside it: how many, and their bytes (summed over all of them).
     arena_overflows: int = 0
     arena_overflow_bytes: int = 0
