@@ -5,6 +5,10 @@ Tensors are tiny so that the numbers are dispatch overhead, not copies. Every co
 measured in the same run, interleaved, and the median of several repetitions is reported, so
 ratios are meaningful on a shared, noisy machine.
 
+One more row, ``F.linear, 2 weights in turn``, times an op on each of two weights in turn (per op):
+beside the subjects above, ``offloaded (page-in)`` runs under a budget that holds one copy, so every
+op pages in (evicting the other weight's copy and reusing its device range): the host cost of a page.
+
     python benchmarks/dispatch.py [--device cpu|cuda] [--iters 2000] [--out benchmarks/results]
 """
 
@@ -80,6 +84,34 @@ def _time(fn, arg, iters, sync):
     return (time.perf_counter() - start) / iters * 1e6
 
 
+def _page_in_row(device, iters, repeats, sync) -> dict:
+    """Per-op time of ``F.linear`` on two 16x16 weights in turn, for each subject and for a pager whose
+    budget holds one copy (every op a page-in: an eviction, a device range reused, a copy)."""
+    x = torch.randn(16, 16, device=device)
+    bases = [torch.randn(16, 16), torch.randn(16, 16)]
+    one_copy = bases[0].numel() * bases[0].element_size()
+    pairs = {
+        "plain": [b.to(device) for b in bases],
+        "passthrough": [PassThrough(b.to(device)) for b in bases],
+        "offloaded (cache hit)": [ot.offload(b, pager=Pager(device, budget_bytes=1 << 20)) for b in bases],
+        "offloaded (no cache)": [ot.offload(b, device) for b in bases],
+    }
+    paging = Pager(device, budget_bytes=one_copy)
+    pairs["offloaded (page-in)"] = [ot.offload(b, pager=paging) for b in bases]
+
+    def both(pair):
+        F.linear(x, pair[0])
+        F.linear(x, pair[1])
+
+    samples = {name: [] for name in pairs}
+    with torch.no_grad():
+        for _ in range(repeats):
+            for name, pair in pairs.items():
+                samples[name].append(_time(both, pair, iters, sync) / 2)
+    assert paging.snapshot().hits == 0, "the page-in subject must page in on every op"
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -108,12 +140,16 @@ def main(argv=None):
                     samples[name].append(_time(fn, subject, args.iters, sync))
             results[op_name] = {name: statistics.median(v) for name, v in samples.items()}
 
+    results["F.linear, 2 weights in turn"] = _page_in_row(device, args.iters, args.repeats, sync)
+
     header = f"{'op':<16}" + "".join(f"{name:>24}" for name in subjects) + f"{'cached/passthrough':>20}"
     print(f"per-op time in microseconds on {device} (median of {args.repeats} x {args.iters} iterations)")
     print(header)
     for op_name, row in results.items():
         ratio = row["offloaded (cache hit)"] / row["passthrough"]
         print(f"{op_name:<16}" + "".join(f"{row[name]:>24.2f}" for name in subjects) + f"{ratio:>20.2f}")
+    page_in = results["F.linear, 2 weights in turn"]["offloaded (page-in)"]
+    print(f"F.linear, 2 weights in turn, offloaded (page-in): {page_in:.2f} us per op")
 
     save_result(args.out, f"dispatch_{device.type}.json", "dispatch overhead per op (us)", device, argv,
                 {"iters": args.iters, "repeats": args.repeats, "us_per_op": results})

@@ -39,7 +39,8 @@ sys.argv = [script] + sys.argv[3:]
 runpy.run_path(script, run_name="__main__")
 """
 
-SUBJECTS = {"cache_hit": "offloaded (cache hit)", "no_cache": "offloaded (no cache)", "plain": "plain"}
+SUBJECTS = {"cache_hit": "offloaded (cache hit)", "no_cache": "offloaded (no cache)", "plain": "plain",
+            "page_in": "offloaded (page-in)"}  # page_in: only the row of two weights in turn
 
 
 def _one_run(checkout: str, iters: int, repeats: int) -> dict:
@@ -68,6 +69,8 @@ def main(argv=None):
         for tree, path in (trees.items() if run % 2 == 0 else reversed(trees.items())):
             for op, row in _one_run(path, args.iters, args.repeats).items():
                 for key, subject in SUBJECTS.items():
+                    if subject not in row:
+                        continue
                     ratios[tree].setdefault(op, {}).setdefault(key, []).append(row[subject] / row["passthrough"])
         print(f"run {run + 1}/{args.runs} done", flush=True)
     table = {}
@@ -75,6 +78,8 @@ def main(argv=None):
     for op in ratios["this"]:
         row = {}
         for key in SUBJECTS:
+            if key not in ratios["this"][op]:
+                continue
             this = statistics.median(ratios["this"][op][key])
             base = statistics.median(ratios["baseline"][op][key])
             row[key] = {"this_over_passthrough": round(this, 3), "baseline_over_passthrough": round(base, 3),
@@ -82,7 +87,8 @@ def main(argv=None):
         table[op] = row
         print(f"{op:<16}{row['cache_hit']['this_over_passthrough']:>13.2f}"
               f"{row['cache_hit']['baseline_over_passthrough']:>13.2f}{row['cache_hit']['this_over_baseline']:>11.3f}"
-              f"{row['no_cache']['this_over_baseline']:>19.3f}")
+              f"{row['no_cache']['this_over_baseline']:>19.3f}"
+              + (f"   page-in this/base {row['page_in']['this_over_baseline']:.3f}" if "page_in" in row else ""))
     commits = {}
     for tree, path in trees.items():
         done = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)

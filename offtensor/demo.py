@@ -282,7 +282,7 @@ def _print_table(args, size, total_bytes, placed, s, expected: _Run, got: _Run, 
     ]
     if reference_gpu_peak is not None:
         rows.append(("peak GPU memory (model's own)", format_bytes(reference_gpu_peak), format_bytes(wrapped_gpu_peak)))
-        rows.append(("max reserved (whole device)", "-", f"{format_bytes(s.max_memory_reserved)}, slot pool peak "
+        rows.append(("max reserved (whole device)", "-", f"{format_bytes(s.max_memory_reserved)}, paging arena peak "
                      f"{format_bytes(s.peak_pool_bytes)}"))
     rows += [
         ("cache hits / page-ins", "-",

@@ -382,3 +382,32 @@ class ExpertEviction:
     def step(self) -> None:
         """A step ended: the guards of its guesses lapse with it."""
         self._guarded = {}
+
+
+def order(eviction: ExpertEviction, view, candidates) -> list:
+    """Every evictable copy, the first to evict first, as ``eviction.victim`` ranks them: copies
+    that are no expert first (least recently used first), then experts by expected next use,
+    furthest first, copies to keep (unused prefetches, the current op's experts, guarded ones)
+    last. The pager ranks runs of the arena's ranges by it when a copy needs one free range. For a
+    copy made ahead of its use (``in_spare_room_only``) only the copies ``victim`` would give it
+    are listed: the others are as good as in use."""
+    position, count, here = eviction.layers.cycle()
+    current, needed = eviction.layers.current, eviction.layers.needed
+    limit = eviction._ahead_limit(count) if eviction._spare_room_only else None
+    scored = []
+    for lru, entry in enumerate(candidates):
+        stack = eviction.by_master.get(entry.key[0])
+        if stack is None:
+            score = (0, 0.0) if entry.prefetched else (2, -lru)
+        else:
+            current_layer = stack.group == current
+            keep = entry.prefetched or (current_layer and (needed is None or entry.key in needed)) \
+                or entry.key in eviction._guarded.get(stack.group, ())
+            distance = count if current_layer else _distance(position.get(stack.group), here, count)
+            recent = stack.expert_of(entry.key) in eviction._recent(stack)
+            score = (0 if keep else 1, eviction._next_use(entry.key, stack, distance, count, recent))
+            if limit is not None and (keep or score[1] < limit):
+                continue
+        scored.append((score, entry))
+    scored.sort(key=lambda pair: pair[0], reverse=True)
+    return [entry for _, entry in scored]

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from .eviction import ExpertEviction
+from .eviction import order as eviction_order
 from .prefetch import ExpertIssuer
 from .stack import LayerOrder, Stack
 
@@ -153,6 +154,10 @@ class ExpertStacks:
     def victim(self, view, room: int, candidates):
         """The pager's eviction policy for a model with offloaded experts (``ExpertEviction.victim``)."""
         return self.eviction.victim(view, room, candidates)
+
+    def order(self, view, candidates) -> list:
+        """The policy's ranking of every evictable copy (``eviction.order``)."""
+        return eviction_order(self.eviction, view, candidates)
 
     def step(self) -> None:
         """A forward begins: decay use frequencies, close the last step's guesses."""

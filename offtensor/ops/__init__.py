@@ -140,7 +140,8 @@ _SCHEMA_HANDLERS: dict = {}
 def _storage_addressing(func, types, args, kwargs):
     # These ops address self's *storage*: storage_offset is absolute and as_strided_scatter clones
     # the whole storage. A page of only the bytes self covers would move offset 0 to self's first
-    # byte, so page self's whole master and view it at its true offset.
+    # byte, so page self's whole master and view it at its true offset, in a storage of its own: a
+    # paged copy is a range of the pager's arena, whose storage is the whole arena.
     self = args[0]
     handler = _SCHEMA_HANDLERS.get(func)
     if handler is None:
@@ -151,7 +152,7 @@ def _storage_addressing(func, types, args, kwargs):
     whole = host.as_strided((host.untyped_storage().nbytes() // host.element_size(),), (1,), 0)
     paged = Paged()
     try:
-        device_self = paged.page(OffloadedTensor(whole, self._master))
+        device_self = paged.page(OffloadedTensor(whole, self._master)).clone()
         device_self = device_self.as_strided(host.shape, host.stride(), host.storage_offset())
         return handler(func, types, (device_self,) + tuple(args[1:]), kwargs)
     finally:

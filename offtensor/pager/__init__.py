@@ -9,7 +9,8 @@ this host view" and say when the op that used it has been enqueued; nothing here
 modules or names.
 
 One owner per file. ``pager.py`` composes the others with two collaborators of its own, ``room.py``
-and ``copies.py``; apart from those, none of them imports another (the device operations reach
+and ``copies.py``; apart from those (and ``slots.py``, whose arena is ``arena.py``), none of them
+imports another (the device operations reach
 slots and lifetimes only as objects handed to them):
 
     stats.py      OffloadStats, the counters, and a snapshot of them; format_bytes
@@ -17,7 +18,9 @@ slots and lifetimes only as objects handed to them):
     masters.py    Master (one host allocation's identity) and the registry by storage and by id
     device.py     per device kind (emulated, CUDA, meta): issuing copies, tokens, waits, streams,
                   events; whether host memory is pinned; resolve_device
-    slots.py      SlotPool: the device buffers copies live in, reused by size
+    arena.py      Arena: one device buffer, ranges of it by offset (best fit), each free range
+                  with the tokens of its last users; the rule for which copies open a range
+    slots.py      SlotPool: the arena of a budgeted pager, its size, and overflow slots beside it
     lifetimes.py  HostLifetimes: host sources kept until the copies reading them complete
     cache.py      CacheKey, CachedCopy, DeviceCache and the eviction policy (LRU by default)
     observers.py  Observers: the expert cache, the prefetcher and the timeline recorder, in order
@@ -45,9 +48,9 @@ No step here is made atomic one by one; one rule keeps the pager consistent inst
    into it, the dispatch entry finds the record in the unwound frames and releases it.
 3. Counts are recounted, not repaired. Any exception that cuts a step short marks the pager; the
    next step that finds no op holding it (lock depth 0 on entry, or the cut-short op's own exit)
-   recounts from the cache itself: ``users`` 0, paged bytes the cached copies', the pool's live and
-   idle bytes from its slots (a slot an interrupted step took and never recorded is forgotten once
-   every copy in flight has completed). Until then every count errs towards "in use": a copy
+   recounts from the cache itself: ``users`` 0, paged bytes the cached copies', the arena's ranges
+   from the cached copies' slots (a range an interrupted step took and never recorded is free again
+   once every copy in flight has completed). Until then every count errs towards "in use": a copy
    pinned, bytes counted; never a copy in use counted free.
 
 ``with lock:`` is atomic for the exceptions above (its exit releases before any point where one can

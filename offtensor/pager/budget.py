@@ -45,7 +45,7 @@ class Budget:
     # ------------------------------------------------------------------ the pager's
 
     def room(self) -> int:
-        """Bytes of copies the budget holds beside the resident weights (the slot pool's cap)."""
+        """Bytes of copies the budget holds beside the resident weights (what the arena may hold)."""
         return max(0, self.budget_bytes - self.resident_bytes)
 
     def fits(self, nbytes: int) -> bool:

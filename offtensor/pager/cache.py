@@ -4,7 +4,9 @@ A cached copy is the element range [lo, hi) of one host master, read as ``dtype`
 ``CacheKey``. The prefetcher, the expert cache and the timeline name copies by that one type.
 
 Eviction is a policy: ``victim(cache, room, candidates)`` gets a read-only ``CacheView`` and the
-evictable copies in least-recently-used order, and returns the copy to drop (or None). The default
+evictable copies in least-recently-used order, and returns the copy to drop (or None);
+``order(cache, candidates)`` ranks them all, the first to drop first (a policy without one is
+ranked least recently used first). The default
 is LRU (``LeastRecentlyUsed``); a model with offloaded routed experts gets
 ``moe.ExpertStacks``, which orders experts by their expected next use.
 """
@@ -96,7 +98,8 @@ class CachedCopy:
         memo = self.view
         if memo is not None and memo[0] is layout:  # never (None, view): see below
             return memo[1]
-        view = self.buf.as_strided(shape, stride, offset)
+        buf = self.buf  # a range of the arena: as_strided's offset counts from the arena's start
+        view = buf.as_strided(shape, stride, buf.storage_offset() + offset)
         self.view = (layout, view) if layout is not None else None
         return view
 
@@ -189,6 +192,12 @@ class LeastRecentlyUsed:
     @staticmethod
     def victim(cache: CacheView, room: int, candidates: Iterator[CachedCopy]) -> Optional[CachedCopy]:
         return next(candidates, None)
+
+    @staticmethod
+    def order(cache: CacheView, candidates: Iterator[CachedCopy]) -> list:
+        """Every candidate, the first to evict first (a policy's ranking of them all: which copies to
+        evict when a copy needs one free range of the arena, ``Room.open_range``)."""
+        return list(candidates)
 
 
 LRU = LeastRecentlyUsed()

@@ -28,12 +28,14 @@ class Copies:
         if not room_made:
             self.room.make_room(nbytes, strict=True, what=what)
         ops = self.device_ops
-        slot = self.pool.take(nbytes, self.budget.room(), ops.copy_stream)
+        slot = self.pool.take(nbytes, ops.copy_stream)
         buf = slot.buf.view(src.dtype)
         ready = ops.copy_ahead(buf, src)
         self.lifetimes.keep(src, ready)
         entry = CachedCopy(key, slot, buf, nbytes, ready)
         self.cache.add(entry)
+        if slot.start is None:  # an overflow slot: dropped once its op is done (Room.drop_overflowed)
+            self.room.overflowed.append(entry)
         for notify in self.observers.copied:  # timeline: a copy on the copy stream
             notify(pager, entry, nbytes, "copy", prefetch)
         self.budget.add_paged(nbytes)
@@ -50,7 +52,7 @@ class Copies:
             self.room.make_room(nbytes, strict=True, what=what)
         ops = self.device_ops
         if self.pool is not None:
-            slot = self.pool.take(nbytes, self.budget.room(), ops.op_stream())
+            slot = self.pool.take(nbytes, ops.op_stream())
             buf = slot.buf.view(src.dtype)
         else:
             # No budget, no pool: on a GPU the block is allocated on the compute stream, so the

@@ -101,7 +101,7 @@ _NOTHING_AFTER = (None, None)
 class EmulatedDevice:
     """The emulated device: copies on the extension's worker thread, tokens are its tickets.
 
-    Owned by one pager; its slot pool and lifetime records hold this object, not the pager, so the
+    Owned by one pager; its slot pool, arena and lifetime records hold this object, not the pager, so the
     pager's finalizer can run."""
 
     gpu = False
@@ -141,6 +141,16 @@ class EmulatedDevice:
         """A dying pager's wait for a cached copy's last use: tickets are settled by the lifetime
         records, which wait for every copy still reading a host source."""
 
+    def drain(self) -> None:
+        """Block until every copy submitted so far has run, tracked or not: the recount frees the
+        ranges of copies a cut-short step lost track of (``pager/safety.py``), which a copy still
+        to run must not write after another copy reused them."""
+        if self.strict:
+            _ext.StrictCopyEngine.drain()
+            return
+        # The worker copies in submission order: a copy submitted now is done after every earlier one.
+        self.engine.wait(self.engine.submit(torch.empty(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)))
+
     def block_stream(self, stream) -> None:
         raise AssertionError("the emulated device has no streams")  # only GPU records carry one
 
@@ -159,19 +169,23 @@ class EmulatedDevice:
     # ------------------------------------------------------------------ memory
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        # Never an inference tensor, though the first copy may come under inference_mode: the arena
+        # outlives it, and strict mode writes its poison into it in any mode.
+        with torch.inference_mode(False):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def slot_token(self, slot, stream):
-        """What work on ``stream`` must wait for before reusing ``slot``: its last use's token."""
-        token = slot.free_after
-        slot.free_after = slot.last_stream = None
+    def reuse_token(self, token, last_stream, stream):
+        """What work on ``stream`` must wait for before reusing memory given back with ``token``
+        (``last_stream``: its last use's stream, GPU only): the token itself here."""
         return token
 
-    def before_free(self, slot) -> None:
-        """A slot's block goes back to the allocator: the host waits for its last use first."""
-        token = self.slot_token(slot, None)
+    def before_free(self, token, last_stream) -> None:
+        """Memory given back with ``token`` goes back to the allocator: the host waits for it first."""
         if token is not None:
             self.engine.wait(token)
+
+    def release_cached(self) -> None:
+        """An arena was let go: nothing to give back here (the CPU allocator frees it)."""
 
     def gather_rows(self, host: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``host[rows]`` in host memory, ready to upload."""
@@ -216,6 +230,14 @@ class EmulatedDevice:
 
     def load_copy(self, dst: torch.Tensor, src: torch.Tensor):
         """The loader's staged copy of ``src`` (host) into ``dst``, memory the caller allocated."""
+        return self.engine.submit(dst, src)
+
+    def copy_within(self, dst: torch.Tensor, src: torch.Tensor, after):
+        """Copy device memory ``src`` into ``dst`` (a cached copy moving within the arena) once the
+        tokens ``after`` have completed (here the host waits for them); the copy's token."""
+        for token in after:
+            if token is not None:
+                self.engine.wait(token)
         return self.engine.submit(dst, src)
 
     # ------------------------------------------------------------------ CUDA graphs
@@ -284,6 +306,9 @@ class CudaDevice(EmulatedDevice):
         if token is not None:
             token.synchronize()
 
+    def drain(self) -> None:
+        torch.cuda.synchronize(self.device)  # the copy stream's copies and every op queued
+
     def block_stream(self, stream) -> None:
         stream.synchronize()  # a transient copy without an event of its own: its stream
 
@@ -305,28 +330,34 @@ class CudaDevice(EmulatedDevice):
     # ------------------------------------------------------------------ memory
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        # Every slot comes from the copy stream's pool of the caching allocator; reuse is ordered by
-        # the slots' own events, not by the allocator.
-        with torch.cuda.stream(self.copy_stream):
+        # From the copy stream's pool of the caching allocator (an arena, once; an overflow slot):
+        # never a pool that a graph capture on the compute stream owns. Reuse of the arena's ranges
+        # is ordered by the pager's own events, not by the allocator.
+        with torch.cuda.stream(self.copy_stream), torch.inference_mode(False):
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def slot_token(self, slot, stream):
-        """A slot last used by transient copies on a compute stream has no event: on that same
+    def reuse_token(self, token, last_stream, stream):
+        """Memory last used by transient copies on a compute stream has no event: on that same
         stream, order is enough; another stream gets an event recorded now, after everything
-        enqueued there, the last use included. So events are made only where a slot crosses
+        enqueued there, the last use included. So events are made only where memory crosses
         streams, not per op."""
-        token, last = slot.free_after, slot.last_stream
-        slot.free_after = slot.last_stream = None
-        if token is None and last is not None and last != stream:
-            token = self.new_event(last)
+        if token is None and last_stream is not None and last_stream != stream:
+            token = self.new_event(last_stream)
         return token
 
-    def before_free(self, slot) -> None:
+    def before_free(self, token, last_stream) -> None:
         """The allocator may hand the block to the next copy-stream allocation at once: that stream
         waits for its last use first."""
-        token = self.slot_token(slot, self.copy_stream)
+        token = self.reuse_token(token, last_stream, self.copy_stream)
         if token is not None:
             self.copy_stream.wait_event(token)
+
+    def release_cached(self) -> None:
+        """An arena was let go (a resize, ``clear``): its block goes back to the driver rather than
+        staying reserved in the allocator's cache for the copy stream, where neither resident
+        weights nor an arena of another size could use it. Rare: the arena is re-made only when the
+        room changes."""
+        torch.cuda.empty_cache()
 
     def gather_rows(self, host: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         # Gathered straight into pinned memory, so the upload is an asynchronous DMA (a pageable
@@ -368,7 +399,7 @@ class CudaDevice(EmulatedDevice):
     def last_use(self, entries, stream):
         """An event on the op's stream, after the op, only when a cached copy was used: it is that
         copy's last use, which eviction waits for. Transient copies need none: their slots are
-        reused in the op stream's order (``slot_token``) and their host sources are released in
+        reused in the op stream's order (``reuse_token``) and their host sources are released in
         batches (``HostLifetimes``)."""
         for entry in entries:
             if entry.key is not None:
@@ -377,6 +408,19 @@ class CudaDevice(EmulatedDevice):
 
     def transient_free_after(self, entry):
         return None  # ordered by the op's stream (give's last_stream)
+
+    def copy_within(self, dst: torch.Tensor, src: torch.Tensor, after):
+        """On the copy stream, after the tokens ``after``: a device-to-device copy at memory
+        bandwidth, far cheaper than paging the weights again from the host."""
+        stream = self.copy_stream
+        for token in after:
+            if token is not None:
+                stream.wait_event(token)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            moved = torch.cuda.Event()
+            moved.record(stream)
+        return moved
 
     def load_copy(self, dst: torch.Tensor, src: torch.Tensor):
         # The copy stream first waits for the work queued on the caller's stream (the last reader

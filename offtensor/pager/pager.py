@@ -46,7 +46,7 @@ class Pager(RoomCalls, Recovering, PagingState):
     ``budget_bytes=None`` means "no cache": every op pages what it needs and the copy dies with the
     op. That is what a standalone ``offload()`` tensor uses. With a budget, paged copies stay
     cached (LRU, or the expert cache's order) as long as resident + cached + in-flight bytes fit,
-    in slots of one pool.
+    in ranges of one device arena (``arena.py``, ``slots.py``).
 
     One code path for both devices: only ``device_ops`` (``device.py``) tells them apart.
     ``strict`` (default: the ``OFFTENSOR_STRICT`` environment variable) makes the emulated device
@@ -121,14 +121,6 @@ class Pager(RoomCalls, Recovering, PagingState):
     paged_bytes = property(_attrgetter("budget.paged_bytes"))
     offloaded_bytes = property(_attrgetter("budget.offloaded_bytes"))
 
-    def take_from_budget(self, nbytes: int) -> None:
-        """``nbytes`` of the budget go to (or, negative, come back from) device memory the pager does
-        not page into: the expert pools (``moe.pool``). What the pager pages then fits the rest."""
-        with self.lock:
-            if self.budget_bytes is not None:
-                self.budget_bytes -= nbytes
-                self.budget.budget_bytes = self.budget_bytes
-
     def count_write_back(self, nbytes: int) -> None:
         """``nbytes`` of device values were written back to a host master (an in-place op's result)."""
         self.stats.bytes_d2h += nbytes
@@ -155,7 +147,7 @@ class Pager(RoomCalls, Recovering, PagingState):
             if self.expert_pool is not None:
                 self.expert_pool.reset_counts()  # a device op: no wait
             if self.pool is not None:
-                self.pool.peak_bytes = self.pool.live_bytes + self.pool.idle_bytes
+                self.pool.reset_peak()
             self.budget.note_peak()
 
     # ------------------------------------------------------------------ paging
@@ -323,10 +315,12 @@ class Pager(RoomCalls, Recovering, PagingState):
                 if entry.key is None:  # transient, or dropped from the cache while this op used it
                     budget.paged_bytes -= entry.nbytes
                     if entry.slot is not None:
-                        self.pool.give(entry.slot, ops.transient_free_after(entry), budget.room(), stream)
+                        self.pool.give(entry.slot, ops.transient_free_after(entry), stream)
                         entry.slot = None
                 elif last_use is not None:
                     entry.last_use = last_use
+            if self._overflowed:
+                self.room.drop_overflowed()  # cached copies outside the arena go with their op
         except BaseException:
             self.cut_short(self._depth() - len(entries))
             raise

@@ -2,7 +2,10 @@
 
 What comes next is a new copy, a prefetch, or resident weights moved onto the device. The eviction
 policy picks each victim (``cache.py``: LRU by default, the expert cache's order when the model has
-routed experts); this module evicts it, tells the observers and gives its slot back. The calls the
+routed experts); this module evicts it, tells the observers and gives its slot back. A copy also
+needs one free range of the arena (``arena.py``): when no free range is long enough, the copies of a
+run of ranges move out of it, into free ranges elsewhere (``open_range``). The arena's size follows
+the room (``fit_arena``). The calls the
 layers above make through the pager (resident bytes, free bytes, forgetting a master's copies)
 take the pager's ``lock``; ``make_room``, ``evict`` and ``remove`` run with it held. ``RoomCalls``
 is the pager's side of those calls.
@@ -22,6 +25,8 @@ class Room:
         self.lock, self.device, self.budget, self.cache, self.pool = lock, device, budget, cache, pool
         self.lifetimes, self.observers = lifetimes, observers
         self.policy = policy  # the eviction policy: LRU, or the expert cache's order (the pager sets it)
+        self.refit_due = False  # the arena is larger than the room but a range of it is in use: fit_arena
+        self.overflowed = []  # cached copies in overflow slots (slots.py): evicted once no op holds them
 
     # ``budget_bytes`` below is the pager's (``Pager.budget_bytes``), passed by each call.
 
@@ -52,36 +57,142 @@ class Room:
 
     def for_resident(self, nbytes: int, budget_bytes: Optional[int]) -> None:
         """Evict cached copies no op uses until ``nbytes`` of resident weights fit beside the copies
-        left: called before a weight is moved onto the device, so its bytes are never allocated while
-        the copies they displace still hold the budget."""
+        left, and let the arena go if it is now larger than the room: called before a weight is
+        moved onto the device, so its bytes are never allocated while the copies (and on a GPU the
+        arena memory) they displace still hold the budget."""
         if budget_bytes is None:
             return
         with self.lock:
             grow = nbytes - self.budget.resident_bytes
-            if grow > 0:
-                self.make_room(grow, strict=False)
+            if grow > 0 and not self.budget.fits(grow):
+                self.evict_for(grow)
+            self.fit_arena(budget_bytes - nbytes)
 
     def make_room(self, nbytes: int, strict: bool, what="tensor", keep_prefetched: bool = False) -> bool:
-        """Evict unused copies until ``nbytes`` more fit the budget. A prefetch passes
-        ``keep_prefetched``: evicting an earlier prefetch that is still to be used would throw away
-        a copy to make room for one needed later."""
+        """Evict unused copies until ``nbytes`` more fit the budget, and open one free range of the
+        arena for them (``open_range``). A prefetch passes ``keep_prefetched``: evicting an earlier
+        prefetch that is still to be used would throw away a copy to make room for one needed
+        later. False when the budget cannot hold them (``strict``: a ``BudgetError``) or no range can
+        be made free (then a copy that goes ahead gets an overflow slot: ``slots.py``)."""
         budget = self.budget
-        if budget.fits(nbytes):
+        if not budget.fits(nbytes) and not self.evict_for(nbytes, keep_prefetched):
+            if not strict:
+                return False
+            in_use = budget.paged_bytes - self.cache.evictable_bytes()
+            raise budget.shortfall_error(what if isinstance(what, str) else repr(what), nbytes, in_use, self.device)
+        pool = self.pool
+        arena = pool.arena
+        if arena is not None and arena.find(nbytes) is not None or pool.has_range(nbytes):
             return True
-        cache, policy = self.cache, self.policy
+        return self.open_range(nbytes, keep_prefetched)
+
+    def evict_for(self, nbytes: int, keep_prefetched: bool = False) -> bool:
+        """Evict unused copies, in the policy's order, until ``nbytes`` more (which do not fit now)
+        fit the budget."""
+        budget, cache, policy = self.budget, self.cache, self.policy
         while True:
             # The few entries the current op holds are skipped. The policy picks among the rest:
             # least recently used first, routed experts by layer order and use frequency.
             victim = policy.victim(cache.view, budget.room(), cache.evictable(keep_prefetched))
             if victim is None:
-                break
+                return False
             self.evict(victim)
             if budget.fits(nbytes):
                 return True
-        if not strict:
+
+    # The arena (``arena.py``): one free range for each copy, and its size.
+
+    def open_range(self, nbytes: int, keep_prefetched: bool) -> bool:
+        """The budget holds ``nbytes`` more but no free range of the arena does (its free bytes lie
+        in pieces): free a run of ranges (``Arena.window``: the run long enough with the fewest
+        bytes of copies in it, then the one whose copies the policy would drop first) by moving its
+        copies into free ranges outside it (``move``: a copy at device memory bandwidth, not a page
+        from the host), evicting only those no free range outside holds. So the arena costs the
+        cache no copy the budget itself would not evict, and a new copy evicts no copy by LRU
+        until two holes happen to meet. The policy's order ranks the copies (``order``: least
+        recently used first, or the expert cache's expected next use, furthest first; without one,
+        least recently used first). Any copy no op holds may move; for a prefetch, a copy
+        prefetched and still to be used is never evicted (if it fits nowhere else, no range opens).
+        An arena smaller than the pager may page now (masters added, resident weights gone since it
+        was made) is re-made at that size instead, when no op holds a range of it. False: the
+        ranges in use split every run."""
+        pool, cache = self.pool, self.cache
+        arena = pool.arena
+        order = getattr(self.policy, "order", None)
+        # Any copy no op holds may move; a prefetch evicts no copy prefetched and still to be used.
+        ranked = cache.evictable(False) if order is None else order(cache.view, cache.evictable(False))
+        movable = {}
+        for rank, entry in enumerate(ranked):
+            slot = entry.slot
+            if slot is not None and slot.start is not None:
+                movable[id(slot)] = (rank, entry)
+        if not keep_prefetched and arena.capacity < pool.wanted_bytes() and \
+                all(id(slot) in movable for slot in arena.live.values()):
+            for _, entry in list(movable.values()):
+                self.evict(entry)
+            pool.drop()
+            return pool.has_range(nbytes)
+        run = arena.window(nbytes, movable)
+        if run is None:
             return False
-        in_use = budget.paged_bytes - cache.evictable_bytes()
-        raise budget.shortfall_error(what if isinstance(what, str) else repr(what), nbytes, in_use, self.device)
+        lo, hi, copies = run
+        # Copies that may not be evicted first (they decide whether the range opens), then the
+        # largest first (the hardest to place).
+        copies.sort(key=lambda e: (not (keep_prefetched and e.prefetched), -e.slot.size))
+        for entry in copies:
+            at = arena.place_outside(entry.slot.size, lo, hi)
+            if at is not None:
+                self.move(entry, at)
+            elif keep_prefetched and entry.prefetched:
+                return False
+            else:
+                self.evict(entry)
+        return True
+
+    def move(self, entry, at: int) -> None:
+        """Move ``entry``'s copy to the free range at ``at``: the next op reading it waits for the
+        move, and its old range is free once the move has read it."""
+        for notify in self.observers.freed:  # timeline: the copy into its old range waits for its last reader
+            notify(entry)
+        old = entry.slot
+        new, moved = self.pool.move(old, at, (entry.ready, entry.last_use))
+        # One assignment, no call inside it: an interrupt sees the entry before or after the move.
+        entry.slot, entry.buf, entry.ready, entry.last_use, entry.view = new, new.buf.view(entry.buf.dtype), moved, None, None
+        self.pool.give(old, moved)
+        stats = self.budget.stats
+        stats.arena_moves += 1
+        stats.arena_moved_bytes += old.nbytes
+
+    def drop_overflowed(self) -> None:
+        """Evict the cached copies in overflow slots that no op holds: an overflow lasts for the op
+        that needed it, not for as long as its copy would stay cached."""
+        with self.lock:
+            entries = self.cache.entries
+            kept = []
+            for entry in self.overflowed:
+                if entry.key is not None and entries.get(entry.key) is entry:
+                    if entry.users:
+                        kept.append(entry)
+                    else:
+                        self.evict(entry)
+            self.overflowed[:] = kept
+
+    def fit_arena(self, room: Optional[int] = None) -> bool:
+        """Let the arena go if it is larger than the budget's room (``room``, default the room now)
+        allows: the copies no op uses are evicted, and the next copy makes an arena of the new size.
+        If an op holds a range of it, it stays until the pager's next recount, when none does
+        (``refit_due``)."""
+        pool = self.pool
+        self.refit_due = False
+        if pool is None or not pool.exceeds(self.budget.room() if room is None else room):
+            return True
+        with self.lock:
+            for entry in list(self.cache.evictable(False)):
+                self.evict(entry)
+            if pool.drop():
+                return True
+            self.refit_due = True
+            return False
 
     def evict(self, entry) -> None:
         for notify in self.observers.evicted:
@@ -104,7 +215,7 @@ class Room:
             return
         self.budget.paged_bytes -= entry.nbytes
         if entry.slot is not None:
-            self.pool.give(entry.slot, entry.last_use or entry.ready, self.budget.room())
+            self.pool.give(entry.slot, entry.last_use or entry.ready)
             entry.slot = None
 
     def before_write(self, master) -> None:
@@ -122,7 +233,7 @@ class Room:
                 self.remove(entry)
 
     def clear(self) -> None:
-        """Drop every cached copy (e.g. before unwrapping) and the pool's idle slots."""
+        """Drop every cached copy (e.g. before unwrapping) and let the arena go."""
         with self.lock:
             for master_id in self.cache.masters():
                 self.forget_master(master_id)
@@ -137,6 +248,15 @@ class RoomCalls:
     __slots__ = ()
 
     # Room in the budget for resident weights, and the free bytes an op could page.
+
+    def take_from_budget(self, nbytes: int) -> None:
+        """``nbytes`` of the budget go to (or, negative, come back from) device memory the pager does
+        not page into: the expert pools (``moe.pool``). What the pager pages then fits the rest."""
+        with self.lock:
+            if self.budget_bytes is not None:
+                self.budget_bytes -= nbytes
+                self.budget.budget_bytes = self.budget_bytes
+                self._room(self.room.fit_arena)  # the arena must not hold the expert pools' bytes
 
     def free_bytes(self) -> Optional[int]:
         """Bytes an op could page right now, evicting every unused cached copy; None without a budget."""
@@ -168,5 +288,5 @@ class RoomCalls:
         self._room(self.room.forget_master, master_id)
 
     def clear(self) -> None:
-        """Drop every cached copy (e.g. before unwrapping) and the pool's idle slots."""
+        """Drop every cached copy (e.g. before unwrapping) and let the arena go."""
         self._room(self.room.clear)

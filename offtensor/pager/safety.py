@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 
-import torch
 
 
 def lock_depth(lock):
@@ -41,14 +40,13 @@ def restore_depth(lock, depth_of, depth: int) -> None:
 def recount(cache, budget, pool, lifetimes, ops) -> None:
     """Recount, from the cached copies, everything a step cut short may have left wrong. Runs with
     the lock held and no op holding a copy: every copy's users is 0, the paged bytes are the cached
-    copies', the slot pool holds the cached copies' slots as live and its idle lists as idle.
+    copies', the arena's live ranges are the cached copies' slots and every other byte is free.
 
-    A slot or transient copy an interrupted step took and never recorded is simply forgotten, once
-    every copy in flight has completed and, on a GPU, every op queued has run (nothing reads or
-    writes it after that)."""
+    A slot or transient copy an interrupted step took and never recorded is simply freed, once
+    every copy submitted has run, those whose record the step lost included, and, on a GPU, every
+    op queued has run (nothing reads or writes it after that)."""
     lifetimes.wait_for(None)
-    if ops.gpu:
-        torch.cuda.synchronize(ops.device)
+    ops.drain()
     budget.paged_bytes, slots = cache.recount()
     if pool is not None:
         pool.recount(slots)
@@ -81,6 +79,7 @@ class Recovering:
         """``recount``, with the lock held and no op holding a copy."""
         recount(self.cache, self.budget, self.pool, self.lifetimes, self.device_ops)
         self._recount_due = False
+        self.room.fit_arena()  # an arena re-make that had to wait for the ranges in use (room.py)
 
     def _room(self, call, *args):
         """A call into ``room.py`` (which takes ``lock``): counts a step of it cut short leaves
@@ -92,3 +91,6 @@ class Recovering:
         except BaseException:
             self._recount_due = True
             raise
+        finally:
+            if self.room.refit_due:
+                self._recount_due = True  # the arena is re-made by the recount, once no op holds a range

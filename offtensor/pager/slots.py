@@ -1,128 +1,162 @@
-"""The device buffers paged copies live in: a pool of slots reused by byte size."""
+"""The device memory paged copies live in: one arena per budgeted pager, and overflow slots beside it."""
 
 from __future__ import annotations
 
-import collections
+from .arena import PAD, Arena, Slot, aligned
 
-import torch
+__all__ = ["Slot", "SlotPool", "arena_bytes"]
 
 
-class Slot:
-    """One device buffer of the slot pool: ``nbytes`` bytes, reused for any copy of that size.
-
-    ``free_after`` is the completion token (a ``torch.cuda.Event``, or a copy-engine ticket on the
-    emulated device) after which nothing reads or writes the buffer's current contents any more;
-    whoever takes the slot next orders itself after it."""
-
-    __slots__ = ("buf", "nbytes", "free_after", "last_stream")
-
-    def __init__(self, buf: torch.Tensor, nbytes: int):
-        self.buf = buf
-        self.nbytes = nbytes
-        self.free_after = None
-        self.last_stream = None  # GPU: the compute stream of its last (transient) use, when free_after is None
+def arena_bytes(room: int, offloaded: int) -> int:
+    """The size of an arena for ``room`` bytes of copies (budget minus resident bytes) and
+    ``offloaded`` bytes of host masters: what the pager may page, the smaller of the two (a pager
+    never caches more than it pages from, and an arena sized to a room its masters never fill would
+    hold memory that others, vLLM's KV cache, size themselves from), aligned up to 256 bytes, plus
+    ``PAD`` (4 KiB) for the alignment of ranges of odd sizes."""
+    return aligned(max(0, min(room, offloaded))) + PAD
 
 
 class SlotPool:
-    """Every paged copy of a budgeted pager lives in a slot of this pool, reused by byte size.
+    """Every paged copy of a budgeted pager lives in a slot of this pool: a range of its arena
+    (``arena.py``) or, when no range of it can be made free, an overflow slot.
 
-    Why a pool rather than fresh ``torch.empty`` per copy:
-    - on a GPU, the caching allocator keeps one pool of blocks per stream, so blocks freed after a
-      copy-stream allocation cannot serve the compute stream (and the reverse): reserved memory
-      grows past the budget. Here every slot is allocated on the copy stream once and reused in
-      an order the pager's own events enforce, so the pool's bytes are what is reserved for paging;
-    - stable addresses per size (the door to CUDA graphs) and no first-touch of fresh pages on the
-      emulated device.
-    The pool holds at most ``cap`` (budget minus resident) bytes of slots, in use or idle, unless
-    the slots in use alone need more (they never do: the budget bounds them). Idle slots of other
-    sizes are freed, least recently used first, to make room for a new size; exact sizes keep
-    the bound exact, at the price of reallocating when sizes alternate under a tight budget.
-
-    Stated slack of real (reserved) memory over the budget on a GPU: the caching allocator's
-    rounding of each slot (to 2 MiB for large blocks, so at most 2 MiB per slot) plus what ops
-    allocate themselves (activations, gathered-row results), which the budget never counted.
-    ``test_reserved_memory_stays_within_the_budget_plus_slack`` checks budget + 64 MiB on a GPU.
+    - The arena is allocated at the first take, ``arena_bytes(room, offloaded)`` then, on the copy
+      stream on a GPU; it never changes size while a range of it is in use. ``Room`` decides when it
+      is re-made: when the room shrinks below it (resident weights grew: it must not hold their
+      memory) and when it has grown past it (more masters, fewer resident weights) and a copy
+      finds no range. ``drop`` lets it go once no range is in use; the next take makes the new one.
+    - An overflow slot is a plain allocation outside the arena, for a copy that fits the budget
+      but finds no range of the arena that moving or evicting copies no op holds could free: the
+      ranges in use (the current op's copies) split the arena so that no run of the others is long
+      enough. Freed when its op is done (``Room.drop_overflowed``), after its last use. Counted in
+      ``stats.arena_overflows`` and ``stats.arena_overflow_bytes``: the slack over the arena.
+    - Ordering: a range is reused only after every reader and writer of its previous contents
+      (the tokens it was given back with, ``Arena.take``); strict mode poisons ranges given back
+      and taken. A copy moved within the arena (``move``, to open a range) is read once the copy
+      that filled it and the ops that read it are done, and its old range is free once the move is.
+    - ``live_bytes``: aligned bytes in use; ``reserved_bytes``: the arena and overflow slots in use,
+      what paging holds of device memory (``stats.pool_bytes``); ``peak_bytes`` its high-water mark.
     """
 
-    __slots__ = ("_ops", "_idle", "live_bytes", "idle_bytes", "peak_bytes", "allocations")
+    __slots__ = ("_ops", "_budget", "arena", "_epoch", "overflow_bytes", "peak_bytes", "allocations")
 
-    def __init__(self, ops):
+    def __init__(self, ops, budget):
         self._ops = ops
-        # nbytes -> idle slots of that size; the dict's order is least recently given back first
-        self._idle: "collections.OrderedDict[int, list[Slot]]" = collections.OrderedDict()
-        self.live_bytes = 0
-        self.idle_bytes = 0
+        self._budget = budget
+        self.arena = None
+        self._epoch = 0
+        self.overflow_bytes = 0  # bytes of overflow slots in use
         self.peak_bytes = 0
-        self.allocations = 0  # slots ever allocated: page_ins minus this is how often a slot was reused
+        self.allocations = 0  # device allocations made: arenas and overflow slots
 
-    def take(self, nbytes: int, cap: int, stream=None) -> Slot:
-        """A slot of ``nbytes``, the pool holding at most ``cap`` bytes; its previous contents are
-        dead for work enqueued on ``stream`` (the stream that will write it) or, emulated, now."""
-        idle = self._idle.get(nbytes)
-        if idle:
-            slot = idle.pop()
-            if not idle:
-                del self._idle[nbytes]
-            self.idle_bytes -= nbytes
-            self._ops.order_after(self._ops.slot_token(slot, stream), stream)
-            if self._ops.strict:
-                slot.buf.fill_(0xFF)
-        else:
-            self._trim(cap - self.live_bytes - nbytes)
-            slot = Slot(self._ops.allocate(nbytes), nbytes)
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def live_bytes(self) -> int:
+        return (self.arena.live_bytes if self.arena is not None else 0) + self.overflow_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        return (self.arena.capacity if self.arena is not None else 0) + self.overflow_bytes
+
+    def wanted_bytes(self, room=None) -> int:
+        """``arena_bytes`` for ``room`` (default: the budget's room now) and the offloaded bytes now."""
+        budget = self._budget
+        return arena_bytes(budget.room() if room is None else room, budget.offloaded_bytes)
+
+    def exceeds(self, room: int) -> bool:
+        """Whether the arena is larger than an arena for ``room`` bytes may be."""
+        return self.arena is not None and self.arena.capacity > arena_bytes(room, room)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.reserved_bytes
+
+    def _note_peak(self) -> None:
+        reserved = self.reserved_bytes
+        if reserved > self.peak_bytes:
+            self.peak_bytes = reserved
+
+    # ------------------------------------------------------------------ slots
+
+    def has_range(self, nbytes: int) -> bool:
+        """Whether a free range of the arena (made now if there is none) holds ``nbytes``."""
+        arena = self.arena or self._make()
+        return arena.find(nbytes) is not None
+
+    def take(self, nbytes: int, stream=None) -> Slot:
+        """A slot of ``nbytes`` whose previous contents are dead for work enqueued on ``stream`` (the
+        stream that will write it) or, emulated, now: a range of the arena, else an overflow slot."""
+        arena = self.arena or self._make()
+        slot = arena.take(nbytes, stream)
+        if slot is None:
+            slot = Slot(self._ops.allocate(nbytes), nbytes, None, nbytes, 0)
             self.allocations += 1
-        self.live_bytes += nbytes
-        total = self.live_bytes + self.idle_bytes
-        if total > self.peak_bytes:
-            self.peak_bytes = total
+            self.overflow_bytes += nbytes
+            stats = self._budget.stats
+            stats.arena_overflows += 1
+            stats.arena_overflow_bytes += nbytes
+            self._note_peak()
         return slot
 
-    def give(self, slot: Slot, free_after, cap: int, last_stream=None) -> None:
+    def move(self, slot: Slot, at: int, after):
+        """A copy of ``slot``'s bytes into the free range of the arena at ``at``, made once the
+        tokens ``after`` (the copy that filled ``slot``, the last op that read it) have completed:
+        (the new slot, the move's token). The caller gives ``slot`` back with that token."""
+        ops = self._ops
+        new = self.arena.take(slot.nbytes, ops.copy_stream, at)
+        return new, ops.copy_within(new.buf, slot.buf, after)
+
+    def give(self, slot: Slot, free_after, last_stream=None) -> None:
         """``slot`` is no longer used once ``free_after`` has completed, or (GPU, ``free_after``
         None) once the work enqueued so far on ``last_stream`` has."""
-        self.live_bytes -= slot.nbytes
-        slot.free_after = free_after
-        slot.last_stream = last_stream if free_after is None else None
-        if self._ops.strict and self._ops.done(free_after):
-            # A reader that outlives its release (an op result aliasing a paged copy) now sees
-            # NaN / -1 instead of plausible stale weights. Never waited for here: the wait would
-            # hide the very races strict mode is for; a slot still being copied into is poisoned
-            # when it is taken again.
-            slot.free_after = None
-            slot.buf.fill_(0xFF)
-        self._idle.setdefault(slot.nbytes, []).append(slot)
-        self._idle.move_to_end(slot.nbytes)
-        self.idle_bytes += slot.nbytes
-        self._trim(cap - self.live_bytes)
+        if slot.start is None:
+            self.overflow_bytes -= slot.nbytes
+            self._ops.before_free(free_after, last_stream)  # its block goes back to the allocator
+            return
+        arena = self.arena
+        if arena is not None and slot.epoch == arena.epoch:
+            arena.give(slot, free_after, last_stream)
 
-    def _trim(self, room: int) -> None:
-        """Free idle slots, least recently given back first, until idle bytes fit ``room``."""
-        while self.idle_bytes > max(room, 0) and self._idle:
-            nbytes, slots = next(iter(self._idle.items()))
-            slot = slots.pop(0)
-            if not slots:
-                del self._idle[nbytes]
-            self.idle_bytes -= nbytes
-            self._ops.before_free(slot)
+    # ------------------------------------------------------------------ the arena itself
+
+    def _make(self) -> Arena:
+        self._epoch += 1
+        arena = self.arena = Arena(self._ops.allocate(self.wanted_bytes()), self._epoch, self._ops)
+        self.allocations += 1
+        self._note_peak()
+        return arena
+
+    def drop(self) -> bool:
+        """Let the arena go if no range of it is in use (False if one is): the allocator may reuse
+        its memory once everything pending on it has completed."""
+        arena = self.arena
+        if arena is None:
+            return True
+        if arena.live:
+            return False
+        ops = self._ops
+        for token, last in arena.pending():
+            ops.before_free(token, last)
+        self.arena = None
+        del arena
+        ops.release_cached()
+        return True
 
     def clear(self) -> None:
-        self._trim(0)
+        self.drop()
 
     def recount(self, live) -> None:
         """``live``: the slots in use now, all of them (``pager/safety.py``, after an exception cut a
-        step short). The counts are recomputed from them and the idle lists, which lose empty lists,
-        repeated slots and slots in use."""
-        seen = {id(slot) for slot in live}
-        idle = collections.OrderedDict()
-        for nbytes, slots in self._idle.items():
-            for slot in slots:
-                if id(slot) not in seen:
-                    seen.add(id(slot))
-                    idle.setdefault(nbytes, []).append(slot)
-        self._idle = idle
-        self.live_bytes = sum(slot.nbytes for slot in live)
-        self.idle_bytes = sum(slot.nbytes for slots in idle.values() for slot in slots)
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes + self.idle_bytes)
+        step short, once every copy and op has completed). The arena is rebuilt around them; a slot
+        a cut-short step took and never recorded is free again."""
+        arena = self.arena
+        if arena is not None:
+            arena.rebuild([s for s in live if s.start is not None and s.epoch == arena.epoch])
+        self.overflow_bytes = sum(slot.nbytes for slot in live if slot.start is None)
+        self._note_peak()
 
     def tokens(self):
-        return [self._ops.slot_token(s, None) for slots in self._idle.values() for s in slots]
+        """What the arena's free ranges still wait for, as tokens (a dying pager settles them)."""
+        if self.arena is None:
+            return []
+        return [self._ops.reuse_token(token, last, None) for token, last in self.arena.pending()]

@@ -24,12 +24,13 @@ class PagingState:
         ops, device = self.device_ops, self.device
         self.cache = DeviceCache()
         self._entries = self.cache.entries  # the hot path's lookup, without a method call
-        self.pool = SlotPool(ops) if self.budget_bytes is not None else None
+        self.pool = SlotPool(ops, self.budget) if self.budget_bytes is not None else None
         self.lifetimes = HostLifetimes(ops)
         # Collaborators over the same owners: making room (eviction, by LRU or the expert cache's
         # order) and dropping copies; issuing copies.
         policy = LRU if getattr(self, "experts", None) is None else self.experts
         self.room = Room(self.lock, device, self.budget, self.cache, self.pool, self.lifetimes, self.observers, policy)
+        self._overflowed = self.room.overflowed  # release's test, without the attribute lookups
         self.copies = Copies(device, self.budget, self.cache, self.pool, self.lifetimes, self.observers, ops, self.room)
         # dispatch's host read of a grouped GEMM's routing offsets, shared by the calls of one MoE
         # layer that pass the same unchanged offsets: (weakref to offs, its version, what dispatch

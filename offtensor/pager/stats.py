@@ -24,9 +24,19 @@ class OffloadStats:
     cached_bytes: int = 0
     budget_bytes: Optional[int] = None
     peak_device_bytes: int = 0
-    # Device bytes held by the slot pool (in use + idle), now and at most; None without a budget.
+    # Device bytes reserved for paged copies (the arena, and overflow slots in use), now and at most;
+    # None without a budget.
     pool_bytes: Optional[int] = None
     peak_pool_bytes: Optional[int] = None
+    # Copies that found no range of the arena that moving or evicting the copies no op holds could
+    # free (ranges held by the current op split it), and were given a plain
+    # allocation outside it: how many, and their bytes (summed over all of them).
+    arena_overflows: int = 0
+    arena_overflow_bytes: int = 0
+    # Cached copies moved within the arena to open a range for another (a device-to-device copy
+    # instead of an eviction): how many, and their bytes.
+    arena_moves: int = 0
+    arena_moved_bytes: int = 0
     # On a GPU, torch.cuda.max_memory_allocated / max_memory_reserved of the device (None on the
     # emulated device): the allocator's real figures beside the logical peak_device_bytes.
     max_memory_allocated: Optional[int] = None
@@ -65,6 +75,8 @@ class OffloadStats:
             f"offloaded_bytes={size(self.offloaded_bytes)}, cached_bytes={size(self.cached_bytes)}, "
             f"budget_bytes={size(self.budget_bytes)}, peak_device_bytes={size(self.peak_device_bytes)}"
             + (f", pool_bytes={size(self.pool_bytes)}" if self.pool_bytes is not None else "")
+            + (f", arena_overflows={self.arena_overflows} ({size(self.arena_overflow_bytes)})"
+               if self.arena_overflows else "")
             + (f", expert_pool_fetches={self.expert_pool['fetches']}, expert_pool_hits={self.expert_pool['hits']}"
                if self.expert_pool is not None else "")
             + (f", max_memory_allocated={size(self.max_memory_allocated)}, "
@@ -86,7 +98,7 @@ def snapshot(stats: OffloadStats, budget, budget_bytes: Optional[int], pool, fig
     s.cached_bytes = budget.paged_bytes
     s.budget_bytes = budget_bytes
     if pool is not None:
-        s.pool_bytes = pool.live_bytes + pool.idle_bytes
+        s.pool_bytes = pool.reserved_bytes
         s.peak_pool_bytes = pool.peak_bytes
     if figures is not None:  # the real figures beside the logical ones
         s.max_memory_allocated, s.max_memory_reserved = figures
