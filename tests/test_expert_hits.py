@@ -130,3 +130,27 @@ def test_a_wrapped_moe_decodes_under_inference_mode_with_one_routing_read_a_laye
                 out.append(r.logits)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert len(reads) == 4 * 3  # one routing read per MoE layer per forward
+
+
+def test_a_recorded_decode_keeps_one_record_per_grouped_gemm_on_cached_experts(device):
+    # Under ot.timeline the grouped GEMM takes the same one-record path as without it: each routed
+    # expert's kernel is recorded with its own page, and the op gives its record back once, so the
+    # replay charges one release per grouped GEMM (the profile's "expert" figure for the rest).
+    plain = _qwen3_moe(device)
+    model = _wrapped_with_every_expert_cached(plain, device)
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(1)).to(device)
+    _decode(model, ids, 1)
+    token = ids[:, -1:]
+    with ot.timeline(model) as tl:
+        with torch.no_grad():
+            got = model(input_ids=token).logits
+    with torch.no_grad():
+        want = plain(input_ids=token).logits
+    assert torch.equal(got, want)
+    ops = [r for r in tl.records if r.kind == "op"]
+    grouped = [r for r in ops if r.name == "_grouped_mm"]
+    kernels = [r for r in grouped if r.pages == 1]
+    k, layers = plain.config.num_experts_per_tok, plain.config.num_hidden_layers
+    assert len(kernels) == 2 * layers * k  # gate_up and down: one kernel per routed expert, each its page
+    assert sum(r.releases for r in grouped) == 2 * layers  # one record given back per grouped GEMM
+    assert not any(r.kind == "copy" for r in tl.records)

@@ -154,8 +154,9 @@ def test_measure_profile_on_the_emulated_device_gives_positive_rates():
     assert all(v > 0 for v in profile.tflops.values())
     # offtensor's own host time per page, per copy and per pooled expert GEMM, measured on this host
     # (a cache hit costs more than the plain op); the h200 profile's was measured on the H200's host.
-    assert set(profile.host_us) == {"page", "copy", "pool"} and profile.host_us["page"] > 0
-    assert profile.host_us["pool"] > 0
+    # (and what each further expert of a grouped GEMM on cached experts costs, "expert").
+    assert set(profile.host_us) == {"page", "copy", "pool", "expert"} and profile.host_us["page"] > 0
+    assert profile.host_us["pool"] > 0 and profile.host_us["expert"] >= 0
     h200 = ot.get_profile("h200")
     assert "measured" in profile.host_source and h200.host_source.startswith("measured") and "H200" in h200.host_source
     assert set(h200.host_us) == {"page", "copy", "pool"}
@@ -280,6 +281,33 @@ def test_a_step_of_many_small_paged_ops_is_bound_by_the_host_lane():
     assert r.compute_busy == pytest.approx(0.1, rel=0.01)
     free_host = dataclasses.replace(host_bound, host_us={})
     assert tl.replay(free_host).step_ms == pytest.approx(0.1) and tl.replay(free_host).bound_by == "compute"
+
+
+def test_an_op_that_gives_back_one_record_of_many_pages_pays_one_page_and_an_expert_for_each_other():
+    # A grouped GEMM on 4 cached experts (one record, one release) against 4 ops of one page each:
+    # with an "expert" figure the first costs 10 + 3 x 2 us, the others 4 x 10; without one, both
+    # cost 10 us a page. Split into kernels (the pages on the kernels, the release after them), the
+    # grouped GEMM's host lane is the same.
+    base = Profile("toy-host", h2d_gbps=1.0, tflops={"float32": 1.0}, hbm_gbps=1e9, launch_us=0.0,
+                   host_us={"page": 10.0, "expert": 2.0})
+    assert base.host_ms("op", pages=4, releases=1) == pytest.approx(16e-3)
+    assert base.host_ms("op", pages=1, releases=1) == pytest.approx(10e-3)
+    split = Timeline()
+    for _ in range(4):
+        split.add_op(0, 0, "float32", pages=1)
+    split.add_op(0, 0, "float32", releases=1)
+    assert split.replay(base).host_ms == pytest.approx(16e-3)
+    each = Timeline()
+    for _ in range(4):
+        each.add_op(0, 0, "float32", pages=1, releases=1)
+    assert each.replay(base).host_ms == pytest.approx(40e-3)
+    no_expert = dataclasses.replace(base, host_us={"page": 10.0})
+    assert split.replay(no_expert).host_ms == pytest.approx(40e-3) == each.replay(no_expert).host_ms
+    # An expert dearer than a page: a one-page op still costs a page, a record after its kernels no
+    # less than nothing.
+    dear = dataclasses.replace(base, host_us={"page": 10.0, "expert": 12.0})
+    assert dear.host_ms("op", pages=1, releases=1) == pytest.approx(10e-3)
+    assert dear.host_ms("op", pages=0, releases=1) == 0.0
 
 
 @pytest.mark.parametrize("phase,tokens", [("prefill", 4096), ("decode", 1)])

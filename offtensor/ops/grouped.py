@@ -50,13 +50,21 @@ def grouped_mm(func, types, args, kwargs):
     recorder = weight._master.pager.recorder
     page, cached = _expert_pager(weight)
     done = {}
-    if recorder is None and bias is None and cached(groups):
-        # Every expert is a cache hit: held together they take no room, so one record holds them
-        # all and one release gives them back (each expert still runs its own one-group kernel).
+    if bias is None and cached(groups):
+        # Every expert is a cache hit (or a copy the announce just issued): held together they take
+        # no room, so one record holds them all and one release gives them back, one device mark for
+        # the op instead of one per expert. Each expert still runs its own one-group kernel, recorded
+        # on a timeline as a kernel of its own that waits for its own copy only.
         paged = Paged()
         try:
-            for e, start, end in groups:
-                done[e] = func(x[start:end], page(paged, e), sizes[e], None, out_dtype)
+            if recorder is None:
+                for e, start, end in groups:
+                    done[e] = func(x[start:end], page(paged, e), sizes[e], None, out_dtype)
+            else:
+                for e, start, end in groups:
+                    expert = page(paged, e)
+                    with recorder.kernels():
+                        done[e] = func(x[start:end], expert, sizes[e], None, out_dtype)
         finally:
             paged.release()
         groups = ()

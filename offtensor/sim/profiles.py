@@ -30,7 +30,10 @@ class Profile:
     # offtensor's own host time per kind of record, µs, on the host that issues them (the replay's
     # host lane): "page" per offloaded argument an op pages (dispatch through the subclass, cache
     # lookup, use counts, release), "copy" per host->device copy it issues (slot, bookkeeping), "pool"
-    # per grouped GEMM served from a device-side expert pool (its lookup, admit and plan).
+    # per grouped GEMM served from a device-side expert pool (its lookup, admit and plan). Where
+    # "expert" is given, a page that shares its op's record with others costs that instead (the
+    # lookup and its expert's one-group kernel, the release and dispatch paid once per record:
+    # a grouped GEMM on cached experts), and each record given back the rest of "page".
     # Empty: the host is taken to issue at no cost (launch_us is the device's per-op gap).
     host_us: dict = dataclasses.field(default_factory=dict)
     host_source: str = ""
@@ -62,12 +65,19 @@ class Profile:
     def copy_ms(self, nbytes: float) -> float:
         return (nbytes / (self.h2d_gbps * GB) + self.launch_us * 1e-6) * 1e3
 
-    def host_ms(self, kind: str, pages: int = 0, pooled: int = 0) -> float:
-        """offtensor's host time for one record: a copy, or an op that paged ``pages`` arguments
-        and ran ``pooled`` grouped GEMMs from an expert pool."""
+    def host_ms(self, kind: str, pages: int = 0, pooled: int = 0, releases: int = 0) -> float:
+        """offtensor's host time for one record: a copy, or an op that paged ``pages`` arguments,
+        gave back ``releases`` records of them and ran ``pooled`` grouped GEMMs from an expert pool.
+        Without an "expert" figure every page costs a whole "page" (its release included)."""
+        us = self.host_us
         if kind == "copy":
-            return self.host_us.get("copy", 0.0) * 1e-3
-        return (pages * self.host_us.get("page", 0.0) + pooled * self.host_us.get("pool", 0.0)) * 1e-3
+            return us.get("copy", 0.0) * 1e-3
+        page, expert = us.get("page", 0.0), us.get("expert")
+        # An op that paged n and gave them back costs page + (n - 1) * expert. A record given back
+        # after the kernels that paged it (an op split into kernels) carries its part on the record
+        # after them, which is not below zero (an expert dearer than a page: off by that difference).
+        paging = pages * page if expert is None else max(pages * expert + releases * (page - expert), 0.0)
+        return (paging + pooled * us.get("pool", 0.0)) * 1e-3
 
 
 # The measured H200 figures (DESIGN.md, 2026-11-29, PCIe Gen5 x16, torch 2.11). A bf16 GEMM burst of
@@ -218,7 +228,8 @@ def measure_launch_us(device=None, iters: int = 1000, repeats: int = 5) -> float
 
 
 def measure_host_us(device=None, profile: Optional[Profile] = None, iters: int = 2000, repeats: int = 5) -> dict:
-    """offtensor's own host time per op on ``device``'s host, µs: ``{"page": ..., "copy": ..., "pool": ...}``.
+    """offtensor's own host time per op on ``device``'s host, µs: ``{"page": ..., "copy": ..., "pool": ...,
+    "expert": ...}``.
 
     ``page``: ``F.linear`` of one token on a tiny cached OffloadedTensor, less the same op on the
     plain tensor (the dispatch, lookup, use counts and release around a cache hit). Where the host
@@ -228,8 +239,11 @@ def measure_host_us(device=None, profile: Optional[Profile] = None, iters: int =
     its bookkeeping; the copy itself, of 1 KiB, is the profile's ``copy_ms``). ``pool``: a one-row
     ``_grouped_mm`` on a 4-expert stack served from a device-side expert pool that holds its expert,
     two calls per routing as an MoE layer makes them (an admit, then its reuse), per call, less the
-    plain call (or, on the emulated device, less the time ``profile`` gives that op). Host
-    wall-clock time, interleaved, the fastest of ``repeats`` runs of ``iters`` ops: the host's
+    plain call (or, on the emulated device, less the time ``profile`` gives that op). ``expert``: a
+    ``_grouped_mm`` routing one row to each of 4 cached experts of a stack, less the same routing one
+    row to 1, per further expert: what each expert costs beyond the op's one dispatch and release
+    (its lookup, its one-group kernel's launch; on the emulated device less the time ``profile``
+    gives that kernel). Host wall-clock time, interleaved, the fastest of ``repeats`` runs of ``iters`` ops: the host's
     cost, not the noise of a shared machine."""
     import torch.nn.functional as F
 
@@ -253,13 +267,24 @@ def measure_host_us(device=None, profile: Optional[Profile] = None, iters: int =
             torch._grouped_mm(gx, w.transpose(-2, -1), o)
             torch._grouped_mm(gx, w.transpose(-2, -1), o)
 
+    # A grouped GEMM on the expert cache's hit path, one routed row to each of 1 and of 4 cached
+    # experts: one dispatch and one release either way, so the difference is 3 experts' lookups and
+    # one-group kernels.
+    g4 = gx.expand(4, -1).contiguous()
+    to_one = torch.tensor([1, 1, 1, 1], dtype=torch.int32, device=device)
+    to_four = torch.tensor([1, 2, 3, 4], dtype=torch.int32, device=device)
     try:
         pooled, pool_pager = _pooled(stack, device)  # a master holds its pager weakly: kept here
         dense = stack.to(device)
+        cached_stack = offload(stack, pager=cached_pager).transpose(-2, -1)
+        experts = {"experts_1": lambda: torch._grouped_mm(gx, cached_stack, to_one),
+                   "experts_4": lambda: torch._grouped_mm(g4, cached_stack, to_four)}
         with torch.no_grad():
             for w in (dense, pooled):  # the first calls: the pool's fetch, the kernels' first launches
                 layer(w)
-        subjects.update(stack=dense, pool=pooled)
+            for call in experts.values():  # the first calls: every expert copied once, then hits
+                call()
+        subjects.update(stack=dense, pool=pooled, **experts)
     except RuntimeError as error:  # no grouped GEMM on this device: no "pool" figure, and why
         warnings.warn(f"offtensor: measure_host_us: the pooled grouped GEMM does not run on {device} ({error}); "
                       f"host_us has no 'pool' figure")
@@ -267,19 +292,26 @@ def measure_host_us(device=None, profile: Optional[Profile] = None, iters: int =
     with torch.no_grad():
         for _ in range(repeats):  # interleaved: a burst of load hits all alike
             for name, w in subjects.items():
-                if w.dim() == 3:  # per grouped GEMM
+                if callable(w):
+                    best[name] = min(best[name], _min_us(w, iters, 1, sync))
+                elif w.dim() == 3:  # per grouped GEMM
                     best[name] = min(best[name], _min_us(lambda: layer(w), max(iters // 4, 1), 1, sync) / 4)
                 else:
                     best[name] = min(best[name], _min_us(lambda: F.linear(x, w), iters, 1, sync))
-    plain, stacked = best["plain"], best.get("stack")
+    plain, stacked, kernel = best["plain"], best.get("stack"), 0.0
     if profile is not None and profile.host_blocking:
         # What the replay charges the ops themselves: y (1 x 16) = x (1 x 16) @ W^T (16 x 16), float32
-        # (the grouped one reads one expert of the stack and the group ends besides).
+        # (the grouped one reads one expert of the stack and the group ends besides; an expert's
+        # one-group kernel, a recorded op of its own, the same).
         plain = profile.op_ms(2 * 16 * 16, (16 + 16 * 16 + 16) * 4, "float32") * 1e3
-        stacked = profile.op_ms(2 * 16 * 16, (16 + 16 * 16 + 16 + 4) * 4, "float32") * 1e3
+        stacked = kernel = profile.op_ms(2 * 16 * 16, (16 + 16 * 16 + 16 + 4) * 4, "float32") * 1e3
     host = {"page": max(best["hit"] - plain, 0.0), "copy": max(best["copy"] - best["hit"], 0.0)}
     if "pool" in best:
         host["pool"] = max(best["pool"] - stacked, 0.0)
+    if "experts_4" in best:
+        # Per expert that shares its op's record: its lookup, its one-group kernel's launch (on a
+        # GPU, host time the plain one-kernel call does not spend) and no release of its own.
+        host["expert"] = max((best["experts_4"] - best["experts_1"]) / 3 - kernel, 0.0)
     return host
 
 

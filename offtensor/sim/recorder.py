@@ -115,6 +115,7 @@ class Recorder(TorchDispatchMode):
         self._pending_waits = []  # copies the next op reads
         self._pending_pages = 0  # offloaded arguments the next op paged (cache hits included)
         self._pending_pooled = 0  # grouped GEMMs the next op ran from an expert pool
+        self._pending_releases = 0  # records of paged arguments given back since the last op recorded
         self._pending_frees = []  # ops whose blocks the next copy reuses
         self._open_ops = []  # ids reserved for ops running now (their pages are released inside)
         self._last_op = None
@@ -187,8 +188,9 @@ class Recorder(TorchDispatchMode):
         waits, self._pending_waits = self._pending_waits, []
         pages, self._pending_pages = self._pending_pages, 0
         pooled, self._pending_pooled = self._pending_pooled, 0
+        releases, self._pending_releases = self._pending_releases, 0
         self.tl.add_op(flops, nbytes, dtype, waits=_unique(waits), name=str(func.overloadpacket.__name__), id=rid,
-                       pages=pages, pooled=pooled)
+                       pages=pages, pooled=pooled, releases=releases)
         self._last_op = rid
         return out
 
@@ -208,6 +210,9 @@ class Recorder(TorchDispatchMode):
             self._pending_waits.append(rid)
 
     def released(self, entries) -> None:
+        # The host work of giving the record back goes to the op recorded next: the op running
+        # now, or, inside an op split into kernels, its next kernel or the op itself.
+        self._pending_releases += 1
         # The last reader is the op running now, or, inside an op split into kernels, the kernel
         # just recorded.
         op = self._open_ops[-1] if self._open_ops and self._open_ops[-1] not in self._split else self._last_op

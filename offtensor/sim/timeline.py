@@ -25,6 +25,7 @@ class Record:
     key: Optional[tuple] = None  # copy: what it copies (master, dtype, range), so a step counts it once
     measured_ms: Optional[tuple] = None  # (start, end) from CUDA events, relative to the first record
     pages: int = 0  # op: offloaded arguments it paged (cache hits or copies): offtensor's host work for it
+    releases: int = 0  # op: records of paged arguments given back as it ran (an op's dispatch and release)
     pooled: int = 0  # op: grouped GEMMs it ran from a device-side expert pool (offtensor's host work for them)
     # copy: issued by the device itself (an expert pool's gather, decided on the device): no host work
     device_side: bool = False
@@ -91,15 +92,18 @@ class Timeline:
         return rid
 
     def add_op(self, flops: float, nbytes: int, dtype="bfloat16", waits: Sequence[int] = (), name: str = "op",
-               id: Optional[int] = None, stream: str = "compute", pages: int = 0, pooled: int = 0) -> int:
+               id: Optional[int] = None, stream: str = "compute", pages: int = 0, pooled: int = 0,
+               releases: int = 0) -> int:
         """An op on the compute stream, or with ``stream="host"`` one the host computes itself (a
         routed expert from its host master: ``Profile.host_op_ms``), which the issuing thread waits
-        for; ``pages``: the offloaded arguments it paged (offtensor's host work for it).; ``pooled``: the
-        expert calls it ran from a device-side expert pool (their host work, with no page)."""
+        for; ``pages``: the offloaded arguments it paged (offtensor's host work for it); ``releases``:
+        the records of paged arguments given back as it ran (one per op that paged, or per expert
+        where its handler pages them one at a time); ``pooled``: the expert calls it ran from a
+        device-side expert pool (their host work, with no page)."""
         rid = self.new_id() if id is None else id
         dtype = str(dtype).removeprefix("torch.") if dtype is not None else None
         self.records.append(Record(rid, "op", stream, name, int(nbytes), int(flops), dtype, self.step, list(waits),
-                                   pages=int(pages), pooled=int(pooled)))
+                                   pages=int(pages), pooled=int(pooled), releases=int(releases)))
         return rid
 
     def add_sync(self, name: str = "host sync", id: Optional[int] = None) -> int:
@@ -151,7 +155,7 @@ class Timeline:
                 continue
             # The host lane: offtensor's own work for this record (its lookups, or issuing a copy)
             # comes before the record is issued; nothing starts before the host has issued it.
-            host = max(host, barrier) + (0.0 if r.device_side else profile.host_ms(r.kind, r.pages, r.pooled))
+            host = max(host, barrier) + (0.0 if r.device_side else profile.host_ms(r.kind, r.pages, r.pooled, r.releases))
             ready = max(free[r.stream], host)
             for w in r.waits:
                 end = ends.get(w)
@@ -207,7 +211,7 @@ class Timeline:
         compute = host = 0.0
         for r in self.records:
             if r.step == step and r.kind in ("op", "copy"):
-                host += 0.0 if r.device_side else profile.host_ms(r.kind, r.pages, r.pooled)
+                host += 0.0 if r.device_side else profile.host_ms(r.kind, r.pages, r.pooled, r.releases)
                 if r.kind == "op" and r.stream == "host":  # an op the host computes itself
                     host += profile.host_op_ms(r.flops, r.nbytes, r.dtype)
                 elif r.kind == "op":
@@ -253,7 +257,7 @@ class Timeline:
             if r.step < first:
                 continue
             args = {"id": r.id, "bytes": r.nbytes, "flops": r.flops, "step": r.step, "waits": list(r.waits),
-                    "pages": r.pages}
+                    "pages": r.pages, "releases": r.releases}
             if r.measured_ms is not None:
                 args["measured_ts_us"] = r.measured_ms[0] * 1e3
                 args["measured_dur_us"] = (r.measured_ms[1] - r.measured_ms[0]) * 1e3
