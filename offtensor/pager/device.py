@@ -30,7 +30,7 @@ import os
 import torch
 
 from .. import _ext
-from .marks import Mark, Marks, Track
+from .marks import Joined, Mark, Marks, Track
 
 # The current stream's raw handle without building a Stream object (a C call returning an int);
 # None where this torch has no such call (a CPU build, or a version without it): then the
@@ -370,7 +370,7 @@ class CudaDevice(EmulatedDevice):
     # ------------------------------------------------------------------ tokens
 
     def _event(self, token):
-        """The event behind ``token`` (a mark resolves to one: ``Marks.event``), None if complete."""
+        """The event behind ``token``, an event or a mark (``Marks.event``); None if complete."""
         if type(token) is Mark:
             return self.marks.event(token)
         return token
@@ -380,9 +380,15 @@ class CudaDevice(EmulatedDevice):
             return True
         if type(token) is Mark:
             return self.marks.done(token)  # never records: "not known done" is the safe answer
+        if type(token) is Joined:
+            return all(self.marks.done(mark) for mark in token.marks)
         return token.query()
 
     def block(self, token) -> None:
+        if type(token) is Joined:
+            for mark in token.marks:
+                self.block(mark)
+            return
         event = self._event(token) if token is not None else None
         if event is not None:
             event.synchronize()
@@ -393,6 +399,10 @@ class CudaDevice(EmulatedDevice):
         if token is None:
             return
         stream = stream or self.op_stream()
+        if type(token) is Joined:
+            for mark in token.marks:
+                self.order_after(mark, stream)
+            return
         if type(token) is Mark:
             mine = token.track.stream
             if stream is mine or stream == mine:

@@ -48,6 +48,18 @@ class Mark:
         self.seq = seq
 
 
+class Joined:
+    """The last uses of a cached copy that ops on more than one stream read: the latest mark of each
+    stream (a mark on one stream says nothing about another's work). Rare: only where the caller
+    switches streams between ops reading one copy. ``track`` None: never any stream's own."""
+
+    __slots__ = ("marks",)
+    track = None
+
+    def __init__(self, marks: tuple):
+        self.marks = marks
+
+
 class Track:
     """One stream's marks: ``seq`` marks made so far; ``seqs``/``events`` the events recorded after
     mark ``seqs[i]`` (ascending), not yet known complete; ``recorded`` the last mark an event covers;
@@ -133,6 +145,14 @@ class Marks:
             track.done = track.recorded = track.seq
             self._recycle(track.events)
             track.seqs, track.events = [], []
+
+    def join(self, before, mark: Mark):
+        """The last use of a copy whose last use was ``before`` (a mark or ``Joined`` of another
+        stream than ``mark``'s) and that the op of ``mark`` read next: ``mark`` and whichever of
+        ``before``'s marks on other streams are not known complete."""
+        kept = [m for m in (before.marks if type(before) is Joined else (before,))
+                if m.track is not mark.track and not self.done(m)]
+        return Joined(tuple(kept) + (mark,)) if kept else mark
 
     def _record_now(self, track: Track):
         free = self._free
