@@ -477,3 +477,25 @@ def test_a_cache_hit_makes_one_raw_stream_lookup_and_an_event_every_n_hits(gpu):
     calls = hit_calls(gpu, pager, t)
     every = pager.device_ops.marks.every
     assert calls == {"raw stream": 1.0, "record": 1 / every, "Event()": 1 / every}, calls
+
+
+def test_the_probes_cuda_call_breakdown_runs_its_gpu_path_on_the_fake_gpu(gpu, monkeypatch):
+    # The next GPU run's probe measures these; a mistake in the GPU-only path would cost that run's
+    # figures, so it runs here on the fakes (its tensors on the CPU).
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu_probe.py")
+    spec = importlib.util.spec_from_file_location("gpu_probe_under_test", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: empty(*a, **k))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(device_module, "_raw_stream", lambda index: gpu.current.cuda_stream)
+    figures = probe.measure_cuda_calls(torch.device("cuda", 0), iters=3, repeats=1)
+    assert set(figures) == {"current_stream", "raw_stream", "op_stream_lookup", "mark", "event_record", "event_query",
+                            "wait_event", "stream_context", "set_stream_pair", "copy_1KiB"}
+    assert all(us >= 0 for us in figures.values())
+    assert probe.measure_cuda_calls(torch.device("cpu")) == {
+        "skipped": "not a GPU: the emulated device makes no CUDA calls"}
