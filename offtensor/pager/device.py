@@ -325,6 +325,10 @@ class CudaDevice(EmulatedDevice):
     def _current(self) -> Track:
         """The track of this device's current stream (a ``torch.cuda.stream(s)`` the caller entered
         included: the lookup is of the current stream, every time)."""
+        # One handle, one stream: torch's pool streams live as long as the process, and an external
+        # stream's object is its handle. (A stream destroyed and another made at its address would
+        # share its track: a caller who does that while copies it read are cached gets ordering
+        # after the new stream's work instead.)
         raw = _raw_stream
         if raw is not None:
             track = self.marks.tracks.get(raw(self.index))
@@ -362,8 +366,8 @@ class CudaDevice(EmulatedDevice):
                 dst.copy_(src, non_blocking=True)
             return
         caller = self._current().stream
-        torch.cuda.set_stream(stream)
         try:
+            torch.cuda.set_stream(stream)
             dst.copy_(src, non_blocking=True)
         finally:
             torch.cuda.set_stream(caller)
