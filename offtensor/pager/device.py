@@ -3,9 +3,10 @@ differ.
 
 A copy's completion token is a ``torch.cuda.Event`` on a GPU and a copy-engine ticket (an int) on
 the emulated device; on a GPU the last use of a cached copy is a mark (``marks.py``), which
-resolves to an event when something must wait for it. Everything else in the pager (waiting, eviction, slot reuse, host lifetimes,
-accounting) only asks ``done``, ``block`` and ``order_after`` about tokens and calls the copy
-methods below, so the same code runs on both kinds and what the CPU suite proves holds on the GPU.
+resolves to an event when something must wait for it. Everything else in the pager (waiting,
+eviction, slot reuse, host lifetimes, accounting) only asks ``done``, ``block`` and
+``order_after`` about tokens and calls the copy methods below, so the same code runs on both
+kinds and what the CPU suite proves holds on the GPU.
 
 - ``EmulatedDevice`` (``device="cpu"``): copies run on the extension's C++ worker thread
   (``_ext.CopyEngine``; ``_ext.StrictCopyEngine`` in strict mode: late, out of order, into
