@@ -499,3 +499,14 @@ def test_the_probes_cuda_call_breakdown_runs_its_gpu_path_on_the_fake_gpu(gpu, m
     assert all(us >= 0 for us in figures.values())
     assert probe.measure_cuda_calls(torch.device("cpu")) == {
         "skipped": "not a GPU: the emulated device makes no CUDA calls"}
+
+
+def test_the_mark_interval_comes_from_the_environment_and_a_bad_one_is_refused(gpu, monkeypatch):
+    monkeypatch.setenv("OFFTENSOR_MARK_EVERY", "1")
+    pager = _pager()
+    t = ot.offload(torch.randn(1024), pager=pager)
+    assert hit_calls(gpu, pager, t, n=8)["record"] == 1.0  # an event after every hit, as before marks
+    for bad in ("0", "often"):
+        monkeypatch.setenv("OFFTENSOR_MARK_EVERY", bad)
+        with pytest.raises(ValueError, match="OFFTENSOR_MARK_EVERY"):
+            _pager()

@@ -32,13 +32,29 @@ import os
 import torch
 
 from .. import _ext
-from .marks import Joined, Mark, Marks, Track
+from .marks import RECORD_EVERY, Joined, Mark, Marks, Track
 
 # The current stream's raw handle without building a Stream object (a C call returning an int);
 # None where this torch has no such call (a CPU build, or a version without it): then the
 # current stream is looked up through ``torch.cuda.current_stream``, as before.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def mark_every_from_env() -> int:
+    """``OFFTENSOR_MARK_EVERY``, else ``marks.RECORD_EVERY`` (8): marked ops per periodic last-use
+    event on a GPU. For measuring the trade: 1 records an event after every op that read a cached
+    copy, as offtensor did before marks."""
+    word = os.environ.get("OFFTENSOR_MARK_EVERY", "").strip()
+    if not word:
+        return RECORD_EVERY
+    try:
+        value = int(word)
+    except ValueError:
+        raise ValueError(f"offtensor: OFFTENSOR_MARK_EVERY must be a number of ops, got {word!r}") from None
+    if value < 1:
+        raise ValueError(f"offtensor: OFFTENSOR_MARK_EVERY must be >= 1 op, got {value}")
+    return value
 
 
 def _record_event(stream, event=None):
@@ -318,7 +334,7 @@ class CudaDevice(EmulatedDevice):
         self.engine = None
         self.copy_stream = torch.cuda.Stream(device=device)
         self.stream = None
-        self.marks = Marks(_record_event, _query_event)
+        self.marks = Marks(_record_event, _query_event, every=mark_every_from_env())
         self._op_track = None  # the op being paged: its stream's track, looked up once per op
 
     # ------------------------------------------------------------------ streams
