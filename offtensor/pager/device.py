@@ -319,7 +319,7 @@ class CudaDevice(EmulatedDevice):
 
     Host cost is the point of most of what follows: a cache hit runs ``op_stream``/``after_op`` on
     every op, so the current stream is looked up by its raw handle (one C call, an int) and the
-    ``torch.cuda.Stream`` seen last for that handle is reused, rather than a new Stream object per
+    ``torch.cuda.Stream`` first seen for that handle is reused, rather than a new Stream object per
     lookup; and the op's last use is a mark, not an event."""
 
     gpu = True
