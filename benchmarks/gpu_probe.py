@@ -7,7 +7,9 @@
   ``ot.offload``: exact-size host memory that the driver really registered;
 - host->device GB/s from pinned and from pageable memory (one buffer, median of a few copies);
 - ``host_us``: offtensor's own host time per cache-hit page and per copy on this machine's host
-  (``offtensor.sim.profiles.measure_host_us``), the figure the ``h200`` profile's ``host_us`` estimates.
+  (``offtensor.sim.profiles.measure_host_us``), the figure the ``h200`` profile's ``host_us`` estimates;
+- ``cuda_call_us`` (GPU only): host µs per call of the CUDA calls a page or a copy is made of,
+  so ``host_us`` can be read as a sum of them (``measure_cuda_calls``).
 
     python benchmarks/gpu_probe.py [--device cuda|cpu] [--out DIR]
 
@@ -52,6 +54,64 @@ def _gb_per_s(dst: torch.Tensor, src: torch.Tensor, device: torch.device, repeat
     return src.nbytes / statistics.median(times) / 1e9
 
 
+def measure_cuda_calls(device: torch.device, iters: int = 2000, repeats: int = 5) -> dict:
+    """Host µs per call, the fastest of ``repeats`` runs of ``iters`` calls: the pieces of the
+    pager's per-op host cost on a GPU. None of them waits for the device.
+
+    - ``current_stream``: ``torch.cuda.current_stream(device)`` (a Stream object per call);
+    - ``raw_stream``: ``torch._C._cuda_getCurrentRawStream`` (an int), where this torch has it;
+    - ``op_stream_lookup``: what ``CudaDevice`` does per op instead: the raw handle, then its track;
+    - ``mark``: a last-use mark (``Marks.mark``), an event every ``RECORD_EVERY`` marks included;
+    - ``event_record``: ``torch.cuda.Event()`` + ``record`` (what every hit cost before marks);
+    - ``event_query``: ``query()`` of a completed event;
+    - ``wait_event``: ``stream.wait_event`` on a completed event;
+    - ``stream_context``: ``with torch.cuda.stream(side): pass``;
+    - ``set_stream_pair``: ``torch.cuda.set_stream(side)`` and back (``CudaDevice._copy_on``);
+    - ``copy_1KiB``: a non-blocking 1 KiB copy from pinned memory on the current stream.
+    Skipped (``{"skipped": why}``) off a GPU."""
+    if device.type != "cuda":
+        return {"skipped": "not a GPU: the emulated device makes no CUDA calls"}
+    from offtensor.pager.device import CudaDevice, _raw_stream
+    from offtensor.sim.profiles import _min_us
+
+    sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream, side = torch.cuda.current_stream(device), torch.cuda.Stream(device=device)
+    done = torch.cuda.Event()
+    done.record(stream)
+    torch.cuda.synchronize(device)
+    src = torch.ones(1024, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(1024, dtype=torch.uint8, device=device)
+    ops = CudaDevice(device)
+    track = ops._current()
+
+    def event_record():
+        torch.cuda.Event().record(stream)
+
+    def stream_context():
+        with torch.cuda.stream(side):
+            pass
+
+    def set_stream_pair():
+        torch.cuda.set_stream(side)
+        torch.cuda.set_stream(stream)
+
+    calls = {
+        "current_stream": lambda: torch.cuda.current_stream(device),
+        "op_stream_lookup": ops._current,
+        "mark": lambda: ops.marks.mark(track),
+        "event_record": event_record,
+        "event_query": done.query,
+        "wait_event": lambda: stream.wait_event(done),
+        "stream_context": stream_context,
+        "set_stream_pair": set_stream_pair,
+        "copy_1KiB": lambda: dst.copy_(src, non_blocking=True),
+    }
+    if _raw_stream is not None:
+        calls["raw_stream"] = lambda: _raw_stream(index)
+    return {name: _min_us(call, iters, repeats, sync) for name, call in calls.items()}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -89,6 +149,10 @@ def main(argv=None) -> int:
         from offtensor.sim.profiles import measure_host_us
 
         report["host_us"] = measure_host_us(device, iters=500, repeats=5)
+        try:  # a breakdown: its failure must not cost the probe's other figures
+            report["cuda_call_us"] = measure_cuda_calls(device, iters=500, repeats=3)
+        except Exception as error:
+            report["cuda_call_us"] = {"error": f"{type(error).__name__}: {error}"}
     report["warnings"] = [str(w.message) for w in caught]
     for key, value in report.items():
         print(f"probe {key}: {value}", flush=True)

@@ -307,6 +307,7 @@ class _FakeEvent:
 class _FakeStream:
     def __init__(self, name):
         self.name = name
+        self.cuda_stream = id(self)  # the raw handle CudaDevice keys its stream tracks by
         self.waits = []
 
     def wait_event(self, event):
@@ -333,17 +334,25 @@ def _gpu_branch_pager(monkeypatch, budget):
     return pager, compute, copy
 
 
-def test_gpu_branch_records_events_only_for_cached_copies_and_stream_crossings(monkeypatch):
+def test_gpu_branch_records_events_only_for_copies_periodic_marks_and_stream_crossings(monkeypatch):
+    from offtensor.pager.marks import Mark
+
     pager, compute, copy = _gpu_branch_pager(monkeypatch, budget=4 * 4096 * 4)
     ts = [ot.offload(torch.randn(4096), pager=pager) for _ in range(3)]
     for t in ts:
-        assert torch.equal(t * 1, t._host)  # cached pages: one last-use event per op
+        assert torch.equal(t * 1, t._host)  # cached pages: a copy-ready event each, a last-use mark each
     start = _FakeEvent.created
-    for t in ts:  # cache hits on completed copies: the ready event is cleared, one last-use event each
+    for t in ts:  # cache hits on completed copies: the ready event is cleared, a mark and no event each
         view, entry = pager.page(t._host, t._master)
         assert entry.ready is None
         pager.release([entry])
-    assert _FakeEvent.created - start == 3
+        assert type(entry.last_use) is Mark and entry.last_use.track.stream is compute
+    assert _FakeEvent.created == start
+    every = pager.device_ops.marks.every
+    for _ in range(every):  # every ``every`` marked ops on a stream, one event
+        pager.release([pager.page(ts[0]._host, ts[0]._master)[1]])
+    assert _FakeEvent.created - start == 1
+    start = _FakeEvent.created
     pager.forget_master(ts[1]._master.id)  # its slot goes idle, for the transient pages below
     start = _FakeEvent.created
     for _ in range(10):  # private (transient) pages on the compute stream: no event at all
@@ -356,7 +365,7 @@ def test_gpu_branch_records_events_only_for_cached_copies_and_stream_crossings(m
     view, entry = pager.page(ts[1]._host, ts[1]._master)
     pager.release([entry])
     handover = [e for e in copy.waits if e.stream is compute]
-    assert len(handover) == 1 and _FakeEvent.created - start == 3  # handover, copy ready, last use
+    assert len(handover) == 1 and _FakeEvent.created - start == 2  # handover, copy ready (its last use: a mark)
     assert torch.equal(view, ts[1]._host)
     # Host sources of transient copies are released in sealed batches, not one event per copy.
     assert len(pager.lifetimes) <= pager.lifetimes.SEAL_EVERY

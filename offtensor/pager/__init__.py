@@ -18,6 +18,8 @@ slots and lifetimes only as objects handed to them):
     masters.py    Master (one host allocation's identity) and the registry by storage and by id
     device.py     per device kind (emulated, CUDA, meta): issuing copies, tokens, waits, streams,
                   events; whether host memory is pinned; resolve_device
+    marks.py      Marks: a cached copy's last use on a GPU as (stream, count), events recorded
+                  every few marks or on demand (pure bookkeeping; device.py records and queries)
     arena.py      Arena: one device buffer, ranges of it by offset (best fit), each free range
                   with the tokens of its last users; the rule for which copies open a range
     slots.py      SlotPool: the arena of a budgeted pager, its size, and overflow slots beside it

@@ -83,7 +83,7 @@ class CachedCopy:
         self.buf = buf
         self.nbytes = nbytes
         self.ready = ready  # completion token of the copy into buf; None once known complete
-        self.last_use = None  # GPU: the event recorded after the last op that read buf
+        self.last_use = None  # GPU: the mark of the last op that read buf (marks.py; one per stream if several)
         self.users = 0  # ops currently holding this copy; never evicted while > 0
         self.prefetched = False  # copied ahead of its use and not used yet
         # (layout, device view of buf) of the last cache hit that passed a memoized layout: the

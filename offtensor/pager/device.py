@@ -2,9 +2,11 @@
 differ.
 
 A copy's completion token is a ``torch.cuda.Event`` on a GPU and a copy-engine ticket (an int) on
-the emulated device. Everything else in the pager (waiting, eviction, slot reuse, host lifetimes,
-accounting) only asks ``done``, ``block`` and ``order_after`` about tokens and calls the copy
-methods below, so the same code runs on both kinds and what the CPU suite proves holds on the GPU.
+the emulated device; on a GPU the last use of a cached copy is a mark (``marks.py``), which
+resolves to an event when something must wait for it. Everything else in the pager (waiting,
+eviction, slot reuse, host lifetimes, accounting) only asks ``done``, ``block`` and
+``order_after`` about tokens and calls the copy methods below, so the same code runs on both
+kinds and what the CPU suite proves holds on the GPU.
 
 - ``EmulatedDevice`` (``device="cpu"``): copies run on the extension's C++ worker thread
   (``_ext.CopyEngine``; ``_ext.StrictCopyEngine`` in strict mode: late, out of order, into
@@ -30,6 +32,41 @@ import os
 import torch
 
 from .. import _ext
+from .marks import RECORD_EVERY, Joined, Mark, Marks, Track
+
+# The current stream's raw handle without building a Stream object (a C call returning an int);
+# None where this torch has no such call (a CPU build, or a version without it): then the
+# current stream is looked up through ``torch.cuda.current_stream``, as before.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def mark_every_from_env() -> int:
+    """``OFFTENSOR_MARK_EVERY``, else ``marks.RECORD_EVERY`` (8): marked ops per periodic last-use
+    event on a GPU. For measuring the trade: 1 records an event after every op that read a cached
+    copy, as offtensor did before marks."""
+    word = os.environ.get("OFFTENSOR_MARK_EVERY", "").strip()
+    if not word:
+        return RECORD_EVERY
+    try:
+        value = int(word)
+    except ValueError:
+        raise ValueError(f"offtensor: OFFTENSOR_MARK_EVERY must be a number of ops, got {word!r}") from None
+    if value < 1:
+        raise ValueError(f"offtensor: OFFTENSOR_MARK_EVERY must be >= 1 op, got {value}")
+    return value
+
+
+def _record_event(stream, event=None):
+    """``event`` (None: a new one) recorded on ``stream`` now: ``Marks``' one way to make events."""
+    if event is None:
+        event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _query_event(event) -> bool:
+    return event.query()
 
 # On the emulated device, copies this small that the caller waits for are done inline.
 SMALL_COPY_BYTES = 1 << 20
@@ -276,38 +313,133 @@ class MetaDevice(EmulatedDevice):
 
 
 class CudaDevice(EmulatedDevice):
-    """A GPU: tokens are ``torch.cuda.Event``s; copies ahead of use on the pager's copy stream."""
+    """A GPU: copy-ready tokens are ``torch.cuda.Event``s, last-use tokens are ``marks.Mark``s (an
+    event recorded only every few ops or when a consumer needs one); copies ahead of use on the
+    pager's copy stream.
+
+    Host cost is the point of most of what follows: a cache hit runs ``op_stream``/``after_op`` on
+    every op, so the current stream is looked up by its raw handle (one C call, an int) and the
+    ``torch.cuda.Stream`` first seen for that handle is reused, rather than a new Stream object per
+    lookup; and the op's last use is a mark, not an event."""
 
     gpu = True
     tracks_last_use = True
-    __slots__ = ()
+    __slots__ = ("index", "marks", "_op_track")
 
     def __init__(self, device: torch.device, strict: bool = False):
         self.device = device
+        self.index = device.index if device.index is not None else (
+            torch.cuda.current_device() if device.type == "cuda" else 0)
         self.strict = False
         self.engine = None
         self.copy_stream = torch.cuda.Stream(device=device)
         self.stream = None
+        self.marks = Marks(_record_event, _query_event, every=mark_every_from_env())
+        self._op_track = None  # the op being paged: its stream's track, looked up once per op
+
+    # ------------------------------------------------------------------ streams
+
+    def _current(self) -> Track:
+        """The track of this device's current stream (a ``torch.cuda.stream(s)`` the caller entered
+        included: the lookup is of the current stream, every time)."""
+        # One handle, one stream: torch's pool streams live as long as the process, and an external
+        # stream's object is its handle. (A stream destroyed and another made at its address would
+        # share its track: a caller who does that while copies it read are cached gets ordering
+        # after the new stream's work instead.)
+        raw = _raw_stream
+        if raw is not None:
+            track = self.marks.tracks.get(raw(self.index))
+            if track is not None:
+                return track
+        stream = torch.cuda.current_stream(self.device)
+        return self.marks.track(stream.cuda_stream, stream)
+
+    def op_stream(self):
+        track = self._op_track
+        if track is None:
+            track = self._op_track = self._current()
+        return track.stream
+
+    def after_op(self, entries):
+        """(the op's stream, a mark for the op when it read a cached copy: that copy's last use,
+        which eviction orders after). Transient copies need none: their slots are reused in the
+        op stream's order (``reuse_token``) and their host sources are released in batches
+        (``HostLifetimes``)."""
+        track, self._op_track = self._op_track, None
+        if track is None:
+            track = self._current()
+        for entry in entries:
+            if entry.key is not None:
+                return track.stream, self.marks.mark(track)
+        return track.stream, None
+
+    def _copy_on(self, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` enqueued on ``stream``. What ``with torch.cuda.stream(stream)`` does,
+        without its context object and its Stream lookups, where that is the same thing: the
+        current device is this pager's (``set_stream`` would also switch the device) and the
+        caller's stream comes from the track cache."""
+        if _raw_stream is None or _current_device() != self.index:
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            return
+        caller = self._current().stream
+        try:
+            torch.cuda.set_stream(stream)
+            dst.copy_(src, non_blocking=True)
+        finally:
+            torch.cuda.set_stream(caller)
 
     # ------------------------------------------------------------------ tokens
 
+    def _event(self, token):
+        """The event behind ``token``, an event or a mark (``Marks.event``); None if complete."""
+        if type(token) is Mark:
+            return self.marks.event(token)
+        return token
+
     def done(self, token) -> bool:
-        return token is None or token.query()
+        if token is None:
+            return True
+        if type(token) is Mark:
+            return self.marks.done(token)  # never records: "not known done" is the safe answer
+        if type(token) is Joined:
+            return all(self.marks.done(mark) for mark in token.marks)
+        return token.query()
 
     def block(self, token) -> None:
-        if token is not None:
-            token.synchronize()
+        if type(token) is Joined:
+            for mark in token.marks:
+                self.block(mark)
+            return
+        event = self._event(token) if token is not None else None
+        if event is not None:
+            event.synchronize()
+            if type(token) is Mark:
+                self.marks.synchronized(token)
 
     def order_after(self, token, stream=None) -> None:
-        if token is not None:
-            (stream or self.op_stream()).wait_event(token)
+        if token is None:
+            return
+        stream = stream or self.op_stream()
+        if type(token) is Joined:
+            for mark in token.marks:
+                self.order_after(mark, stream)
+            return
+        if type(token) is Mark:
+            mine = token.track.stream
+            if stream is mine or stream == mine:
+                return  # the reader ran on this very stream: its order is enough, no event
+            token = self.marks.event(token)
+            if token is None:
+                return
+        stream.wait_event(token)
 
     def settle(self, token) -> None:
-        if token is not None:
-            token.synchronize()
+        self.block(token)
 
     def drain(self) -> None:
         torch.cuda.synchronize(self.device)  # the copy stream's copies and every op queued
+        self.marks.all_done()
 
     def block_stream(self, stream) -> None:
         stream.synchronize()  # a transient copy without an event of its own: its stream
@@ -316,16 +448,6 @@ class CudaDevice(EmulatedDevice):
         event = torch.cuda.Event()
         event.record(stream)
         return event
-
-    def op_stream(self):
-        if self.stream is None:
-            self.stream = torch.cuda.current_stream(self.device)
-        return self.stream
-
-    def after_op(self, entries):
-        stream, self.stream = self.stream, None
-        stream = stream or torch.cuda.current_stream(self.device)
-        return stream, self.last_use(entries, stream)
 
     # ------------------------------------------------------------------ memory
 
@@ -340,7 +462,7 @@ class CudaDevice(EmulatedDevice):
         """Memory last used by transient copies on a compute stream has no event: on that same
         stream, order is enough; another stream gets an event recorded now, after everything
         enqueued there, the last use included. So events are made only where memory crosses
-        streams, not per op."""
+        streams, not per op. A mark is returned as it is: ``order_after`` resolves it."""
         if token is None and last_stream is not None and last_stream != stream:
             token = self.new_event(last_stream)
         return token
@@ -348,9 +470,7 @@ class CudaDevice(EmulatedDevice):
     def before_free(self, token, last_stream) -> None:
         """The allocator may hand the block to the next copy-stream allocation at once: that stream
         waits for its last use first."""
-        token = self.reuse_token(token, last_stream, self.copy_stream)
-        if token is not None:
-            self.copy_stream.wait_event(token)
+        self.order_after(self.reuse_token(token, last_stream, self.copy_stream), self.copy_stream)
 
     def release_cached(self) -> None:
         """An arena was let go (a resize, ``clear``): its block goes back to the driver rather than
@@ -374,10 +494,14 @@ class CudaDevice(EmulatedDevice):
     # ------------------------------------------------------------------ copies
 
     def copy_ahead(self, buf: torch.Tensor, src: torch.Tensor):
-        with torch.cuda.stream(self.copy_stream):
-            buf.copy_(src, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(self.copy_stream)
+        # A new event per copy, not one from a pool: a copy's ready event is shared by its cache
+        # entry, its host lifetime record and, once evicted unread, a free range of the arena, so
+        # none of them knows when the others let go; an event recorded again while one still held
+        # it would make that holder wait for a later copy.
+        stream = self.copy_stream
+        self._copy_on(stream, buf, src)
+        ready = torch.cuda.Event()
+        ready.record(stream)
         return ready
 
     def copy_in_line(self, buf: torch.Tensor, src: torch.Tensor, nbytes: int, lifetimes):
@@ -386,7 +510,7 @@ class CudaDevice(EmulatedDevice):
         return None
 
     def copy_out(self, buf: torch.Tensor, src: torch.Tensor, lifetimes) -> None:
-        stream = torch.cuda.current_stream(self.device)
+        stream = self._current().stream
         buf.copy_(src, non_blocking=True)
         lifetimes.keep(src, self.new_event(stream))
 
@@ -396,36 +520,25 @@ class CudaDevice(EmulatedDevice):
         else:
             self.op_stream().wait_event(entry.ready)
 
-    def last_use(self, entries, stream):
-        """An event on the op's stream, after the op, only when a cached copy was used: it is that
-        copy's last use, which eviction waits for. Transient copies need none: their slots are
-        reused in the op stream's order (``reuse_token``) and their host sources are released in
-        batches (``HostLifetimes``)."""
-        for entry in entries:
-            if entry.key is not None:
-                return self.new_event(stream)
-        return None
-
     def transient_free_after(self, entry):
         return None  # ordered by the op's stream (give's last_stream)
 
     def copy_within(self, dst: torch.Tensor, src: torch.Tensor, after):
-        """On the copy stream, after the tokens ``after``: a device-to-device copy at memory
-        bandwidth, far cheaper than paging the weights again from the host."""
+        """On the copy stream, after the tokens ``after`` (the copy that filled ``src``, the mark
+        of its last reader): a device-to-device copy at memory bandwidth, far cheaper than paging
+        the weights again from the host."""
         stream = self.copy_stream
         for token in after:
-            if token is not None:
-                stream.wait_event(token)
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-            moved = torch.cuda.Event()
-            moved.record(stream)
+            self.order_after(token, stream)
+        self._copy_on(stream, dst, src)
+        moved = torch.cuda.Event()
+        moved.record(stream)
         return moved
 
     def load_copy(self, dst: torch.Tensor, src: torch.Tensor):
         # The copy stream first waits for the work queued on the caller's stream (the last reader
         # of a block the allocator handed ``dst``), as the extension's engine did.
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.copy_stream.wait_stream(self._current().stream)
         return self.copy_ahead(dst, src)
 
     # ------------------------------------------------------------------ CUDA graphs

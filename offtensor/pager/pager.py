@@ -300,7 +300,7 @@ class Pager(RoomCalls, Recovering, PagingState):
 
     def release(self, entries) -> None:
         """The op that used ``entries`` has been enqueued: mark when the device is done with them
-        (on a GPU, an event after the op when a cached copy was used: ``CudaDevice.last_use``),
+        (on a GPU, a mark after the op when a cached copy was used: ``CudaDevice.after_op``),
         then give back the holds of ``lock`` that ``page`` and ``upload`` took, one per entry: the
         op is over, another thread's may run (after an exception, the op's record: ``Paged``)."""
         try:
@@ -318,7 +318,11 @@ class Pager(RoomCalls, Recovering, PagingState):
                         self.pool.give(entry.slot, ops.transient_free_after(entry), stream)
                         entry.slot = None
                 elif last_use is not None:
-                    entry.last_use = last_use
+                    before = entry.last_use
+                    # Read on another stream before (a caller's stream switch): that reader stays
+                    # one to wait for (``Marks.join``); the usual case is one stream, replaced.
+                    entry.last_use = (last_use if before is None or before.track is last_use.track
+                                      else ops.marks.join(before, last_use))
             if self._overflowed:
                 self.room.drop_overflowed()  # cached copies outside the arena go with their op
         except BaseException:
