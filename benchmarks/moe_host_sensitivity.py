@@ -1,0 +1,118 @@
+"""What bounds the MoE look-ahead's gain in the H200 replay: offtensor's host time, or the guesses.
+
+The decode traces of ``moe_sim.py`` (the committed trained models, held-out text, their learned
+look-ahead) replayed as its ``h200_sized`` rows are (experts of Qwen3-30B-A3B's bytes, 25% of them
+cached, the last 192 of 256 decode steps under the ``h200`` profile), once per set of host figures:
+the figures measured on the H200's host, then the same profile with offtensor's host time per page,
+per copy issued and per further expert of a grouped GEMM cut to hypothetical lower figures (what a
+leaner GPU hit path would leave; not measurements). For each: ms per decode step with the cache
+alone, with the default guesses, and with a perfect look-ahead (the trace's true routing of the
+next layer fed in as the look-ahead logits: every guess right, the same gates and eviction), and
+how much faster than the cache alone each is.
+
+    python benchmarks/moe_host_sensitivity.py [--models qwen3 qwen2 mixtral] [--fraction 0.25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moe_sim  # noqa: E402
+from moe_replay import h200_replay  # noqa: E402
+from results_io import save_result  # noqa: E402
+
+from offtensor.sim import profiles  # noqa: E402
+
+# Host microseconds: the H200 host's measured figures (per page, per copy; no per-expert figure yet,
+# so each expert of a grouped GEMM costs a whole page), then hypothetical cuts of them.
+HOST_SETS = {
+    "measured on the H200's host": None,
+    "hypothetical: page 12, copy 12, expert 6": {"page": 12.0, "copy": 12.0, "expert": 6.0},
+    "hypothetical: page 6, copy 6, expert 4": {"page": 6.0, "copy": 6.0, "expert": 4.0},
+}
+SURE = 30.0  # a logit this far above the rest: a softmax of ~1 on the true experts
+
+
+def perfect(trace: dict) -> dict:
+    """The trace with each layer's look-ahead logits replaced by its next layer's true routing (the
+    last layer's by the next step's first layer, as a learned map guesses it); no two-ahead or
+    next-token maps."""
+    out = copy.copy(trace)
+    steps = trace["steps"]
+    out["steps"] = []
+    for s, step in enumerate(steps):
+        new = []
+        for i, rec in enumerate(step):
+            nxt = step[i + 1] if i + 1 < len(step) else (steps[s + 1][0] if s + 1 < len(steps) else None)
+            r = dict(rec, ahead2=None, own=None)
+            r.pop("router_input", None)
+            if nxt is not None:
+                ahead = torch.zeros(rec["routed"].shape[0], trace["experts"])
+                if nxt["routed"].shape[0] == ahead.shape[0]:  # the same tokens at the next layer
+                    ahead.scatter_(1, nxt["routed"].long(), SURE)
+                else:  # the prefill's last layer: its last token is the one the next step follows
+                    ahead[-1].scatter_(0, nxt["routed"][-1].long(), SURE)
+                r["ahead"] = ahead
+            new.append(r)
+        out["steps"].append(new)
+    out["two_ahead_layers"], out["own_layers"] = [], []
+    # Every layer guesses from its (perfect) look-ahead with a learned layer's evidence.
+    out["learned_layers"] = list(range(trace["layers"]))
+    return out
+
+
+def evaluate(name: str, fraction: float) -> dict:
+    model = moe_sim.load_model(name)
+    ids = moe_sim.heldout_ids(0, 32 + 256 + 1 + moe_sim.TIMELINE_STEPS)
+    predictor = moe_sim.lookahead_of(name, model, False)
+    trace = moe_sim.record_trace(model, ids, 32, 256, predictor)
+    oracle = perfect(trace)
+    base = profiles.PROFILES["h200"]
+    rows = {}
+    try:
+        for label, host in HOST_SETS.items():
+            profiles.PROFILES["h200"] = base if host is None else dataclasses.replace(base, host_us=dict(host))
+            alone = h200_replay(copy.copy(trace), fraction, False)["step_ms_mean"]
+            default = h200_replay(copy.copy(trace), fraction, True)
+            best = h200_replay(oracle, fraction, True)
+            rows[label] = {
+                "host_us": dict(profiles.PROFILES["h200"].host_us),
+                "cache_alone_ms": alone,
+                "default_ms": default["step_ms_mean"], "default_faster": 1 - default["step_ms_mean"] / alone,
+                "default_covered_misses": default["covered_misses"], "default_wasted_share": default["wasted_share"],
+                "perfect_ms": best["step_ms_mean"], "perfect_faster": 1 - best["step_ms_mean"] / alone,
+                "perfect_covered_misses": best["covered_misses"], "perfect_wasted_share": best["wasted_share"],
+            }
+            print(f"{name} {label}: cache alone {alone:.3f} ms, default {rows[label]['default_ms']:.3f} "
+                  f"({100 * rows[label]['default_faster']:.1f} % faster), perfect look-ahead "
+                  f"{rows[label]['perfect_ms']:.3f} ({100 * rows[label]['perfect_faster']:.1f} % faster)", flush=True)
+    finally:
+        profiles.PROFILES["h200"] = base
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=["qwen3", "qwen2", "mixtral"])
+    p.add_argument("--fraction", type=float, default=0.25)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    body = {"fraction_cached": args.fraction, "recorded_steps": 192,
+            "models": {name: evaluate(name, args.fraction) for name in args.models}}
+    body["seconds"] = time.perf_counter() - t0
+    save_result(args.out, "moe_host_sensitivity.json", "H200 replay of MoE decode under lower host costs",
+                torch.device("cpu"), argv, body)
+
+
+if __name__ == "__main__":
+    main()
