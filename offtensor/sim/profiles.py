@@ -257,34 +257,9 @@ def measure_host_us(device=None, profile: Optional[Profile] = None, iters: int =
     cached_pager = Pager(device, budget_bytes=1 << 20)
     subjects = {"plain": weight.to(device), "hit": offload(weight, pager=cached_pager),
                 "copy": offload(weight, device)}
-    # The pooled grouped GEMM: bf16 on a GPU (its _grouped_mm kernel's dtype), float32 here.
-    gx = x.to(torch.bfloat16) if device.type == "cuda" else x
-    stack, offs = torch.randn(4, 16, 16, dtype=gx.dtype), torch.tensor([0, 1, 1, 1], dtype=torch.int32, device=device)
-    routings = (offs, offs.clone())
-
-    def layer(w):  # as an MoE layer calls them: two GEMMs per routing (the second reuses the admit)
-        for o in routings:
-            torch._grouped_mm(gx, w.transpose(-2, -1), o)
-            torch._grouped_mm(gx, w.transpose(-2, -1), o)
-
-    # A grouped GEMM on the expert cache's hit path, one routed row to each of 1 and of 4 cached
-    # experts: one dispatch and one release either way, so the difference is 3 experts' lookups and
-    # one-group kernels.
-    g4 = gx.expand(4, -1).contiguous()
-    to_one = torch.tensor([1, 1, 1, 1], dtype=torch.int32, device=device)
-    to_four = torch.tensor([1, 2, 3, 4], dtype=torch.int32, device=device)
     try:
-        pooled, pool_pager = _pooled(stack, device)  # a master holds its pager weakly: kept here
-        dense = stack.to(device)
-        cached_stack = offload(stack, pager=cached_pager).transpose(-2, -1)
-        experts = {"experts_1": lambda: torch._grouped_mm(gx, cached_stack, to_one),
-                   "experts_4": lambda: torch._grouped_mm(g4, cached_stack, to_four)}
-        with torch.no_grad():
-            for w in (dense, pooled):  # the first calls: the pool's fetch, the kernels' first launches
-                layer(w)
-            for call in experts.values():  # the first calls: every expert copied once, then hits
-                call()
-        subjects.update(stack=dense, pool=pooled, **experts)
+        grouped, keep = _grouped_subjects(x, cached_pager, device)  # keep: the pool's pager, held here
+        subjects.update(grouped)
     except RuntimeError as error:  # no grouped GEMM on this device: no "pool" figure, and why
         warnings.warn(f"offtensor: measure_host_us: the pooled grouped GEMM does not run on {device} ({error}); "
                       f"host_us has no 'pool' figure")
@@ -292,10 +267,9 @@ def measure_host_us(device=None, profile: Optional[Profile] = None, iters: int =
     with torch.no_grad():
         for _ in range(repeats):  # interleaved: a burst of load hits all alike
             for name, w in subjects.items():
-                if callable(w):
-                    best[name] = min(best[name], _min_us(w, iters, 1, sync))
-                elif w.dim() == 3:  # per grouped GEMM
-                    best[name] = min(best[name], _min_us(lambda: layer(w), max(iters // 4, 1), 1, sync) / 4)
+                if isinstance(w, tuple):  # (a call, the grouped GEMMs it makes)
+                    calls = w[1]
+                    best[name] = min(best[name], _min_us(w[0], max(iters // calls, 1), 1, sync) / calls)
                 else:
                     best[name] = min(best[name], _min_us(lambda: F.linear(x, w), iters, 1, sync))
     plain, stacked, kernel = best["plain"], best.get("stack"), 0.0
@@ -313,6 +287,42 @@ def measure_host_us(device=None, profile: Optional[Profile] = None, iters: int =
         # GPU, host time the plain one-kernel call does not spend) and no release of its own.
         host["expert"] = max((best["experts_4"] - best["experts_1"]) / 3 - kernel, 0.0)
     return host
+
+
+def _grouped_subjects(x: torch.Tensor, cached_pager, device) -> tuple:
+    """measure_host_us's grouped GEMMs, each ``(a call, the grouped GEMMs it makes)``, first called
+    once (the pool's fetch, every expert's first copy, the kernels' first launches): ``stack`` and
+    ``pool``, an MoE layer's two GEMMs per routing (the second reuses the admit) twice on a plain
+    stack and on one served from a device-side expert pool; ``experts_1`` / ``experts_4``, one on
+    the expert cache's hit path routing one row to each of 1 and of 4 cached experts (one dispatch
+    and one release either way: the difference is 3 experts' lookups and one-group kernels).
+    (the subjects, what must outlive them)"""
+    from ..tensor import offload
+
+    # bf16 on a GPU (its _grouped_mm kernel's dtype), float32 here.
+    gx = x.to(torch.bfloat16) if device.type == "cuda" else x
+    stack = torch.randn(4, 16, 16, dtype=gx.dtype)
+    offs = torch.tensor([0, 1, 1, 1], dtype=torch.int32, device=device)
+    routings = (offs, offs.clone())
+
+    def layer(w):
+        for o in routings:
+            torch._grouped_mm(gx, w.transpose(-2, -1), o)
+            torch._grouped_mm(gx, w.transpose(-2, -1), o)
+
+    pooled, pool_pager = _pooled(stack, device)  # a master holds its pager weakly
+    dense = stack.to(device)
+    cached_stack = offload(stack, pager=cached_pager).transpose(-2, -1)
+    g4 = gx.expand(4, -1).contiguous()
+    to_one = torch.tensor([1, 1, 1, 1], dtype=torch.int32, device=device)
+    to_four = torch.tensor([1, 2, 3, 4], dtype=torch.int32, device=device)
+    subjects = {"stack": (lambda: layer(dense), 4), "pool": (lambda: layer(pooled), 4),
+                "experts_1": (lambda: torch._grouped_mm(gx, cached_stack, to_one), 1),
+                "experts_4": (lambda: torch._grouped_mm(g4, cached_stack, to_four), 1)}
+    with torch.no_grad():
+        for call, _ in subjects.values():
+            call()
+    return subjects, (pool_pager, pooled)
 
 
 def _pooled(stack: torch.Tensor, device) -> tuple:
