@@ -9,7 +9,9 @@
 - ``host_us``: offtensor's own host time per cache-hit page and per copy on this machine's host
   (``offtensor.sim.profiles.measure_host_us``), the figure the ``h200`` profile's ``host_us`` estimates;
 - ``cuda_call_us`` (GPU only): host µs per call of the CUDA calls a page or a copy is made of,
-  so ``host_us`` can be read as a sum of them (``measure_cuda_calls``).
+  so ``host_us`` can be read as a sum of them (``measure_cuda_calls``);
+- ``host_us_event_per_op`` (GPU only): ``host_us`` again with an event recorded after every op that
+  read a cached copy (``OFFTENSOR_MARK_EVERY=1``, the pager before last-use marks).
 
     python benchmarks/gpu_probe.py [--device cuda|cpu] [--out DIR]
 
@@ -112,6 +114,19 @@ def measure_cuda_calls(device: torch.device, iters: int = 2000, repeats: int = 5
     return {name: _min_us(call, iters, repeats, sync) for name, call in calls.items()}
 
 
+def _with_env(name: str, value: str, fn):
+    """``fn()`` with the environment variable ``name`` set to ``value`` (read when a pager is made)."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -153,6 +168,9 @@ def main(argv=None) -> int:
             report["cuda_call_us"] = measure_cuda_calls(device, iters=500, repeats=3)
         except Exception as error:
             report["cuda_call_us"] = {"error": f"{type(error).__name__}: {error}"}
+        if gpu:  # the same with an event per marked op (the pager before last-use marks): the A/B
+            report["host_us_event_per_op"] = _with_env("OFFTENSOR_MARK_EVERY", "1",
+                                                       lambda: measure_host_us(device, iters=500, repeats=5))
     report["warnings"] = [str(w.message) for w in caught]
     for key, value in report.items():
         print(f"probe {key}: {value}", flush=True)
