@@ -159,3 +159,38 @@ def test_a_wrapped_quantised_weight_is_on_its_leaves_device_when_they_move_to_an
     assert weight.device == meta and weight.untyped_storage().device == meta
     assert weight.detach().device == meta and model.state_dict()["0.weight"].device == meta
     assert model(torch.randn(2, 128, dtype=torch.bfloat16, device="meta")).device == meta
+
+
+@pytest.mark.parametrize("config", ["int8", "float8", "int4"])
+def test_on_host_lends_quantised_weights_over_their_leaves_host_masters(config, device):
+    """A transform over an already quantised, wrapped model (here: dequantising every weight back
+    to a plain Parameter) reads each quantised weight as its class rebuilt over its leaves' host
+    masters: nothing paged. Before, ``ot.on_host`` lent only plain offloaded weights, and
+    ``dequantize()`` paged every quantised leaf onto the device whole."""
+    from offtensor import leaves
+
+    cfg = _configs()[config]
+    model = _quantised(cfg)
+    weights = [m.weight for m in model if isinstance(m, torch.nn.Linear)]
+    originals = [w.dequantize() for w in weights]  # before wrapping: the host's own values
+    ot.wrap_model(model, budget_gb=0.5 * _bytes(model) / GiB, device=device, policy="*")
+    assert all(isinstance(leaf, ot.OffloadedTensor) for w in weights for leaf in leaves.leaf_tensors(w))
+    ot.reset_stats(model)
+    with torch.no_grad(), ot.on_host(model):
+        linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+        for linear, weight, original in zip(linears, weights, originals, strict=True):
+            lent = linear.weight
+            assert type(lent) is type(weight) and lent is not weight and lent.device.type == "cpu"
+            assert torch.equal(lent.dequantize(), original)
+            linear.weight = torch.nn.Parameter(lent.dequantize(), requires_grad=False)
+        assert ot.stats(model).bytes_h2d == 0, "reading the lent quantised weights paged their leaves"
+    assert all(isinstance(m.weight, ot.OffloadedTensor) for m in linears)  # placed as usual
+    reference = _quantised(cfg)
+    for m in reference:
+        if isinstance(m, torch.nn.Linear):
+            m.weight = torch.nn.Parameter(m.weight.dequantize(), requires_grad=False)
+    x = torch.randn(2, 128, dtype=torch.bfloat16).to(device)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference.to(device)(x))
+    s = ot.stats(model)
+    assert s.peak_device_bytes <= s.budget_bytes, s
