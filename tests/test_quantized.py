@@ -194,3 +194,54 @@ def test_on_host_lends_quantised_weights_over_their_leaves_host_masters(config, 
         assert torch.equal(model(x), reference.to(device)(x))
     s = ot.stats(model)
     assert s.peak_device_bytes <= s.budget_bytes, s
+
+
+CASTS = {
+    "half()": lambda m: m.half(),
+    "to(float16)": lambda m: m.to(torch.float16),
+    "float()": lambda m: m.float(),
+    "to(float32)": lambda m: m.to(torch.float32),
+}
+
+
+@pytest.mark.parametrize("cast", list(CASTS))
+@pytest.mark.parametrize("config", ["int8", "float8", "int4"])
+def test_a_cast_of_a_wrapped_quantised_model_is_the_unwrapped_cast_with_its_leaves_offloaded(config, cast, device):
+    """A cast of a quantised model whose leaves are offloaded: each quantised weight cast as its
+    class casts it unwrapped (torchao's intx casts its scale under ``.to(dtype)`` but not under
+    ``.half()``; its Int8Tensor and Float8Tensor keep their dtype), computed on the host with
+    nothing paged, the leaves the cast changed offloaded at their new size, the ones it left kept
+    as they are. Before: torch's path paged the leaves and kept plain device tensors outside the
+    budget, then failed counting them."""
+    from offtensor import leaves
+
+    cfg = _configs()[config]
+    model = _quantised(cfg)
+    weight = model[0].weight
+    ot.wrap_model(model, budget_gb=0.5 * _bytes(model) / GiB, device=device, policy="*")
+    before = leaves.leaf_tensors(weight)
+    assert all(isinstance(leaf, ot.OffloadedTensor) for leaf in before)
+    ot.reset_stats(model)
+    CASTS[cast](model)
+    assert ot.stats(model).bytes_h2d == 0, "the cast paged the quantised leaves"
+    reference = CASTS[cast](_quantised(cfg))
+    assert model[0].weight is weight and type(weight) is type(reference[0].weight)
+    assert weight.dtype == reference[0].weight.dtype and weight.device == torch.device(device)
+    for got, old, want in zip(leaves.leaf_tensors(weight), before, leaves.leaf_tensors(reference[0].weight),
+                              strict=True):
+        assert isinstance(got, ot.OffloadedTensor) and got.dtype == want.dtype
+        assert torch.equal(got.cpu(), want)
+        assert (got is old) == (want.dtype == old.dtype)  # a leaf the cast leaves as it is is not copied
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4)).to(device, reference[0].bias.dtype)
+    reference.to(device)
+    with torch.no_grad():
+        try:
+            want = reference(x)
+        except RuntimeError as error:  # .half() of Int8Tensor: a bf16 weight beside fp16 biases, unwrapped too
+            with pytest.raises(RuntimeError, match="same dtype"):
+                model(x)
+            assert "same dtype" in str(error)
+        else:
+            assert torch.equal(model(x), want)
+    s = ot.stats(model)
+    assert s.peak_device_bytes <= s.budget_bytes, s
