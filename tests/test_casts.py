@@ -289,3 +289,19 @@ def test_a_cast_the_subclass_cannot_do_on_its_host_leaves_raises_naming_it_befor
         model.half()
     assert model.weight is param and param.elem is leaf and param.dtype == torch.float32
     assert ot.stats(model).bytes_h2d == 0
+
+
+def test_a_cast_of_a_resident_subclass_takes_torchs_path_and_counts_its_leaves(swap_on_conversion, device):
+    """A wrapper subclass with no offloaded leaf is cast by torch as usual. Before, counting its
+    device bytes afterwards raised "Attempted to access the data pointer on an invalid python
+    storage" (the outer object has no storage of its own)."""
+    model = _two_tensor_stack()
+    reference = _two_tensor_stack().half().to(device)
+    ot.wrap_model(model, budget_gb=4 * _leaf_bytes(model) / GiB, device=device)
+    assert not _offloaded(model)
+    model.half()
+    assert model[0].weight.a.dtype == torch.float16
+    assert ot.stats(model).resident_bytes == _leaf_bytes(model)
+    x = torch.randn(2, 128).to(device, torch.float16)
+    with torch.no_grad():
+        assert torch.equal(model(x).b, reference(x).b)

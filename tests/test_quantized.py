@@ -245,3 +245,29 @@ def test_a_cast_of_a_wrapped_quantised_model_is_the_unwrapped_cast_with_its_leav
             assert torch.equal(model(x), want)
     s = ot.stats(model)
     assert s.peak_device_bytes <= s.budget_bytes, s
+
+
+def test_a_cast_of_a_quantised_weight_with_resident_and_offloaded_leaves_keeps_each_where_it_was(device):
+    """The budget keeps the small scales resident and offloads the int8 data: ``.to(float16)``
+    casts the resident scale on the host copy and puts it back on the device, resident, within
+    budget; the offloaded data is left as it is."""
+    from offtensor import leaves
+
+    cfg = _configs()["int4"]
+    model = _quantised(cfg)
+    ot.wrap_model(model, budget_gb=0.6 * _bytes(model) / GiB, device=device)
+    mixed = [m.weight for m in model if isinstance(m, torch.nn.Linear)
+             and len({isinstance(leaf, ot.OffloadedTensor) for leaf in leaves.leaf_tensors(m.weight)}) == 2]
+    assert mixed, "no quantised weight with both resident and offloaded leaves at this budget"
+    where = [[isinstance(leaf, ot.OffloadedTensor) for leaf in leaves.leaf_tensors(w)] for w in mixed]
+    ot.reset_stats(model)
+    model.to(torch.float16)
+    assert ot.stats(model).bytes_h2d == 0
+    assert [[isinstance(leaf, ot.OffloadedTensor) for leaf in leaves.leaf_tensors(w)] for w in mixed] == where
+    assert all(w.dtype == torch.float16 and w.scale.dtype == torch.float16 for w in mixed)
+    reference = _quantised(cfg).to(torch.float16).to(device)
+    x = torch.randn(3, 128).to(device, torch.float16)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    s = ot.stats(model)
+    assert s.resident_bytes + 0 <= s.budget_bytes and s.peak_device_bytes <= s.budget_bytes, s
