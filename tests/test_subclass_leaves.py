@@ -309,3 +309,32 @@ def test_a_subclass_replaced_inside_on_host_is_placed_and_an_error_inside_gives_
         model(x)
     s = ot.stats(model)
     assert s.peak_device_bytes <= s.budget_bytes, s
+
+
+def test_a_dtensor_with_an_offloaded_shard_is_lent_by_on_host_and_cast_on_the_host(one_rank_mesh, device):
+    """A DTensor weight whose local shard is offloaded: ``ot.on_host`` lends it over the shard's
+    host master, and ``.half()`` casts the shard host side into a new master, the DTensor object
+    kept; nothing paged in either."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if device != "cpu":
+        pytest.skip("the one-rank mesh is a cpu mesh")
+    torch.manual_seed(0)
+    model = nn.Linear(HIDDEN, HIDDEN, bias=False)
+    shard = model.weight.detach().clone()
+    model.weight = param = nn.Parameter(DTensor.from_local(shard.clone(), one_rank_mesh, [Shard(0)], run_check=False),
+                                        requires_grad=False)
+    ot.wrap_model(model, offload_gb=1e-9, device=device, policy="*")
+    leaf = param._local_tensor
+    assert isinstance(leaf, OffloadedTensor)
+    ot.reset_stats(model)
+    with torch.no_grad(), ot.on_host(model):
+        lent = model.weight
+        assert type(lent) is DTensor and lent is not param and type(lent._local_tensor) is torch.Tensor
+        assert torch.equal(lent.to_local(), shard)
+    assert model.weight is param and param._local_tensor is leaf
+    model.half()
+    assert ot.stats(model).bytes_h2d == 0
+    assert model.weight is param and type(param) is DTensor and param.dtype == torch.float16
+    assert isinstance(param._local_tensor, OffloadedTensor) and param._local_tensor.dtype == torch.float16
+    assert torch.equal(param._local_tensor.cpu(), shard.half())
