@@ -26,46 +26,17 @@ def cast_wrapper(state: State, module: nn.Module, attr: str, t: torch.Tensor, dt
     """Cast the wrapper ``t`` registered as ``module.attr`` to ``dtype`` as its class does, in
     place (``t`` stays the registered object). Everything that can fail (the class's cast on the
     host, the room to page each new leaf) happens before ``t`` changes: an error leaves it as it was."""
-    pager = state.pager
     full_name = state.qualified_name(module, attr)
     stand_in = HostStandIn(t)
-    try:
-        with torch.no_grad():
-            result = _cast_on_host(stand_in.tensor, dtype, fn)
-    except Exception as error:  # noqa: BLE001 - any class's failure, named with the weight it is for
-        nbytes = sum(leaf.numel() * leaf.element_size() for leaf in leaves.leaf_tensors(t))
-        offloaded = sum(leaf.numel() * leaf.element_size() for leaf in leaves.leaf_tensors(t)
-                        if isinstance(leaf, OffloadedTensor))
-        raise RuntimeError(
-            f"offtensor: cannot cast '{full_name}' (a {type(t).__name__} of {nbytes} bytes in its leaves, {offloaded} "
-            f"of them offloaded) to {dtype}: its class's cast does not run on its leaves' host memory "
-            f"({type(error).__name__}: {error}), and on the device it would hold the whole weight at once outside "
-            f"the budget. Nothing was cast. Cast the model before ot.wrap_model, or unwrap it, cast, and wrap "
-            f"again.") from error
+    result = _host_result(full_name, t, stand_in, dtype, fn)
     new_leaves = leaves.leaves(result)
     pairs = stand_in.pairs if len(stand_in.pairs) == len(new_leaves) else None  # else: a new structure
+    olds = [pair[0] for pair in pairs] if pairs is not None else [None] * len(new_leaves)
     if pairs is not None and result.dtype == t.dtype and all(
             _same(new, host) for (_, _, new), (_, host) in zip(new_leaves, pairs)):
         return  # the class's cast leaves this weight as it is (torchao's Int8Tensor under .half())
     slots = _slots_of(state, t)
-    skip = frozenset((m, a) for m, a, _ in slots) | state.lent_slots
-    storages = resident_storages(state.model_ref(), pager.device, skip)
-    resident = sum(storages.values())
-    plan = []  # per new leaf: the tensor it becomes, or ("offload" | "resident", host tensor)
-    for i, (_, leaf_attr, new) in enumerate(new_leaves):
-        old, host = pairs[i] if pairs is not None else (None, None)
-        if old is not None and _same(new, host):
-            plan.append(old)
-            if not isinstance(old, OffloadedTensor) and old.device == pager.device:
-                key, nbytes = storage_bytes(old)
-                resident += 0 if key in storages else nbytes
-                storages[key] = nbytes
-        elif old is not None and not isinstance(old, OffloadedTensor) and resident + state.working_set_bytes + (
-                new.numel() * new.element_size()) <= pager.budget_bytes:
-            plan.append(("resident", new))
-            resident += new.numel() * new.element_size()
-        else:
-            plan.append(("offload", new))
+    plan, resident = _plan(state, frozenset((m, a) for m, a, _ in slots), new_leaves, pairs)
     room = state.working_set_bytes
     try:
         for (_, leaf_attr, new), step in zip(new_leaves, plan):
@@ -76,26 +47,9 @@ def cast_wrapper(state: State, module: nn.Module, attr: str, t: torch.Tensor, dt
     except BaseException:
         state.working_set_bytes = room  # nothing changed
         raise
+    placed = {id(new): _placed(state, full_name, step, old, resident)
+              for (_, _, new), step, old in zip(new_leaves, plan, olds)}
     grad = t.grad
-    placed = {}
-    pin = pins_host_memory(pager.device)
-    for i, ((_, _, new), step) in enumerate(zip(new_leaves, plan)):
-        old = pairs[i][0] if pairs is not None else None
-        if not isinstance(step, tuple):
-            placed[id(new)] = step
-            continue
-        if step[0] == "offload":
-            host = new_host_master(new, pin=pin)
-            master = master_for(host, pager)
-            master.name = full_name
-            leaf = OffloadedTensor(host, master)
-        else:
-            pager.room_for_resident(resident)  # cached copies go before the new bytes are allocated
-            leaf = new.to(pager.device)
-            state.resident_ptrs.add(leaf.untyped_storage().data_ptr())
-        if old is not None and leaf.requires_grad != old.requires_grad:
-            leaf.requires_grad_(old.requires_grad)  # DTensor keeps its local shard's flag equal to its own
-        placed[id(new)] = leaf
     with torch.no_grad():
         final = dressed_like(t, leaves.rebuild(result, lambda leaf: placed[id(leaf)]))
     root = Member(t)
@@ -105,7 +59,71 @@ def cast_wrapper(state: State, module: nn.Module, attr: str, t: torch.Tensor, dt
         root.tensor.grad = fn(grad)
     if "experts" in full_name.split("."):
         state.experts_stale = True  # the registry names the old masters
-    pager.recount_resident(resident)
+    state.pager.recount_resident(resident)
+
+
+def _host_result(full_name: str, t: torch.Tensor, stand_in: HostStandIn, dtype: torch.dtype, fn) -> torch.Tensor:
+    """The class's cast of ``t`` computed on its host stand-in; a clear error when it cannot be."""
+    try:
+        with torch.no_grad():
+            return _cast_on_host(stand_in.tensor, dtype, fn)
+    except Exception as error:  # noqa: BLE001 - any class's failure, named with the weight it is for
+        nbytes = sum(leaf.numel() * leaf.element_size() for leaf in leaves.leaf_tensors(t))
+        offloaded = sum(leaf.numel() * leaf.element_size() for leaf in leaves.leaf_tensors(t)
+                        if isinstance(leaf, OffloadedTensor))
+        raise RuntimeError(
+            f"offtensor: cannot cast '{full_name}' (a {type(t).__name__} of {nbytes} bytes in its leaves, {offloaded} "
+            f"of them offloaded) to {dtype}: its class's cast does not run on its leaves' host memory "
+            f"({type(error).__name__}: {error}), and on the device it would hold the whole weight at once outside "
+            f"the budget. Nothing was cast. Cast the model before ot.wrap_model, or unwrap it, cast, and wrap "
+            f"again.") from error
+
+
+def _plan(state: State, skip: frozenset, new_leaves: list, pairs) -> tuple:
+    """Where each leaf of the cast goes: the old leaf itself where the cast left it as it was, else
+    ``("resident", host tensor)`` for one that was resident and still fits beside the resident
+    weights and the paging room, else ``("offload", host tensor)``. Returns (plan, resident bytes
+    of the model afterwards)."""
+    pager = state.pager
+    storages = resident_storages(state.model_ref(), pager.device, skip | state.lent_slots)
+    resident = sum(storages.values())
+    plan = []
+    for i, (_, _, new) in enumerate(new_leaves):
+        old, host = pairs[i] if pairs is not None else (None, None)
+        nbytes = new.numel() * new.element_size()
+        if old is not None and _same(new, host):
+            plan.append(old)
+            if not isinstance(old, OffloadedTensor) and old.device == pager.device:
+                key, old_bytes = storage_bytes(old)
+                resident += 0 if key in storages else old_bytes
+                storages[key] = old_bytes
+        elif (old is not None and not isinstance(old, OffloadedTensor)
+              and resident + state.working_set_bytes + nbytes <= pager.budget_bytes):
+            plan.append(("resident", new))
+            resident += nbytes
+        else:
+            plan.append(("offload", new))
+    return plan, resident
+
+
+def _placed(state: State, full_name: str, step, old, resident: int) -> torch.Tensor:
+    """The leaf ``step`` of the plan becomes: offloaded into a new host master, or on the device."""
+    if not isinstance(step, tuple):
+        return step
+    pager = state.pager
+    kind, new = step
+    if kind == "offload":
+        host = new_host_master(new, pin=pins_host_memory(pager.device))
+        master = master_for(host, pager)
+        master.name = full_name
+        leaf = OffloadedTensor(host, master)
+    else:
+        pager.room_for_resident(resident)  # cached copies go before the new bytes are allocated
+        leaf = new.to(pager.device)
+        state.resident_ptrs.add(leaf.untyped_storage().data_ptr())
+    if old is not None and leaf.requires_grad != old.requires_grad:
+        leaf.requires_grad_(old.requires_grad)  # DTensor keeps its local shard's flag equal to its own
+    return leaf
 
 
 def _cast_on_host(stand_in: torch.Tensor, dtype: torch.dtype, fn) -> torch.Tensor:
