@@ -28,7 +28,7 @@ def cast_wrapper(state: State, module: nn.Module, attr: str, t: torch.Tensor, dt
     host, the room to page each new leaf) happens before ``t`` changes: an error leaves it as it was."""
     full_name = state.qualified_name(module, attr)
     stand_in = HostStandIn(t)
-    result = _host_result(full_name, t, stand_in, dtype, fn)
+    result = _host_result(full_name, t, stand_in, dtype, fn, state.pager.budget_bytes)
     new_leaves = leaves.leaves(result)
     pairs = stand_in.pairs if len(stand_in.pairs) == len(new_leaves) else None  # else: a new structure
     olds = [pair[0] for pair in pairs] if pairs is not None else [None] * len(new_leaves)
@@ -62,7 +62,8 @@ def cast_wrapper(state: State, module: nn.Module, attr: str, t: torch.Tensor, dt
     state.pager.recount_resident(resident)
 
 
-def _host_result(full_name: str, t: torch.Tensor, stand_in: HostStandIn, dtype: torch.dtype, fn) -> torch.Tensor:
+def _host_result(full_name: str, t: torch.Tensor, stand_in: HostStandIn, dtype: torch.dtype, fn,
+                 budget: int) -> torch.Tensor:
     """The class's cast of ``t`` computed on its host stand-in; a clear error when it cannot be."""
     try:
         with torch.no_grad():
@@ -74,8 +75,9 @@ def _host_result(full_name: str, t: torch.Tensor, stand_in: HostStandIn, dtype: 
         raise RuntimeError(
             f"offtensor: cannot cast '{full_name}' (a {type(t).__name__} of {nbytes} bytes in its leaves, {offloaded} "
             f"of them offloaded) to {dtype}: its class's cast does not run on its leaves' host memory "
-            f"({type(error).__name__}: {error}), and on the device it would hold the whole weight at once outside "
-            f"the budget. Nothing was cast. Cast the model before ot.wrap_model, or unwrap it, cast, and wrap "
+            f"({type(error).__name__}: {error}). Offloaded leaves are cast on the host only: on the device the "
+            f"class's cast would hold every leaf of the weight and its cast copy at once, outside the budget of "
+            f"{budget} bytes. Nothing was cast. Cast the model before ot.wrap_model, or unwrap it, cast, and wrap "
             f"again.") from error
 
 
