@@ -159,3 +159,149 @@ def test_a_kept_weight_that_leaves_no_room_to_page_raises_naming_it_and_the_byte
         model[3] = torch.nn.Linear(128, 128)
     assert isinstance(model[3], torch.nn.GELU)
     assert ot.stats(model).resident_bytes == 2 * 128 * 4
+
+
+# Casts of a wrapper-subclass weight whose leaves are offloaded (TwoTensor here; torchao's below).
+# Before: torch's own path ran the class's cast as an op, paging every leaf onto the device and
+# keeping the results as plain device tensors outside the budget, then failed counting them
+# ("Attempted to access the data pointer on an invalid python storage").
+
+def _two_tensor_stack(dtype=torch.float32, width=128):
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    model = _stack(dtype, width=width, depth=2)
+    w = model[0].weight.detach()
+    model[0].weight = torch.nn.Parameter(TwoTensor(w.clone(), w.clone() * 2))
+    return model
+
+
+def _leaf_bytes(model) -> int:
+    from offtensor import leaves
+
+    return sum(t.numel() * t.element_size() for p in model.parameters() for t in leaves.leaf_tensors(p))
+
+
+WRAPPER_CASTS = {
+    "half()": (torch.float32, lambda m: m.half(), torch.float16),
+    "to(bfloat16)": (torch.float32, lambda m: m.to(torch.bfloat16), torch.bfloat16),
+    "float()": (torch.bfloat16, lambda m: m.float(), torch.float32),
+}
+
+
+@pytest.mark.parametrize("cast", list(WRAPPER_CASTS))
+def test_a_cast_of_a_subclass_with_offloaded_leaves_casts_them_host_side_keeping_the_object(
+        cast, swap_on_conversion, device):
+    from offtensor import leaves
+
+    start, apply, dtype = WRAPPER_CASTS[cast]
+    model = _two_tensor_stack(start)
+    reference = apply(_two_tensor_stack(start)).to(device)
+    param = model[0].weight
+    param.loader_tag = tag = object()
+    ot.wrap_model(model, budget_gb=0.5 * _leaf_bytes(model) / GiB, device=device, policy="*")
+    assert all(isinstance(leaf, ot.OffloadedTensor) for leaf in leaves.leaf_tensors(param))
+    ot.reset_stats(model)
+    apply(model)
+    s = ot.stats(model)
+    assert s.bytes_h2d == 0, "the cast paged the leaves instead of casting their host masters"
+    assert model[0].weight is param and type(param).__name__ == "TwoTensor" and isinstance(param, torch.nn.Parameter)
+    assert param.loader_tag is tag and param.dtype == dtype and param.device == torch.device(device)
+    assert all(isinstance(leaf, ot.OffloadedTensor) and leaf.dtype == dtype for leaf in leaves.leaf_tensors(param))
+    assert torch.equal(param.a.cpu(), reference[0].weight.a.cpu()) and torch.equal(param.b.cpu(),
+                                                                                   reference[0].weight.b.cpu())
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    with torch.no_grad():
+        out, ref = model(x), reference(x)
+    assert torch.equal(out.a, ref.a) and torch.equal(out.b, ref.b)
+    s = ot.stats(model)
+    assert s.bytes_h2d > 0 and s.peak_device_bytes <= s.budget_bytes, s
+    gc_collect()
+    assert ot.stats(model).offloaded_bytes == _leaf_bytes(model)  # the old leaves' masters are gone
+
+
+def gc_collect():
+    import gc
+
+    gc.collect()
+
+
+@pytest.mark.filterwarnings("ignore:offtensor. the budget of")
+def test_an_upcast_of_a_subclass_whose_leaves_cannot_be_paged_at_the_new_size_raises_before_changing_it(device):
+    """bf16 leaves paged a row at a time in an 800-byte budget (a row of each leaf and of the bias:
+    768 bytes); at float64 one row of one leaf is 1024 bytes. A BudgetError naming the leaf and its
+    bytes, and the weight is left as it was, still usable."""
+    from offtensor import leaves
+
+    model = _two_tensor_stack(torch.bfloat16)
+    ot.wrap_model(model, budget_gb=800 / GiB, device=device, policy="*")
+    param = model[0].weight
+    before = leaves.leaf_tensors(param)
+    assert all(isinstance(leaf, ot.OffloadedTensor) for leaf in before)
+    with pytest.raises(ot.BudgetError, match=r"0\.weight \(its leaf a\) \(131072 bytes\) needs 1024 bytes on the "
+                                             r"device to be paged"):
+        model.double()
+    assert model[0].weight is param and param.dtype == torch.bfloat16
+    assert all(a is b for a, b in zip(leaves.leaf_tensors(param), before, strict=True))
+    reference = _two_tensor_stack(torch.bfloat16).to(device)
+    x = torch.randn(2, 128).to(device, torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(model(x).a, reference(x).a)
+
+
+class _NoCast(torch.Tensor):
+    """A wrapper subclass whose class has no cast kernel: its ``_to_copy`` raises."""
+
+    @staticmethod
+    def __new__(cls, elem):
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype, device=elem.device,
+                                                   strides=elem.stride())
+
+    def __init__(self, elem):
+        self.elem = elem
+
+    def __tensor_flatten__(self):
+        return ["elem"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, size, stride):
+        return _NoCast(inner["elem"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default:
+            raise NotImplementedError("_NoCast has no cast kernel")
+        unwrap = lambda a: a.elem if isinstance(a, _NoCast) else a  # noqa: E731
+        out = func(*map(unwrap, args), **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+        return _NoCast(out) if isinstance(out, torch.Tensor) and func.overloadpacket in (
+            torch.ops.aten.detach, torch.ops.aten.alias) else out
+
+
+def test_a_cast_the_subclass_cannot_do_on_its_host_leaves_raises_naming_it_before_changing_anything(device):
+    model = torch.nn.Linear(64, 64, bias=False)
+    model.weight = param = torch.nn.Parameter(_NoCast(model.weight.detach().clone()), requires_grad=False)
+    ot.wrap_model(model, offload_gb=1e-9, device=device, policy="*")
+    leaf = param.elem
+    assert isinstance(leaf, ot.OffloadedTensor)
+    ot.reset_stats(model)
+    with pytest.raises(RuntimeError, match=r"cannot cast 'weight' \(a _NoCast of 16384 bytes in its leaves, 16384 of "
+                                           r"them offloaded\) to torch.float16: .*_NoCast has no cast kernel.*Nothing "
+                                           r"was cast"):
+        model.half()
+    assert model.weight is param and param.elem is leaf and param.dtype == torch.float32
+    assert ot.stats(model).bytes_h2d == 0
+
+
+def test_a_cast_of_a_resident_subclass_takes_torchs_path_and_counts_its_leaves(swap_on_conversion, device):
+    """A wrapper subclass with no offloaded leaf is cast by torch as usual. Before, counting its
+    device bytes afterwards raised "Attempted to access the data pointer on an invalid python
+    storage" (the outer object has no storage of its own)."""
+    model = _two_tensor_stack()
+    reference = _two_tensor_stack().half().to(device)
+    ot.wrap_model(model, budget_gb=4 * _leaf_bytes(model) / GiB, device=device)
+    assert not _offloaded(model)
+    model.half()
+    assert model[0].weight.a.dtype == torch.float16
+    assert ot.stats(model).resident_bytes == _leaf_bytes(model)
+    x = torch.randn(2, 128).to(device, torch.float16)
+    with torch.no_grad():
+        assert torch.equal(model(x).b, reference(x).b)

@@ -159,3 +159,115 @@ def test_a_wrapped_quantised_weight_is_on_its_leaves_device_when_they_move_to_an
     assert weight.device == meta and weight.untyped_storage().device == meta
     assert weight.detach().device == meta and model.state_dict()["0.weight"].device == meta
     assert model(torch.randn(2, 128, dtype=torch.bfloat16, device="meta")).device == meta
+
+
+@pytest.mark.parametrize("config", ["int8", "float8", "int4"])
+def test_on_host_lends_quantised_weights_over_their_leaves_host_masters(config, device):
+    """A transform over an already quantised, wrapped model (here: dequantising every weight back
+    to a plain Parameter) reads each quantised weight as its class rebuilt over its leaves' host
+    masters: nothing paged. Before, ``ot.on_host`` lent only plain offloaded weights, and
+    ``dequantize()`` paged every quantised leaf onto the device whole."""
+    from offtensor import leaves
+
+    cfg = _configs()[config]
+    model = _quantised(cfg)
+    weights = [m.weight for m in model if isinstance(m, torch.nn.Linear)]
+    originals = [w.dequantize() for w in weights]  # before wrapping: the host's own values
+    ot.wrap_model(model, budget_gb=0.5 * _bytes(model) / GiB, device=device, policy="*")
+    assert all(isinstance(leaf, ot.OffloadedTensor) for w in weights for leaf in leaves.leaf_tensors(w))
+    ot.reset_stats(model)
+    with torch.no_grad(), ot.on_host(model):
+        linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+        for linear, weight, original in zip(linears, weights, originals, strict=True):
+            lent = linear.weight
+            assert type(lent) is type(weight) and lent is not weight and lent.device.type == "cpu"
+            assert torch.equal(lent.dequantize(), original)
+            linear.weight = torch.nn.Parameter(lent.dequantize(), requires_grad=False)
+        assert ot.stats(model).bytes_h2d == 0, "reading the lent quantised weights paged their leaves"
+    assert all(isinstance(m.weight, ot.OffloadedTensor) for m in linears)  # placed as usual
+    reference = _quantised(cfg)
+    for m in reference:
+        if isinstance(m, torch.nn.Linear):
+            m.weight = torch.nn.Parameter(m.weight.dequantize(), requires_grad=False)
+    x = torch.randn(2, 128, dtype=torch.bfloat16).to(device)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference.to(device)(x))
+    s = ot.stats(model)
+    assert s.peak_device_bytes <= s.budget_bytes, s
+
+
+CASTS = {
+    "half()": lambda m: m.half(),
+    "to(float16)": lambda m: m.to(torch.float16),
+    "float()": lambda m: m.float(),
+    "to(float32)": lambda m: m.to(torch.float32),
+}
+
+
+@pytest.mark.parametrize("cast", list(CASTS))
+@pytest.mark.parametrize("config", ["int8", "float8", "int4"])
+def test_a_cast_of_a_wrapped_quantised_model_is_the_unwrapped_cast_with_its_leaves_offloaded(config, cast, device):
+    """A cast of a quantised model whose leaves are offloaded: each quantised weight cast as its
+    class casts it unwrapped (torchao's intx casts its scale under ``.to(dtype)`` but not under
+    ``.half()``; its Int8Tensor and Float8Tensor keep their dtype), computed on the host with
+    nothing paged, the leaves the cast changed offloaded at their new size, the ones it left kept
+    as they are. Before: torch's path paged the leaves and kept plain device tensors outside the
+    budget, then failed counting them."""
+    from offtensor import leaves
+
+    cfg = _configs()[config]
+    model = _quantised(cfg)
+    weight = model[0].weight
+    ot.wrap_model(model, budget_gb=0.5 * _bytes(model) / GiB, device=device, policy="*")
+    before = leaves.leaf_tensors(weight)
+    assert all(isinstance(leaf, ot.OffloadedTensor) for leaf in before)
+    ot.reset_stats(model)
+    CASTS[cast](model)
+    assert ot.stats(model).bytes_h2d == 0, "the cast paged the quantised leaves"
+    reference = CASTS[cast](_quantised(cfg))
+    assert model[0].weight is weight and type(weight) is type(reference[0].weight)
+    assert weight.dtype == reference[0].weight.dtype and weight.device == torch.device(device)
+    for got, old, want in zip(leaves.leaf_tensors(weight), before, leaves.leaf_tensors(reference[0].weight),
+                              strict=True):
+        assert isinstance(got, ot.OffloadedTensor) and got.dtype == want.dtype
+        assert torch.equal(got.cpu(), want)
+        assert (got is old) == (want.dtype == old.dtype)  # a leaf the cast leaves as it is is not copied
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4)).to(device, reference[0].bias.dtype)
+    reference.to(device)
+    with torch.no_grad():
+        try:
+            want = reference(x)
+        except RuntimeError as error:  # .half() of Int8Tensor: a bf16 weight beside fp16 biases, unwrapped too
+            with pytest.raises(RuntimeError, match="same dtype"):
+                model(x)
+            assert "same dtype" in str(error)
+        else:
+            assert torch.equal(model(x), want)
+    s = ot.stats(model)
+    assert s.peak_device_bytes <= s.budget_bytes, s
+
+
+def test_a_cast_of_a_quantised_weight_with_resident_and_offloaded_leaves_keeps_each_where_it_was(device):
+    """The budget keeps the small scales resident and offloads the int8 data: ``.to(float16)``
+    casts the resident scale on the host copy and puts it back on the device, resident, within
+    budget; the offloaded data is left as it is."""
+    from offtensor import leaves
+
+    cfg = _configs()["int4"]
+    model = _quantised(cfg)
+    ot.wrap_model(model, budget_gb=0.6 * _bytes(model) / GiB, device=device)
+    mixed = [m.weight for m in model if isinstance(m, torch.nn.Linear)
+             and len({isinstance(leaf, ot.OffloadedTensor) for leaf in leaves.leaf_tensors(m.weight)}) == 2]
+    assert mixed, "no quantised weight with both resident and offloaded leaves at this budget"
+    where = [[isinstance(leaf, ot.OffloadedTensor) for leaf in leaves.leaf_tensors(w)] for w in mixed]
+    ot.reset_stats(model)
+    model.to(torch.float16)
+    assert ot.stats(model).bytes_h2d == 0
+    assert [[isinstance(leaf, ot.OffloadedTensor) for leaf in leaves.leaf_tensors(w)] for w in mixed] == where
+    assert all(w.dtype == torch.float16 and w.scale.dtype == torch.float16 for w in mixed)
+    reference = _quantised(cfg).to(torch.float16).to(device)
+    x = torch.randn(3, 128).to(device, torch.float16)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    s = ot.stats(model)
+    assert s.resident_bytes + 0 <= s.budget_bytes and s.peak_device_bytes <= s.budget_bytes, s

@@ -233,3 +233,108 @@ def test_a_dtensor_and_its_quantised_local_shard_are_on_their_leaves_device_when
     assert all(isinstance(leaf, OffloadedTensor) for leaf in leaves.leaf_tensors(param))
     _assert_on_its_leaves_device(param, torch.device("meta"))
     assert param.detach().device.type == "meta"
+
+
+# ``ot.on_host`` lends a wrapper-subclass weight whose leaves are offloaded as its class rebuilt
+# over the leaves' host masters. Before, it lent only OffloadedTensor parameters: a transform read
+# the TwoTensor through paging (bytes_h2d > 0), each leaf copied onto the device whole.
+
+def _offloaded_two_tensor_model(device):
+    model = _two_tensor_model()
+    param = model[0].weight
+    param.loader_tag = object()
+    ot.wrap_model(model, budget_gb=(LINEAR_BYTES + 2 * 1024) / 2**30, device=device)
+    assert isinstance(param.a, OffloadedTensor) and isinstance(param.b, OffloadedTensor)
+    ot.reset_stats(model)
+    return model, param
+
+
+def test_on_host_lends_a_subclass_over_its_leaves_host_masters_and_gives_it_back(device):
+    model, param = _offloaded_two_tensor_model(device)
+    a, b = param.a, param.b
+    original = _two_tensor_model()[0].weight
+    with torch.no_grad(), ot.on_host(model):
+        lent = model[0].weight
+        assert lent is not param and type(lent) is TwoTensor and isinstance(lent, nn.Parameter)
+        assert lent.loader_tag is param.loader_tag and lent.requires_grad == param.requires_grad
+        assert lent.device.type == "cpu" and type(lent.a) is torch.Tensor and type(lent.b) is torch.Tensor
+        assert torch.equal(lent.a, original.a) and torch.equal(lent.b, original.b)
+        summed = lent.a + lent.b  # what a transform computes, on the host
+        assert ot.stats(model).bytes_h2d == 0, "reading the lent subclass paged its leaves onto the device"
+    assert torch.equal(summed, original.a + original.b)
+    assert model[0].weight is param and param.a is a and param.b is b
+    x = torch.randn(3, HIDDEN).to(device)
+    ref = _two_tensor_model().to(device)(x)
+    out = model(x)
+    assert torch.equal(out.a, ref.a) and torch.equal(out.b, ref.b)
+
+
+def test_a_write_through_a_lent_subclass_reaches_its_masters_and_the_next_forward(device):
+    model, param = _offloaded_two_tensor_model(device)
+    x = torch.randn(3, HIDDEN).to(device)
+    with torch.no_grad():
+        model(x)  # caches device copies of the offloaded leaves
+        ot.reset_stats(model)
+        with ot.on_host(model):
+            model[0].weight.mul_(2)
+        assert ot.stats(model).bytes_h2d == 0, "the write paged the leaves instead of writing their masters"
+        reference = _two_tensor_model()
+        reference[0].weight.mul_(2)
+        ref = reference.to(device)(x)
+        out = model(x)
+    assert model[0].weight is param and isinstance(param.a, OffloadedTensor)
+    assert torch.equal(out.a, ref.a) and torch.equal(out.b, ref.b)
+
+
+def test_a_subclass_replaced_inside_on_host_is_placed_and_an_error_inside_gives_every_weight_back(device):
+    model, param = _offloaded_two_tensor_model(device)
+    second = model[1].weight
+    with pytest.raises(RuntimeError, match="the transform failed"), torch.no_grad():
+        with ot.on_host(model):
+            model[0].weight.fill_(1)  # what it wrote before failing stays written, as without the block
+            assert ot.stats(model).bytes_h2d == 0
+            raise RuntimeError("the transform failed")
+    assert model[0].weight is param and isinstance(param.a, OffloadedTensor) and model[1].weight is second
+    assert torch.equal(param.a.cpu(), torch.ones(HIDDEN, HIDDEN))
+    with torch.no_grad(), ot.on_host(model):
+        lent = model[0].weight
+        model[0].weight = nn.Parameter(lent.a + lent.b)  # e.g. a transform merging the two
+        assert ot.stats(model).bytes_h2d == 0
+    merged = model[0].weight
+    assert isinstance(merged, nn.Parameter) and merged is not param
+    assert isinstance(merged, OffloadedTensor)  # placed as usual: it does not fit beside the resident weights
+    assert torch.equal(merged.detach().cpu(), torch.full((HIDDEN, HIDDEN), 2.0))
+    x = torch.randn(3, HIDDEN).to(device)
+    with torch.no_grad():
+        model(x)
+    s = ot.stats(model)
+    assert s.peak_device_bytes <= s.budget_bytes, s
+
+
+def test_a_dtensor_with_an_offloaded_shard_is_lent_by_on_host_and_cast_on_the_host(one_rank_mesh, device):
+    """A DTensor weight whose local shard is offloaded: ``ot.on_host`` lends it over the shard's
+    host master, and ``.half()`` casts the shard host side into a new master, the DTensor object
+    kept; nothing paged in either."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if device != "cpu":
+        pytest.skip("the one-rank mesh is a cpu mesh")
+    torch.manual_seed(0)
+    model = nn.Linear(HIDDEN, HIDDEN, bias=False)
+    shard = model.weight.detach().clone()
+    model.weight = param = nn.Parameter(DTensor.from_local(shard.clone(), one_rank_mesh, [Shard(0)], run_check=False),
+                                        requires_grad=False)
+    ot.wrap_model(model, offload_gb=1e-9, device=device, policy="*")
+    leaf = param._local_tensor
+    assert isinstance(leaf, OffloadedTensor)
+    ot.reset_stats(model)
+    with torch.no_grad(), ot.on_host(model):
+        lent = model.weight
+        assert type(lent) is DTensor and lent is not param and type(lent._local_tensor) is torch.Tensor
+        assert torch.equal(lent.to_local(), shard)
+    assert model.weight is param and param._local_tensor is leaf
+    model.half()
+    assert ot.stats(model).bytes_h2d == 0
+    assert model.weight is param and type(param) is DTensor and param.dtype == torch.float16
+    assert isinstance(param._local_tensor, OffloadedTensor) and param._local_tensor.dtype == torch.float16
+    assert torch.equal(param._local_tensor.cpu(), shard.half())

@@ -14,7 +14,9 @@ from ..tensor import OffloadedTensor, new_host_master
 from .groups import Member, StorageGroup
 from .moves import check_offloadable_quietly, offload_group, resident_storages_of, storage_bytes
 from .room import replan_paging_room, reserve_paging_room
+from .standins import has_offloaded_leaves
 from .state import State, placing_state
+from .wrapper_casts import cast_wrapper
 
 
 def apply_to_wrapped(apply, module: nn.Module, fn, recurse: bool = True):
@@ -84,7 +86,8 @@ def _cast_offloaded(state: State, module: nn.Module, fn) -> list:
     handled = []
     for table in (module._parameters, module._buffers):
         for attr, t in table.items():
-            if not isinstance(t, OffloadedTensor):
+            wrapper = has_offloaded_leaves(t)
+            if not isinstance(t, OffloadedTensor) and not wrapper:
                 continue
             stand_in = torch.empty((2,) * t.dim(), dtype=t.dtype, device=t.device)
             try:
@@ -98,6 +101,10 @@ def _cast_offloaded(state: State, module: nn.Module, fn) -> list:
             if (not isinstance(probe, torch.Tensor) or type(probe) is not torch.Tensor or probe.device != t.device
                     or probe.shape != stand_in.shape or not probe.is_contiguous() or probe.dtype == t.dtype):
                 continue  # not a plain cast: torch's path
+            if wrapper:  # its leaves offloaded: the class's own cast, computed on their host masters
+                cast_wrapper(state, module, attr, t, probe.dtype, fn)
+                handled.append((table, attr, table[attr]))
+                continue
             _cast_master(state, state.qualified_name(module, attr), t, probe.dtype)
             if t.grad is not None:
                 t.grad = fn(t.grad)
@@ -138,8 +145,9 @@ def _replan_resident_after_cast(state: State, module: nn.Module, before: int) ->
     resident = max(0, pager.budget.resident_bytes + after - before)
     for table in (module._parameters, module._buffers):
         for t in table.values():
-            if t is not None and not isinstance(t, OffloadedTensor) and t.device == pager.device:
-                state.resident_ptrs.add(t.untyped_storage().data_ptr())
+            for leaf in leaves.leaf_tensors(t) if t is not None else ():  # a wrapper subclass: its leaves
+                if not isinstance(leaf, OffloadedTensor) and leaf.device == pager.device:
+                    state.resident_ptrs.add(leaf.untyped_storage().data_ptr())
     if after < before or resident + state.working_set_bytes <= pager.budget_bytes:
         pager.recount_resident(resident)
         return
