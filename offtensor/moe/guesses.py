@@ -51,6 +51,22 @@ SPECULATE_EVIDENCE = 8.0
 # copy within 160 decode steps. (4 for every router lets an untrained router's lucky guesses be
 # copied: tests/test_moe.py's decode bytes.)
 SPECULATE_EVIDENCE_LEARNED = 4.0
+# The copy gate by expected waste, off by default (None): a one-ahead guess needs a bin at least
+# SPECULATE_PRECISION_FLOOR right (a bin short of evidence takes the record of the nearest less
+# confident bin that has it: precision rises with confidence), a layer's uncached guesses are
+# copied most precise first (up to SPECULATE_EXPERTS), and each copy is made only while the
+# expected share of wasted bytes over the recent copies (1 - each copy's bin precision, decayed by
+# WASTE_DECAY per copy) stays at most SPECULATE_WASTE, so very precise copies earn room for less
+# precise ones. Off because the H200 replay pays for it: at 0.25, with top-k copies a layer, the
+# trained test models at 25% cached cover 0.54 / 0.59 / 0.41 (Qwen3 / Qwen2 / Mixtral) of the
+# guessed layers' misses with 0.20 / 0.18 / 0.22 of the bytes wasted (the fixed gate: 0.35 / 0.43 /
+# 0.30 with 0.10 / 0.12 / 0.17), but the replayed step is 4.8 / 2.3 / 0.4% slower than with the
+# fixed gate (Qwen3's slower than the cache alone): each copy ahead takes room that at 25% cached
+# is read again soon, so the bytes copied a step grow by more than the copies take off the
+# critical path (benchmarks/moe_sim.py, "waste_budget_25").
+SPECULATE_WASTE = None
+SPECULATE_PRECISION_FLOOR = 0.5
+WASTE_DECAY = 0.98
 
 
 class Router:
@@ -105,9 +121,22 @@ class Router:
         own record once it has SPECULATE_EVIDENCE guesses, until then by ``pool`` (every router's
         record of that bin, (correct, guessed) lists), so a router need not wait for evidence of
         its own before its first copy (on the trained test models a bin took 20-40 decode steps)."""
-        correct, guessed = self._record(confidence_bin, pool, ahead)
+        correct, guessed = self._evidenced(confidence_bin, pool, ahead)
         gate = SPECULATE_PRECISION if ahead == 1 else SPECULATE_PRECISION_IDLE
+        if SPECULATE_WASTE is not None and ahead == 1:
+            gate = SPECULATE_PRECISION_FLOOR  # the waste budget decides (RoutingSpeculator._issue)
         return guessed >= self.evidence and correct >= gate * guessed
+
+    def _evidenced(self, confidence_bin: int, pool=None, ahead: int = 1):
+        """``_record``, or with the waste budget (SPECULATE_WASTE) and too few guesses in the bin,
+        the record of the nearest less confident bin with enough."""
+        correct, guessed = self._record(confidence_bin, pool, ahead)
+        if SPECULATE_WASTE is not None:
+            for lower in range(confidence_bin - 1, -1, -1):
+                if guessed >= self.evidence:
+                    break
+                correct, guessed = self._record(lower, pool, ahead)
+        return correct, guessed
 
     def _record(self, confidence_bin: int, pool=None, ahead: int = 1):
         """(correct, guessed) decayed counts of a bin (of the guesses made ``ahead`` layers ahead):
@@ -121,7 +150,7 @@ class Router:
 
     def precision(self, confidence_bin: int, pool=None, ahead: int = 1) -> float:
         """The measured precision of its uncached guesses in a bin (0 without a record)."""
-        correct, guessed = self._record(confidence_bin, pool, ahead)
+        correct, guessed = self._evidenced(confidence_bin, pool, ahead)
         return correct / guessed if guessed else 0.0
 
     def record(self, confidence_bin: int, right: bool, ahead: int, pool) -> None:

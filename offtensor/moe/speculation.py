@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from . import guesses as _guesses
 from . import routing
 from .guesses import CONFIDENCE_BINS, Router, confidence_bin, guess_report, host_chances, host_guess, ranked, score
 
@@ -126,6 +127,8 @@ class RoutingSpeculator:
         # Every router's uncached guesses per confidence bin, decayed alike (Router.pays): (correct,
         # guessed) of the guesses one layer ahead, then of those two layers ahead.
         self.pool = tuple([0.0] * len(CONFIDENCE_BINS) for _ in range(4))
+        # With guesses.SPECULATE_WASTE: (expected wasted, made) of the recent copies, decayed.
+        self.expected_waste = (0.0, 0.0)
 
     # -------------------------------------------------------------- hooks
 
@@ -330,9 +333,18 @@ class RoutingSpeculator:
             return
         worth = [e for e, b in bins.items() if SPECULATE_COPY and e not in cached and e not in router.copied
                  and router.pays(b, self.pool, ahead)]
+        budget = _guesses.SPECULATE_WASTE
+        if budget is not None:
+            worth.sort(key=lambda e: -router.precision(bins[e], self.pool, ahead))
         for expert in worth[:SPECULATE_EXPERTS]:
             # It may take only the room of copies expected to be used later than itself.
             chance = router.precision(bins[expert], self.pool, ahead)
+            if budget is not None:
+                wasted, copies = self.expected_waste
+                if wasted + 1.0 - chance > budget * (copies + 1.0):
+                    return  # over the waste budget (the rest are less precise)
+                decay = _guesses.WASTE_DECAY
+                self.expected_waste = (decay * wasted + 1.0 - chance, decay * copies + 1.0)
             next_use = self._stacks.expected_next_use(router.stacks[0], expert, chance)
             with self._stacks.in_spare_room_only(next_use):
                 for stack in router.stacks:
