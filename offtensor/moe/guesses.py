@@ -27,11 +27,13 @@ from . import routing
 # it spends the copy stream for nothing. Guesses are scored whether or not they were copied, so a
 # bin earns (or loses) speculation by its record before any byte is spent on it.
 # The gate is set by the H200 replay of benchmarks/moe_sim.py (experts of Qwen3-30B-A3B's bytes, 25%
-# cached, ms per decode step, one guess a layer): at 0.6 Qwen3-MoE's step is 7% slower than the
-# cache alone (each wrong copy delays the next layer's own copies by most of an expert's copy, a
-# right one saves only the ~0.06 ms gap before that layer's routing read), at 0.7 it is within 1%
-# and Qwen2-MoE's 2% faster; the coverage-against-waste curve of the gates is in
-# benchmarks/results/moe_sim.json.
+# cached, ms per decode step, one guess a layer): at 0.7 the step is 2.9 / 7.4 / 2.0% faster than
+# the cache alone (Qwen3 / Qwen2 / Mixtral), at 0.6 1.4 / 7.7 / 0.7% (each wrong copy delays the
+# next layer's own copies by most of an expert's copy and takes room read again soon, a right one
+# saves only the gap before that layer's routing read), though at 0.6 Qwen3 and Qwen2 have 40% of
+# their misses covered (Mixtral 33% with 25% of the bytes wasted); the coverage-against-waste curve
+# of the gates is in benchmarks/results/moe_sim.json. Looser gates cover more misses for a slower
+# step (SPECULATE_WASTE below).
 SPECULATE_PRECISION = 0.7
 # The same gate for a guess made two layers ahead (copied only into copy time the next layer is
 # expected to leave idle). Kept at SPECULATE_PRECISION: at 0.5 benchmarks/moe_sim.py's trained
@@ -213,6 +215,33 @@ def score(router: Router, pool) -> None:
     router.copied = {}
     if router.guess_tokens == 1 and len(used) and router.top_k is None:
         router.top_k = len(used)
+
+
+def copy_order(router: Router, experts: list, bins: dict, pool, ahead: int) -> list:
+    """The uncached guesses worth a copy in the order they are copied: by confidence (as ranked),
+    or with the waste budget (SPECULATE_WASTE) by their bins' measured precision."""
+    if SPECULATE_WASTE is None:
+        return experts
+    return sorted(experts, key=lambda e: -router.precision(bins[e], pool, ahead))
+
+
+class WasteBudget:
+    """The expected wasted copies of the recent copies ahead and the copies made, both decayed by
+    WASTE_DECAY per copy, held to SPECULATE_WASTE."""
+
+    def __init__(self):
+        self.wasted = self.made = 0.0
+
+    def spend(self, chance: float) -> bool:
+        """Whether one more copy, right with ``chance``, keeps the expected wasted share within the
+        budget (always, without one); if so it is counted."""
+        if SPECULATE_WASTE is None:
+            return True
+        if self.wasted + 1.0 - chance > SPECULATE_WASTE * (self.made + 1.0):
+            return False
+        self.wasted = WASTE_DECAY * self.wasted + 1.0 - chance
+        self.made = WASTE_DECAY * self.made + 1.0
+        return True
 
 
 def ratio(a, b):
