@@ -59,13 +59,15 @@ SPECULATE_EVIDENCE_LEARNED = 4.0
 # copied most precise first (up to SPECULATE_EXPERTS), and each copy is made only while the
 # expected share of wasted bytes over the recent copies (1 - each copy's bin precision, decayed by
 # WASTE_DECAY per copy) stays at most SPECULATE_WASTE, so very precise copies earn room for less
-# precise ones. Off because the H200 replay pays for it: at 0.25, with top-k copies a layer, the
-# trained test models at 25% cached cover 0.54 / 0.59 / 0.41 (Qwen3 / Qwen2 / Mixtral) of the
-# guessed layers' misses with 0.20 / 0.18 / 0.22 of the bytes wasted (the fixed gate: 0.35 / 0.43 /
-# 0.30 with 0.10 / 0.12 / 0.17), but the replayed step is 4.8 / 2.3 / 0.4% slower than with the
-# fixed gate (Qwen3's slower than the cache alone): each copy ahead takes room that at 25% cached
-# is read again soon, so the bytes copied a step grow by more than the copies take off the
-# critical path (benchmarks/moe_sim.py, "waste_budget_25").
+# precise ones (with one copy a layer a budget of 0.3 rarely binds: the floor, the borrowed evidence
+# and the order decide). Off because the H200 replay pays for it: with one copy a layer at 0.3 the
+# trained test models at 25% cached cover 0.47 / 0.56 / 0.41 (Qwen3 / Qwen2 / Mixtral) of the
+# guessed layers' misses with 0.18 / 0.18 / 0.21 of the bytes wasted (the fixed gate: 0.35 / 0.43
+# / 0.30 with 0.10 / 0.12 / 0.17), but the replayed step is 2.3 / 0.4 / 0.2% slower than with the
+# fixed gate; at 0.25 with up to top-k copies a layer 0.54 / 0.59 / 0.41 with 0.20 / 0.18 / 0.22,
+# and 4.8 / 2.3 / 0.4% slower (Qwen3's slower than the cache alone): each copy ahead takes room
+# that at 25% cached is read again soon, so the bytes copied a step grow by more than the copies
+# take off the critical path (benchmarks/moe_sim.py, "waste_budget_30", "waste_budget_25_top_k").
 SPECULATE_WASTE = None
 SPECULATE_PRECISION_FLOOR = 0.5
 WASTE_DECAY = 0.98
