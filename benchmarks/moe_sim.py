@@ -46,7 +46,8 @@ offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a 
    (``prefetch=False``), the default (one guess a layer copied where its bin has been >= 70% right,
    and guesses two layers ahead copied into the next layer's expected idle copy time), guesses
    scored but never copied, and at 25% one layer ahead only, top-k guesses a layer at a 50% gate
-   and the next step's first layer guessed at the end of a step; per step the bytes copied ahead
+   and the next step's first layer guessed at the end of a step, and at both the waste budget
+   (``guesses.SPECULATE_WASTE``: 0.3 with one copy a layer, 0.25 with up to top-k); per step the bytes copied ahead
    by guesses, those wasted, and the misses left on the critical path (expert copies an op waited
    for after its layer's routing); each also replayed with the host waiting for the compute
    stream only between steps (``step_ms_mean_sync_compute``), and the mean of the last 16 steps
@@ -239,25 +240,33 @@ def routing_stats(trace) -> dict:
 
 SPECULATION_KNOBS = ("SPECULATE_COPY", "SPECULATE_PRECISION", "SPECULATE_PRECISION_IDLE", "SPECULATE_NEXT_STEP",
                      "SPECULATE_EXPERTS", "SPECULATE_VICTIM_CYCLES", "SPECULATE_SAMPLE", "SPECULATE_EVIDENCE",
-                     "SPECULATE_EVIDENCE_LEARNED")
+                     "SPECULATE_EVIDENCE_LEARNED", "SPECULATE_WASTE")
 # The gates tried for the coverage-against-waste curve (each point changes one knob of the
 # default): the bin precision a one-ahead guess must have shown (1.01: none copied, two-ahead ones still);
 # the room a guess may take, a victim whose expected next use is at least SPECULATE_VICTIM_CYCLES
 # cycles away (a stricter limit copies fewer guesses and so evicts fewer copies that are read
 # again soon: fewer bytes, fewer misses covered); up to top-k guesses a layer instead of one (a
 # looser gate with them); the two-ahead guesses' gate (1.01: none copied); the next step's first
-# layer guessed and copied at the end of a step.
+# layer guessed and copied at the end of a step; the waste budget (guesses.SPECULATE_WASTE: copies
+# made, most precise first, while their expected wasted share stays within it) with one guess a
+# layer and with up to top-k.
 COPIED = {"SPECULATE_COPY": True}
 SCORED_ONLY = {"SPECULATE_COPY": False}
 CURVE = [{**COPIED, "SPECULATE_PRECISION": p} for p in (0.5, 0.6, 0.7, 0.8, 0.9, 1.01)] + \
     [{**COPIED, "SPECULATE_VICTIM_CYCLES": c} for c in (3.0, 4.0)] + [{**COPIED, "SPECULATE_EXPERTS": 8}] + \
     [{**COPIED, "SPECULATE_EXPERTS": 8, "SPECULATE_PRECISION": 0.5}] + \
-    [{**COPIED, "SPECULATE_PRECISION_IDLE": p} for p in (0.5, 1.01)] + [{**COPIED, "SPECULATE_NEXT_STEP": True}]
+    [{**COPIED, "SPECULATE_PRECISION_IDLE": p} for p in (0.5, 1.01)] + [{**COPIED, "SPECULATE_NEXT_STEP": True}] + \
+    [{**COPIED, "SPECULATE_WASTE": w} for w in (0.25, 0.3)] + \
+    [{**COPIED, "SPECULATE_EXPERTS": 8, "SPECULATE_WASTE": w} for w in (0.15, 0.2, 0.25)]
 # The H200 replays: the cache alone, the default (a guess a layer, copied where it has paid, and
 # two-ahead guesses copied into the next layer's expected idle copy time) and guesses scored but
 # not copied; at 25% also one layer ahead only (no two-ahead copies), top-k guesses a layer at a
-# 50% gate, and the next step's first layer guessed and copied at the end of a step.
-H200_VARIANTS = {"cache_alone": None, "default": {}, "scored_only": SCORED_ONLY}
+# 50% gate, and the next step's first layer guessed and copied at the end of a step. Both fractions
+# also replay the waste budget (guesses.SPECULATE_WASTE): at 0.3 with one copy a layer, and at 0.25
+# with up to top-k.
+H200_VARIANTS = {"cache_alone": None, "default": {}, "scored_only": SCORED_ONLY,
+                 "waste_budget_30": {**COPIED, "SPECULATE_WASTE": 0.3},
+                 "waste_budget_25_top_k": {**COPIED, "SPECULATE_EXPERTS": 8, "SPECULATE_WASTE": 0.25}}
 H200_VARIANTS_25 = {**H200_VARIANTS, "one_ahead_only": {**COPIED, "SPECULATE_PRECISION_IDLE": 1.01},
                     "top_k_gate_50": {**COPIED, "SPECULATE_EXPERTS": 8, "SPECULATE_PRECISION": 0.5},
                     "next_step": {**COPIED, "SPECULATE_NEXT_STEP": True}}

@@ -359,6 +359,19 @@ def test_unreliable_guesses_are_scored_but_cost_no_bytes(device):
     assert not any(r["speculating"] for r in g["routers"].values())
 
 
+def test_with_the_waste_budget_a_bin_without_evidence_takes_the_record_of_a_less_confident_one(monkeypatch):
+    router = ot_guesses.Router("gate", nn.Linear(4, 4))
+    router.bin_guessed[3], router.bin_correct[3] = 10.0, 9.0  # confidence 0.3-0.4: 90% right
+    # Confidence 0.7-0.8 has no record: the fixed gate waits for evidence of that bin itself.
+    assert not router.pays(7) and router.precision(7) == 0.0
+    monkeypatch.setattr(ot_guesses, "SPECULATE_WASTE", 0.25)
+    # The waste budget takes bin 3's: a more confident guess is right at least as often.
+    assert router.pays(7) and router.precision(7) == 0.9
+    assert not router.pays(2)  # nothing less confident has a record
+    router.bin_guessed[1], router.bin_correct[1] = 10.0, 4.0  # 40%: under SPECULATE_PRECISION_FLOOR
+    assert not router.pays(2) and router.precision(2) == 0.4
+
+
 # ------------------------------------------------------------------------------------ placement
 
 

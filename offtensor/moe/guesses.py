@@ -27,11 +27,13 @@ from . import routing
 # it spends the copy stream for nothing. Guesses are scored whether or not they were copied, so a
 # bin earns (or loses) speculation by its record before any byte is spent on it.
 # The gate is set by the H200 replay of benchmarks/moe_sim.py (experts of Qwen3-30B-A3B's bytes, 25%
-# cached, ms per decode step, one guess a layer): at 0.6 Qwen3-MoE's step is 7% slower than the
-# cache alone (each wrong copy delays the next layer's own copies by most of an expert's copy, a
-# right one saves only the ~0.06 ms gap before that layer's routing read), at 0.7 it is within 1%
-# and Qwen2-MoE's 2% faster; the coverage-against-waste curve of the gates is in
-# benchmarks/results/moe_sim.json.
+# cached, ms per decode step, one guess a layer): at 0.7 the step is 2.9 / 7.4 / 2.0% faster than
+# the cache alone (Qwen3 / Qwen2 / Mixtral), at 0.6 1.4 / 7.7 / 0.7% (each wrong copy delays the
+# next layer's own copies by most of an expert's copy and takes room read again soon, a right one
+# saves only the gap before that layer's routing read), though at 0.6 Qwen3 and Qwen2 have 40% of
+# their misses covered (Mixtral 33% with 25% of the bytes wasted); the coverage-against-waste curve
+# of the gates is in benchmarks/results/moe_sim.json. Looser gates cover more misses for a slower
+# step (SPECULATE_WASTE below).
 SPECULATE_PRECISION = 0.7
 # The same gate for a guess made two layers ahead (copied only into copy time the next layer is
 # expected to leave idle). Kept at SPECULATE_PRECISION: at 0.5 benchmarks/moe_sim.py's trained
@@ -51,6 +53,24 @@ SPECULATE_EVIDENCE = 8.0
 # copy within 160 decode steps. (4 for every router lets an untrained router's lucky guesses be
 # copied: tests/test_moe.py's decode bytes.)
 SPECULATE_EVIDENCE_LEARNED = 4.0
+# The copy gate by expected waste, off by default (None): a one-ahead guess needs a bin at least
+# SPECULATE_PRECISION_FLOOR right (a bin short of evidence takes the record of the nearest less
+# confident bin that has it: precision rises with confidence), a layer's uncached guesses are
+# copied most precise first (up to SPECULATE_EXPERTS), and each copy is made only while the
+# expected share of wasted bytes over the recent copies (1 - each copy's bin precision, decayed by
+# WASTE_DECAY per copy) stays at most SPECULATE_WASTE, so very precise copies earn room for less
+# precise ones (with one copy a layer a budget of 0.3 rarely binds: the floor, the borrowed evidence
+# and the order decide). Off because the H200 replay pays for it: with one copy a layer at 0.3 the
+# trained test models at 25% cached cover 0.47 / 0.56 / 0.41 (Qwen3 / Qwen2 / Mixtral) of the
+# guessed layers' misses with 0.18 / 0.18 / 0.21 of the bytes wasted (the fixed gate: 0.35 / 0.43
+# / 0.30 with 0.10 / 0.12 / 0.17), but the replayed step is 2.3 / 0.4 / 0.2% slower than with the
+# fixed gate; at 0.25 with up to top-k copies a layer 0.54 / 0.59 / 0.41 with 0.20 / 0.18 / 0.22,
+# and 4.8 / 2.3 / 0.4% slower (Qwen3's slower than the cache alone): each copy ahead takes room
+# that at 25% cached is read again soon, so the bytes copied a step grow by more than the copies
+# take off the critical path (benchmarks/moe_sim.py, "waste_budget_30", "waste_budget_25_top_k").
+SPECULATE_WASTE = None
+SPECULATE_PRECISION_FLOOR = 0.5
+WASTE_DECAY = 0.98
 
 
 class Router:
@@ -105,9 +125,22 @@ class Router:
         own record once it has SPECULATE_EVIDENCE guesses, until then by ``pool`` (every router's
         record of that bin, (correct, guessed) lists), so a router need not wait for evidence of
         its own before its first copy (on the trained test models a bin took 20-40 decode steps)."""
-        correct, guessed = self._record(confidence_bin, pool, ahead)
+        correct, guessed = self._evidenced(confidence_bin, pool, ahead)
         gate = SPECULATE_PRECISION if ahead == 1 else SPECULATE_PRECISION_IDLE
+        if SPECULATE_WASTE is not None and ahead == 1:
+            gate = SPECULATE_PRECISION_FLOOR  # the waste budget decides (RoutingSpeculator._issue)
         return guessed >= self.evidence and correct >= gate * guessed
+
+    def _evidenced(self, confidence_bin: int, pool=None, ahead: int = 1):
+        """``_record``, or with the waste budget (SPECULATE_WASTE) and too few guesses in the bin,
+        the record of the nearest less confident bin with enough."""
+        correct, guessed = self._record(confidence_bin, pool, ahead)
+        if SPECULATE_WASTE is not None:
+            for lower in range(confidence_bin - 1, -1, -1):
+                if guessed >= self.evidence:
+                    break
+                correct, guessed = self._record(lower, pool, ahead)
+        return correct, guessed
 
     def _record(self, confidence_bin: int, pool=None, ahead: int = 1):
         """(correct, guessed) decayed counts of a bin (of the guesses made ``ahead`` layers ahead):
@@ -121,7 +154,7 @@ class Router:
 
     def precision(self, confidence_bin: int, pool=None, ahead: int = 1) -> float:
         """The measured precision of its uncached guesses in a bin (0 without a record)."""
-        correct, guessed = self._record(confidence_bin, pool, ahead)
+        correct, guessed = self._evidenced(confidence_bin, pool, ahead)
         return correct / guessed if guessed else 0.0
 
     def record(self, confidence_bin: int, right: bool, ahead: int, pool) -> None:
@@ -184,6 +217,33 @@ def score(router: Router, pool) -> None:
     router.copied = {}
     if router.guess_tokens == 1 and len(used) and router.top_k is None:
         router.top_k = len(used)
+
+
+def copy_order(router: Router, experts: list, bins: dict, pool, ahead: int) -> list:
+    """The uncached guesses worth a copy in the order they are copied: by confidence (as ranked),
+    or with the waste budget (SPECULATE_WASTE) by their bins' measured precision."""
+    if SPECULATE_WASTE is None:
+        return experts
+    return sorted(experts, key=lambda e: -router.precision(bins[e], pool, ahead))
+
+
+class WasteBudget:
+    """The expected wasted copies of the recent copies ahead and the copies made, both decayed by
+    WASTE_DECAY per copy, held to SPECULATE_WASTE."""
+
+    def __init__(self):
+        self.wasted = self.made = 0.0
+
+    def spend(self, chance: float) -> bool:
+        """Whether one more copy, right with ``chance``, keeps the expected wasted share within the
+        budget (always, without one); if so it is counted."""
+        if SPECULATE_WASTE is None:
+            return True
+        if self.wasted + 1.0 - chance > SPECULATE_WASTE * (self.made + 1.0):
+            return False
+        self.wasted = WASTE_DECAY * self.wasted + 1.0 - chance
+        self.made = WASTE_DECAY * self.made + 1.0
+        return True
 
 
 def ratio(a, b):

@@ -12,7 +12,7 @@ Guesses of experts not cached when guessed (the only ones a copy can save) are s
 router and confidence bin. Such a guess is copied (the most confident one per layer, behind layer
 i's own copies, and only into the room of a copy expected to be read much later) when its bin's
 recent guesses were at least 70% right (the router's own record, or every router's until it has
-one); the guessed experts of layer i+1 are kept from eviction until it pages. Where the learned
+one; ``guesses.SPECULATE_WASTE``, off, is a waste budget instead); the guessed experts of layer i+1 are kept from eviction until it pages. Where the learned
 look-ahead also maps layer i's input to layer i+2's experts (the same matmul), that guess is
 scored in bins of its own and copied only when layer i+1's guess names nothing to copy: its copy
 then fills copy time layer i+1 is expected to leave idle, and never queues ahead of one of layer
@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from . import routing
-from .guesses import CONFIDENCE_BINS, Router, confidence_bin, guess_report, host_chances, host_guess, ranked, score
+from .guesses import (CONFIDENCE_BINS, Router, WasteBudget, confidence_bin, copy_order, guess_report, host_chances,
+                      host_guess, ranked, score)
 
 if TYPE_CHECKING:
     from .stack import Stack
@@ -126,6 +127,7 @@ class RoutingSpeculator:
         # Every router's uncached guesses per confidence bin, decayed alike (Router.pays): (correct,
         # guessed) of the guesses one layer ahead, then of those two layers ahead.
         self.pool = tuple([0.0] * len(CONFIDENCE_BINS) for _ in range(4))
+        self.waste = WasteBudget()  # the expected waste of the recent copies (guesses.SPECULATE_WASTE)
 
     # -------------------------------------------------------------- hooks
 
@@ -328,11 +330,13 @@ class RoutingSpeculator:
             self._stacks.guard(router.stacks, bins)
         if not idle:
             return
-        worth = [e for e, b in bins.items() if SPECULATE_COPY and e not in cached and e not in router.copied
-                 and router.pays(b, self.pool, ahead)]
+        worth = copy_order(router, [e for e, b in bins.items() if SPECULATE_COPY and e not in cached
+                                    and e not in router.copied and router.pays(b, self.pool, ahead)], bins, self.pool, ahead)
         for expert in worth[:SPECULATE_EXPERTS]:
             # It may take only the room of copies expected to be used later than itself.
             chance = router.precision(bins[expert], self.pool, ahead)
+            if not self.waste.spend(chance):
+                return  # over the waste budget (guesses.SPECULATE_WASTE); the rest are less precise
             next_use = self._stacks.expected_next_use(router.stacks[0], expert, chance)
             with self._stacks.in_spare_room_only(next_use):
                 for stack in router.stacks:
@@ -390,12 +394,11 @@ class RoutingSpeculator:
             r.copied2_experts = r.copied2_correct = 0
 
     def report(self) -> dict:
-        rs = self.routers
-        total = guess_report(*(sum(getattr(r, f) for r in rs) for f in (
+        total = guess_report(*(sum(getattr(r, f) for r in self.routers) for f in (
             "guessed", "correct", "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts",
             "copied_correct", "prefetched_bytes", "wasted_bytes")))
         return total | {"routers": {r.name: r.report(self.pool) | {"speculating": SPECULATE_COPY and r.pays_any(self.pool)}
-                                    for r in rs if r.stacks}}
+                                    for r in self.routers if r.stacks}}
 
     def remove(self) -> None:
         for h in self.hooks:
