@@ -1,7 +1,7 @@
 """OffloadConfig: every setting of an offloaded model in one documented, immutable object.
 
 ``wrap_model``, ``load_safetensors``, ``from_pretrained`` and ``ot.plan`` keep their keyword
-arguments (DESIGN.md's contract); each call builds one ``OffloadConfig`` from them and hands that
+arguments (the contract in docs/usage.md); each call builds one ``OffloadConfig`` from them and hands that
 object on, so placement, the pager, the loader and the step hook all read the same settings
 (diffusers' ``GroupOffloadingConfig`` does the same). Environment variables only fill defaults:
 

@@ -37,7 +37,7 @@ TRACED_ALIVE = [0]
 
 
 class OffloadedTensor(torch.Tensor):
-    """A ``torch.Tensor`` on ``device`` whose values live in host memory (see DESIGN.md)."""
+    """A ``torch.Tensor`` on ``device`` whose values live in host memory (see docs/design.md)."""
 
     _host: torch.Tensor
     _master: Master

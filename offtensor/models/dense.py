@@ -1,5 +1,5 @@
-"""A stack of dense MLP layers, ``x @ w1 @ w2`` per layer: the workload DESIGN.md's H200 figures were
-measured on (24 layers, 8192 x 24576, bf16, 805 MB a layer), written as plain PyTorch. Build it
+"""A stack of dense MLP layers, ``x @ w1 @ w2`` per layer: the workload the H200 figures of
+docs/benchmarks.md were measured on (24 layers, 8192 x 24576, bf16, 805 MB a layer), written as plain PyTorch. Build it
 under ``torch.device("meta")`` to plan it without its 19.3 GB (``ot.plan``)."""
 
 from __future__ import annotations

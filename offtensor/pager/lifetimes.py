@@ -11,7 +11,7 @@ import torch
 class HostLifetimes:
     """Host sources of copies that may still be running, each kept with its completion token.
 
-    DESIGN.md's host-lifetime rule: a master, a gathered-rows buffer or a temporary must outlive
+    The host-lifetime rule (docs/design.md, "lifetimes"): a master, a gathered-rows buffer or a temporary must outlive
     every asynchronous copy reading it, on a GPU (where freeing would ``cudaHostUnregister`` and
     unmap memory under a DMA) exactly as on the emulated device. A record is
     ``[storage_ptr, token, src, stream]``. A transient copy on a GPU's compute stream gets no

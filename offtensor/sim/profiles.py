@@ -80,7 +80,7 @@ class Profile:
         return (paging + pooled * us.get("pool", 0.0)) * 1e-3
 
 
-# The measured H200 figures (DESIGN.md, 2026-11-29, PCIe Gen5 x16, torch 2.11). A bf16 GEMM burst of
+# The measured H200 figures (an H200 SXM, PCIe Gen5 x16, torch 2.11). A bf16 GEMM burst of
 # 8192^3 runs at about 790 TFLOP/s; what a step sustains is lower (clocks under sustained load): the
 # all-resident prefill of 48 GEMMs of 4096 x 8192 x 24576 took 116.1 ms. The profile carries that
 # sustained rate, derived here from the measurement rather than typed in.
@@ -110,7 +110,7 @@ PROFILES = {
         host_us=dict(_H200_HOST_US),
         host_source=_H200_HOST_SOURCE,
         source=(
-            "measured on an H200 SXM, torch 2.11, 2026-11-29 (DESIGN.md): pinned H2D 55.3 GB/s; bf16 GEMM "
+            "measured on an H200 SXM, torch 2.11: pinned H2D 55.3 GB/s; bf16 GEMM "
             "790 TFLOP/s burst, sustained rate from the 116.1 ms all-resident prefill; device copy 4.3 TB/s "
             "(read + write); fp32 (no tensor cores) and the 4 us per-op overhead are the datasheet's and a "
             "typical launch gap, not measured"
