@@ -55,20 +55,26 @@ def load_threads_from_env() -> int:
     return int(os.environ.get("OFFTENSOR_LOAD_THREADS", "0")) or min(8, max(4, os.cpu_count() or 4))
 
 
+def int_from_env(name: str, default: int, minimum: int, unit: str) -> int:
+    """The whole number in environment variable ``name``, else ``default``; a clear error names
+    the variable when it is no number or below ``minimum`` (``unit``: what it counts)."""
+    word = os.environ.get(name, "").strip()
+    if not word:
+        return default
+    try:
+        value = int(word)
+    except ValueError:
+        raise ValueError(f"offtensor: {name} must be a number of {unit}, got {word!r}") from None
+    if value < minimum:
+        raise ValueError(f"offtensor: {name} must be >= {minimum} {unit}, got {value}")
+    return value
+
+
 def routing_warmup_from_env() -> int:
     """``OFFTENSOR_ROUTING_WARMUP``, else 256: routed tokens a wrapped MoE model records before it
     decides its expert placement. Fewer make a uniform router look skewed (32 tokens of top-8 over
     128 experts leave most experts unseen), which would favour paging every stack wrongly."""
-    word = os.environ.get("OFFTENSOR_ROUTING_WARMUP", "").strip()
-    if not word:
-        return 256
-    try:
-        value = int(word)
-    except ValueError:
-        raise ValueError(f"offtensor: OFFTENSOR_ROUTING_WARMUP must be a number of routed tokens, got {word!r}") from None
-    if value < 0:
-        raise ValueError(f"offtensor: OFFTENSOR_ROUTING_WARMUP must be >= 0 routed tokens, got {value}")
-    return value
+    return int_from_env("OFFTENSOR_ROUTING_WARMUP", 256, 0, "routed tokens")
 
 
 def placement_profile_from_env():

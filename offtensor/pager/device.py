@@ -32,6 +32,7 @@ import os
 import torch
 
 from .. import _ext
+from ..config import int_from_env
 from .marks import RECORD_EVERY, Joined, Mark, Marks, Track
 
 # The current stream's raw handle without building a Stream object (a C call returning an int);
@@ -45,16 +46,7 @@ def mark_every_from_env() -> int:
     """``OFFTENSOR_MARK_EVERY``, else ``marks.RECORD_EVERY`` (8): marked ops per periodic last-use
     event on a GPU. For measuring the trade: 1 records an event after every op that read a cached
     copy, as offtensor did before marks."""
-    word = os.environ.get("OFFTENSOR_MARK_EVERY", "").strip()
-    if not word:
-        return RECORD_EVERY
-    try:
-        value = int(word)
-    except ValueError:
-        raise ValueError(f"offtensor: OFFTENSOR_MARK_EVERY must be a number of ops, got {word!r}") from None
-    if value < 1:
-        raise ValueError(f"offtensor: OFFTENSOR_MARK_EVERY must be >= 1 op, got {value}")
-    return value
+    return int_from_env("OFFTENSOR_MARK_EVERY", RECORD_EVERY, 1, "ops")
 
 
 def _record_event(stream, event=None):
