@@ -8,8 +8,9 @@ per copy issued and per further expert of a grouped GEMM cut to hypothetical low
 leaner GPU hit path would leave; not measurements). For each: ms per decode step with the cache
 alone, with the default guesses, with the opt-in waste-budget gate at 0.3 (``moe_sim``'s
 ``waste_budget_30``: more guesses copied), and with a perfect look-ahead (the trace's true routing of the
-next layer fed in as the look-ahead logits: every guess right, the same gates and eviction), and
-how much faster than the cache alone each is.
+next layer fed in as the look-ahead logits: every guess right, the same gates and eviction), the
+same two layers ahead as well (the true routing of the layer after the next as the two-ahead
+logits: a copy started a layer earlier), and how much faster than the cache alone each is.
 
     python benchmarks/moe_host_sensitivity.py [--models qwen3 qwen2 mixtral] [--fraction 0.25]
 """
@@ -33,19 +34,33 @@ from results_io import save_result  # noqa: E402
 from offtensor.sim import profiles  # noqa: E402
 
 # Host microseconds: the H200 host's measured figures (per page, per copy; no per-expert figure yet,
-# so each expert of a grouped GEMM costs a whole page), then hypothetical cuts of them.
+# so each expert of a grouped GEMM costs a whole page), the same with a hypothetical per-expert
+# figure (what the probe's "expert" could show), then hypothetical cuts of all three.
 HOST_SETS = {
     "measured on the H200's host": None,
+    "hypothetical: measured page and copy, expert 6": {"page": 25.4, "copy": 25.7, "expert": 6.0},
     "hypothetical: page 12, copy 12, expert 6": {"page": 12.0, "copy": 12.0, "expert": 6.0},
     "hypothetical: page 6, copy 6, expert 4": {"page": 6.0, "copy": 6.0, "expert": 4.0},
 }
 SURE = 30.0  # a logit this far above the rest: a softmax of ~1 on the true experts
 
 
-def perfect(trace: dict) -> dict:
+def _true_logits(rec: dict, later: dict, experts: int) -> torch.Tensor:
+    """Logits over ``rec``'s tokens that name ``later``'s routed experts (a later layer's, or the
+    next step's first layer's) with certainty."""
+    logits = torch.zeros(rec["routed"].shape[0], experts)
+    if later["routed"].shape[0] == logits.shape[0]:  # the same tokens at the later layer
+        logits.scatter_(1, later["routed"].long(), SURE)
+    else:  # the prefill's last layer: its last token is the one the next step follows
+        logits[-1].scatter_(0, later["routed"][-1].long(), SURE)
+    return logits
+
+
+def perfect(trace: dict, two_ahead: bool = False) -> dict:
     """The trace with each layer's look-ahead logits replaced by its next layer's true routing (the
-    last layer's by the next step's first layer, as a learned map guesses it); no two-ahead or
-    next-token maps."""
+    last layer's by the next step's first layer, as a learned map guesses it); with ``two_ahead``
+    also every layer's two-ahead logits by the true routing of the layer after the next (no two-ahead
+    map otherwise); no next-token maps."""
     out = copy.copy(trace)
     steps = trace["steps"]
     out["steps"] = []
@@ -56,15 +71,13 @@ def perfect(trace: dict) -> dict:
             r = dict(rec, ahead2=None, own=None)
             r.pop("router_input", None)
             if nxt is not None:
-                ahead = torch.zeros(rec["routed"].shape[0], trace["experts"])
-                if nxt["routed"].shape[0] == ahead.shape[0]:  # the same tokens at the next layer
-                    ahead.scatter_(1, nxt["routed"].long(), SURE)
-                else:  # the prefill's last layer: its last token is the one the next step follows
-                    ahead[-1].scatter_(0, nxt["routed"][-1].long(), SURE)
-                r["ahead"] = ahead
+                r["ahead"] = _true_logits(rec, nxt, trace["experts"])
+            if two_ahead and i + 2 < len(step):
+                r["ahead2"] = _true_logits(rec, step[i + 2], trace["experts"])
             new.append(r)
         out["steps"].append(new)
-    out["two_ahead_layers"], out["own_layers"] = [], []
+    out["two_ahead_layers"] = list(range(trace["layers"] - 2)) if two_ahead else []
+    out["own_layers"] = []
     # Every layer guesses from its (perfect) look-ahead with a learned layer's evidence.
     out["learned_layers"] = list(range(trace["layers"]))
     return out
@@ -75,7 +88,7 @@ def evaluate(name: str, fraction: float) -> dict:
     ids = moe_sim.heldout_ids(0, 32 + 256 + 1 + moe_sim.TIMELINE_STEPS)
     predictor = moe_sim.lookahead_of(name, model, False)
     trace = moe_sim.record_trace(model, ids, 32, 256, predictor)
-    oracle = perfect(trace)
+    oracle, oracle2 = perfect(trace), perfect(trace, two_ahead=True)
     base = profiles.PROFILES["h200"]
     rows = {}
     try:
@@ -86,6 +99,7 @@ def evaluate(name: str, fraction: float) -> dict:
             budget = moe_sim._with(moe_sim.H200_VARIANTS["waste_budget_30"], h200_replay, copy.copy(trace), fraction,
                                    True)
             best = h200_replay(oracle, fraction, True)
+            best2 = h200_replay(oracle2, fraction, True)
             rows[label] = {
                 "host_us": dict(profiles.PROFILES["h200"].host_us),
                 "cache_alone_ms": alone,
@@ -96,11 +110,15 @@ def evaluate(name: str, fraction: float) -> dict:
                 "waste_budget_wasted_share": budget["wasted_share"],
                 "perfect_ms": best["step_ms_mean"], "perfect_faster": 1 - best["step_ms_mean"] / alone,
                 "perfect_covered_misses": best["covered_misses"], "perfect_wasted_share": best["wasted_share"],
+                "perfect_two_ahead_ms": best2["step_ms_mean"], "perfect_two_ahead_faster": 1 - best2["step_ms_mean"] / alone,
+                "perfect_two_ahead_covered_misses": best2["covered_misses"],
+                "perfect_two_ahead_critical_path_misses_per_step": best2["critical_path_misses_per_step"],
             }
             print(f"{name} {label}: cache alone {alone:.3f} ms, default {rows[label]['default_ms']:.3f} "
                   f"({100 * rows[label]['default_faster']:.1f} % faster), waste budget 0.3 "
                   f"{rows[label]['waste_budget_ms']:.3f} ({100 * rows[label]['waste_budget_faster']:.1f} %), perfect look-ahead "
-                  f"{rows[label]['perfect_ms']:.3f} ({100 * rows[label]['perfect_faster']:.1f} % faster)", flush=True)
+                  f"{rows[label]['perfect_ms']:.3f} ({100 * rows[label]['perfect_faster']:.1f} % faster), two layers ahead "
+                  f"{rows[label]['perfect_two_ahead_ms']:.3f} ({100 * rows[label]['perfect_two_ahead_faster']:.1f} %)", flush=True)
     finally:
         profiles.PROFILES["h200"] = base
     return rows
