@@ -359,6 +359,29 @@ def test_unreliable_guesses_are_scored_but_cost_no_bytes(device):
     assert not any(r["speculating"] for r in g["routers"].values())
 
 
+@pytest.mark.parametrize("name", ["reference", "mixtral"])
+def test_a_wrong_guess_holds_its_room_no_longer_than_its_layers_turn(name, device, monkeypatch):
+    # Every guess is copied (no gate) on random weights, where many are wrong. A copy made ahead of
+    # its use is kept from eviction until used; once its layer has said what it pages (announced,
+    # or its router's output) a wrong guess's copy must become evictable like any cached expert,
+    # else wrong guesses pile up in the budget and evict the experts the next steps need.
+    monkeypatch.setattr(ot_guesses, "SPECULATE_PRECISION", 0.0)
+    monkeypatch.setattr(ot_guesses, "SPECULATE_EVIDENCE", 0.0)
+    reference, is_reference, ids = _build(name, device)
+    model = copy.deepcopy(reference)
+    ot.wrap_model(model, budget_gb=_budget_gb(model, FRACTIONS[name]), device=device)
+    pager = state_of(model).pager
+    got, want = _Decoder(model, is_reference, ids), _Decoder(reference, is_reference, ids)
+    held_after = []
+    for _ in range(DECODE_STEPS):
+        assert torch.equal(got.step(), want.step())
+        # Every guessed layer has run: no copy of a routed expert may still wait for its use.
+        held_after.append([k for k, e in pager._entries.items() if e.prefetched and pager.experts.is_stack(k[0])])
+    g = ot.stats(model).guesses
+    assert g["wasted_bytes"] > 0, g  # wrong guesses were copied
+    assert not any(held_after), held_after
+
+
 def test_with_the_waste_budget_a_bin_without_evidence_takes_the_record_of_a_less_confident_one(monkeypatch):
     router = ot_guesses.Router("gate", nn.Linear(4, 4))
     router.bin_guessed[3], router.bin_correct[3] = 10.0, 9.0  # confidence 0.3-0.4: 90% right

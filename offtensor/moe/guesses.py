@@ -182,18 +182,19 @@ class Router:
 
 
 
-def score(router: Router, pool) -> None:
+def score(router: Router, pool) -> list:
     """Close ``router``'s open guesses against the experts its stacks actually paged (``pool``:
-    every router's bins, ``RoutingSpeculator.pool``)."""
+    every router's bins, ``RoutingSpeculator.pool``). Returns the experts its guesses copied that
+    its layer did not page (wrong copies)."""
     guess, guess2 = router.guess, router.guess2
     if guess is None and guess2 is None:
-        return
+        return []
     router.guess = router.guess2 = None
     used = set()
     for stack in router.stacks:
         used |= stack.used
     if not used:
-        return  # its layer has not run yet (a forward cut short): nothing to score against
+        return []  # its layer has not run yet (a forward cut short): nothing to score against
     # The misses a guess could cover: routed experts not cached when the first guess was made
     # (a two-ahead copy makes its expert cached by the time of the one-ahead guess).
     router.misses += len(used - (router.cached2 if guess2 is not None else router.cached))
@@ -213,10 +214,12 @@ def score(router: Router, pool) -> None:
             router.copied2_correct += len(router.copied2 & used)
     router.copied_experts += len(router.copied)
     router.copied_correct += len(router.copied.keys() & used)
-    router.wasted_bytes += sum(b for e, b in router.copied.items() if e not in used)
+    wrong = [e for e in router.copied if e not in used]
+    router.wasted_bytes += sum(router.copied[e] for e in wrong)
     router.copied = {}
     if router.guess_tokens == 1 and len(used) and router.top_k is None:
         router.top_k = len(used)
+    return wrong
 
 
 def copy_order(router: Router, experts: list, bins: dict, pool, ahead: int) -> list:

@@ -62,9 +62,10 @@ class ExpertIssuer:
         self.layers.needed = self._expected.pop(group, None)
         self._announced = None
 
-    def announce(self, pager, stack: "Stack", group: list, experts, tokens=None) -> bool:
+    def announce(self, pager, stack: "Stack", group: list, experts, tokens=None, known=None) -> bool:
         """Issue the copies of ``experts`` of every stack in ``group`` (``stack``'s layer) that are
         not cached; ``tokens[i]`` tokens routed to ``experts[i]`` where the op knows the counts.
+        ``known(group, keys)``, if given, is told the layer's keys before any copy is issued.
         False when the layer's other stack already announced the same experts (nothing issued)."""
         experts = [int(e) for e in experts]
         if tokens is not None and len(tokens) == len(experts) and max(tokens, default=0) > 0:
@@ -79,6 +80,8 @@ class ExpertIssuer:
         self.layers.needed = self._announced = needed
         self._last = (stack.group, experts, tokens, needed)
         self.announcing.add(stack.group)
+        if known is not None:
+            known(stack.group, needed)
         # The layer's own experts are paged right after anyway: they take the victims in-line paging
         # would (no _spare_room_only restriction), only sooner.
         self._announcing = True

@@ -99,8 +99,10 @@ class ExpertStacks:
         group = [s for s in self.by_master.values() if s.group == stack.group]
         if self.speculator is not None:
             self.speculator.predictions_ready()  # this layer's next turn, before its copies take room
-        if self.issuer.announce(pager, stack, group, experts, tokens) and self.speculator is not None:
-            self.speculator.issue_ready()
+        speculator = self.speculator
+        known = speculator.routing_known if speculator is not None else None
+        if self.issuer.announce(pager, stack, group, experts, tokens, known) and speculator is not None:
+            speculator.issue_ready()
 
     def paging(self, master_id: int, issue_guesses: bool = True) -> None:
         """An op is about to page from ``master_id``: before its lookup, so that eviction for this
@@ -116,6 +118,8 @@ class ExpertStacks:
             self.issuer.entered(stack.group)
             self.eviction.entered(stack.group)
             self.layers.enter(stack.group)
+            if speculator is not None and self.layers.needed is not None:
+                speculator.routing_known(stack.group, self.layers.needed)  # (its router's output said)
         if issue_guesses and speculator is not None and self.issuer.announced is None:
             speculator.issue_ready()
 
