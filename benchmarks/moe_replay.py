@@ -173,6 +173,9 @@ class ReplayModel(nn.Module):
         return x
 
 
+HIDDEN_SHIFT = 200.0  # recorded logits lie well within +-HIDDEN_SHIFT + 10
+
+
 def _as_installed(model, trace) -> None:
     """The replay model's speculator told which layers the learned look-ahead guesses (their
     look-ahead logits are in the trace), as ``moe.predictor.install`` tells a real model's."""
@@ -196,6 +199,11 @@ def _as_installed(model, trace) -> None:
         rows = [pick[:E]] + ([pick[E:2 * E]] if two else []) + ([pick[2 * E:]] if own else [])
         weight = torch.cat(rows)
         routers[i].lookahead = (weight, torch.zeros(weight.shape[0]))
+        if i in trace.get("hidden_layers", ()):
+            # A map that reads a hidden layer (its logits recorded): the same kernels, the ReLU layer
+            # shifted where it is the identity (relu(v) = v above 0) and shifted back.
+            shift = torch.full((weight.shape[0],), HIDDEN_SHIFT)
+            routers[i].lookahead = (torch.eye(weight.shape[0]), -shift, weight, shift)
         routers[i].split = E if two else None
         routers[i].own = (2 * E if two else E) if own else None
 

@@ -140,6 +140,8 @@ class _Decoder:
 # decodes: FIT_WINDOWS 256-byte windows from byte FIT_START of the held-out split, and compared
 # with the router look-ahead on VAL_WINDOWS more from VAL_START (the trace decodes from byte 0).
 FIT_START, FIT_WINDOWS, VAL_START, VAL_WINDOWS, FIT_RIDGE, FIT_SEQ = 100_000, 64, 300_000, 16, 1e-3, 256
+# Its maps read a hidden layer of this width (moe.predictor.HIDDEN; None: linear maps, ridge).
+HIDDEN = 128
 
 
 def fit_lookahead(model):
@@ -149,7 +151,7 @@ def fit_lookahead(model):
     from offtensor.moe.refit import fit_offline
 
     return fit_offline(model, heldout_ids(FIT_START, FIT_WINDOWS * FIT_SEQ), heldout_ids(VAL_START, VAL_WINDOWS * FIT_SEQ),
-                       FIT_SEQ, ridge=FIT_RIDGE)
+                       FIT_SEQ, ridge=FIT_RIDGE, hidden=HIDDEN)
 
 
 def _num_experts(model) -> int:
@@ -199,6 +201,7 @@ def record_trace(model, ids, prefix: int, steps: int, predictor=None) -> dict:
             h.remove()
     config = model.config
     return {"steps": trace, "learned_layers": sorted(predictor.weights) if predictor is not None else [],
+            "hidden_layers": sorted(predictor.hidden_layers) if predictor is not None else [],
             "two_ahead_layers": sorted(predictor.weights2) if predictor is not None else [],
             "own_layers": sorted(predictor.own_weights) if predictor is not None else [],
             "layers": len(routers), "experts": _num_experts(model),

@@ -101,7 +101,8 @@ class Router:
         self.missed = True  # whether its stacks missed in the last step (a guess could have saved a copy)
         self.misses_seen = 0  # its stacks' misses counted at the end of the last step
         # (weight [E, H], bias [E]) of the learned look-ahead of the next layer from this router's
-        # input (moe.predictor.install), on the device; None: the next router's weight guesses.
+        # input (moe.predictor.install), on the device, then (w1, b1) where it reads a hidden layer
+        # (ReLU of w1 x + b1; weight is then [E, hidden]); None: the next router's weight guesses.
         self.lookahead = None
         # Where the learned look-ahead's weight also holds the map two layers ahead (its rows from
         # ``split`` on: the experts of the layer after the next), the next layer's expert count.

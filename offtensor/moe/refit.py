@@ -56,16 +56,17 @@ def record_routing(model, ids: torch.Tensor, seq: int, batch: int = 8):
 
 
 def fit_offline(model, ids: torch.Tensor, held_out: torch.Tensor, seq: int, save=None,
-                ridge: float = RIDGE) -> LookaheadPredictor:
+                ridge: float = RIDGE, hidden=None) -> LookaheadPredictor:
     """The learned look-ahead of ``model`` fitted on the routing of token ids ``ids``, compared
     with the router look-ahead (and its next-token maps with the previous token's experts) on
     ``held_out`` and kept per layer where it was right more often, both recorded in sequences of
     ``seq`` tokens (``record_routing``); with ``save`` (a checkpoint directory), written beside
-    it as ``lookahead.safetensors``. ``install`` hands it to a wrapped model."""
+    it as ``lookahead.safetensors``; with ``hidden``, its maps read a hidden layer of that width
+    (``LookaheadPredictor.fit``). ``install`` hands it to a wrapped model."""
     fx, fr, _ = record_routing(model, ids, seq)
     hx, hr, ha = record_routing(model, held_out, seq)
     experts = _router_modules(model)[0][2]
-    predictor = LookaheadPredictor.fit(fx, fr, experts, ridge, seq=seq)
+    predictor = LookaheadPredictor.fit(fx, fr, experts, ridge, seq=seq, hidden=hidden)
     predictor.compare(hx, hr, ha, seq=seq)
     predictor.keep()
     if save is not None:

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from . import routing
+from .predictor import hidden_layer
 from .guesses import (CONFIDENCE_BINS, Router, WasteBudget, confidence_bin, copy_order, guess_report, host_chances,
                       host_guess, ranked, score)
 
@@ -175,8 +176,8 @@ class RoutingSpeculator:
         wrap = router is self._wrap_from
         # Where the learned map also predicts this layer's experts at the next token (rows from
         # ``own`` on), the matmul runs every decode step, for eviction, guess or not.
-        learned = router.lookahead
-        if learned is not None and (learned[0].device != x.device or learned[0].shape[-1] != x.shape[-1]):
+        learned = router.lookahead  # (the input's width: the hidden layer's, where it has one, else the map's)
+        if learned is not None and (learned[0].device != x.device or learned[len(learned) - 2].shape[-1] != x.shape[-1]):
             learned = None
         own = learned is not None and router.own is not None
         if own and wrap and not router.missed:
@@ -200,9 +201,10 @@ class RoutingSpeculator:
                 self._stacks.eviction.next_turn.forget(router.stacks)  # a prefill: its next turn is not predicted
             return  # (the next pass's first layer is guessed by a learned map only, at decode)
         module = nxt.module_ref()
-        weight, bias, after = getattr(module, "weight", None), None, None
+        weight, bias, after, first = getattr(module, "weight", None), None, None, None
         if learned is not None:
-            weight, bias = learned  # the learned look-ahead (moe.predictor): logits of nxt's experts
+            # The learned look-ahead (moe.predictor): logits of nxt's experts, maybe from a hidden layer.
+            weight, bias, first = learned[0], learned[1], learned[2:] or None
             after = self._next.get(nxt) if router.split is not None and not wrap else None
             if after is None or not after.stacks or after.top_k is None:
                 after = None  # (and the weight's two-ahead rows, if any, are not read)
@@ -210,7 +212,8 @@ class RoutingSpeculator:
                 or weight.device != x.device or weight.shape[-1] != x.shape[-1]:
             return  # an offloaded router would be paged for a guess: not worth it
         with torch.no_grad():
-            scores = F.linear(x.reshape(-1, x.shape[-1]).to(weight.dtype), weight, bias)
+            x = x.reshape(-1, x.shape[-1]).to(weight.dtype)
+            scores = F.linear(x if first is None else hidden_layer(x, *first), weight, bias)
             biased = bias is None and routing.correction_bias(module, scores.shape[-1]) is not None
             if router.tokens <= GUESS_ON_HOST_TOKENS and not biased:
                 # A decode step: the router matmul is the guess's one kernel (on a GPU, plus the
