@@ -129,3 +129,10 @@ def test_an_installed_hidden_lookahead_guesses_what_the_predictor_scores(monkeyp
     for i in range(3):
         expected = predictor.logits(i, inputs[name(i)][-1:]).topk(4, -1).indices[0].tolist()
         assert last[name(i + 1)][:4] == expected, (i, last[name(i + 1)], expected)
+
+
+@pytest.mark.parametrize("hidden", [0, -3, 2.5])
+def test_a_hidden_width_that_is_no_positive_whole_number_is_refused(hidden):
+    xs, routed, _ = _even(100)
+    with pytest.raises(ValueError, match="hidden"):
+        LookaheadPredictor.fit(xs, routed, 8, hidden=hidden)

@@ -27,13 +27,14 @@ from . import routing
 # it spends the copy stream for nothing. Guesses are scored whether or not they were copied, so a
 # bin earns (or loses) speculation by its record before any byte is spent on it.
 # The gate is set by the H200 replay of benchmarks/moe_sim.py (experts of Qwen3-30B-A3B's bytes, 25%
-# cached, ms per decode step, one guess a layer): at 0.7 the step is 2.9 / 7.4 / 2.0% faster than
-# the cache alone (Qwen3 / Qwen2 / Mixtral), at 0.6 1.4 / 7.7 / 0.7% (each wrong copy delays the
-# next layer's own copies by most of an expert's copy and takes room read again soon, a right one
-# saves only the gap before that layer's routing read), though at 0.6 Qwen3 and Qwen2 have 40% of
-# their misses covered (Mixtral 33% with 25% of the bytes wasted); the coverage-against-waste curve
-# of the gates is in benchmarks/results/moe_sim.json. Looser gates cover more misses for a slower
-# step (SPECULATE_WASTE below).
+# cached, ms per decode step, one guess a layer, the committed look-ahead): at 0.7 the step is 3.1 /
+# 9.5 / 1.3% faster than the cache alone (Qwen3 / Qwen2 / Mixtral) with 0.45 / 0.64 / 0.47 of the
+# guessed layers' misses covered and 0.13 / 0.13 / 0.23 of the copied bytes wasted; at 0.6 2.9 /
+# 9.6 / 1.5% with 0.53 / 0.67 / 0.50 covered and 0.17 / 0.14 / 0.24 wasted (each wrong copy delays
+# the next layer's own copies by most of an expert's copy, a right one saves only the gap before
+# that layer's routing read). The coverage-against-waste curve of the gates is in
+# benchmarks/results/moe_sim.json. Looser gates cover more misses for more bytes (SPECULATE_WASTE
+# below).
 SPECULATE_PRECISION = 0.7
 # The same gate for a guess made two layers ahead (copied only into copy time the next layer is
 # expected to leave idle). Kept at SPECULATE_PRECISION: at 0.5 benchmarks/moe_sim.py's trained
@@ -60,14 +61,14 @@ SPECULATE_EVIDENCE_LEARNED = 4.0
 # expected share of wasted bytes over the recent copies (1 - each copy's bin precision, decayed by
 # WASTE_DECAY per copy) stays at most SPECULATE_WASTE, so very precise copies earn room for less
 # precise ones (with one copy a layer a budget of 0.3 rarely binds: the floor, the borrowed evidence
-# and the order decide). Off because the H200 replay pays for it: with one copy a layer at 0.3 the
-# trained test models at 25% cached cover 0.47 / 0.56 / 0.41 (Qwen3 / Qwen2 / Mixtral) of the
-# guessed layers' misses with 0.18 / 0.18 / 0.21 of the bytes wasted (the fixed gate: 0.35 / 0.43
-# / 0.30 with 0.10 / 0.12 / 0.17), but the replayed step is 2.3 / 0.4 / 0.2% slower than with the
-# fixed gate; at 0.25 with up to top-k copies a layer 0.54 / 0.59 / 0.41 with 0.20 / 0.18 / 0.22,
-# and 4.8 / 2.3 / 0.4% slower (Qwen3's slower than the cache alone): each copy ahead takes room
-# that at 25% cached is read again soon, so the bytes copied a step grow by more than the copies
-# take off the critical path (benchmarks/moe_sim.py, "waste_budget_30", "waste_budget_25_top_k").
+# and the order decide). Off because the H200 replay does not pay for it: at 25% cached, with the
+# committed look-ahead, one copy a layer at 0.3 covers 0.55 / 0.70 / 0.57 (Qwen3 / Qwen2 / Mixtral)
+# of the guessed layers' misses with 0.18 / 0.16 / 0.22 of the bytes wasted (the fixed gate: 0.45 /
+# 0.64 / 0.47 with 0.13 / 0.13 / 0.23), and the step is 2.7 / 9.4 / 1.8% faster than the cache alone
+# (the fixed gate: 3.1 / 9.5 / 1.3%); up to top-k copies a layer at 0.25, 1.9 / 8.8 / 1.8%: each
+# copy ahead takes room that at 25% cached is read again soon, so the bytes copied a step grow by
+# about what the copies take off the critical path (benchmarks/moe_sim.py, "waste_budget_30",
+# "waste_budget_25_top_k").
 SPECULATE_WASTE = None
 SPECULATE_PRECISION_FLOOR = 0.5
 WASTE_DECAY = 0.98

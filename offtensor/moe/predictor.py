@@ -20,6 +20,10 @@ each expert's chance of use at the layer's next turn, it replaces the eviction's
 chance (the layer's token-to-token reuse rate for the experts it just routed, their use frequency
 for the others), and is kept where it ranks the next token's experts better than that reuse does.
 Installed, it is more rows of the same matmul.
+
+With ``fit(..., hidden=)`` every map of a layer reads one ReLU layer on the router input instead
+of the input itself (``fit_hidden``: the layer and the maps fitted together), which ranks routings
+no linear map can; installed, it is one kernel more (``hidden_layer``).
 """
 
 from __future__ import annotations
@@ -254,6 +258,9 @@ class LookaheadPredictor:
         MoE layer, made at the end of this one), and every layer -> its own experts at the next
         token (``own_weights``, ``fit_logistic``). With ``hidden``, each layer's maps read one ReLU
         layer of that width, fitted with them (``fit_hidden``)."""
+        if hidden is not None and (not isinstance(hidden, int) or hidden < 1):
+            raise ValueError(f"offtensor: LookaheadPredictor.fit(hidden=) is a layer width >= 1 (None: linear maps), "
+                             f"got {hidden!r}")
         out = cls()
         if hidden:
             for i in range(len(inputs)):
