@@ -14,6 +14,7 @@ from offtensor.moe import speculation as ot_speculation
 from offtensor.moe.predictor import LookaheadPredictor, fit_hidden, fit_ridge, hidden_layer, install, top_k_precision
 
 transformers = pytest.importorskip("transformers")
+from test_moe_predictor import _decode, _qwen3  # noqa: E402  (the tiny Qwen3-MoE the look-ahead tests build)
 
 
 def _even(n: int, hidden: int = 16, experts: int = 8, k: int = 2, layers: int = 3, seed: int = 0):
@@ -65,28 +66,6 @@ def test_a_saved_hidden_lookahead_loads_with_the_same_maps(tmp_path):
         assert torch.equal(loaded.logits(i, x), predictor.logits(i, x))
         assert torch.equal(loaded.own_logits(i, x), predictor.own_logits(i, x))
     assert torch.equal(loaded.logits2(0, x), predictor.logits2(0, x))
-
-
-def _qwen3(layers: int = 4):
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, num_attention_heads=4, max_position_embeddings=64, num_hidden_layers=layers,
-        num_key_value_heads=2, head_dim=16, intermediate_size=256, moe_intermediate_size=64, num_experts=16,
-        num_experts_per_tok=4, decoder_sparse_step=1, mlp_only_layers=[])
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
-
-
-def _decode(model, steps: int):
-    ids = torch.randint(0, 128, (1, steps + 4), generator=torch.Generator().manual_seed(1))
-    out = []
-    with torch.no_grad():
-        cache = None
-        for t in range(steps):
-            x = ids[:, :4] if cache is None else ids[:, 3 + t:4 + t]
-            r = model(input_ids=x, past_key_values=cache, use_cache=True)
-            cache = r.past_key_values
-            out.append(r.logits)
-    return out
 
 
 def test_an_installed_hidden_lookahead_guesses_what_the_predictor_scores(monkeypatch):

@@ -226,14 +226,6 @@ class Room:
             self.lifetimes.wait_for(storage_ptr(master.flat))
             self.forget_master(master.id)
 
-    def drop_prefetch_hold(self, key) -> None:
-        """``key``'s copy was made ahead of a use that is no longer coming (a wrong guess): until
-        used, a prefetched copy is kept while anything else can go; from now it is evicted as any."""
-        with self.lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                entry.prefetched = False
-
     def forget_master(self, master_id: int) -> None:
         """Drop every cached copy of ``master_id`` (it died, moved to another pager, or changes)."""
         with self.lock:
