@@ -15,7 +15,7 @@ class Stack:
     """One offloaded stacked-expert tensor: experts along dim 0."""
 
     __slots__ = ("name", "group", "master_ref", "master_id", "dtype", "base", "expert_bytes", "num_experts",
-                 "hits", "misses", "bytes_h2d", "prefetched_bytes", "evictions", "used", "last_used")
+                 "hits", "misses", "bytes_h2d", "prefetched_bytes", "evictions", "used", "last_used", "keys", "experts")
 
     def __init__(self, name: str, t: torch.Tensor):
         host = t._host
@@ -32,14 +32,19 @@ class Stack:
         self.hits = self.misses = self.bytes_h2d = self.prefetched_bytes = self.evictions = 0
         self.used = set()  # experts paged in the current step
         self.last_used = set()  # experts paged in the step before
+        # Every expert's cache key, made once: eviction and speculation look keys up by the
+        # hundred per decode step (a key built per call was most of a victim search's time).
+        step = self.expert_bytes // self.dtype.itemsize
+        self.keys = tuple(cache_key(self.master_id, self.dtype, self.base + e * step, self.base + (e + 1) * step)
+                          for e in range(self.num_experts))
+        self.experts = {key: e for e, key in enumerate(self.keys)}
 
     def expert_of(self, key) -> int:
-        return (key[2] - self.base) * key[1].itemsize // self.expert_bytes
+        expert = self.experts.get(key)
+        return expert if expert is not None else (key[2] - self.base) * key[1].itemsize // self.expert_bytes
 
     def key_of(self, expert: int):
-        step = self.expert_bytes // self.dtype.itemsize
-        lo = self.base + expert * step
-        return cache_key(self.master_id, self.dtype, lo, lo + step)
+        return self.keys[expert]
 
     def report(self) -> dict:
         looked_up = self.hits + self.misses
