@@ -1,0 +1,133 @@
+"""The host time of offtensor's expert policy on a decode: what the H200 replay's host lane does not
+carry yet.
+
+The replay charges offtensor's host time per record from the profile's measured figures (a page, a
+copy issued, a further expert of a grouped GEMM), which were measured on a pager without the expert
+policy. The policy's own work runs on the host too, in Python: choosing each victim among the cached
+experts (``ExpertEviction.victim``), the bookkeeping of every expert paged and of each layer's
+announce (``ExpertStacks``), and the routing guesses (``RoutingSpeculator``: the look-ahead's
+read-back, softmax and top-k on the host, the copies ahead, the scoring). This replays the trained
+models' decode traces (``moe_sim.py``'s, the committed look-ahead) through offtensor's pager and
+expert policy with tiny experts (no copy costs anything to speak of) and times those calls by
+wall clock, each call's time less that of the timed calls inside it, on this machine's host:
+
+    python benchmarks/moe_policy_host.py [--models qwen3 qwen2 mixtral] [--fraction 0.25]
+
+Per model and setting (the cache alone, the default guesses): µs per decode step in each part (the
+pager's own paging and copy issue, which the replay's figures stand for, apart), and per victim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moe_sim  # noqa: E402
+from moe_replay import replay_ours  # noqa: E402
+from results_io import save_result  # noqa: E402
+
+from offtensor.moe import eviction, speculation, stacks  # noqa: E402
+from offtensor.pager import Pager  # noqa: E402
+
+# part -> (class, its methods): every call of these is timed, less the timed calls inside it. The
+# pager's own paging and copy issue ("pager") is what the replay's page and copy figures stand for;
+# the rest is the expert policy's.
+PARTS = {
+    "pager": (Pager, ("page", "prefetch", "release")),
+    "victim": (eviction.ExpertEviction, ("victim",)),
+    "bookkeeping": (stacks.ExpertStacks, ("accessed", "paging", "announce", "copied", "evicted", "step")),
+    "guesses": (speculation.RoutingSpeculator, ("router_ran", "router_output", "issue_ready", "predictions_ready",
+                                                "expected_ready", "routing_known", "used")),
+}
+
+
+class Timers:
+    """Exclusive wall-clock time per part: a call's time less that of the timed calls inside it."""
+
+    def __init__(self):
+        self.seconds, self.calls, self._stack = {}, {}, []
+        self._saved = []
+
+    def install(self):
+        for part, (cls, names) in PARTS.items():
+            for name in names:
+                fn = getattr(cls, name)
+                self._saved.append((cls, name, fn))
+                setattr(cls, name, self._wrap(part, fn))
+
+    def remove(self):
+        for cls, name, fn in reversed(self._saved):
+            setattr(cls, name, fn)
+        self._saved = []
+
+    def reset(self):
+        self.seconds, self.calls = {}, {}
+
+    def _wrap(self, part, fn):
+        timers = self
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            timers._stack.append(0.0)  # time of the timed calls inside this one
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - t0
+                inner = timers._stack.pop()
+                timers.seconds[part] = timers.seconds.get(part, 0.0) + spent - inner
+                timers.calls[part] = timers.calls.get(part, 0) + 1
+                if timers._stack:
+                    timers._stack[-1] += spent
+        return timed
+
+
+def measure(name: str, fraction: float) -> dict:
+    model = moe_sim.load_model(name)
+    ids = moe_sim.heldout_ids(0, 32 + 256 + 1)
+    trace = moe_sim.record_trace(model, ids, 32, 256, moe_sim.lookahead_of(name, model, False))
+    steps = len(trace["steps"])
+    timers = Timers()
+    timers.install()
+    out = {}
+    try:
+        for label, speculate in (("cache_alone", False), ("default", True)):
+            replay_ours(copy.copy(trace), fraction, speculate)  # warm: imports, first calls
+            timers.reset()
+            replay_ours(copy.copy(trace), fraction, speculate)
+            per_step = {part: s / steps * 1e6 for part, s in timers.seconds.items()}
+            policy = sum(v for part, v in per_step.items() if part != "pager")
+            out[label] = {"us_per_step": per_step, "us_per_step_policy": policy,
+                          "calls_per_step": {part: n / steps for part, n in timers.calls.items()},
+                          "us_per_victim": timers.seconds.get("victim", 0.0) / max(timers.calls.get("victim", 0), 1) * 1e6}
+            print(f"{name} {label}: {policy:.0f} us a step of the expert policy's host work ("
+                  + ", ".join(f"{p} {v:.0f}" for p, v in per_step.items())
+                  + f"); {out[label]['us_per_victim']:.1f} us a victim, {timers.calls.get('victim', 0) / steps:.1f} a step",
+                  flush=True)
+    finally:
+        timers.remove()
+    out["layers"], out["steps"] = trace["layers"], steps
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=["qwen3", "qwen2", "mixtral"])
+    p.add_argument("--fraction", type=float, default=0.25)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    body = {"fraction_cached": args.fraction, "models": {name: measure(name, args.fraction) for name in args.models}}
+    save_result(args.out, "moe_policy_host.json", "host time of the expert policy on the trained models' decode",
+                torch.device("cpu"), argv, body)
+
+
+if __name__ == "__main__":
+    main()
