@@ -288,12 +288,16 @@ class ExpertEviction:
         recent = self._recent(stack) if chances is None else self.next_turn.likely(stack.group)
         out = []
         best, best_rank = None, None
-        for e in recent:
-            key = stack.key_of(e)
+        keys, frequency, per_turn = stack.keys, self.frequency, 1.0 - FREQUENCY_DECAY
+        for e in recent:  # (a victim search runs this for every stack: _use inlined)
+            key = keys[e]
             entry = cache.get(key)
             if entry is None or entry.users or entry.prefetched or (needed is not None and key in needed):
                 continue
-            rank = self.frequency.get(key, 0.0) if chances is None else (chances[e] - 1.0) / self._use(key)
+            rank = frequency.get(key, 0.0)
+            if chances is not None:
+                rank *= per_turn
+                rank = (chances[e] - 1.0) / (UNSEEN_USE if rank < UNSEEN_USE else 1.0 if rank > 1.0 else rank)
             if best is None or rank < best_rank:
                 best, best_rank = entry, rank
         if best is not None:
