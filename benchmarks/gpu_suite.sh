@@ -15,7 +15,8 @@
 #   step's own timeout; a step that no longer fits is recorded as skipped. Most valuable first:
 #   build, 30 s probe, the native-error check, core tests on the device, paging benchmark, small
 #   demo, then the rest. A first call on a fresh H200 reaches the MoE benchmark near its deadline;
-#   a second call runs what is left (OFFTENSOR_SUITE_ONLY="bench_moe bench_load demo bench_wrap opinfo").
+#   a second call runs what is left (OFFTENSOR_SUITE_ONLY="bench_moe bench_policy_host bench_load demo
+#   bench_wrap opinfo").
 # - Output under $OUT (at most 8 files come back from the device machine): suite.log gets every
 #   step's output as it runs (tee), summary.json is rewritten before and after every step, so a
 #   killed step still leaves its log and a summary that says "running". The probe's and the
@@ -200,6 +201,10 @@ if [ "$DRY" = 0 ]; then
   # The 15 GB Qwen3-MoE at a 4 GiB budget against resident, copy-all, accelerate and UVA (3-5 min:
   # usually a second call, OFFTENSOR_SUITE_ONLY="bench_moe ...").
   step bench_moe 300 "$PY" benchmarks/moe_bench.py --device "$DEVICE" --out "$RESULTS" --budget-gb 4
+  # The expert policy's host time on this machine's host (the replay does not charge it yet; the
+  # emulated device, so only the host's speed counts; about a minute).
+  step bench_policy_host 120 "$PY" benchmarks/moe_policy_host.py --models qwen3 mixtral --out "$RESULTS" \
+    --name moe_policy_host_gpu_machine.json
   step bench_load 240 "$PY" benchmarks/load_bench.py --device "$DEVICE" --out "$RESULTS" --layers 16 --hidden 2048 --repeats 2
   step demo 150 "$PY" -m offtensor demo --device "$DEVICE"
   step bench_wrap 150 "$PY" benchmarks/wrap_overhead.py --device "$DEVICE" --out "$RESULTS"

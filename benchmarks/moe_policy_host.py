@@ -122,10 +122,11 @@ def main(argv=None):
     p.add_argument("--models", nargs="+", default=["qwen3", "qwen2", "mixtral"])
     p.add_argument("--fraction", type=float, default=0.25)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--name", default="moe_policy_host.json", help="the result's file name in --out")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     body = {"fraction_cached": args.fraction, "models": {name: measure(name, args.fraction) for name in args.models}}
-    save_result(args.out, "moe_policy_host.json", "host time of the expert policy on the trained models' decode",
+    save_result(args.out, args.name, "host time of the expert policy on the trained models' decode",
                 torch.device("cpu"), argv, body)
 
 
