@@ -8,23 +8,24 @@ experts (``ExpertEviction.victim``), the bookkeeping of every expert paged and o
 announce (``ExpertStacks``), and the routing guesses (``RoutingSpeculator``: the look-ahead's
 read-back, softmax and top-k on the host, the copies ahead, the scoring). This replays the trained
 models' decode traces (``moe_sim.py``'s, the committed look-ahead) through offtensor's pager and
-expert policy with tiny experts (no copy costs anything to speak of) and times those calls by
-wall clock, each call's time less that of the timed calls inside it, on this machine's host:
+expert policy with tiny experts (no copy costs anything to speak of: on the emulated device a
+worker thread makes the copies, and with real expert sizes its memory traffic slows the host's
+Python several fold) and times those calls by wall clock, each call's time less that of the timed
+calls inside it, on this machine's host:
 
     python benchmarks/moe_policy_host.py [--models qwen3 qwen2 mixtral] [--fraction 0.25]
 
-Per model and setting (the cache alone, the default guesses): µs per decode step in each part (the
-pager's own paging and copy issue, which the replay's figures stand for, apart), and per victim.
+Per model and setting (the cache alone, the default guesses): µs per decode step in each part of
+the policy (``offtensor.sim.policy_clock``: victim search, bookkeeping, guesses), the pager's own
+paging and copy issue, which the replay's figures stand for, left out.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import os
 import sys
-import time
 
 import torch
 
@@ -33,60 +34,12 @@ import moe_sim  # noqa: E402
 from moe_replay import replay_ours  # noqa: E402
 from results_io import save_result  # noqa: E402
 
-from offtensor.moe import eviction, speculation, stacks  # noqa: E402
 from offtensor.pager import Pager  # noqa: E402
+from offtensor.sim.policy_clock import PolicyClock  # noqa: E402
 
-# part -> (class, its methods): every call of these is timed, less the timed calls inside it. The
-# pager's own paging and copy issue ("pager") is what the replay's page and copy figures stand for;
-# the rest is the expert policy's.
-PARTS = {
-    "pager": (Pager, ("page", "prefetch", "release")),
-    "victim": (eviction.ExpertEviction, ("victim",)),
-    "bookkeeping": (stacks.ExpertStacks, ("accessed", "paging", "announce", "copied", "evicted", "step")),
-    "guesses": (speculation.RoutingSpeculator, ("router_ran", "router_output", "issue_ready", "predictions_ready",
-                                                "expected_ready", "routing_known", "used")),
-}
-
-
-class Timers:
-    """Exclusive wall-clock time per part: a call's time less that of the timed calls inside it."""
-
-    def __init__(self):
-        self.seconds, self.calls, self._stack = {}, {}, []
-        self._saved = []
-
-    def install(self):
-        for part, (cls, names) in PARTS.items():
-            for name in names:
-                fn = getattr(cls, name)
-                self._saved.append((cls, name, fn))
-                setattr(cls, name, self._wrap(part, fn))
-
-    def remove(self):
-        for cls, name, fn in reversed(self._saved):
-            setattr(cls, name, fn)
-        self._saved = []
-
-    def reset(self):
-        self.seconds, self.calls = {}, {}
-
-    def _wrap(self, part, fn):
-        timers = self
-
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            timers._stack.append(0.0)  # time of the timed calls inside this one
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent = time.perf_counter() - t0
-                inner = timers._stack.pop()
-                timers.seconds[part] = timers.seconds.get(part, 0.0) + spent - inner
-                timers.calls[part] = timers.calls.get(part, 0) + 1
-                if timers._stack:
-                    timers._stack[-1] += spent
-        return timed
+# The pager's own paging, copy issue and release: what the replay's page and copy figures stand
+# for, timed apart from the policy (a policy call is charged less the pager calls inside it).
+PAGER = ("page", "prefetch", "release")
 
 
 def measure(name: str, fraction: float) -> dict:
@@ -94,25 +47,24 @@ def measure(name: str, fraction: float) -> dict:
     ids = moe_sim.heldout_ids(0, 32 + 256 + 1)
     trace = moe_sim.record_trace(model, ids, 32, 256, moe_sim.lookahead_of(name, model, False))
     steps = len(trace["steps"])
-    timers = Timers()
-    timers.install()
     out = {}
-    try:
-        for label, speculate in (("cache_alone", False), ("default", True)):
-            replay_ours(copy.copy(trace), fraction, speculate)  # warm: imports, first calls
-            timers.reset()
+    for label, speculate in (("cache_alone", False), ("default", True)):
+        replay_ours(copy.copy(trace), fraction, speculate)  # warm: imports, first calls
+        clock = PolicyClock()
+        if not clock.install():
+            raise RuntimeError("offtensor: another PolicyClock is installed")
+        try:
+            clock.exclude(Pager, PAGER)
             replay_ours(copy.copy(trace), fraction, speculate)
-            per_step = {part: s / steps * 1e6 for part, s in timers.seconds.items()}
-            policy = sum(v for part, v in per_step.items() if part != "pager")
-            out[label] = {"us_per_step": per_step, "us_per_step_policy": policy,
-                          "calls_per_step": {part: n / steps for part, n in timers.calls.items()},
-                          "us_per_victim": timers.seconds.get("victim", 0.0) / max(timers.calls.get("victim", 0), 1) * 1e6}
-            print(f"{name} {label}: {policy:.0f} us a step of the expert policy's host work ("
-                  + ", ".join(f"{p} {v:.0f}" for p, v in per_step.items())
-                  + f"); {out[label]['us_per_victim']:.1f} us a victim, {timers.calls.get('victim', 0) / steps:.1f} a step",
-                  flush=True)
-    finally:
-        timers.remove()
+        finally:
+            clock.remove()
+        per_step = {part: s / steps * 1e6 for part, s in clock.parts.items()}
+        policy = sum(per_step.values())
+        victim = clock.parts.get("victim", 0.0) / max(clock.calls.get("victim", 0), 1) * 1e6
+        out[label] = {"us_per_step": per_step, "us_per_step_policy": policy, "us_per_victim": victim,
+                      "calls_per_step": {part: n / steps for part, n in clock.calls.items()}}
+        print(f"{name} {label}: {policy:.0f} us a step of the expert policy's host work ("
+              + ", ".join(f"{p} {v:.0f}" for p, v in per_step.items()) + f"); {victim:.1f} us a victim", flush=True)
     out["layers"], out["steps"] = trace["layers"], steps
     return out
 

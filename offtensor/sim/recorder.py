@@ -13,6 +13,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..model.state import pager_of
 from ..tensor import OffloadedTensor, new_view
+from .policy_clock import PolicyClock
 from .timeline import Timeline
 
 
@@ -125,6 +126,10 @@ class Recorder(TorchDispatchMode):
         # its call sites as copies, not as ops. Set by quiet().
         self._quiet = 0
         self._split = set()  # open ops whose handler runs their kernels one by one (kernels())
+        self.clock = None  # PolicyClock: the expert policy's host time, given to the next record
+
+    def _policy_ms(self) -> float:
+        return self.clock.take() if self.clock is not None else 0.0
 
     def quiet(self, method):
         """``method`` (a pager entry point) with this mode's op recording paused while it runs."""
@@ -154,6 +159,16 @@ class Recorder(TorchDispatchMode):
     # -------------------------------------------------------------- ops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        clock = self.clock
+        if clock is None:
+            return self._dispatch(func, args, kwargs)
+        t0 = clock.open()  # (an op, and recording it, are not the expert policy's host time)
+        try:
+            return self._dispatch(func, args, kwargs)
+        finally:
+            clock.close(t0)
+
+    def _dispatch(self, func, args, kwargs):
         kwargs = kwargs or {}
         if self._quiet or _launches_nothing(func):
             return func(*args, **kwargs)
@@ -175,7 +190,8 @@ class Recorder(TorchDispatchMode):
         if h2d:
             # A `.to(device)` / `copy_` of host memory outside the pager (vLLM-style offloading): an
             # H2D copy on the stream that issued it, which is the compute stream here.
-            self.tl.add_copy(h2d, name=str(func.overloadpacket.__name__), stream="compute", id=rid)
+            self.tl.add_copy(h2d, name=str(func.overloadpacket.__name__), stream="compute", id=rid,
+                             policy_ms=self._policy_ms())
             self._last_op = rid
             return out
         if rid in self._split:
@@ -190,7 +206,7 @@ class Recorder(TorchDispatchMode):
         pooled, self._pending_pooled = self._pending_pooled, 0
         releases, self._pending_releases = self._pending_releases, 0
         self.tl.add_op(flops, nbytes, dtype, waits=_unique(waits), name=str(func.overloadpacket.__name__), id=rid,
-                       pages=pages, pooled=pooled, releases=releases)
+                       pages=pages, pooled=pooled, releases=releases, policy_ms=self._policy_ms())
         self._last_op = rid
         return out
 
@@ -200,7 +216,7 @@ class Recorder(TorchDispatchMode):
         waits, self._pending_frees = self._pending_frees, []
         key = getattr(entry, "key", None)
         rid = self.tl.add_copy(nbytes, waits=_unique(waits), name="prefetch" if prefetch else "page", stream=stream,
-                               key=(id(pager),) + tuple(key) if key is not None else None)
+                               key=(id(pager),) + tuple(key) if key is not None else None, policy_ms=self._policy_ms())
         self._copy_of[id(entry)] = rid
 
     def used(self, entry) -> None:
@@ -300,11 +316,17 @@ class timeline:
     def __enter__(self) -> Timeline:
         if self._pagers is None:
             self._pagers = _pagers_of(self.model) if self.model is not None else []
+        clock = PolicyClock()
+        if any(getattr(p, "experts", None) is not None for p in self._pagers) and clock.install():
+            self.recorder.clock = clock
         for pager in self._pagers:
             pager.recorder = self.recorder
             for name in self._PAGER_ENTRY_POINTS:
                 # An instance attribute shadows the method while recording; __exit__ deletes it.
-                setattr(pager, name, self.recorder.quiet(getattr(pager, name)))
+                # (The pager's own work is the profile's page and copy figures: not the policy's.)
+                method = self.recorder.quiet(getattr(pager, name))
+                setattr(pager, name, clock.excluded(method) if self.recorder.clock is not None else method)
+            _rebind_observers(pager)  # their bound methods of the policy: the timed ones
 
         def new_step(module, args):
             if self._started:
@@ -320,9 +342,21 @@ class timeline:
         self.recorder.__exit__(*exc)
         if self._hook is not None:
             self._hook.remove()
+        if self.recorder.clock is not None:
+            self.recorder.clock.remove()
+            self.recorder.clock = None
         for pager in self._pagers:
             pager.recorder = None
             for name in self._PAGER_ENTRY_POINTS:
                 pager.__dict__.pop(name, None)
+            _rebind_observers(pager)
         self.recorder.finish()
         return False
+
+
+def _rebind_observers(pager) -> None:
+    """The pager's observer calls made again from the expert policy's current methods (bound
+    methods are taken when the observers are set: a clock's wrappers come and go with a recording)."""
+    observers = getattr(pager, "observers", None)
+    if observers is not None and observers.get("experts") is not None:
+        observers.set("experts", observers.get("experts"))

@@ -29,6 +29,10 @@ class Record:
     pooled: int = 0  # op: grouped GEMMs it ran from a device-side expert pool (offtensor's host work for them)
     # copy: issued by the device itself (an expert pool's gather, decided on the device): no host work
     device_side: bool = False
+    # The expert policy's host time before this record was issued (victim search, bookkeeping,
+    # guesses), by wall clock on the machine that recorded it (policy_clock): charged by a replay
+    # with policy_host=True.
+    policy_ms: float = 0.0
 
 
 @dataclasses.dataclass
@@ -83,17 +87,17 @@ class Timeline:
         return self._next_id - 1
 
     def add_copy(self, nbytes: int, waits: Sequence[int] = (), name: str = "copy", stream: str = "copy",
-                 key=None, id: Optional[int] = None, device_side: bool = False) -> int:
+                 key=None, id: Optional[int] = None, device_side: bool = False, policy_ms: float = 0.0) -> int:
         """A host->device copy on ``stream``; ``device_side``: one the device decides and issues
         itself (an expert pool's fetch), which costs the host lane nothing."""
         rid = self.new_id() if id is None else id
         self.records.append(Record(rid, "copy", stream, name, int(nbytes), 0, None, self.step, list(waits), key,
-                                   device_side=device_side))
+                                   device_side=device_side, policy_ms=float(policy_ms)))
         return rid
 
     def add_op(self, flops: float, nbytes: int, dtype="bfloat16", waits: Sequence[int] = (), name: str = "op",
                id: Optional[int] = None, stream: str = "compute", pages: int = 0, pooled: int = 0,
-               releases: int = 0) -> int:
+               releases: int = 0, policy_ms: float = 0.0) -> int:
         """An op on the compute stream, or with ``stream="host"`` one the host computes itself (a
         routed expert from its host master: ``Profile.host_op_ms``), which the issuing thread waits
         for; ``pages``: the offloaded arguments it paged (offtensor's host work for it); ``releases``:
@@ -103,7 +107,8 @@ class Timeline:
         rid = self.new_id() if id is None else id
         dtype = str(dtype).removeprefix("torch.") if dtype is not None else None
         self.records.append(Record(rid, "op", stream, name, int(nbytes), int(flops), dtype, self.step, list(waits),
-                                   pages=int(pages), pooled=int(pooled), releases=int(releases)))
+                                   pages=int(pages), pooled=int(pooled), releases=int(releases),
+                                   policy_ms=float(policy_ms)))
         return rid
 
     def add_sync(self, name: str = "host sync", id: Optional[int] = None) -> int:
@@ -124,19 +129,19 @@ class Timeline:
 
     # -------------------------------------------------------------- replay
 
-    def replay(self, profile=None, sync: Optional[str] = "device") -> Replay:
+    def replay(self, profile=None, sync: Optional[str] = "device", policy_host: bool = False) -> Replay:
         """Schedule every record on its in-order stream after the records it waits for.
 
         ``sync`` is what the host does between steps, before it issues the next one:
         ``"device"`` (``torch.cuda.synchronize()``, how a step is timed: the calibration
         measurements were taken so) waits for both streams, prefetches in flight included;
         ``"compute"`` (reading the step's result, e.g. the sampled token) waits for the compute
-        stream only; ``None`` issues the steps back to back."""
+        stream only; ``None`` issues the steps back to back. ``policy_host``: the host lane also carries
+        the expert policy's host time as recorded (``Record.policy_ms``)."""
         if sync not in ("device", "compute", None):
             raise ValueError(f"offtensor: sync must be 'device', 'compute' or None, got {sync!r}")
         profile = get_profile(profile or self.profile or "h200")
-        starts, ends = {}, {}
-        free = {"copy": 0.0, "compute": 0.0, "host": 0.0}
+        starts, ends, free = {}, {}, {"copy": 0.0, "compute": 0.0, "host": 0.0}
         step, barrier, host = 0, 0.0, 0.0
         barriers = [0.0]  # when the host may issue each step; then when the last one's sync returns
 
@@ -155,7 +160,8 @@ class Timeline:
                 continue
             # The host lane: offtensor's own work for this record (its lookups, or issuing a copy)
             # comes before the record is issued; nothing starts before the host has issued it.
-            host = max(host, barrier) + (0.0 if r.device_side else profile.host_ms(r.kind, r.pages, r.pooled, r.releases))
+            host = max(host, barrier) + (0.0 if r.device_side else profile.host_ms(r.kind, r.pages, r.pooled, r.releases)) \
+                + (r.policy_ms if policy_host else 0.0)
             ready = max(free[r.stream], host)
             for w in r.waits:
                 end = ends.get(w)
@@ -193,7 +199,7 @@ class Timeline:
             overlap = min(hi, ends[r.id]) - max(lo, starts[r.id])
             if overlap > 0 and r.stream in busy:
                 busy[r.stream] += overlap
-        compute_ms, copy_bound_ms, host_ms = self._step_parts(profile, last)
+        compute_ms, copy_bound_ms, host_ms = self._step_parts(profile, last, policy_host)
         parts = {"compute": compute_ms, "copy": copy_bound_ms, "host": host_ms}
         bound_by = max(parts, key=parts.get)
         bound = parts[bound_by]
@@ -204,7 +210,7 @@ class Timeline:
             compute_ms, copy_bound_ms, steps_ms, starts, ends, windows, host_ms, bound_by,
         )
 
-    def _step_parts(self, profile: Profile, step: int) -> tuple:
+    def _step_parts(self, profile: Profile, step: int, policy_host: bool = False) -> tuple:
         """(compute, copy, host) ms of ``step``: its device ops back to back, its distinct copied bytes
         / H2D, and its host lane (offtensor's host work and the ops the host computes; with every op,
         where the host runs them)."""
@@ -212,6 +218,7 @@ class Timeline:
         for r in self.records:
             if r.step == step and r.kind in ("op", "copy"):
                 host += 0.0 if r.device_side else profile.host_ms(r.kind, r.pages, r.pooled, r.releases)
+                host += r.policy_ms if policy_host else 0.0
                 if r.kind == "op" and r.stream == "host":  # an op the host computes itself
                     host += profile.host_op_ms(r.flops, r.nbytes, r.dtype)
                 elif r.kind == "op":

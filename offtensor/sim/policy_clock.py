@@ -1,0 +1,106 @@
+"""The expert policy's own host time in a recorded run (``PolicyClock``): what a replay's host lane
+adds to the profile's per-page and per-copy figures with ``replay(..., policy_host=True)``.
+
+The profile's host figures were measured on a pager without the expert policy. The policy runs on
+the host too, in Python: the victim search among the cached experts, the bookkeeping of every expert
+paged and of each layer's announce (``ExpertStacks``), the routing guesses (``RoutingSpeculator``).
+While a timeline records, their calls are timed by wall clock on the recording machine, each less
+the time of what runs inside it that is charged elsewhere (the pager's own paging and copies, which
+the profile's figures stand for, and the ops, which are records of their own), and the time is
+given to the next record (``take``).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+from ..moe.speculation import RoutingSpeculator
+from ..moe.stacks import ExpertStacks
+
+# The policy's entry points, every call from the pager, the router hooks or a step, by part.
+POLICY = (
+    (ExpertStacks, ("victim", "order"), "victim"),
+    (ExpertStacks, ("accessed", "paging", "announce", "copied", "evicted", "step", "expect"), "bookkeeping"),
+    (RoutingSpeculator, ("router_ran", "router_output", "issue_ready", "predictions_ready", "expected_ready",
+                         "routing_known", "used", "step"), "guesses"),
+)
+
+
+class PolicyClock:
+    """Wall-clock host time of the expert policy not yet given to a record (``take``), and in all
+    by part (``parts``, seconds; ``calls``). One clock is installed at a time (``install``: the policy's
+    methods wrapped on their classes)."""
+
+    installed = None
+
+    def __init__(self):
+        self.pending = 0.0  # seconds of policy time since the last take
+        self.parts = {}  # part -> seconds of policy time since install
+        self.calls = {}  # part -> its timed calls since install
+        self._inner = []  # per open timed call: seconds of the timed calls inside it
+        self._saved = []
+
+    def install(self) -> bool:
+        """Wrap the policy's entry points; False (nothing done) where another clock is installed."""
+        if PolicyClock.installed is not None:
+            return False
+        for cls, names, part in POLICY:
+            self._wrap(cls, names, part)
+        PolicyClock.installed = self
+        return True
+
+    def exclude(self, cls, names) -> None:
+        """Time these methods of ``cls`` (while installed) as work charged elsewhere."""
+        self._wrap(cls, names, None)
+
+    def _wrap(self, cls, names, part) -> None:
+        for name in names:
+            fn = cls.__dict__[name]
+            self._saved.append((cls, name, fn))
+            setattr(cls, name, self._timed(fn, part))
+
+    def remove(self) -> None:
+        for cls, name, fn in reversed(self._saved):
+            setattr(cls, name, fn)
+        self._saved = []
+        if PolicyClock.installed is self:
+            PolicyClock.installed = None
+
+    def excluded(self, fn):
+        """``fn`` timed as work charged elsewhere: the policy call it runs inside is charged less it."""
+        return self._timed(fn, None)
+
+    def take(self) -> float:
+        """Milliseconds of policy time since the last take."""
+        out, self.pending = self.pending, 0.0
+        return out * 1e3
+
+    def open(self) -> float:
+        """A timed call starts (``close`` ends it): its start."""
+        self._inner.append(0.0)
+        return time.perf_counter()
+
+    def close(self, t0: float, part=None) -> None:
+        """The call opened at ``t0`` ends: for a ``part`` of the policy, its time less the timed
+        calls inside it is the policy's; either way the call it ran inside is charged less all of it."""
+        spent = time.perf_counter() - t0
+        nested = self._inner.pop()
+        if part is not None:
+            self.pending += spent - nested
+            self.parts[part] = self.parts.get(part, 0.0) + spent - nested
+            self.calls[part] = self.calls.get(part, 0) + 1
+        if self._inner:
+            self._inner[-1] += spent
+
+    def _timed(self, fn, part):
+        clock = self
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t0 = clock.open()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                clock.close(t0, part)
+        return timed

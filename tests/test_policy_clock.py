@@ -1,0 +1,67 @@
+"""The expert policy's host time in a recorded timeline (``offtensor.sim.policy_clock``): recorded
+per record while an MoE model runs under ``ot.timeline``, charged to the host lane only by a replay
+with ``policy_host=True``, nothing for a model without routed experts, and the policy's methods are
+themselves again after the recording, however it ends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import offtensor as ot
+from offtensor.moe.speculation import RoutingSpeculator
+from offtensor.moe.stacks import ExpertStacks
+from offtensor.sim.policy_clock import POLICY, PolicyClock
+
+pytest.importorskip("transformers")
+from test_moe_predictor import _decode, _qwen3, _wrap_quarter  # noqa: E402  (a tiny Qwen3-MoE, a quarter of its experts cached)
+
+
+def _originals():
+    return {(cls, name): cls.__dict__[name] for cls, names, _ in POLICY for name in names}
+
+
+def test_an_moe_decode_records_its_policy_host_time_and_a_replay_charges_it_only_when_asked():
+    before = _originals()
+    model = _wrap_quarter(_qwen3())
+    _decode(model, 2)  # warm: the router order and the stacks each router selects
+    with ot.timeline(model) as tl:
+        _decode(model, 3)
+    policy = sum(r.policy_ms for r in tl.records)
+    assert policy > 0 and all(r.policy_ms >= 0 for r in tl.records)
+    plain, charged = tl.replay("h200"), tl.replay("h200", policy_host=True)
+    last = sum(r.policy_ms for r in tl.records if r.step == tl.steps - 1)
+    assert charged.host_ms == pytest.approx(plain.host_ms + last)
+    assert sum(charged.steps_ms) > sum(plain.steps_ms)
+    assert _originals() == before and PolicyClock.installed is None
+
+
+def test_a_model_without_routed_experts_records_no_policy_time():
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    ot.wrap_model(model, budget_gb=2e-5, device="cpu")
+    with ot.timeline(model) as tl:
+        with torch.no_grad():
+            model(torch.randn(2, 32))
+    assert tl.records and all(r.policy_ms == 0.0 for r in tl.records)
+
+
+def test_the_policy_is_itself_again_after_a_recording_cut_short():
+    before = _originals()
+    model = _wrap_quarter(_qwen3())
+    with pytest.raises(KeyboardInterrupt):
+        with ot.timeline(model):
+            assert ExpertStacks.__dict__["victim"] is not before[(ExpertStacks, "victim")]  # timed while recording
+            raise KeyboardInterrupt
+    assert _originals() == before and PolicyClock.installed is None
+    assert RoutingSpeculator.__dict__["router_ran"] is before[(RoutingSpeculator, "router_ran")]
+
+
+def test_one_clock_at_a_time():
+    first, second = PolicyClock(), PolicyClock()
+    assert first.install()
+    try:
+        assert not second.install()
+    finally:
+        first.remove()
+    assert PolicyClock.installed is None
