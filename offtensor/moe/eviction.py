@@ -89,11 +89,46 @@ class NextTurn:
         return self._likely.get(group)
 
 
+class KeptCandidates:
+    """Each stack's victim candidates (``ExpertEviction._coldest_of``, with their expected waits)
+    kept from one victim search to the next until something they depend on changes: the stack's
+    copies, uses or layer turn (its version, by master id), what the search must keep or the
+    chances it ranks by (by identity), the cycle's length, or anything of every stack (``renew``:
+    a new step, decayed frequencies), and only while each copy is still cached and evictable. A
+    search then ranks the few stacks that changed anew instead of all (the same victims)."""
+
+    __slots__ = ("_versions", "_epoch", "_kept")
+
+    def __init__(self):
+        self._versions: dict = {}  # master id -> version
+        self._epoch = 0
+        self._kept: dict = {}  # master id -> ((epoch, version, count), keep, chances, candidates)
+
+    def changed(self, master_id) -> None:
+        self._versions[master_id] = self._versions.get(master_id, 0) + 1
+
+    def renew(self) -> None:
+        self._epoch += 1
+
+    def get(self, master_id, keep, chances, count: int, cache):
+        kept = self._kept.get(master_id)
+        if kept is None or kept[0] != (self._epoch, self._versions.get(master_id, 0), count) \
+                or kept[1] is not keep or kept[2] is not chances:
+            return None
+        for entry, _, _ in kept[3]:
+            if cache.get(entry.key) is not entry or entry.users or entry.prefetched:
+                return None
+        return kept[3]
+
+    def put(self, master_id, keep, chances, count: int, found: list) -> None:
+        self._kept[master_id] = ((self._epoch, self._versions.get(master_id, 0), count), keep, chances, found)
+
+
 class ExpertEviction:
     """Use frequencies, per-layer reuse and the index of cached experts by coldness: the victim."""
 
     __slots__ = ("by_master", "layers", "frequency", "_spare_room_only", "_guarded", "_clock", "_last", "_coldest",
-                 "_scale", "_reuse", "_ahead_distance", "next_turn")
+                 "_scale", "_reuse", "_ahead_distance", "next_turn", "_kept")
 
     def __init__(self, by_master: dict, layers):
         self.by_master = by_master  # master id -> Stack (ExpertStacks' own dict)
@@ -119,6 +154,7 @@ class ExpertEviction:
         # A guess's copy may evict only a copy whose expected next use is this many layers away or
         # more (None: twice the cycle); set by the speculator per guess.
         self._ahead_distance = None
+        self._kept = KeptCandidates()  # each stack's victim candidates from the last search
 
     def touch(self, key) -> None:
         """``key`` was used or copied: its tick in the LRU order."""
@@ -132,10 +168,14 @@ class ExpertEviction:
 
     def evicted(self, key) -> None:
         self._last.pop(key, None)
+        self._changed(key[0])
 
     def entered(self, group) -> None:
         """``group``'s layer starts paging: its own routing says what it pages now."""
         self._guarded.pop(group, None)
+        for stack in self.by_master.values():
+            if stack.group == group:  # (its experts routed at its last turn are this turn's now)
+                self._changed(stack.master_id)
 
     def guard(self, stacks: list, experts) -> None:
         """The guess of ``stacks``' layer, the next to run, names these experts: no copy made before
@@ -144,7 +184,11 @@ class ExpertEviction:
         if stacks:
             self._guarded[stacks[0].group] = {s.key_of(int(e)) for s in stacks for e in experts}
 
+    def _changed(self, master_id) -> None:
+        self._kept.changed(master_id)
+
     def push(self, key) -> None:
+        self._changed(key[0])
         heap = self._coldest.get(key[0])
         if heap is None:
             heap = self._coldest[key[0]] = []
@@ -199,14 +243,14 @@ class ExpertEviction:
             else:
                 distance = _distance(position.get(stack.group), here, count)
             keep = needed if stack.group == current else self._guarded.get(stack.group)
-            for entry, recent in self._coldest_of(stack, cache, keep):
-                score = (self._next_use(entry.key, stack, distance, count, recent), -self._last.get(entry.key, -1))
+            for entry, wait, tick in self._candidates_of(stack, cache, keep, count):
+                score = (distance + wait, tick)
                 if best is None or score > best_score:
                     best, best_score = entry, score
         if best is None:
             # Only copies to keep are left (prefetched, or the current layer's own): the scan
             # below ranks them, or refuses for a copy made ahead of its use.
-            return self._victim_scan(candidates, cached, room)
+            return _victim_scan(self, candidates)
         if self._spare_room_only and best_score[0] < self._ahead_limit(count):
             return None
         return best
@@ -278,6 +322,18 @@ class ExpertEviction:
         recent = stack.expert_of(key) in self._recent(stack)
         return self._next_use(key, stack, distance, count, recent)
 
+    def _candidates_of(self, stack: Stack, cache, keep, count: int) -> list:
+        """``_coldest_of``'s candidates as (entry, its expected next use less its layer's distance,
+        minus its last use's tick: the tie-break), kept from the last search while nothing they
+        depend on has changed and their copies are still cached and evictable."""
+        chances = self.next_turn.of(stack.group)
+        found = self._kept.get(stack.master_id, keep, chances, count, cache)
+        if found is None:
+            found = [(entry, self._next_use(entry.key, stack, 0.0, count, recent), -self._last.get(entry.key, -1))
+                     for entry, recent in self._coldest_of(stack, cache, keep)]
+            self._kept.put(stack.master_id, keep, chances, count, found)
+        return found
+
     def _coldest_of(self, stack: Stack, cache, needed):
         """``stack``'s candidates for eviction, as (entry, routed at its layer's last turn): the
         least used evictable copy its layer did not route at its last turn (off the heap) and the
@@ -324,38 +380,9 @@ class ExpertEviction:
             heapq.heappush(heap, record)
         return out
 
-    def _victim_scan(self, candidates, cached: dict, room: int):
-        """``victim`` by comparing the evictable copies one by one, least recently used first: the
-        fallback when the indexes offer nothing (copies the index has no record of, such as those
-        cached before the registry was rebuilt, or only copies to keep). Copies to keep (unused
-        prefetches, the current op's experts) rank below every other, the furthest expected first."""
-        position, count, here = self.layers.cycle()
-        current, needed = self.layers.current, self.layers.needed
-        best, best_score = None, None
-        for seen, entry in enumerate(candidates):
-            if seen >= VICTIM_WINDOW:
-                break
-            stack = self.by_master.get(entry.key[0])
-            if stack is None:
-                if not entry.prefetched:
-                    return entry
-                score = (0, 0.0)
-            else:
-                current_layer = stack.group == current
-                guarded = self._guarded.get(stack.group, ())
-                keep = entry.prefetched or (current_layer and (needed is None or entry.key in needed)) \
-                    or entry.key in guarded
-                distance = count if current_layer else _distance(position.get(stack.group), here, count)
-                recent = stack.expert_of(entry.key) in self._recent(stack)
-                score = (0 if keep else 1, self._next_use(entry.key, stack, distance, count, recent))
-            if best is None or score > best_score:
-                best, best_score = entry, score
-        if self._spare_room_only and best is not None and (best_score[0] == 0 or best_score[1] < self._ahead_limit(count)):
-            return None
-        return best
-
     def decay(self) -> None:
         """A forward begins: decay use frequencies."""
+        self._kept.renew()
         frequency = self.frequency
         for key in list(frequency):
             value = frequency[key] * FREQUENCY_DECAY
@@ -384,8 +411,41 @@ class ExpertEviction:
             self._reuse[stack.group] = REUSE_DECAY * self._reuse.get(stack.group, REUSE_PRIOR) + (1 - REUSE_DECAY) * share
 
     def step(self) -> None:
-        """A step ended: the guards of its guesses lapse with it."""
+        """A step ended: the guards of its guesses lapse with it (and every stack's candidates)."""
         self._guarded = {}
+        self._kept.renew()
+
+
+def _victim_scan(eviction: "ExpertEviction", candidates):
+    """``ExpertEviction.victim`` by comparing the evictable copies one by one, least recently used
+    first: the fallback when the indexes offer nothing (copies the index has no record of, such as
+    those cached before the registry was rebuilt, or only copies to keep). Copies to keep (unused
+    prefetches, the current op's experts) rank below every other, the furthest expected first."""
+    layers = eviction.layers
+    position, count, here = layers.cycle()
+    current, needed = layers.current, layers.needed
+    best, best_score = None, None
+    for seen, entry in enumerate(candidates):
+        if seen >= VICTIM_WINDOW:
+            break
+        stack = eviction.by_master.get(entry.key[0])
+        if stack is None:
+            if not entry.prefetched:
+                return entry
+            score = (0, 0.0)
+        else:
+            current_layer = stack.group == current
+            guarded = eviction._guarded.get(stack.group, ())
+            keep = entry.prefetched or (current_layer and (needed is None or entry.key in needed)) \
+                or entry.key in guarded
+            distance = count if current_layer else _distance(position.get(stack.group), here, count)
+            recent = stack.expert_of(entry.key) in eviction._recent(stack)
+            score = (0 if keep else 1, eviction._next_use(entry.key, stack, distance, count, recent))
+        if best is None or score > best_score:
+            best, best_score = entry, score
+    if eviction._spare_room_only and best is not None and (best_score[0] == 0 or best_score[1] < eviction._ahead_limit(count)):
+        return None
+    return best
 
 
 def order(eviction: ExpertEviction, view, candidates) -> list:
