@@ -133,7 +133,11 @@ def _cached_experts(pager, router: Router) -> frozenset:
     stacks = router.stacks
     if pager is None or not stacks:
         return frozenset()
-    return frozenset(e for e in range(stacks[0].num_experts) if all(pager.is_cached(s.key_of(e)) for s in stacks))
+    experts = None
+    for stack in stacks:  # (every expert of the layer, every guess: one pass per stack)
+        cached = {stack.experts[k] for k in pager.cached_among(stack.keys)}
+        experts = cached if experts is None else experts & cached
+    return frozenset(experts)
 
 
 class RoutingSpeculator:
