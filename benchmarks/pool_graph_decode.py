@@ -130,6 +130,11 @@ def _variants(args, base, budget, device) -> tuple:
             steps["uva_layers_on_device"] = built["uva"][1]
     today = copy.deepcopy(base)
     add("wrapped", lambda: ot.wrap_model(today, budget_gb=budget / GiB, device=device, policy=["*.experts.*"]))
+    # The same without routing guesses (the expert cache alone): what the guesses' copies and their
+    # host work come to in wall-clock time.
+    alone = copy.deepcopy(base)
+    add("wrapped_no_guesses", lambda: ot.wrap_model(alone, budget_gb=budget / GiB, device=device,
+                                                    policy=["*.experts.*"], prefetch=False))
     pooled = copy.deepcopy(base)
     add("pooled", lambda: ot.wrap_model(pooled, budget_gb=budget / GiB, device=device, policy=["*.experts.*"],
                                         expert_pool=True))
@@ -179,7 +184,7 @@ def _ratios(rows) -> dict:
     """tok/s of each variant over the resident model's, and of the pooled ones over the UVA ones'."""
     tok = {name: row["tok_per_s"] for name, row in rows.items() if "tok_per_s" in row}
     out = {}
-    for name in ("pooled", "pooled_graph", "uva", "uva_graph", "wrapped", "resident_graph"):
+    for name in ("pooled", "pooled_graph", "uva", "uva_graph", "wrapped", "wrapped_no_guesses", "resident_graph"):
         for against in ("resident", "uva", "uva_graph"):
             if name in tok and against in tok and name != against and (against == "resident" or name.startswith("pooled")):
                 out[f"{name}_over_{against}_tok_s"] = tok[name] / tok[against]
