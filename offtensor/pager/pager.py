@@ -275,11 +275,6 @@ class Pager(RoomCalls, Recovering, PagingState):
     def is_cached(self, key) -> bool:
         return key in self._entries
 
-    def cached_among(self, keys) -> list:
-        """Those of ``keys`` that are cached, in their order (one pass, for many keys at once)."""
-        entries = self._entries
-        return [k for k in keys if k in entries]
-
     def prefetch(self, master: Master, dtype: torch.dtype, lo: int, hi: int) -> bool:
         """Start copying elements [lo, hi) of ``master`` unless cached; never evicts an entry that
         is in use and never exceeds the budget. Returns whether a copy is cached or started."""

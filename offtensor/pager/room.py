@@ -283,6 +283,11 @@ class RoomCalls:
         if self.expert_pool is not None:
             self.expert_pool.invalidate(master.id)
 
+    def cached_among(self, keys) -> list:
+        """Those of ``keys`` that are cached, in their order (one pass, for many keys at once)."""
+        entries = self._entries
+        return [k for k in keys if k in entries]
+
     def drop_prefetch_hold(self, key) -> None:
         """``key``'s copy was made ahead of a use that is no longer coming (a wrong guess): until
         used, a prefetched copy is kept while anything else can go; from now it is evicted as any."""
