@@ -20,7 +20,7 @@ Variants run interleaved, ``--repeats`` rounds, medians reported; the page cache
 so every variant reads from memory. On a GPU the child also measures pinning GB/s: offtensor's
 ``pin_host`` of a filled allocation, ``alloc_host(pin=True)`` and torch's ``pin_memory()``.
 
-Requirements checked (issue 9): logits identical to the usual way; offtensor's time to the first
+Requirements checked: logits identical to the usual way; offtensor's time to the first
 forward <= 2x the usual way's; offtensor's peak RSS <= 1.25x checkpoint + device bytes.
 
     python benchmarks/load_bench.py [--device cpu|cuda] [--repeats 3] [--budget-fraction 0.3]

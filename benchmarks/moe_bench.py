@@ -304,7 +304,7 @@ def _replay_row_copy_all(tl, expert_bytes):
 def qwen3_moe(device, gpu: bool):
     import transformers
 
-    if gpu:  # DESIGN.md's workload: 24 layers x 64 experts, top-8, about 15 GB of random bf16
+    if gpu:  # the H200 MoE workload: 24 layers x 64 experts, top-8, about 15 GB of random bf16
         config = transformers.Qwen3MoeConfig(
             vocab_size=32000, hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=4,
             head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=64, num_experts_per_tok=8,

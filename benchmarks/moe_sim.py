@@ -1,4 +1,4 @@
-"""Expert cache and routing speculation on a TRAINED MoE (issue 20): a recorded routing trace, the
+"""Expert cache and routing speculation on a TRAINED MoE: a recorded routing trace, the
 offline simulator (LRU, Belady, offtensor's own policy on the same trace) and a real wrapped run.
 
     python benchmarks/moe_sim.py                       # the committed models (tests/data/moe_*)

@@ -1,7 +1,7 @@
 """Offloaders side by side on one dense stack, in one process, interleaved: ms per step, ratio to the
 PCIe bound, achieved GB/s, the replay's prediction beside the measurement, device memory.
 
-    python benchmarks/offload_bench.py                    # GPU: DESIGN.md's H200 workload
+    python benchmarks/offload_bench.py                    # GPU: the H200 workload (docs/benchmarks.md)
     python benchmarks/offload_bench.py --device cpu       # the emulated device, scaled down
 
 Variants (every one offloads the same layers, the ones offtensor's default placement picks):
@@ -19,7 +19,7 @@ Variants (every one offloads the same layers, the ones offtensor's default place
 
 Each round runs every variant for ``--steps-per-round`` steps back to back (the first untimed, so
 cross-step prefetch reaches its steady state), with a device synchronisation closing every step as
-in DESIGN.md's measurements; the median over rounds is reported. The bound is max(all-resident
+in the H200 calibration's measurements; the median over rounds is reported. The bound is max(all-resident
 compute, offloaded bytes / H2D bandwidth), the H2D bandwidth measured here. Predictions replay
 three recorded steps under the built-in ``h200`` profile on an H200, else a profile measured here
 (on the emulated device, its compute rates scaled to this run's all-resident measurement).

@@ -11,7 +11,7 @@ Measured in one run, each configuration against its own bound:
 
     python benchmarks/paging.py [--device cuda|cpu] [--out DIR]
 
-Sizes default to DESIGN.md's H200 figures on a GPU and to small ones on the emulated device.
+Sizes default to the H200 workload's on a GPU and to small ones on the emulated device.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Train a small byte-level MoE on real text available on this machine (Python's standard library
 source), so that expert-cache and routing-speculation figures come from a trained router, not a
-random one (issue 20).
+random one.
 
     python scripts/train_moe.py --model qwen3 --minutes 20        # tests/data/moe_qwen3/
     python scripts/train_moe.py --model qwen2 --minutes 20        # tests/data/moe_qwen2/

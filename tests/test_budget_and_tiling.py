@@ -1,4 +1,4 @@
-"""Any model, any budget (issue 10): working sets as ops really need them, ops over lists paged in
+"""Any model, any budget: working sets as ops really need them, ops over lists paged in
 pieces, bit-identical linear for every input layout, identity of RNN and attention weights."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The device model against the GPU: hand-written offloading schedules measured on an H200 (issue 7,
-DESIGN.md), written here as timelines the way their code issues copies and GEMMs, and replayed under
+"""The device model against the GPU: hand-written offloading schedules measured on an H200,
+written here as timelines the way their code issues copies and GEMMs, and replayed under
 the built-in ``h200`` profile. Each prediction must land within 5 % of its measurement.
 
 The workload: 24 layers of ``x @ W1 (8192 x 24576) @ W2 (24576 x 8192)`` in bf16, 12 layers (9.66 GB)
@@ -26,7 +26,7 @@ WEIGHT_BYTES = HIDDEN * FFN * 2
 PREFILL, DECODE = 4096, 1
 STEPS = 4  # the last one is reported: slots and prefetches have reached their steady state
 
-# ms per step, measured in one run on an H200 (PCIe Gen5 x16, torch 2.11), issue 7's table.
+# ms per step, measured in one run on an H200 (PCIe Gen5 x16, torch 2.11).
 MEASURED = {
     "all resident": {"decode": 4.67, "prefill": 116.1},
     "vLLM-style .to(non_blocking) + functional_call": {"decode": 179.8, "prefill": 277.6},

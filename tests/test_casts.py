@@ -1,4 +1,4 @@
-"""Casts, moves and swaps of a wrapped model (issue 18 item 6): ``module.to(dtype)``, ``.half()``,
+"""Casts, moves and swaps of a wrapped model: ``module.to(dtype)``, ``.half()``,
 ``.float()``, ``.bfloat16()`` and ``module.to(device)`` keep offloaded weights offloaded, the same
 objects, at the new dtype, converted host master to host master with nothing paged, and the room is
 planned again for the new sizes; with and without ``set_swap_module_params_on_conversion``."""

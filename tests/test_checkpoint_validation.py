@@ -1,4 +1,4 @@
-"""Checkpoint validation at least as strict as safetensors' own (issue 19, item 3).
+"""Checkpoint validation at least as strict as safetensors' own.
 
 Every malformed safetensors header or index is refused with ``ot.CheckpointError`` naming the file,
 before the model changes: overlapping, duplicated or gapped tensor ranges, trailing bytes, headers

@@ -1,4 +1,4 @@
-"""Clear words for the smaller gaps (issue 19, item 7): a policy pattern that matches nothing is
+"""Clear words for the smaller gaps: a policy pattern that matches nothing is
 named in a warning; a budget above the device's memory is named in a warning; an expanded
 (stride-0) parameter of a wrapped model keeps its layout in the host master and is counted by the
 bytes it takes. (``ot.offload(t)`` of an expanded tensor still makes a writable master of numel

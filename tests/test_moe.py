@@ -1,4 +1,4 @@
-"""Routed experts under a budget (issue 8): a one-token decode copies only the routed experts that
+"""Routed experts under a budget: a one-token decode copies only the routed experts that
 were not cached, hot experts stay cached, the next layer's experts are guessed and prefetched,
 the statistics say so per stacked tensor, default placement keeps everything but the routed
 experts resident, and the timeline shows the host sync an MoE layer still costs."""
@@ -144,11 +144,11 @@ def test_decode_moves_only_the_routed_experts_that_were_not_cached(name, device)
     # that earned speculation. LRU in a cycle of layers pays twice whatever the next layers need
     # (every step, every layer); the expert cache evicts by expected next use, one score for every
     # layer, so a cold expert of a layer still to run can go before a warm one of a layer that ran,
-    # and is paid twice only when its layer routes to it after all. That trade (issue 20) lifts the
+    # and is paid twice only when its layer routes to it after all. That trade lifts the
     # decode hit rate on the trained test models (tests/test_moe_trained.py) by 6-8 points at 25%
     # cached; here it costs at most one expert of a few in the first decode after the prefill
     # (which routes to most experts of every layer) and a few percent over the decode.
-    # Issue 8's bar (every step <= 1.1 x) was tried back with the cyclic-Belady constraint (never
+    # The earlier bar (every step <= 1.1 x) was tried back with the cyclic-Belady constraint (never
     # evict an expert of a layer still to run in the step while one of a layer that ran is
     # evictable, then the frequency/reuse score; 2026-12-01): qwen3_moe here moved 1.034 x overall
     # with steps at 1.125 and 1.167 x (against 1.033 x, one step at 1.25 x, without it), and the

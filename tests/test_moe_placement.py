@@ -1,4 +1,4 @@
-"""Placement that follows the routing (issue 20, item 5): whether an MoE model's whole expert
+"""Placement that follows the routing: whether an MoE model's whole expert
 stacks stay resident or every stack is paged through the expert cache is decided by the replay of
 both placements under the routing (``sim.plan.plan_expert_paging``), at wrap time from
 ``routing=`` or, without it, once from the wrapped model's own first routed tokens, with the

@@ -1,4 +1,4 @@
-"""The trained MoE test models (issue 20): byte-level Qwen3-MoE / Qwen2-MoE trained on the Python
+"""The trained MoE test models: byte-level Qwen3-MoE / Qwen2-MoE trained on the Python
 standard library by scripts/train_moe.py and committed under tests/data/ in bf16, with the held-out
 split they never saw. On a teacher-forced decode of held-out text, wrapped (every expert stack
 paged through the expert cache) against unwrapped: identical logits at every step, and the
@@ -78,9 +78,9 @@ def test_the_default_decode_hit_rate_is_near_belady(trained, sim, fraction):
     # offtensor's pager, expert cache and routing speculation with their defaults (a guess copied
     # ahead where its confidence bin has paid, and then routed, is a hit) replayed on the recorded
     # trace (the same code the wrapped model runs: checked against a real run below); Belady is the
-    # offline optimum of the cache alone on the same trace. Fails on main before issue 20's cache
-    # session (cb83ea2: guesses not copied by default; on this trace at 25% Qwen3-MoE 0.735 and
-    # Qwen2-MoE 0.679 against Belady 0.840 / 0.805).
+    # offline optimum of the cache alone on the same trace. Fails on an earlier default that
+    # copied no guess (on this trace at 25% Qwen3-MoE 0.735 and Qwen2-MoE 0.679 against Belady
+    # 0.840 / 0.805).
     name, model, ids, trace = trained
     capacity = int(round(fraction * trace["layers"] * trace["experts"]))
     belady = sim.simulate_belady(trace, capacity)["hit_rate"]

@@ -1,4 +1,4 @@
-"""Portable state dicts (issue 19, item 6).
+"""Portable state dicts.
 
 ``torch.save(wrapped.state_dict())`` writes plain CPU tensors that a process without offtensor
 loads with ``torch.load(weights_only=True)``, each tie stored once, values bit-identical, and

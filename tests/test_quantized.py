@@ -1,4 +1,4 @@
-"""torchao quantised weights (issue 18 item 5): weight-only int8, float8 and int4 (intx) configs that
+"""torchao quantised weights: weight-only int8, float8 and int4 (intx) configs that
 run on CPU, in both orders (quantise then wrap, wrap then quantise), give the unwrapped quantised
 model's outputs bit for bit, offloaded and within budget; ``ot.offload`` takes a quantised tensor;
 ``ot.on_host`` lets quantisation read the host masters instead of paging each weight whole.

@@ -1,4 +1,4 @@
-"""Nothing lost under races and faults (issue 19, items 1, 4 and 5).
+"""Nothing lost under races and faults.
 
 - Threads: concurrent forwards on one wrapped model give the unwrapped model's outputs and stay
   within the budget; ``unwrap_model``, ``load_state_dict`` and re-placement racing forwards wait

@@ -1,4 +1,5 @@
-"""OffloadedTensor semantics, one or more tests per row of DESIGN.md's "OffloadedTensor semantics" table.
+"""OffloadedTensor semantics, one or more tests per row of the semantics table in docs/design.md
+("The tensor and its semantics").
 
 Every test builds a plain tensor, offloads a copy of it, does the same thing to both and compares;
 byte counts are derived from shapes. Pager counters (``page_ins``, ``bytes_h2d``) show what was

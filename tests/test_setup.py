@@ -1,4 +1,4 @@
-"""Set-up on any fresh machine (issue 16): every test and demo package pinned exactly, installed only
+"""Set-up on any fresh machine: every test and demo package pinned exactly, installed only
 when missing or too old; optional packages (matplotlib, tqdm) degrade to a warning and a skipped
 PNG or progress bar, never a failure. Run again, scripts/setup.sh builds nothing; scripts/test.sh
 runs the files it is given, all of tests/ without any."""

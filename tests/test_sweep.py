@@ -7,7 +7,7 @@ Parameter objects, and stay within the budget.
 Architectures missing from the installed transformers, or whose config or model cannot be built
 offline from overrides, are skipped with the reason (printed with ``-s``); the test requires that at
 least ``MIN_ARCHITECTURES`` of them run, in every family. Sizes are tiny (hidden 32, 1-2 layers,
-vocab 96; a few wider where that reproduces a case of issue 10) so the sweep of about 200
+vocab 96; a few wider where that reproduces a case found earlier) so the sweep of about 200
 architectures takes about 45 s on 2 cores (torch 2.13, transformers 5.24: 206 of 208 ran).
 """
 

@@ -1,5 +1,5 @@
 """Timelines: what a recording holds, what a replay computes, what ot.plan decides on meta, and the
-placement and prefetch schedule judged by the replay (issue 7's done-when for the H200 workload)."""
+placement and prefetch schedule judged by the replay (the H200 workload's bar)."""
 
 import dataclasses
 import json
@@ -325,7 +325,7 @@ def test_the_host_lane_leaves_the_dense_plans_where_it_is_not_the_bound(h200_wor
 
 
 def test_name_order_placement_would_miss_the_bound(h200_workload):
-    # What issue 7 found: ties broken by name offload layers 0, 1 and 10-19 as one block, and the
+    # What the H200 calibration found: ties broken by name offload layers 0, 1 and 10-19 as one block, and the
     # copy stream idles behind the resident block. Forcing that placement shows what the fix buys.
     name_order = sorted(range(24), key=str)[:12]
     def policy(name):

@@ -1,4 +1,4 @@
-"""Working sets from what ops read (issue 18 item 7): a table that forward reads in slices (a
+"""Working sets from what ops read: a table that forward reads in slices (a
 buffer of the model's own module: SD3's cropped ``pos_embed``, a causal mask) costs the slice it
 reads, not the whole table, when the whole table would leave no budget."""
 
