@@ -65,3 +65,20 @@ def test_one_clock_at_a_time():
     finally:
         first.remove()
     assert PolicyClock.installed is None
+
+
+def test_only_the_recording_threads_policy_calls_are_timed():
+    import threading
+
+    clock = PolicyClock()
+    assert clock.install()
+    try:
+        stacks = ExpertStacks()
+        worker = threading.Thread(target=lambda: stacks.step())
+        worker.start()
+        worker.join()
+        assert clock.take() == 0.0 and not clock.parts  # another thread's call: not this recording's
+        stacks.step()
+        assert clock.calls.get("bookkeeping") == 1
+    finally:
+        clock.remove()

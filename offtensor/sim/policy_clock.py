@@ -13,6 +13,7 @@ given to the next record (``take``).
 from __future__ import annotations
 
 import functools
+import threading
 import time
 
 from ..moe.speculation import RoutingSpeculator
@@ -40,6 +41,7 @@ class PolicyClock:
         self.calls = {}  # part -> its timed calls since install
         self._inner = []  # per open timed call: seconds of the timed calls inside it
         self._saved = []
+        self.thread = threading.get_ident()  # whose calls are timed: the thread that records
 
     def install(self) -> bool:
         """Wrap the policy's entry points; False (nothing done) where another clock is installed."""
@@ -98,6 +100,8 @@ class PolicyClock:
 
         @functools.wraps(fn)
         def timed(*args, **kwargs):
+            if threading.get_ident() != clock.thread:  # (the recording's thread only, as its ops)
+                return fn(*args, **kwargs)
             t0 = clock.open()
             try:
                 return fn(*args, **kwargs)
