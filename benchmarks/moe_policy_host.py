@@ -17,7 +17,8 @@ calls inside it, on this machine's host:
 
 Per model and setting (the cache alone, the default guesses): µs per decode step in each part of
 the policy (``offtensor.sim.policy_clock``: victim search, bookkeeping, guesses), the pager's own
-paging and copy issue, which the replay's figures stand for, left out.
+paging and copy issue, which the replay's figures stand for, left out; and ``moe_sim.py``'s H200
+replay of the same decode (its committed result) with that time added to each step.
 """
 
 from __future__ import annotations
@@ -69,15 +70,44 @@ def measure(name: str, fraction: float) -> dict:
     return out
 
 
+def with_replay(results: dict, sim_path: str, fraction: float) -> dict:
+    """Per model, ``moe_sim.py``'s H200 replay of the same decode (``sim_path``, its ``h200_sized``
+    rows at ``fraction``) with this policy time added to every step, serially (where the host is the
+    bottleneck, as the replay finds it, the policy's work is on the critical path): ms a step, cache
+    alone and default, and how much faster the default is."""
+    import json
+
+    if not os.path.exists(sim_path):
+        return {}
+    with open(sim_path) as f:
+        sim = json.load(f)
+    out = {}
+    for name, row in results.items():
+        h200 = sim.get(name, {}).get("cache", {}).get(f"{round(fraction * 100)}%", {}).get("h200_sized")
+        if not h200:
+            continue
+        alone = h200["cache_alone"]["step_ms_mean"] + row["cache_alone"]["us_per_step_policy"] / 1e3
+        default = h200["default"]["step_ms_mean"] + row["default"]["us_per_step_policy"] / 1e3
+        out[name] = {"cache_alone_ms": alone, "default_ms": default, "default_faster": 1 - default / alone,
+                     "replay_default_faster": 1 - h200["default"]["step_ms_mean"] / h200["cache_alone"]["step_ms_mean"]}
+        print(f"{name}: the H200 replay with this policy time added: cache alone {alone:.3f} ms, default "
+              f"{default:.3f} ms ({100 * out[name]['default_faster']:+.1f} % faster; without it "
+              f"{100 * out[name]['replay_default_faster']:+.1f} %)", flush=True)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["qwen3", "qwen2", "mixtral"])
     p.add_argument("--fraction", type=float, default=0.25)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--name", default="moe_policy_host.json", help="the result's file name in --out")
+    p.add_argument("--sim", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moe_sim.json"),
+                   help="moe_sim.py's result, whose H200 replay the policy time is added to")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     body = {"fraction_cached": args.fraction, "models": {name: measure(name, args.fraction) for name in args.models}}
+    body["h200_replay_with_policy"] = with_replay(body["models"], args.sim, args.fraction)
     save_result(args.out, args.name, "host time of the expert policy on the trained models' decode",
                 torch.device("cpu"), argv, body)
 
