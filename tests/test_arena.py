@@ -93,6 +93,67 @@ def test_a_copy_that_finds_no_free_range_moves_copies_to_open_one_instead_of_evi
     assert s.arena_overflows == 0
 
 
+class _FixedOrder:
+    """An eviction policy that drops copies in a fixed order of names, and records how many copies
+    each ranking of the arena's was given."""
+
+    def __init__(self, names, order):
+        self.names, self.order_of, self.ranked = names, order, []
+
+    def _key(self, entry):
+        return self.order_of.index(self.names[entry.key[0]])
+
+    def victim(self, view, room, candidates):
+        return min(candidates, key=self._key, default=None)
+
+    def order(self, view, candidates):
+        out = sorted(candidates, key=self._key)
+        self.ranked.append(len(out))
+        return out
+
+
+def test_the_next_victim_whose_range_opens_one_is_evicted_instead_of_moving_copies():
+    # A MoE layer pages every expert's gate_up (two units), then every down (one unit); the policy
+    # drops experts whole, so a gate_up copy can find the budget's room in a down copy's range and
+    # a hole elsewhere. The policy's next victim (here a gate_up copy, whose range holds the copy)
+    # goes, as the next copy would have taken it: nothing moves, no copy is ranked.
+    unit = 16384
+    pager = Pager(CPU, budget_bytes=8 * unit)
+    a, c, e = (ot.offload(torch.randn(unit // 4), pager=pager) for _ in range(3))  # downs
+    b, d, new = (ot.offload(torch.randn(2 * unit // 4), pager=pager) for _ in range(3))  # gate_ups
+    names = {t._master.id: n for t, n in zip((a, b, c, d, e, new), "aBcDeN")}
+    policy = pager.room.policy = _FixedOrder(names, "aDcBeN")
+    for t in (a, b, c, d, e):  # the arena: a B c D e and one unit free at its end
+        pager.release([_page(pager, t)[1]])
+    pager.release([_page(pager, new)[1]])
+    # The budget takes a: room for two units, in two holes of one. D's range holds the copy.
+    s = pager.snapshot()
+    assert s.arena_moves == 0 and s.evictions == 2 and policy.ranked == []
+    assert [bool(_cached(pager, t)) for t in (a, b, c, d, e)] == [False, True, True, False, True]
+    assert _cached(pager, new)[0].slot.start == 4 * unit
+
+
+def test_opening_a_range_with_one_move_ranks_only_the_copies_beside_free_ranges():
+    unit = 16384
+    pager = Pager(CPU, budget_bytes=12 * unit)
+    small = [ot.offload(torch.randn(unit // 4), pager=pager) for _ in range(12)]
+    big = ot.offload(torch.randn(2 * unit // 4), pager=pager)
+    names = {t._master.id: n for t, n in zip(small + [big], "ABCDEFGHIJKLZ")}
+    # A and C go for the budget; the next victim, K, opens no range: one copy moves.
+    policy = pager.room.policy = _FixedOrder(names, "ACKBDEFGHIJLZ")
+    for t in small:
+        pager.release([_page(pager, t)[1]])
+    view, entry = _page(pager, big)
+    assert torch.equal(view, big._host)
+    pager.release([entry])
+    s = pager.snapshot()
+    assert s.evictions == 2 and s.arena_moves == 1
+    # Only B and D (beside A's and C's holes) were ranked, not the ten cached copies: B, the
+    # first of them to drop, moves into C's hole and the copy takes A's and B's ranges.
+    assert policy.ranked == [2]
+    assert entry.slot.start == 0 and _cached(pager, small[1])[0].slot.start == 2 * unit
+
+
 def test_a_copy_moved_while_its_prefetch_is_in_flight_is_read_after_both_have_landed():
     unit = 16384
     pager = Pager(CPU, budget_bytes=4 * unit, strict=True)

@@ -216,6 +216,18 @@ class Arena:
 
     # ------------------------------------------------------------------ opening a range
 
+    def free_span(self, start: int, size: int) -> int:
+        """Bytes of the run of free ranges and [start, start + size) side by side: the range that
+        giving back the live range at ``start`` would make."""
+        free = self._free
+        end = start + size
+        while end in free:
+            end = free[end][0]
+        ends = {e: s for s, (e, _) in free.items()}  # (the free ranges by end: only when no range fits)
+        while start in ends:
+            start = ends[start]
+        return end - start
+
     def window(self, nbytes: int, movable: dict):
         """The run of ranges to free so that ``nbytes`` are free in one range: (its start, its end,
         the copies in it), or None if ranges held by ops split every run long enough.
@@ -254,6 +266,33 @@ class Arena:
         _, first, last = best
         return (blocks[first][0], blocks[last][1],
                 [movable[id(b[2])][1] for b in blocks[first : last + 1] if b[2] is not None])
+
+    def one_move_runs(self, nbytes: int, movable) -> list:
+        """Runs that hold ``nbytes`` once one copy moves out: (its slot, the run's start, its end)
+        for each copy in ``movable`` (ids of slots no op holds) beside a free range, the copy and
+        the free range before it, or after it, or both where one side is not enough, the copy
+        placeable outside the run (``place_outside``). Found from the free ranges (few), not from
+        every range: the common case of ``window``, without ranking every cached copy."""
+        if self._loose:
+            self._merge()
+        size = (nbytes + ALIGN - 1) & -ALIGN
+        free, live = self._free, self.live
+        free_ends = {end: start for start, (end, _) in free.items()}
+        live_ends = {slot.start + slot.size: slot for slot in live.values()}
+        runs, seen = [], set()
+        for start, (end, _) in free.items():
+            for slot in (live.get(end), live_ends.get(start)):
+                if slot is None or id(slot) in seen or id(slot) not in movable:
+                    continue
+                seen.add(id(slot))
+                lo, hi = slot.start, slot.start + slot.size
+                before = free_ends.get(lo, lo)
+                after = free[hi][0] if hi in free else hi
+                for run in ((before, hi), (lo, after), (before, after)):
+                    if run[1] - run[0] >= size and self.place_outside(slot.size, *run) is not None:
+                        runs.append((slot,) + run)
+                        break
+        return runs
 
     def place_outside(self, nbytes: int, lo: int, hi: int):
         """The start of the best free range for ``nbytes`` that does not overlap [lo, hi), or None."""

@@ -84,7 +84,27 @@ class Room:
         arena = pool.arena
         if arena is not None and arena.find(nbytes) is not None or pool.has_range(nbytes):
             return True
-        return self.open_range(nbytes, keep_prefetched)
+        return self.evict_next_for_range(nbytes, keep_prefetched) or self.open_range(nbytes, keep_prefetched)
+
+    def evict_next_for_range(self, nbytes: int, keep_prefetched: bool) -> bool:
+        """The budget holds ``nbytes`` more but no free range of the arena does: if the policy's next
+        victim's range, with the free ranges beside it, holds them, evict it (the next copy to need
+        room would have taken it anyway). A MoE layer pages every expert's gate_up, then every down:
+        the policy's victims come expert by expert, both copies alike, and a gate_up copy would
+        otherwise find the room of a down copy too small and open a range (``open_range``: every
+        cached copy ranked, copies moved) each time. False, evicting nothing, otherwise (and for a
+        prefetched copy not yet used: moving it keeps it)."""
+        pool = self.pool
+        arena = pool.arena
+        if arena is None or arena.capacity < pool.wanted_bytes():
+            return False  # (open_range re-makes an arena smaller than the pager may page now)
+        victim = self.policy.victim(self.cache.view, self.budget.room(), self.cache.evictable(keep_prefetched))
+        slot = victim.slot if victim is not None else None
+        if slot is None or victim.prefetched or arena.live.get(slot.start) is not slot \
+                or arena.free_span(slot.start, slot.size) < nbytes:
+            return False
+        self.evict(victim)
+        return pool.has_range(nbytes)
 
     def evict_for(self, nbytes: int, keep_prefetched: bool = False) -> bool:
         """Evict unused copies, in the policy's order, until ``nbytes`` more (which do not fit now)
@@ -119,6 +139,9 @@ class Room:
         pool, cache = self.pool, self.cache
         arena = pool.arena
         order = getattr(self.policy, "order", None)
+        remake = not keep_prefetched and arena.capacity < pool.wanted_bytes()
+        if not remake and self.move_one_for_range(nbytes, order):
+            return True
         # Any copy no op holds may move; a prefetch evicts no copy prefetched and still to be used.
         ranked = cache.evictable(False) if order is None else order(cache.view, cache.evictable(False))
         movable = {}
@@ -126,8 +149,7 @@ class Room:
             slot = entry.slot
             if slot is not None and slot.start is not None:
                 movable[id(slot)] = (rank, entry)
-        if not keep_prefetched and arena.capacity < pool.wanted_bytes() and \
-                all(id(slot) in movable for slot in arena.live.values()):
+        if remake and all(id(slot) in movable for slot in arena.live.values()):
             for _, entry in list(movable.values()):
                 self.evict(entry)
             pool.drop()
@@ -148,6 +170,25 @@ class Room:
             else:
                 self.evict(entry)
         return True
+
+    def move_one_for_range(self, nbytes: int, order) -> bool:
+        """``open_range``'s usual case, found without ranking every cached copy: a free range beside
+        a copy no op holds, which holds ``nbytes`` once that copy moves to a free range elsewhere
+        (``Arena.one_move_runs``). Of such copies, the one the policy would drop first (ranked
+        among them alone), at its lowest run: ``window``'s choice wherever one move suffices."""
+        arena = self.pool.arena
+        by_slot = {id(e.slot): (lru, e) for lru, e in enumerate(self.cache.evictable(False)) if e.slot is not None}
+        runs = arena.one_move_runs(nbytes, by_slot)
+        if not runs:
+            return False
+        entries = sorted({by_slot[id(slot)] for slot, _, _ in runs}, key=lambda pair: pair[0])
+        ranked = [e for _, e in entries] if order is None else order(self.cache.view, (e for _, e in entries))
+        if not ranked:
+            return False
+        first = ranked[0].slot
+        lo, hi = min((lo, hi) for slot, lo, hi in runs if slot is first)
+        self.move(ranked[0], arena.place_outside(first.size, lo, hi))
+        return self.pool.has_range(nbytes)
 
     def move(self, entry, at: int) -> None:
         """Move ``entry``'s copy to the free range at ``at``: the next op reading it waits for the
