@@ -49,12 +49,14 @@ def aligned(nbytes: int) -> int:
 class Slot:
     """A device buffer a paged copy lives in: ``buf``, ``nbytes`` bytes, at ``start`` of the arena
     ``epoch`` and spanning ``size`` (``nbytes`` aligned) there; ``start`` None for an overflow slot,
-    a buffer of its own outside the arena."""
+    a buffer of its own outside the arena. ``owner``: the cached copy it was last taken for (a hint
+    its reader checks: ``owner.slot is slot``; slots are reused)."""
 
-    __slots__ = ("buf", "nbytes", "start", "size", "epoch")
+    __slots__ = ("buf", "nbytes", "start", "size", "epoch", "owner")
 
     def __init__(self, buf, nbytes: int, start, size: int, epoch: int):
         self.buf, self.nbytes, self.start, self.size, self.epoch = buf, nbytes, start, size, epoch
+        self.owner = None
 
 
 class Arena:
@@ -269,7 +271,7 @@ class Arena:
 
     def one_move_runs(self, nbytes: int, movable) -> list:
         """Runs that hold ``nbytes`` once one copy moves out: (its slot, the run's start, its end)
-        for each copy in ``movable`` (ids of slots no op holds) beside a free range, the copy and
+        for each copy whose slot ``movable(slot)`` says may move (no op holds it) beside a free range, the copy and
         the free range before it, or after it, or both where one side is not enough, the copy
         placeable outside the run (``place_outside``). Found from the free ranges (few), not from
         every range: the common case of ``window``, without ranking every cached copy."""
@@ -282,7 +284,7 @@ class Arena:
         runs, seen = [], set()
         for start, (end, _) in free.items():
             for slot in (live.get(end), live_ends.get(start)):
-                if slot is None or id(slot) in seen or id(slot) not in movable:
+                if slot is None or id(slot) in seen or not movable(slot):
                     continue
                 seen.add(id(slot))
                 lo, hi = slot.start, slot.start + slot.size

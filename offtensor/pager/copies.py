@@ -32,7 +32,7 @@ class Copies:
         buf = slot.buf.view(src.dtype)
         ready = ops.copy_ahead(buf, src)
         self.lifetimes.keep(src, ready)
-        entry = CachedCopy(key, slot, buf, nbytes, ready)
+        entry = slot.owner = CachedCopy(key, slot, buf, nbytes, ready)
         self.cache.add(entry)
         if slot.start is None:  # an overflow slot: dropped once its op is done (Room.drop_overflowed)
             self.room.overflowed.append(entry)

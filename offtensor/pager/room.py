@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .cache import LeastRecentlyUsed
 from .lifetimes import storage_ptr
 
 
@@ -84,27 +85,7 @@ class Room:
         arena = pool.arena
         if arena is not None and arena.find(nbytes) is not None or pool.has_range(nbytes):
             return True
-        return self.evict_next_for_range(nbytes, keep_prefetched) or self.open_range(nbytes, keep_prefetched)
-
-    def evict_next_for_range(self, nbytes: int, keep_prefetched: bool) -> bool:
-        """The budget holds ``nbytes`` more but no free range of the arena does: if the policy's next
-        victim's range, with the free ranges beside it, holds them, evict it (the next copy to need
-        room would have taken it anyway). A MoE layer pages every expert's gate_up, then every down:
-        the policy's victims come expert by expert, both copies alike, and a gate_up copy would
-        otherwise find the room of a down copy too small and open a range (``open_range``: every
-        cached copy ranked, copies moved) each time. False, evicting nothing, otherwise (and for a
-        prefetched copy not yet used: moving it keeps it)."""
-        pool = self.pool
-        arena = pool.arena
-        if arena is None or arena.capacity < pool.wanted_bytes():
-            return False  # (open_range re-makes an arena smaller than the pager may page now)
-        victim = self.policy.victim(self.cache.view, self.budget.room(), self.cache.evictable(keep_prefetched))
-        slot = victim.slot if victim is not None else None
-        if slot is None or victim.prefetched or arena.live.get(slot.start) is not slot \
-                or arena.free_span(slot.start, slot.size) < nbytes:
-            return False
-        self.evict(victim)
-        return pool.has_range(nbytes)
+        return self.open_range(nbytes, keep_prefetched)
 
     def evict_for(self, nbytes: int, keep_prefetched: bool = False) -> bool:
         """Evict unused copies, in the policy's order, until ``nbytes`` more (which do not fit now)
@@ -175,19 +156,28 @@ class Room:
         """``open_range``'s usual case, found without ranking every cached copy: a free range beside
         a copy no op holds, which holds ``nbytes`` once that copy moves to a free range elsewhere
         (``Arena.one_move_runs``). Of such copies, the one the policy would drop first (ranked
-        among them alone), at its lowest run: ``window``'s choice wherever one move suffices."""
-        arena = self.pool.arena
-        by_slot = {id(e.slot): (lru, e) for lru, e in enumerate(self.cache.evictable(False)) if e.slot is not None}
-        runs = arena.one_move_runs(nbytes, by_slot)
+        among them alone; least recently used first: the first of them in LRU order), at its
+        lowest run: ``window``'s choice wherever one move suffices."""
+        arena, entries = self.pool.arena, self.cache.entries
+
+        def movable(slot) -> bool:  # (a slot's owner is a hint: checked)
+            owner = slot.owner
+            return owner is not None and owner.slot is slot and not owner.users and entries.get(owner.key) is owner
+
+        runs = arena.one_move_runs(nbytes, movable)
         if not runs:
             return False
-        entries = sorted({by_slot[id(slot)] for slot, _, _ in runs}, key=lambda pair: pair[0])
-        ranked = [e for _, e in entries] if order is None else order(self.cache.view, (e for _, e in entries))
-        if not ranked:
-            return False
-        first = ranked[0].slot
-        lo, hi = min((lo, hi) for slot, lo, hi in runs if slot is first)
-        self.move(ranked[0], arena.place_outside(first.size, lo, hi))
+        candidates = {id(slot.owner): slot.owner for slot, _, _ in runs}
+        if order is None or isinstance(self.policy, LeastRecentlyUsed):
+            first = next(e for e in self.cache.evictable(False) if id(e) in candidates)
+        else:
+            ranked = order(self.cache.view, iter(candidates.values()))
+            if not ranked:
+                return False
+            first = ranked[0]
+        slot = first.slot
+        lo, hi = min((lo, hi) for s, lo, hi in runs if s is slot)
+        self.move(first, arena.place_outside(slot.size, lo, hi))
         return self.pool.has_range(nbytes)
 
     def move(self, entry, at: int) -> None:
@@ -199,6 +189,7 @@ class Room:
         new, moved = self.pool.move(old, at, (entry.ready, entry.last_use))
         # One assignment, no call inside it: an interrupt sees the entry before or after the move.
         entry.slot, entry.buf, entry.ready, entry.last_use, entry.view = new, new.buf.view(entry.buf.dtype), moved, None, None
+        new.owner = entry
         self.pool.give(old, moved)
         stats = self.budget.stats
         stats.arena_moves += 1
