@@ -1,5 +1,5 @@
 """The expert cache's victim search keeps each stack's candidates from one search to the next
-(``eviction.KeptCandidates``) only while they are what a search from scratch would find: a decode
+(``eviction.KeptBest``) only while they are what a search from scratch would find: a decode
 evicts exactly the same experts, in the same order, with them as without them."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _victims(monkeypatch, kept: bool) -> list:
     with monkeypatch.context() as m:
         m.setattr(eviction.ExpertEviction, "victim", victim)
         if not kept:
-            m.setattr(eviction.KeptCandidates, "get", lambda *args: None)
+            m.setattr(eviction.KeptBest, "get", lambda *args: (None, False))
         model = _wrap_quarter(_qwen3())
         logits = _decode(model, 12)
     return chosen, logits

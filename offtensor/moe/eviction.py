@@ -89,46 +89,101 @@ class NextTurn:
         return self._likely.get(group)
 
 
-class KeptCandidates:
-    """Each stack's victim candidates (``ExpertEviction._coldest_of``, with their expected waits)
-    kept from one victim search to the next until something they depend on changes: the stack's
-    copies, uses or layer turn (its version, by master id), what the search must keep or the
-    chances it ranks by (by identity), the cycle's length, or anything of every stack (``renew``:
-    a new step, decayed frequencies), and only while each copy is still cached and evictable. A
-    search then ranks the few stacks that changed anew instead of all (the same victims)."""
+class KeptBest:
+    """Each layer's best victim candidate (``ExpertEviction._best_of``: its expected wait, the
+    tie-break and the copy) kept from one victim search to the next until something it depends on
+    changes: the copies, uses or turn of one of the layer's stacks (its version), what the search
+    must keep or the chances it ranks by (by identity), the cycle's length, or anything of every
+    layer (``renew``: a new step, decayed frequencies). A search then ranks the few layers that
+    changed anew and compares one figure per layer, not every stack's copies; the copy it picks is
+    checked still cached and evictable (a copy dropped without an eviction: the layer is ranked
+    anew). The same victims as a search from scratch: a kept best that is no longer evictable only
+    overstates its layer (the layer's others rank no higher), so it matters only if picked."""
 
     __slots__ = ("_versions", "_epoch", "_kept")
 
     def __init__(self):
-        self._versions: dict = {}  # master id -> version
+        self._versions: dict = {}  # stack group -> version
         self._epoch = 0
-        self._kept: dict = {}  # master id -> ((epoch, version, count), keep, chances, candidates)
+        self._kept: dict = {}  # stack group -> ((epoch, version, count), keep, chances, best or None)
 
-    def changed(self, master_id) -> None:
-        self._versions[master_id] = self._versions.get(master_id, 0) + 1
+    def changed(self, group) -> None:
+        self._versions[group] = self._versions.get(group, 0) + 1
 
     def renew(self) -> None:
         self._epoch += 1
 
-    def get(self, master_id, keep, chances, count: int, cache):
-        kept = self._kept.get(master_id)
-        if kept is None or kept[0] != (self._epoch, self._versions.get(master_id, 0), count) \
+    def get(self, group, keep, chances, count: int):
+        """The kept (best or None, True), or (None, False) where it must be found anew."""
+        kept = self._kept.get(group)
+        if kept is None or kept[0] != (self._epoch, self._versions.get(group, 0), count) \
                 or kept[1] is not keep or kept[2] is not chances:
-            return None
-        for entry, _, _ in kept[3]:
-            if cache.get(entry.key) is not entry or entry.users or entry.prefetched:
-                return None
-        return kept[3]
+            return None, False
+        return kept[3], True
 
-    def put(self, master_id, keep, chances, count: int, found: list) -> None:
-        self._kept[master_id] = ((self._epoch, self._versions.get(master_id, 0), count), keep, chances, found)
+    def put(self, group, keep, chances, count: int, best) -> None:
+        self._kept[group] = ((self._epoch, self._versions.get(group, 0), count), keep, chances, best)
+
+
+class ColdHeaps:
+    """Per stack a heap of (frequency / scale, tick, key) records, pushed at every use and copy of
+    an expert, the coldest first: a stack's least used evictable copy in a look or two. A record
+    whose tick is not its key's last one is stale and dropped when it surfaces. Frequencies decay
+    alike every step, so dividing by the common decay (``scale``) keeps older records comparable
+    with newer ones."""
+
+    __slots__ = ("_heaps", "scale")
+
+    def __init__(self):
+        self._heaps: dict = {}  # master id -> heap of records
+        self.scale = 1.0
+
+    def push(self, key, frequency: float, tick: int, last: dict, limit: int) -> None:
+        heap = self._heaps.get(key[0])
+        if heap is None:
+            heap = self._heaps[key[0]] = []
+        heapq.heappush(heap, (frequency / self.scale, tick, key))
+        if len(heap) > limit:
+            # Mostly stale records (every use pushes one): keep the live ones.
+            heap[:] = [r for r in heap if last.get(r[2]) == r[1]]
+            heapq.heapify(heap)
+
+    def decay(self, factor: float, frequency: dict) -> None:
+        self.scale *= factor
+        if self.scale < 1e-100:
+            # Records are frequency / scale: rebase them before they overflow.
+            self.scale = 1.0
+            for heap in self._heaps.values():
+                heap[:] = [(frequency.get(k, 0.0), tick, k) for _, tick, k in heap]
+                heapq.heapify(heap)
+
+    def coldest(self, master_id, cache, last: dict, skip):
+        """The stack's least used cached copy that ``skip(entry, key)`` does not rule out, or None."""
+        heap = self._heaps.get(master_id)
+        if not heap:
+            return None
+        aside, found = [], None
+        while heap:
+            _, tick, key = record = heap[0]
+            entry = cache.get(key)
+            if entry is None or last.get(key) != tick:
+                heapq.heappop(heap)  # stale: evicted, or used or copied again since
+                continue
+            heapq.heappop(heap)
+            aside.append(record)
+            if not skip(entry, key):
+                found = entry
+                break
+        for record in aside:
+            heapq.heappush(heap, record)
+        return found
 
 
 class ExpertEviction:
     """Use frequencies, per-layer reuse and the index of cached experts by coldness: the victim."""
 
     __slots__ = ("by_master", "layers", "frequency", "_spare_room_only", "_guarded", "_clock", "_last", "_coldest",
-                 "_scale", "_reuse", "_ahead_distance", "next_turn", "_kept")
+                 "_reuse", "_ahead_distance", "next_turn", "_kept", "_groups", "_grouped")
 
     def __init__(self, by_master: dict, layers):
         self.by_master = by_master  # master id -> Stack (ExpertStacks' own dict)
@@ -141,20 +196,18 @@ class ExpertEviction:
         # from eviction until the layer pages (guard), as its own routed experts are once it does
         self._guarded = {}
         # Eviction's index (see victim): every cached copy's last use, as a tick of this clock
-        # (the pager's LRU order), and per stack a heap of (frequency / _scale, tick, key) records
-        # pushed at every use and copy, the coldest first. A record whose tick is not its key's
-        # last one is stale and dropped when it surfaces. Frequencies decay alike every step, so
-        # dividing by the common decay (_scale) keeps older records comparable with newer ones.
+        # (the pager's LRU order), and per stack its copies by use frequency.
         self._clock = 0
         self._last: dict = {}  # cache key -> tick of its last use or copy
-        self._coldest: dict = {}  # master id -> heap of records
-        self._scale = 1.0
+        self._coldest = ColdHeaps()
         self._reuse: dict = {}  # stack group -> its measured token-to-token locality (REUSE_PRIOR until measured)
         self.next_turn = NextTurn()  # predicted chances at a layer's next turn, where a learned map gives them
         # A guess's copy may evict only a copy whose expected next use is this many layers away or
         # more (None: twice the cycle); set by the speculator per guess.
         self._ahead_distance = None
-        self._kept = KeptCandidates()  # each stack's victim candidates from the last search
+        self._kept = KeptBest()  # each layer's best victim candidate from the last search
+        self._groups: dict = {}  # stack group -> its stacks (made from by_master as it grows)
+        self._grouped = 0  # len(by_master) when _groups was made
 
     def touch(self, key) -> None:
         """``key`` was used or copied: its tick in the LRU order."""
@@ -173,9 +226,7 @@ class ExpertEviction:
     def entered(self, group) -> None:
         """``group``'s layer starts paging: its own routing says what it pages now."""
         self._guarded.pop(group, None)
-        for stack in self.by_master.values():
-            if stack.group == group:  # (its experts routed at its last turn are this turn's now)
-                self._changed(stack.master_id)
+        self._kept.changed(group)  # (its experts routed at its last turn are this turn's now)
 
     def guard(self, stacks: list, experts) -> None:
         """The guess of ``stacks``' layer, the next to run, names these experts: no copy made before
@@ -185,19 +236,14 @@ class ExpertEviction:
             self._guarded[stacks[0].group] = {s.key_of(int(e)) for s in stacks for e in experts}
 
     def _changed(self, master_id) -> None:
-        self._kept.changed(master_id)
+        stack = self.by_master.get(master_id)
+        if stack is not None:
+            self._kept.changed(stack.group)
 
     def push(self, key) -> None:
         self._changed(key[0])
-        heap = self._coldest.get(key[0])
-        if heap is None:
-            heap = self._coldest[key[0]] = []
-        heapq.heappush(heap, (self.frequency.get(key, 0.0) / self._scale, self._last[key], key))
-        if len(heap) > 4 * self.by_master[key[0]].num_experts + 64:
-            # Mostly stale records (every use pushes one): keep the live ones.
-            last = self._last
-            heap[:] = [r for r in heap if last.get(r[2]) == r[1]]
-            heapq.heapify(heap)
+        self._coldest.push(key, self.frequency.get(key, 0.0), self._last[key], self._last,
+                           4 * self.by_master[key[0]].num_experts + 64)
 
     def victim(self, view, room: int, candidates):
         """The evictable copy to drop: a non-expert copy if one comes first in LRU order (dense
@@ -231,22 +277,28 @@ class ExpertEviction:
             return plain
         position, count, here = self.layers.cycle()
         current, needed = self.layers.current, self.layers.needed
-        best, best_score = None, None
-        for master_id, entries in cached.items():
-            stack = self.by_master.get(master_id)
-            if stack is None or not entries:
-                continue
-            if stack.group == current:
-                if needed is None:
-                    continue  # the op did not say what it pages: any of the layer's may be next
-                distance = count
-            else:
-                distance = _distance(position.get(stack.group), here, count)
-            keep = needed if stack.group == current else self._guarded.get(stack.group)
-            for entry, wait, tick in self._candidates_of(stack, cache, keep, count):
-                score = (distance + wait, tick)
-                if best is None or score > best_score:
-                    best, best_score = entry, score
+        kept, chances_of, guarded = self._kept, self.next_turn.of, self._guarded
+        while True:
+            best, best_score, best_group = None, None, None
+            for group, stacks in self._stack_groups().items():
+                if group == current:
+                    if needed is None:
+                        continue  # the op did not say what it pages: any of the layer's may be next
+                    distance, keep = count, needed
+                else:
+                    distance, keep = _distance(position.get(group), here, count), guarded.get(group)
+                chances = chances_of(group)
+                found, ok = kept.get(group, keep, chances, count)
+                if not ok:
+                    found = self._best_of(stacks, cache, cached, keep, count)
+                    kept.put(group, keep, chances, count, found)
+                if found is not None:
+                    score = (distance + found[0], found[1])
+                    if best is None or score > best_score:
+                        best, best_score, best_group = found[2], score, group
+            if best is None or (cache.get(best.key) is best and not best.users and not best.prefetched):
+                break
+            kept.changed(best_group)  # its kept best left the cache or is in use: rank the layer anew
         if best is None:
             # Only copies to keep are left (prefetched, or the current layer's own): the scan
             # below ranks them, or refuses for a copy made ahead of its use.
@@ -322,17 +374,28 @@ class ExpertEviction:
         recent = stack.expert_of(key) in self._recent(stack)
         return self._next_use(key, stack, distance, count, recent)
 
-    def _candidates_of(self, stack: Stack, cache, keep, count: int) -> list:
-        """``_coldest_of``'s candidates as (entry, its expected next use less its layer's distance,
-        minus its last use's tick: the tie-break), kept from the last search while nothing they
-        depend on has changed and their copies are still cached and evictable."""
-        chances = self.next_turn.of(stack.group)
-        found = self._kept.get(stack.master_id, keep, chances, count, cache)
-        if found is None:
-            found = [(entry, self._next_use(entry.key, stack, 0.0, count, recent), -self._last.get(entry.key, -1))
-                     for entry, recent in self._coldest_of(stack, cache, keep)]
-            self._kept.put(stack.master_id, keep, chances, count, found)
-        return found
+    def _stack_groups(self) -> dict:
+        """Stack group -> its stacks."""
+        if self._grouped != len(self.by_master):
+            groups = {}
+            for stack in self.by_master.values():
+                groups.setdefault(stack.group, []).append(stack)
+            self._groups, self._grouped = groups, len(self.by_master)
+        return self._groups
+
+    def _best_of(self, stacks: list, cache, cached, keep, count: int):
+        """The layer's best victim among ``_coldest_of``'s candidates of its stacks with cached
+        copies: (its expected next use less its layer's distance, minus its last use's tick (the
+        tie-break), the copy), or None."""
+        best = None
+        for stack in stacks:
+            if not cached.get(stack.master_id):
+                continue
+            for entry, recent in self._coldest_of(stack, cache, keep):
+                found = (self._next_use(entry.key, stack, 0.0, count, recent), -self._last.get(entry.key, -1), entry)
+                if best is None or found[:2] > best[:2]:
+                    best = found
+        return best
 
     def _coldest_of(self, stack: Stack, cache, needed):
         """``stack``'s candidates for eviction, as (entry, routed at its layer's last turn): the
@@ -358,26 +421,14 @@ class ExpertEviction:
                 best, best_rank = entry, rank
         if best is not None:
             out.append((best, chances is None))
-        heap = self._coldest.get(stack.master_id)
-        if not heap:
-            return out
-        last = self._last
-        aside = []
-        while heap:
-            _, tick, key = record = heap[0]
-            entry = cache.get(key)
-            if entry is None or last.get(key) != tick:
-                heapq.heappop(heap)  # stale: evicted, or used or copied again since
-                continue
-            heapq.heappop(heap)
-            aside.append(record)
-            if entry.users or entry.prefetched or (needed is not None and key in needed) \
-                    or stack.expert_of(key) in recent:
-                continue
-            out.append((entry, False))
-            break
-        for record in aside:
-            heapq.heappush(heap, record)
+
+        def skip(entry, key) -> bool:
+            return entry.users or entry.prefetched or (needed is not None and key in needed) \
+                or stack.expert_of(key) in recent
+
+        coldest = self._coldest.coldest(stack.master_id, cache, self._last, skip)
+        if coldest is not None:
+            out.append((coldest, False))
         return out
 
     def decay(self) -> None:
@@ -390,13 +441,7 @@ class ExpertEviction:
                 del frequency[key]
             else:
                 frequency[key] = value
-        self._scale *= FREQUENCY_DECAY
-        if self._scale < 1e-100:
-            # Records are frequency / scale: rebase them before they overflow.
-            self._scale = 1.0
-            for heap in self._coldest.values():
-                heap[:] = [(frequency.get(k, 0.0), tick, k) for _, tick, k in heap]
-                heapq.heapify(heap)
+        self._coldest.decay(FREQUENCY_DECAY, frequency)
 
     def measure_reuse(self) -> None:
         """Update each layer's token-to-token locality from the step that ended: the share of its
