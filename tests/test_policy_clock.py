@@ -5,6 +5,8 @@ themselves again after the recording, however it ends."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -82,3 +84,24 @@ def test_only_the_recording_threads_policy_calls_are_timed():
         assert clock.calls.get("bookkeeping") == 1
     finally:
         clock.remove()
+
+
+def test_an_excluded_call_named_as_a_part_is_counted_apart_and_not_as_policy_time():
+    class Paging:
+        def page(self):
+            time.sleep(0.02)
+            ExpertStacks.step(stacks)  # the policy's own call inside it: still the policy's
+
+    stacks = ExpertStacks()
+    clock = PolicyClock()
+    assert clock.install()
+    try:
+        clock.exclude(Paging, ("page",), part="pager")
+        Paging().page()
+        policy = clock.take()
+        assert clock.calls == {"pager": 1, "bookkeeping": 1}
+        assert clock.parts["pager"] >= 0.02 and policy == pytest.approx(clock.parts["bookkeeping"] * 1e3)
+        assert policy < 20  # ms: the sleep is the pager's
+    finally:
+        clock.remove()
+    assert "page" in Paging.__dict__ and PolicyClock.installed is None

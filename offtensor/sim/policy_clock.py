@@ -52,9 +52,10 @@ class PolicyClock:
         PolicyClock.installed = self
         return True
 
-    def exclude(self, cls, names) -> None:
-        """Time these methods of ``cls`` (while installed) as work charged elsewhere."""
-        self._wrap(cls, names, None)
+    def exclude(self, cls, names, part=None) -> None:
+        """Time these methods of ``cls`` (while installed) as work charged elsewhere: not policy time
+        (``pending``), though counted in ``parts`` as ``part`` where one is named."""
+        self._wrap(cls, names, ("excluded", part))
 
     def _wrap(self, cls, names, part) -> None:
         for name in names:
@@ -88,8 +89,11 @@ class PolicyClock:
         calls inside it is the policy's; either way the call it ran inside is charged less all of it."""
         spent = time.perf_counter() - t0
         nested = self._inner.pop()
-        if part is not None:
+        if isinstance(part, tuple):  # excluded from the policy's time, kept apart as its part
+            part = part[1]
+        elif part is not None:
             self.pending += spent - nested
+        if part is not None:
             self.parts[part] = self.parts.get(part, 0.0) + spent - nested
             self.calls[part] = self.calls.get(part, 0) + 1
         if self._inner:
