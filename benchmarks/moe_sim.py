@@ -388,9 +388,12 @@ def real_run(model, ids, prefix: int, steps: int, fraction: float, speculate: bo
              timeline_steps: int = 0, predictor=None) -> dict:
     """The trained model wrapped at ``fraction`` of its experts cached against the unwrapped one,
     teacher-forced: identical logits at every step, and the measured hit rates. With
-    ``predictor`` (and ``speculate``) its routers guess from the learned look-ahead."""
-    wrapped = ot.wrap_model(copy.deepcopy(model), budget_gb=budget_gb(model, fraction), device=device,
-                            prefetch=speculate, policy=EXPERTS_PAGED)
+    ``predictor`` (and ``speculate``) its routers guess from the learned look-ahead, whose maps
+    come out of the budget: the budget holds their bytes more (``maps_bytes``), so the expert cache
+    has the room the replay and the cache alone have."""
+    maps = predictor.installed_bytes(len(_routers(model))) if predictor is not None and speculate else 0
+    wrapped = ot.wrap_model(copy.deepcopy(model), budget_gb=budget_gb(model, fraction) + maps / 2**30,
+                            device=device, prefetch=speculate, policy=EXPERTS_PAGED)
     if predictor is not None and speculate:
         from offtensor.model.state import pager_of
         from offtensor.moe.predictor import install
@@ -409,6 +412,7 @@ def real_run(model, ids, prefix: int, steps: int, fraction: float, speculate: bo
     out = _wrapped_report(wrapped, L)
     out["identical_logits_every_step"] = identical
     out["seconds"] = time.perf_counter() - t0
+    out["maps_bytes"] = maps
     if timeline_steps:
         # A few more decode steps recorded and replayed under the H200 profile (the tiny model's
         # own sizes: 74 KB experts, so per-op overheads weigh more than on a real model).

@@ -56,7 +56,7 @@ def _register_state(model: nn.Module, pager: Pager, choice: placement.Placement,
         pager.prefetcher = Prefetcher()
     # Offloaded stacked experts: per-stack stats, expert-aware eviction, routing speculation.
     moe.attach(model, pager, speculate=config.prefetch and not planning, compute=config.expert_compute,
-               compute_choice=config.expert_compute_choice, pool=config.expert_pool)
+               compute_choice=config.expert_compute_choice, pool=config.expert_pool, room_needed=state.room_needed())
     state.step_hook = model.register_forward_pre_hook(StepHook(config, choice.budget_bytes, pager))
 
 

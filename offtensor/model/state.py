@@ -154,9 +154,20 @@ class State:
         self.experts_stale = False
         model = self.model_ref()
         if model is not None:
+            installed = getattr(self.pager.experts, "lookahead", None)
             moe.detach(self.pager)
             moe.attach(model, self.pager, speculate=self.config.prefetch, compute=self.config.expert_compute,
-                       compute_choice=self.config.expert_compute_choice, pool=self.config.expert_pool)
+                       compute_choice=self.config.expert_compute_choice, pool=self.config.expert_pool,
+                       room_needed=self.room_needed())
+            if installed is not None:  # the learned look-ahead, for the stacks registered anew
+                moe.reinstall(self.pager, installed)
+
+    def room_needed(self):
+        """() -> the bytes this model's largest op pages at once (``working_set_bytes``, as it is
+        re-planned), for the device memory the MoE layer takes from the budget (held weakly: the
+        pager's stacks do not keep the state alive)."""
+        ref = weakref.ref(self)
+        return lambda: getattr(ref(), "working_set_bytes", 0)
 
     def qualified_name(self, module: nn.Module, attr: str) -> str:
         """``module``'s tensor ``attr`` under its name in the model, as policies and placement see it."""

@@ -23,6 +23,7 @@ and evicted, the guess of the next MoE layer's experts, and the routing a run me
 """
 
 from .hooks import attach, detach
+from .predictor import reinstall
 from .routing import (RoutingRecorder, RoutingStats, is_routed_stack, model_top_k, routed_experts, router_modules,
                       routing_stats_of, select_experts)
 from .speculation import RoutingSpeculator

@@ -17,7 +17,7 @@ from .stacks import ExpertStacks
 
 
 def attach(model: nn.Module, pager, speculate: bool = True, compute: str = "device",
-           compute_choice=None, pool: bool = False) -> Optional[ExpertStacks]:
+           compute_choice=None, pool: bool = False, room_needed=None) -> Optional[ExpertStacks]:
     """Register ``model``'s offloaded stacked-expert tensors with ``pager`` and, with ``speculate``,
     hook its routers. Returns the pager's ``ExpertStacks`` (None when nothing routed is offloaded).
 
@@ -27,8 +27,10 @@ def attach(model: nn.Module, pager, speculate: bool = True, compute: str = "devi
 
     With ``pool``, the stacks get device-side expert pools (``pool.build_pools``) whose bytes are
     taken from the pager's budget (given back by ``detach``); a budget too small for them raises
-    ``BudgetError`` before anything is registered."""
+    ``BudgetError`` before anything is registered. ``room_needed()``: the bytes the model's largest
+    op pages at once (what the learned look-ahead's maps must leave room for, ``predictor.install``)."""
     stacks = ExpertStacks(compute, compute_choice)
+    stacks.room_needed = room_needed
     # Guesses are copied into the pager's cache, which a pooled decode does not read from.
     speculate = speculate and compute == "device" and not pool
     seen, tensors, other_bytes = set(), {}, 0
@@ -123,4 +125,9 @@ def detach(pager) -> None:
     stacks = getattr(pager, "experts", None)
     if stacks is not None and stacks.speculator is not None:
         stacks.speculator.remove()
+        for router in stacks.speculator.routers:
+            router.lookahead = None
+        if stacks.lookahead is not None and stacks.lookahead[2]:  # the learned look-ahead's maps went with them
+            pager.take_from_budget(-stacks.lookahead[2])
+        stacks.lookahead = None
     pager.experts = None

@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from ..pager import BudgetError
 
 FILE_NAME = "lookahead.safetensors"
 # The ridge, relative to the mean diagonal of the centred Gram matrix (a scale-free strength).
@@ -379,6 +382,12 @@ class LookaheadPredictor:
         save_file(tensors, path, metadata={"scores": json.dumps({str(k): v for k, v in self.scores.items()})})
         return path
 
+    def installed_bytes(self, layers: int) -> int:
+        """Bytes ``install`` puts on the device for a model of ``layers`` MoE layers (taken from its
+        budget): room to add to ``budget_gb`` to keep the expert cache's room as it was without it."""
+        maps = (_installed_maps(self, i, layers) for i in range(layers))
+        return sum(t.numel() * t.element_size() for m in maps if m is not None for t in m[2])
+
     @classmethod
     def load(cls, directory: str) -> "LookaheadPredictor":
         from safetensors import safe_open
@@ -406,7 +415,11 @@ def install(pager, predictor: LookaheadPredictor, device=None) -> list:
     """Hand ``predictor`` to the speculator of a wrapped model's ``pager``: the MoE routers, in
     firing order, guess the next layer from the learned map where it has one, and where that
     layer also has a next-token map, tell eviction their own experts' chances at the next token
-    (rows of the same matmul). Returns the names of the routers that guess from it."""
+    (rows of the same matmul). Returns the names of the routers that guess from it.
+
+    The maps on the pager's device come out of its budget (the maps they replace go back to it),
+    and cached copies make room first. Raises ``BudgetError``, changing nothing, where what is left
+    would not hold the model's largest op (its placement's working set)."""
     stacks = getattr(pager, "experts", None)
     speculator = getattr(stacks, "speculator", None)
     if speculator is None:
@@ -415,31 +428,75 @@ def install(pager, predictor: LookaheadPredictor, device=None) -> list:
     from .guesses import SPECULATE_EVIDENCE, SPECULATE_EVIDENCE_LEARNED
 
     routers = [r for r in speculator.routers if r.stacks]
+    maps = {i: _installed_maps(predictor, i, len(routers)) for i in range(len(routers))}
+    target = torch.device(device) if device is not None else pager.device
+    counted = target == pager.device and pager.budget_bytes is not None
+    nbytes = predictor.installed_bytes(len(routers)) if counted else 0
+    _take_room(pager, stacks, nbytes)
+    stacks.lookahead = (predictor, device, nbytes)  # (installed again where the stacks are registered anew)
     names = []
     stacks.eviction.next_turn.clear()  # made by the maps being replaced
     for i, router in enumerate(routers):
-        w, b = predictor.weights.get(i), predictor.biases.get(i)
         if len(routers) > 1:  # the layer it guesses (the last: the next step's first), measured held out
-            routers[(i + 1) % len(routers)].evidence = SPECULATE_EVIDENCE if w is None else SPECULATE_EVIDENCE_LEARNED
+            learned = maps[i] is not None
+            routers[(i + 1) % len(routers)].evidence = SPECULATE_EVIDENCE_LEARNED if learned else SPECULATE_EVIDENCE
         router.lookahead = router.split = router.own = None
-        if w is None:
+        if maps[i] is None:
             continue  # (a next-token map alone would be a kernel of its own: not installed)
-        rows, extra = w.shape[0], []
-        if i in predictor.weights2 and i + 2 < len(routers):
-            # One matmul for every map: the rows from ``split`` on guess two layers ahead, those
-            # from ``own`` on are this layer's experts at the next token.
-            router.split = rows
-            extra.append((predictor.weights2[i], predictor.biases2[i]))
-            rows += predictor.weights2[i].shape[0]
-        if i in predictor.own_weights:
-            router.own = rows
-            extra.append((predictor.own_weights[i], predictor.own_biases[i]))
-        if extra:
-            w = torch.cat([w] + [m for m, _ in extra])
-            b = torch.cat([b] + [v for _, v in extra])
-        target = device if device is not None else pager.device
-        router.lookahead = (w.to(target), b.to(target))
-        if i in predictor.hidden_layers:  # its maps read a hidden layer: two kernels more
-            router.lookahead += tuple(t.to(target) for t in predictor.hidden_layers[i])
+        router.split, router.own, tensors = maps[i]
+        router.lookahead = tuple(t.to(target) for t in tensors)
         names.append(router.name)
     return names
+
+
+def reinstall(pager, lookahead) -> None:
+    """Install ``lookahead`` (``ExpertStacks.lookahead``: the predictor, the device it was given)
+    for the stacks registered anew with ``pager``; a warning, not an error, where that cannot be."""
+    try:
+        install(pager, *lookahead[:2])
+    except (BudgetError, ValueError) as e:
+        warnings.warn(f"{e} The expert stacks were registered again; the learned look-ahead was not re-installed.",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _installed_maps(predictor: LookaheadPredictor, i: int, layers: int):
+    """Router ``i``'s maps as installed (``split``, ``own``, its tensors: the weight and bias of one
+    matmul, then the hidden layer's where it has one), or None without a learned map."""
+    w, b = predictor.weights.get(i), predictor.biases.get(i)
+    if w is None:
+        return None
+    rows, extra, split, own = w.shape[0], [], None, None
+    if i in predictor.weights2 and i + 2 < layers:
+        # One matmul for every map: the rows from ``split`` on guess two layers ahead, those
+        # from ``own`` on are this layer's experts at the next token.
+        split = rows
+        extra.append((predictor.weights2[i], predictor.biases2[i]))
+        rows += predictor.weights2[i].shape[0]
+    if i in predictor.own_weights:
+        own = rows
+        extra.append((predictor.own_weights[i], predictor.own_biases[i]))
+    if extra:
+        w = torch.cat([w] + [m for m, _ in extra])
+        b = torch.cat([b] + [v for _, v in extra])
+    tensors = (w, b)
+    if i in predictor.hidden_layers:  # its maps read a hidden layer: two kernels more
+        tensors += tuple(predictor.hidden_layers[i])
+    return split, own, tensors
+
+
+def _take_room(pager, stacks, nbytes: int) -> None:
+    """The budget's share of the maps becomes ``nbytes`` (from the installed ones'), or BudgetError."""
+    held = stacks.lookahead[2] if stacks.lookahead is not None else 0
+    grow = nbytes - held
+    if grow > 0:
+        need = stacks.room_needed() if stacks.room_needed is not None else 0
+        left = pager.budget_bytes - pager.resident_bytes - grow
+        if left < need:
+            raise BudgetError(
+                f"offtensor: the learned look-ahead's maps need {nbytes} bytes on {pager.device} (the installed "
+                f"ones {held}), but the budget of {pager.budget_bytes} bytes holds "
+                f"{pager.resident_bytes} bytes of resident weights and must keep {need} bytes for the largest "
+                f"paged op, leaving {max(left + grow - need, 0)} bytes for the {grow} bytes more that these maps "
+                f"take. Raise budget_gb or offload more weights.")
+    if grow:
+        pager.take_from_budget(grow)

@@ -14,11 +14,13 @@ hundreds of steps on a model with a wide hidden state.
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 
 import torch
 import torch.nn.functional as F
 
+from ..pager import BudgetError
 from .predictor import RIDGE, LookaheadPredictor, install
 from .routing import _router_modules, model_top_k, routed_experts
 
@@ -138,7 +140,11 @@ class OnlineRefit:
         self.predictor, self.since, self.refits = fit, 0, self.refits + 1
         if self.save is not None:
             fit.save(self.save)
-        return install(self.pager, fit)
+        try:
+            return install(self.pager, fit)
+        except BudgetError as e:  # (a refit runs inside a forward: the decode goes on as it was)
+            warnings.warn(f"{e} The look-ahead installed before this refit stays.", RuntimeWarning, stacklevel=2)
+            return []
 
     @staticmethod
     def _router_ahead(routers, inputs) -> list:

@@ -30,7 +30,7 @@ class ExpertStacks:
     """The pager's view of routed experts: stacks by master, counters, and the parts it hands to."""
 
     __slots__ = ("by_master", "speculator", "layers", "eviction", "issuer", "_stack_bytes", "compute", "compute_choice",
-                 "__weakref__")
+                 "room_needed", "lookahead", "__weakref__")
 
     def __init__(self, compute: str = "device", compute_choice=None):
         self.by_master: dict = {}  # master id -> Stack
@@ -43,6 +43,12 @@ class ExpertStacks:
         # stack group -> ((most routed rows, on the host), ...) from the replay (ops/host_experts.py).
         self.compute = compute
         self.compute_choice = compute_choice
+        # () -> the bytes the model's largest op pages at once (its placement's working set), which
+        # device memory taken from the budget must leave room for; None where nobody said.
+        self.room_needed = None
+        # The learned look-ahead its speculator's routers guess from (``moe.predictor.install``):
+        # (predictor, device, bytes of its maps on the pager's device, taken from the budget), or None.
+        self.lookahead = None
 
     @property
     def announcing(self) -> set:

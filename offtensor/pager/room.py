@@ -283,12 +283,16 @@ class RoomCalls:
 
     def take_from_budget(self, nbytes: int) -> None:
         """``nbytes`` of the budget go to (or, negative, come back from) device memory the pager does
-        not page into: the expert pools (``moe.pool``). What the pager pages then fits the rest."""
+        not page into: the expert pools (``moe.pool``), the learned look-ahead's maps
+        (``moe.predictor.install``). What the pager pages then fits the rest: cached copies no op
+        uses are evicted first, before the caller allocates those bytes."""
         with self.lock:
             if self.budget_bytes is not None:
                 self.budget_bytes -= nbytes
                 self.budget.budget_bytes = self.budget_bytes
-                self._room(self.room.fit_arena)  # the arena must not hold the expert pools' bytes
+                if nbytes > 0 and not self.budget.fits(0):
+                    self._room(self.room.evict_for, 0)
+                self._room(self.room.fit_arena)  # the arena must not hold those bytes
 
     def free_bytes(self) -> Optional[int]:
         """Bytes an op could page right now, evicting every unused cached copy; None without a budget."""

@@ -1,0 +1,121 @@
+"""The learned look-ahead's maps live in the budget: ``install`` takes their bytes from it (cached
+copies making room first) and gives back the bytes of the maps it replaces, unwrapping gives them
+back, maps that would leave no room for the model's largest op are refused before anything changes,
+and an online refit whose maps do not fit keeps the look-ahead it had."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import offtensor as ot
+from offtensor.model.state import pager_of
+from offtensor.moe.predictor import LookaheadPredictor, install
+from offtensor.pager import BudgetError
+
+pytest.importorskip("transformers")
+from test_moe_predictor import _decode, _qwen3, _wrap_quarter  # noqa: E402  (a tiny Qwen3-MoE, 4 MoE layers)
+
+
+def _maps(layers, hidden=None) -> LookaheadPredictor:
+    """Linear maps [16, 64] for ``layers`` (with ``hidden``: reading a ReLU layer of that width)."""
+    g = torch.Generator().manual_seed(0)
+    predictor = LookaheadPredictor()
+    for i in layers:
+        width = 64 if hidden is None else hidden
+        predictor.weights[i] = torch.randn(16, width, generator=g)
+        predictor.biases[i] = torch.zeros(16)
+        if hidden is not None:
+            predictor.hidden_layers[i] = (torch.randn(hidden, 64, generator=g), torch.zeros(hidden))
+    return predictor
+
+
+def _held(pager) -> int:
+    """Bytes of the installed look-ahead's maps that the budget holds."""
+    return pager.experts.lookahead[2] if pager.experts.lookahead is not None else 0
+
+
+def _used(pager) -> int:
+    s = pager.snapshot()
+    return s.resident_bytes + s.cached_bytes + _held(pager)
+
+
+def test_installed_maps_come_out_of_the_budget_and_their_replacement_or_unwrap_gives_them_back():
+    reference, model = _qwen3(), _wrap_quarter(_qwen3())
+    pager = pager_of(model)
+    budget = pager.budget_bytes
+    want = _decode(reference, 6)
+    assert all(torch.equal(a, b) for a, b in zip(_decode(model, 6), want))  # a warm cache, then the maps
+    three = _maps(range(3))
+    install(pager, three)
+    nbytes = 3 * (16 * 64 + 16) * 4
+    assert three.installed_bytes(4) == nbytes == _held(pager)
+    assert pager.budget_bytes == budget - nbytes and ot.stats(model).budget_bytes == budget - nbytes
+    assert _used(pager) <= budget
+    install(pager, three)  # the same maps again: the same bytes
+    assert pager.budget_bytes == budget - nbytes
+    install(pager, _maps([0]))  # fewer maps: the rest of the bytes go back
+    assert pager.budget_bytes == budget - nbytes // 3
+    assert all(torch.equal(a, b) for a, b in zip(_decode(model, 6), want))
+    assert _used(pager) <= budget
+    ot.unwrap_model(model)
+    assert pager.budget_bytes == budget
+
+
+def test_maps_that_leave_no_room_for_the_largest_op_are_refused_and_change_nothing():
+    reference, model = _qwen3(), _wrap_quarter(_qwen3())
+    pager = pager_of(model)
+    install(pager, _maps(range(3)))
+    budget, held = pager.budget_bytes, _held(pager)
+    routers = [r for r in pager.experts.speculator.routers if r.stacks]
+    before = [r.lookahead for r in routers]
+    big = _maps(range(3), hidden=8192)  # 3 x 8192 x (64 + 16 + 1) x 4 bytes: more than the room
+    with pytest.raises(BudgetError, match=rf"look-ahead's maps need {big.installed_bytes(4)} bytes.*largest paged op"):
+        install(pager, big)
+    assert pager.budget_bytes == budget and _held(pager) == held
+    assert all(r.lookahead is b for r, b in zip(routers, before))
+    assert all(torch.equal(a, b) for a, b in zip(_decode(model, 4), _decode(reference, 4)))
+
+
+def test_an_online_refit_whose_maps_do_not_fit_warns_and_keeps_the_installed_lookahead(monkeypatch):
+    from offtensor.moe.refit import OnlineRefit
+
+    model = _wrap_quarter(_qwen3())
+    pager = pager_of(model)
+    _decode(model, 2)  # the speculator learns its routers' stacks
+    install(pager, _maps(range(3)))
+    routers = [r for r in pager.experts.speculator.routers if r.stacks]
+    before, budget = [r.lookahead for r in routers], pager.budget_bytes
+    refit = OnlineRefit(pager, every=10_000, window=64, minimum=16)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(64):
+        refit.steps.append([(torch.randn(64, generator=g), torch.randperm(16, generator=g)[:4].sort().values)
+                            for _ in range(4)])
+    # The model's largest op now needs all of the room (its placement re-planned it, say): every
+    # byte more that the refitted maps take would leave it short.
+    room = pager.budget_bytes - pager.resident_bytes
+    monkeypatch.setattr(pager.experts, "room_needed", lambda: room)
+    with pytest.warns(RuntimeWarning, match="look-ahead installed before this refit stays"):
+        assert refit.refit() == []
+    # (On these seeded pairs the refit keeps more map bytes than the installed maps hold.)
+    assert refit.predictor.installed_bytes(4) > 3 * (16 * 64 + 16) * 4
+    assert all(r.lookahead is b for r, b in zip(routers, before)) and pager.budget_bytes == budget
+
+
+def test_stacks_registered_anew_keep_the_installed_lookahead_and_its_bytes():
+    reference, model = _qwen3(), _wrap_quarter(_qwen3())
+    pager = pager_of(model)
+    budget = pager.budget_bytes
+    maps = _maps(range(3))
+    install(pager, maps)
+    before = pager.experts
+    # A stack assigned after wrapping (the same values, a new parameter): the expert stacks are
+    # registered again at the next forward, with the look-ahead installed before.
+    experts = model.model.layers[0].mlp.experts
+    experts.down_proj = torch.nn.Parameter(experts.down_proj.detach().clone())
+    assert all(torch.equal(a, b) for a, b in zip(_decode(model, 4), _decode(reference, 4)))
+    assert pager.experts is not before
+    speculator = pager.experts.speculator
+    assert pager.experts.lookahead[0] is maps and _held(pager) == maps.installed_bytes(4)
+    assert pager.budget_bytes == budget - maps.installed_bytes(4)
+    assert [r.lookahead is not None for r in speculator.routers if r.stacks] == [True, True, True, False]
