@@ -67,7 +67,6 @@ class Pager(RoomCalls, Recovering, PagingState):
 
     def __init__(self, device: torch.device, budget_bytes: Optional[int] = None, strict: Optional[bool] = None):
         self.device = device
-        self.budget_bytes = budget_bytes
         self.lock = threading.RLock()
         self._depth = lock_depth(self.lock)  # the calling thread's holds of it
         self._recount_due = False  # an exception cut a step short: counts to recount once no op holds the pager
@@ -118,6 +117,9 @@ class Pager(RoomCalls, Recovering, PagingState):
     # The budget's counts, read-only here: the placing layer changes resident bytes through
     # ``pager.budget.recount_resident`` / ``hold_resident``.
     resident_bytes = property(_attrgetter("budget.resident_bytes"))
+    # The budget's one figure (``Budget.budget_bytes``; ``take_from_budget`` changes it).
+    budget_bytes = property(_attrgetter("budget.budget_bytes"),
+                            lambda self, nbytes: setattr(self.budget, "budget_bytes", nbytes))
     paged_bytes = property(_attrgetter("budget.paged_bytes"))
     offloaded_bytes = property(_attrgetter("budget.offloaded_bytes"))
 

@@ -288,8 +288,7 @@ class RoomCalls:
         uses are evicted first, before the caller allocates those bytes."""
         with self.lock:
             if self.budget_bytes is not None:
-                self.budget_bytes -= nbytes
-                self.budget.budget_bytes = self.budget_bytes
+                self.budget.budget_bytes -= nbytes
                 if nbytes > 0 and not self.budget.fits(0):
                     self._room(self.room.evict_for, 0)
                 self._room(self.room.fit_arena)  # the arena must not hold those bytes
