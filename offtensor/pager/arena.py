@@ -63,7 +63,7 @@ class Arena:
     """Ranges of one device buffer ``buf`` of ``capacity`` bytes: ``live`` (start -> the slot holding
     it) and the free ones, with what their previous users left pending."""
 
-    __slots__ = ("buf", "capacity", "epoch", "live", "live_bytes", "_ops", "_free", "_by_size", "_sizes", "_loose",
+    __slots__ = ("buf", "capacity", "epoch", "live", "live_ends", "live_bytes", "_ops", "_free", "_by_size", "_sizes", "_loose",
                  "_found", "_memo")
 
     def __init__(self, buf, epoch: int, ops):
@@ -71,6 +71,7 @@ class Arena:
         self.capacity = buf.numel()
         self.epoch = epoch
         self.live: dict = {}  # start -> Slot
+        self.live_ends: dict = {}  # start + size -> Slot, of the same slots (one_move_runs)
         self.live_bytes = 0  # aligned bytes of the live ranges
         self._ops = ops  # the device operations: tokens, waits, strict mode
         self._free: dict = {}  # start -> (end, pieces)
@@ -146,6 +147,7 @@ class Arena:
                 self._memo.clear()
             slot = self._memo[(start, nbytes)] = Slot(self.buf[start : start + nbytes], nbytes, start, size, self.epoch)
         self.live[start] = slot
+        self.live_ends[start + size] = slot
         self.live_bytes += size
         if ops.strict:
             slot.buf.fill_(0xFF)  # whatever a reader of the previous contents or of garbage would see
@@ -158,8 +160,9 @@ class Arena:
         if self.live.get(start) is not slot:
             return False
         del self.live[start]
-        self.live_bytes -= slot.size
         end = start + slot.size
+        del self.live_ends[end]
+        self.live_bytes -= slot.size
         ops = self._ops
         if ops.strict and last_stream is None and ops.done(token):
             # A reader that outlives its release (an op result aliasing a paged copy) now sees NaN /
@@ -278,9 +281,8 @@ class Arena:
         if self._loose:
             self._merge()
         size = (nbytes + ALIGN - 1) & -ALIGN
-        free, live = self._free, self.live
+        free, live, live_ends = self._free, self.live, self.live_ends
         free_ends = {end: start for start, (end, _) in free.items()}
-        live_ends = {slot.start + slot.size: slot for slot in live.values()}
         runs, seen = [], set()
         for start, (end, _) in free.items():
             for slot in (live.get(end), live_ends.get(start)):
@@ -319,6 +321,7 @@ class Arena:
         """The live ranges are exactly ``live``'s (slots of this arena, the cache's), every other byte
         free with nothing pending: after a step cut short, once every copy and op has completed."""
         self.live = {slot.start: slot for slot in live}
+        self.live_ends = {slot.start + slot.size: slot for slot in live}
         self.live_bytes = sum(slot.size for slot in self.live.values())
         self._free, self._by_size, self._sizes, self._loose, self._found = {}, {}, [], False, None
         edge = 0
