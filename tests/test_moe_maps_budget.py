@@ -119,3 +119,23 @@ def test_stacks_registered_anew_keep_the_installed_lookahead_and_its_bytes():
     assert pager.experts.lookahead[0] is maps and _held(pager) == maps.installed_bytes(4)
     assert pager.budget_bytes == budget - maps.installed_bytes(4)
     assert [r.lookahead is not None for r in speculator.routers if r.stacks] == [True, True, True, False]
+
+
+@pytest.mark.parametrize("wrong", ["experts", "width", "hidden"])
+def test_maps_of_another_shape_are_refused_at_install_naming_the_layer_and_change_nothing(wrong):
+    reference, model = _qwen3(), _wrap_quarter(_qwen3())
+    pager = pager_of(model)
+    install(pager, _maps(range(3)))
+    budget, routers = pager.budget_bytes, [r for r in pager.experts.speculator.routers if r.stacks]
+    before = [r.lookahead for r in routers]
+    bad = _maps(range(3), hidden=32 if wrong == "hidden" else None)
+    if wrong == "experts":  # a model of 24 experts
+        bad.weights[1], bad.biases[1] = torch.zeros(24, 64), torch.zeros(24)
+    elif wrong == "width":  # a hidden state of 96
+        bad.weights[1] = torch.zeros(16, 96)
+    else:  # a hidden layer of 32 read by maps of 40
+        bad.weights[1] = torch.zeros(16, 40)
+    with pytest.raises(ValueError, match=r"MoE layer 1 \(model\.layers\.1\.mlp\.gate\).*width 64.*16 experts"):
+        install(pager, bad)
+    assert pager.budget_bytes == budget and all(r.lookahead is b for r, b in zip(routers, before))
+    assert all(torch.equal(a, b) for a, b in zip(_decode(model, 3), _decode(reference, 3)))

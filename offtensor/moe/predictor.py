@@ -429,6 +429,9 @@ def install(pager, predictor: LookaheadPredictor, device=None) -> list:
 
     routers = [r for r in speculator.routers if r.stacks]
     maps = {i: _installed_maps(predictor, i, len(routers)) for i in range(len(routers))}
+    for i, m in maps.items():
+        if m is not None:
+            _check_shapes(routers, i, *m)
     target = torch.device(device) if device is not None else pager.device
     counted = target == pager.device and pager.budget_bytes is not None
     nbytes = predictor.installed_bytes(len(routers)) if counted else 0
@@ -482,6 +485,32 @@ def _installed_maps(predictor: LookaheadPredictor, i: int, layers: int):
     if i in predictor.hidden_layers:  # its maps read a hidden layer: two kernels more
         tensors += tuple(predictor.hidden_layers[i])
     return split, own, tensors
+
+
+def _check_shapes(routers: list, i: int, split, own, tensors) -> None:
+    """Router ``i``'s maps read its router's input and score the experts of the layers they guess:
+    a ValueError naming the layer and the shapes where they do not (a look-ahead file of another
+    model), before anything is installed."""
+    n = len(routers)
+    experts = [routers[(i + 1) % n].stacks[0].num_experts]
+    if split is not None:
+        experts.append(routers[(i + 2) % n].stacks[0].num_experts)
+    if own is not None:
+        experts.append(routers[i].stacks[0].num_experts)
+    weight = getattr(routers[i].module_ref(), "weight", None)
+    width = weight.shape[-1] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+    w, b, *hidden = tensors
+    shapes = [tuple(t.shape) for t in tensors]
+    reads = hidden[0].shape[-1] if hidden else w.shape[-1]
+    ok = w.dim() == 2 and w.shape[0] == sum(experts) and tuple(b.shape) == (sum(experts),) \
+        and (width is None or reads == width) \
+        and (not hidden or (hidden[0].dim() == 2 and tuple(hidden[1].shape) == (hidden[0].shape[0],)
+                            and w.shape[-1] == hidden[0].shape[0]))
+    if not ok:
+        raise ValueError(
+            f"offtensor: install(predictor): the learned look-ahead of MoE layer {i} ({routers[i].name}) has "
+            f"tensors of shapes {shapes}, but that layer's router reads inputs of width {width} and its maps "
+            f"score {' + '.join(map(str, experts))} experts (a look-ahead fitted for another model?)")
 
 
 def _take_room(pager, stacks, nbytes: int) -> None:
