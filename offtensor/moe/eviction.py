@@ -280,7 +280,7 @@ class ExpertEviction:
         kept, chances_of, guarded = self._kept, self.next_turn.of, self._guarded
         while True:
             best, best_score, best_group = None, None, None
-            for group, stacks in self._stack_groups().items():
+            for group, stacks in self.stack_groups().items():
                 if group == current:
                     if needed is None:
                         continue  # the op did not say what it pages: any of the layer's may be next
@@ -374,8 +374,8 @@ class ExpertEviction:
         recent = stack.expert_of(key) in self._recent(stack)
         return self._next_use(key, stack, distance, count, recent)
 
-    def _stack_groups(self) -> dict:
-        """Stack group -> its stacks."""
+    def stack_groups(self) -> dict:
+        """Stack group -> its stacks, in registration order (kept, not built per call)."""
         if self._grouped != len(self.by_master):
             groups = {}
             for stack in self.by_master.values():

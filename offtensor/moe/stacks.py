@@ -102,7 +102,7 @@ class ExpertStacks:
         if stack is None or (stack.group == self.layers.current and self.issuer.repeats(stack.group, experts, tokens)):
             return  # the layer's other stack announced the same (paging would enter no layer)
         self.paging(master_id, issue_guesses=False)  # guesses go behind this layer's copies, below
-        group = [s for s in self.by_master.values() if s.group == stack.group]
+        group = self.eviction.stack_groups()[stack.group]
         if self.speculator is not None:
             self.speculator.predictions_ready()  # this layer's next turn, before its copies take room
         speculator = self.speculator
