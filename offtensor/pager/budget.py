@@ -4,7 +4,9 @@ Three amounts share a budget: resident weights (plain device tensors the model k
 the layer that places them, ``wrap``), copies of host masters paged onto the device (cached,
 transient, in flight), and nothing else. The high-water mark of resident + paged is
 ``stats.peak_device_bytes``. The layers above change the resident count only through
-``recount_resident`` / ``hold_resident``; the pager moves ``paged_bytes``.
+``recount_resident`` / ``hold_resident``; the pager moves ``paged_bytes``. Device memory the pager
+does not page into (the expert pools, the learned look-ahead's maps) is taken out of
+``budget_bytes`` itself (``Pager.take_from_budget``).
 """
 
 from __future__ import annotations
