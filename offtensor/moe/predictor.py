@@ -435,20 +435,25 @@ def install(pager, predictor: LookaheadPredictor, device=None) -> list:
     target = torch.device(device) if device is not None else pager.device
     counted = target == pager.device and pager.budget_bytes is not None
     nbytes = predictor.installed_bytes(len(routers)) if counted else 0
-    _take_room(pager, stacks, nbytes)
-    stacks.lookahead = (predictor, device, nbytes)  # (installed again where the stacks are registered anew)
-    names = []
+    grow = nbytes - (stacks.lookahead[2] if stacks.lookahead is not None else 0)
+    if grow > 0:  # taken before the maps are allocated (BudgetError, nothing changed, where they do not fit)
+        _check_room(pager, stacks, nbytes, grow)
+        _charge(pager, stacks, (predictor, device, nbytes), grow)
     stacks.eviction.next_turn.clear()  # made by the maps being replaced
+    for router in routers:  # the maps being replaced go first: the new ones take their memory
+        router.lookahead = router.split = router.own = None
+    names = []
     for i, router in enumerate(routers):
         if len(routers) > 1:  # the layer it guesses (the last: the next step's first), measured held out
             learned = maps[i] is not None
             routers[(i + 1) % len(routers)].evidence = SPECULATE_EVIDENCE_LEARNED if learned else SPECULATE_EVIDENCE
-        router.lookahead = router.split = router.own = None
         if maps[i] is None:
             continue  # (a next-token map alone would be a kernel of its own: not installed)
         router.split, router.own, tensors = maps[i]
         router.lookahead = tuple(t.to(target) for t in tensors)
         names.append(router.name)
+    if grow <= 0:  # given back once the maps that held it have gone
+        _charge(pager, stacks, (predictor, device, nbytes), grow)
     return names
 
 
@@ -513,19 +518,28 @@ def _check_shapes(routers: list, i: int, split, own, tensors) -> None:
             f"score {' + '.join(map(str, experts))} experts (a look-ahead fitted for another model?)")
 
 
-def _take_room(pager, stacks, nbytes: int) -> None:
-    """The budget's share of the maps becomes ``nbytes`` (from the installed ones'), or BudgetError."""
-    held = stacks.lookahead[2] if stacks.lookahead is not None else 0
-    grow = nbytes - held
-    if grow > 0:
-        need = stacks.room_needed() if stacks.room_needed is not None else 0
-        left = pager.budget_bytes - pager.resident_bytes - grow
-        if left < need:
-            raise BudgetError(
-                f"offtensor: the learned look-ahead's maps need {nbytes} bytes on {pager.device} (the installed "
-                f"ones {held}), but the budget of {pager.budget_bytes} bytes holds "
-                f"{pager.resident_bytes} bytes of resident weights and must keep {need} bytes for the largest "
-                f"paged op, leaving {max(left + grow - need, 0)} bytes for the {grow} bytes more that these maps "
-                f"take. Raise budget_gb or offload more weights.")
-    if grow:
-        pager.take_from_budget(grow)
+def _check_room(pager, stacks, nbytes: int, grow: int) -> None:
+    """BudgetError where ``grow`` bytes more of maps (``nbytes`` in all) leave the budget no room for
+    the model's largest op."""
+    need = stacks.room_needed() if stacks.room_needed is not None else 0
+    left = pager.budget_bytes - pager.resident_bytes - grow
+    if left < need:
+        raise BudgetError(
+            f"offtensor: the learned look-ahead's maps need {nbytes} bytes on {pager.device} (the installed "
+            f"ones {nbytes - grow}), but the budget of {pager.budget_bytes} bytes holds "
+            f"{pager.resident_bytes} bytes of resident weights and must keep {need} bytes for the largest "
+            f"paged op, leaving {max(left + grow - need, 0)} bytes for the {grow} bytes more that these maps "
+            f"take. Raise budget_gb or offload more weights.")
+
+
+def _charge(pager, stacks, lookahead: tuple, grow: int) -> None:
+    """Take ``grow`` bytes from the budget (negative: give them back) and record ``lookahead``
+    (predictor, device, bytes) as what the budget holds for the maps. The record follows the budget,
+    whatever cuts the call short (an interrupt): detach gives back what was taken."""
+    before = pager.budget_bytes
+    try:
+        if grow:
+            pager.take_from_budget(grow)
+    finally:
+        if not grow or pager.budget_bytes != before:
+            stacks.lookahead = lookahead
