@@ -43,6 +43,21 @@ from offtensor.sim.policy_clock import PolicyClock  # noqa: E402
 PAGER = ("page", "prefetch", "release")
 
 
+def timed_replay(trace, fraction: float, speculate: bool, pager_part=None):
+    """``replay_ours`` of ``trace`` (after a warm run) with a ``PolicyClock`` installed, the pager's
+    own calls timed apart (as ``pager_part`` where named): (the clock, the replay's result)."""
+    replay_ours(copy.copy(trace), fraction, speculate)  # warm: imports, first calls
+    clock = PolicyClock()
+    if not clock.install():
+        raise RuntimeError("offtensor: another PolicyClock is installed")
+    try:
+        clock.exclude(Pager, PAGER, part=pager_part)
+        result = replay_ours(copy.copy(trace), fraction, speculate)
+    finally:
+        clock.remove()
+    return clock, result
+
+
 def measure(name: str, fraction: float) -> dict:
     model = moe_sim.load_model(name)
     ids = moe_sim.heldout_ids(0, 32 + 256 + 1)
@@ -50,15 +65,7 @@ def measure(name: str, fraction: float) -> dict:
     steps = len(trace["steps"])
     out = {}
     for label, speculate in (("cache_alone", False), ("default", True)):
-        replay_ours(copy.copy(trace), fraction, speculate)  # warm: imports, first calls
-        clock = PolicyClock()
-        if not clock.install():
-            raise RuntimeError("offtensor: another PolicyClock is installed")
-        try:
-            clock.exclude(Pager, PAGER)
-            replay_ours(copy.copy(trace), fraction, speculate)
-        finally:
-            clock.remove()
+        clock, _ = timed_replay(trace, fraction, speculate)
         per_step = {part: s / steps * 1e6 for part, s in clock.parts.items()}
         policy = sum(per_step.values())
         victim = clock.parts.get("victim", 0.0) / max(clock.calls.get("victim", 0), 1) * 1e6

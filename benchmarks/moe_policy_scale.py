@@ -22,18 +22,14 @@ guesses; the pager's own paging, copies and room-making apart as ``pager``); cal
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_replay import replay_ours  # noqa: E402
+from moe_policy_host import timed_replay  # noqa: E402
 from results_io import save_result  # noqa: E402
-
-from offtensor.pager import Pager  # noqa: E402
-from offtensor.sim.policy_clock import PolicyClock  # noqa: E402
 
 EXPERTS, TOP_K = 256, 8
 POPULARITY = 0.7  # spread of a layer's fixed expert popularity (logits), against per-token noise of 1
@@ -71,15 +67,7 @@ def measure(layers: int, steps: int, fraction: float) -> dict:
     trace = synthetic_trace(layers, steps)
     out = {}
     for label, speculate in (("cache_alone", False), ("default", True)):
-        replay_ours(copy.copy(trace), fraction, speculate)  # warm: imports, first calls
-        clock = PolicyClock()
-        if not clock.install():
-            raise RuntimeError("offtensor: another PolicyClock is installed")
-        try:
-            clock.exclude(Pager, ("page", "prefetch", "release"), part="pager")
-            r = replay_ours(copy.copy(trace), fraction, speculate)
-        finally:
-            clock.remove()
+        clock, r = timed_replay(trace, fraction, speculate, pager_part="pager")
         n = len(trace["steps"])
         parts = {part: s / n * 1e3 for part, s in clock.parts.items()}
         out[label] = {"hit_rate": r["hit_rate"], "ms_per_step": r["seconds"] / n * 1e3,

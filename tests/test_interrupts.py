@@ -95,9 +95,9 @@ _AFTER = {opcode.opmap[name] for name in ("CALL", "CALL_FUNCTION_EX", "JUMP_BACK
           if name in opcode.opmap}
 
 
-def _interrupt_at(n: int, fn) -> bool:
-    """Run ``fn`` raising KeyboardInterrupt at the ``n``-th point of the paging path where an
-    exception can strike; whether it was interrupted (False: ``fn`` passed fewer points)."""
+def _interrupt_at(n: int, fn, files=PAGING_FILES) -> bool:
+    """Run ``fn`` raising KeyboardInterrupt at the ``n``-th point of the paging path (``files``)
+    where an exception can strike; whether it was interrupted (False: ``fn`` passed fewer points)."""
     count = [0]
     previous = {}  # frame -> the opcode it executed last
 
@@ -112,7 +112,7 @@ def _interrupt_at(n: int, fn) -> bool:
         return local
 
     def tracer(frame, event, arg):
-        if frame.f_code.co_filename in PAGING_FILES:
+        if frame.f_code.co_filename in files:
             frame.f_trace_opcodes = True
             frame.f_trace_lines = False
             return local

@@ -146,7 +146,7 @@ def test_maps_of_another_shape_are_refused_at_install_naming_the_layer_and_chang
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="the points are 3.11's bytecodes")
 @pytest.mark.parametrize("more", [True, False])
 def test_an_interrupt_at_any_bytecode_of_install_keeps_the_budget_and_its_record_in_step(more):
-    from test_interrupts import PAGING_FILES, assert_consistent
+    from test_interrupts import PAGING_FILES, _interrupt_at, assert_consistent
 
     reference, model = _qwen3(), _wrap_quarter(_qwen3())
     pager = pager_of(model)
@@ -158,7 +158,7 @@ def test_an_interrupt_at_any_bytecode_of_install_keeps_the_budget_and_its_record
     while interrupted:
         n += 1
         install(pager, start)
-        interrupted = _interrupt_at(n, files, lambda: install(pager, target))
+        interrupted = _interrupt_at(n, lambda: install(pager, target), files)
         # The budget gave the maps exactly what it records; the maps on the device are no more.
         assert pager.budget_bytes + _held(pager) == budget, f"after an interrupt at point {n}"
         on_device = sum(t.numel() * t.element_size() for r in pager.experts.speculator.routers
@@ -168,36 +168,3 @@ def test_an_interrupt_at_any_bytecode_of_install_keeps_the_budget_and_its_record
     assert n > 20 and _held(pager) == target.installed_bytes(4)
     assert all(torch.equal(a, b) for a, b in zip(_decode(model, 3), _decode(reference, 3)))
 
-
-def _interrupt_at(n: int, files, fn) -> bool:
-    """``fn`` with a KeyboardInterrupt at the ``n``-th point in ``files`` where an exception can
-    strike (test_interrupts' points); whether it was interrupted."""
-    from test_interrupts import _AFTER
-
-    count, previous = [0], {}
-
-    def local(frame, event, arg):
-        if event == "opcode":
-            last = previous.get(frame)
-            previous[frame] = frame.f_code.co_code[frame.f_lasti]
-            if last is None or last in _AFTER:
-                count[0] += 1
-                if count[0] == n:
-                    raise KeyboardInterrupt
-        return local
-
-    def tracer(frame, event, arg):
-        if frame.f_code.co_filename in files:
-            frame.f_trace_opcodes, frame.f_trace_lines = True, False
-            return local
-        return None
-
-    sys.settrace(tracer)
-    try:
-        fn()
-        return False
-    except KeyboardInterrupt:
-        return True
-    finally:
-        sys.settrace(None)
-        previous.clear()
