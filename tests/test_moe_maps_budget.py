@@ -168,3 +168,38 @@ def test_an_interrupt_at_any_bytecode_of_install_keeps_the_budget_and_its_record
     assert n > 20 and _held(pager) == target.installed_bytes(4)
     assert all(torch.equal(a, b) for a, b in zip(_decode(model, 3), _decode(reference, 3)))
 
+
+
+def _quarter_gb(model) -> float:
+    experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
+    return (sum(p.numel() * 4 for p in model.parameters()) - 0.75 * experts) / (1 << 30)
+
+
+@pytest.mark.parametrize("beside", ["maps", "another_models_maps", "garbage"])
+def test_from_pretrained_installs_the_lookahead_saved_beside_the_checkpoint_or_warns_and_loads_without(tmp_path, beside):
+    source = _qwen3()
+    source.save_pretrained(tmp_path)
+    maps = _maps(range(3))
+    if beside == "another_models_maps":
+        maps.weights[2] = torch.zeros(16, 96)
+    if beside == "garbage":
+        (tmp_path / "lookahead.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
+    else:
+        maps.save(str(tmp_path))
+    load = lambda: ot.from_pretrained(str(tmp_path), budget_gb=_quarter_gb(source), device="cpu",  # noqa: E731
+                                      policy={"offload": ["*.experts.*"]})
+    if beside == "maps":
+        model = load()
+    else:
+        with pytest.warns(UserWarning, match="lookahead.safetensors: the learned look-ahead beside the checkpoint "
+                                             "was not installed"):
+            model = load()
+    pager = pager_of(model)
+    routers = [r for r in pager.experts.speculator.routers if r.stacks]
+    if beside == "maps":
+        assert _held(pager) == maps.installed_bytes(4)
+        assert [r.lookahead is not None for r in routers] == [True, True, True, False]
+        assert torch.equal(routers[1].lookahead[0], maps.weights[1])
+    else:
+        assert pager.experts.lookahead is None and all(r.lookahead is None for r in routers)
+    assert all(torch.equal(a, b) for a, b in zip(_decode(model, 4), _decode(source, 4)))

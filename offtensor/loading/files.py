@@ -15,6 +15,8 @@ import stat
 
 import torch
 
+from ..moe.predictor import FILE_NAME as LOOKAHEAD_FILE
+
 # Every dtype safetensors writes, as ``safetensors.torch.load_file`` gives it. F4 packs two
 # 4-bit values in a byte: its header counts 4-bit values, torch's float4_e2m1fn_x2 counts bytes,
 # so the last dimension halves (``_torch_shape``).
@@ -217,7 +219,9 @@ def shard_files(path, allow_outside_paths: bool = False) -> list:
         indexes = sorted(f for f in os.listdir(path) if f.endswith(".safetensors.index.json"))
         if indexes:
             return shard_files(os.path.join(path, indexes[0]), allow_outside_paths)
-        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+        # (not the learned look-ahead that offtensor keeps beside a checkpoint: moe.predictor)
+        files = sorted(os.path.join(path, f) for f in os.listdir(path)
+                       if f.endswith(".safetensors") and f != LOOKAHEAD_FILE)
         if not files:
             raise FileNotFoundError(f"offtensor: directory {path!r} holds no *.safetensors file and no index")
         return files

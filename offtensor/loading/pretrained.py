@@ -8,6 +8,7 @@ import contextlib
 import copy
 import os
 import threading
+import warnings
 from typing import Optional
 
 import torch
@@ -129,5 +130,27 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
     model.eval()
     index = next((os.path.join(root, f) for f in sorted(os.listdir(root)) if f.endswith(".safetensors.index.json")),
                  None)
-    return load(model, index or root, config, strict, convert_dtypes=True, allow_outside_paths=allow_outside_paths)
+    model = load(model, index or root, config, strict, convert_dtypes=True, allow_outside_paths=allow_outside_paths)
+    if config.prefetch:
+        _install_lookahead(model, root)
+    return model
+
+
+def _install_lookahead(model: nn.Module, root: str) -> None:
+    """The learned look-ahead saved beside the checkpoint (``lookahead.safetensors``:
+    ``offtensor.moe.predictor``) given to the model's routing guesses, where its routed experts are
+    offloaded. One that cannot be read or installed (another model's, too big for the budget) is
+    left out with a warning naming it: the model loads as it would without it."""
+    from ..model.state import pager_of
+    from ..moe.predictor import FILE_NAME, LookaheadPredictor, install
+
+    path = os.path.join(root, FILE_NAME)
+    pager = pager_of(model)
+    if not os.path.isfile(path) or getattr(getattr(pager, "experts", None), "speculator", None) is None:
+        return
+    try:
+        install(pager, LookaheadPredictor.load(path))
+    except Exception as e:  # (a file beside the checkpoint: any error of reading or fitting it)
+        warnings.warn(f"offtensor: {path}: the learned look-ahead beside the checkpoint was not installed "
+                      f"({type(e).__name__}: {e}); routing guesses use the router look-ahead", UserWarning, stacklevel=3)
 
