@@ -418,8 +418,9 @@ def install(pager, predictor: LookaheadPredictor, device=None) -> list:
     (rows of the same matmul). Returns the names of the routers that guess from it.
 
     The maps on the pager's device come out of its budget (the maps they replace go back to it),
-    and cached copies make room first. Raises ``BudgetError``, changing nothing, where what is left
-    would not hold the model's largest op (its placement's working set)."""
+    and cached copies make room first. Raises, changing nothing, ``ValueError`` where the maps'
+    shapes do not fit the routers (``_check_shapes``) and ``BudgetError`` where what is left would
+    not hold the model's largest op (its placement's working set)."""
     stacks = getattr(pager, "experts", None)
     speculator = getattr(stacks, "speculator", None)
     if speculator is None:
