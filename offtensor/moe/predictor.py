@@ -385,8 +385,7 @@ class LookaheadPredictor:
     def installed_bytes(self, layers: int) -> int:
         """Bytes ``install`` puts on the device for a model of ``layers`` MoE layers (taken from its
         budget): room to add to ``budget_gb`` to keep the expert cache's room as it was without it."""
-        maps = (_installed_maps(self, i, layers) for i in range(layers))
-        return sum(t.numel() * t.element_size() for m in maps if m is not None for t in m[2])
+        return _bytes_of(_installed_maps(self, i, layers) for i in range(layers))
 
     @classmethod
     def load(cls, directory: str) -> "LookaheadPredictor":
@@ -435,7 +434,7 @@ def install(pager, predictor: LookaheadPredictor, device=None) -> list:
             _check_shapes(routers, i, *m)
     target = torch.device(device) if device is not None else pager.device
     counted = target == pager.device and pager.budget_bytes is not None
-    nbytes = predictor.installed_bytes(len(routers)) if counted else 0
+    nbytes = _bytes_of(maps.values()) if counted else 0
     grow = nbytes - (stacks.lookahead[2] if stacks.lookahead is not None else 0)
     if grow > 0:  # taken before the maps are allocated (BudgetError, nothing changed, where they do not fit)
         _check_room(pager, stacks, nbytes, grow)
@@ -491,6 +490,11 @@ def _installed_maps(predictor: LookaheadPredictor, i: int, layers: int):
     if i in predictor.hidden_layers:  # its maps read a hidden layer: two kernels more
         tensors += tuple(predictor.hidden_layers[i])
     return split, own, tensors
+
+
+def _bytes_of(maps) -> int:
+    """Bytes of ``_installed_maps``' tensors over ``maps`` (None: a router without a learned map)."""
+    return sum(t.numel() * t.element_size() for m in maps if m is not None for t in m[2])
 
 
 def _check_shapes(routers: list, i: int, split, own, tensors) -> None:

@@ -221,18 +221,6 @@ class Arena:
 
     # ------------------------------------------------------------------ opening a range
 
-    def free_span(self, start: int, size: int) -> int:
-        """Bytes of the run of free ranges and [start, start + size) side by side: the range that
-        giving back the live range at ``start`` would make."""
-        free = self._free
-        end = start + size
-        while end in free:
-            end = free[end][0]
-        ends = {e: s for s, (e, _) in free.items()}  # (the free ranges by end: only when no range fits)
-        while start in ends:
-            start = ends[start]
-        return end - start
-
     def window(self, nbytes: int, movable: dict):
         """The run of ranges to free so that ``nbytes`` are free in one range: (its start, its end,
         the copies in it), or None if ranges held by ops split every run long enough.
