@@ -180,8 +180,9 @@ def test_the_prediction_replaces_reuse_in_an_experts_expected_next_use():
     for e in (a, b):
         eviction.frequency[stack.key_of(e)] = 1.0
     eviction.next_turn.forget([stack])
-    if stack.group in eviction.layers.order:
+    if stack.group in eviction.layers.ran:
         eviction.layers.order.remove(stack.group)  # its last turn is the step before
+        eviction.layers.ran.discard(stack.group)
     assert eviction.expected_use_of(stack.key_of(b)) < eviction.expected_use_of(stack.key_of(a))
     chances = [0.0] * stack.num_experts
     chances[a], chances[b] = 0.9, 0.05

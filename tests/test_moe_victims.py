@@ -17,14 +17,14 @@ def _victims(monkeypatch, kept: bool) -> list:
     search = eviction.ExpertEviction.victim
 
     def victim(self, view, room, candidates):
+        if not kept:
+            self._kept.renew()  # every layer ranked anew: a search from scratch
         entry = search(self, view, room, candidates)
         chosen.append(None if entry is None else entry.key)
         return entry
 
     with monkeypatch.context() as m:
         m.setattr(eviction.ExpertEviction, "victim", victim)
-        if not kept:
-            m.setattr(eviction.KeptBest, "get", lambda *args: (None, False))
         model = _wrap_quarter(_qwen3())
         logits = _decode(model, 12)
     return chosen, logits

@@ -58,13 +58,15 @@ def _distance(where, here: int, count: int) -> float:
 class NextTurn:
     """Per stack group, each expert's chance of use at the layer's next turn, as predicted when the
     layer last routed (``predict``), and its likeliest few (``likely``). A layer without one (none
-    installed, or a prefill since) is estimated by use frequency and reuse instead."""
+    installed, or a prefill since) is estimated by use frequency and reuse instead. A change marks
+    the layer's kept victim candidate stale (``KeptBest``), which was ranked by the chances before."""
 
-    __slots__ = ("_chances", "_likely")
+    __slots__ = ("_chances", "_likely", "_kept")
 
-    def __init__(self):
+    def __init__(self, kept: KeptBest):
         self._chances: dict = {}  # group -> [chance per expert]
         self._likely: dict = {}  # group -> frozenset of its likeliest experts
+        self._kept = kept
 
     def predict(self, stacks: list, chances: list, top_k) -> None:
         if stacks:
@@ -72,14 +74,16 @@ class NextTurn:
             self._chances[group] = chances
             count = min(len(chances), LIKELY_PER_TOP_K * (top_k or 1))
             self._likely[group] = frozenset(sorted(range(len(chances)), key=chances.__getitem__)[-count:])
+            self._kept.changed(group)
 
     def forget(self, stacks: list) -> None:
-        if stacks:
-            self._chances.pop(stacks[0].group, None)
+        if stacks and self._chances.pop(stacks[0].group, None) is not None:
             self._likely.pop(stacks[0].group, None)
+            self._kept.changed(stacks[0].group)
 
     def clear(self) -> None:
         self._chances, self._likely = {}, {}
+        self._kept.renew()
 
     def of(self, group):
         """The chances of ``group``'s experts, or None."""
@@ -92,37 +96,43 @@ class NextTurn:
 class KeptBest:
     """Each layer's best victim candidate (``ExpertEviction._best_of``: its expected wait, the
     tie-break and the copy) kept from one victim search to the next until something it depends on
-    changes: the copies, uses or turn of one of the layer's stacks (its version), what the search
-    must keep or the chances it ranks by (by identity), the cycle's length, or anything of every
-    layer (``renew``: a new step, decayed frequencies). A search then ranks the few layers that
-    changed anew and compares one figure per layer, not every stack's copies; the copy it picks is
-    checked still cached and evictable (a copy dropped without an eviction: the layer is ranked
-    anew). The same victims as a search from scratch: a kept best that is no longer evictable only
-    overstates its layer (the layer's others rank no higher), so it matters only if picked."""
+    changes, which marks it stale at the change (``changed``): the copies, uses or turn of one of
+    the layer's stacks, the experts a guess keeps for it, the chances it ranks by; or every layer's
+    (``renew``: a new step, decayed frequencies, a new cycle length). A search then ranks the few
+    stale layers anew and compares one figure per layer in a tight loop, with no per-layer check of
+    what the figure depends on. The current layer, whose op's own experts are kept, is ranked with
+    them (``current``: what it was ranked with, checked by identity at each search). The copy a
+    search picks is checked still cached and evictable (a copy dropped without an eviction: the layer
+    is ranked anew). The same victims as a search from scratch: a kept best that is no longer
+    evictable only overstates its layer (the layer's others rank no higher), so it matters only if
+    picked."""
 
-    __slots__ = ("_versions", "_epoch", "_kept")
+    __slots__ = ("groups", "stacks", "best", "stale", "count", "current", "_index")
 
     def __init__(self):
-        self._versions: dict = {}  # stack group -> version
-        self._epoch = 0
-        self._kept: dict = {}  # stack group -> ((epoch, version, count), keep, chances, best or None)
+        self.groups: list = []  # stack groups, in registration order
+        self.stacks: list = []  # per group: its stacks
+        self.best: list = []  # per group: its best (expected wait less its distance, tie-break, copy) or None
+        self.stale: list = []  # per group: True where its best must be found anew
+        self.count = None  # the cycle's length the bests were ranked for
+        self.current = None  # (group, its op's keys, chances): what the current layer was ranked with
+        self._index: dict = {}  # group -> its place in groups
+
+    def track(self, groups: dict) -> None:
+        """The stack groups (group -> its stacks) are these now: every best is found anew."""
+        self.groups, self.stacks = list(groups), list(groups.values())
+        self._index = {group: i for i, group in enumerate(self.groups)}
+        self.best = [None] * len(self.groups)
+        self.renew()
 
     def changed(self, group) -> None:
-        self._versions[group] = self._versions.get(group, 0) + 1
+        i = self._index.get(group)
+        if i is not None:
+            self.stale[i] = True
 
     def renew(self) -> None:
-        self._epoch += 1
-
-    def get(self, group, keep, chances, count: int):
-        """The kept (best or None, True), or (None, False) where it must be found anew."""
-        kept = self._kept.get(group)
-        if kept is None or kept[0] != (self._epoch, self._versions.get(group, 0), count) \
-                or kept[1] is not keep or kept[2] is not chances:
-            return None, False
-        return kept[3], True
-
-    def put(self, group, keep, chances, count: int, best) -> None:
-        self._kept[group] = ((self._epoch, self._versions.get(group, 0), count), keep, chances, best)
+        self.stale = [True] * len(self.groups)
+        self.current = None
 
 
 class ColdHeaps:
@@ -201,11 +211,11 @@ class ExpertEviction:
         self._last: dict = {}  # cache key -> tick of its last use or copy
         self._coldest = ColdHeaps()
         self._reuse: dict = {}  # stack group -> its measured token-to-token locality (REUSE_PRIOR until measured)
-        self.next_turn = NextTurn()  # predicted chances at a layer's next turn, where a learned map gives them
+        self._kept = KeptBest()  # each layer's best victim candidate from the last search
+        self.next_turn = NextTurn(self._kept)  # predicted chances at a layer's next turn, where a learned map gives them
         # A guess's copy may evict only a copy whose expected next use is this many layers away or
         # more (None: twice the cycle); set by the speculator per guess.
         self._ahead_distance = None
-        self._kept = KeptBest()  # each layer's best victim candidate from the last search
         self._groups: dict = {}  # stack group -> its stacks (made from by_master as it grows)
         self._grouped = 0  # len(by_master) when _groups was made
 
@@ -227,6 +237,7 @@ class ExpertEviction:
         """``group``'s layer starts paging: its own routing says what it pages now."""
         self._guarded.pop(group, None)
         self._kept.changed(group)  # (its experts routed at its last turn are this turn's now)
+        self._kept.changed(self.layers.current)  # (ranked keeping its op's experts, which it no longer pages)
 
     def guard(self, stacks: list, experts) -> None:
         """The guess of ``stacks``' layer, the next to run, names these experts: no copy made before
@@ -234,6 +245,7 @@ class ExpertEviction:
         0.72-0.77 of the time, one ranked in the next k 0.16-0.18, any other under 0.06)."""
         if stacks:
             self._guarded[stacks[0].group] = {s.key_of(int(e)) for s in stacks for e in experts}
+            self._kept.changed(stacks[0].group)
 
     def _changed(self, master_id) -> None:
         stack = self.by_master.get(master_id)
@@ -277,33 +289,43 @@ class ExpertEviction:
             return plain
         position, count, here = self.layers.cycle()
         current, needed = self.layers.current, self.layers.needed
-        kept, chances_of, guarded = self._kept, self.next_turn.of, self._guarded
+        kept, guarded = self._kept, self._guarded
+        self.stack_groups()  # (tracked by kept)
+        if count != kept.count:
+            kept.count = count
+            kept.renew()
+        bests, stale, stacks_of = kept.best, kept.stale, kept.stacks
         while True:
-            best, best_score, best_group = None, None, None
-            for group, stacks in self.stack_groups().items():
+            best, best_wait, best_tie, best_i = None, None, None, -1
+            for i, group in enumerate(kept.groups):
                 if group == current:
                     if needed is None:
                         continue  # the op did not say what it pages: any of the layer's may be next
-                    distance, keep = count, needed
+                    chances = self.next_turn.of(group)
+                    with_ = kept.current
+                    if stale[i] or with_ is None or with_[0] != group or with_[1] is not needed or with_[2] is not chances:
+                        bests[i], stale[i] = self._best_of(stacks_of[i], cache, cached, needed, count), False
+                        kept.current = (group, needed, chances)
+                    distance = count
                 else:
-                    distance, keep = _distance(position.get(group), here, count), guarded.get(group)
-                chances = chances_of(group)
-                found, ok = kept.get(group, keep, chances, count)
-                if not ok:
-                    found = self._best_of(stacks, cache, cached, keep, count)
-                    kept.put(group, keep, chances, count, found)
+                    if stale[i]:
+                        bests[i] = self._best_of(stacks_of[i], cache, cached, guarded.get(group), count)
+                        stale[i] = False
+                    where = position.get(group)
+                    distance = (where - here) % count or count if where is not None else 0.5
+                found = bests[i]
                 if found is not None:
-                    score = (distance + found[0], found[1])
-                    if best is None or score > best_score:
-                        best, best_score, best_group = found[2], score, group
+                    wait = distance + found[0]
+                    if best is None or wait > best_wait or (wait == best_wait and found[1] > best_tie):
+                        best, best_wait, best_tie, best_i = found[2], wait, found[1], i
             if best is None or (cache.get(best.key) is best and not best.users and not best.prefetched):
                 break
-            kept.changed(best_group)  # its kept best left the cache or is in use: rank the layer anew
+            stale[best_i] = True  # its kept best left the cache or is in use: rank the layer anew
         if best is None:
             # Only copies to keep are left (prefetched, or the current layer's own): the scan
             # below ranks them, or refuses for a copy made ahead of its use.
             return _victim_scan(self, candidates)
-        if self._spare_room_only and best_score[0] < self._ahead_limit(count):
+        if self._spare_room_only and best_wait < self._ahead_limit(count):
             return None
         return best
 
@@ -353,7 +375,7 @@ class ExpertEviction:
 
     def _recent(self, stack: Stack) -> set:
         """The experts ``stack``'s layer routed at its last turn: this step's if it has run in it."""
-        return stack.used if stack.group in self.layers.order else stack.last_used
+        return stack.used if stack.group in self.layers.ran else stack.last_used
 
     def _next_use(self, key, stack: Stack, distance: float, count: int, recent: bool) -> float:
         """Expected layers until ``key`` is next used (see victim)."""
@@ -381,6 +403,7 @@ class ExpertEviction:
             for stack in self.by_master.values():
                 groups.setdefault(stack.group, []).append(stack)
             self._groups, self._grouped = groups, len(self.by_master)
+            self._kept.track(groups)
         return self._groups
 
     def _best_of(self, stacks: list, cache, cached, keep, count: int):

@@ -60,17 +60,19 @@ class LayerOrder:
     """Where a pass is: the stack group paged now and what its op said it pages, the groups in
     first-access order this pass, and each group's place in the last pass's cyclic order."""
 
-    __slots__ = ("position", "order", "current", "needed")
+    __slots__ = ("position", "order", "ran", "current", "needed")
 
     def __init__(self):
         self.position: dict = {}  # stack group -> its place in the last pass's access order
         self.order: list = []  # stack groups in first-access order, this pass
+        self.ran: set = set()  # the same groups, looked up per candidate by eviction
         self.current = None  # the stack group paged last
         self.needed = None  # keys the current op said it pages (announce), None if it did not say
 
     def enter(self, group) -> None:
         self.current = group
-        if group not in self.order:
+        if group not in self.ran:
+            self.ran.add(group)
             self.order.append(group)
 
     def cycle(self):
@@ -90,4 +92,4 @@ class LayerOrder:
         """A pass ended: its order is the cycle the next one is placed in."""
         if self.order:
             self.position = {m: i for i, m in enumerate(self.order)}
-        self.order, self.current, self.needed = [], None, None
+        self.order, self.ran, self.current, self.needed = [], set(), None, None
