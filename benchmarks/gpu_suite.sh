@@ -203,7 +203,7 @@ if [ "$DRY" = 0 ]; then
   step bench_moe 300 "$PY" benchmarks/moe_bench.py --device "$DEVICE" --out "$RESULTS" --budget-gb 4
   # The expert policy's host time on this machine's host (the replay does not charge it yet; the
   # emulated device, so only the host's speed counts; about a minute).
-  step bench_policy_host 120 "$PY" benchmarks/moe_policy_host.py --models qwen3 mixtral --out "$RESULTS" \
+  step bench_policy_host 120 "$PY" benchmarks/moe_policy_host.py --models qwen3 mixtral --repeats 2 --out "$RESULTS" \
     --name moe_policy_host_gpu_machine.json
   step bench_load 240 "$PY" benchmarks/load_bench.py --device "$DEVICE" --out "$RESULTS" --layers 16 --hidden 2048 --repeats 2
   step demo 150 "$PY" -m offtensor demo --device "$DEVICE"

@@ -105,3 +105,28 @@ def test_an_excluded_call_named_as_a_part_is_counted_apart_and_not_as_policy_tim
     finally:
         clock.remove()
     assert "page" in Paging.__dict__ and PolicyClock.installed is None
+
+
+def test_the_lookahead_kernels_a_guess_runs_are_not_the_policys_host_time(monkeypatch):
+    # On a GPU the look-ahead's matmul is a launch on the compute stream (an op of its own in a
+    # replay): where the host runs it, its run is not counted as the policy's host work.
+    from offtensor.moe import speculation
+
+    def slow_kernel(x, weight, bias, first):
+        time.sleep(0.02)
+        return x
+
+    monkeypatch.setattr(speculation, "lookahead_scores", slow_kernel)
+
+    def router_ran(self, router, x):
+        speculation.lookahead_scores(x, None, None, None)
+
+    monkeypatch.setattr(RoutingSpeculator, "router_ran", router_ran)
+    clock = PolicyClock()
+    assert clock.install()
+    try:
+        RoutingSpeculator.router_ran(None, None, torch.zeros(1))
+        assert clock.calls == {"guesses": 1} and clock.take() < 20  # ms: the sleep is the kernel's
+    finally:
+        clock.remove()
+    assert speculation.lookahead_scores is slow_kernel and PolicyClock.installed is None

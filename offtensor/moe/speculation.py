@@ -98,6 +98,14 @@ def _read_back(packed):
     return (staged if isinstance(packed, tuple) else staged[0]), event
 
 
+def lookahead_scores(x: torch.Tensor, weight: torch.Tensor, bias, first) -> torch.Tensor:
+    """The look-ahead's kernels: the next layers' router scores from this layer's input, through
+    the learned map's hidden layer where it has one (``first``). On a GPU they are launches on the
+    compute stream, recorded as ops of their own; a policy clock does not count them as the
+    policy's host time (``sim.policy_clock``)."""
+    return F.linear(x if first is None else hidden_layer(x, *first), weight, bias)
+
+
 def _drop_holds(pager, router: Router, wrong) -> None:
     """The copies ``router``'s guesses made of ``wrong`` experts stop being kept for their use
     (``Pager.drop_prefetch_hold``): held until used, each wrong guess kept its room from every other
@@ -217,7 +225,7 @@ class RoutingSpeculator:
             return  # an offloaded router would be paged for a guess: not worth it
         with torch.no_grad():
             x = x.reshape(-1, x.shape[-1]).to(weight.dtype)
-            scores = F.linear(x if first is None else hidden_layer(x, *first), weight, bias)
+            scores = lookahead_scores(x, weight, bias, first)
             biased = bias is None and routing.correction_bias(module, scores.shape[-1]) is not None
             if router.tokens <= GUESS_ON_HOST_TOKENS and not biased:
                 # A decode step: the router matmul is the guess's one kernel (on a GPU, plus the

@@ -16,6 +16,7 @@ import functools
 import threading
 import time
 
+from ..moe import speculation
 from ..moe.speculation import RoutingSpeculator
 from ..moe.stacks import ExpertStacks
 
@@ -26,6 +27,10 @@ POLICY = (
     (RoutingSpeculator, ("router_ran", "router_output", "issue_ready", "predictions_ready", "expected_ready",
                          "routing_known", "used", "step"), "guesses"),
 )
+# Device work the policy issues, charged elsewhere: the look-ahead's kernels (on a GPU launches on
+# the compute stream; where the host runs them, as on the emulated device, their run is no host
+# work of a GPU's policy).
+DEVICE_WORK = ((speculation, ("lookahead_scores",)),)
 
 
 class PolicyClock:
@@ -49,11 +54,13 @@ class PolicyClock:
             return False
         for cls, names, part in POLICY:
             self._wrap(cls, names, part)
+        for owner, names in DEVICE_WORK:
+            self.exclude(owner, names)
         PolicyClock.installed = self
         return True
 
     def exclude(self, cls, names, part=None) -> None:
-        """Time these methods of ``cls`` (while installed) as work charged elsewhere: not policy time
+        """Time these methods of ``cls`` (or functions of a module) as work charged elsewhere: not policy time
         (``pending``), though counted in ``parts`` as ``part`` where one is named."""
         self._wrap(cls, names, ("excluded", part))
 
