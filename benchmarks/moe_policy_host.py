@@ -46,10 +46,11 @@ from offtensor.sim.policy_clock import PolicyClock  # noqa: E402
 PAGER = ("page", "prefetch", "release")
 
 
-def timed_replay(trace, fraction: float, speculate: bool, pager_part=None):
-    """``replay_ours`` of ``trace`` (after a warm run) with a ``PolicyClock`` installed, the pager's
-    own calls timed apart (as ``pager_part`` where named): (the clock, the replay's result)."""
-    replay_ours(copy.copy(trace), fraction, speculate)  # warm: imports, first calls
+def timed_replay(trace, fraction: float, speculate: bool, pager_part=None, warm: bool = True):
+    """``replay_ours`` of ``trace`` (after a warm run, with ``warm``) with a ``PolicyClock`` installed,
+    the pager's own calls timed apart (as ``pager_part`` where named): (the clock, the replay's result)."""
+    if warm:
+        replay_ours(copy.copy(trace), fraction, speculate)  # imports, first calls
     clock = PolicyClock()
     if not clock.install():
         raise RuntimeError("offtensor: another PolicyClock is installed")
@@ -68,7 +69,7 @@ def measure(name: str, fraction: float, repeats: int = 3) -> dict:
     steps = len(trace["steps"])
     out = {}
     for label, speculate in (("cache_alone", False), ("default", True)):
-        runs = [timed_replay(trace, fraction, speculate, pager_part="pager")[0] for _ in range(repeats)]
+        runs = [timed_replay(trace, fraction, speculate, pager_part="pager", warm=not n)[0] for n in range(repeats)]
         clock = min(runs, key=lambda c: sum(v for p, v in c.parts.items() if p != "pager"))
         per_step = {part: s / steps * 1e6 for part, s in clock.parts.items() if part != "pager"}
         policy = sum(per_step.values())

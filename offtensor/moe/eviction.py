@@ -311,8 +311,7 @@ class ExpertEviction:
                     if stale[i]:
                         bests[i] = self._best_of(stacks_of[i], cache, cached, guarded.get(group), count)
                         stale[i] = False
-                    where = position.get(group)
-                    distance = (where - here) % count or count if where is not None else 0.5
+                    distance = _distance(position.get(group), here, count)
                 found = bests[i]
                 if found is not None:
                     wait = distance + found[0]
