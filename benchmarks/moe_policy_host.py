@@ -19,7 +19,8 @@ Per model and setting (the cache alone, the default guesses): µs per decode ste
 the policy (``offtensor.sim.policy_clock``: victim search, bookkeeping, guesses), the pager's own
 paging and copy issue, which the replay's figures stand for, left out (timed apart as
 ``us_per_step_pager``: the same run's yardstick, for comparing runs on a machine whose speed
-varies), as are the look-ahead's kernels (on a GPU launches on the compute stream); and
+varies), as are Python's garbage collections (``us_per_step_gc``: the whole run's pauses, which
+land in whichever call allocates) and the look-ahead's kernels (on a GPU launches on the compute stream); and
 ``moe_sim.py``'s H200 replay of the same decode (its committed result) with that time added to
 each step.
 """
@@ -44,6 +45,9 @@ from offtensor.sim.policy_clock import PolicyClock  # noqa: E402
 # The pager's own paging, copy issue and release: what the replay's page and copy figures stand
 # for, timed apart from the policy (a policy call is charged less the pager calls inside it).
 PAGER = ("page", "prefetch", "release")
+# Parts timed apart from the policy's: the pager's own (above) and the garbage collector's pauses,
+# which land in whichever call allocates when a generation fills (the whole run's, reported apart).
+APART = ("pager", "gc")
 
 
 def timed_replay(trace, fraction: float, speculate: bool, pager_part=None, warm: bool = True):
@@ -70,17 +74,18 @@ def measure(name: str, fraction: float, repeats: int = 3) -> dict:
     out = {}
     for label, speculate in (("cache_alone", False), ("default", True)):
         runs = [timed_replay(trace, fraction, speculate, pager_part="pager", warm=not n)[0] for n in range(repeats)]
-        clock = min(runs, key=lambda c: sum(v for p, v in c.parts.items() if p != "pager"))
-        per_step = {part: s / steps * 1e6 for part, s in clock.parts.items() if part != "pager"}
+        clock = min(runs, key=lambda c: sum(v for p, v in c.parts.items() if p not in APART))
+        per_step = {part: s / steps * 1e6 for part, s in clock.parts.items() if part not in APART}
         policy = sum(per_step.values())
         pager = clock.parts.get("pager", 0.0) / steps * 1e6
+        collector = clock.parts.get("gc", 0.0) / steps * 1e6
         victim = clock.parts.get("victim", 0.0) / max(clock.calls.get("victim", 0), 1) * 1e6
         out[label] = {"us_per_step": per_step, "us_per_step_policy": policy, "us_per_victim": victim,
-                      "us_per_step_pager": pager,
+                      "us_per_step_pager": pager, "us_per_step_gc": collector,
                       "calls_per_step": {part: n / steps for part, n in clock.calls.items()}}
         print(f"{name} {label}: {policy:.0f} us a step of the expert policy's host work ("
               + ", ".join(f"{p} {v:.0f}" for p, v in per_step.items()) + f"); {victim:.1f} us a victim; "
-              f"the pager's own {pager:.0f}", flush=True)
+              f"the pager's own {pager:.0f}; garbage collection {collector:.0f}", flush=True)
     out["layers"], out["steps"] = trace["layers"], steps
     return out
 

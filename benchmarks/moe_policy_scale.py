@@ -16,7 +16,9 @@ the host's Python, not copies.
 Per depth and setting (the cache alone, the default guesses): the decode hit rate; ms per decode
 step of the whole run (wall clock: the model's ops on the emulated device, the pager, the policy)
 and in each part (``offtensor.sim.policy_clock``: the policy's victim search, bookkeeping and
-guesses; the pager's own paging, copies and room-making apart as ``pager``); calls per step.
+guesses; the pager's own paging, copies and room-making apart as ``pager``; Python's garbage
+collections apart as ``gc``, the whole run's pauses, which land in whichever call allocates);
+calls per step.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_policy_host import timed_replay  # noqa: E402
+from moe_policy_host import APART, timed_replay  # noqa: E402
 from results_io import save_result  # noqa: E402
 
 EXPERTS, TOP_K = 256, 8
@@ -72,7 +74,7 @@ def measure(layers: int, steps: int, fraction: float) -> dict:
         parts = {part: s / n * 1e3 for part, s in clock.parts.items()}
         out[label] = {"hit_rate": r["hit_rate"], "ms_per_step": r["seconds"] / n * 1e3,
                       "ms_per_step_by_part": parts,
-                      "ms_per_step_policy": sum(v for p, v in parts.items() if p != "pager"),
+                      "ms_per_step_policy": sum(v for p, v in parts.items() if p not in APART),
                       "calls_per_step": {part: c / n for part, c in clock.calls.items()}}
         print(f"{layers} layers, {label}: hit {r['hit_rate']:.3f}, {out[label]['ms_per_step']:.2f} ms a step ("
               + ", ".join(f"{p} {v:.2f}" for p, v in parts.items()) + ")", flush=True)

@@ -130,3 +130,27 @@ def test_the_lookahead_kernels_a_guess_runs_are_not_the_policys_host_time(monkey
     finally:
         clock.remove()
     assert speculation.lookahead_scores is slow_kernel and PolicyClock.installed is None
+
+
+def test_a_garbage_collection_inside_a_policy_call_is_a_part_of_its_own_not_policy_time(monkeypatch):
+    # A collection runs in whichever call allocates when a generation fills: which call pays for
+    # it is chance, so it is timed apart ("gc") and the call it ran inside is charged less it.
+    import gc
+
+    junk = [[i] for i in range(300_000)]  # a full collection walks every one of them
+
+    def step(self):
+        gc.collect()
+
+    monkeypatch.setattr(ExpertStacks, "step", step)
+    clock = PolicyClock()
+    assert clock.install()
+    try:
+        ExpertStacks.step(None)
+        policy, collector = clock.take(), clock.parts.get("gc", 0.0) * 1e3
+        assert clock.calls["gc"] >= 1 and clock.calls["bookkeeping"] == 1
+        assert policy < collector / 10  # ms: the collection's time is not the call's
+    finally:
+        clock.remove()
+    assert clock._collection not in gc.callbacks and PolicyClock.installed is None
+    del junk

@@ -13,6 +13,7 @@ given to the next record (``take``).
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 import time
 
@@ -35,8 +36,9 @@ DEVICE_WORK = ((speculation, ("lookahead_scores",)),)
 
 class PolicyClock:
     """Wall-clock host time of the expert policy not yet given to a record (``take``), and in all
-    by part (``parts``, seconds; ``calls``). One clock is installed at a time (``install``: the policy's
-    methods wrapped on their classes)."""
+    by part (``parts``, seconds; ``calls``), besides the excluded parts named and the garbage
+    collector's pauses (``gc``), which are no policy time. One clock is installed at a time
+    (``install``: the policy's methods wrapped on their classes)."""
 
     installed = None
 
@@ -47,6 +49,7 @@ class PolicyClock:
         self._inner = []  # per open timed call: seconds of the timed calls inside it
         self._saved = []
         self.thread = threading.get_ident()  # whose calls are timed: the thread that records
+        self._collecting = None  # start of the garbage collection under way
 
     def install(self) -> bool:
         """Wrap the policy's entry points; False (nothing done) where another clock is installed."""
@@ -56,8 +59,27 @@ class PolicyClock:
             self._wrap(cls, names, part)
         for owner, names in DEVICE_WORK:
             self.exclude(owner, names)
+        gc.callbacks.append(self._collection)
         PolicyClock.installed = self
         return True
+
+    def _collection(self, phase: str, info: dict) -> None:
+        """Python's cyclic garbage collector ran (``gc.callbacks``): a pause that lands in whichever
+        call allocates when a generation fills, the policy's or not. It is a part of its own (``gc``:
+        every collection on the recording thread while installed, seconds and collections), and the
+        timed call it ran inside is charged less it (which call pays is chance, not the call's cost)."""
+        if threading.get_ident() != self.thread:
+            return
+        if phase == "start":
+            self._collecting = time.perf_counter()
+            return
+        if self._collecting is None:
+            return
+        spent, self._collecting = time.perf_counter() - self._collecting, None
+        self.parts["gc"] = self.parts.get("gc", 0.0) + spent
+        self.calls["gc"] = self.calls.get("gc", 0) + 1
+        if self._inner:
+            self._inner[-1] += spent
 
     def exclude(self, cls, names, part=None) -> None:
         """Time these methods of ``cls`` (or functions of a module) as work charged elsewhere: not policy time
@@ -74,6 +96,8 @@ class PolicyClock:
         for cls, name, fn in reversed(self._saved):
             setattr(cls, name, fn)
         self._saved = []
+        if self._collection in gc.callbacks:
+            gc.callbacks.remove(self._collection)
         if PolicyClock.installed is self:
             PolicyClock.installed = None
 
