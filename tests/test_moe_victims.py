@@ -1,10 +1,13 @@
 """The expert cache's victim search keeps each stack's candidates from one search to the next
 (``eviction.KeptBest``) only while they are what a search from scratch would find: a decode
-evicts exactly the same experts, in the same order, with them as without them."""
+evicts exactly the same experts, in the same order, with them as without them. Each stack's
+coldest copy comes off a heap of use records (``eviction.ColdHeaps``) that holds no copy a search
+may not take and no record the garbage collector walks."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from offtensor.moe import eviction
 
@@ -48,3 +51,57 @@ def _relative(keys: list) -> list:
             continue
         out.append((ids.setdefault(k[0], len(ids)),) + tuple(k[1:]))
     return out
+
+
+def _heap_stack():
+    from types import SimpleNamespace
+
+    from offtensor.pager import cache_key
+
+    keys = tuple(cache_key(7, torch.float32, 16 * e, 16 * (e + 1)) for e in range(4))
+    return SimpleNamespace(master_id=7, keys=keys, num_experts=4)
+
+
+def test_the_coldest_copy_is_the_least_used_one_a_search_may_take():
+    from types import SimpleNamespace
+
+    stack, heaps, last = _heap_stack(), eviction.ColdHeaps(), {}
+    cache = {k: SimpleNamespace(key=k, users=0, prefetched=False) for k in stack.keys}
+    for tick, (e, frequency) in enumerate([(0, 3.0), (1, 0.5), (2, 1.0), (3, 2.0)]):
+        last[stack.keys[e]] = tick
+        heaps.push(stack, stack.keys[e], e, frequency, tick, last)
+    assert heaps.coldest(stack, cache, last, None, set()) is cache[stack.keys[1]]
+    assert heaps.coldest(stack, cache, last, None, {1}) is cache[stack.keys[2]]  # routed at its last turn
+    assert heaps.coldest(stack, cache, last, {stack.keys[1], stack.keys[2]}, set()) is cache[stack.keys[3]]  # the op's
+    cache[stack.keys[3]].users = 1
+    cache[stack.keys[0]].prefetched = True
+    assert heaps.coldest(stack, cache, last, None, {1, 2}) is None  # in use, or copied ahead and unused
+    last[stack.keys[1]] = 9  # used again since its record: the record is stale
+    assert heaps.coldest(stack, cache, last, None, set()) is cache[stack.keys[2]]
+
+
+def test_a_copy_of_part_of_an_expert_is_found_by_its_own_key():
+    from types import SimpleNamespace
+
+    from offtensor.pager import cache_key
+
+    stack, heaps = _heap_stack(), eviction.ColdHeaps()
+    half = cache_key(7, torch.float32, 32, 40)  # the first half of expert 2
+    cache = {half: SimpleNamespace(key=half, users=0, prefetched=False)}
+    last = {half: 0}
+    heaps.push(stack, half, 2, 1.0, 0, last)
+    assert heaps.coldest(stack, cache, last, None, set()) is cache[half]
+    assert heaps.coldest(stack, cache, last, None, {2}) is None  # its expert, routed at its last turn
+
+
+def test_the_records_of_whole_experts_are_not_tracked_by_the_garbage_collector():
+    # One record is pushed per use of an expert, thousands alive at a time: records the cyclic
+    # collector tracked would be walked at every collection and bring full collections sooner.
+    import gc
+
+    stack, heaps, last = _heap_stack(), eviction.ColdHeaps(), {}
+    for e in range(4):
+        last[stack.keys[e]] = e
+        heaps.push(stack, stack.keys[e], e, 1.0 + e, e, last)
+    gc.collect()
+    assert not any(gc.is_tracked(record) for record in heaps._heaps[7])

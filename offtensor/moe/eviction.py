@@ -96,9 +96,10 @@ class NextTurn:
 class KeptBest:
     """Each layer's best victim candidate (``ExpertEviction._best_of``: its expected wait, the
     tie-break and the copy) kept from one victim search to the next until something it depends on
-    changes, which marks it stale at the change (``changed``): the copies, uses or turn of one of
-    the layer's stacks, the experts a guess keeps for it, the chances it ranks by; or every layer's
-    (``renew``: a new step, decayed frequencies, a new cycle length). A search then ranks the few
+    changes, which marks it stale at the change (``changed``): the copies, uses (but of the keys
+    the current op pages, which its ranking keeps) or turn of one of the layer's stacks, the
+    experts a guess keeps for it, the chances it ranks by; or every layer's (``renew``: a new
+    step, decayed frequencies, a new cycle length). A search then ranks the few
     stale layers anew and compares one figure per layer in a tight loop, with no per-layer check of
     what the figure depends on. The current layer, whose op's own experts are kept, is ranked with
     them (``current``: what it was ranked with, checked by identity at each search). The copy a
@@ -136,11 +137,13 @@ class KeptBest:
 
 
 class ColdHeaps:
-    """Per stack a heap of (frequency / scale, tick, key) records, pushed at every use and copy of
-    an expert, the coldest first: a stack's least used evictable copy in a look or two. A record
+    """Per stack a heap of (frequency / scale, tick, expert) records, pushed at every use and copy
+    of an expert, the coldest first: a stack's least used evictable copy in a look or two. A record
     whose tick is not its key's last one is stale and dropped when it surfaces. Frequencies decay
     alike every step, so dividing by the common decay (``scale``) keeps older records comparable
-    with newer ones."""
+    with newer ones. A record names its expert by index (its key is the stack's), and carries a
+    key of its own only for a copy of part of an expert: records of plain numbers, which Python's
+    cyclic garbage collector stops tracking (thousands are alive at a time, one more per use)."""
 
     __slots__ = ("_heaps", "scale")
 
@@ -148,40 +151,46 @@ class ColdHeaps:
         self._heaps: dict = {}  # master id -> heap of records
         self.scale = 1.0
 
-    def push(self, key, frequency: float, tick: int, last: dict, limit: int) -> None:
-        heap = self._heaps.get(key[0])
+    def push(self, stack: "Stack", key, expert: int, frequency: float, tick: int, last: dict) -> None:
+        heap = self._heaps.get(stack.master_id)
         if heap is None:
-            heap = self._heaps[key[0]] = []
-        heapq.heappush(heap, (frequency / self.scale, tick, key))
-        if len(heap) > limit:
+            heap = self._heaps[stack.master_id] = []
+        value, keys = frequency / self.scale, stack.keys
+        whole = 0 <= expert < len(keys) and keys[expert] == key
+        heapq.heappush(heap, (value, tick, expert) if whole else (value, tick, expert, key))
+        if len(heap) > 4 * stack.num_experts + 64:
             # Mostly stale records (every use pushes one): keep the live ones.
-            heap[:] = [r for r in heap if last.get(r[2]) == r[1]]
+            heap[:] = [r for r in heap if last.get(keys[r[2]] if len(r) == 3 else r[3]) == r[1]]
             heapq.heapify(heap)
 
-    def decay(self, factor: float, frequency: dict) -> None:
+    def decay(self, factor: float, frequency: dict, by_master: dict) -> None:
         self.scale *= factor
         if self.scale < 1e-100:
             # Records are frequency / scale: rebase them before they overflow.
             self.scale = 1.0
-            for heap in self._heaps.values():
-                heap[:] = [(frequency.get(k, 0.0), tick, k) for _, tick, k in heap]
+            for master_id, heap in self._heaps.items():
+                keys = by_master[master_id].keys
+                heap[:] = [(frequency.get(keys[r[2]] if len(r) == 3 else r[3], 0.0),) + r[1:] for r in heap]
                 heapq.heapify(heap)
 
-    def coldest(self, master_id, cache, last: dict, skip):
-        """The stack's least used cached copy that ``skip(entry, key)`` does not rule out, or None."""
-        heap = self._heaps.get(master_id)
+    def coldest(self, stack: "Stack", cache, last: dict, needed, recent):
+        """The stack's least used cached copy that is evictable (no users, not an unused prefetch),
+        not among ``needed`` (keys, or None) nor ``recent`` (experts), or None."""
+        heap = self._heaps.get(stack.master_id)
         if not heap:
             return None
+        keys = stack.keys
         aside, found = [], None
         while heap:
-            _, tick, key = record = heap[0]
+            record = heap[0]
+            key = keys[record[2]] if len(record) == 3 else record[3]
             entry = cache.get(key)
-            if entry is None or last.get(key) != tick:
+            if entry is None or last.get(key) != record[1]:
                 heapq.heappop(heap)  # stale: evicted, or used or copied again since
                 continue
             heapq.heappop(heap)
             aside.append(record)
-            if not skip(entry, key):
+            if not (entry.users or entry.prefetched or (needed is not None and key in needed) or record[2] in recent):
                 found = entry
                 break
         for record in aside:
@@ -253,9 +262,13 @@ class ExpertEviction:
             self._kept.changed(stack.group)
 
     def push(self, key) -> None:
-        self._changed(key[0])
-        self._coldest.push(key, self.frequency.get(key, 0.0), self._last[key], self._last,
-                           4 * self.by_master[key[0]].num_experts + 64)
+        stack = self.by_master[key[0]]
+        needed = self.layers.needed
+        # A use or copy of a key the current op pages changes nothing its layer is ranked by (its
+        # ranking keeps those keys, and its ties do not depend on them): its kept best stands.
+        if needed is None or key not in needed or stack.group != self.layers.current:
+            self._kept.changed(stack.group)
+        self._coldest.push(stack, key, stack.expert_of(key), self.frequency.get(key, 0.0), self._last[key], self._last)
 
     def victim(self, view, room: int, candidates):
         """The evictable copy to drop: a non-expert copy if one comes first in LRU order (dense
@@ -429,7 +442,7 @@ class ExpertEviction:
         recent = self._recent(stack) if chances is None else self.next_turn.likely(stack.group)
         out = []
         best, best_rank = None, None
-        keys, frequency, per_turn = stack.keys, self.frequency, 1.0 - FREQUENCY_DECAY
+        keys, frequency, last, per_turn = stack.keys, self.frequency, self._last, 1.0 - FREQUENCY_DECAY
         for e in recent:  # (a victim search runs this for every stack: _use inlined)
             key = keys[e]
             entry = cache.get(key)
@@ -439,16 +452,14 @@ class ExpertEviction:
             if chances is not None:
                 rank *= per_turn
                 rank = (chances[e] - 1.0) / (UNSEEN_USE if rank < UNSEEN_USE else 1.0 if rank > 1.0 else rank)
-            if best is None or rank < best_rank:
+            # (ties to the older use, as _best_of breaks them: not to the set's order, which an
+            # expert added to it may change)
+            if best is None or rank < best_rank or (rank == best_rank and last.get(key, -1) < last.get(best.key, -1)):
                 best, best_rank = entry, rank
         if best is not None:
             out.append((best, chances is None))
 
-        def skip(entry, key) -> bool:
-            return entry.users or entry.prefetched or (needed is not None and key in needed) \
-                or stack.expert_of(key) in recent
-
-        coldest = self._coldest.coldest(stack.master_id, cache, self._last, skip)
+        coldest = self._coldest.coldest(stack, cache, self._last, needed, recent)
         if coldest is not None:
             out.append((coldest, False))
         return out
@@ -463,7 +474,7 @@ class ExpertEviction:
                 del frequency[key]
             else:
                 frequency[key] = value
-        self._coldest.decay(FREQUENCY_DECAY, frequency)
+        self._coldest.decay(FREQUENCY_DECAY, frequency, self.by_master)
 
     def measure_reuse(self) -> None:
         """Update each layer's token-to-token locality from the step that ended: the share of its
