@@ -342,6 +342,26 @@ def test_next_layer_experts_are_guessed_and_prefetched_only_where_copies_are_on(
         assert per_router and all(n <= config.num_experts_per_tok * -(-14 // ot_speculation.SPECULATE_SAMPLE) for n in per_router), g
 
 
+def test_a_guess_counts_as_cached_the_experts_every_stack_of_its_layer_holds_whole(device, monkeypatch):
+    # (found from the pager's copies of each stack, not by looking up every expert's key)
+    monkeypatch.setattr(ot_speculation, "SPECULATE_COPY", True)
+    model = DeepSeekForCausalLM.empty(_reference_config(num_layers=5)).init_weights(seed=0).to(device)
+    _same_routing_everywhere(model)
+    ot.wrap_model(model, budget_gb=_budget_gb(model, 0.5), device=device)
+    found = ot_speculation._cached_experts
+    checked = []
+
+    def cached_experts(pager, router):
+        experts = found(pager, router)
+        whole = [e for e in range(router.stacks[0].num_experts) if all(pager.is_cached(s.key_of(e)) for s in router.stacks)]
+        checked.append(experts == frozenset(whole))
+        return experts
+
+    monkeypatch.setattr(ot_speculation, "_cached_experts", cached_experts)
+    _decode(model, torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1)).to(device), 8)
+    assert checked and all(checked)
+
+
 def test_unreliable_guesses_are_scored_but_cost_no_bytes(device):
     # Random weights: each layer moves the residual stream, so next-layer guesses are often wrong.
     config = _reference_config(num_layers=5)

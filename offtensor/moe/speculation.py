@@ -142,8 +142,10 @@ def _cached_experts(pager, router: Router) -> frozenset:
     if pager is None or not stacks:
         return frozenset()
     experts = None
-    for stack in stacks:  # (every expert of the layer, every guess: one pass per stack)
-        cached = {stack.experts[k] for k in pager.cached_among(stack.keys)}
+    for stack in stacks:  # (every guess: one pass over each stack's cached copies)
+        expert_of = stack.experts.get  # (whole experts only: a copy of part of one is no expert cached)
+        cached = {expert_of(k) for k in pager.cached_keys_of(stack.master_id)}
+        cached.discard(None)
         experts = cached if experts is None else experts & cached
     return frozenset(experts)
 
