@@ -443,3 +443,23 @@ def test_the_arena_holds_any_sequence_of_sizes_within_its_size(monkeypatch, size
             assert s.arena_overflows == log["overflows"] and s.arena_moves == log["moves"]
     # What the pool reserved at most: an arena no larger than the room, plus the overflows of one op.
     assert pager.pool.peak_bytes <= aligned(budget) + PAD + (need if log["overflows"] else 0)
+
+
+def test_a_range_taken_again_is_the_same_slot_and_view_and_the_memo_forgets_its_oldest_first(monkeypatch):
+    # A slot made per copy and its tensors live as long as the copy: the garbage collector walks
+    # them until then. A range taken again for the same bytes reuses them.
+    from offtensor.pager import arena as ot_arena
+
+    pager = Pager(CPU, budget_bytes=4 * MiB)
+    pool = pager.pool
+    first = pool.take(1000)
+    typed = first.typed(torch.bfloat16)
+    assert typed.dtype == torch.bfloat16 and typed.data_ptr() == first.buf.data_ptr()
+    pool.give(first, None)
+    again = pool.take(1000)
+    assert again is first and again.typed(torch.bfloat16) is typed
+    assert again.typed(torch.float32).dtype == torch.float32  # another dtype: its own view
+    monkeypatch.setattr(ot_arena, "_MEMO_SLOTS", 2)
+    memo = pool.arena._memo
+    slots = [again] + [pool.take(1000) for _ in range(2)]
+    assert len(memo) == 2 and list(memo.values()) == slots[1:]  # the oldest forgotten, not all

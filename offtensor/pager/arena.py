@@ -38,8 +38,12 @@ ALIGN = 256
 # Alignment padding the arena gets beyond what the pager may page: ranges are aligned, the budget's
 # bytes are not, so 16 ranges of odd sizes still fit where their exact bytes do.
 PAD = 16 * ALIGN
-# Slots remembered per arena for reuse (same start and size: the same view, no new tensor).
-_MEMO_SLOTS = 4096
+# Slots remembered per arena for reuse (same start and size: the same view, no new tensor), the
+# oldest forgotten first. Enough for every range of a cache of tens of thousands of experts: a copy
+# into a range the memo forgot makes a slot and tensors that live as long as the copy, which
+# Python's garbage collector walks until then (DeepSeek-V3 with a quarter of its experts cached
+# holds some 11,000 expert copies).
+_MEMO_SLOTS = 32768
 
 
 def aligned(nbytes: int) -> int:
@@ -52,11 +56,19 @@ class Slot:
     a buffer of its own outside the arena. ``owner``: the cached copy it was last taken for (a hint
     its reader checks: ``owner.slot is slot``; slots are reused)."""
 
-    __slots__ = ("buf", "nbytes", "start", "size", "epoch", "owner")
+    __slots__ = ("buf", "nbytes", "start", "size", "epoch", "owner", "_typed")
 
     def __init__(self, buf, nbytes: int, start, size: int, epoch: int):
         self.buf, self.nbytes, self.start, self.size, self.epoch = buf, nbytes, start, size, epoch
         self.owner = None
+        self._typed = None  # buf viewed as the dtype it was last taken for
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        """``buf`` viewed as ``dtype``: the same view for a slot taken again for the same dtype."""
+        typed = self._typed
+        if typed is None or typed.dtype != dtype:
+            typed = self._typed = self.buf.view(dtype)
+        return typed
 
 
 class Arena:
@@ -141,11 +153,12 @@ class Arena:
         for a, b, token, last in pieces:
             if a < cut:
                 ops.order_after(ops.reuse_token(token, last, stream), stream)
-        slot = self._memo.get((start, nbytes))
+        memo = self._memo
+        slot = memo.get((start, nbytes))
         if slot is None:
-            if len(self._memo) >= _MEMO_SLOTS:
-                self._memo.clear()
-            slot = self._memo[(start, nbytes)] = Slot(self.buf[start : start + nbytes], nbytes, start, size, self.epoch)
+            if len(memo) >= _MEMO_SLOTS:
+                del memo[next(iter(memo))]
+            slot = memo[(start, nbytes)] = Slot(self.buf[start : start + nbytes], nbytes, start, size, self.epoch)
         self.live[start] = slot
         self.live_ends[start + size] = slot
         self.live_bytes += size

@@ -29,7 +29,7 @@ class Copies:
             self.room.make_room(nbytes, strict=True, what=what)
         ops = self.device_ops
         slot = self.pool.take(nbytes, ops.copy_stream)
-        buf = slot.buf.view(src.dtype)
+        buf = slot.typed(src.dtype)
         ready = ops.copy_ahead(buf, src)
         self.lifetimes.keep(src, ready)
         entry = slot.owner = CachedCopy(key, slot, buf, nbytes, ready)
@@ -53,7 +53,7 @@ class Copies:
         ops = self.device_ops
         if self.pool is not None:
             slot = self.pool.take(nbytes, ops.op_stream())
-            buf = slot.buf.view(src.dtype)
+            buf = slot.typed(src.dtype)
         else:
             # No budget, no pool: on a GPU the block is allocated on the compute stream, so the
             # allocator reuses it only after the op that reads it.

@@ -187,8 +187,9 @@ class Room:
             notify(entry)
         old = entry.slot
         new, moved = self.pool.move(old, at, (entry.ready, entry.last_use))
+        buf = new.typed(entry.buf.dtype)
         # One assignment, no call inside it: an interrupt sees the entry before or after the move.
-        entry.slot, entry.buf, entry.ready, entry.last_use, entry.view = new, new.buf.view(entry.buf.dtype), moved, None, None
+        entry.slot, entry.buf, entry.ready, entry.last_use, entry.view = new, buf, moved, None, None
         new.owner = entry
         self.pool.give(old, moved)
         stats = self.budget.stats
