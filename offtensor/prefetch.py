@@ -80,7 +80,7 @@ class Prefetcher:
             target = ref() if ref is not None else None
             if target is None or target.flat is None:
                 continue
-            if not pager.prefetch(target, *nxt[1:]):
+            if not pager.prefetch(target, *nxt[1:], key=nxt):
                 break
 
     def step(self) -> None:

@@ -45,6 +45,21 @@ def test_a_prefetch_never_evicts_the_copy_its_op_is_about_to_use(device):
     assert pager.snapshot().peak_device_bytes <= 4096
 
 
+def test_a_prefetch_given_its_ranges_key_caches_the_copy_under_that_key_object(device):
+    # A stack's expert keys are made once: a copy under one of them adds no key object of its own.
+    from offtensor.pager import cache_key
+
+    pager = Pager(torch.device(device), budget_bytes=8192)
+    t = ot.offload(torch.randn(1024), pager=pager)
+    key = cache_key(t._master.id, torch.float32, 0, 512)
+    assert pager.prefetch(t._master, torch.float32, 0, 512, key=key)
+    entry = pager.cache.entries[key]
+    assert entry.key is key and entry.prefetched
+    view, paged = pager.page(t._host[:512], t._master)
+    assert paged is entry and torch.equal(view.cpu(), t._host[:512])
+    pager.release([paged])
+
+
 def test_a_prefetch_may_evict_copies_no_op_is_using(device):
     pager = Pager(torch.device(device), budget_bytes=8192)
     a, b, c = (ot.offload(torch.randn(1024), pager=pager) for _ in range(3))

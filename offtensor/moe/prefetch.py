@@ -94,7 +94,7 @@ class ExpertIssuer:
                     key = s.key_of(e)
                     if pager.is_cached(key):
                         continue
-                    if not pager.prefetch(master, *key[1:]):
+                    if not pager.prefetch(master, *key[1:], key=key):
                         break  # the budget holds no more at once: the rest is paged in line
                     self._issued_for_op.add(key)
         finally:

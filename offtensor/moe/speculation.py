@@ -125,7 +125,7 @@ def _copy_ahead(pager, router: Router, expert: int, ahead: int) -> bool:
             continue
         key = stack.key_of(expert)
         cached_now = pager.is_cached(key)
-        if not pager.prefetch(master, *key[1:]):
+        if not pager.prefetch(master, *key[1:], key=key):
             return False
         if not cached_now:
             nbytes = stack.expert_bytes

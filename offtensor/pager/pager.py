@@ -277,12 +277,14 @@ class Pager(RoomCalls, Recovering, PagingState):
     def is_cached(self, key) -> bool:
         return key in self._entries
 
-    def prefetch(self, master: Master, dtype: torch.dtype, lo: int, hi: int) -> bool:
+    def prefetch(self, master: Master, dtype: torch.dtype, lo: int, hi: int, key=None) -> bool:
         """Start copying elements [lo, hi) of ``master`` unless cached; never evicts an entry that
-        is in use and never exceeds the budget. Returns whether a copy is cached or started."""
+        is in use and never exceeds the budget. Returns whether a copy is cached or started.
+        ``key``: the range's ``CacheKey`` if the caller keeps one (made once, not one per copy)."""
         with self.lock:
             try:
-                key = _new_key(CacheKey, (master.id, dtype, lo, hi))
+                if key is None:
+                    key = _new_key(CacheKey, (master.id, dtype, lo, hi))
                 if key in self._entries:
                     return True
                 if self.budget_bytes is None or master.flat is None:
