@@ -233,10 +233,11 @@ class ExpertEviction:
         self._clock += 1
         self._last[key] = self._clock
 
-    def used(self, key, share: float) -> None:
-        """An op paged the expert ``key``, ``share`` of its layer's tokens routed to it (1: the most)."""
+    def used(self, key, share: float, stack: "Stack", expert: int) -> None:
+        """An op paged ``expert`` of ``stack`` (``key``), ``share`` of its layer's tokens routed to it
+        (1: the most)."""
         self.frequency[key] = self.frequency.get(key, 0.0) + share
-        self.push(key)
+        self.push(key, stack, expert)
 
     def evicted(self, key) -> None:
         self._last.pop(key, None)
@@ -261,14 +262,14 @@ class ExpertEviction:
         if stack is not None:
             self._kept.changed(stack.group)
 
-    def push(self, key) -> None:
-        stack = self.by_master[key[0]]
+    def push(self, key, stack: "Stack", expert: int) -> None:
+        """``key`` (``expert`` of ``stack``) was used or copied: its record in the coldness index."""
         needed = self.layers.needed
         # A use or copy of a key the current op pages changes nothing its layer is ranked by (its
         # ranking keeps those keys, and its ties do not depend on them): its kept best stands.
         if needed is None or key not in needed or stack.group != self.layers.current:
             self._kept.changed(stack.group)
-        self._coldest.push(stack, key, stack.expert_of(key), self.frequency.get(key, 0.0), self._last[key], self._last)
+        self._coldest.push(stack, key, expert, self.frequency.get(key, 0.0), self._last[key], self._last)
 
     def victim(self, view, room: int, candidates):
         """The evictable copy to drop: a non-expert copy if one comes first in LRU order (dense

@@ -80,7 +80,7 @@ class ExpertStacks:
             stack.misses += 1
         expert = stack.expert_of(key)
         share = self.issuer.share(expert) if stack.group == self.layers.current else 1.0
-        self.eviction.used(key, share)
+        self.eviction.used(key, share, stack, expert)
         stack.used.add(expert)
         if self.speculator is not None:
             self.speculator.used(stack, expert)
@@ -153,7 +153,7 @@ class ExpertStacks:
             stack.bytes_h2d += nbytes
             if prefetch and not self.issuer.issuing:
                 stack.prefetched_bytes += nbytes
-            self.eviction.push(key)
+            self.eviction.push(key, stack, stack.expert_of(key))
 
     def evicted(self, key) -> None:
         self.eviction.evicted(key)
