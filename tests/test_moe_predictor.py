@@ -73,10 +73,10 @@ def _qwen3(layers: int = 4):
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-def _wrap_quarter(model):
+def _wrap_quarter(model, device="cpu"):
     experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
     total = sum(p.numel() * 4 for p in model.parameters())
-    return ot.wrap_model(model, budget_gb=(total - 0.75 * experts) / (1 << 30), device="cpu",
+    return ot.wrap_model(model, budget_gb=(total - 0.75 * experts) / (1 << 30), device=device,
                          policy={"offload": ["*.experts.*"]})
 
 

@@ -88,10 +88,7 @@ class Router:
         # Decayed counts of its uncached guesses per confidence bin (their running precision).
         self.bin_correct = [0.0] * len(CONFIDENCE_BINS)
         self.bin_guessed = [0.0] * len(CONFIDENCE_BINS)
-        self.guessed = self.correct = self.routed = self.prefetched_bytes = self.wasted_bytes = 0
-        # Guesses of experts not cached when guessed, how many were routed, the routed experts not
-        # cached at guess time (the misses a guess could cover), guesses copied and routed.
-        self.uncached_guessed = self.uncached_correct = self.misses = self.copied_experts = self.copied_correct = 0
+        self.clear_record()
         self.tokens = 0  # tokens of its last real routing
         self.guess = None  # open guess: expert -> confidence bin, scored when the step ends
         self.cached = frozenset()  # experts cached (every stack) when the open guess was made
@@ -118,8 +115,15 @@ class Router:
         self.bin2_guessed = [0.0] * len(CONFIDENCE_BINS)
         self.next_pass = False  # whether the open guess is for the next pass (made by the last router)
         self.copied2 = set()  # experts the open two-ahead guess copied
-        self.copied2_experts = self.copied2_correct = 0  # copies made by two-ahead guesses, those routed
         self.evidence = SPECULATE_EVIDENCE  # guesses a bin needs (SPECULATE_EVIDENCE_LEARNED: guessed by a learned map)
+
+    def clear_record(self) -> None:
+        """Its guesses' counts start again (``ot.reset_stats``)."""
+        self.guessed = self.correct = self.routed = self.prefetched_bytes = self.wasted_bytes = 0
+        # Guesses of experts not cached when guessed, how many were routed, the routed experts not
+        # cached at guess time (the misses a guess could cover), guesses copied and routed.
+        self.uncached_guessed = self.uncached_correct = self.misses = self.copied_experts = self.copied_correct = 0
+        self.copied2_experts = self.copied2_correct = 0  # copies made by two-ahead guesses, those routed
 
     def pays(self, confidence_bin: int, pool=None, ahead: int = 1) -> bool:
         """Whether an uncached guess in this bin is right often enough to be worth its copy: by its
@@ -271,6 +275,15 @@ def guess_report(guessed, correct, routed, uncached_guessed, uncached_correct, m
         "prefetched_bytes": prefetched_bytes, "wasted_bytes": wasted_bytes,
         "wasted_share": ratio(wasted_bytes, prefetched_bytes),
     }
+
+
+def routers_report(routers: list, pool, copying: bool) -> dict:
+    """Every router's guesses together, and each one's (``ot.stats(model).guesses``)."""
+    total = guess_report(*(sum(getattr(r, f) for r in routers) for f in (
+        "guessed", "correct", "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts",
+        "copied_correct", "prefetched_bytes", "wasted_bytes")))
+    return total | {"routers": {r.name: r.report(pool) | {"speculating": copying and r.pays_any(pool)}
+                                for r in routers if r.stacks}}
 
 
 def host_guess(scores: torch.Tensor, top_k: int) -> list:

@@ -11,6 +11,7 @@ from torch import nn
 
 from .pool import build_pools
 from .routing import attribute_top_k, is_routed_stack, model_top_k, router_modules
+from .first_layer import input_embeddings
 from .guesses import Router
 from .speculation import RoutingSpeculator
 from .stacks import ExpertStacks
@@ -73,8 +74,38 @@ def attach(model: nn.Module, pager, speculate: bool = True, compute: str = "devi
 
         speculator.hooks.append(module.register_forward_pre_hook(_RouterHook(router, speculator, False)))
         speculator.hooks.append(module.register_forward_hook(_RouterHook(router, speculator, True)))
+    embeddings = input_embeddings(model)
+    if embeddings is not None:  # the step's tokens guess the first MoE layer (moe.first_layer)
+        speculator.hooks.append(embeddings.register_forward_pre_hook(_TokensHook(speculator)))
     stacks.speculator = speculator
     return stacks
+
+
+class _TokensHook:
+    """The input embeddings' forward pre-hook: the step's token ids, handed to the speculator
+    (``guess_first``) under the pager's lock; inert under torch.compile and in a copy of the model,
+    as ``_RouterHook`` is."""
+
+    __slots__ = ("speculator_ref",)
+
+    def __init__(self, speculator):
+        self.speculator_ref = weakref.ref(speculator) if speculator is not None else None
+
+    def __call__(self, module, args):
+        speculator = self.speculator_ref() if self.speculator_ref is not None else None
+        if speculator is None or speculator.token_table is None or not args or torch.compiler.is_compiling():
+            return None
+        pager = speculator.pager_ref()
+        if pager is not None and isinstance(args[0], torch.Tensor) and not args[0].is_meta:
+            with pager.lock:
+                speculator.guess_first(args[0])
+        return None
+
+    def __deepcopy__(self, memo):
+        return _TokensHook(None)
+
+    def __reduce__(self):
+        return _TokensHook, (None,)
 
 
 class _RouterHook:

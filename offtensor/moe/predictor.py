@@ -24,6 +24,9 @@ Installed, it is more rows of the same matmul.
 With ``fit(..., hidden=)`` every map of a layer reads one ReLU layer on the router input instead
 of the input itself (``fit_hidden``: the layer and the maps fitted together), which ranks routings
 no linear map can; installed, it is one kernel more (``hidden_layer``).
+
+The first MoE layer has no layer before it within a step: ``token_table`` (``moe.first_layer``),
+where kept, guesses it from the step's input tokens, on the host.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..pager import BudgetError
+from .first_layer import TokenTable
 
 FILE_NAME = "lookahead.safetensors"
 # The ridge, relative to the mean diagonal of the centred Gram matrix (a scale-free strength).
@@ -237,7 +241,7 @@ class LookaheadPredictor:
 
     def __init__(self, weights: Optional[dict] = None, biases: Optional[dict] = None, scores: Optional[dict] = None,
                  weights2: Optional[dict] = None, biases2: Optional[dict] = None, own_weights: Optional[dict] = None,
-                 own_biases: Optional[dict] = None, hidden_layers: Optional[dict] = None):
+                 own_biases: Optional[dict] = None, hidden_layers: Optional[dict] = None, token_table=None):
         # layer -> (w1 [hidden, H], b1): the ReLU layer its maps read instead of the router input
         self.hidden_layers = dict(hidden_layers or {})
         self.weights = dict(weights or {})
@@ -247,8 +251,10 @@ class LookaheadPredictor:
         self.own_weights = dict(own_weights or {})
         self.own_biases = dict(own_biases or {})
         # layer -> {"learned": precision, "router": precision, "learned2": precision two layers
-        # ahead} on held-out pairs (compare)
+        # ahead} on held-out pairs (compare); the first layer's "table": the token table's
         self.scores = dict(scores or {})
+        # moe.first_layer.TokenTable: the first MoE layer's experts per input token (on the host)
+        self.token_table = token_table
 
     @classmethod
     def fit(cls, inputs: list, routed: list, num_experts: int, ridge: float = RIDGE,
@@ -379,6 +385,8 @@ class LookaheadPredictor:
         tensors |= {f"own_bias.{i}": b for i, b in self.own_biases.items()}
         tensors |= {f"hidden_weight.{i}": w for i, (w, _) in self.hidden_layers.items()}
         tensors |= {f"hidden_bias.{i}": b for i, (_, b) in self.hidden_layers.items()}
+        if self.token_table is not None:
+            tensors |= {"first_experts.0": self.token_table.experts, "first_chances.0": self.token_table.chances}
         save_file(tensors, path, metadata={"scores": json.dumps({str(k): v for k, v in self.scores.items()})})
         return path
 
@@ -393,7 +401,7 @@ class LookaheadPredictor:
 
         path = os.path.join(directory, FILE_NAME) if os.path.isdir(directory) else directory
         maps = {"weight": {}, "bias": {}, "weight2": {}, "bias2": {}, "own_weight": {}, "own_bias": {},
-                "hidden_weight": {}, "hidden_bias": {}}
+                "hidden_weight": {}, "hidden_bias": {}, "first_experts": {}, "first_chances": {}}
         with safe_open(path, "pt") as f:
             meta = f.metadata() or {}
             for name in f.keys():
@@ -406,8 +414,11 @@ class LookaheadPredictor:
             raise ValueError(f"offtensor: {path}: hidden layers {sorted(maps['hidden_weight'])} have biases for "
                              f"{sorted(maps['hidden_bias'])}")
         hidden = {i: (w, maps["hidden_bias"][i]) for i, w in maps["hidden_weight"].items()}
+        table = None
+        if maps["first_experts"] or maps["first_chances"]:
+            table = TokenTable(maps["first_experts"].get(0, torch.empty(0)), maps["first_chances"].get(0, torch.empty(0)))
         return cls(maps["weight"], maps["bias"], scores, maps["weight2"], maps["bias2"], maps["own_weight"],
-                   maps["own_bias"], hidden)
+                   maps["own_bias"], hidden, table)
 
 
 def install(pager, predictor: LookaheadPredictor, device=None) -> list:
@@ -442,6 +453,7 @@ def install(pager, predictor: LookaheadPredictor, device=None) -> list:
     stacks.eviction.next_turn.clear()  # made by the maps being replaced
     for router in routers:  # the maps being replaced go first: the new ones take their memory
         router.lookahead = router.split = router.own = None
+    speculator.token_table = predictor.token_table  # (on the host: nothing of the budget)
     names = []
     for i, router in enumerate(routers):
         if len(routers) > 1:  # the layer it guesses (the last: the next step's first), measured held out
@@ -452,6 +464,8 @@ def install(pager, predictor: LookaheadPredictor, device=None) -> list:
         router.split, router.own, tensors = maps[i]
         router.lookahead = tuple(t.to(target) for t in tensors)
         names.append(router.name)
+    if predictor.token_table is not None:
+        routers[0].evidence = SPECULATE_EVIDENCE_LEARNED  # the first layer, guessed from the step's tokens
     if grow <= 0:  # given back once the maps that held it have gone
         _charge(pager, stacks, (predictor, device, nbytes), grow)
     return names

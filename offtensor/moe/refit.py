@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..pager import BudgetError
+from .first_layer import TokenTable, input_embeddings
 from .predictor import RIDGE, LookaheadPredictor, install
 from .routing import _router_modules, model_top_k, routed_experts
 
@@ -71,9 +72,27 @@ def fit_offline(model, ids: torch.Tensor, held_out: torch.Tensor, seq: int, save
     predictor = LookaheadPredictor.fit(fx, fr, experts, ridge, seq=seq, hidden=hidden)
     predictor.compare(hx, hr, ha, seq=seq)
     predictor.keep()
+    fit_token_table(model, predictor, ids, fr[0], held_out, hr[0])
     if save is not None:
         predictor.save(save)
     return predictor
+
+
+def fit_token_table(model, predictor: LookaheadPredictor, ids: torch.Tensor, routed: torch.Tensor,
+                    held_out: torch.Tensor, held_routed: torch.Tensor) -> float:
+    """``predictor``'s token table (``first_layer.TokenTable``) counted from token ids ``ids`` and
+    the first MoE layer's ``routed`` experts at them (``record_routing``'s first, in its order),
+    kept where on ``held_out`` and ``held_routed`` it names that layer's experts more often than
+    the last layer's next-token map does (its score, ``compare``); its held-out precision."""
+    experts = _router_modules(model)[0][2]
+    vocab = getattr(input_embeddings(model), "num_embeddings", None) or int(max(ids.max(), held_out.max())) + 1
+    table = TokenTable.fit(ids.reshape(-1)[:routed.shape[0]], routed, experts, vocab)
+    precision = table.precision(held_out.reshape(-1)[:held_routed.shape[0]], held_routed)
+    predictor.scores.setdefault(0, {})["table"] = precision
+    last = len(_router_modules(model)) - 1  # its guess of the next token's first layer: the rival
+    rival = predictor.scores.get(last, {}).get("learned" if last in predictor.weights else "router", 0.0)
+    predictor.token_table = table if precision > rival else None
+    return precision
 
 
 class OnlineRefit:
@@ -137,6 +156,9 @@ class OnlineRefit:
         held_x, held_y = [x[cut:] for x in inputs], [y[cut:] for y in routed]
         fit.compare(held_x, held_y, self._router_ahead(routers, held_x), seq=len(steps) - cut)
         fit.keep()
+        # The token table (the first layer from the step's tokens) is fitted offline only: the one
+        # installed stays (a window of decode steps sees too few of a vocabulary's tokens).
+        fit.token_table = self.speculator.token_table
         self.predictor, self.since, self.refits = fit, 0, self.refits + 1
         if self.save is not None:
             fit.save(self.save)

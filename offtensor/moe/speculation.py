@@ -16,7 +16,9 @@ one; ``guesses.SPECULATE_WASTE``, off, is a waste budget instead); the guessed e
 look-ahead also maps layer i's input to layer i+2's experts (the same matmul), that guess is
 scored in bins of its own and copied only when layer i+1's guess names nothing to copy: its copy
 then fills copy time layer i+1 is expected to leave idle, and never queues ahead of one of layer
-i+1's misses. With SPECULATE_NEXT_STEP the last layer guesses the next step's first. Where the
+i+1's misses. Where the learned look-ahead has a token table (``moe.first_layer``), the first MoE
+layer is guessed from a decode step's tokens as its embedding runs (``guess_first``); without one,
+with SPECULATE_NEXT_STEP, the last layer guesses the next step's first. Where the
 learned look-ahead also maps layer i's input to layer i's own experts at the next token (more rows
 of the same matmul), their chances go to eviction (``ExpertEviction.next_turn``) before layer i's
 copies take their room. A decode step's guess costs one kernel, the router matmul (softmax and
@@ -40,9 +42,10 @@ import torch
 import torch.nn.functional as F
 
 from . import routing
+from .first_layer import host_tokens
 from .predictor import hidden_layer
-from .guesses import (CONFIDENCE_BINS, Router, WasteBudget, confidence_bin, copy_order, guess_report, host_chances,
-                      host_guess, ranked, score)
+from .guesses import (CONFIDENCE_BINS, Router, WasteBudget, confidence_bin, copy_order, host_chances, host_guess,
+                      ranked, routers_report, score)
 
 if TYPE_CHECKING:
     from .stack import Stack
@@ -169,6 +172,7 @@ class RoutingSpeculator:
         self._expected = []  # GPU: (router, pinned ids, event) of router outputs read back without a sync
         self.hooks = []
         self.recorder = None  # moe.refit.OnlineRefit, when one records the routing
+        self.token_table = None  # moe.first_layer.TokenTable: the first layer guessed from a step's tokens
         # Every router's uncached guesses per confidence bin, decayed alike (Router.pays): (correct,
         # guessed) of the guesses one layer ahead, then of those two layers ahead.
         self.pool = tuple([0.0] * len(CONFIDENCE_BINS) for _ in range(4))
@@ -201,7 +205,8 @@ class RoutingSpeculator:
             # replay 0.5% slower there, benchmarks/moe_sim.py).
             own = False
             self._stacks.eviction.next_turn.forget(router.stacks)  # (stale: made for an earlier turn)
-        guess = not wrap or (SPECULATE_NEXT_STEP and learned is not None and router.tokens <= GUESS_ON_HOST_TOKENS)
+        guess = not wrap or (SPECULATE_NEXT_STEP and learned is not None and router.tokens <= GUESS_ON_HOST_TOKENS
+                             and self.token_table is None)  # (with a token table, the step's tokens guess it)
         after = self._next.get(nxt) if router.split is not None and not wrap else None
         if guess and not (SPECULATE_COPY and (nxt.missed or (after is not None and after.missed) or nxt.pays_any(self.pool))):
             # Nothing for a copied guess to save (its layer missed nothing in the last step and no
@@ -271,6 +276,18 @@ class RoutingSpeculator:
         packed, event = _read_back(packed)
         self._pending.append((router, packed, event, tokens, after, split, wrap, owner, own))
 
+    def guess_first(self, ids) -> None:
+        """A forward's input token ids (its embedding is about to run): at a decode step, copy the
+        first MoE layer's experts the token table names for them (``moe.first_layer``), as a guess
+        one layer ahead (the same gates, room and scoring)."""
+        first, table = self._next.get(self._wrap_from), self.token_table
+        usable = table is not None and first is not None and first.stacks and first.top_k is not None
+        tokens = host_tokens(ids) if usable and SPECULATE_COPY and ids.numel() <= GUESS_ON_HOST_TOKENS else None
+        pairs = table.guess(tokens) if tokens else None
+        if pairs:
+            self._issue(self.pager_ref(), first, ranked(pairs), len(tokens))
+            first.next_pass = False  # (made for this pass: scored at its end)
+
     def router_output(self, router: Router, output) -> None:
         """The router ran: the experts it selected (``routing.routed_experts``: the ids it returns,
         else its top-k by its own rule) are what its layer will page, told to the expert cache
@@ -284,35 +301,26 @@ class RoutingSpeculator:
         ids = routing.routed_experts(output, num_experts, min(router.top_k, num_experts), module)
         if ids is None:
             return
-        ids = ids.reshape(-1)
-        if ids.device.type == "cuda":
-            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            host.copy_(ids, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._expected.append((router, host, event))
+        host, event = _read_back(ids.reshape(-1))
+        if event is None:
+            self._stacks.expect(router.stacks, set(host.tolist()))
         else:
-            self._stacks.expect(router.stacks, set(ids.tolist()))
+            self._expected.append((router, host, event))
 
     def expected_ready(self) -> None:
         """GPU: hand the router outputs that have reached the host to the expert cache."""
-        if not self._expected:
-            return
         keep = []
-        for item in self._expected:
-            router, host, event = item
+        for router, host, event in self._expected:
             if event.query():
                 self._stacks.expect(router.stacks, set(host.tolist()))
             else:
-                keep.append(item)
+                keep.append((router, host, event))
         self._expected = keep
 
     def used(self, stack: Stack, expert: int) -> None:
-        current = self._current
-        if current is not None:
-            learned = self._learned.setdefault(current, [])
-            if stack not in learned:
-                learned.append(stack)
+        learned = self._learned.setdefault(self._current, []) if self._current is not None else None
+        if learned is not None and stack not in learned:
+            learned.append(stack)
 
     # -------------------------------------------------------------- issuing and scoring
 
@@ -435,16 +443,10 @@ class RoutingSpeculator:
 
     def reset(self) -> None:
         for r in self.routers:
-            r.guessed = r.correct = r.routed = r.prefetched_bytes = r.wasted_bytes = 0
-            r.uncached_guessed = r.uncached_correct = r.misses = r.copied_experts = r.copied_correct = 0
-            r.copied2_experts = r.copied2_correct = 0
+            r.clear_record()
 
     def report(self) -> dict:
-        total = guess_report(*(sum(getattr(r, f) for r in self.routers) for f in (
-            "guessed", "correct", "routed", "uncached_guessed", "uncached_correct", "misses", "copied_experts",
-            "copied_correct", "prefetched_bytes", "wasted_bytes")))
-        return total | {"routers": {r.name: r.report(self.pool) | {"speculating": SPECULATE_COPY and r.pays_any(self.pool)}
-                                    for r in self.routers if r.stacks}}
+        return routers_report(self.routers, self.pool, SPECULATE_COPY)
 
     def remove(self) -> None:
         for h in self.hooks:

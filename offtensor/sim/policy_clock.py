@@ -25,8 +25,8 @@ from ..moe.stacks import ExpertStacks
 POLICY = (
     (ExpertStacks, ("victim", "order"), "victim"),
     (ExpertStacks, ("accessed", "paging", "announce", "copied", "evicted", "step", "expect"), "bookkeeping"),
-    (RoutingSpeculator, ("router_ran", "router_output", "issue_ready", "predictions_ready", "expected_ready",
-                         "routing_known", "used", "step"), "guesses"),
+    (RoutingSpeculator, ("guess_first", "router_ran", "router_output", "issue_ready", "predictions_ready",
+                         "expected_ready", "routing_known", "used", "step"), "guesses"),
 )
 # Device work the policy issues, charged elsewhere: the look-ahead's kernels (on a GPU launches on
 # the compute stream; where the host runs them, as on the emulated device, their run is no host
