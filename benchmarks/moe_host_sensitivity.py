@@ -60,7 +60,8 @@ def perfect(trace: dict, two_ahead: bool = False) -> dict:
     """The trace with each layer's look-ahead logits replaced by its next layer's true routing (the
     last layer's by the next step's first layer, as a learned map guesses it); with ``two_ahead``
     also every layer's two-ahead logits by the true routing of the layer after the next (no two-ahead
-    map otherwise); no next-token maps."""
+    map otherwise); no next-token maps. The token table (the first MoE layer from the step's
+    tokens), where the trace has one, stays: it guesses that layer in every variant."""
     out = copy.copy(trace)
     steps = trace["steps"]
     out["steps"] = []

@@ -158,6 +158,9 @@ class ReplayModel(nn.Module):
     def __init__(self, trace, inter: int = 8, hidden: Optional[int] = None, dense: bool = False):
         super().__init__()
         self.hidden = hidden or trace["experts"]
+        # The input embeddings (resident), where the trace recorded each step's tokens: what a token
+        # table guesses the first layer from (moe.first_layer), at the step's first op.
+        self.embed_tokens = nn.Embedding(trace["vocab"], self.hidden) if trace.get("vocab") else None
         self.layers = nn.ModuleList(_ReplayLayer(trace["experts"], trace["top_k"], inter, self.hidden, dense)
                                     for _ in range(trace["layers"]))
         for step in trace["steps"]:  # the routers' inputs, made before any run (not ops of a step)
@@ -166,8 +169,15 @@ class ReplayModel(nn.Module):
                 rec["router_input"] = torch.cat([zero if rec.get(f) is None else rec[f]
                                                  for f in ("ahead", "ahead2", "own")], -1)
 
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
     def forward(self, step):
-        x = torch.zeros(step[0]["routed"].shape[0], self.hidden)
+        tokens = step[0].get("tokens")
+        if self.embed_tokens is not None and tokens is not None:
+            x = self.embed_tokens(tokens)
+        else:
+            x = torch.zeros(step[0]["routed"].shape[0], self.hidden)
         for i, (layer, rec) in enumerate(zip(self.layers, step)):
             x = layer(x, rec, rec["router_input"])
         return x
@@ -186,6 +196,9 @@ def _as_installed(model, trace) -> None:
     if speculator is None:
         return
     routers = [r for r in speculator.routers if r.stacks]
+    speculator.token_table = trace.get("token_table")
+    if speculator.token_table is not None and routers:
+        routers[0].evidence = guesses.SPECULATE_EVIDENCE_LEARNED
     E = trace["experts"]
     for i in trace.get("learned_layers", ()):
         if len(routers) > 1:  # (the last layer's map guesses the next step's first layer)

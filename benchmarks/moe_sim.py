@@ -193,6 +193,7 @@ def record_trace(model, ids, prefix: int, steps: int, predictor=None) -> dict:
         for t in range(steps + 1):
             current = []
             logits = run.step()
+            current[0]["tokens"] = ids[:prefix] if t == 0 else ids[prefix + t - 1: prefix + t]  # what the step fed
             if t > 0:
                 nll += F.cross_entropy(logits[0, -1:].float(), ids[prefix + t: prefix + t + 1]).item()
             trace.append(current)
@@ -204,6 +205,7 @@ def record_trace(model, ids, prefix: int, steps: int, predictor=None) -> dict:
             "hidden_layers": sorted(predictor.hidden_layers) if predictor is not None else [],
             "two_ahead_layers": sorted(predictor.weights2) if predictor is not None else [],
             "own_layers": sorted(predictor.own_weights) if predictor is not None else [],
+            "token_table": getattr(predictor, "token_table", None), "vocab": model.config.vocab_size,
             "layers": len(routers), "experts": _num_experts(model),
             "top_k": config.num_experts_per_tok, "prefix": prefix,
             "decode_bits_per_byte": nll / steps / math.log(2)}
@@ -438,7 +440,7 @@ def evaluate(name: str, args) -> dict:
     model = load_model(name)
     ids = heldout_ids(args.start, args.prefix + args.steps + 1 + TIMELINE_STEPS)
     t0 = time.perf_counter()
-    predictor = None if args.router_lookahead else lookahead_of(name, model, args.refit)
+    predictor = None if args.router_lookahead else lookahead_of(name, model, args.refit, args.refit_table)
     trace = record_trace(model, ids, args.prefix, args.steps, predictor)
     # The same decode guessed by the router look-ahead alone, for the comparison row.
     router_trace = record_trace(model, ids, args.prefix, args.steps) if predictor is not None else None
@@ -508,17 +510,33 @@ def _covered_of_all(ours) -> float:
     return covered / (misses_left + covered) if misses_left + covered else None
 
 
-def lookahead_of(name: str, model, refit: bool = False):
+def lookahead_of(name: str, model, refit: bool = False, refit_table: bool = False):
     """The learned look-ahead kept beside the checkpoint (``lookahead.safetensors``), fitted and
-    saved there when absent or with ``refit``."""
+    saved there when absent or with ``refit``; with ``refit_table``, its maps kept and only its
+    token table fitted again (``refit_token_table``) and saved."""
     from offtensor.moe.predictor import FILE_NAME, LookaheadPredictor
 
     directory = name if os.path.isdir(name) else os.path.join(DATA, f"moe_{name}")
     if not refit and os.path.exists(os.path.join(directory, FILE_NAME)):
-        return LookaheadPredictor.load(directory)
+        predictor = LookaheadPredictor.load(directory)
+        if refit_table:
+            refit_token_table(model, predictor)
+            predictor.save(directory)
+        return predictor
     predictor = fit_lookahead(model)
     predictor.save(directory)
     return predictor
+
+
+def refit_token_table(model, predictor) -> float:
+    """``predictor``'s token table (the first MoE layer's experts per input token) counted on the
+    fit windows and kept where it beats the next-token map on the validation windows
+    (``offtensor.moe.refit.fit_token_table``, as ``fit_lookahead`` does): its precision there."""
+    from offtensor.moe.refit import fit_token_table, record_routing
+
+    ids, held = heldout_ids(FIT_START, FIT_WINDOWS * FIT_SEQ), heldout_ids(VAL_START, VAL_WINDOWS * FIT_SEQ)
+    return fit_token_table(model, predictor, ids, record_routing(model, ids, FIT_SEQ)[1][0], held,
+                           record_routing(model, held, FIT_SEQ)[1][0])
 
 
 def _keep_real_runs(path: str, results: dict) -> None:
@@ -549,6 +567,8 @@ def main(argv=None):
                    help="guess from the router look-ahead only (no learned look-ahead)")
     p.add_argument("--refit", action="store_true", help="fit the learned look-ahead again (saved beside the "
                    "checkpoint as lookahead.safetensors) rather than load it")
+    p.add_argument("--refit-table", action="store_true", help="keep the learned look-ahead's maps and fit its "
+                   "token table (the first MoE layer's experts per input token) again")
     p.add_argument("--no-real", action="store_true", help="skip the real wrapped runs (the slow part); those in "
                    "the output JSON already are kept, marked with the run they came from")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
