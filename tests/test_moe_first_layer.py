@@ -171,14 +171,34 @@ def test_the_offline_fit_keeps_the_token_table_only_where_it_beats_the_next_toke
     assert predictor.token_table is not None and predictor.token_table.vocab == 128
 
 
-def test_an_online_refit_keeps_the_installed_token_table():
+def test_an_online_refit_counts_a_token_table_from_the_decode_and_keeps_the_better_one():
     from offtensor.moe.refit import OnlineRefit
 
     model = _wrap_quarter(_qwen3())
     pager = pager_of(model)
-    table = _planted_table()
+    refit = OnlineRefit(pager, every=40, window=48, minimum=40)
+    ids = torch.randint(0, 6, (48,), generator=torch.Generator().manual_seed(4))  # six tokens, each seen often
+    _decode(model, 42, ids=ids)
+    assert refit.refits == 1 and list(refit.tokens) == ids[4:44].tolist()  # every decode step's token
+    fitted, speculator = refit.predictor, pager.experts.speculator
+    last = len([r for r in speculator.routers if r.stacks]) - 1
+    rival = fitted.scores.get(last, {}).get("learned" if last in fitted.weights else "router", 0.0)
+    assert (fitted.token_table is not None) == (fitted.scores[0]["table"] > rival)
+    # A randomly initialised model routes its first layer by token: the counted table names it.
+    assert fitted.token_table is not None and speculator.token_table is fitted.token_table
+    assert fitted.scores[0]["table"] > 0.7  # most of them (chance: k / E = 0.25)
+
+
+def test_an_online_refit_keeps_an_installed_token_table_the_decode_does_not_beat():
+    from offtensor.moe.refit import OnlineRefit
+
+    reference = _qwen3()
+    model = _wrap_quarter(_qwen3())
+    pager = pager_of(model)
+    ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(5))
+    table = _first_layer_table(reference, ids)  # right about every token of the decode
     install(pager, LookaheadPredictor(token_table=table))
-    refit = OnlineRefit(pager, every=12, window=32, minimum=12)
-    _decode(model, 16)
+    refit = OnlineRefit(pager, every=12, window=16, minimum=12)
+    _decode(model, 16, ids=ids)
     assert refit.refits == 1
     assert refit.predictor.token_table is table and pager.experts.speculator.token_table is table

@@ -83,8 +83,8 @@ def attach(model: nn.Module, pager, speculate: bool = True, compute: str = "devi
 
 class _TokensHook:
     """The input embeddings' forward pre-hook: the step's token ids, handed to the speculator
-    (``guess_first``) under the pager's lock; inert under torch.compile and in a copy of the model,
-    as ``_RouterHook`` is."""
+    (``guess_first``) and its recorder (``OnlineRefit.tokens_in``) under the pager's lock; inert
+    under torch.compile and in a copy of the model, as ``_RouterHook`` is."""
 
     __slots__ = ("speculator_ref",)
 
@@ -93,11 +93,16 @@ class _TokensHook:
 
     def __call__(self, module, args):
         speculator = self.speculator_ref() if self.speculator_ref is not None else None
-        if speculator is None or speculator.token_table is None or not args or torch.compiler.is_compiling():
+        if speculator is None or not args or torch.compiler.is_compiling():
+            return None
+        recorder = speculator.recorder  # an OnlineRefit counts the tokens for a table of its own
+        if speculator.token_table is None and recorder is None:
             return None
         pager = speculator.pager_ref()
         if pager is not None and isinstance(args[0], torch.Tensor) and not args[0].is_meta:
             with pager.lock:
+                if recorder is not None:
+                    recorder.tokens_in(args[0])
                 speculator.guess_first(args[0])
         return None
 

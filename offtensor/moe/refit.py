@@ -6,7 +6,9 @@ token a step, refitted now and then and installed in place of the look-ahead it 
 
 The last quarter of the recorded window is held out of each online fit and measures the refitted
 maps against the router look-ahead (and the next-token maps against the previous token's experts),
-layer by layer (``LookaheadPredictor.keep``), so a refit keeps only what it measured as better. A
+layer by layer (``LookaheadPredictor.keep``), so a refit keeps only what it measured as better;
+the first MoE layer's token table (``first_layer``), counted from the window's tokens, is measured
+there against the one installed and the last layer's map, the same way. A
 refit runs on the host at the start of a forward: one [H, H] solve in float64 per least-squares
 map (three a layer at most) and a logistic fit of the next-token map, so ``every`` should be
 hundreds of steps on a model with a wide hidden state.
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..pager import BudgetError
-from .first_layer import TokenTable, input_embeddings
+from .first_layer import TokenTable, host_tokens, input_embeddings
 from .predictor import RIDGE, LookaheadPredictor, install
 from .routing import _router_modules, model_top_k, routed_experts
 
@@ -87,11 +89,22 @@ def fit_token_table(model, predictor: LookaheadPredictor, ids: torch.Tensor, rou
     experts = _router_modules(model)[0][2]
     vocab = getattr(input_embeddings(model), "num_embeddings", None) or int(max(ids.max(), held_out.max())) + 1
     table = TokenTable.fit(ids.reshape(-1)[:routed.shape[0]], routed, experts, vocab)
-    precision = table.precision(held_out.reshape(-1)[:held_routed.shape[0]], held_routed)
+    return _keep_best_table(predictor, [table], held_out.reshape(-1)[:held_routed.shape[0]], held_routed,
+                            len(_router_modules(model)))
+
+
+def _keep_best_table(predictor: LookaheadPredictor, tables: list, ids: torch.Tensor, routed: torch.Tensor,
+                     layers: int) -> float:
+    """``predictor.token_table``: the most precise of ``tables`` (None for one missing; ties to the
+    first) on held-out ``ids`` and the first layer's ``routed`` experts there, where it names them
+    more often than the last of ``layers`` MoE layers' guess of the next token's does (``compare``'s
+    score), else None; its precision, kept in ``scores[0]["table"]``."""
+    scored = [(table.precision(ids, routed), -n, table) for n, table in enumerate(tables) if table is not None]
+    precision, _, best = max(scored, key=lambda s: s[:2], default=(0.0, 0, None))
     predictor.scores.setdefault(0, {})["table"] = precision
-    last = len(_router_modules(model)) - 1  # its guess of the next token's first layer: the rival
+    last = layers - 1  # its guess of the next token's first layer: the rival
     rival = predictor.scores.get(last, {}).get("learned" if last in predictor.weights else "router", 0.0)
-    predictor.token_table = table if precision > rival else None
+    predictor.token_table = best if precision > rival else None
     return precision
 
 
@@ -113,6 +126,8 @@ class OnlineRefit:
         self.pager, self.speculator = pager, speculator
         self.every, self.minimum, self.ridge, self.save = every, minimum, ridge, save
         self.steps = deque(maxlen=window)  # per recorded step: [(router input [H], routed ids [k])] by layer
+        self.tokens = deque(maxlen=window)  # per recorded step: its input token, or None where not read
+        self._token = None  # this pass's input token (``tokens_in``)
         self._inputs = {}  # router -> its input this pass
         self.since = 0  # steps recorded since the last refit
         self.refits = 0
@@ -124,11 +139,17 @@ class OnlineRefit:
         if x.numel() == x.shape[-1]:
             self._inputs[router] = x.detach().reshape(-1).float().clone()
 
+    def tokens_in(self, ids: torch.Tensor) -> None:
+        """The pass's input token ids (its embedding's pre-hook): kept for the step when one token."""
+        tokens = host_tokens(ids) if ids.numel() == 1 else None
+        self._token = tokens[0] if tokens else None
+
     def step(self) -> None:
         """A pass ended (before its routing is cleared): record it if every MoE layer decoded one
         token, and refit once ``every`` steps have been recorded since the last."""
         routers = [r for r in self.speculator.routers if r.stacks]
         inputs, self._inputs = self._inputs, {}
+        token, self._token = self._token, None
         record = []
         for router in routers:
             used = set().union(*(s.used for s in router.stacks))
@@ -137,6 +158,7 @@ class OnlineRefit:
                 return  # not a one-token pass through every layer
             record.append((x, torch.tensor(sorted(used))))
         self.steps.append(record)
+        self.tokens.append(token)
         self.since += 1
         if self.since >= self.every and len(self.steps) >= self.minimum:
             self.refit()
@@ -156,9 +178,7 @@ class OnlineRefit:
         held_x, held_y = [x[cut:] for x in inputs], [y[cut:] for y in routed]
         fit.compare(held_x, held_y, self._router_ahead(routers, held_x), seq=len(steps) - cut)
         fit.keep()
-        # The token table (the first layer from the step's tokens) is fitted offline only: the one
-        # installed stays (a window of decode steps sees too few of a vocabulary's tokens).
-        fit.token_table = self.speculator.token_table
+        self._fit_token_table(fit, routed[0], cut, len(routers), num_experts)
         self.predictor, self.since, self.refits = fit, 0, self.refits + 1
         if self.save is not None:
             fit.save(self.save)
@@ -167,6 +187,19 @@ class OnlineRefit:
         except BudgetError as e:  # (a refit runs inside a forward: the decode goes on as it was)
             warnings.warn(f"{e} The look-ahead installed before this refit stays.", RuntimeWarning, stacklevel=2)
             return []
+
+    def _fit_token_table(self, fit: LookaheadPredictor, routed: torch.Tensor, cut: int, layers: int,
+                         num_experts: int) -> None:
+        """``fit``'s token table: the installed one or one counted from the window's first three
+        quarters (where every step's token was read), whichever names the first layer's experts
+        more often on the last quarter, kept where it beats the last layer's map."""
+        installed = self.speculator.token_table
+        if len(self.tokens) != routed.shape[0] or None in self.tokens:  # (a token not read: a busy stream)
+            fit.token_table = installed
+            return
+        ids = torch.tensor(list(self.tokens))
+        counted = TokenTable.fit(ids[:cut], routed[:cut], num_experts)
+        _keep_best_table(fit, [installed, counted], ids[cut:], routed[cut:], layers)
 
     @staticmethod
     def _router_ahead(routers, inputs) -> list:
