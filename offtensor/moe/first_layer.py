@@ -99,6 +99,7 @@ def host_tokens(ids) -> Optional[list]:
         return None
     if ids.device.type == "cpu":
         return ids.reshape(-1).tolist()
-    if ids.device.type == "cuda" and torch.cuda.current_stream(ids.device).query():
+    if ids.device.type == "cuda" and not torch.cuda.is_current_stream_capturing() \
+            and torch.cuda.current_stream(ids.device).query():  # (a stream being captured is never read)
         return ids.reshape(-1).tolist()
     return None
