@@ -11,7 +11,8 @@ from torch import nn
 
 from .pool import build_pools
 from .routing import attribute_top_k, is_routed_stack, model_top_k, router_modules
-from .first_layer import input_embeddings
+from . import speculation
+from .first_layer import host_tokens, input_embeddings
 from .guesses import Router
 from .speculation import RoutingSpeculator
 from .stacks import ExpertStacks
@@ -82,9 +83,10 @@ def attach(model: nn.Module, pager, speculate: bool = True, compute: str = "devi
 
 
 class _TokensHook:
-    """The input embeddings' forward pre-hook: the step's token ids, handed to the speculator
-    (``guess_first``) and its recorder (``OnlineRefit.tokens_in``) under the pager's lock; inert
-    under torch.compile and in a copy of the model, as ``_RouterHook`` is."""
+    """The input embeddings' forward pre-hook: a decode step's token ids, read on the host once
+    (``first_layer.host_tokens``: None where that would wait for the device) and handed to the
+    speculator (``guess_first``) and its recorder (``OnlineRefit.tokens_in``) under the pager's
+    lock; inert under torch.compile and in a copy of the model, as ``_RouterHook`` is."""
 
     __slots__ = ("speculator_ref",)
 
@@ -98,12 +100,15 @@ class _TokensHook:
         recorder = speculator.recorder  # an OnlineRefit counts the tokens for a table of its own
         if speculator.token_table is None and recorder is None:
             return None
-        pager = speculator.pager_ref()
-        if pager is not None and isinstance(args[0], torch.Tensor) and not args[0].is_meta:
-            with pager.lock:
-                if recorder is not None:
-                    recorder.tokens_in(args[0])
-                speculator.guess_first(args[0])
+        pager, ids = speculator.pager_ref(), args[0]
+        if pager is None or not isinstance(ids, torch.Tensor) or ids.is_meta \
+                or ids.numel() > speculation.GUESS_ON_HOST_TOKENS:  # (a prefill: neither uses its ids)
+            return None
+        with pager.lock:
+            tokens = host_tokens(ids)  # read once for both (on a GPU, a copy to the host)
+            if recorder is not None:
+                recorder.tokens_in(tokens)
+            speculator.guess_first(tokens)
         return None
 
     def __deepcopy__(self, memo):

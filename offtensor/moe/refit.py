@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..pager import BudgetError
-from .first_layer import TokenTable, host_tokens, input_embeddings
+from .first_layer import TokenTable, input_embeddings
 from .predictor import RIDGE, LookaheadPredictor, install
 from .routing import _router_modules, model_top_k, routed_experts
 
@@ -139,10 +139,10 @@ class OnlineRefit:
         if x.numel() == x.shape[-1]:
             self._inputs[router] = x.detach().reshape(-1).float().clone()
 
-    def tokens_in(self, ids: torch.Tensor) -> None:
-        """The pass's input token ids (its embedding's pre-hook): kept for the step when one token."""
-        tokens = host_tokens(ids) if ids.numel() == 1 else None
-        self._token = tokens[0] if tokens else None
+    def tokens_in(self, tokens) -> None:
+        """The pass's input token ids on the host (its embedding's pre-hook; None: not read): kept
+        for the step when one token."""
+        self._token = tokens[0] if tokens and len(tokens) == 1 else None
 
     def step(self) -> None:
         """A pass ended (before its routing is cleared): record it if every MoE layer decoded one

@@ -42,7 +42,6 @@ import torch
 import torch.nn.functional as F
 
 from . import routing
-from .first_layer import host_tokens
 from .predictor import hidden_layer
 from .guesses import (CONFIDENCE_BINS, Router, WasteBudget, confidence_bin, copy_order, host_chances, host_guess,
                       ranked, routers_report, score)
@@ -276,14 +275,13 @@ class RoutingSpeculator:
         packed, event = _read_back(packed)
         self._pending.append((router, packed, event, tokens, after, split, wrap, owner, own))
 
-    def guess_first(self, ids) -> None:
-        """A forward's input token ids (its embedding is about to run): at a decode step, copy the
-        first MoE layer's experts the token table names for them (``moe.first_layer``), as a guess
-        one layer ahead (the same gates, room and scoring)."""
+    def guess_first(self, tokens) -> None:
+        """A decode step's input token ids, on the host (None: not read), as its embedding is about
+        to run: copy the first MoE layer's experts the token table names for them
+        (``moe.first_layer``), as a guess one layer ahead (the same gates, room and scoring)."""
         first, table = self._next.get(self._wrap_from), self.token_table
         usable = table is not None and first is not None and first.stacks and first.top_k is not None
-        tokens = host_tokens(ids) if usable and SPECULATE_COPY and ids.numel() <= GUESS_ON_HOST_TOKENS else None
-        pairs = table.guess(tokens) if tokens else None
+        pairs = table.guess(tokens) if usable and SPECULATE_COPY and tokens else None
         if pairs:
             self._issue(self.pager_ref(), first, ranked(pairs), len(tokens))
             first.next_pass = False  # (made for this pass: scored at its end)
