@@ -75,9 +75,8 @@ class TokenTable:
         share of the routed experts among each token's k likeliest (an unseen token's: none)."""
         ids, routed = ids.reshape(-1).long(), routed.reshape(ids.numel(), -1).long()
         k = routed.shape[1]
-        inside = ids < self.vocab
-        top = self.experts[ids.clamp(max=self.vocab - 1), :k].long()
-        known = self.chances[ids.clamp(max=self.vocab - 1), :k] > 0
+        inside, rows = ids < self.vocab, ids.clamp(max=self.vocab - 1)
+        top, known = self.experts[rows, :k].long(), self.chances[rows, :k] > 0
         hit = ((top.unsqueeze(-1) == routed.unsqueeze(-2)) & known.unsqueeze(-1)).any(-2) & inside[:, None]
         return float(hit.float().mean())
 

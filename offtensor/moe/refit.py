@@ -86,11 +86,11 @@ def fit_token_table(model, predictor: LookaheadPredictor, ids: torch.Tensor, rou
     the first MoE layer's ``routed`` experts at them (``record_routing``'s first, in its order),
     kept where on ``held_out`` and ``held_routed`` it names that layer's experts more often than
     the last layer's next-token map does (its score, ``compare``); its held-out precision."""
-    experts = _router_modules(model)[0][2]
+    routers = _router_modules(model)
     vocab = getattr(input_embeddings(model), "num_embeddings", None) or int(max(ids.max(), held_out.max())) + 1
-    table = TokenTable.fit(ids.reshape(-1)[:routed.shape[0]], routed, experts, vocab)
+    table = TokenTable.fit(ids.reshape(-1)[:routed.shape[0]], routed, routers[0][2], vocab)
     return _keep_best_table(predictor, [table], held_out.reshape(-1)[:held_routed.shape[0]], held_routed,
-                            len(_router_modules(model)))
+                            len(routers))
 
 
 def _keep_best_table(predictor: LookaheadPredictor, tables: list, ids: torch.Tensor, routed: torch.Tensor,
