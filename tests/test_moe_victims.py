@@ -105,3 +105,26 @@ def test_the_records_of_whole_experts_are_not_tracked_by_the_garbage_collector()
         heaps.push(stack, stack.keys[e], e, 1.0 + e, e, last)
     gc.collect()
     assert not any(gc.is_tracked(record) for record in heaps._heaps[7])
+
+
+def test_a_pass_that_has_paged_no_layer_yet_is_placed_in_the_last_passs_cycle():
+    """A copy made before a pass's first layer pages (the first layer guessed from the step's
+    tokens) ranks the cached experts in the last pass's cycle of layers, its last layer the one that
+    ran last: the first layer runs next, the last is a whole cycle away, and a copy ahead of use
+    takes only room SPECULATE_VICTIM_CYCLES cycles away (not a cycle of one layer)."""
+    from offtensor.moe.stack import LayerOrder
+
+    order = LayerOrder()
+    assert order.cycle()[1:] == (1, 0)  # the first pass: no cycle learned yet
+    for group in ("a", "b", "c"):
+        order.enter(group)
+    order.step()
+    position, count, here = order.cycle()
+    assert (count, here) == (3, 2)
+    assert eviction._distance(position["a"], here, count) == 1
+    assert eviction._distance(position["c"], here, count) == 3
+    policy = eviction.ExpertEviction({}, order)
+    with policy.in_spare_room_only():
+        assert policy._ahead_limit(count) == eviction.SPECULATE_VICTIM_CYCLES * 3
+    order.enter("a")
+    assert order.cycle()[1:] == (3, 0)

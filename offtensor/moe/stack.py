@@ -81,6 +81,10 @@ class LayerOrder:
         here = position.get(self.current)
         if here is not None:
             return position, len(position), here
+        if position and not self.order:
+            # A pass that has paged no layer yet (a copy ahead of its first layer, guessed from its
+            # tokens): the last pass's cycle, its last layer the one that ran last.
+            return position, len(position), len(position) - 1
         # The first pass (or a layer new to it): no cycle learned yet. Layers seen in this pass
         # are placed in their order, the current one last, unseen ones just ahead.
         ran = self.order
