@@ -13,7 +13,10 @@ span are counted: offtensor's Python, the interpreter, torch's ops on the tiny t
 emulated device's copy thread. It counts work, not time (a cache miss costs no more than a hit),
 and runs some 30 times slower than a timed run.
 
-    python benchmarks/host_instructions.py [--layers 6 58] [--steps 12] [--baseline PATH]
+    python benchmarks/host_instructions.py [--layers 6 58] [--models qwen3 ...] [--steps 12] [--baseline PATH]
+
+``--models``: besides, the decode of trained test models (``moe_sim.py``'s trace of held-out text,
+their committed look-ahead and token table), keyed by name beside the depths.
 
 ``--baseline``: another checkout (its offtensor and benchmarks/), counted on the same decode beside
 this one, with this one's count over the baseline's per setting. Needs ``valgrind`` on the PATH.
@@ -49,8 +52,19 @@ def count(tree: str, layers: int, steps: int, speculate: bool, fraction: float) 
     return int(found.group(1))
 
 
-def child(tree: str, layers: int, steps: int, speculate: bool, fraction: float) -> None:
-    """Under callgrind: build, wrap and prefill uncounted, then count the decode steps."""
+def trained_trace(name: str, steps: int) -> dict:
+    """``moe_sim.py``'s decode trace of the trained model ``name`` (its committed look-ahead and
+    token table), 32 tokens of prefix and ``steps`` decode steps of held-out text."""
+    import moe_sim
+
+    model = moe_sim.load_model(name)
+    ids = moe_sim.heldout_ids(0, 32 + steps + 1)
+    return moe_sim.record_trace(model, ids, 32, steps, moe_sim.lookahead_of(name, model, False))
+
+
+def child(tree: str, layers: str, steps: int, speculate: bool, fraction: float) -> None:
+    """Under callgrind: build, wrap and prefill uncounted, then count the decode steps (``layers``:
+    the synthetic decode's depth, or a trained model's name)."""
     sys.path[:0] = [tree, os.path.join(tree, "benchmarks")]
     import torch
 
@@ -59,7 +73,7 @@ def child(tree: str, layers: int, steps: int, speculate: bool, fraction: float) 
     from moe_replay import EXPERTS_PAGED, ReplayModel, _as_installed, budget_gb
 
     torch.set_num_threads(1)
-    trace = synthetic_trace(layers, steps)
+    trace = synthetic_trace(int(layers), steps) if layers.isdigit() else trained_trace(layers, steps)
     torch.manual_seed(0)
     model = ReplayModel(trace)
     ot.wrap_model(model, budget_gb=budget_gb(model, fraction), device="cpu", prefetch=speculate, policy=EXPERTS_PAGED)
@@ -75,7 +89,8 @@ def child(tree: str, layers: int, steps: int, speculate: bool, fraction: float) 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", nargs="+", type=int, default=[6, 58])
+    p.add_argument("--layers", nargs="*", type=int, default=[6, 58])
+    p.add_argument("--models", nargs="*", default=[], help="trained models (moe_sim.py's) counted besides")
     p.add_argument("--steps", type=int, default=12, help="decode steps (after a 4-token prefill)")
     p.add_argument("--fraction", type=float, default=0.25)
     p.add_argument("--baseline", default=None, help="another checkout, counted beside this one")
@@ -85,7 +100,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.child:
         tree, layers, steps, speculate, fraction = args.child
-        return child(tree, int(layers), int(steps), speculate == "1", float(fraction))
+        return child(tree, layers, int(steps), speculate == "1", float(fraction))
     if shutil.which("valgrind") is None:
         raise SystemExit("offtensor: host_instructions.py needs valgrind (callgrind) on the PATH")
     import torch
@@ -97,19 +112,19 @@ def main(argv=None):
     if args.baseline:
         trees["baseline"] = os.path.abspath(args.baseline)
     body = {"experts": 256, "top_k": 8, "fraction_cached": args.fraction, "decode_steps": args.steps, "layers": {}}
-    for layers in args.layers:
+    for layers in [str(n) for n in args.layers] + args.models:
         row = {}
         for label, speculate in (("cache_alone", False), ("default", True)):
             with ThreadPoolExecutor(len(trees)) as pool:  # one process per checkout, side by side
                 counts = dict(zip(trees, pool.map(lambda t: count(t, layers, args.steps, speculate, args.fraction),
                                                   trees.values())))
             row[label] = {f"{name}_per_step": n / args.steps for name, n in counts.items()}
-            line = f"{layers} layers, {label}: {counts['this'] / args.steps / 1e6:.2f} M instructions a decode step"
+            line = f"{layers + ' layers' if layers.isdigit() else layers}, {label}: {counts['this'] / args.steps / 1e6:.2f} M instructions a decode step"
             if "baseline" in counts:
                 row[label]["this_over_baseline"] = counts["this"] / counts["baseline"]
                 line += f" (the baseline's {counts['baseline'] / args.steps / 1e6:.2f} M: x{counts['this'] / counts['baseline']:.3f})"
             print(line, flush=True)
-        body["layers"][str(layers)] = row
+        body["layers"][layers] = row
     save_result(args.out, args.name, "host instructions of an MoE decode (callgrind)", torch.device("cpu"), argv, body)
 
 

@@ -262,3 +262,17 @@ def test_online_refit_fits_the_next_token_maps_inside_an_inference_mode_decode()
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert refit.refits == 1 and refit.predictor is not None
     assert set(refit.predictor.scores) == {0, 1, 2, 3} and all("own" in s for s in refit.predictor.scores.values())
+
+
+def test_host_chances_are_one_minus_the_product_of_each_tokens_sigmoid_misses():
+    """The next-token map's chances on the host: for one token (a decode step) its sigmoid per
+    expert, for several the chance that any of them routes there; logits far below zero give 0."""
+    from offtensor.moe.guesses import host_chances
+
+    logits = torch.tensor([[0.0, 2.0, -1.5, -80.0], [1.0, -3.0, 0.5, -80.0]], dtype=torch.float64)
+    one = host_chances(logits[:1])
+    assert one == pytest.approx(torch.sigmoid(logits[0]).tolist()[:3] + [0.0])
+    both = host_chances(logits)
+    want = 1.0 - (1.0 - torch.sigmoid(logits)).prod(0)
+    want[3] = 0.0
+    assert both == pytest.approx(want.tolist())
