@@ -19,6 +19,7 @@ from ..model.state import wrapped_state
 from ..pager import GiB
 from .profiles import get_profile
 from .recorder import timeline
+from .selection import PlannedSelection
 from .timeline import Timeline
 
 # ---------------------------------------------------------------------------- planning on meta
@@ -68,8 +69,10 @@ def _record_plan(model: nn.Module, placed: placement.ModelPlacement, pager, exam
     rec = timeline(model, profile)
     tl = rec.tl
     tl.warmup_steps = warmup
+    # (outside the recorder: it records each routing read as an op, then this answers it)
+    selection = PlannedSelection(model, model_top_k(model) or (routing.top_k if routing is not None else None), pager)
     try:
-        with torch.no_grad(), rec, _routing_from(planned):
+        with torch.no_grad(), selection, rec, _routing_from(planned):
             for _ in range(warmup + steps):
                 (forward or model)(*inputs)
     finally:
