@@ -178,6 +178,30 @@ def test_interrupt_at_any_bytecode_of_paging_leaves_the_pager_consistent():
     assert n > 100  # the whole paging path of a forward was walked, point by point
 
 
+# The MoE path besides: the expert policy (eviction, guesses, their hooks) and the grouped GEMM's op.
+MOE_FILES = PAGING_FILES | {os.path.join(HERE, "ops", "grouped.py")} | {
+    os.path.join(HERE, "moe", name) for name in os.listdir(os.path.join(HERE, "moe")) if name.endswith(".py")
+}
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the points are 3.11's bytecodes")
+@torch.no_grad()
+def test_interrupt_at_bytecodes_of_an_moe_forward_leaves_the_pager_and_its_expert_policy_working(monkeypatch):
+    """Every 29th point of an MoE forward's paging and expert policy (some 7,000 points: router
+    hooks, guesses copied ahead, victim searches), walked to the end."""
+    model, reference, args = _moe(monkeypatch)
+    expected = _logits(reference(*args))
+    pager = _pager(model)
+    assert torch.equal(_logits(model(*args)), expected)  # warm: the routers' order and stacks are learned
+    n, walked = 1, 0
+    while _interrupt_at(n, lambda: model(*args), MOE_FILES):
+        assert_consistent(pager)
+        assert torch.equal(_logits(model(*args)), expected), f"after an interrupt at point {n}"
+        n, walked = n + 29, walked + 1
+    assert walked > 100
+    assert ot.stats(model).experts  # the expert cache still keeps its books
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="the points are 3.11's bytecodes")
 @torch.no_grad()
 def test_interrupt_inside_page_leaves_no_entry_in_use():
