@@ -65,6 +65,40 @@ def test_transformers_eager_experts_are_planned_from_the_same_routing_as_its_gro
     assert lookups["eager"] == lookups["grouped_mm"] == {name: 6 * 3 * 2 for name in lookups["eager"]}
 
 
+class _Experts(torch.nn.Module):
+    def __init__(self, experts: int, width: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(experts, width, width))
+
+
+class _ListRoutedMoE(torch.nn.Module):
+    """An MoE block that reads each token's experts as a Python list (``topk(...).indices.tolist()``)."""
+
+    top_k = 2
+
+    def __init__(self, experts: int = 8, width: int = 16):
+        super().__init__()
+        self.gate = torch.nn.Linear(width, experts, bias=False)
+        self.experts = _Experts(experts, width)
+
+    def forward(self, x):
+        out = torch.zeros_like(x)
+        for t, row in enumerate(self.gate(x).topk(self.top_k).indices.tolist()):
+            for e in row:
+                out[t] = out[t] + x[t] @ self.experts.w[e]
+        return out
+
+
+def test_a_layer_that_reads_its_routing_as_a_list_is_planned_token_by_token():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(_ListRoutedMoE(), _ListRoutedMoE())
+    tl = ot.plan(model, budget_gb=_half(model), example_inputs=(torch.zeros(3, 16),), warmup=1, steps=1)
+    experts = tl.info["experts"]
+    assert set(experts) == {"0.experts.w", "1.experts.w"}
+    # Every token's two slots page an expert each: 3 tokens x 2 slots, two forwards.
+    assert all(row["hits"] + row["misses"] == 2 * 3 * 2 for row in experts.values())
+
+
 def test_a_plan_still_refuses_a_read_of_values_outside_an_moe_block():
     class Reads(torch.nn.Module):
         def __init__(self):

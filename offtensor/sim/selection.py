@@ -4,12 +4,13 @@ reference DeepSeek models and vLLM-style layers do, or transformers' eager exper
 ``expert_mask.sum(...).nonzero()``) answered from the planned routing while ``ot.plan`` replays.
 
 A grouped GEMM's routing on meta is drawn in ``ops.planned``; a layer that selects its experts one
-by one reads its routing on the host instead (``unique``, ``nonzero``, ``bincount``), which a meta
-tensor cannot answer. Inside an MoE block (the module holding an ``experts`` module with stacked
-expert weights) ``PlannedSelection`` draws the layer's routing from the same ``planned_ends`` (the
-plan's measured routing, or distinct experts drawn uniformly) and answers those reads from it:
-the distinct experts as host values, each expert's routed rows as a meta tensor of their count,
-in the order the layer asks for them. Outside MoE blocks nothing is answered: a read of values
+by one reads its routing on the host instead (``unique``, ``nonzero``, ``bincount``, or the ids
+themselves: ``selected.tolist()``), which a meta tensor cannot answer. Inside an MoE block (the
+module holding an ``experts`` module with stacked expert weights) ``PlannedSelection`` draws the
+layer's routing from the same ``planned_ends`` (the plan's measured routing, or distinct experts
+drawn uniformly) and answers those reads from it: the distinct experts as host values, each
+expert's routed rows as a meta tensor of their count, in the order the layer asks for them, each
+token's experts where it reads the ids. Outside MoE blocks nothing is answered: a read of values
 on meta fails there as it would without a plan. Each read is a host sync on a GPU and is recorded
 as one."""
 
@@ -28,7 +29,7 @@ from ..ops.rows import host_sync
 
 aten = torch.ops.aten
 _UNIQUE = {aten._unique2.default, aten._unique.default, aten.unique_dim.default, aten.unique_consecutive.default}
-_READS = _UNIQUE | {aten.nonzero.default, aten.bincount.default}
+_READS = _UNIQUE | {aten.nonzero.default, aten.bincount.default, aten._to_copy.default}
 
 
 def moe_blocks(model: nn.Module) -> dict:
@@ -60,6 +61,15 @@ class _Layer:
             ends = planned_ends(self.experts, max(rows if rows is not None else self.rows, 1))
             self.counts = [b - a for a, b in zip([0] + ends[:-1], ends)]
             self.chosen = [e for e, n in enumerate(self.counts) if n]
+
+    def selected(self, shape) -> torch.Tensor:
+        """The routing itself, each token's experts (``shape``: [tokens, top_k]), on the host: the
+        chosen experts' rows in order, slot by slot (a token's slots name distinct experts where
+        no expert has more rows than there are tokens, as routing never gives one)."""
+        self.draw(shape.numel())
+        order = [e for e in self.chosen for _ in range(self.counts[e])]
+        k = shape[-1] if len(shape) else 1
+        return torch.tensor(order, dtype=torch.int64).reshape(k, -1).t().reshape(shape)
 
     def rows_of_next(self) -> int:
         """Rows of the next chosen expert, in the order the layer loops over them (0 past the last)."""
@@ -120,7 +130,11 @@ class PlannedSelection(TorchDispatchMode):
         if func not in _READS or not layers or not isinstance(args[0], torch.Tensor) or not args[0].is_meta:
             return func(*args, **kwargs)
         layer, x = layers[-1], args[0]
+        if func is aten._to_copy.default and not _routing_to_host(layer, x, kwargs):
+            return func(*args, **kwargs)
         host_sync(self.pager)  # a GPU reads the routing here
+        if func is aten._to_copy.default:
+            return layer.selected(x.shape).to(kwargs.get("dtype") or x.dtype)
         if func in _UNIQUE:
             return self._unique(func, layer, x, args, kwargs)
         if func is aten.bincount.default:
@@ -151,3 +165,11 @@ class PlannedSelection(TorchDispatchMode):
         if func is aten._unique.default:
             return values, inverse
         return values, inverse if flags.get("return_inverse") else inverse[:0], counts if flags.get("return_counts") else counts[:0]
+
+
+def _routing_to_host(layer: _Layer, x: torch.Tensor, kwargs) -> bool:
+    """Whether a copy of meta ``x`` is the layer's routing read on the host (``selected.tolist()``,
+    ``.cpu()``): integer ids, one a routed row, to the host."""
+    device = kwargs.get("device")
+    return (device is not None and torch.device(device).type == "cpu" and not x.is_floating_point()
+            and not x.is_complex() and x.dtype != torch.bool and x.numel() == layer.rows and x.dim() >= 1)
