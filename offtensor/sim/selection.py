@@ -28,7 +28,7 @@ from ..ops.planned import planned_ends
 from ..ops.rows import host_sync
 
 aten = torch.ops.aten
-_UNIQUE = {aten._unique2.default, aten._unique.default, aten.unique_dim.default, aten.unique_consecutive.default}
+_UNIQUE = {aten._unique2.default, aten._unique.default}
 _READS = _UNIQUE | {aten.nonzero.default, aten.bincount.default, aten._to_copy.default}
 
 
@@ -39,7 +39,8 @@ def moe_blocks(model: nn.Module) -> dict:
     for name, module in model.named_modules():
         if name.rpartition(".")[2] != "experts":
             continue
-        sizes = [t.shape[0] for pname, t in module.named_parameters(recurse=False) if is_routed_stack(f"{name}.{pname}", t.shape)]
+        sizes = [t.shape[0] for stack, t in module.named_parameters(recurse=False)
+                 if is_routed_stack(f"{name}.{stack}", t.shape)]
         if sizes and "." in name:
             blocks[model.get_submodule(name.rpartition(".")[0])] = max(sizes)
     return blocks
@@ -155,16 +156,13 @@ class PlannedSelection(TorchDispatchMode):
         inverse on meta and the counts on the host where asked for."""
         layer.draw(x.numel())
         values = torch.tensor(layer.chosen, dtype=torch.int64)
-        names = {aten._unique2.default: ("sorted", "return_inverse", "return_counts"),
-                 aten._unique.default: ("sorted", "return_inverse"),
-                 aten.unique_dim.default: ("dim", "sorted", "return_inverse", "return_counts"),
-                 aten.unique_consecutive.default: ("return_inverse", "return_counts", "dim")}[func]
-        flags = dict(zip(names, args[1:]), **kwargs)
         inverse = torch.empty(x.shape, dtype=torch.int64, device="meta")
-        counts = torch.tensor([layer.counts[e] for e in layer.chosen], dtype=torch.int64)
         if func is aten._unique.default:
             return values, inverse
-        return values, inverse if flags.get("return_inverse") else inverse[:0], counts if flags.get("return_counts") else counts[:0]
+        flags = dict(zip(("sorted", "return_inverse", "return_counts"), args[1:]), **kwargs)
+        counts = torch.tensor([layer.counts[e] for e in layer.chosen], dtype=torch.int64)
+        return (values, inverse if flags.get("return_inverse") else inverse[:0],
+                counts if flags.get("return_counts") else counts[:0])
 
 
 def _routing_to_host(layer: _Layer, x: torch.Tensor, kwargs) -> bool:
