@@ -108,7 +108,7 @@ class KeptBest:
     evictable only overstates its layer (the layer's others rank no higher), so it matters only if
     picked."""
 
-    __slots__ = ("groups", "stacks", "best", "stale", "count", "current", "_index")
+    __slots__ = ("groups", "stacks", "best", "stale", "count", "current", "_index", "of_stack", "dirty")
 
     def __init__(self):
         self.groups: list = []  # stack groups, in registration order
@@ -118,21 +118,35 @@ class KeptBest:
         self.count = None  # the cycle's length the bests were ranked for
         self.current = None  # (group, its op's keys, chances): what the current layer was ranked with
         self._index: dict = {}  # group -> its place in groups
+        # Per stack its own best, kept likewise: a copy, use or eviction of one stack's expert
+        # changes only that stack's candidates (``changed_stack``), so its layer's other stacks
+        # are not ranked again (an eviction takes one stack's copy: of w1, w3, w2, one is re-ranked).
+        self.of_stack: dict = {}  # stack -> its best or None
+        self.dirty: set = set()  # stacks whose best must be found anew
 
     def track(self, groups: dict) -> None:
         """The stack groups (group -> its stacks) are these now: every best is found anew."""
         self.groups, self.stacks = list(groups), list(groups.values())
         self._index = {group: i for i, group in enumerate(self.groups)}
         self.best = [None] * len(self.groups)
+        self.of_stack = {}
         self.renew()
 
     def changed(self, group) -> None:
         i = self._index.get(group)
         if i is not None:
             self.stale[i] = True
+            self.dirty.update(self.stacks[i])
+
+    def changed_stack(self, stack) -> None:
+        i = self._index.get(stack.group)
+        if i is not None:
+            self.stale[i] = True
+            self.dirty.add(stack)
 
     def renew(self) -> None:
         self.stale = [True] * len(self.groups)
+        self.dirty = {stack for stacks in self.stacks for stack in stacks}
         self.current = None
 
 
@@ -260,7 +274,7 @@ class ExpertEviction:
     def _changed(self, master_id) -> None:
         stack = self.by_master.get(master_id)
         if stack is not None:
-            self._kept.changed(stack.group)
+            self._kept.changed_stack(stack)
 
     def push(self, key, stack: "Stack", expert: int) -> None:
         """``key`` (``expert`` of ``stack``) was used or copied: its record in the coldness index."""
@@ -268,7 +282,7 @@ class ExpertEviction:
         # A use or copy of a key the current op pages changes nothing its layer is ranked by (its
         # ranking keeps those keys, and its ties do not depend on them): its kept best stands.
         if needed is None or key not in needed or stack.group != self.layers.current:
-            self._kept.changed(stack.group)
+            self._kept.changed_stack(stack)
         self._coldest.push(stack, key, expert, self.frequency.get(key, 0.0), self._last[key], self._last)
 
     def victim(self, view, room: int, candidates):
@@ -317,7 +331,10 @@ class ExpertEviction:
                         continue  # the op did not say what it pages: any of the layer's may be next
                     chances = self.next_turn.of(group)
                     with_ = kept.current
-                    if stale[i] or with_ is None or with_[0] != group or with_[1] is not needed or with_[2] is not chances:
+                    ranked_with = with_ is not None and with_[0] == group and with_[1] is needed and with_[2] is chances
+                    if not ranked_with:
+                        kept.dirty.update(stacks_of[i])  # ranked keeping other keys, or other chances: anew
+                    if stale[i] or not ranked_with:
                         bests[i], stale[i] = self._best_of(stacks_of[i], cache, cached, needed, count), False
                         kept.current = (group, needed, chances)
                     distance = count
@@ -333,7 +350,7 @@ class ExpertEviction:
                         best, best_wait, best_tie, best_i = found[2], wait, found[1], i
             if best is None or (cache.get(best.key) is best and not best.users and not best.prefetched):
                 break
-            stale[best_i] = True  # its kept best left the cache or is in use: rank the layer anew
+            kept.changed(kept.groups[best_i])  # its kept best left the cache or is in use: rank the layer anew
         if best is None:
             # Only copies to keep are left (prefetched, or the current layer's own): the scan
             # below ranks them, or refuses for a copy made ahead of its use.
@@ -422,48 +439,30 @@ class ExpertEviction:
     def _best_of(self, stacks: list, cache, cached, keep, count: int):
         """The layer's best victim among ``_coldest_of``'s candidates of its stacks with cached
         copies: (its expected next use less its layer's distance, minus its last use's tick (the
-        tie-break), the copy), or None."""
+        tie-break), the copy), or None. Each stack's own best is kept until it changes
+        (``KeptBest.of_stack``)."""
         best = None
+        of_stack, dirty = self._kept.of_stack, self._kept.dirty
         for stack in stacks:
-            if not cached.get(stack.master_id):
-                continue
-            for entry, recent in self._coldest_of(stack, cache, keep):
-                found = (self._next_use(entry.key, stack, 0.0, count, recent), -self._last.get(entry.key, -1), entry)
-                if best is None or found[:2] > best[:2]:
-                    best = found
+            if stack in dirty:
+                found = of_stack[stack] = self._stack_best(stack, cache, cached, keep, count)
+                dirty.discard(stack)
+            else:
+                found = of_stack[stack]
+            if found is not None and (best is None or found[:2] > best[:2]):
+                best = found
         return best
 
-    def _coldest_of(self, stack: Stack, cache, needed):
-        """``stack``'s candidates for eviction, as (entry, routed at its layer's last turn): the
-        least used evictable copy its layer did not route at its last turn (off the heap) and the
-        least used one it did (few: scanned). Where its next turn is predicted, the likeliest few
-        take the place of the last turn's (the one whose use is expected latest). With ``needed``
-        (the current layer's), what its op pages is kept."""
-        chances = self.next_turn.of(stack.group)
-        recent = self._recent(stack) if chances is None else self.next_turn.likely(stack.group)
-        out = []
-        best, best_rank = None, None
-        keys, frequency, last, per_turn = stack.keys, self.frequency, self._last, 1.0 - FREQUENCY_DECAY
-        for e in recent:  # (a victim search runs this for every stack: _use inlined)
-            key = keys[e]
-            entry = cache.get(key)
-            if entry is None or entry.users or entry.prefetched or (needed is not None and key in needed):
-                continue
-            rank = frequency.get(key, 0.0)
-            if chances is not None:
-                rank *= per_turn
-                rank = (chances[e] - 1.0) / (UNSEEN_USE if rank < UNSEEN_USE else 1.0 if rank > 1.0 else rank)
-            # (ties to the older use, as _best_of breaks them: not to the set's order, which an
-            # expert added to it may change)
-            if best is None or rank < best_rank or (rank == best_rank and last.get(key, -1) < last.get(best.key, -1)):
-                best, best_rank = entry, rank
-        if best is not None:
-            out.append((best, chances is None))
-
-        coldest = self._coldest.coldest(stack, cache, self._last, needed, recent)
-        if coldest is not None:
-            out.append((coldest, False))
-        return out
+    def _stack_best(self, stack: Stack, cache, cached, keep, count: int):
+        """``_best_of`` for one stack."""
+        if not cached.get(stack.master_id):
+            return None
+        best = None
+        for entry, recent in _coldest_of(self, stack, cache, keep):
+            found = (self._next_use(entry.key, stack, 0.0, count, recent), -self._last.get(entry.key, -1), entry)
+            if best is None or found[:2] > best[:2]:
+                best = found
+        return best
 
     def decay(self) -> None:
         """A forward begins: decay use frequencies."""
@@ -493,6 +492,39 @@ class ExpertEviction:
         """A step ended: the guards of its guesses lapse with it (and every stack's candidates)."""
         self._guarded = {}
         self._kept.renew()
+
+
+def _coldest_of(eviction: "ExpertEviction", stack: "Stack", cache, needed):
+    """``stack``'s candidates for eviction, as (entry, routed at its layer's last turn): the
+    least used evictable copy its layer did not route at its last turn (off the heap) and the
+    least used one it did (few: scanned). Where its next turn is predicted, the likeliest few
+    take the place of the last turn's (the one whose use is expected latest). With ``needed``
+    (the current layer's), what its op pages is kept."""
+    chances = eviction.next_turn.of(stack.group)
+    recent = eviction._recent(stack) if chances is None else eviction.next_turn.likely(stack.group)
+    out = []
+    best, best_rank = None, None
+    keys, frequency, last, per_turn = stack.keys, eviction.frequency, eviction._last, 1.0 - FREQUENCY_DECAY
+    for e in recent:  # (a victim search runs this for every stack: _use inlined)
+        key = keys[e]
+        entry = cache.get(key)
+        if entry is None or entry.users or entry.prefetched or (needed is not None and key in needed):
+            continue
+        rank = frequency.get(key, 0.0)
+        if chances is not None:
+            rank *= per_turn
+            rank = (chances[e] - 1.0) / (UNSEEN_USE if rank < UNSEEN_USE else 1.0 if rank > 1.0 else rank)
+        # (ties to the older use, as _best_of breaks them: not to the set's order, which an
+        # expert added to it may change)
+        if best is None or rank < best_rank or (rank == best_rank and last.get(key, -1) < last.get(best.key, -1)):
+            best, best_rank = entry, rank
+    if best is not None:
+        out.append((best, chances is None))
+
+    coldest = eviction._coldest.coldest(stack, cache, eviction._last, needed, recent)
+    if coldest is not None:
+        out.append((coldest, False))
+    return out
 
 
 def _victim_scan(eviction: "ExpertEviction", candidates):
