@@ -41,7 +41,7 @@ def moe_blocks(model: nn.Module) -> dict:
             continue
         sizes = [t.shape[0] for stack, t in module.named_parameters(recurse=False)
                  if is_routed_stack(f"{name}.{stack}", t.shape)]
-        if sizes and "." in name:
+        if sizes:
             blocks[model.get_submodule(name.rpartition(".")[0])] = max(sizes)
     return blocks
 
@@ -95,17 +95,27 @@ class PlannedSelection(TorchDispatchMode):
         self._hooks = []
 
     def __enter__(self):
-        for block, experts in self.blocks.items():
-            self._hooks.append(block.register_forward_pre_hook(self._enter_block(experts)))
-            self._hooks.append(block.register_forward_hook(self._leave_block))
-        return super().__enter__()
+        if not self.blocks:
+            return self  # a dense model: no op of it is looked at
+        try:
+            for block, experts in self.blocks.items():
+                self._hooks.append(block.register_forward_pre_hook(self._enter_block(experts)))
+                self._hooks.append(block.register_forward_hook(self._leave_block))
+            return super().__enter__()
+        except BaseException:  # (an interrupt before the with statement holds it: no hook left behind)
+            self._remove_hooks()
+            raise
 
     def __exit__(self, *exc):
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        if not self.blocks:
+            return None
+        self._remove_hooks()
         self._local.layers = []
         return super().__exit__(*exc)
+
+    def _remove_hooks(self) -> None:
+        while self._hooks:
+            self._hooks.pop().remove()
 
     def _enter_block(self, experts: int):
         def hook(module, args):
