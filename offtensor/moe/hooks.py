@@ -82,27 +82,52 @@ def attach(model: nn.Module, pager, speculate: bool = True, compute: str = "devi
     return stacks
 
 
-class _TokensHook:
-    """The input embeddings' forward pre-hook: a decode step's token ids, read on the host once
-    (``first_layer.host_tokens``: None where that would wait for the device) and handed to the
-    speculator (``guess_first``) and its recorder (``OnlineRefit.tokens_in``) under the pager's
-    lock; inert under torch.compile and in a copy of the model, as ``_RouterHook`` is."""
+class _SpeculatorHook:
+    """A forward hook that hands what it sees to the speculator under the pager's lock (guesses and
+    their scores are pager state, shared by threads' forwards).
+
+    Under torch.compile it stands aside: it reads routing results or token ids on the host, which
+    would break the graph; compiled MoE layers page exactly as eager ones, without guesses.
+
+    A copy of the model (``copy.deepcopy``, ``torch.save``) gets an inert hook: the copy is adopted
+    on a pager of its own, which hooks its modules itself, and this one would feed the original's
+    speculator (a function, which deepcopy shares and pickle refuses, did)."""
 
     __slots__ = ("speculator_ref",)
 
     def __init__(self, speculator):
         self.speculator_ref = weakref.ref(speculator) if speculator is not None else None
 
+    def _live(self):
+        """(the speculator, its pager) where the hook acts now, else None."""
+        if self.speculator_ref is None or torch.compiler.is_compiling():
+            return None
+        speculator = self.speculator_ref()
+        pager = speculator.pager_ref() if speculator is not None else None
+        return None if pager is None else (speculator, pager)
+
+    def __deepcopy__(self, memo):
+        return type(self)(*self._inert_args())
+
+    def __reduce__(self):
+        return type(self), self._inert_args()
+
+
+class _TokensHook(_SpeculatorHook):
+    """The input embeddings' forward pre-hook: a decode step's token ids, read on the host once
+    (``first_layer.host_tokens``: None where that would wait for the device) and handed to the
+    speculator (``guess_first``) and its recorder (``OnlineRefit.tokens_in``)."""
+
+    __slots__ = ()
+
     def __call__(self, module, args):
-        speculator = self.speculator_ref() if self.speculator_ref is not None else None
-        if speculator is None or not args or torch.compiler.is_compiling():
+        live = self._live()
+        if live is None or not args:
             return None
-        recorder = speculator.recorder  # an OnlineRefit counts the tokens for a table of its own
-        if speculator.token_table is None and recorder is None:
-            return None
-        pager, ids = speculator.pager_ref(), args[0]
-        if pager is None or not isinstance(ids, torch.Tensor) or ids.is_meta \
-                or ids.numel() > speculation.GUESS_ON_HOST_TOKENS:  # (a prefill: neither uses its ids)
+        speculator, pager = live
+        recorder, ids = speculator.recorder, args[0]  # (an OnlineRefit counts the tokens for a table of its own)
+        if (speculator.token_table is None and recorder is None) or not isinstance(ids, torch.Tensor) \
+                or ids.is_meta or ids.numel() > speculation.GUESS_ON_HOST_TOKENS:  # (a prefill: neither uses its ids)
             return None
         with pager.lock:
             tokens = host_tokens(ids)  # read once for both (on a GPU, a copy to the host)
@@ -111,38 +136,26 @@ class _TokensHook:
             speculator.guess_first(tokens)
         return None
 
-    def __deepcopy__(self, memo):
-        return _TokensHook(None)
-
-    def __reduce__(self):
-        return _TokensHook, (None,)
+    @staticmethod
+    def _inert_args() -> tuple:
+        return (None,)
 
 
-class _RouterHook:
+class _RouterHook(_SpeculatorHook):
     """A router's forward pre-hook (its input: guess the next layer's experts) or forward hook (its
-    output: score the guesses), handing them to the speculator under the pager's lock (guesses and
-    their scores are pager state, shared by threads' forwards).
+    output: score the guesses)."""
 
-    Under torch.compile it stands aside: it reads routing results on the host, which would break
-    the graph at every router; compiled MoE layers page exactly as eager ones, without guesses.
-
-    A copy of the model (``copy.deepcopy``, ``torch.save``) gets an inert hook: the copy is adopted
-    on a pager of its own, which hooks its routers itself, and this one would feed the original's
-    speculator (a function, which deepcopy shares and pickle refuses, did)."""
-
-    __slots__ = ("router", "speculator_ref", "output")
+    __slots__ = ("router", "output")
 
     def __init__(self, router, speculator, output: bool):
+        super().__init__(speculator)
         self.router, self.output = router, output
-        self.speculator_ref = weakref.ref(speculator) if speculator is not None else None
 
     def __call__(self, module, args, output=None):
-        if self.speculator_ref is None or torch.compiler.is_compiling():
+        live = self._live()
+        if live is None:
             return None
-        speculator = self.speculator_ref()
-        pager = speculator.pager_ref() if speculator is not None else None
-        if pager is None:
-            return None
+        speculator, pager = live
         if self.output:
             with pager.lock:
                 speculator.router_output(self.router, output)
@@ -151,11 +164,8 @@ class _RouterHook:
                 speculator.router_ran(self.router, args[0])
         return None
 
-    def __deepcopy__(self, memo):
-        return _RouterHook(None, None, self.output)
-
-    def __reduce__(self):
-        return _RouterHook, (None, None, self.output)
+    def _inert_args(self) -> tuple:
+        return None, None, self.output
 
 
 def detach(pager) -> None:
