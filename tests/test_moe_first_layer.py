@@ -20,6 +20,7 @@ from offtensor.moe.refit import fit_offline
 
 transformers = pytest.importorskip("transformers")
 from test_moe_predictor import _qwen3, _wrap_quarter  # noqa: E402  (a tiny Qwen3-MoE, a quarter of its experts cached)
+from test_moe_next_turn import _decode  # noqa: E402  (a prefill and decode steps that read each token)
 
 
 def test_a_token_table_counts_each_tokens_first_layer_experts():
@@ -59,22 +60,6 @@ def test_host_tokens_reads_only_what_waits_for_nothing():
     assert host_tokens(torch.tensor([[3], [4]])) == [3, 4]
     assert host_tokens(torch.zeros(2, 3)) is None  # embeddings, not ids
     assert host_tokens(torch.zeros(2, dtype=torch.long, device="meta")) is None
-
-
-def _decode(model, steps: int, prefill: int = 4, ids=None):
-    if ids is None:
-        ids = torch.randint(0, 128, (steps + prefill,), generator=torch.Generator().manual_seed(1))
-    ids = ids[None].to(model.get_input_embeddings().weight.device)
-    out = []
-    with torch.no_grad():
-        cache = None
-        for t in range(steps):
-            x = ids[:, :prefill] if cache is None else ids[:, prefill - 1 + t:prefill + t]
-            r = model(input_ids=x, past_key_values=cache, use_cache=True)
-            cache = r.past_key_values
-            r.logits[0, -1].argmax().item()  # a decode loop reads its token (generate does) before the next step
-            out.append(r.logits.cpu())
-    return out
 
 
 def _planted_table(experts=(5, 6, 7, 8)) -> TokenTable:

@@ -84,9 +84,13 @@ def _wrap_quarter(model, cached: float = 0.25):
                          policy={"offload": ["*.experts.*"]})
 
 
-def _decode(model, steps: int, prefill: int = 4, after=None):
-    """Logits of a prefill and ``steps - 1`` decode steps; ``after(t)`` is called after pass t."""
-    ids = torch.randint(0, 128, (1, steps + prefill), generator=torch.Generator().manual_seed(1))
+def _decode(model, steps: int, prefill: int = 4, after=None, ids=None):
+    """Logits (on the host) of a prefill and ``steps - 1`` decode steps of ``ids`` (128-token
+    vocabulary ids, seeded ones by default) on the model's device; each step's token is read as a
+    decode loop reads it (generate does) before the next; ``after(t)`` is called after pass t."""
+    if ids is None:
+        ids = torch.randint(0, 128, (steps + prefill,), generator=torch.Generator().manual_seed(1))
+    ids = ids[None].to(model.get_input_embeddings().weight.device)
     out = []
     with torch.no_grad():
         cache = None
@@ -94,7 +98,8 @@ def _decode(model, steps: int, prefill: int = 4, after=None):
             x = ids[:, :prefill] if cache is None else ids[:, prefill - 1 + t:prefill + t]
             r = model(input_ids=x, past_key_values=cache, use_cache=True)
             cache = r.past_key_values
-            out.append(r.logits)
+            r.logits[0, -1].argmax().item()
+            out.append(r.logits.cpu())
             if after is not None:
                 after(t)
     return out
