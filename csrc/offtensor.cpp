@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
@@ -711,6 +712,62 @@ at::Tensor pool_grouped_mm_cpu(const at::Tensor& x, const at::Tensor& pool, cons
   return out;
 }
 
+// The host side of a routing guess (offtensor/moe/guesses.py: host_guess, host_chances), on the few
+// rows of look-ahead scores read back to the host: what the Python loops compute, in the same double
+// arithmetic in the same order (libm's exp, a sequential sum), so that the guesses are the same with
+// or without this extension; without the interpreter's per-element cost, which at DeepSeek-V3's 256
+// experts was some 50 us a row. Rows are the last dimension of `scores`, of any floating dtype (their
+// values are exact in double).
+at::Tensor host_rows(const at::Tensor& scores) {
+  TORCH_CHECK(scores.device().is_cpu() && at::isFloatingType(scores.scalar_type()) && scores.dim() >= 1,
+              "offtensor: a routing guess reads floating-point scores on the host, got ", scores.sizes(), " ",
+              scores.dtype(), " on ", scores.device());
+  return scores.reshape({-1, scores.size(-1)}).to(at::kDouble).contiguous();
+}
+
+// Each row's top_k experts, the highest score first (ties: the lower expert first), and each one's
+// softmax probability over its row: (int64 experts, float64 probabilities), row after row.
+std::tuple<at::Tensor, at::Tensor> host_guess(const at::Tensor& scores, int64_t top_k) {
+  const at::Tensor rows = host_rows(scores);
+  const int64_t n = rows.size(0), width = rows.size(1), k = std::max<int64_t>(std::min(top_k, width), 0);
+  at::Tensor experts = at::empty({n * k}, at::kLong), chances = at::empty({n * k}, at::kDouble);
+  int64_t* e_out = experts.data_ptr<int64_t>();
+  double* p_out = chances.data_ptr<double>();
+  std::vector<int64_t> order(width);
+  for (int64_t r = 0; r < n; ++r) {
+    const double* row = rows.data_ptr<double>() + r * width;
+    double top = row[0];
+    for (int64_t e = 1; e < width; ++e) top = row[e] > top ? row[e] : top;  // Python's max: the first of equals
+    double sum = 0.0;
+    for (int64_t e = 0; e < width; ++e) sum += std::exp(row[e] - top);
+    const double scale = 1.0 / sum;
+    for (int64_t e = 0; e < width; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [row](int64_t a, int64_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+    for (int64_t i = 0; i < k; ++i) {
+      e_out[r * k + i] = order[i];
+      p_out[r * k + i] = std::exp(row[order[i]] - top) * scale;
+    }
+  }
+  return std::make_tuple(experts, chances);
+}
+
+// Per expert (the last dimension), 1 - prod over the rows of (1 - sigmoid(score)): its chance of
+// use at a layer's next turn from a next-token map's logits, one row a token of the turn.
+at::Tensor host_chances(const at::Tensor& scores) {
+  const at::Tensor rows = host_rows(scores);
+  const int64_t n = rows.size(0), width = rows.size(1);
+  std::vector<double> miss(width, 1.0);
+  for (int64_t r = 0; r < n; ++r) {
+    const double* row = rows.data_ptr<double>() + r * width;
+    for (int64_t e = 0; e < width; ++e) miss[e] *= 1.0 - (row[e] > -60.0 ? 1.0 / (1.0 + std::exp(-row[e])) : 0.0);
+  }
+  at::Tensor out = at::empty({width}, at::kDouble);
+  double* chance = out.data_ptr<double>();
+  for (int64_t e = 0; e < width; ++e) chance[e] = 1.0 - miss[e];
+  return out;
+}
+
 bool cuda_compiled() { return kCudaCompiled; }
 
 }  // namespace
@@ -734,6 +791,8 @@ TORCH_LIBRARY(offtensor, m) {
         "Tensor(d!) clock, Tensor(e!) counts, Tensor(f!)[] buffers, Tensor[] hosts, int base, int experts) -> "
         "(Tensor, Tensor)");
   m.def("pool_grouped_mm_cpu(Tensor x, Tensor pool, Tensor group_slot, Tensor group_ends) -> Tensor");
+  m.def("host_guess(Tensor scores, int top_k) -> (Tensor, Tensor)");
+  m.def("host_chances(Tensor scores) -> Tensor");
 }
 
 // A factory has no tensor argument to dispatch on; CompositeExplicitAutograd (unlike a catch-all
@@ -747,6 +806,8 @@ TORCH_LIBRARY_IMPL(offtensor, CPU, m) {
   m.impl("host_device_address", &offtensor::host_device_address);
   m.impl("pool_admit_cpu", &offtensor::pool_admit_cpu);
   m.impl("pool_grouped_mm_cpu", &offtensor::pool_grouped_mm_cpu);
+  m.impl("host_guess", &offtensor::host_guess);
+  m.impl("host_chances", &offtensor::host_chances);
 }
 
 TORCH_LIBRARY_IMPL(offtensor, CUDA, m) {

@@ -269,11 +269,25 @@ def test_online_refit_fits_the_next_token_maps_inside_an_inference_mode_decode()
     assert set(refit.predictor.scores) == {0, 1, 2, 3} and all("own" in s for s in refit.predictor.scores.values())
 
 
-def test_host_chances_are_one_minus_the_product_of_each_tokens_sigmoid_misses():
+def _host_loops(which: str, monkeypatch) -> None:
+    """Make the host side of a guess take the native extension's loops at every width, or never."""
+    from offtensor.moe import guesses
+
+    if which == "native":
+        if guesses._NATIVE_GUESS is None:
+            pytest.skip("the native extension is not built with the guess loops")
+        monkeypatch.setattr(guesses, "NATIVE_GUESS_FROM", 0)
+    else:
+        monkeypatch.setattr(guesses, "NATIVE_GUESS_FROM", 1 << 30)
+
+
+@pytest.mark.parametrize("loops", ["native", "interpreter"])
+def test_host_chances_are_one_minus_the_product_of_each_tokens_sigmoid_misses(loops, monkeypatch):
     """The next-token map's chances on the host: for one token (a decode step) its sigmoid per
     expert, for several the chance that any of them routes there; logits far below zero give 0."""
     from offtensor.moe.guesses import host_chances
 
+    _host_loops(loops, monkeypatch)
     logits = torch.tensor([[0.0, 2.0, -1.5, -80.0], [1.0, -3.0, 0.5, -80.0]], dtype=torch.float64)
     one = host_chances(logits[:1])
     assert one == pytest.approx(torch.sigmoid(logits[0]).tolist()[:3] + [0.0])
@@ -281,3 +295,46 @@ def test_host_chances_are_one_minus_the_product_of_each_tokens_sigmoid_misses():
     want = 1.0 - (1.0 - torch.sigmoid(logits)).prod(0)
     want[3] = 0.0
     assert both == pytest.approx(want.tolist())
+
+
+@pytest.mark.parametrize("loops", ["native", "interpreter"])
+def test_host_guess_is_each_rows_top_k_by_score_with_its_softmax_probability(loops, monkeypatch):
+    """A guess on the host: each row's top-k experts, the highest score first and the lower expert
+    first among equal scores, each with its softmax probability over the row; None takes them all."""
+    from offtensor.moe.guesses import host_guess
+
+    _host_loops(loops, monkeypatch)
+    scores = torch.tensor([[0.5, 2.0, 2.0, -1.0, 1.0], [3.0, 0.0, 0.0, 0.0, -2.0]])
+    probs = scores.double().softmax(-1)
+    got = host_guess(scores, 3)
+    assert [e for e, _ in got] == [1, 2, 4, 0, 1, 2]
+    assert [p for _, p in got] == pytest.approx([probs[r, e].item() for r, e in zip([0, 0, 0, 1, 1, 1], [1, 2, 4, 0, 1, 2])])
+    assert [e for e, _ in host_guess(scores[:1], None)] == [1, 2, 4, 0, 3]
+    assert [e for e, _ in host_guess(scores[:1], 9)] == [1, 2, 4, 0, 3]
+
+
+def test_the_native_guess_loops_give_the_interpreters_guesses_bit_for_bit(monkeypatch):
+    """Which loops run the host side of a guess is a matter of speed only: on rows of any width,
+    dtype and layout (ties, logits below the sigmoid's floor, a column slice of wider scores) the
+    native extension's experts and probabilities equal the interpreter's exactly, so the same
+    copies and evictions follow."""
+    from offtensor.moe import guesses
+
+    if guesses._NATIVE_GUESS is None:
+        pytest.skip("the native extension is not built with the guess loops")
+    g = torch.Generator().manual_seed(0)
+    cases = []
+    for width in (2, 7, 16, 32, 64, 256):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            for rows in (1, 3):
+                s = (torch.randn(rows, width + 4, generator=g) * 4).to(dtype)
+                cases.append(s[:, 2 : 2 + width])  # (a slice, as a guess's columns of the look-ahead's)
+                tied = s.round()[:, :width].contiguous()
+                tied[:, : width // 2] = -80.0
+                cases.append(tied)
+    for scores in cases:
+        for top_k in (1, 4, 8, None):
+            monkeypatch.setattr(guesses, "NATIVE_GUESS_FROM", 0)
+            native = guesses.host_guess(scores, top_k), guesses.host_chances(scores)
+            monkeypatch.setattr(guesses, "NATIVE_GUESS_FROM", 1 << 30)
+            assert (guesses.host_guess(scores, top_k), guesses.host_chances(scores)) == native, (scores.dtype, top_k)
