@@ -154,3 +154,34 @@ def test_a_garbage_collection_inside_a_policy_call_is_a_part_of_its_own_not_poli
         clock.remove()
     assert clock._collection not in gc.callbacks and PolicyClock.installed is None
     del junk
+
+
+def test_the_clocks_own_wrapping_is_charged_to_no_call(monkeypatch):
+    # A clock whose every reading is 1 us later than the last: a timed call spans one step, a
+    # timed call inside another costs that one two (its own two readings), and a loop of 100
+    # plain calls spans one: 0.01 us a call. Calibrated on that clock (1 us inside less the plain
+    # call's 0.01, 1 us outside), a policy call that did nothing but make 50 timed calls of the
+    # pager's is charged what 51 plain calls would cost, not its children's wrapping.
+    from offtensor.sim import policy_clock
+
+    now = [0.0]
+
+    def readings():
+        now[0] += 1e-6
+        return now[0]
+
+    monkeypatch.setattr(policy_clock, "_OVERHEADS", [0.0, 0.0])  # (the process's own, measured on the real clock, untouched)
+    monkeypatch.setattr(policy_clock.time, "perf_counter", readings)
+    clock = PolicyClock()
+    inside, outside = clock.calibrate(calls=100, repeats=2)
+    assert inside == pytest.approx(0.99e-6) and outside == pytest.approx(1e-6)
+
+    def run(clock):
+        pager = clock._timed(lambda: None, ("excluded", "pager"))
+        policy = clock._timed(lambda: [pager() for _ in range(50)], "guesses")
+        policy()
+        return clock.take(), clock.parts.pop("pager")
+
+    assert run(clock) == (pytest.approx(51e-3), pytest.approx(50e-6))  # ms, s: the readings of the wrapping
+    clock._inside, clock._outside = inside, outside
+    assert run(clock) == (pytest.approx(0.01e-3), pytest.approx(50 * 0.01e-6))
