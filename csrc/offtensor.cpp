@@ -768,6 +768,259 @@ at::Tensor host_chances(const at::Tensor& scores) {
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The expert eviction's ranking of one stack (offtensor/moe/eviction.py: ExpertEviction._stack_best
+// with _coldest_of and ColdHeaps.coldest), the victim search's inner step: the interpreter's code
+// step by step, in the same double arithmetic and order and with the same heap operations (the
+// _heapq module's own), so the same copy is found; without the interpreter's per-step cost, the
+// largest part of a victim search. Python objects throughout: a reference owned is a PyRef.
+struct PyRef {
+  PyObject* p = nullptr;
+  PyRef() = default;
+  explicit PyRef(PyObject* o) : p(o) {}
+  PyRef(const PyRef&) = delete;
+  PyRef& operator=(const PyRef&) = delete;
+  ~PyRef() { Py_XDECREF(p); }
+  PyObject* release() { PyObject* o = p; p = nullptr; return o; }
+};
+
+// `obj.name` is truthy: 1, 0, or -1 with an exception set.
+int attr_true(PyObject* obj, PyObject* name) {
+  PyRef value(PyObject_GetAttr(obj, name));
+  return value.p ? PyObject_IsTrue(value.p) : -1;
+}
+
+// `mapping.get(key, fallback)` as a double; -1 with an exception set on failure.
+int get_double(PyObject* mapping, PyObject* key, double fallback, double* out) {
+  PyObject* value = PyDict_GetItemWithError(mapping, key);  // borrowed
+  if (value == nullptr) {
+    if (PyErr_Occurred()) return -1;
+    *out = fallback;
+    return 0;
+  }
+  *out = PyFloat_AsDouble(value);
+  return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+// `last.get(key, -1)` as a new reference.
+PyObject* tick_of(PyObject* last, PyObject* key) {
+  PyObject* value = PyDict_GetItemWithError(last, key);
+  if (value != nullptr) return Py_NewRef(value);
+  return PyErr_Occurred() ? nullptr : PyLong_FromLong(-1);
+}
+
+// An entry may be evicted here: no users, not an unused prefetch, not among `needed`. 1, 0 or -1.
+int evictable(PyObject* entry, PyObject* key, PyObject* needed) {
+  static PyObject* users = PyUnicode_InternFromString("users");
+  static PyObject* prefetched = PyUnicode_InternFromString("prefetched");
+  int in_use = attr_true(entry, users);
+  if (in_use != 0) return in_use < 0 ? -1 : 0;
+  int unused = attr_true(entry, prefetched);
+  if (unused != 0) return unused < 0 ? -1 : 0;
+  if (needed != Py_None) {
+    int kept = PySequence_Contains(needed, key);
+    if (kept != 0) return kept < 0 ? -1 : 0;
+  }
+  return 1;
+}
+
+PyObject* stack_best(PyObject*, PyObject* args) {
+  PyObject *heap, *keys, *cache, *last, *frequency, *needed, *recent, *chances;
+  long long count;
+  double reuse, per_turn, unseen;
+  if (!PyArg_ParseTuple(args, "OO!OO!O!OOOLddd", &heap, &PyTuple_Type, &keys, &cache, &PyDict_Type, &last,
+                        &PyDict_Type, &frequency, &needed, &recent, &chances, &count, &reuse, &per_turn, &unseen))
+    return nullptr;
+  // The pager's copies come as a read-only view of its dict: looked up through its own get.
+  static PyObject* get_name = PyUnicode_InternFromString("get");
+  PyRef cache_get(PyObject_GetAttr(cache, get_name));
+  if (!cache_get.p) return nullptr;
+  static PyObject* heapq = PyImport_ImportModule("_heapq");
+  if (heapq == nullptr) return nullptr;
+  static PyObject* heappop = PyObject_GetAttrString(heapq, "heappop");
+  static PyObject* heappush = PyObject_GetAttrString(heapq, "heappush");
+  if (heappop == nullptr || heappush == nullptr) return nullptr;
+  const Py_ssize_t experts = PyTuple_GET_SIZE(keys);
+  const bool predicted = chances != Py_None;
+
+  // 1. Of the experts routed at the layer's last turn (or its likeliest next), the least used.
+  PyRef routed_ref;  // the least used of them (owned)
+  PyObject* routed_key = nullptr;
+  long routed_e = -1;
+  double routed_rank = 0.0;
+  {
+    PyRef it(PyObject_GetIter(recent));
+    if (!it.p) return nullptr;
+    while (PyObject* item = PyIter_Next(it.p)) {
+      PyRef e_obj(item);
+      const long e = PyLong_AsLong(item);
+      if (e == -1 && PyErr_Occurred()) return nullptr;
+      if (e < 0 || e >= experts) {
+        PyErr_Format(PyExc_IndexError, "offtensor: expert %ld of a stack of %zd", e, experts);
+        return nullptr;
+      }
+      PyObject* key = PyTuple_GET_ITEM(keys, e);
+      PyRef found(PyObject_CallOneArg(cache_get.p, key));
+      if (!found.p) return nullptr;
+      if (found.p == Py_None) continue;
+      PyObject* entry = found.p;
+      const int ok = evictable(entry, key, needed);
+      if (ok < 0) return nullptr;
+      if (!ok) continue;
+      double rank;
+      if (get_double(frequency, key, 0.0, &rank) < 0) return nullptr;
+      if (predicted) {
+        PyObject* chance_obj = PySequence_GetItem(chances, e);
+        if (chance_obj == nullptr) return nullptr;
+        const double chance = PyFloat_AsDouble(chance_obj);
+        Py_DECREF(chance_obj);
+        if (chance == -1.0 && PyErr_Occurred()) return nullptr;
+        rank *= per_turn;
+        rank = (chance - 1.0) / (rank < unseen ? unseen : rank > 1.0 ? 1.0 : rank);
+      }
+      bool better = routed_ref.p == nullptr || rank < routed_rank;
+      if (!better && rank == routed_rank) {  // ties to the older use
+        PyRef mine(tick_of(last, key)), theirs(tick_of(last, routed_key));
+        if (!mine.p || !theirs.p) return nullptr;
+        const int older = PyObject_RichCompareBool(mine.p, theirs.p, Py_LT);
+        if (older < 0) return nullptr;
+        better = older;
+      }
+      if (better) {
+        Py_XDECREF(routed_ref.p);
+        routed_ref.p = found.release();
+        routed_key = key, routed_e = e, routed_rank = rank;
+      }
+    }
+    if (PyErr_Occurred()) return nullptr;
+  }
+
+  // 2. The least used evictable copy off the stack's heap of use records (ColdHeaps.coldest).
+  PyRef cold_ref;
+  long cold_e = -1;
+  if (heap != Py_None && PyList_Check(heap)) {
+    PyRef aside(PyList_New(0));
+    if (!aside.p) return nullptr;
+    bool failed = false;
+    while (PyList_GET_SIZE(heap) > 0) {
+      PyObject* record = PyList_GET_ITEM(heap, 0);  // borrowed
+      if (!PyTuple_Check(record) || PyTuple_GET_SIZE(record) < 3) {
+        PyErr_SetString(PyExc_TypeError, "offtensor: a coldness record is (value, tick, expert[, key])");
+        failed = true;
+        break;
+      }
+      const long e = PyLong_AsLong(PyTuple_GET_ITEM(record, 2));
+      if (e == -1 && PyErr_Occurred()) { failed = true; break; }
+      PyObject* key;
+      if (PyTuple_GET_SIZE(record) == 3) {
+        if (e < 0 || e >= experts) {
+          PyErr_Format(PyExc_IndexError, "offtensor: expert %ld of a stack of %zd", e, experts);
+          failed = true;
+          break;
+        }
+        key = PyTuple_GET_ITEM(keys, e);
+      } else {
+        key = PyTuple_GET_ITEM(record, 3);
+      }
+      PyRef key_ref(Py_NewRef(key)), record_ref(Py_NewRef(record));
+      PyRef entry_ref(PyObject_CallOneArg(cache_get.p, key));
+      if (!entry_ref.p) { failed = true; break; }
+      PyObject* entry = entry_ref.p == Py_None ? nullptr : entry_ref.p;
+      int stale = entry == nullptr;
+      if (!stale) {
+        PyObject* tick = PyDict_GetItemWithError(last, key);
+        if (tick == nullptr && PyErr_Occurred()) { failed = true; break; }
+        stale = PyObject_RichCompareBool(tick ? tick : Py_None, PyTuple_GET_ITEM(record, 1), Py_NE);
+        if (stale < 0) { failed = true; break; }
+      }
+      PyRef popped(PyObject_CallOneArg(heappop, heap));
+      if (!popped.p) { failed = true; break; }
+      if (stale) continue;  // evicted, or used or copied again since
+      if (PyList_Append(aside.p, record_ref.p) < 0) { failed = true; break; }
+      int ok = evictable(entry, key, needed);
+      if (ok > 0) {
+        const int routed_last = PySequence_Contains(recent, PyTuple_GET_ITEM(record_ref.p, 2));
+        ok = routed_last < 0 ? -1 : !routed_last;
+      }
+      if (ok < 0) { failed = true; break; }
+      if (ok) {
+        cold_ref.p = entry_ref.release();
+        cold_e = e;
+        break;
+      }
+    }
+    // The records looked at go back, whatever happened (an error leaves the heap as whole as it can).
+    PyObject *type, *value, *traceback;
+    if (failed) PyErr_Fetch(&type, &value, &traceback);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(aside.p); ++i) {
+      PyRef pushed(PyObject_CallFunctionObjArgs(heappush, heap, PyList_GET_ITEM(aside.p, i), nullptr));
+      if (!pushed.p && !failed) return nullptr;
+      if (!pushed.p) PyErr_Clear();
+    }
+    if (failed) {
+      PyErr_Restore(type, value, traceback);
+      return nullptr;
+    }
+  }
+
+  // 3. Of the two, the one whose next use is expected furthest away (ties to the older use).
+  PyObject* candidates[2] = {routed_ref.p, cold_ref.p};
+  const long indexes[2] = {routed_e, cold_e};
+  const bool recents[2] = {!predicted, false};
+  PyRef best;
+  double best_wait = 0.0;
+  PyRef best_tie;
+  static PyObject* key_name = PyUnicode_InternFromString("key");
+  for (int c = 0; c < 2; ++c) {
+    PyObject* entry = candidates[c];
+    if (entry == nullptr) continue;
+    PyRef key(PyObject_GetAttr(entry, key_name));
+    if (!key.p) return nullptr;
+    double frequency_of;
+    if (get_double(frequency, key.p, 0.0, &frequency_of) < 0) return nullptr;
+    double q = frequency_of * per_turn;
+    q = q < unseen ? unseen : q;  // max(q, unseen)
+    q = 1.0 < q ? 1.0 : q;        // min(1.0, q)
+    double p;
+    if (predicted) {
+      PyObject* chance_obj = PySequence_GetItem(chances, indexes[c]);
+      if (chance_obj == nullptr) return nullptr;
+      p = PyFloat_AsDouble(chance_obj);
+      Py_DECREF(chance_obj);
+      if (p == -1.0 && PyErr_Occurred()) return nullptr;
+    } else {
+      p = recents[c] ? (reuse > q ? reuse : q) : q;  // max(q, reuse)
+    }
+    const double wait = 0.0 + (1.0 - p) * static_cast<double>(count) / q;
+    PyRef tick(tick_of(last, key.p));
+    if (!tick.p) return nullptr;
+    PyRef tie(PyNumber_Negative(tick.p));
+    if (!tie.p) return nullptr;
+    bool better = best.p == nullptr || wait > best_wait;
+    if (!better && wait == best_wait) {
+      const int later = PyObject_RichCompareBool(tie.p, best_tie.p, Py_GT);
+      if (later < 0) return nullptr;
+      better = later;
+    }
+    if (better) {
+      Py_XDECREF(best.p);
+      best.p = Py_NewRef(entry);
+      best_wait = wait;
+      Py_XDECREF(best_tie.p);
+      best_tie.p = tie.release();
+    }
+  }
+  if (best.p == nullptr) Py_RETURN_NONE;
+  PyRef wait_obj(PyFloat_FromDouble(best_wait));
+  if (!wait_obj.p) return nullptr;
+  return PyTuple_Pack(3, wait_obj.p, best_tie.p, best.p);
+}
+
+PyMethodDef kMethods[] = {
+    {"stack_best", stack_best, METH_VARARGS,
+     "The expert eviction's ranking of one stack (offtensor/moe/eviction.py: ExpertEviction._stack_best)."},
+    {nullptr, nullptr, 0, nullptr}};
+
 bool cuda_compiled() { return kCudaCompiled; }
 
 }  // namespace
@@ -820,6 +1073,6 @@ TORCH_LIBRARY_IMPL(offtensor, CUDA, m) {
 // `import offtensor._C` loads this library, whose static initializers register the ops above.
 extern "C" PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "offtensor's native ops, in torch.ops.offtensor",
-                                      -1, nullptr, nullptr, nullptr, nullptr, nullptr};
+                                      -1, offtensor::kMethods, nullptr, nullptr, nullptr, nullptr};
   return PyModule_Create(&module);
 }

@@ -5,7 +5,8 @@ engine; its ops live in ``torch.ops.offtensor`` and their fake kernels are regis
 cannot be loaded, or ``OFFTENSOR_NO_NATIVE=1`` is set, one warning says so and the same functions
 run on plain PyTorch, only slower. The rest of offtensor uses only the names below:
 
-- ``NATIVE``, ``CUDA_COMPILED``, ``cuda_device_count()``
+- ``NATIVE``, ``CUDA_COMPILED``, ``cuda_device_count()``, ``native_function(name)`` (a plain function of
+  the extension's module, or None)
 - ``alloc_host(nbytes, pin=..., touch=...)``, ``pin_host(tensor)`` and ``live_host_bytes()``
 - ``CopyEngine``: ``submit``, ``query``, ``wait``, ``stream_wait``. The pager's device layer
   (``pager/device.py``) uses it as the emulated device's worker thread; copies on a GPU side stream,
@@ -31,7 +32,7 @@ import torch
 
 from . import forking
 
-__all__ = ["NATIVE", "CUDA_COMPILED", "cuda_device_count", "alloc_host", "pin_host", "live_host_bytes", "CopyEngine",
+__all__ = ["NATIVE", "CUDA_COMPILED", "cuda_device_count", "native_function", "alloc_host", "pin_host", "live_host_bytes", "CopyEngine",
            "StrictCopyEngine", "strict_failures"]
 
 _BUILD_HINT = "pip install --no-build-isolation -e ."
@@ -66,6 +67,12 @@ if not NATIVE:
     )
 
 CUDA_COMPILED: bool = NATIVE and torch.ops.offtensor.cuda_compiled()
+
+
+def native_function(name: str):
+    """The extension module's plain function ``name`` (not an op: one the interpreter's loops call
+    directly), or None without the extension or in one built before it."""
+    return getattr(importlib.import_module(f"{__package__}._C"), name, None) if NATIVE else None
 
 
 def cuda_device_count() -> int:

@@ -128,3 +128,64 @@ def test_a_pass_that_has_paged_no_layer_yet_is_placed_in_the_last_passs_cycle():
         assert policy._ahead_limit(count) == eviction.SPECULATE_VICTIM_CYCLES * 3
     order.enter("a")
     assert order.cycle()[1:] == (3, 0)
+
+
+@pytest.mark.parametrize("predicted", [False, True], ids=["by use", "next-token map"])
+def test_the_native_stack_ranking_finds_the_interpreters_candidate(monkeypatch, predicted):
+    """Which steps rank a stack in a victim search is a matter of speed only: over a decode at a
+    quarter of the experts (ranked by use frequency and reuse, or by a next-token map's chances),
+    every ranking in the native extension finds the same copy, with the same expected wait and
+    tie-break, as the interpreter's steps on the same state."""
+    from test_moe_next_turn import _decode as _decode_tokens
+    from test_moe_next_turn import _predicting
+    from test_moe_next_turn import _wrap_quarter as _wrap_experts
+
+    from offtensor.model.state import pager_of
+    from offtensor.moe.predictor import install
+
+    native = eviction._NATIVE_STACK_BEST
+    if native is None:
+        pytest.skip("the native extension is not built with the stack ranking")
+    rankings, real = [], eviction.ExpertEviction._stack_best
+
+    def both(self, stack, cache, cached, keep, count):
+        got = real(self, stack, cache, cached, keep, count)
+        monkeypatch.setattr(eviction, "_NATIVE_STACK_BEST", None)
+        want = real(self, stack, cache, cached, keep, count)
+        monkeypatch.setattr(eviction, "_NATIVE_STACK_BEST", native)
+        rankings.append((got, want, self.next_turn.of(stack.group) is not None))
+        return got
+
+    monkeypatch.setattr(eviction.ExpertEviction, "_stack_best", both)
+    model = _wrap_experts(_qwen3())
+    if predicted:
+        install(pager_of(model), _predicting([1, 2]))
+    _decode_tokens(model, 16)
+    found = [(got, want) for got, want, _ in rankings if got is not None or want is not None]
+    assert len(found) > 50 and (not predicted or sum(p for *_, p in rankings) > 20)
+    assert all(got is not None and want is not None and got[:2] == want[:2] and got[2] is want[2] for got, want in found)
+
+
+def test_a_malformed_coldness_record_is_an_error_that_leaves_the_heap_whole():
+    # The native ranking walks the heap as ColdHeaps.coldest does: records of copies in use are
+    # set aside, and go back however the walk ends (here: a record with no expert under them).
+    import heapq
+    from types import SimpleNamespace
+
+    native = eviction._NATIVE_STACK_BEST
+    if native is None:
+        pytest.skip("the native extension is not built with the stack ranking")
+    stack, heaps, last = _heap_stack(), eviction.ColdHeaps(), {}
+    cache = {k: SimpleNamespace(key=k, users=1, prefetched=False) for k in stack.keys}  # every copy in use
+    for tick, e in enumerate(range(4)):
+        last[stack.keys[e]] = tick
+        heaps.push(stack, stack.keys[e], e, float(e), tick, last)
+    heap = heaps.heap_of(stack)
+    heapq.heappush(heap, (9.0, 99))  # the coldest-last record, and no expert in it
+    before = sorted(heap)
+    with pytest.raises(TypeError, match="coldness record"):
+        native(heap, stack.keys, cache, last, {}, None, set(), None, 4, 0.4, 0.02, 0.02)
+    assert sorted(heap) == before
+    cache[stack.keys[2]].users = 0  # one copy may go now: found before the bad record surfaces
+    assert native(heap, stack.keys, cache, last, {}, None, set(), None, 4, 0.4, 0.02, 0.02)[2] is cache[stack.keys[2]]
+    assert sorted(heap) == before

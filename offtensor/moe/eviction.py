@@ -20,6 +20,8 @@ import contextlib
 import heapq
 from typing import TYPE_CHECKING
 
+from .. import _ext
+
 if TYPE_CHECKING:
     from .stack import Stack
 
@@ -39,6 +41,7 @@ REUSE_DECAY = 0.9
 # How many evictable copies eviction compares, least recently used first (bounds its cost in a
 # cache of thousands of experts; a copy it passes over is evicted later).
 VICTIM_WINDOW = 512
+_NATIVE_STACK_BEST = _ext.native_function("stack_best")  # a stack's ranking (csrc/offtensor.cpp), where built
 # Probability of use given to an expert with no recorded use, so the cyclic distance still orders them.
 UNSEEN_USE = 0.02
 # A guess's copy may evict only a copy whose next use is expected at least this many cycles of
@@ -186,6 +189,10 @@ class ColdHeaps:
                 keys = by_master[master_id].keys
                 heap[:] = [(frequency.get(keys[r[2]] if len(r) == 3 else r[3], 0.0),) + r[1:] for r in heap]
                 heapq.heapify(heap)
+
+    def heap_of(self, stack: "Stack"):
+        """``stack``'s heap of records, or None."""
+        return self._heaps.get(stack.master_id)
 
     def coldest(self, stack: "Stack", cache, last: dict, needed, recent):
         """The stack's least used cached copy that is evictable (no users, not an unused prefetch),
@@ -454,9 +461,14 @@ class ExpertEviction:
         return best
 
     def _stack_best(self, stack: Stack, cache, cached, keep, count: int):
-        """``_best_of`` for one stack."""
+        """``_best_of`` for one stack: the native extension's steps where built (the same), else these."""
         if not cached.get(stack.master_id):
             return None
+        if _NATIVE_STACK_BEST is not None:
+            chances, reuse = self.next_turn.of(stack.group), self._reuse.get(stack.group, REUSE_PRIOR)
+            recent = self._recent(stack) if chances is None else self.next_turn.likely(stack.group)
+            return _NATIVE_STACK_BEST(self._coldest.heap_of(stack), stack.keys, cache, self._last, self.frequency, keep,
+                                      recent, chances, count, reuse, 1.0 - FREQUENCY_DECAY, UNSEEN_USE)
         best = None
         for entry, recent in _coldest_of(self, stack, cache, keep):
             found = (self._next_use(entry.key, stack, 0.0, count, recent), -self._last.get(entry.key, -1), entry)
