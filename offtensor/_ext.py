@@ -32,8 +32,8 @@ import torch
 
 from . import forking
 
-__all__ = ["NATIVE", "CUDA_COMPILED", "cuda_device_count", "native_function", "alloc_host", "pin_host", "live_host_bytes", "CopyEngine",
-           "StrictCopyEngine", "strict_failures"]
+__all__ = ["NATIVE", "CUDA_COMPILED", "cuda_device_count", "native_function", "alloc_host", "pin_host",
+           "live_host_bytes", "CopyEngine", "StrictCopyEngine", "strict_failures"]
 
 _BUILD_HINT = "pip install --no-build-isolation -e ."
 
