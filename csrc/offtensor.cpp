@@ -712,68 +712,7 @@ at::Tensor pool_grouped_mm_cpu(const at::Tensor& x, const at::Tensor& pool, cons
   return out;
 }
 
-// The host side of a routing guess (offtensor/moe/guesses.py: host_guess, host_chances), on the few
-// rows of look-ahead scores read back to the host: what the Python loops compute, in the same double
-// arithmetic in the same order (libm's exp, a sequential sum), so that the guesses are the same with
-// or without this extension; without the interpreter's per-element cost, which at DeepSeek-V3's 256
-// experts was some 50 us a row. Rows are the last dimension of `scores`, of any floating dtype (their
-// values are exact in double).
-at::Tensor host_rows(const at::Tensor& scores) {
-  TORCH_CHECK(scores.device().is_cpu() && at::isFloatingType(scores.scalar_type()) && scores.dim() >= 1,
-              "offtensor: a routing guess reads floating-point scores on the host, got ", scores.sizes(), " ",
-              scores.dtype(), " on ", scores.device());
-  return scores.reshape({-1, scores.size(-1)}).to(at::kDouble).contiguous();
-}
-
-// Each row's top_k experts, the highest score first (ties: the lower expert first), and each one's
-// softmax probability over its row: (int64 experts, float64 probabilities), row after row.
-std::tuple<at::Tensor, at::Tensor> host_guess(const at::Tensor& scores, int64_t top_k) {
-  const at::Tensor rows = host_rows(scores);
-  const int64_t n = rows.size(0), width = rows.size(1), k = std::max<int64_t>(std::min(top_k, width), 0);
-  at::Tensor experts = at::empty({n * k}, at::kLong), chances = at::empty({n * k}, at::kDouble);
-  int64_t* e_out = experts.data_ptr<int64_t>();
-  double* p_out = chances.data_ptr<double>();
-  std::vector<int64_t> order(width);
-  for (int64_t r = 0; r < n; ++r) {
-    const double* row = rows.data_ptr<double>() + r * width;
-    double top = row[0];
-    for (int64_t e = 1; e < width; ++e) top = row[e] > top ? row[e] : top;  // Python's max: the first of equals
-    double sum = 0.0;
-    for (int64_t e = 0; e < width; ++e) sum += std::exp(row[e] - top);
-    const double scale = 1.0 / sum;
-    for (int64_t e = 0; e < width; ++e) order[e] = e;
-    std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                      [row](int64_t a, int64_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
-    for (int64_t i = 0; i < k; ++i) {
-      e_out[r * k + i] = order[i];
-      p_out[r * k + i] = std::exp(row[order[i]] - top) * scale;
-    }
-  }
-  return std::make_tuple(experts, chances);
-}
-
-// Per expert (the last dimension), 1 - prod over the rows of (1 - sigmoid(score)): its chance of
-// use at a layer's next turn from a next-token map's logits, one row a token of the turn.
-at::Tensor host_chances(const at::Tensor& scores) {
-  const at::Tensor rows = host_rows(scores);
-  const int64_t n = rows.size(0), width = rows.size(1);
-  std::vector<double> miss(width, 1.0);
-  for (int64_t r = 0; r < n; ++r) {
-    const double* row = rows.data_ptr<double>() + r * width;
-    for (int64_t e = 0; e < width; ++e) miss[e] *= 1.0 - (row[e] > -60.0 ? 1.0 / (1.0 + std::exp(-row[e])) : 0.0);
-  }
-  at::Tensor out = at::empty({width}, at::kDouble);
-  double* chance = out.data_ptr<double>();
-  for (int64_t e = 0; e < width; ++e) chance[e] = 1.0 - miss[e];
-  return out;
-}
-
-// ---------------------------------------------------------------------------------------------
-// The expert eviction's ranking of one stack (offtensor/moe/eviction.py: ExpertEviction._stack_best
-// with _coldest_of and ColdHeaps.coldest), the victim search's inner step: the interpreter's code
-// step by step, in the same double arithmetic and order and with the same heap operations (the
-// _heapq module's own), so the same copy is found; without the interpreter's per-step cost, the
-// largest part of a victim search. Python objects throughout: a reference owned is a PyRef.
+// A Python reference owned here (the plain functions below work on the interpreter's objects).
 struct PyRef {
   PyObject* p = nullptr;
   PyRef() = default;
@@ -783,6 +722,103 @@ struct PyRef {
   ~PyRef() { Py_XDECREF(p); }
   PyObject* release() { PyObject* o = p; p = nullptr; return o; }
 };
+
+// The host side of a routing guess (offtensor/moe/guesses.py: host_guess, host_chances), on the few
+// rows of look-ahead scores read back to the host, as Python lists of floats (``tolist()``): what the
+// interpreter's loops compute, in the same double arithmetic in the same order (libm's exp, a
+// sequential sum), so that the guesses are the same with or without this extension; without the
+// interpreter's per-element cost (at DeepSeek-V3's 256 experts some 40 us a row). Plain functions of
+// the module, not ops: an op call costs more than the loop at a few dozen experts.
+
+// The doubles of one row (a list of Python numbers); false with an exception set.
+bool row_values(PyObject* row, std::vector<double>* out) {
+  if (!PyList_Check(row)) {
+    PyErr_SetString(PyExc_TypeError, "offtensor: a guess's rows are lists of scores");
+    return false;
+  }
+  const Py_ssize_t width = PyList_GET_SIZE(row);
+  out->resize(width);
+  for (Py_ssize_t e = 0; e < width; ++e) {
+    (*out)[e] = PyFloat_AsDouble(PyList_GET_ITEM(row, e));
+    if ((*out)[e] == -1.0 && PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
+// [(expert, softmax probability)] of each row's top_k highest scores (None: all), the highest first
+// (ties: the lower expert first), row after row.
+PyObject* guess_rows(PyObject*, PyObject* args) {
+  PyObject *rows, *top_k_obj;
+  if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &rows, &top_k_obj)) return nullptr;
+  Py_ssize_t top_k = -1;
+  if (top_k_obj != Py_None) {
+    top_k = PyNumber_AsSsize_t(top_k_obj, PyExc_OverflowError);
+    if (top_k == -1 && PyErr_Occurred()) return nullptr;
+  }
+  PyRef out(PyList_New(0));
+  if (!out.p) return nullptr;
+  std::vector<double> row;
+  std::vector<Py_ssize_t> order;
+  for (Py_ssize_t r = 0; r < PyList_GET_SIZE(rows); ++r) {
+    if (!row_values(PyList_GET_ITEM(rows, r), &row)) return nullptr;
+    const Py_ssize_t width = static_cast<Py_ssize_t>(row.size());
+    if (width == 0) {
+      PyErr_SetString(PyExc_ValueError, "max() arg is an empty sequence");  // (as the interpreter's)
+      return nullptr;
+    }
+    double top = row[0];
+    for (Py_ssize_t e = 1; e < width; ++e) top = row[e] > top ? row[e] : top;  // Python's max
+    double sum = 0.0;
+    for (Py_ssize_t e = 0; e < width; ++e) sum += std::exp(row[e] - top);
+    const double scale = 1.0 / sum;
+    const Py_ssize_t k = top_k < 0 ? width : std::min(top_k, width);
+    order.resize(width);
+    for (Py_ssize_t e = 0; e < width; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&row](Py_ssize_t a, Py_ssize_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+    for (Py_ssize_t i = 0; i < k; ++i) {
+      PyRef pair(Py_BuildValue("(nd)", order[i], std::exp(row[order[i]] - top) * scale));
+      if (!pair.p || PyList_Append(out.p, pair.p) < 0) return nullptr;
+    }
+  }
+  return out.release();
+}
+
+// Per expert, 1 - prod over the rows of (1 - sigmoid(score)): its chance of use at a layer's next
+// turn from a next-token map's logits, one row a token of the turn.
+PyObject* chance_rows(PyObject*, PyObject* args) {
+  PyObject* rows;
+  if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &rows)) return nullptr;
+  if (PyList_GET_SIZE(rows) == 0) {
+    PyErr_SetString(PyExc_IndexError, "list index out of range");  // (as the interpreter's)
+    return nullptr;
+  }
+  std::vector<double> row, miss;
+  for (Py_ssize_t r = 0; r < PyList_GET_SIZE(rows); ++r) {
+    if (!row_values(PyList_GET_ITEM(rows, r), &row)) return nullptr;
+    if (r == 0) miss.assign(row.size(), 1.0);
+    if (row.size() > miss.size()) {
+      PyErr_SetString(PyExc_IndexError, "list index out of range");
+      return nullptr;
+    }
+    for (size_t e = 0; e < row.size(); ++e) miss[e] *= 1.0 - (row[e] > -60.0 ? 1.0 / (1.0 + std::exp(-row[e])) : 0.0);
+  }
+  PyRef out(PyList_New(static_cast<Py_ssize_t>(miss.size())));
+  if (!out.p) return nullptr;
+  for (size_t e = 0; e < miss.size(); ++e) {
+    PyObject* chance = PyFloat_FromDouble(1.0 - miss[e]);
+    if (chance == nullptr) return nullptr;
+    PyList_SET_ITEM(out.p, static_cast<Py_ssize_t>(e), chance);
+  }
+  return out.release();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The expert eviction's ranking of one stack (offtensor/moe/eviction.py: ExpertEviction._stack_best
+// with _coldest_of and ColdHeaps.coldest), the victim search's inner step: the interpreter's code
+// step by step, in the same double arithmetic and order and with the same heap operations (the
+// _heapq module's own), so the same copy is found; without the interpreter's per-step cost, the
+// largest part of a victim search. Python objects throughout: a reference owned is a PyRef.
 
 // `obj.name` is truthy: 1, 0, or -1 with an exception set.
 int attr_true(PyObject* obj, PyObject* name) {
@@ -1017,6 +1053,10 @@ PyObject* stack_best(PyObject*, PyObject* args) {
 }
 
 PyMethodDef kMethods[] = {
+    {"guess_rows", guess_rows, METH_VARARGS,
+     "The host side of a routing guess on rows of scores (offtensor/moe/guesses.py: host_guess)."},
+    {"chance_rows", chance_rows, METH_VARARGS,
+     "A next-token map's chances on rows of logits (offtensor/moe/guesses.py: host_chances)."},
     {"stack_best", stack_best, METH_VARARGS,
      "The expert eviction's ranking of one stack (offtensor/moe/eviction.py: ExpertEviction._stack_best)."},
     {nullptr, nullptr, 0, nullptr}};
@@ -1044,8 +1084,6 @@ TORCH_LIBRARY(offtensor, m) {
         "Tensor(d!) clock, Tensor(e!) counts, Tensor(f!)[] buffers, Tensor[] hosts, int base, int experts) -> "
         "(Tensor, Tensor)");
   m.def("pool_grouped_mm_cpu(Tensor x, Tensor pool, Tensor group_slot, Tensor group_ends) -> Tensor");
-  m.def("host_guess(Tensor scores, int top_k) -> (Tensor, Tensor)");
-  m.def("host_chances(Tensor scores) -> Tensor");
 }
 
 // A factory has no tensor argument to dispatch on; CompositeExplicitAutograd (unlike a catch-all
@@ -1059,8 +1097,6 @@ TORCH_LIBRARY_IMPL(offtensor, CPU, m) {
   m.impl("host_device_address", &offtensor::host_device_address);
   m.impl("pool_admit_cpu", &offtensor::pool_admit_cpu);
   m.impl("pool_grouped_mm_cpu", &offtensor::pool_grouped_mm_cpu);
-  m.impl("host_guess", &offtensor::host_guess);
-  m.impl("host_chances", &offtensor::host_chances);
 }
 
 TORCH_LIBRARY_IMPL(offtensor, CUDA, m) {

@@ -270,15 +270,15 @@ def test_online_refit_fits_the_next_token_maps_inside_an_inference_mode_decode()
 
 
 def _host_loops(which: str, monkeypatch) -> None:
-    """Make the host side of a guess take the native extension's loops at every width, or never."""
+    """Make the host side of a guess take the native extension's loops, or the interpreter's."""
     from offtensor.moe import guesses
 
     if which == "native":
         if guesses._NATIVE_GUESS is None:
             pytest.skip("the native extension is not built with the guess loops")
-        monkeypatch.setattr(guesses, "NATIVE_GUESS_FROM", 0)
     else:
-        monkeypatch.setattr(guesses, "NATIVE_GUESS_FROM", 1 << 30)
+        monkeypatch.setattr(guesses, "_NATIVE_GUESS", None)
+        monkeypatch.setattr(guesses, "_NATIVE_CHANCES", None)
 
 
 @pytest.mark.parametrize("loops", ["native", "interpreter"])
@@ -332,9 +332,12 @@ def test_the_native_guess_loops_give_the_interpreters_guesses_bit_for_bit(monkey
                 tied = s.round()[:, :width].contiguous()
                 tied[:, : width // 2] = -80.0
                 cases.append(tied)
+    loops = guesses._NATIVE_GUESS, guesses._NATIVE_CHANCES
     for scores in cases:
-        for top_k in (1, 4, 8, None):
-            monkeypatch.setattr(guesses, "NATIVE_GUESS_FROM", 0)
+        for top_k in (0, 1, 4, 8, 300, None):
+            monkeypatch.setattr(guesses, "_NATIVE_GUESS", loops[0])
+            monkeypatch.setattr(guesses, "_NATIVE_CHANCES", loops[1])
             native = guesses.host_guess(scores, top_k), guesses.host_chances(scores)
-            monkeypatch.setattr(guesses, "NATIVE_GUESS_FROM", 1 << 30)
+            monkeypatch.setattr(guesses, "_NATIVE_GUESS", None)
+            monkeypatch.setattr(guesses, "_NATIVE_CHANCES", None)
             assert (guesses.host_guess(scores, top_k), guesses.host_chances(scores)) == native, (scores.dtype, top_k)

@@ -289,25 +289,20 @@ def routers_report(routers: list, pool, copying: bool) -> dict:
                                 for r in routers if r.stacks}}
 
 
-# The native extension's loops for the host side of a guess (csrc/offtensor.cpp), where it is built
-# with them; an extension built before them, or none, leaves the interpreter's loops below. They are
-# taken for rows of NATIVE_GUESS_FROM experts or more: a call of the op costs some 5 us before its
-# first element, the interpreter about 0.15 us an expert (one row of 256 experts: 9 us against 42;
-# of 32: 7 against 8; of 16: 7 against 6).
-_NATIVE_GUESS, _NATIVE_CHANCES = ((torch.ops.offtensor.host_guess.default, torch.ops.offtensor.host_chances.default)
-                                  if _ext.NATIVE and hasattr(torch.ops.offtensor, "host_chances") else (None, None))
-NATIVE_GUESS_FROM = 48
+# The native extension's loops for the host side of a guess (csrc/offtensor.cpp), on the rows as
+# Python lists, where it is built with them; without it, the interpreter's loops below. A row of 32
+# experts: some 3 us against 8; of 256: 6 against 42.
+_NATIVE_GUESS, _NATIVE_CHANCES = _ext.native_function("guess_rows"), _ext.native_function("chance_rows")
 
 
 def host_guess(scores: torch.Tensor, top_k) -> list:
     """(expert, softmax probability) of each row's ``top_k`` highest scores (all, with None), computed
-    on the host from a few rows of router scores (no kernel: see speculation.RoutingSpeculator.router_ran).
-    On host scores of many experts, the native extension's loop where it is built (the same
-    arithmetic in the same order: the same pairs), else the interpreter's."""
-    if _NATIVE_GUESS is not None and scores.shape[-1] >= NATIVE_GUESS_FROM and scores.device.type == "cpu":
-        experts, chances = _NATIVE_GUESS(scores, scores.shape[-1] if top_k is None else top_k)
-        return list(zip(experts.tolist(), chances.tolist()))
+    on the host from a few rows of router scores (no kernel: see speculation.RoutingSpeculator.router_ran):
+    in the native extension's loop where it is built (the same arithmetic in the same order: the
+    same pairs), else the interpreter's."""
     rows = scores.reshape(-1, scores.shape[-1]).tolist()
+    if _NATIVE_GUESS is not None:
+        return _NATIVE_GUESS(rows, top_k)
     out = []
     exp = math.exp
     for row in rows:
@@ -323,9 +318,9 @@ def host_guess(scores: torch.Tensor, top_k) -> list:
 def host_chances(scores: torch.Tensor) -> list:
     """Per expert, its chance of use at a layer's next turn from the next-token map's logits of a
     few rows (one a token of the turn): 1 - prod(1 - sigmoid), on the host like ``host_guess``."""
-    if _NATIVE_CHANCES is not None and scores.shape[-1] >= NATIVE_GUESS_FROM and scores.device.type == "cpu":
-        return _NATIVE_CHANCES(scores).tolist()
     rows = scores.reshape(-1, scores.shape[-1]).tolist()
+    if _NATIVE_CHANCES is not None:
+        return _NATIVE_CHANCES(rows)
     out = [1.0] * len(rows[0])
     for row in rows:
         for e, v in enumerate(row):
