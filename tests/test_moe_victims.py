@@ -94,6 +94,29 @@ def test_a_copy_of_part_of_an_expert_is_found_by_its_own_key():
     assert heaps.coldest(stack, cache, last, None, {2}) is None  # its expert, routed at its last turn
 
 
+def test_the_native_ranking_finds_a_copy_of_part_of_an_expert_by_its_own_key():
+    from types import SimpleNamespace
+
+    from offtensor.pager import cache_key
+
+    native = eviction._NATIVE_STACK_BEST
+    if native is None:
+        pytest.skip("the native extension is not built with the stack ranking")
+    stack, heaps = _heap_stack(), eviction.ColdHeaps()
+    half = cache_key(7, torch.float32, 32, 40)  # the first half of expert 2
+    cache = {half: SimpleNamespace(key=half, users=0, prefetched=False)}
+    last, frequency = {half: 5}, {half: 50.0}
+    heaps.push(stack, half, 2, 50.0, 5, last)
+    rank = lambda recent, chances=None: native(  # noqa: E731
+        heaps.heap_of(stack), stack.keys, cache, last, frequency, None, recent, chances, 4, 0.4, 0.02, 0.02)
+    # Used 50 times: a chance of 1 a turn, so its next use is its layer's next turn (distance 0 here).
+    assert rank(set()) == (0.0, -5, cache[half])
+    assert rank({2}) is None  # its expert, routed at its last turn: kept
+    chances = [0.0, 0.0, 0.25, 0.0]  # a next-token map: expert 2 (its expert) a quarter likely
+    assert rank(set(), chances) == (0.75 * 4, -5, cache[half])
+    assert len(heaps.heap_of(stack)) == 1  # the record went back
+
+
 def test_the_records_of_whole_experts_are_not_tracked_by_the_garbage_collector():
     # One record is pushed per use of an expert, thousands alive at a time: records the cyclic
     # collector tracked would be walked at every collection and bring full collections sooner.
