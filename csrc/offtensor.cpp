@@ -932,7 +932,7 @@ PyObject* stack_best(PyObject*, PyObject* args) {
   }
 
   // 2. The least used evictable copy off the stack's heap of use records (ColdHeaps.coldest).
-  PyRef cold_ref;
+  PyRef cold_ref, cold_key;
   long cold_e = -1;
   if (heap != Py_None && PyList_Check(heap)) {
     PyRef aside(PyList_New(0));
@@ -958,7 +958,7 @@ PyObject* stack_best(PyObject*, PyObject* args) {
       } else {
         key = PyTuple_GET_ITEM(record, 3);
       }
-      PyRef key_ref(Py_NewRef(key)), record_ref(Py_NewRef(record));
+      PyRef record_ref(Py_NewRef(record));  // (which holds the key)
       PyRef entry_ref(PyObject_CallOneArg(cache_get.p, key));
       if (!entry_ref.p) { failed = true; break; }
       PyObject* entry = entry_ref.p == Py_None ? nullptr : entry_ref.p;
@@ -981,6 +981,7 @@ PyObject* stack_best(PyObject*, PyObject* args) {
       if (ok < 0) { failed = true; break; }
       if (ok) {
         cold_ref.p = entry_ref.release();
+        cold_key.p = Py_NewRef(key);
         cold_e = e;
         break;
       }
@@ -1001,19 +1002,18 @@ PyObject* stack_best(PyObject*, PyObject* args) {
 
   // 3. Of the two, the one whose next use is expected furthest away (ties to the older use).
   PyObject* candidates[2] = {routed_ref.p, cold_ref.p};
+  PyObject* candidate_keys[2] = {routed_key, cold_key.p};  // (each its entry's key, as the entry was found by)
   const long indexes[2] = {routed_e, cold_e};
   const bool recents[2] = {!predicted, false};
   PyRef best;
   double best_wait = 0.0;
   PyRef best_tie;
-  static PyObject* key_name = PyUnicode_InternFromString("key");
   for (int c = 0; c < 2; ++c) {
     PyObject* entry = candidates[c];
     if (entry == nullptr) continue;
-    PyRef key(PyObject_GetAttr(entry, key_name));
-    if (!key.p) return nullptr;
+    PyObject* key = candidate_keys[c];
     double frequency_of;
-    if (get_double(frequency, key.p, 0.0, &frequency_of) < 0) return nullptr;
+    if (get_double(frequency, key, 0.0, &frequency_of) < 0) return nullptr;
     double q = frequency_of * per_turn;
     q = q < unseen ? unseen : q;  // max(q, unseen)
     q = 1.0 < q ? 1.0 : q;        // min(1.0, q)
@@ -1028,7 +1028,7 @@ PyObject* stack_best(PyObject*, PyObject* args) {
       p = recents[c] ? (reuse > q ? reuse : q) : q;  // max(q, reuse)
     }
     const double wait = 0.0 + (1.0 - p) * static_cast<double>(count) / q;
-    PyRef tick(tick_of(last, key.p));
+    PyRef tick(tick_of(last, key));
     if (!tick.p) return nullptr;
     PyRef tie(PyNumber_Negative(tick.p));
     if (!tie.p) return nullptr;
