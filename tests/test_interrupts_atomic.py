@@ -5,7 +5,8 @@
   frees the host memory the attempt allocated, and the next wrap or load works. Interrupts are
   raised by ``sys.settrace`` at the n-th opcode executed in offtensor's frames, n sampled (seeded).
 - A second interrupt inside the roll-back is survived; an interrupted reader never closes a
-  descriptor twice; a threaded load interrupted by signals stops its workers before it returns.
+  descriptor twice; a threaded load interrupted by signals stops its workers before it returns,
+  and raises the KeyboardInterrupt even where the stdlib's Condition.wait turns it into another error.
 - ``fork()`` while another thread runs forwards: the child's forward finishes with the parent's
   output (``offtensor.forking``).
 """
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 import random
 import signal
@@ -310,6 +312,66 @@ def test_a_threaded_load_interrupted_by_signals_stops_its_workers_before_it_retu
         signal.signal(signal.SIGALRM, previous)
     model = meta()
     assert _finishes(lambda: load(model))
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+
+
+class _InterruptInConditionWait:
+    """A tracer raising ``KeyboardInterrupt`` in the ``n``-th ``threading.Condition.wait`` of the
+    calling thread, on the line after it releases its lock and before its ``try``: the window where
+    CPython turns a Ctrl-C into "release unlocked lock" in the caller's ``with``; n < 0 only counts."""
+
+    def __init__(self, n):
+        self.n, self.count = n, 0
+        lines, first = inspect.getsourcelines(threading.Condition.wait)
+        released = next(i for i, line in enumerate(lines) if "= self._release_save()" in line)
+        self.line = first + released + 1
+
+    def __call__(self, frame, event, arg):
+        return self.local if frame.f_code is threading.Condition.wait.__code__ else None
+
+    def local(self, frame, event, arg):
+        if event == "line" and frame.f_lineno == self.line:
+            self.count += 1
+            if self.count == self.n:
+                raise KeyboardInterrupt(f"injected in Condition.wait {self.n}")
+        return self.local
+
+
+def test_an_interrupt_where_a_condition_wait_has_released_its_lock_stops_a_threaded_load_as_a_ctrl_c(tmp_path):
+    """A thread's start, a future's wait and a queue's get wait on a Condition; a Ctrl-C between its
+    release and its ``try`` surfaces from the stdlib as "release unlocked lock". The load raises the
+    KeyboardInterrupt itself, with no worker left reading, and the next load finishes right."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    reference = _Wide().eval()
+    path = tmp_path / "wide.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
+
+    def load():
+        with torch.device("meta"):
+            model = _Wide()
+        ot.load_safetensors(model, path, budget_gb=1e6 / GiB, device="cpu", policy={"offload": ["layers.*"]},
+                            threads=4, progress=False)
+        return model
+
+    interrupted = 0
+    for n in range(1, 100):  # the n-th wait until a load has fewer (how many varies with the threads)
+        tracer = _InterruptInConditionWait(n)
+        sys.settrace(tracer)
+        try:
+            load()
+            break
+        except KeyboardInterrupt as error:
+            assert str(error) == f"injected in Condition.wait {n}"
+            interrupted += 1
+        finally:
+            sys.settrace(None)
+        assert not [t for t in threading.enumerate() if t.name.startswith("offtensor-load") and t.is_alive()]
+    assert tracer.count < n and interrupted >= 4  # at least each worker's start was cut
+    model = load()
     x = torch.randn(2, 256)
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))

@@ -253,6 +253,8 @@ class Reader:
             else:
                 self._run_pool()
             self.drain()
+        except RuntimeError as error:
+            raise _interrupt_behind(error)
         finally:
             self.discard()
 
@@ -327,6 +329,19 @@ def _join_started(thread: threading.Thread, patience: float = 5.0) -> None:
             if time.monotonic() > deadline:
                 return
             time.sleep(0.001)
+
+
+def _interrupt_behind(error: RuntimeError) -> BaseException:
+    """The Ctrl-C behind a "release unlocked lock". ``threading.Condition.wait`` (under a worker's
+    ``start``, a future's wait, a queue's ``get``) releases its lock a few bytecodes before its
+    ``try``: an interrupt landing there leaves the caller's ``with`` releasing a lock it no longer
+    holds, and the KeyboardInterrupt surfaces only as that error's context. The user pressed
+    Ctrl-C, so that is what the load raises; any other error is raised as it is."""
+    interrupt = error.__context__
+    if isinstance(interrupt, KeyboardInterrupt) and "unlocked lock" in str(error):
+        interrupt.__suppress_context__ = True
+        return interrupt
+    return error
 
 
 def _shut_down(pool: ThreadPoolExecutor) -> None:
