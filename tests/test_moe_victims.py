@@ -1,7 +1,7 @@
 """The expert cache's victim search keeps each stack's candidates from one search to the next
-(``eviction.KeptBest``) only while they are what a search from scratch would find: a decode
+(``eviction_index.KeptBest``) only while they are what a search from scratch would find: a decode
 evicts exactly the same experts, in the same order, with them as without them. Each stack's
-coldest copy comes off a heap of use records (``eviction.ColdHeaps``) that holds no copy a search
+coldest copy comes off a heap of use records (``eviction_index.ColdHeaps``) that holds no copy a search
 may not take and no record the garbage collector walks."""
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ and evicted, the guess of the next MoE layer's experts, and the routing a run me
     stack.py       Stack (per-stack counters), LayerOrder (the layer order of a pass)
     stacks.py      ExpertStacks: what the pager holds as
                    ``pager.experts`` (its observer and eviction policy for experts)
-    eviction.py    ExpertEviction: use frequencies, per-layer reuse, predicted next turns (NextTurn),
-                   the victim
+    eviction.py    ExpertEviction: use frequencies, per-layer reuse, the victim
+    eviction_index.py  what eviction keeps between searches: predicted next turns (NextTurn), each
+                   layer's best candidate (KeptBest), per stack its copies by coldness (ColdHeaps)
     prefetch.py    ExpertIssuer: the current op's experts (announce / expect) and their copies
     guesses.py     Router: a router's record of its guesses (confidence bins, their precision, the
                    gates a copy must pass, the report); the host softmax / top-k of a guess

@@ -289,7 +289,7 @@ def routers_report(routers: list, pool, copying: bool) -> dict:
                                 for r in routers if r.stacks}}
 
 
-# The native extension's loops for the host side of a guess (csrc/offtensor.cpp), on the rows as
+# The native extension's loops for the host side of a guess (csrc/policy.cpp), on the rows as
 # Python lists, where it is built with them; without it, the interpreter's loops below. A row of 32
 # experts: some 3 us against 8; of 256: 9 against 44.
 _NATIVE_GUESS, _NATIVE_CHANCES = _ext.native_function("guess_rows"), _ext.native_function("chance_rows")

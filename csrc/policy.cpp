@@ -1,0 +1,471 @@
+// The expert policy's inner loops (offtensor/moe): plain functions of the extension module
+// `offtensor._C` on the interpreter's own objects, each the interpreter's code step by step in the
+// same double arithmetic and order, so the policy decides the same with or without them; Python
+// reaches them through offtensor._ext.native_function. Apart from offtensor.cpp because they need
+// only Python's headers, not ATen's: this file compiles in seconds.
+#include <Python.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace offtensor {
+namespace {
+
+// A Python reference owned here (the plain functions below work on the interpreter's objects).
+struct PyRef {
+  PyObject* p = nullptr;
+  PyRef() = default;
+  explicit PyRef(PyObject* o) : p(o) {}
+  PyRef(const PyRef&) = delete;
+  PyRef& operator=(const PyRef&) = delete;
+  ~PyRef() { Py_XDECREF(p); }
+  PyObject* release() { PyObject* o = p; p = nullptr; return o; }
+};
+
+// The host side of a routing guess (offtensor/moe/guesses.py: host_guess, host_chances), on the few
+// rows of look-ahead scores read back to the host, as Python lists of floats (``tolist()``): what the
+// interpreter's loops compute, in the same double arithmetic in the same order (libm's exp, a
+// sequential sum), so that the guesses are the same with or without this extension; without the
+// interpreter's per-element cost (at DeepSeek-V3's 256 experts some 40 us a row). Plain functions of
+// the module, not ops: an op call costs more than the loop at a few dozen experts.
+
+// The doubles of one row (a list of Python numbers); false with an exception set.
+bool row_values(PyObject* row, std::vector<double>* out) {
+  if (!PyList_Check(row)) {
+    PyErr_SetString(PyExc_TypeError, "offtensor: a guess's rows are lists of scores");
+    return false;
+  }
+  const Py_ssize_t width = PyList_GET_SIZE(row);
+  out->resize(width);
+  for (Py_ssize_t e = 0; e < width; ++e) {
+    (*out)[e] = PyFloat_AsDouble(PyList_GET_ITEM(row, e));
+    if ((*out)[e] == -1.0 && PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
+// [(expert, softmax probability)] of each row's top_k highest scores (None: all), the highest first
+// (ties: the lower expert first), row after row.
+PyObject* guess_rows(PyObject*, PyObject* args) {
+  PyObject *rows, *top_k_obj;
+  if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &rows, &top_k_obj)) return nullptr;
+  Py_ssize_t top_k = -1;
+  if (top_k_obj != Py_None) {
+    top_k = PyNumber_AsSsize_t(top_k_obj, PyExc_OverflowError);
+    if (top_k == -1 && PyErr_Occurred()) return nullptr;
+  }
+  PyRef out(PyList_New(0));
+  if (!out.p) return nullptr;
+  std::vector<double> row;
+  std::vector<Py_ssize_t> order;
+  for (Py_ssize_t r = 0; r < PyList_GET_SIZE(rows); ++r) {
+    if (!row_values(PyList_GET_ITEM(rows, r), &row)) return nullptr;
+    const Py_ssize_t width = static_cast<Py_ssize_t>(row.size());
+    if (width == 0) {
+      PyErr_SetString(PyExc_ValueError, "max() arg is an empty sequence");  // (as the interpreter's)
+      return nullptr;
+    }
+    double top = row[0];
+    for (Py_ssize_t e = 1; e < width; ++e) top = row[e] > top ? row[e] : top;  // Python's max
+    double sum = 0.0;
+    for (Py_ssize_t e = 0; e < width; ++e) sum += std::exp(row[e] - top);
+    const double scale = 1.0 / sum;
+    const Py_ssize_t k = top_k < 0 ? width : std::min(top_k, width);
+    order.resize(width);
+    for (Py_ssize_t e = 0; e < width; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&row](Py_ssize_t a, Py_ssize_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+    for (Py_ssize_t i = 0; i < k; ++i) {
+      PyRef pair(Py_BuildValue("(nd)", order[i], std::exp(row[order[i]] - top) * scale));
+      if (!pair.p || PyList_Append(out.p, pair.p) < 0) return nullptr;
+    }
+  }
+  return out.release();
+}
+
+// Per expert, 1 - prod over the rows of (1 - sigmoid(score)): its chance of use at a layer's next
+// turn from a next-token map's logits, one row a token of the turn.
+PyObject* chance_rows(PyObject*, PyObject* args) {
+  PyObject* rows;
+  if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &rows)) return nullptr;
+  if (PyList_GET_SIZE(rows) == 0) {
+    PyErr_SetString(PyExc_IndexError, "list index out of range");  // (as the interpreter's)
+    return nullptr;
+  }
+  std::vector<double> row, miss;
+  for (Py_ssize_t r = 0; r < PyList_GET_SIZE(rows); ++r) {
+    if (!row_values(PyList_GET_ITEM(rows, r), &row)) return nullptr;
+    if (r == 0) miss.assign(row.size(), 1.0);
+    if (row.size() > miss.size()) {
+      PyErr_SetString(PyExc_IndexError, "list index out of range");
+      return nullptr;
+    }
+    for (size_t e = 0; e < row.size(); ++e) miss[e] *= 1.0 - (row[e] > -60.0 ? 1.0 / (1.0 + std::exp(-row[e])) : 0.0);
+  }
+  PyRef out(PyList_New(static_cast<Py_ssize_t>(miss.size())));
+  if (!out.p) return nullptr;
+  for (size_t e = 0; e < miss.size(); ++e) {
+    PyObject* chance = PyFloat_FromDouble(1.0 - miss[e]);
+    if (chance == nullptr) return nullptr;
+    PyList_SET_ITEM(out.p, static_cast<Py_ssize_t>(e), chance);
+  }
+  return out.release();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The expert eviction's ranking of one stack (offtensor/moe/eviction.py: ExpertEviction._stack_best
+// with _coldest_of and ColdHeaps.coldest), the victim search's inner step: the interpreter's code
+// step by step, in the same double arithmetic and order and with the same heap operations (the
+// _heapq module's own), so the same copy is found; without the interpreter's per-step cost, the
+// largest part of a victim search. Python objects throughout: a reference owned is a PyRef.
+
+// `obj.name` is truthy: 1, 0, or -1 with an exception set.
+int attr_true(PyObject* obj, PyObject* name) {
+  PyRef value(PyObject_GetAttr(obj, name));
+  return value.p ? PyObject_IsTrue(value.p) : -1;
+}
+
+// `mapping.get(key, fallback)` as a double; -1 with an exception set on failure.
+int get_double(PyObject* mapping, PyObject* key, double fallback, double* out) {
+  PyObject* value = PyDict_GetItemWithError(mapping, key);  // borrowed
+  if (value == nullptr) {
+    if (PyErr_Occurred()) return -1;
+    *out = fallback;
+    return 0;
+  }
+  *out = PyFloat_AsDouble(value);
+  return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+// `last.get(key, -1)` as a new reference.
+PyObject* tick_of(PyObject* last, PyObject* key) {
+  PyObject* value = PyDict_GetItemWithError(last, key);
+  if (value != nullptr) return Py_NewRef(value);
+  return PyErr_Occurred() ? nullptr : PyLong_FromLong(-1);
+}
+
+// An entry may be evicted here: no users, not an unused prefetch, not among `needed`. 1, 0 or -1.
+int evictable(PyObject* entry, PyObject* key, PyObject* needed) {
+  static PyObject* users = PyUnicode_InternFromString("users");
+  static PyObject* prefetched = PyUnicode_InternFromString("prefetched");
+  int in_use = attr_true(entry, users);
+  if (in_use != 0) return in_use < 0 ? -1 : 0;
+  int unused = attr_true(entry, prefetched);
+  if (unused != 0) return unused < 0 ? -1 : 0;
+  if (needed != Py_None) {
+    int kept = PySequence_Contains(needed, key);
+    if (kept != 0) return kept < 0 ? -1 : 0;
+  }
+  return 1;
+}
+
+PyObject* stack_best(PyObject*, PyObject* args) {
+  PyObject *heap, *keys, *cache, *last, *frequency, *needed, *recent, *chances;
+  long long count;
+  double reuse, per_turn, unseen;
+  if (!PyArg_ParseTuple(args, "OO!OO!O!OOOLddd", &heap, &PyTuple_Type, &keys, &cache, &PyDict_Type, &last,
+                        &PyDict_Type, &frequency, &needed, &recent, &chances, &count, &reuse, &per_turn, &unseen))
+    return nullptr;
+  // The pager's copies come as a read-only view of its dict: looked up through its own get.
+  static PyObject* get_name = PyUnicode_InternFromString("get");
+  PyRef cache_get(PyObject_GetAttr(cache, get_name));
+  if (!cache_get.p) return nullptr;
+  static PyObject* heapq = PyImport_ImportModule("_heapq");
+  if (heapq == nullptr) return nullptr;
+  static PyObject* heappop = PyObject_GetAttrString(heapq, "heappop");
+  static PyObject* heappush = PyObject_GetAttrString(heapq, "heappush");
+  if (heappop == nullptr || heappush == nullptr) return nullptr;
+  const Py_ssize_t experts = PyTuple_GET_SIZE(keys);
+  const bool predicted = chances != Py_None;
+
+  // 1. Of the experts routed at the layer's last turn (or its likeliest next), the least used.
+  PyRef routed_ref;  // the least used of them (owned)
+  PyObject* routed_key = nullptr;
+  long routed_e = -1;
+  double routed_rank = 0.0;
+  {
+    PyRef it(PyObject_GetIter(recent));
+    if (!it.p) return nullptr;
+    while (PyObject* item = PyIter_Next(it.p)) {
+      PyRef e_obj(item);
+      const long e = PyLong_AsLong(item);
+      if (e == -1 && PyErr_Occurred()) return nullptr;
+      if (e < 0 || e >= experts) {
+        PyErr_Format(PyExc_IndexError, "offtensor: expert %ld of a stack of %zd", e, experts);
+        return nullptr;
+      }
+      PyObject* key = PyTuple_GET_ITEM(keys, e);
+      PyRef found(PyObject_CallOneArg(cache_get.p, key));
+      if (!found.p) return nullptr;
+      if (found.p == Py_None) continue;
+      PyObject* entry = found.p;
+      const int ok = evictable(entry, key, needed);
+      if (ok < 0) return nullptr;
+      if (!ok) continue;
+      double rank;
+      if (get_double(frequency, key, 0.0, &rank) < 0) return nullptr;
+      if (predicted) {
+        PyObject* chance_obj = PySequence_GetItem(chances, e);
+        if (chance_obj == nullptr) return nullptr;
+        const double chance = PyFloat_AsDouble(chance_obj);
+        Py_DECREF(chance_obj);
+        if (chance == -1.0 && PyErr_Occurred()) return nullptr;
+        rank *= per_turn;
+        rank = (chance - 1.0) / (rank < unseen ? unseen : rank > 1.0 ? 1.0 : rank);
+      }
+      bool better = routed_ref.p == nullptr || rank < routed_rank;
+      if (!better && rank == routed_rank) {  // ties to the older use
+        PyRef mine(tick_of(last, key)), theirs(tick_of(last, routed_key));
+        if (!mine.p || !theirs.p) return nullptr;
+        const int older = PyObject_RichCompareBool(mine.p, theirs.p, Py_LT);
+        if (older < 0) return nullptr;
+        better = older;
+      }
+      if (better) {
+        Py_XDECREF(routed_ref.p);
+        routed_ref.p = found.release();
+        routed_key = key, routed_e = e, routed_rank = rank;
+      }
+    }
+    if (PyErr_Occurred()) return nullptr;
+  }
+
+  // 2. The least used evictable copy off the stack's heap of use records (ColdHeaps.coldest).
+  PyRef cold_ref, cold_key;
+  long cold_e = -1;
+  if (heap != Py_None && PyList_Check(heap)) {
+    PyRef aside(PyList_New(0));
+    if (!aside.p) return nullptr;
+    bool failed = false;
+    while (PyList_GET_SIZE(heap) > 0) {
+      PyObject* record = PyList_GET_ITEM(heap, 0);  // borrowed
+      if (!PyTuple_Check(record) || PyTuple_GET_SIZE(record) < 3) {
+        PyErr_SetString(PyExc_TypeError, "offtensor: a coldness record is (value, tick, expert[, key])");
+        failed = true;
+        break;
+      }
+      const long e = PyLong_AsLong(PyTuple_GET_ITEM(record, 2));
+      if (e == -1 && PyErr_Occurred()) { failed = true; break; }
+      PyObject* key;
+      if (PyTuple_GET_SIZE(record) == 3) {
+        if (e < 0 || e >= experts) {
+          PyErr_Format(PyExc_IndexError, "offtensor: expert %ld of a stack of %zd", e, experts);
+          failed = true;
+          break;
+        }
+        key = PyTuple_GET_ITEM(keys, e);
+      } else {
+        key = PyTuple_GET_ITEM(record, 3);
+      }
+      PyRef record_ref(Py_NewRef(record));  // (which holds the key)
+      PyRef entry_ref(PyObject_CallOneArg(cache_get.p, key));
+      if (!entry_ref.p) { failed = true; break; }
+      PyObject* entry = entry_ref.p == Py_None ? nullptr : entry_ref.p;
+      int stale = entry == nullptr;
+      if (!stale) {
+        PyObject* tick = PyDict_GetItemWithError(last, key);
+        if (tick == nullptr && PyErr_Occurred()) { failed = true; break; }
+        stale = PyObject_RichCompareBool(tick ? tick : Py_None, PyTuple_GET_ITEM(record, 1), Py_NE);
+        if (stale < 0) { failed = true; break; }
+      }
+      PyRef popped(PyObject_CallOneArg(heappop, heap));
+      if (!popped.p) { failed = true; break; }
+      if (stale) continue;  // evicted, or used or copied again since
+      if (PyList_Append(aside.p, record_ref.p) < 0) { failed = true; break; }
+      int ok = evictable(entry, key, needed);
+      if (ok > 0) {
+        const int routed_last = PySequence_Contains(recent, PyTuple_GET_ITEM(record_ref.p, 2));
+        ok = routed_last < 0 ? -1 : !routed_last;
+      }
+      if (ok < 0) { failed = true; break; }
+      if (ok) {
+        cold_ref.p = entry_ref.release();
+        cold_key.p = Py_NewRef(key);
+        cold_e = e;
+        break;
+      }
+    }
+    // The records looked at go back, whatever happened (an error leaves the heap as whole as it can).
+    PyObject *type, *value, *traceback;
+    if (failed) PyErr_Fetch(&type, &value, &traceback);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(aside.p); ++i) {
+      PyRef pushed(PyObject_CallFunctionObjArgs(heappush, heap, PyList_GET_ITEM(aside.p, i), nullptr));
+      if (!pushed.p && !failed) return nullptr;
+      if (!pushed.p) PyErr_Clear();
+    }
+    if (failed) {
+      PyErr_Restore(type, value, traceback);
+      return nullptr;
+    }
+  }
+
+  // 3. Of the two, the one whose next use is expected furthest away (ties to the older use).
+  PyObject* candidates[2] = {routed_ref.p, cold_ref.p};
+  PyObject* candidate_keys[2] = {routed_key, cold_key.p};  // (each its entry's key, as the entry was found by)
+  const long indexes[2] = {routed_e, cold_e};
+  const bool recents[2] = {!predicted, false};
+  PyRef best;
+  double best_wait = 0.0;
+  PyRef best_tie;
+  for (int c = 0; c < 2; ++c) {
+    PyObject* entry = candidates[c];
+    if (entry == nullptr) continue;
+    PyObject* key = candidate_keys[c];
+    double frequency_of;
+    if (get_double(frequency, key, 0.0, &frequency_of) < 0) return nullptr;
+    double q = frequency_of * per_turn;
+    q = q < unseen ? unseen : q;  // max(q, unseen)
+    q = 1.0 < q ? 1.0 : q;        // min(1.0, q)
+    double p;
+    if (predicted) {
+      PyObject* chance_obj = PySequence_GetItem(chances, indexes[c]);
+      if (chance_obj == nullptr) return nullptr;
+      p = PyFloat_AsDouble(chance_obj);
+      Py_DECREF(chance_obj);
+      if (p == -1.0 && PyErr_Occurred()) return nullptr;
+    } else {
+      p = recents[c] ? (reuse > q ? reuse : q) : q;  // max(q, reuse)
+    }
+    const double wait = 0.0 + (1.0 - p) * static_cast<double>(count) / q;
+    PyRef tick(tick_of(last, key));
+    if (!tick.p) return nullptr;
+    PyRef tie(PyNumber_Negative(tick.p));
+    if (!tie.p) return nullptr;
+    bool better = best.p == nullptr || wait > best_wait;
+    if (!better && wait == best_wait) {
+      const int later = PyObject_RichCompareBool(tie.p, best_tie.p, Py_GT);
+      if (later < 0) return nullptr;
+      better = later;
+    }
+    if (better) {
+      Py_XDECREF(best.p);
+      best.p = Py_NewRef(entry);
+      best_wait = wait;
+      Py_XDECREF(best_tie.p);
+      best_tie.p = tie.release();
+    }
+  }
+  if (best.p == nullptr) Py_RETURN_NONE;
+  PyRef wait_obj(PyFloat_FromDouble(best_wait));
+  if (!wait_obj.p) return nullptr;
+  return PyTuple_Pack(3, wait_obj.p, best_tie.p, best.p);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The experts of a layer with a whole copy cached in every one of its stacks (offtensor/moe/
+// speculation.py: _cached_experts), read at every guess. Per stack, the keys of its cached copies
+// (CacheKey: master, dtype, lo, hi, all of that stack's master); a key is expert e's where it equals
+// the key the stack made for it, (master, dtype, base + e * step, base + (e + 1) * step): found by
+// arithmetic rather than a look-up of the key (hashing a 4-tuple per cached copy was most of a
+// guess's time at 256 experts). A copy of part of an expert, or of another dtype, is none.
+
+// A stack's attribute as a C integer; false with an exception set.
+bool long_attr(PyObject* obj, const char* name, long long* out) {
+  PyRef value(PyObject_GetAttrString(obj, name));
+  if (!value.p) return false;
+  *out = PyLong_AsLongLong(value.p);
+  return !(*out == -1 && PyErr_Occurred());
+}
+
+PyObject* cached_experts(PyObject*, PyObject* args) {
+  PyObject *keys_of, *stacks;
+  if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &keys_of, &PyList_Type, &stacks)) return nullptr;
+  const Py_ssize_t n_stacks = PyList_GET_SIZE(stacks);
+  if (PyList_GET_SIZE(keys_of) != n_stacks) {
+    PyErr_SetString(PyExc_ValueError, "offtensor: cached_experts takes one list of keys per stack");
+    return nullptr;
+  }
+  std::vector<Py_ssize_t> seen;  // per expert: how many stacks so far have it cached (each counts once)
+  for (Py_ssize_t s = 0; s < n_stacks; ++s) {
+    PyObject* stack = PyList_GET_ITEM(stacks, s);
+    long long master, base, expert_bytes, experts;
+    if (!long_attr(stack, "master_id", &master) || !long_attr(stack, "base", &base) ||
+        !long_attr(stack, "expert_bytes", &expert_bytes) || !long_attr(stack, "num_experts", &experts))
+      return nullptr;
+    PyRef dtype(PyObject_GetAttrString(stack, "dtype"));
+    if (!dtype.p) return nullptr;
+    PyRef itemsize_obj(PyObject_GetAttrString(dtype.p, "itemsize"));
+    if (!itemsize_obj.p) return nullptr;
+    const long long itemsize = PyLong_AsLongLong(itemsize_obj.p);
+    if (itemsize == -1 && PyErr_Occurred()) return nullptr;
+    const long long step = itemsize > 0 ? expert_bytes / itemsize : 0;  // (Stack.__init__'s)
+    if (s == 0) seen.assign(static_cast<size_t>(experts > 0 ? experts : 0), 0);
+    PyObject* keys = PyList_GET_ITEM(keys_of, s);
+    if (!PyList_Check(keys)) {
+      PyErr_SetString(PyExc_TypeError, "offtensor: cached_experts takes lists of cache keys");
+      return nullptr;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); ++i) {
+      PyObject* key = PyList_GET_ITEM(keys, i);
+      if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 4) continue;  // (no CacheKey: no expert's)
+      const int same_dtype = PyObject_RichCompareBool(PyTuple_GET_ITEM(key, 1), dtype.p, Py_EQ);
+      if (same_dtype < 0) return nullptr;
+      if (!same_dtype || step <= 0) continue;
+      const long long of = PyLong_AsLongLong(PyTuple_GET_ITEM(key, 0));
+      const long long lo = PyLong_AsLongLong(PyTuple_GET_ITEM(key, 2));
+      const long long hi = PyLong_AsLongLong(PyTuple_GET_ITEM(key, 3));
+      if (PyErr_Occurred()) return nullptr;
+      if (of != master || lo < base || (lo - base) % step != 0 || hi - lo != step) continue;
+      const long long e = (lo - base) / step;
+      if (e >= experts || e >= static_cast<long long>(seen.size())) continue;
+      if (seen[e] == s) seen[e] = s + 1;  // (a key listed twice counts once)
+    }
+  }
+  PyRef out(PyFrozenSet_New(nullptr));
+  if (!out.p) return nullptr;
+  for (size_t e = 0; e < seen.size(); ++e) {
+    if (n_stacks == 0 || seen[e] != n_stacks) continue;
+    PyRef expert(PyLong_FromSize_t(e));
+    if (!expert.p || PySet_Add(out.p, expert.p) < 0) return nullptr;
+  }
+  return out.release();
+}
+
+// Every use count times `factor`, and those below `floor` dropped (offtensor/moe/eviction.py:
+// ExpertEviction.decay), in one pass over the dict: the values are replaced in place, each key's
+// slot found again by the key (the set of keys does not change while the dict is walked), and the
+// keys dropped after the walk.
+PyObject* decay_counts(PyObject*, PyObject* args) {
+  PyObject* counts;
+  double factor, floor;
+  if (!PyArg_ParseTuple(args, "O!dd", &PyDict_Type, &counts, &factor, &floor)) return nullptr;
+  PyRef dropped(PyList_New(0));
+  if (!dropped.p) return nullptr;
+  Py_ssize_t pos = 0;
+  PyObject *key, *value;
+  while (PyDict_Next(counts, &pos, &key, &value)) {
+    const double old = PyFloat_AsDouble(value);
+    if (old == -1.0 && PyErr_Occurred()) return nullptr;
+    const double now = old * factor;
+    if (now < floor) {
+      if (PyList_Append(dropped.p, key) < 0) return nullptr;
+      continue;
+    }
+    PyRef updated(PyFloat_FromDouble(now));
+    if (!updated.p || PyDict_SetItem(counts, key, updated.p) < 0) return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(dropped.p); ++i)
+    if (PyDict_DelItem(counts, PyList_GET_ITEM(dropped.p, i)) < 0) return nullptr;
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kMethods[] = {
+    {"guess_rows", guess_rows, METH_VARARGS,
+     "The host side of a routing guess on rows of scores (offtensor/moe/guesses.py: host_guess)."},
+    {"chance_rows", chance_rows, METH_VARARGS,
+     "A next-token map's chances on rows of logits (offtensor/moe/guesses.py: host_chances)."},
+    {"stack_best", stack_best, METH_VARARGS,
+     "The expert eviction's ranking of one stack (offtensor/moe/eviction.py: ExpertEviction._stack_best)."},
+    {"cached_experts", cached_experts, METH_VARARGS,
+     "A layer's experts cached whole in every stack (offtensor/moe/speculation.py: _cached_experts)."},
+    {"decay_counts", decay_counts, METH_VARARGS,
+     "Use counts decayed and the smallest dropped (offtensor/moe/eviction.py: ExpertEviction.decay)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
+// The module's method table (PyInit__C in offtensor.cpp).
+PyMethodDef* policy_methods() { return kMethods; }
+
+}  // namespace offtensor
