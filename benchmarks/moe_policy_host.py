@@ -50,9 +50,10 @@ PAGER = ("page", "prefetch", "release")
 APART = ("pager", "gc")
 
 
-def timed_replay(trace, fraction: float, speculate: bool, pager_part=None, warm: bool = True):
+def timed_replay(trace, fraction: float, speculate: bool, pager_part=None, warm: bool = True, wrapped=None):
     """``replay_ours`` of ``trace`` (after a warm run, with ``warm``) with a ``PolicyClock`` installed,
-    the pager's own calls timed apart (as ``pager_part`` where named): (the clock, the replay's result)."""
+    the pager's own calls timed apart (as ``pager_part`` where named): (the clock, the replay's result).
+    ``wrapped``: called once the timed run's model is wrapped."""
     if warm:
         replay_ours(copy.copy(trace), fraction, speculate)  # imports, first calls
     clock = PolicyClock()
@@ -60,7 +61,7 @@ def timed_replay(trace, fraction: float, speculate: bool, pager_part=None, warm:
         raise RuntimeError("offtensor: another PolicyClock is installed")
     try:
         clock.exclude(Pager, PAGER, part=pager_part)
-        result = replay_ours(copy.copy(trace), fraction, speculate)
+        result = replay_ours(copy.copy(trace), fraction, speculate, wrapped)
     finally:
         clock.remove()
     return clock, result

@@ -11,7 +11,7 @@ look-ahead logits the guesses read are the next layer's router logits plus noise
 (a decode's host work does not depend on an expert's bytes, only on how many fit), so a run times
 the host's Python, not copies.
 
-    python benchmarks/moe_policy_scale.py [--layers 6 24 58] [--steps 48] [--fraction 0.25]
+    python benchmarks/moe_policy_scale.py [--layers 6 24 58] [--steps 48] [--fraction 0.25] [--freeze-gc]
 
 Per depth and setting (the cache alone, the default guesses): the decode hit rate; ms per decode
 step of the whole run (wall clock: the model's ops on the emulated device, the pager, the policy)
@@ -24,6 +24,7 @@ calls per step.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -65,11 +66,21 @@ def synthetic_trace(layers: int, steps: int, seed: int = 0) -> dict:
             "learned_layers": [], "hidden_layers": [], "two_ahead_layers": [], "own_layers": []}
 
 
-def measure(layers: int, steps: int, fraction: float) -> dict:
+def measure(layers: int, steps: int, fraction: float, freeze: bool = False) -> dict:
+    """Each setting's decode, timed; with ``freeze``, also with every object alive once the model is
+    wrapped moved out of the garbage collector's walks (``gc.freeze()``, as a serving process may do
+    after loading), as ``<setting>_gc_frozen``, the runs alternating."""
     trace = synthetic_trace(layers, steps)
     out = {}
-    for label, speculate in (("cache_alone", False), ("default", True)):
-        clock, r = timed_replay(trace, fraction, speculate, pager_part="pager")
+    settings = [(label, speculate, frozen) for label, speculate in (("cache_alone", False), ("default", True))
+                for frozen in ((False, True) if freeze else (False,))]
+    for label, speculate, frozen in settings:
+        label = label + ("_gc_frozen" if frozen else "")
+        try:
+            clock, r = timed_replay(trace, fraction, speculate, pager_part="pager", wrapped=gc.freeze if frozen else None)
+        finally:
+            if frozen:
+                gc.unfreeze()
         n = len(trace["steps"])
         parts = {part: s / n * 1e3 for part, s in clock.parts.items()}
         out[label] = {"hit_rate": r["hit_rate"], "ms_per_step": r["seconds"] / n * 1e3,
@@ -88,10 +99,12 @@ def main(argv=None):
     p.add_argument("--fraction", type=float, default=0.25)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--name", default="moe_policy_scale.json", help="the result's file name in --out")
+    p.add_argument("--freeze-gc", action="store_true",
+                   help="each setting also with gc.freeze() once the model is wrapped")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     body = {"experts": EXPERTS, "top_k": TOP_K, "fraction_cached": args.fraction, "decode_steps": args.steps,
-            "layers": {str(n): measure(n, args.steps, args.fraction) for n in args.layers}}
+            "layers": {str(n): measure(n, args.steps, args.fraction, args.freeze_gc) for n in args.layers}}
     save_result(args.out, args.name, "host time of the expert policy against the model's depth",
                 torch.device("cpu"), argv, body)
 

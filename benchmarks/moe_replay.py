@@ -291,13 +291,16 @@ def _wrapped_report(model, layers: int) -> dict:
             "bytes_h2d": s.bytes_h2d, "guesses": {k: v for k, v in g.items() if k != "routers"}}
 
 
-def replay_ours(trace, fraction: float, speculate: bool = False) -> dict:
-    """offtensor's pager and expert policy on the trace (wrap_model of the replay model)."""
+def replay_ours(trace, fraction: float, speculate: bool = False, wrapped=None) -> dict:
+    """offtensor's pager and expert policy on the trace (wrap_model of the replay model); ``wrapped``
+    is called once the model is wrapped, before it runs."""
     torch.manual_seed(0)
     model = ReplayModel(trace)
     budget = budget_gb(model, fraction)
     ot.wrap_model(model, budget_gb=budget, device="cpu", prefetch=speculate, policy=EXPERTS_PAGED)
     _as_installed(model, trace)
+    if wrapped is not None:
+        wrapped()
     t0 = time.perf_counter()
     with torch.no_grad():
         model(trace["steps"][0])

@@ -185,3 +185,36 @@ def test_the_clocks_own_wrapping_is_charged_to_no_call(monkeypatch):
     assert run(clock) == (pytest.approx(51e-3), pytest.approx(50e-6))  # ms, s: the readings of the wrapping
     clock._inside, clock._outside = inside, outside
     assert run(clock) == (pytest.approx(0.01e-3), pytest.approx(50 * 0.01e-6))
+
+
+def test_the_depth_benchmark_times_each_setting_with_the_heap_frozen_too_and_unfreezes_it():
+    """``benchmarks/moe_policy_scale.py --freeze-gc``: every setting also run with ``gc.freeze()``
+    once its model is wrapped, deciding the same (the same hit rate), and the heap given back to
+    the collector after each run."""
+    import gc
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    import moe_policy_scale
+
+    frozen_during = []
+    real = moe_policy_scale.timed_replay
+
+    def timed_replay(*args, wrapped=None, **kwargs):
+        def check():
+            wrapped()
+            frozen_during.append(gc.get_freeze_count())
+        return real(*args, wrapped=check if wrapped is not None else None, **kwargs)
+
+    before = gc.get_freeze_count()
+    moe_policy_scale.timed_replay = timed_replay
+    try:
+        out = moe_policy_scale.measure(2, 3, 0.25, freeze=True)
+    finally:
+        moe_policy_scale.timed_replay = real
+    assert set(out) == {"cache_alone", "cache_alone_gc_frozen", "default", "default_gc_frozen"}
+    assert out["cache_alone"]["hit_rate"] == out["cache_alone_gc_frozen"]["hit_rate"]
+    assert out["default"]["hit_rate"] == out["default_gc_frozen"]["hit_rate"]
+    assert len(frozen_during) == 2 and all(n > before for n in frozen_during)
+    assert gc.get_freeze_count() == before
