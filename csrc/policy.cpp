@@ -360,9 +360,9 @@ PyObject* stack_best(PyObject*, PyObject* args) {
 // arithmetic rather than a look-up of the key (hashing a 4-tuple per cached copy was most of a
 // guess's time at 256 experts). A copy of part of an expert, or of another dtype, is none.
 
-// A stack's attribute as a C integer; false with an exception set.
-bool long_attr(PyObject* obj, const char* name, long long* out) {
-  PyRef value(PyObject_GetAttrString(obj, name));
+// A stack's attribute (an interned name) as a C integer; false with an exception set.
+bool long_attr(PyObject* obj, PyObject* name, long long* out) {
+  PyRef value(PyObject_GetAttr(obj, name));
   if (!value.p) return false;
   *out = PyLong_AsLongLong(value.p);
   return !(*out == -1 && PyErr_Occurred());
@@ -376,16 +376,22 @@ PyObject* cached_experts(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "offtensor: cached_experts takes one list of keys per stack");
     return nullptr;
   }
+  static PyObject* master_name = PyUnicode_InternFromString("master_id");
+  static PyObject* base_name = PyUnicode_InternFromString("base");
+  static PyObject* bytes_name = PyUnicode_InternFromString("expert_bytes");
+  static PyObject* experts_name = PyUnicode_InternFromString("num_experts");
+  static PyObject* dtype_name = PyUnicode_InternFromString("dtype");
+  static PyObject* itemsize_name = PyUnicode_InternFromString("itemsize");
   std::vector<Py_ssize_t> seen;  // per expert: how many stacks so far have it cached (each counts once)
   for (Py_ssize_t s = 0; s < n_stacks; ++s) {
     PyObject* stack = PyList_GET_ITEM(stacks, s);
     long long master, base, expert_bytes, experts;
-    if (!long_attr(stack, "master_id", &master) || !long_attr(stack, "base", &base) ||
-        !long_attr(stack, "expert_bytes", &expert_bytes) || !long_attr(stack, "num_experts", &experts))
+    if (!long_attr(stack, master_name, &master) || !long_attr(stack, base_name, &base) ||
+        !long_attr(stack, bytes_name, &expert_bytes) || !long_attr(stack, experts_name, &experts))
       return nullptr;
-    PyRef dtype(PyObject_GetAttrString(stack, "dtype"));
+    PyRef dtype(PyObject_GetAttr(stack, dtype_name));
     if (!dtype.p) return nullptr;
-    PyRef itemsize_obj(PyObject_GetAttrString(dtype.p, "itemsize"));
+    PyRef itemsize_obj(PyObject_GetAttr(dtype.p, itemsize_name));
     if (!itemsize_obj.p) return nullptr;
     const long long itemsize = PyLong_AsLongLong(itemsize_obj.p);
     if (itemsize == -1 && PyErr_Occurred()) return nullptr;

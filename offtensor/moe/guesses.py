@@ -15,7 +15,6 @@ import weakref
 from functools import reduce
 from operator import add
 
-import torch
 from torch import nn
 
 from .. import _ext
@@ -295,12 +294,17 @@ def routers_report(routers: list, pool, copying: bool) -> dict:
 _NATIVE_GUESS, _NATIVE_CHANCES = _ext.native_function("guess_rows"), _ext.native_function("chance_rows")
 
 
-def host_guess(scores: torch.Tensor, top_k) -> list:
+def host_rows(scores) -> list:
+    """A few rows of scores as lists of Python floats (``scores``: a tensor, or already its rows)."""
+    return scores if isinstance(scores, list) else scores.reshape(-1, scores.shape[-1]).tolist()
+
+
+def host_guess(scores, top_k) -> list:
     """(expert, softmax probability) of each row's ``top_k`` highest scores (all, with None), computed
-    on the host from a few rows of router scores (no kernel: see speculation.RoutingSpeculator.router_ran):
-    in the native extension's loop where it is built (the same arithmetic in the same order: the
-    same pairs), else the interpreter's."""
-    rows = scores.reshape(-1, scores.shape[-1]).tolist()
+    on the host from a few rows of router scores (a tensor, or its ``host_rows``; no kernel: see
+    speculation.RoutingSpeculator.router_ran): in the native extension's loop where it is built (the
+    same arithmetic in the same order: the same pairs), else the interpreter's."""
+    rows = host_rows(scores)
     if _NATIVE_GUESS is not None:
         return _NATIVE_GUESS(rows, top_k)
     out = []
@@ -315,10 +319,10 @@ def host_guess(scores: torch.Tensor, top_k) -> list:
     return out
 
 
-def host_chances(scores: torch.Tensor) -> list:
+def host_chances(scores) -> list:
     """Per expert, its chance of use at a layer's next turn from the next-token map's logits of a
     few rows (one a token of the turn): 1 - prod(1 - sigmoid), on the host like ``host_guess``."""
-    rows = scores.reshape(-1, scores.shape[-1]).tolist()
+    rows = host_rows(scores)
     if _NATIVE_CHANCES is not None:
         return _NATIVE_CHANCES(rows)
     out = [1.0] * len(rows[0])

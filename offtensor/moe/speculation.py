@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from .. import _ext
 from . import routing
 from .predictor import hidden_layer
-from .guesses import (CONFIDENCE_BINS, Router, WasteBudget, confidence_bin, copy_order, host_chances, host_guess,
+from .guesses import (CONFIDENCE_BINS, Router, WasteBudget, confidence_bin, copy_order, host_chances, host_guess, host_rows,
                       ranked, routers_report, score)
 
 if TYPE_CHECKING:
@@ -338,8 +338,9 @@ class RoutingSpeculator:
             packed, event, owner, own = item[1], item[2], item[7], item[8]
             if owner is None or (event is not None and not event.query()):
                 continue
-            self._stacks.eviction.next_turn.predict(owner.stacks, host_chances(packed[..., own:]), owner.top_k)
-            self._pending[n] = item[:7] + (None, own)  # delivered
+            rows = host_rows(packed)  # (read once: the guesses of the same scores take their columns)
+            self._stacks.eviction.next_turn.predict(owner.stacks, host_chances([r[own:] for r in rows]), owner.top_k)
+            self._pending[n] = item[:1] + (rows,) + item[2:7] + (None, own)  # delivered
 
     def issue_ready(self) -> None:
         """Start the copies of every guess whose ids have reached the host."""
@@ -360,7 +361,8 @@ class RoutingSpeculator:
                 pairs = zip(ids.reshape(-1).tolist(), conf.reshape(-1).tolist())
             else:
                 end = split if split is not None else own
-                pairs = host_guess(packed[..., :end], router.top_k)
+                packed = host_rows(packed)
+                pairs = host_guess([r[:end] for r in packed], router.top_k)
             self._issue(pager, router, ranked(pairs), tokens)
             router.next_pass = wrap
             if after is not None:
@@ -368,7 +370,7 @@ class RoutingSpeculator:
                 # idle (every expert it is guessed to route is cached or being copied), so that
                 # such a copy never queues ahead of a miss of the next layer.
                 idle = all(e in router.cached or e in router.copied for e in router.guess)
-                self._issue(pager, after, ranked(host_guess(packed[..., split:own], after.top_k)), tokens, 2, idle)
+                self._issue(pager, after, ranked(host_guess([r[split:own] for r in packed], after.top_k)), tokens, 2, idle)
         self._pending = keep
 
     def _issue(self, pager, router: Router, confidence: dict, tokens: int, ahead: int = 1, idle: bool = True) -> None:
