@@ -262,10 +262,10 @@ class _Wide(nn.Module):
         return x
 
 
-def test_a_threaded_load_interrupted_by_signals_stops_its_workers_before_it_returns(tmp_path, monkeypatch):
-    """A storm of SIGALRM -> KeyboardInterrupt while the pool reads: once the load raises, no
-    worker still reads (on main a second interrupt during the pool's shutdown returned with workers
-    reading from descriptors the load then closed), and the next load finishes with right values."""
+@pytest.fixture
+def wide(tmp_path):
+    """A seeded ``_Wide``, its checkpoint, and a threaded load of it into a model on
+    meta: (reference, load(model) -> None, a new model on meta)."""
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
@@ -278,8 +278,17 @@ def test_a_threaded_load_interrupted_by_signals_stops_its_workers_before_it_retu
             return _Wide()
 
     def load(model):
-        return ot.load_safetensors(model, path, budget_gb=1e6 / GiB, device="cpu", policy={"offload": ["layers.*"]},
-                                   threads=4, progress=False)
+        ot.load_safetensors(model, path, budget_gb=1e6 / GiB, device="cpu", policy={"offload": ["layers.*"]},
+                            threads=4, progress=False)
+
+    return reference, load, meta
+
+
+def test_a_threaded_load_interrupted_by_signals_stops_its_workers_before_it_returns(wide, monkeypatch):
+    """A storm of SIGALRM -> KeyboardInterrupt while the pool reads: once the load raises, no
+    worker still reads (on main a second interrupt during the pool's shutdown returned with workers
+    reading from descriptors the load then closed), and the next load finishes with right values."""
+    reference, load, meta = wide
 
     armed = [False]  # only while load() runs: a signal still pending after the loop's cancel is dropped
 
@@ -339,22 +348,15 @@ class _InterruptInConditionWait:
         return self.local
 
 
-def test_an_interrupt_where_a_condition_wait_has_released_its_lock_stops_a_threaded_load_as_a_ctrl_c(tmp_path):
+def test_an_interrupt_where_a_condition_wait_has_released_its_lock_stops_a_threaded_load_as_a_ctrl_c(wide):
     """A thread's start, a future's wait and a queue's get wait on a Condition; a Ctrl-C between its
     release and its ``try`` surfaces from the stdlib as "release unlocked lock". The load raises the
     KeyboardInterrupt itself, with no worker left reading, and the next load finishes right."""
-    from safetensors.torch import save_file
-
-    torch.manual_seed(0)
-    reference = _Wide().eval()
-    path = tmp_path / "wide.safetensors"
-    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
+    reference, load_into, meta = wide
 
     def load():
-        with torch.device("meta"):
-            model = _Wide()
-        ot.load_safetensors(model, path, budget_gb=1e6 / GiB, device="cpu", policy={"offload": ["layers.*"]},
-                            threads=4, progress=False)
+        model = meta()
+        load_into(model)
         return model
 
     interrupted = 0
