@@ -160,6 +160,16 @@ int evictable(PyObject* entry, PyObject* key, PyObject* needed) {
   return 1;
 }
 
+// The pager's copies come as a read-only view of its dict: looked up through its own get.
+PyObject* getter_of(PyObject* mapping) {
+  static PyObject* get_name = PyUnicode_InternFromString("get");
+  return PyObject_GetAttr(mapping, get_name);
+}
+
+PyObject* rank_stack(PyObject* heap, PyObject* keys, PyRef& cache_get, PyObject* last, PyObject* frequency,
+                     PyObject* needed, PyObject* recent, PyObject* chances, long long count, double reuse,
+                     double per_turn, double unseen);
+
 PyObject* stack_best(PyObject*, PyObject* args) {
   PyObject *heap, *keys, *cache, *last, *frequency, *needed, *recent, *chances;
   long long count;
@@ -167,10 +177,14 @@ PyObject* stack_best(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "OO!OO!O!OOOLddd", &heap, &PyTuple_Type, &keys, &cache, &PyDict_Type, &last,
                         &PyDict_Type, &frequency, &needed, &recent, &chances, &count, &reuse, &per_turn, &unseen))
     return nullptr;
-  // The pager's copies come as a read-only view of its dict: looked up through its own get.
-  static PyObject* get_name = PyUnicode_InternFromString("get");
-  PyRef cache_get(PyObject_GetAttr(cache, get_name));
+  PyRef cache_get(getter_of(cache));
   if (!cache_get.p) return nullptr;
+  return rank_stack(heap, keys, cache_get, last, frequency, needed, recent, chances, count, reuse, per_turn, unseen);
+}
+
+PyObject* rank_stack(PyObject* heap, PyObject* keys, PyRef& cache_get, PyObject* last, PyObject* frequency,
+                     PyObject* needed, PyObject* recent, PyObject* chances, long long count, double reuse,
+                     double per_turn, double unseen) {
   static PyObject* heapq = PyImport_ImportModule("_heapq");
   if (heapq == nullptr) return nullptr;
   static PyObject* heappop = PyObject_GetAttrString(heapq, "heappop");
@@ -353,6 +367,268 @@ PyObject* stack_best(PyObject*, PyObject* args) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The victim search's loop over the layers (offtensor/moe/eviction.py: ExpertEviction.victim, with
+// _best_of and _stack_best): each stale layer's best candidate found anew (each changed stack
+// ranked by rank_stack, the others' kept bests reused), every layer's best wait compared, and a
+// pick no longer cached or evictable sends its layer to be ranked anew, as there, on the policy's
+// own objects (KeptBest's lists, sets and dicts are updated in place).
+
+struct VictimSearch {
+  PyObject *groups, *stacks_of, *bests, *stale, *dirty, *of_stack, *needed, *chances_of,
+      *likely_of, *guarded, *position, *heaps, *last, *frequency, *reuse_of, *ran;
+  PyRef cache_get, cached_get;
+  long long count, here;
+  double reuse_prior, per_turn, unseen;
+};
+
+// `(where - here) % count or count`, or 0.5 for a layer not placed (eviction._distance).
+bool layer_distance(const VictimSearch& v, PyObject* where, double* out) {
+  if (where == nullptr || where == Py_None) {
+    *out = 0.5;
+    return true;
+  }
+  const long long w = PyLong_AsLongLong(where);
+  if (w == -1 && PyErr_Occurred()) return false;
+  if (v.count == 0) {
+    PyErr_SetString(PyExc_ZeroDivisionError, "integer modulo by zero");
+    return false;
+  }
+  long long d = (w - v.here) % v.count;
+  if (d < 0) d += v.count;  // (Python's modulo takes the divisor's sign)
+  *out = static_cast<double>(d ? d : v.count);
+  return true;
+}
+
+// One stack's best candidate (ExpertEviction._stack_best), a new reference or None.
+PyObject* stack_candidate(VictimSearch& v, PyObject* stack, PyObject* keep) {
+  static PyObject* master_name = PyUnicode_InternFromString("master_id");
+  static PyObject* group_name = PyUnicode_InternFromString("group");
+  static PyObject* keys_name = PyUnicode_InternFromString("keys");
+  static PyObject* used_name = PyUnicode_InternFromString("used");
+  static PyObject* last_used_name = PyUnicode_InternFromString("last_used");
+  PyRef master(PyObject_GetAttr(stack, master_name));
+  if (!master.p) return nullptr;
+  PyRef entries(PyObject_CallOneArg(v.cached_get.p, master.p));
+  if (!entries.p) return nullptr;
+  const int any = PyObject_IsTrue(entries.p);
+  if (any <= 0) return any < 0 ? nullptr : Py_NewRef(Py_None);
+  PyRef group(PyObject_GetAttr(stack, group_name));
+  if (!group.p) return nullptr;
+  PyObject* chances = PyDict_GetItemWithError(v.chances_of, group.p);  // borrowed
+  if (chances == nullptr && PyErr_Occurred()) return nullptr;
+  PyRef recent;
+  if (chances == nullptr) {
+    chances = Py_None;
+    const int ran = PySet_Contains(v.ran, group.p);
+    if (ran < 0) return nullptr;
+    recent.p = PyObject_GetAttr(stack, ran ? used_name : last_used_name);
+  } else {
+    PyObject* likely = PyDict_GetItemWithError(v.likely_of, group.p);
+    if (likely == nullptr && PyErr_Occurred()) return nullptr;
+    recent.p = Py_NewRef(likely ? likely : Py_None);
+  }
+  if (!recent.p) return nullptr;
+  double reuse = v.reuse_prior;
+  if (get_double(v.reuse_of, group.p, v.reuse_prior, &reuse) < 0) return nullptr;
+  PyObject* heap = PyDict_GetItemWithError(v.heaps, master.p);
+  if (heap == nullptr && PyErr_Occurred()) return nullptr;
+  PyRef keys(PyObject_GetAttr(stack, keys_name));
+  if (!keys.p) return nullptr;
+  if (!PyTuple_Check(keys.p)) {
+    PyErr_SetString(PyExc_TypeError, "offtensor: a stack's keys are a tuple");
+    return nullptr;
+  }
+  return rank_stack(heap ? heap : Py_None, keys.p, v.cache_get, v.last, v.frequency, keep, recent.p, chances, v.count,
+                    reuse, v.per_turn, v.unseen);
+}
+
+// `found[:2] > best[:2]`: 1, 0 or -1.
+int ranks_above(PyObject* found, PyObject* best) {
+  const int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(found, 0), PyTuple_GET_ITEM(best, 0), Py_EQ);
+  if (same < 0) return -1;
+  const int i = same ? 1 : 0;
+  return PyObject_RichCompareBool(PyTuple_GET_ITEM(found, i), PyTuple_GET_ITEM(best, i), Py_GT);
+}
+
+// A layer's best candidate over its stacks (ExpertEviction._best_of), a new reference or None.
+PyObject* layer_candidate(VictimSearch& v, PyObject* stacks, PyObject* keep) {
+  if (!PyList_Check(stacks)) {
+    PyErr_SetString(PyExc_TypeError, "offtensor: a layer's stacks are a list");
+    return nullptr;
+  }
+  PyRef best(Py_NewRef(Py_None));
+  for (Py_ssize_t j = 0; j < PyList_GET_SIZE(stacks); ++j) {
+    PyObject* stack = PyList_GET_ITEM(stacks, j);
+    const int changed = PySet_Contains(v.dirty, stack);
+    if (changed < 0) return nullptr;
+    PyRef found;
+    if (changed) {
+      found.p = stack_candidate(v, stack, keep);
+      if (!found.p || PyDict_SetItem(v.of_stack, stack, found.p) < 0 || PySet_Discard(v.dirty, stack) < 0)
+        return nullptr;
+    } else {
+      found.p = PyObject_GetItem(v.of_stack, stack);
+      if (!found.p) return nullptr;
+    }
+    if (found.p == Py_None) continue;
+    if (!PyTuple_Check(found.p) || PyTuple_GET_SIZE(found.p) < 3) {
+      PyErr_SetString(PyExc_TypeError, "offtensor: a kept candidate is (wait, tie-break, copy)");
+      return nullptr;
+    }
+    int above = 1;
+    if (best.p != Py_None && (above = ranks_above(found.p, best.p)) < 0) return nullptr;
+    if (above) {
+      Py_DECREF(best.p);
+      best.p = found.release();
+    }
+  }
+  return best.release();
+}
+
+// KeptBest.changed of the layer at `i`: stale, every stack of it to be ranked anew.
+bool mark_changed(VictimSearch& v, Py_ssize_t i) {
+  if (PyList_SetItem(v.stale, i, Py_NewRef(Py_True)) < 0) return false;
+  PyObject* stacks = PyList_GET_ITEM(v.stacks_of, i);
+  PyRef it(PyObject_GetIter(stacks));
+  if (!it.p) return false;
+  while (PyObject* stack = PyIter_Next(it.p)) {
+    PyRef held(stack);
+    if (PySet_Add(v.dirty, stack) < 0) return false;
+  }
+  return !PyErr_Occurred();
+}
+
+PyObject* victim_search(PyObject*, PyObject* args) {
+  VictimSearch v{};
+  PyObject *kept, *cache, *cached, *current, *here_obj;
+  if (!PyArg_ParseTuple(args, "OOOOOO!O!O!O!OLO!O!O!O!dO!dd", &kept, &cache, &cached, &current, &v.needed,
+                        &PyDict_Type, &v.chances_of, &PyDict_Type, &v.likely_of, &PyDict_Type, &v.guarded,
+                        &PyDict_Type, &v.position, &here_obj, &v.count, &PyDict_Type, &v.heaps, &PyDict_Type,
+                        &v.last, &PyDict_Type, &v.frequency, &PyDict_Type, &v.reuse_of, &v.reuse_prior,
+                        &PySet_Type, &v.ran, &v.per_turn, &v.unseen))
+    return nullptr;
+  static PyObject* groups_name = PyUnicode_InternFromString("groups");
+  static PyObject* stacks_name = PyUnicode_InternFromString("stacks");
+  static PyObject* best_name = PyUnicode_InternFromString("best");
+  static PyObject* stale_name = PyUnicode_InternFromString("stale");
+  static PyObject* dirty_name = PyUnicode_InternFromString("dirty");
+  static PyObject* of_stack_name = PyUnicode_InternFromString("of_stack");
+  static PyObject* current_name = PyUnicode_InternFromString("current");
+  static PyObject* key_name = PyUnicode_InternFromString("key");
+  static PyObject* users_name = PyUnicode_InternFromString("users");
+  static PyObject* prefetched_name = PyUnicode_InternFromString("prefetched");
+  PyRef groups(PyObject_GetAttr(kept, groups_name)), stacks_of(PyObject_GetAttr(kept, stacks_name)),
+      bests(PyObject_GetAttr(kept, best_name)), stale(PyObject_GetAttr(kept, stale_name)),
+      dirty(PyObject_GetAttr(kept, dirty_name)), of_stack(PyObject_GetAttr(kept, of_stack_name));
+  if (!groups.p || !stacks_of.p || !bests.p || !stale.p || !dirty.p || !of_stack.p) return nullptr;
+  const Py_ssize_t layers = PyList_Check(groups.p) ? PyList_GET_SIZE(groups.p) : -1;
+  if (layers < 0 || !PyList_Check(stacks_of.p) || !PyList_Check(bests.p) || !PyList_Check(stale.p) ||
+      PyList_GET_SIZE(stacks_of.p) != layers || PyList_GET_SIZE(bests.p) != layers ||
+      PyList_GET_SIZE(stale.p) != layers || !PySet_Check(dirty.p) || !PyDict_Check(of_stack.p)) {
+    PyErr_SetString(PyExc_TypeError, "offtensor: KeptBest's groups, stacks, best and stale are lists of one length");
+    return nullptr;
+  }
+  v.groups = groups.p, v.stacks_of = stacks_of.p, v.bests = bests.p, v.stale = stale.p;
+  v.dirty = dirty.p, v.of_stack = of_stack.p;
+  v.here = PyLong_AsLongLong(here_obj);
+  if (v.here == -1 && PyErr_Occurred()) return nullptr;
+  v.cache_get.p = getter_of(cache);
+  v.cached_get.p = getter_of(cached);
+  if (!v.cache_get.p || !v.cached_get.p) return nullptr;
+  while (true) {
+    PyObject* best = nullptr;  // borrowed from its layer's kept best
+    PyObject* best_tie = nullptr;
+    double best_wait = 0.0;
+    Py_ssize_t best_i = -1;
+    for (Py_ssize_t i = 0; i < layers; ++i) {
+      PyObject* group = PyList_GET_ITEM(v.groups, i);
+      const int is_current = PyObject_RichCompareBool(group, current, Py_EQ);
+      if (is_current < 0) return nullptr;
+      const int stale_now = PyObject_IsTrue(PyList_GET_ITEM(v.stale, i));
+      if (stale_now < 0) return nullptr;
+      double distance;
+      if (is_current) {
+        if (v.needed == Py_None) continue;  // the op did not say what it pages: any of the layer's may be next
+        PyObject* chances = PyDict_GetItemWithError(v.chances_of, group);
+        if (chances == nullptr && PyErr_Occurred()) return nullptr;
+        chances = chances ? chances : Py_None;
+        PyRef with(PyObject_GetAttr(kept, current_name));
+        if (!with.p) return nullptr;
+        int ranked_with = 0;
+        if (with.p != Py_None && PyTuple_Check(with.p) && PyTuple_GET_SIZE(with.p) == 3) {
+          ranked_with = PyObject_RichCompareBool(PyTuple_GET_ITEM(with.p, 0), group, Py_EQ);
+          if (ranked_with < 0) return nullptr;
+          ranked_with = ranked_with && PyTuple_GET_ITEM(with.p, 1) == v.needed && PyTuple_GET_ITEM(with.p, 2) == chances;
+        }
+        if (!ranked_with) {  // ranked keeping other keys, or other chances: anew
+          PyRef it(PyObject_GetIter(PyList_GET_ITEM(v.stacks_of, i)));
+          if (!it.p) return nullptr;
+          while (PyObject* stack = PyIter_Next(it.p)) {
+            PyRef held(stack);
+            if (PySet_Add(v.dirty, stack) < 0) return nullptr;
+          }
+          if (PyErr_Occurred()) return nullptr;
+        }
+        if (stale_now || !ranked_with) {
+          PyObject* found = layer_candidate(v, PyList_GET_ITEM(v.stacks_of, i), v.needed);
+          if (!found || PyList_SetItem(v.bests, i, found) < 0) return nullptr;
+          if (PyList_SetItem(v.stale, i, Py_NewRef(Py_False)) < 0) return nullptr;
+          PyRef now(PyTuple_Pack(3, group, v.needed, chances));
+          if (!now.p || PyObject_SetAttr(kept, current_name, now.p) < 0) return nullptr;
+        }
+        distance = static_cast<double>(v.count);
+      } else {
+        if (stale_now) {
+          PyObject* keep = PyDict_GetItemWithError(v.guarded, group);
+          if (keep == nullptr && PyErr_Occurred()) return nullptr;
+          PyObject* found = layer_candidate(v, PyList_GET_ITEM(v.stacks_of, i), keep ? keep : Py_None);
+          if (!found || PyList_SetItem(v.bests, i, found) < 0) return nullptr;
+          if (PyList_SetItem(v.stale, i, Py_NewRef(Py_False)) < 0) return nullptr;
+        }
+        PyObject* where = PyDict_GetItemWithError(v.position, group);
+        if (where == nullptr && PyErr_Occurred()) return nullptr;
+        if (!layer_distance(v, where, &distance)) return nullptr;
+      }
+      PyObject* found = PyList_GET_ITEM(v.bests, i);
+      if (found == Py_None) continue;
+      if (!PyTuple_Check(found) || PyTuple_GET_SIZE(found) < 3) {
+        PyErr_SetString(PyExc_TypeError, "offtensor: a kept candidate is (wait, tie-break, copy)");
+        return nullptr;
+      }
+      const double own = PyFloat_AsDouble(PyTuple_GET_ITEM(found, 0));
+      if (own == -1.0 && PyErr_Occurred()) return nullptr;
+      const double wait = distance + own;
+      bool better = best == nullptr || wait > best_wait;
+      if (!better && wait == best_wait) {
+        const int later = PyObject_RichCompareBool(PyTuple_GET_ITEM(found, 1), best_tie, Py_GT);
+        if (later < 0) return nullptr;
+        better = later;
+      }
+      if (better) best = PyTuple_GET_ITEM(found, 2), best_tie = PyTuple_GET_ITEM(found, 1), best_wait = wait, best_i = i;
+    }
+    if (best == nullptr) Py_RETURN_NONE;
+    PyRef held(Py_NewRef(best));  // (its layer's kept best may be replaced below)
+    PyRef key(PyObject_GetAttr(best, key_name));
+    if (!key.p) return nullptr;
+    PyRef now(PyObject_CallOneArg(v.cache_get.p, key.p));
+    if (!now.p) return nullptr;
+    int usable = now.p == best;
+    if (usable) {
+      const int in_use = attr_true(best, users_name);
+      const int unused = in_use == 0 ? attr_true(best, prefetched_name) : 0;
+      if (in_use < 0 || unused < 0) return nullptr;
+      usable = !in_use && !unused;
+    }
+    if (usable) {
+      PyRef wait_obj(PyFloat_FromDouble(best_wait));
+      if (!wait_obj.p) return nullptr;
+      return PyTuple_Pack(2, best, wait_obj.p);
+    }
+    if (!mark_changed(v, best_i)) return nullptr;  // its kept best left the cache or is in use: rank the layer anew
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The experts of a layer with a whole copy cached in every one of its stacks (offtensor/moe/
 // speculation.py: _cached_experts), read at every guess. Per stack, the keys of its cached copies
 // (CacheKey: master, dtype, lo, hi, all of that stack's master); a key is expert e's where it equals
@@ -463,6 +739,8 @@ PyMethodDef kMethods[] = {
      "A next-token map's chances on rows of logits (offtensor/moe/guesses.py: host_chances)."},
     {"stack_best", stack_best, METH_VARARGS,
      "The expert eviction's ranking of one stack (offtensor/moe/eviction.py: ExpertEviction._stack_best)."},
+    {"victim_search", victim_search, METH_VARARGS,
+     "The victim search's loop over the layers (offtensor/moe/eviction.py: ExpertEviction.victim)."},
     {"cached_experts", cached_experts, METH_VARARGS,
      "A layer's experts cached whole in every stack (offtensor/moe/speculation.py: _cached_experts)."},
     {"decay_counts", decay_counts, METH_VARARGS,

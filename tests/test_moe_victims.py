@@ -2,7 +2,8 @@
 (``eviction_index.KeptBest``) only while they are what a search from scratch would find: a decode
 evicts exactly the same experts, in the same order, with them as without them. Each stack's
 coldest copy comes off a heap of use records (``eviction_index.ColdHeaps``) that holds no copy a search
-may not take and no record the garbage collector walks."""
+may not take and no record the garbage collector walks. The search's loop over the layers and each
+stack's ranking run in the native extension where it is built, deciding as the interpreter's."""
 
 from __future__ import annotations
 
@@ -169,6 +170,7 @@ def test_the_native_stack_ranking_finds_the_interpreters_candidate(monkeypatch, 
     native = eviction._NATIVE_STACK_BEST
     if native is None:
         pytest.skip("the native extension is not built with the stack ranking")
+    monkeypatch.setattr(eviction, "_NATIVE_VICTIM", None)  # the interpreter's loop over the layers ranks each stack here
     rankings, real = [], eviction.ExpertEviction._stack_best
 
     def both(self, stack, cache, cached, keep, count):
@@ -212,3 +214,78 @@ def test_a_malformed_coldness_record_is_an_error_that_leaves_the_heap_whole():
     cache[stack.keys[2]].users = 0  # one copy may go now: found before the bad record surfaces
     assert native(heap, stack.keys, cache, last, {}, None, set(), None, 4, 0.4, 0.02, 0.02)[2] is cache[stack.keys[2]]
     assert sorted(heap) == before
+
+
+def _kept_state(kept):
+    return (list(kept.best), list(kept.stale), set(kept.dirty), dict(kept.of_stack), kept.current, kept.count)
+
+
+def _restore(kept, state):
+    kept.best[:], kept.stale[:] = state[0], state[1]
+    kept.dirty, kept.of_stack, kept.current, kept.count = set(state[2]), dict(state[3]), state[4], state[5]
+
+
+def _same_kept(a, b) -> bool:
+    def bests(state):
+        return [None if x is None else (x[0], x[1], id(x[2])) for x in state[0]]
+
+    return (bests(a) == bests(b) and a[1] == b[1] and a[2] == b[2]
+            and {s: None if x is None else (x[0], x[1], id(x[2])) for s, x in a[3].items()}
+            == {s: None if x is None else (x[0], x[1], id(x[2])) for s, x in b[3].items()} and a[4:] == b[4:])
+
+
+@pytest.mark.parametrize("predicted", [False, True], ids=["by use", "next-token map"])
+def test_the_native_victim_search_evicts_what_the_interpreters_does(monkeypatch, predicted):
+    """The victim search's loop over the layers in the native extension: over a decode (by use, or
+    with a next-token map's chances), every search picks the same copy as the interpreter's loop on
+    the same state and leaves the same kept candidates; so does a search whose kept pick is in use
+    without its layer marked stale (ranked anew there, as here)."""
+    from test_moe_next_turn import _decode as _decode_tokens
+    from test_moe_next_turn import _predicting
+    from test_moe_next_turn import _wrap_quarter as _wrap_experts
+
+    from offtensor.model.state import pager_of
+    from offtensor.moe.predictor import install
+
+    native = eviction._NATIVE_VICTIM
+    if native is None or eviction._NATIVE_STACK_BEST is None:
+        pytest.skip("the native extension is not built with the victim search")
+    real, compared, retried = eviction.ExpertEviction.victim, [], []
+
+    def interpreted(self, view, room, candidates):
+        monkeypatch.setattr(eviction, "_NATIVE_VICTIM", None)
+        try:
+            return real(self, view, room, candidates)
+        finally:
+            monkeypatch.setattr(eviction, "_NATIVE_VICTIM", native)
+
+    def both(self, view, room, candidates):
+        candidates, kept = list(candidates), self._kept
+        before = _kept_state(kept)
+        got, after_native = real(self, view, room, candidates), _kept_state(kept)
+        _restore(kept, before)
+        want = interpreted(self, view, room, candidates)
+        compared.append((got is want, _same_kept(after_native, _kept_state(kept))))
+        if want is not None and self.by_master.get(want.key[0]) is not None and len(compared) % 5 == 0:
+            _restore(kept, before)  # the same search with its pick in use, its layer not marked stale
+            want.users += 1
+            try:
+                got_busy = real(self, view, room, candidates)
+                after_native = _kept_state(kept)
+                _restore(kept, before)
+                want_busy = interpreted(self, view, room, candidates)
+                retried.append((got_busy is want_busy and got_busy is not want, _same_kept(after_native, _kept_state(kept))))
+            finally:
+                want.users -= 1
+            _restore(kept, before)
+            want = real(self, view, room, candidates)
+        return want
+
+    monkeypatch.setattr(eviction.ExpertEviction, "victim", both)
+    model = _wrap_experts(_qwen3())
+    if predicted:
+        install(pager_of(model), _predicting([1, 2]))
+    _decode_tokens(model, 16)
+    assert len(compared) > 20 and len(retried) > 3
+    assert all(same and kept_same for same, kept_same in compared)
+    assert all(same and kept_same for same, kept_same in retried)

@@ -43,8 +43,10 @@ REUSE_DECAY = 0.9
 VICTIM_WINDOW = 512
 # A use count below this is dropped (its expert counts as unseen).
 FREQUENCY_FLOOR = 0.01
-# The native extension's loops (csrc/policy.cpp), where built: a stack's ranking, the decay.
+# The native extension's loops (csrc/policy.cpp), where built: a stack's ranking, the victim search's
+# loop over the layers (which ranks stacks as the first does), the decay.
 _NATIVE_STACK_BEST, _NATIVE_DECAY = _ext.native_function("stack_best"), _ext.native_function("decay_counts")
+_NATIVE_VICTIM = _ext.native_function("victim_search")
 # Probability of use given to an expert with no recorded use, so the cyclic distance still orders them.
 UNSEEN_USE = 0.02
 # A guess's copy may evict only a copy whose next use is expected at least this many cycles of
@@ -162,45 +164,23 @@ class ExpertEviction:
         if plain is not None:
             return plain
         position, count, here = self.layers.cycle()
-        current, needed = self.layers.current, self.layers.needed
-        kept, guarded = self._kept, self._guarded
+        kept = self._kept
         self.stack_groups()  # (tracked by kept)
         if count != kept.count:
             kept.count = count
             kept.renew()
-        bests, stale, stacks_of = kept.best, kept.stale, kept.stacks
-        while True:
-            best, best_wait, best_tie, best_i = None, None, None, -1
-            for i, group in enumerate(kept.groups):
-                if group == current:
-                    if needed is None:
-                        continue  # the op did not say what it pages: any of the layer's may be next
-                    chances = self.next_turn.of(group)
-                    with_ = kept.current
-                    ranked_with = with_ is not None and with_[0] == group and with_[1] is needed and with_[2] is chances
-                    if not ranked_with:
-                        kept.dirty.update(stacks_of[i])  # ranked keeping other keys, or other chances: anew
-                    if stale[i] or not ranked_with:
-                        bests[i], stale[i] = self._best_of(stacks_of[i], cache, cached, needed, count), False
-                        kept.current = (group, needed, chances)
-                    distance = count
-                else:
-                    if stale[i]:
-                        bests[i] = self._best_of(stacks_of[i], cache, cached, guarded.get(group), count)
-                        stale[i] = False
-                    distance = _distance(position.get(group), here, count)
-                found = bests[i]
-                if found is not None:
-                    wait = distance + found[0]
-                    if best is None or wait > best_wait or (wait == best_wait and found[1] > best_tie):
-                        best, best_wait, best_tie, best_i = found[2], wait, found[1], i
-            if best is None or (cache.get(best.key) is best and not best.users and not best.prefetched):
-                break
-            kept.changed(kept.groups[best_i])  # its kept best left the cache or is in use: rank the layer anew
-        if best is None:
+        if _NATIVE_VICTIM is not None and _NATIVE_STACK_BEST is not None:  # the same steps in the extension
+            found = _NATIVE_VICTIM(kept, cache, cached, self.layers.current, self.layers.needed,
+                                   *self.next_turn.tables(), self._guarded, position, here, count, self._coldest.heaps,
+                                   self._last, self.frequency, self._reuse, REUSE_PRIOR, self.layers.ran,
+                                   1.0 - FREQUENCY_DECAY, UNSEEN_USE)
+        else:
+            found = _search(self, cache, cached, position, count, here)
+        if found is None:
             # Only copies to keep are left (prefetched, or the current layer's own): the scan
             # below ranks them, or refuses for a copy made ahead of its use.
             return _victim_scan(self, candidates)
+        best, best_wait = found
         if self._spare_room_only and best_wait < self._ahead_limit(count):
             return None
         return best
@@ -344,6 +324,44 @@ class ExpertEviction:
         """A step ended: the guards of its guesses lapse with it (and every stack's candidates)."""
         self._guarded = {}
         self._kept.renew()
+
+
+def _search(eviction: "ExpertEviction", cache, cached, position: dict, count: int, here: int):
+    """``victim``'s loop over the layers: each stale layer's best found anew, the layers' bests
+    compared; (the copy, its expected wait) or None."""
+    current, needed = eviction.layers.current, eviction.layers.needed
+    kept, guarded = eviction._kept, eviction._guarded
+    bests, stale, stacks_of = kept.best, kept.stale, kept.stacks
+    while True:
+        best, best_wait, best_tie, best_i = None, None, None, -1
+        for i, group in enumerate(kept.groups):
+            if group == current:
+                if needed is None:
+                    continue  # the op did not say what it pages: any of the layer's may be next
+                chances = eviction.next_turn.of(group)
+                with_ = kept.current
+                ranked_with = with_ is not None and with_[0] == group and with_[1] is needed and with_[2] is chances
+                if not ranked_with:
+                    kept.dirty.update(stacks_of[i])  # ranked keeping other keys, or other chances: anew
+                if stale[i] or not ranked_with:
+                    bests[i], stale[i] = eviction._best_of(stacks_of[i], cache, cached, needed, count), False
+                    kept.current = (group, needed, chances)
+                distance = count
+            else:
+                if stale[i]:
+                    bests[i] = eviction._best_of(stacks_of[i], cache, cached, guarded.get(group), count)
+                    stale[i] = False
+                distance = _distance(position.get(group), here, count)
+            found = bests[i]
+            if found is not None:
+                wait = distance + found[0]
+                if best is None or wait > best_wait or (wait == best_wait and found[1] > best_tie):
+                    best, best_wait, best_tie, best_i = found[2], wait, found[1], i
+        if best is None:
+            return None
+        if cache.get(best.key) is best and not best.users and not best.prefetched:
+            return best, best_wait
+        kept.changed(kept.groups[best_i])  # its kept best left the cache or is in use: rank the layer anew
 
 
 def _decay_counts(counts: dict, factor: float, floor: float) -> None:

@@ -48,6 +48,11 @@ class NextTurn:
         self._chances, self._likely = {}, {}
         self._kept.renew()
 
+    def tables(self):
+        """(group -> its chances, group -> its likeliest experts), as kept (the native victim search
+        reads them)."""
+        return self._chances, self._likely
+
     def of(self, group):
         """The chances of ``group``'s experts, or None."""
         return self._chances.get(group)
@@ -149,6 +154,11 @@ class ColdHeaps:
                 keys = by_master[master_id].keys
                 heap[:] = [(frequency.get(keys[r[2]] if len(r) == 3 else r[3], 0.0),) + r[1:] for r in heap]
                 heapq.heapify(heap)
+
+    @property
+    def heaps(self) -> dict:
+        """master id -> its heap of records, as kept (the native victim search reads them)."""
+        return self._heaps
 
     def heap_of(self, stack: "Stack"):
         """``stack``'s heap of records, or None."""
