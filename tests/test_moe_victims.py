@@ -154,12 +154,9 @@ def test_a_pass_that_has_paged_no_layer_yet_is_placed_in_the_last_passs_cycle():
     assert order.cycle()[1:] == (3, 0)
 
 
-@pytest.mark.parametrize("predicted", [False, True], ids=["by use", "next-token map"])
-def test_the_native_stack_ranking_finds_the_interpreters_candidate(monkeypatch, predicted):
-    """Which steps rank a stack in a victim search is a matter of speed only: over a decode at a
-    quarter of the experts (ranked by use frequency and reuse, or by a next-token map's chances),
-    every ranking in the native extension finds the same copy, with the same expected wait and
-    tie-break, as the interpreter's steps on the same state."""
+def _decode_a_quarter(predicted: bool) -> None:
+    """16 decode steps of the tiny Qwen3-MoE with a quarter of its experts cached, ranked by use, or
+    (``predicted``) by a next-token map's chances."""
     from test_moe_next_turn import _decode as _decode_tokens
     from test_moe_next_turn import _predicting
     from test_moe_next_turn import _wrap_quarter as _wrap_experts
@@ -167,6 +164,18 @@ def test_the_native_stack_ranking_finds_the_interpreters_candidate(monkeypatch, 
     from offtensor.model.state import pager_of
     from offtensor.moe.predictor import install
 
+    model = _wrap_experts(_qwen3())
+    if predicted:
+        install(pager_of(model), _predicting([1, 2]))
+    _decode_tokens(model, 16)
+
+
+@pytest.mark.parametrize("predicted", [False, True], ids=["by use", "next-token map"])
+def test_the_native_stack_ranking_finds_the_interpreters_candidate(monkeypatch, predicted):
+    """Which steps rank a stack in a victim search is a matter of speed only: over a decode at a
+    quarter of the experts (ranked by use frequency and reuse, or by a next-token map's chances),
+    every ranking in the native extension finds the same copy, with the same expected wait and
+    tie-break, as the interpreter's steps on the same state."""
     native = eviction._NATIVE_STACK_BEST
     if native is None:
         pytest.skip("the native extension is not built with the stack ranking")
@@ -182,10 +191,7 @@ def test_the_native_stack_ranking_finds_the_interpreters_candidate(monkeypatch, 
         return got
 
     monkeypatch.setattr(eviction.ExpertEviction, "_stack_best", both)
-    model = _wrap_experts(_qwen3())
-    if predicted:
-        install(pager_of(model), _predicting([1, 2]))
-    _decode_tokens(model, 16)
+    _decode_a_quarter(predicted)
     found = [(got, want) for got, want, _ in rankings if got is not None or want is not None]
     assert len(found) > 50 and (not predicted or sum(p for *_, p in rankings) > 20)
     assert all(got is not None and want is not None and got[:2] == want[:2] and got[2] is want[2] for got, want in found)
@@ -240,13 +246,6 @@ def test_the_native_victim_search_evicts_what_the_interpreters_does(monkeypatch,
     with a next-token map's chances), every search picks the same copy as the interpreter's loop on
     the same state and leaves the same kept candidates; so does a search whose kept pick is in use
     without its layer marked stale (ranked anew there, as here)."""
-    from test_moe_next_turn import _decode as _decode_tokens
-    from test_moe_next_turn import _predicting
-    from test_moe_next_turn import _wrap_quarter as _wrap_experts
-
-    from offtensor.model.state import pager_of
-    from offtensor.moe.predictor import install
-
     native = eviction._NATIVE_VICTIM
     if native is None or eviction._NATIVE_STACK_BEST is None:
         pytest.skip("the native extension is not built with the victim search")
@@ -282,10 +281,7 @@ def test_the_native_victim_search_evicts_what_the_interpreters_does(monkeypatch,
         return want
 
     monkeypatch.setattr(eviction.ExpertEviction, "victim", both)
-    model = _wrap_experts(_qwen3())
-    if predicted:
-        install(pager_of(model), _predicting([1, 2]))
-    _decode_tokens(model, 16)
+    _decode_a_quarter(predicted)
     assert len(compared) > 20 and len(retried) > 3
     assert all(same and kept_same for same, kept_same in compared)
     assert all(same and kept_same for same, kept_same in retried)
