@@ -11,7 +11,7 @@ look-ahead logits the guesses read are the next layer's router logits plus noise
 (a decode's host work does not depend on an expert's bytes, only on how many fit), so a run times
 the host's Python, not copies.
 
-    python benchmarks/moe_policy_scale.py [--layers 6 24 58] [--steps 48] [--fraction 0.25] [--freeze-gc]
+    python benchmarks/moe_policy_scale.py [--layers 6 24 58] [--steps 48] [--fraction 0.25] [--freeze-gc] [--by-method]
 
 Per depth and setting (the cache alone, the default guesses): the decode hit rate; ms per decode
 step of the whole run (wall clock: the model's ops on the emulated device, the pager, the policy)
@@ -31,7 +31,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_policy_host import APART, timed_replay  # noqa: E402
+from moe_policy_host import APART, by_part, print_methods, timed_replay  # noqa: E402
 from results_io import save_result  # noqa: E402
 
 EXPERTS, TOP_K = 256, 8
@@ -66,7 +66,7 @@ def synthetic_trace(layers: int, steps: int, seed: int = 0) -> dict:
             "learned_layers": [], "hidden_layers": [], "two_ahead_layers": [], "own_layers": []}
 
 
-def measure(layers: int, steps: int, fraction: float, freeze: bool = False) -> dict:
+def measure(layers: int, steps: int, fraction: float, freeze: bool = False, by_method: bool = False) -> dict:
     """Each setting's decode, timed; with ``freeze``, also with every object alive once the model is
     wrapped moved out of the garbage collector's walks (``gc.freeze()``, as a serving process may do
     after loading), as ``<setting>_gc_frozen``, the runs alternating."""
@@ -77,18 +77,21 @@ def measure(layers: int, steps: int, fraction: float, freeze: bool = False) -> d
     for label, speculate, frozen in settings:
         label = label + ("_gc_frozen" if frozen else "")
         try:
-            clock, r = timed_replay(trace, fraction, speculate, pager_part="pager", wrapped=gc.freeze if frozen else None)
+            clock, r = timed_replay(trace, fraction, speculate, pager_part="pager", wrapped=gc.freeze if frozen else None,
+                                    by_method=by_method)
         finally:
             if frozen:
                 gc.unfreeze()
         n = len(trace["steps"])
-        parts = {part: s / n * 1e3 for part, s in clock.parts.items()}
+        parts = {part: s / n * 1e3 for part, s in by_part(clock.parts).items()}
         out[label] = {"hit_rate": r["hit_rate"], "ms_per_step": r["seconds"] / n * 1e3,
                       "ms_per_step_by_part": parts,
                       "ms_per_step_policy": sum(v for p, v in parts.items() if p not in APART),
-                      "calls_per_step": {part: c / n for part, c in clock.calls.items()}}
+                      "calls_per_step": {part: c / n for part, c in by_part(clock.calls).items()}}
         print(f"{layers} layers, {label}: hit {r['hit_rate']:.3f}, {out[label]['ms_per_step']:.2f} ms a step ("
               + ", ".join(f"{p} {v:.2f}" for p, v in parts.items()) + ")", flush=True)
+        if by_method:
+            out[label]["by_method"] = print_methods(clock, n)
     return out
 
 
@@ -99,12 +102,13 @@ def main(argv=None):
     p.add_argument("--fraction", type=float, default=0.25)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--name", default="moe_policy_scale.json", help="the result's file name in --out")
+    p.add_argument("--by-method", action="store_true", help="also each entry point of the policy apart")
     p.add_argument("--freeze-gc", action="store_true",
                    help="each setting also with gc.freeze() once the model is wrapped")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     body = {"experts": EXPERTS, "top_k": TOP_K, "fraction_cached": args.fraction, "decode_steps": args.steps,
-            "layers": {str(n): measure(n, args.steps, args.fraction, args.freeze_gc) for n in args.layers}}
+            "layers": {str(n): measure(n, args.steps, args.fraction, args.freeze_gc, args.by_method) for n in args.layers}}
     save_result(args.out, args.name, "host time of the expert policy against the model's depth",
                 torch.device("cpu"), argv, body)
 

@@ -218,3 +218,21 @@ def test_the_depth_benchmark_times_each_setting_with_the_heap_frozen_too_and_unf
     assert out["default"]["hit_rate"] == out["default_gc_frozen"]["hit_rate"]
     assert len(frozen_during) == 2 and all(n > before for n in frozen_during)
     assert gc.get_freeze_count() == before
+
+
+def test_a_clock_by_method_times_each_entry_point_apart_under_its_part():
+    """``PolicyClock(by_method=True)`` (the benchmarks' ``--by-method``): each of the policy's entry
+    points is a part of its own, "<part>.<method>", and the policy's time is theirs summed."""
+    model = _wrap_quarter(_qwen3())
+    _decode(model, 2)
+    clock = PolicyClock(by_method=True)
+    assert clock.install()
+    try:
+        _decode(model, 3)
+    finally:
+        clock.remove()
+    methods = {f"{part}.{name}" for _, names, part in POLICY for name in names}
+    timed = {p for p in clock.parts if p != "gc"}
+    assert timed and timed <= methods and "bookkeeping.accessed" in timed and "victim.victim" in timed
+    assert set(clock.calls) >= timed and clock.take() == pytest.approx(sum(clock.parts[p] for p in timed) * 1e3)
+    assert PolicyClock.installed is None

@@ -48,7 +48,8 @@ class PolicyClock:
 
     installed = None
 
-    def __init__(self):
+    def __init__(self, by_method: bool = False):
+        self.by_method = by_method  # parts named "<part>.<method>": a profile of the policy's entry points
         self.pending = 0.0  # seconds of policy time since the last take
         self.parts = {}  # part -> seconds of policy time since install
         self.calls = {}  # part -> its timed calls since install
@@ -67,7 +68,8 @@ class PolicyClock:
         if PolicyClock.installed is not None:
             return False
         for cls, names, part in POLICY:
-            self._wrap(cls, names, part)
+            for name in names:
+                self._wrap(cls, (name,), f"{part}.{name}" if self.by_method else part)
         for owner, names in DEVICE_WORK:
             self.exclude(owner, names)
         gc.callbacks.append(self._collection)
