@@ -485,17 +485,20 @@ PyObject* layer_candidate(VictimSearch& v, PyObject* stacks, PyObject* keep) {
   return best.release();
 }
 
-// KeptBest.changed of the layer at `i`: stale, every stack of it to be ranked anew.
-bool mark_changed(VictimSearch& v, Py_ssize_t i) {
-  if (PyList_SetItem(v.stale, i, Py_NewRef(Py_True)) < 0) return false;
-  PyObject* stacks = PyList_GET_ITEM(v.stacks_of, i);
-  PyRef it(PyObject_GetIter(stacks));
+// Every stack of the layer at `i` to be ranked anew (KeptBest.dirty).
+bool mark_dirty(VictimSearch& v, Py_ssize_t i) {
+  PyRef it(PyObject_GetIter(PyList_GET_ITEM(v.stacks_of, i)));
   if (!it.p) return false;
   while (PyObject* stack = PyIter_Next(it.p)) {
     PyRef held(stack);
     if (PySet_Add(v.dirty, stack) < 0) return false;
   }
   return !PyErr_Occurred();
+}
+
+// KeptBest.changed of the layer at `i`: stale, every stack of it to be ranked anew.
+bool mark_changed(VictimSearch& v, Py_ssize_t i) {
+  return PyList_SetItem(v.stale, i, Py_NewRef(Py_True)) == 0 && mark_dirty(v, i);
 }
 
 PyObject* victim_search(PyObject*, PyObject* args) {
@@ -515,8 +518,6 @@ PyObject* victim_search(PyObject*, PyObject* args) {
   static PyObject* of_stack_name = PyUnicode_InternFromString("of_stack");
   static PyObject* current_name = PyUnicode_InternFromString("current");
   static PyObject* key_name = PyUnicode_InternFromString("key");
-  static PyObject* users_name = PyUnicode_InternFromString("users");
-  static PyObject* prefetched_name = PyUnicode_InternFromString("prefetched");
   PyRef groups(PyObject_GetAttr(kept, groups_name)), stacks_of(PyObject_GetAttr(kept, stacks_name)),
       bests(PyObject_GetAttr(kept, best_name)), stale(PyObject_GetAttr(kept, stale_name)),
       dirty(PyObject_GetAttr(kept, dirty_name)), of_stack(PyObject_GetAttr(kept, of_stack_name));
@@ -560,15 +561,7 @@ PyObject* victim_search(PyObject*, PyObject* args) {
           if (ranked_with < 0) return nullptr;
           ranked_with = ranked_with && PyTuple_GET_ITEM(with.p, 1) == v.needed && PyTuple_GET_ITEM(with.p, 2) == chances;
         }
-        if (!ranked_with) {  // ranked keeping other keys, or other chances: anew
-          PyRef it(PyObject_GetIter(PyList_GET_ITEM(v.stacks_of, i)));
-          if (!it.p) return nullptr;
-          while (PyObject* stack = PyIter_Next(it.p)) {
-            PyRef held(stack);
-            if (PySet_Add(v.dirty, stack) < 0) return nullptr;
-          }
-          if (PyErr_Occurred()) return nullptr;
-        }
+        if (!ranked_with && !mark_dirty(v, i)) return nullptr;  // ranked keeping other keys, or other chances: anew
         if (stale_now || !ranked_with) {
           PyObject* found = layer_candidate(v, PyList_GET_ITEM(v.stacks_of, i), v.needed);
           if (!found || PyList_SetItem(v.bests, i, found) < 0) return nullptr;
@@ -612,13 +605,8 @@ PyObject* victim_search(PyObject*, PyObject* args) {
     if (!key.p) return nullptr;
     PyRef now(PyObject_CallOneArg(v.cache_get.p, key.p));
     if (!now.p) return nullptr;
-    int usable = now.p == best;
-    if (usable) {
-      const int in_use = attr_true(best, users_name);
-      const int unused = in_use == 0 ? attr_true(best, prefetched_name) : 0;
-      if (in_use < 0 || unused < 0) return nullptr;
-      usable = !in_use && !unused;
-    }
+    const int usable = now.p == best ? evictable(best, key.p, Py_None) : 0;
+    if (usable < 0) return nullptr;
     if (usable) {
       PyRef wait_obj(PyFloat_FromDouble(best_wait));
       if (!wait_obj.p) return nullptr;

@@ -169,7 +169,7 @@ class ExpertEviction:
         if count != kept.count:
             kept.count = count
             kept.renew()
-        if _NATIVE_VICTIM is not None and _NATIVE_STACK_BEST is not None:  # the same steps in the extension
+        if _NATIVE_VICTIM is not None:  # the same steps in the extension
             found = _NATIVE_VICTIM(kept, cache, cached, self.layers.current, self.layers.needed,
                                    *self.next_turn.tables(), self._guarded, position, here, count, self._coldest.heaps,
                                    self._last, self.frequency, self._reuse, REUSE_PRIOR, self.layers.ran,
