@@ -415,6 +415,14 @@ def test_with_the_waste_budget_a_bin_without_evidence_takes_the_record_of_a_less
     assert not router.pays(2) and router.precision(2) == 0.4
 
 
+def test_a_guess_is_binned_by_the_first_upper_edge_at_least_its_confidence_and_ranked_ties_in_order():
+    bins = ot_guesses.confidence_bins({0: 0.05, 1: 0.1, 2: 0.1000001, 3: 0.7, 4: 1.0, 5: 1.5, 6: float("nan"), 7: 0.0})
+    assert bins == {0: 0, 1: 0, 2: 1, 3: 6, 4: 9, 5: 9, 6: 0, 7: 0}
+    # The most confident first; an expert's highest confidence; equal confidences in the order given.
+    got = ot_guesses.ranked([(3, 0.2), (1, 0.5), (4, 0.2), (1, 0.1), (2, 0.5)])
+    assert list(got.items()) == [(1, 0.5), (2, 0.5), (3, 0.2), (4, 0.2)]
+
+
 # ------------------------------------------------------------------------------------ placement
 
 
@@ -480,6 +488,24 @@ def test_detach_removes_router_hooks(device):
     ot.unwrap_model(model)
     assert not gate._forward_pre_hooks
     assert pager.experts is None
+
+
+def test_the_look_ahead_builds_no_autograd_graph_when_the_caller_has_grad_on(device, monkeypatch):
+    model = DeepSeekForCausalLM.empty(_reference_config()).init_weights(seed=0).to(device)
+    ot.wrap_model(model, budget_gb=_budget_gb(model, 0.5), device=device)
+    grad_on, real = [], ot_speculation.lookahead_scores
+
+    def scores(*args):
+        grad_on.append(torch.is_grad_enabled())
+        return real(*args)
+
+    monkeypatch.setattr(ot_speculation, "lookahead_scores", scores)
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1)).to(device)
+    cache = LatentCache()
+    model(ids, cache)  # no torch.no_grad here: the router hooks take it themselves
+    with torch.no_grad():
+        model(ids[:, -1:], cache)
+    assert grad_on and not any(grad_on)
 
 
 # ------------------------------------------------------------------------------------ the H200 replay

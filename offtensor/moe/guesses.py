@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 import weakref
+from bisect import bisect_left
 from functools import reduce
-from operator import add
+from operator import add, itemgetter
 
 from torch import nn
 
@@ -45,6 +46,7 @@ SPECULATE_PRECISION_IDLE = 0.7
 # Upper edges of the confidence bins (a guess's look-ahead probability; top-k of a softmax over
 # E experts: 1 / E is chance).
 CONFIDENCE_BINS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+_LAST_BIN = len(CONFIDENCE_BINS) - 1
 # A bin's precision is correct / guessed over its recent uncached guesses: both counts decay by
 # this factor per scored guess, and at least SPECULATE_EVIDENCE guesses must stand behind it.
 PRECISION_DECAY = 0.98
@@ -333,15 +335,16 @@ def host_chances(scores) -> list:
 
 
 def ranked(pairs) -> dict:
-    """(expert, confidence) pairs -> expert: its highest confidence, the most confident first."""
+    """(expert, confidence) pairs -> expert: its highest confidence, the most confident first (ties
+    in the order given: a reversed sort keeps equal keys in order)."""
     confidence = {}
-    for e, p in sorted(pairs, key=lambda ep: -ep[1]):
+    for e, p in sorted(pairs, key=itemgetter(1), reverse=True):
         confidence.setdefault(e, p)
     return confidence
 
 
-def confidence_bin(p: float) -> int:
-    for i, edge in enumerate(CONFIDENCE_BINS):
-        if p <= edge:
-            return i
-    return len(CONFIDENCE_BINS) - 1
+def confidence_bins(confidence: dict) -> dict:
+    """expert -> the bin of its confidence: the first bin whose upper edge is at least it (the
+    last above them all; a NaN, which compares with nothing, the first), by bisection."""
+    last = _LAST_BIN
+    return {e: min(bisect_left(CONFIDENCE_BINS, p), last) for e, p in confidence.items()}

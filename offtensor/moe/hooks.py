@@ -161,7 +161,11 @@ class _RouterHook(_SpeculatorHook):
                 speculator.router_output(self.router, output)
         elif args and isinstance(args[0], torch.Tensor) and not args[0].is_meta:
             with pager.lock:
-                speculator.router_ran(self.router, args[0])
+                if torch.is_grad_enabled():  # (the look-ahead's kernels build no graph; decode runs without one)
+                    with torch.no_grad():
+                        speculator.router_ran(self.router, args[0])
+                else:
+                    speculator.router_ran(self.router, args[0])
         return None
 
     def _inert_args(self) -> tuple:

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from .. import _ext
 from . import routing
 from .predictor import hidden_layer
-from .guesses import (CONFIDENCE_BINS, Router, WasteBudget, confidence_bin, copy_order, host_chances, host_guess, host_rows,
+from .guesses import (CONFIDENCE_BINS, Router, WasteBudget, confidence_bins, copy_order, host_chances, host_guess, host_rows,
                       ranked, routers_report, score)
 
 if TYPE_CHECKING:
@@ -238,36 +238,36 @@ class RoutingSpeculator:
         elif module is None or not isinstance(weight, torch.Tensor) or hasattr(weight, "_master") \
                 or weight.device != x.device or weight.shape[-1] != x.shape[-1]:
             return  # an offloaded router would be paged for a guess: not worth it
-        with torch.no_grad():
-            x = x.reshape(-1, x.shape[-1]).to(weight.dtype)
-            scores = lookahead_scores(x, weight, bias, first)
-            biased = bias is None and routing.correction_bias(module, scores.shape[-1]) is not None
-            if router.tokens <= GUESS_ON_HOST_TOKENS and not biased:
-                # A decode step: the router matmul is the guess's one kernel (on a GPU, plus the
-                # read-back copy). Its softmax and top-k over a few rows of E scores are done on the
-                # host (_host_guess): each kernel is a launch on the compute stream ahead of the
-                # layer's routing read, paid every layer of every step (3 kernels a layer cost the
-                # trained test models' H200 replay 0.08 ms a decode step, 5% of it).
-                self._queue(nxt if guess else None, scores, router.tokens, after, router.split, wrap,
-                            router if own else None, router.own if learned is not None else None)
-                return
-            if own:
-                self._stacks.eviction.next_turn.forget(router.stacks)  # a prefill: its next turn is not predicted
-            first = router.split if router.split is not None else router.own
-            if first is not None:
-                scores = scores[:, :first]  # a prefill guesses one layer ahead only
-            # Many tokens (a prefill) or a biased router: top-k on the device, whose values are the
-            # confidences (softmax keeps the order).
-            k = min(nxt.top_k, scores.shape[-1])
-            if biased:
-                top = routing.select_experts(scores, k, module)  # DeepSeek-V3 selects on biased sigmoid scores
-                scores = scores.float().sigmoid()
-                confidence = (scores / scores.sum(-1, keepdim=True)).gather(-1, top)
-            else:
-                confidence, top = scores.softmax(-1, dtype=torch.float32).topk(k, dim=-1)
-            # The guessed ids and each one's confidence, token-major, each token's experts by
-            # descending score.
-            self._queue(nxt, (top, confidence), router.tokens)
+        x = x.reshape(-1, x.shape[-1])  # (autograd is off: the router's hook runs this under no_grad)
+        x = x if x.dtype is weight.dtype else x.to(weight.dtype)
+        scores = lookahead_scores(x, weight, bias, first)
+        biased = bias is None and routing.correction_bias(module, scores.shape[-1]) is not None
+        if router.tokens <= GUESS_ON_HOST_TOKENS and not biased:
+            # A decode step: the router matmul is the guess's one kernel (on a GPU, plus the
+            # read-back copy). Its softmax and top-k over a few rows of E scores are done on the
+            # host (_host_guess): each kernel is a launch on the compute stream ahead of the
+            # layer's routing read, paid every layer of every step (3 kernels a layer cost the
+            # trained test models' H200 replay 0.08 ms a decode step, 5% of it).
+            self._queue(nxt if guess else None, scores, router.tokens, after, router.split, wrap,
+                        router if own else None, router.own if learned is not None else None)
+            return
+        if own:
+            self._stacks.eviction.next_turn.forget(router.stacks)  # a prefill: its next turn is not predicted
+        first = router.split if router.split is not None else router.own
+        if first is not None:
+            scores = scores[:, :first]  # a prefill guesses one layer ahead only
+        # Many tokens (a prefill) or a biased router: top-k on the device, whose values are the
+        # confidences (softmax keeps the order).
+        k = min(nxt.top_k, scores.shape[-1])
+        if biased:
+            top = routing.select_experts(scores, k, module)  # DeepSeek-V3 selects on biased sigmoid scores
+            scores = scores.float().sigmoid()
+            confidence = (scores / scores.sum(-1, keepdim=True)).gather(-1, top)
+        else:
+            confidence, top = scores.softmax(-1, dtype=torch.float32).topk(k, dim=-1)
+        # The guessed ids and each one's confidence, token-major, each token's experts by
+        # descending score.
+        self._queue(nxt, (top, confidence), router.tokens)
         # Issued from the pager once this layer's own experts are (ExpertStacks.announce), so the
         # guesses queue behind them on the copy stream.
 
@@ -377,7 +377,7 @@ class RoutingSpeculator:
         """Open ``router``'s guess made ``ahead`` layers before it (scored at the step's end) and,
         with ``idle``, copy the guessed experts that are not cached and whose confidence bin has
         paid (``Router.pays``), the most confident first, at most SPECULATE_EXPERTS."""
-        bins = {e: confidence_bin(p) for e, p in confidence.items()}
+        bins = confidence_bins(confidence)
         cached = _cached_experts(pager, router)
         if ahead == 1:
             if router.guess is not None:
