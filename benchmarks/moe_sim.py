@@ -244,7 +244,7 @@ def routing_stats(trace) -> dict:
 
 
 SPECULATION_KNOBS = ("SPECULATE_COPY", "SPECULATE_PRECISION", "SPECULATE_PRECISION_IDLE", "SPECULATE_NEXT_STEP",
-                     "SPECULATE_EXPERTS", "SPECULATE_VICTIM_CYCLES", "SPECULATE_SAMPLE", "SPECULATE_EVIDENCE",
+                     "SPECULATE_EXPERTS", "SPECULATE_VICTIM_CYCLES", "SPECULATE_SAMPLE", "SPECULATE_SAMPLE_UNPAID", "SPECULATE_EVIDENCE",
                      "SPECULATE_EVIDENCE_LEARNED", "SPECULATE_WASTE")
 # The gates tried for the coverage-against-waste curve (each point changes one knob of the
 # default): the bin precision a one-ahead guess must have shown (1.01: none copied, two-ahead ones still);

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 
 import pytest
 import torch
@@ -413,6 +414,41 @@ def test_with_the_waste_budget_a_bin_without_evidence_takes_the_record_of_a_less
     assert not router.pays(2)  # nothing less confident has a record
     router.bin_guessed[1], router.bin_correct[1] = 10.0, 4.0  # 40%: under SPECULATE_PRECISION_FLOOR
     assert not router.pays(2) and router.precision(2) == 0.4
+
+
+def test_pays_any_is_any_bin_paying_by_its_own_record_or_the_pools_until_it_has_evidence():
+    rng = random.Random(0)
+    for _ in range(300):
+        router = ot_guesses.Router("gate", nn.Linear(4, 4))
+        router.evidence = rng.choice((4.0, 8.0))
+        records = [router.bin_correct, router.bin_guessed, router.bin2_correct, router.bin2_guessed]
+        pool = tuple([0.0] * len(ot_guesses.CONFIDENCE_BINS) for _ in range(4))
+        for correct, guessed in ((records[0], records[1]), (records[2], records[3]), (pool[0], pool[1]), (pool[2], pool[3])):
+            for b in range(len(guessed)):
+                guessed[b] = rng.choice((0.0, 3.0, 8.0, 20.0))
+                correct[b] = guessed[b] * rng.choice((0.0, 0.5, 0.7, 0.9, 1.0))
+        for shared in (pool, None):
+            for ahead in (1, 2):
+                want = any(router.pays(b, shared, ahead) for b in range(len(ot_guesses.CONFIDENCE_BINS)))
+                assert router.pays_any(shared, ahead) == want
+
+
+def test_a_router_whose_own_record_says_its_look_ahead_does_not_pay_is_guessed_for_on_a_sample_of_steps():
+    router, after = ot_guesses.Router("gate", nn.Linear(4, 4)), ot_guesses.Router("next", nn.Linear(4, 4))
+    pool = tuple([0.0] * len(ot_guesses.CONFIDENCE_BINS) for _ in range(4))
+    router.missed = True
+    # No record yet: guessed every step while its layer misses (its bins earn their record).
+    assert all(ot_speculation._guessed_now(router, after, pool) for _ in range(8))
+    router.bin_guessed[0], router.bin_correct[0] = 20.0, 2.0  # its most guessed bin: right 10 % of the time
+    made = [ot_speculation._guessed_now(router, after, pool) for _ in range(12)]
+    assert made == [n % ot_speculation.SPECULATE_SAMPLE_UNPAID == 0 for n in range(12)] and any(not m for m in made)
+    # Any bin that pays brings every step back: its own, the pool's where its own lacks evidence,
+    # or a two-ahead bin of the layer after it (guessed by the same matmul).
+    for record in ((router.bin_correct, router.bin_guessed), (pool[0], pool[1]), (after.bin2_correct, after.bin2_guessed)):
+        record[0][8], record[1][8] = 9.0, 10.0
+        assert all(ot_speculation._guessed_now(router, after, pool) for _ in range(8))
+        record[0][8] = record[1][8] = 0.0
+    assert not all(ot_speculation._guessed_now(router, after, pool) for _ in range(8))
 
 
 def test_a_guess_is_binned_by_the_first_upper_edge_at_least_its_confidence_and_ranked_ties_in_order():

@@ -47,6 +47,7 @@ SPECULATE_PRECISION_IDLE = 0.7
 # E experts: 1 / E is chance).
 CONFIDENCE_BINS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 _LAST_BIN = len(CONFIDENCE_BINS) - 1
+_NO_RECORD = ((0.0,) * len(CONFIDENCE_BINS),) * 2  # (a bin's record where no pool is given)
 # A bin's precision is correct / guessed over its recent uncached guesses: both counts decay by
 # this factor per scored guess, and at least SPECULATE_EVIDENCE guesses must stand behind it.
 PRECISION_DECAY = 0.98
@@ -98,7 +99,7 @@ class Router:
         self.cached = frozenset()  # experts cached (every stack) when the open guess was made
         self.copied = {}  # expert -> bytes the open guess copied for it
         self.guess_tokens = 0
-        self.unpaid_steps = 0  # steps it could have been guessed for with copies off (every SPECULATE_SAMPLE-th is)
+        self.unpaid_steps = 0  # steps it could have been guessed for, on a sample only (speculation._guessed_now)
         self.missed = True  # whether its stacks missed in the last step (a guess could have saved a copy)
         self.misses_seen = 0  # its stacks' misses counted at the end of the last step
         # (weight [E, H], bias [E]) of the learned look-ahead of the next layer from this router's
@@ -179,9 +180,20 @@ class Router:
             bins[i][confidence_bin] = PRECISION_DECAY * bins[i][confidence_bin] + right
             bins[i + 1][confidence_bin] = PRECISION_DECAY * bins[i + 1][confidence_bin] + 1.0
 
-    def pays_any(self, pool=None) -> bool:
-        """Whether any of its one-ahead bins pays."""
-        return any(self.pays(b, pool) for b in range(len(CONFIDENCE_BINS)))
+    def pays_any(self, pool=None, ahead: int = 1) -> bool:
+        """Whether any of its bins (of the guesses made ``ahead`` layers ahead) pays: ``pays`` of
+        each, in one pass where the gate is fixed (asked of every router at every decode step)."""
+        if SPECULATE_WASTE is not None:
+            return any(self.pays(b, pool, ahead) for b in range(len(CONFIDENCE_BINS)))
+        own = (self.bin_correct, self.bin_guessed) if ahead == 1 else (self.bin2_correct, self.bin2_guessed)
+        gate, evidence = (SPECULATE_PRECISION if ahead == 1 else SPECULATE_PRECISION_IDLE), self.evidence
+        shared = _NO_RECORD if pool is None else (pool[:2] if ahead == 1 else pool[2:])
+        for correct, guessed, pool_correct, pool_guessed in zip(*own, *shared):
+            if guessed < evidence:
+                correct, guessed = pool_correct, pool_guessed  # (_record: the pool's until it has evidence)
+            if guessed >= evidence and correct >= gate * guessed:
+                return True
+        return False
 
     def report(self, pool=None) -> dict:
         return guess_report(self.guessed, self.correct, self.routed, self.uncached_guessed, self.uncached_correct,

@@ -73,6 +73,14 @@ SPECULATE_COPY = True
 # evidence (no guess was ever copied; guessing every step brings the hit rate 0.4-1.2 points closer
 # to Belady's, benchmarks/results/moe_sim.json).
 SPECULATE_SAMPLE = 1
+# A router whose own record shows that its look-ahead does not pay (its most guessed bin has
+# evidence, and neither its bins, nor the pool's where its own lack evidence, nor those of the
+# layer after it guessed two ahead, pass the gate) is guessed for at every SPECULATE_SAMPLE_UNPAID-th
+# step only, missed or not: its guesses would be scored, not copied, and they cost host time (on the
+# synthetic 256-expert decode of benchmarks/moe_policy_scale.py, whose look-ahead never pays, a
+# guess was about 0.28 ms of Python a layer and step on this project's CPU machine). The sample
+# keeps its record current, so a look-ahead that improves (a refit) earns its copies back.
+SPECULATE_SAMPLE_UNPAID = 4
 # Whether the last MoE layer guesses the next decode step's first layer (where the learned
 # look-ahead has a map for it: ``moe.predictor.fit(..., seq=)``) and copies it ahead. Off by
 # default: the copy is issued at the end of a step, after the last layer's own copies, where one
@@ -161,6 +169,26 @@ def _cached_experts(pager, router: Router) -> frozenset:
     return frozenset(experts)
 
 
+def _guessed_now(router: Router, after, pool) -> bool:
+    """Whether ``router``'s layer is guessed for this step (``after``: the layer after it, guessed two
+    ahead by the same matmul, or None): every step while a copied guess may save something, else on
+    a sample of the steps, which keeps its record scored (``unpaid_steps`` counts the steps it could
+    have been guessed for)."""
+    period = SPECULATE_SAMPLE
+    if SPECULATE_COPY:
+        pays = router.pays_any(pool) or (after is not None and after.pays_any(pool, 2))
+        if not pays and max(router.bin_guessed) >= router.evidence:
+            period = SPECULATE_SAMPLE_UNPAID  # its own record says its look-ahead does not pay
+        elif pays or router.missed or (after is not None and after.missed):
+            return True
+        # Else nothing for a copied guess to save (its layer missed nothing in the last step and no
+        # bin pays): it is only scored, which needs a sample, not every step (a guess's kernel is a
+        # cost on the compute stream: at 50% cached, where a layer rarely misses, guessing every step
+        # made the trained Qwen2-MoE's H200 replay 7% slower than the cache alone).
+    router.unpaid_steps += 1
+    return not (router.unpaid_steps - 1) % period  # the first such step and every period-th
+
+
 class RoutingSpeculator:
     """Guesses layer i+1's experts when layer i's router runs, and prefetches them."""
 
@@ -216,13 +244,7 @@ class RoutingSpeculator:
         guess = not wrap or (SPECULATE_NEXT_STEP and learned is not None and router.tokens <= GUESS_ON_HOST_TOKENS
                              and self.token_table is None)  # (with a token table, the step's tokens guess it)
         after = self._next.get(nxt) if router.split is not None and not wrap else None
-        if guess and not (SPECULATE_COPY and (nxt.missed or (after is not None and after.missed) or nxt.pays_any(self.pool))):
-            # Nothing for a copied guess to save (its layer missed nothing in the last step and no
-            # bin pays): it is only scored, which needs a sample, not every step (a guess's kernel
-            # is a cost on the compute stream: at 50% cached, where a layer rarely misses, guessing
-            # every step made the trained Qwen2-MoE's H200 replay 7% slower than the cache alone).
-            nxt.unpaid_steps += 1
-            guess = not (nxt.unpaid_steps - 1) % SPECULATE_SAMPLE  # the first step and every SPECULATE_SAMPLE-th
+        guess = guess and _guessed_now(nxt, after, self.pool)
         if not guess and not (own and router.tokens <= GUESS_ON_HOST_TOKENS):
             if own:
                 self._stacks.eviction.next_turn.forget(router.stacks)  # a prefill: its next turn is not predicted
