@@ -23,7 +23,8 @@ learned look-ahead also maps layer i's input to layer i's own experts at the nex
 of the same matmul), their chances go to eviction (``ExpertEviction.next_turn``) before layer i's
 copies take their room. A decode step's guess costs one kernel, the router matmul (softmax and
 top-k on the host). With ``SPECULATE_COPY``
-off nothing is copied and a router is guessed for on a sample of the steps. Each router's record of
+off nothing is copied and a router is guessed for on a sample of the steps, as one is whose
+own record says its look-ahead does not pay (``SPECULATE_SAMPLE_UNPAID``). Each router's record of
 its guesses (confidence bins, their precision, the gate a copy must pass) is ``moe.guesses``. Which modules are
 routers and which stacks each one selects is learned from the access order of a pass (the stacks
 paged after a router fires, before the next one); before the first pass, from names
