@@ -47,10 +47,21 @@ class OffloadedTensor(torch.Tensor):
     _op_dispatch = None
 
     @staticmethod
-    def __new__(cls, host: torch.Tensor, master: Master, requires_grad: bool = False):
+    def __new__(cls, host: torch.Tensor, master: Master = None, requires_grad: bool = False, **attributes):
+        if master is None:
+            # ``type(p)(data, requires_grad=...)``, nn.Parameter's constructor called through a
+            # parameter's class, as accelerate (``set_module_tensor_to_device``, ``init_empty_weights``)
+            # and peft re-create a parameter from moved data. An OffloadedTensor comes only from a
+            # host master (``offload``, ``wrap_model``), so this makes what nn.Parameter makes of
+            # ``data``: a plain Parameter, or of an OffloadedTensor a Parameter alias of it. The
+            # ``attributes`` such callers pass are the old parameter's ``__dict__`` (its ``_host``
+            # and ``_master`` among them): they describe the old tensor's storage, not ``data``'s.
+            return torch.nn.Parameter(host, requires_grad)
         return _wrapper(cls, host, master, requires_grad)
 
-    def __init__(self, host: torch.Tensor, master: Master, requires_grad: bool = False):
+    def __init__(self, host: torch.Tensor, master: Master = None, requires_grad: bool = False, **attributes):
+        if master is None:  # a Parameter alias made by __new__ above: it is already whole
+            return
         self._host = host
         self._master = master
 

@@ -7,6 +7,10 @@ bytes on the ``device`` fixture, and compared with an unwrapped deep copy: outpu
 Covered elsewhere, so not repeated here: greedy ``generate`` (tests/test_transformers_models.py),
 static-cache ``generate`` of a compiled model (tests/test_compile.py), ``save_pretrained`` of an
 unwrapped model -> ``ot.from_pretrained`` (tests/test_loading_files.py).
+
+accelerate's utilities over a wrapped model (``set_module_tensor_to_device``, ``cpu_offload``,
+``init_empty_weights``) re-create parameters through their class, as nn.Parameter's constructor
+(``type(p)(data, requires_grad=...)``): an offloaded parameter's class makes what nn.Parameter makes.
 """
 
 from __future__ import annotations
@@ -460,3 +464,72 @@ def test_save_pretrained_of_a_wrapped_model_then_from_pretrained_gives_the_unwra
         assert torch.equal(loaded(input_ids=ids, attention_mask=mask).logits, expected)
         assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, expected)
     _paged_within_budget(loaded)
+
+
+# ---------------------------------------------------------------------------- accelerate
+
+
+def _offloaded_linear(model: torch.nn.Module) -> torch.nn.Module:
+    """The first ``nn.Linear`` of ``model`` whose weight is offloaded."""
+    return next(m for m in model.modules() if isinstance(m, torch.nn.Linear) and isinstance(m.weight, ot.OffloadedTensor))
+
+
+def test_offloaded_parameter_class_called_like_nn_parameter_makes_what_nn_parameter_makes(device):
+    """``type(p)(data, requires_grad=...)``: of a plain tensor a plain Parameter (not an
+    OffloadedTensor without a host master), of an OffloadedTensor a Parameter alias of its master;
+    a caller's extra keywords (accelerate passes the old parameter's ``__dict__``) are not kept."""
+    model, _ = _tiny_llama(device)
+    weight = _offloaded_linear(model).weight
+    plain = torch.randn(3, 4, device=device)
+    made = type(weight)(plain, requires_grad=False, **weight.__dict__)
+    assert type(made) is torch.nn.Parameter and not made.requires_grad
+    assert made.data_ptr() == plain.data_ptr() and not hasattr(made, "_master")
+    alias = type(weight)(weight, requires_grad=False)
+    assert isinstance(alias, ot.OffloadedTensor) and isinstance(alias, torch.nn.Parameter)
+    assert alias._master is weight._master and not alias.requires_grad and weight.requires_grad
+    assert torch.equal(alias, weight)
+
+
+def test_accelerate_set_module_tensor_to_device_to_meta_and_back_keeps_the_logits(device):
+    """accelerate moves a parameter to meta and back from a kept value (its offload hooks' step):
+    the offloaded weight comes back as an alias of its master, paged as before."""
+    pytest.importorskip("accelerate")
+    from accelerate.utils import set_module_tensor_to_device
+
+    model, reference = _tiny_llama(device)
+    linear = _offloaded_linear(model)
+    weight = linear.weight
+    set_module_tensor_to_device(linear, "weight", "meta")
+    assert linear.weight.is_meta and type(linear.weight) is torch.nn.Parameter
+    set_module_tensor_to_device(linear, "weight", device, value=weight)
+    assert isinstance(linear.weight, ot.OffloadedTensor) and linear.weight._master is weight._master
+    ids, mask = _prompt(device)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits,
+                           reference(input_ids=ids, attention_mask=mask).logits)
+
+
+def test_accelerate_cpu_offload_over_a_wrapped_model_gives_the_unwrapped_logits(device):
+    pytest.importorskip("accelerate")
+    from accelerate import cpu_offload
+
+    model, reference = _tiny_llama(device)
+    cpu_offload(model, execution_device=torch.device(device))
+    ids, mask = _prompt(device)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits,
+                           reference(input_ids=ids, attention_mask=mask).logits)
+
+
+def test_accelerate_init_empty_weights_puts_an_offloaded_parameter_registered_under_it_on_meta(device):
+    """As for a plain parameter: registered under ``init_empty_weights`` it becomes a meta Parameter."""
+    pytest.importorskip("accelerate")
+    from accelerate import init_empty_weights
+
+    model, _ = _tiny_llama(device)
+    weight = _offloaded_linear(model).weight
+    holder = torch.nn.Module()
+    with init_empty_weights():
+        holder.register_parameter("weight", weight)
+    assert type(holder.weight) is torch.nn.Parameter and holder.weight.is_meta
+    assert holder.weight.shape == weight.shape and holder.weight.requires_grad == weight.requires_grad
