@@ -14,6 +14,7 @@ nothing of it: the import graph runs ops -> tensor -> pager.
 
 from __future__ import annotations
 
+import sys as _sys
 import weakref
 from copy import deepcopy as _deepcopy
 
@@ -126,9 +127,12 @@ class OffloadedTensor(torch.Tensor):
 
     def untyped_storage(self) -> torch.UntypedStorage:
         # The host master: lets storage-based tie detection (safetensors, transformers) see aliases.
-        # Not while torch.compile converts this tensor to a fake one: it would then find the inner
-        # host view's storage twice and try to give the device wrapper a host storage.
-        if torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None:
+        # Not while torch.compile or torch.export converts this tensor to a fake one: it would then
+        # find the inner host view's storage twice and try to give the device wrapper a host
+        # storage (non-strict export fakes parameters outside any tracing context: its converter,
+        # meta_utils, is the caller).
+        if torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None \
+                or _sys._getframe(1).f_globals.get("__name__") == "torch._subclasses.meta_utils":
             # (torch 2.11 reports is_compiling() only inside traced code, not while faking inputs)
             with torch._C.DisableTorchFunctionSubclass():
                 return torch._C.TensorBase.untyped_storage(self)

@@ -93,6 +93,37 @@ def test_compiled_wrapped_model_gives_the_unwrapped_outputs_without_graph_breaks
     assert s.peak_device_bytes <= s.budget_bytes
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_exported_wrapped_model_gives_the_unwrapped_outputs_and_pages_at_run_time(device, strict):
+    """torch.export, non-strict (the default: parameters faked by FakeTensorMode.from_tensor outside
+    any tracing context) and strict (Dynamo): the program's module pages its weights when it runs."""
+    model = _stack(layers=2)
+    reference = copy.deepcopy(model).to(device)
+    x = torch.randn(4, 32).to(device)
+    _wrap_weights_offloaded(model, device)
+    program = torch.export.export(model, (x,), strict=strict)
+    ot.reset_stats(model)
+    with torch.no_grad():
+        assert torch.equal(program.module()(x), reference(x))
+    s = ot.stats(model)
+    assert s.bytes_h2d > 0 and s.peak_device_bytes <= s.budget_bytes
+
+
+@pytest.mark.parametrize("how", ["trace", "script"])
+def test_torchscript_of_a_wrapped_model_is_refused_naming_an_offloaded_weight(device, how):
+    """TorchScript records ops on plain tensors: it would record the pager's own copies (or fail on
+    them) instead of paging. Refused before it traces, naming a weight; unwrapped, it scripts."""
+    model = _stack(layers=2)
+    x = torch.randn(4, 32).to(device)
+    _wrap_weights_offloaded(model, device)
+    script = getattr(torch.jit, how)  # (looked up now: imports during other tests may rebind it)
+    args = (model, x) if how == "trace" else (model,)
+    with pytest.raises(RuntimeError, match=r"torch.jit.trace / torch.jit.script of a wrapped model .* '0.weight', 4096 bytes"):
+        script(*args)
+    ot.unwrap_model(model)
+    script(*args)
+
+
 def test_compiling_a_module_inside_a_wrapped_model(device):
     model = _stack()
     reference = copy.deepcopy(model).to(device)

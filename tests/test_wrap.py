@@ -750,3 +750,15 @@ def test_wrap_and_unwrap_change_nothing_in_nn_module_and_give_every_module_its_c
     assert {name: type(m) for name, m in model.named_modules()} == classes
     assert _module_machinery() == before
     assert torch.equal(_run(model, ids), expected)
+
+
+def test_introspecting_a_wrapped_module_finds_no_distribute_marker_and_raises_nothing():
+    """Readers of every attribute in ``dir(module)`` (``inspect.getmembers``, a shell's completion)
+    are not refused as ``distribute_module`` is: they find no ``_distribute_module_applied``."""
+    import inspect
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    ot.wrap_model(model, budget_gb=24e3 / 2**30, device="cpu")
+    assert isinstance(model[0].weight, ot.OffloadedTensor)
+    assert not hasattr(model, "_distribute_module_applied")
+    assert dict(inspect.getmembers(model))["training"] is True

@@ -8,17 +8,18 @@ torch's global hooks are left alone, and ``leave`` gives a module its own class 
 from __future__ import annotations
 
 import copyreg
+import sys
 from typing import Optional
 
 import torch
 from torch import nn
 
 from .casts import apply_to_wrapped
-from .dtensor import refuse_distribute, refuse_sharding_an_offloaded_weight
+from .dtensor import asked_by_distribute_module, refuse_distribute, refuse_sharding_an_offloaded_weight
 from .loads import after_load, portable_state_dict
 from .moves import resident_bytes
 from .place import place, place_attribute
-from .state import State, enrol, placing_state, withdraw, wrapped_state
+from .state import State, enrol, offloaded_weights, placing_state, withdraw, wrapped_state
 
 
 def _set_attribute(set_attribute, module: nn.Module, name: str, value) -> None:
@@ -64,6 +65,24 @@ def _delete_attribute(delete_attribute, module: nn.Module, name: str) -> None:
 
 
 _ABSENT = object()
+
+
+# The modules of torch.jit.trace and torch.jit.script that read a module's attributes.
+_TORCHSCRIPT_MODULES = ("torch.jit.", "torch._jit_internal")
+
+
+def refuse_torchscript(module: nn.Module) -> None:
+    """TorchScript (``torch.jit.trace``, ``torch.jit.script``) of a wrapped model: it records ops on
+    plain tensors and would record the pager's own copies and calls (or fail on them), never the
+    paging an OffloadedTensor does per op. Refused before it traces anything, naming a weight."""
+    offloaded = offloaded_weights(module)
+    if offloaded:
+        name, t = offloaded[0]
+        raise RuntimeError(
+            f"offtensor: torch.jit.trace / torch.jit.script of a wrapped model is not supported ({len(offloaded)} of "
+            f"its weights are offloaded, such as '{name}', {t.numel() * t.element_size()} bytes): TorchScript records "
+            f"ops on plain tensors and cannot record paging. Use torch.compile (it pages through its graph), or "
+            f"ot.unwrap_model(model) first.")
 
 
 def _register_tensor(register, module: nn.Module, table: dict, name: str, t, is_buffer: bool) -> None:
@@ -204,11 +223,17 @@ def _make_wrapping_class(user_class: type) -> type:
 
     # distribute_module (parallelize_module) first asks getattr(module, "_distribute_module_applied",
     # False): a property answers it, refusing a module with offloaded weights. A property, not a
-    # __getattr__, so that forwards (and torch.compile's handling of modules) see no change.
+    # __getattr__, so that forwards (and torch.compile's handling of modules) see no change. Only
+    # distribute_module's own read is refused (its caller's frame), and TorchScript's, which reads
+    # every attribute in dir(module) before it traces or compiles; other readers find none.
     def _get_distributed(self):
         if "_distribute_module_applied" in self.__dict__:
             return self.__dict__["_distribute_module_applied"]
-        refuse_distribute(self)
+        caller = sys._getframe(1)
+        if asked_by_distribute_module(caller):
+            refuse_distribute(self)
+        if caller.f_globals.get("__name__", "").startswith(_TORCHSCRIPT_MODULES):
+            refuse_torchscript(self)
         raise AttributeError("_distribute_module_applied")
 
     def _set_distributed(self, value):

@@ -4,14 +4,13 @@ manages), and ``parallelize_module`` while any weight is offloaded, each before 
 
 from __future__ import annotations
 
-import itertools
 
 import torch
 from torch import nn
 
 from .. import leaves
 from ..tensor import OffloadedTensor
-from .state import State, wrapped_state
+from .state import State, offloaded_weights, wrapped_state
 
 
 def _is_dtensor(t) -> bool:
@@ -110,24 +109,28 @@ def refuse_offloading_an_fsdp2_parameter(state: State, module: nn.Module, name: 
     )
 
 
+def asked_by_distribute_module(frame) -> bool:
+    """Whether ``frame`` runs torch's ``distribute_module``: only its read of
+    ``_distribute_module_applied`` is refused. Any other reader (``hasattr`` over ``dir(module)``, as
+    ``torch.jit.trace``, ``inspect.getmembers`` and completion in a shell do) finds no attribute."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import _api  # (imported once it is asked: a module of torch's own)
+
+    return frame.f_code is _api.distribute_module.__code__
+
+
 def refuse_distribute(module: nn.Module) -> None:
     """``distribute_module`` (``parallelize_module``) asks a wrapped module whether it was
     distributed before it scatters any weight; an offloaded weight would reach gloo/NCCL inside a
     ``Tensor[][]`` argument, which the dispatcher never hands to the OffloadedTensor (rank 0 died
     of SIGSEGV). Refused at the first module asked while any weight of the model is offloaded, so
     no module has been parallelized yet when it raises."""
-    state = wrapped_state(module)
-    model = state.model_ref() if state is not None else None
-    if model is None:
-        return
-    offloaded = [
-        (n, t) for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
-        if any(isinstance(leaf, OffloadedTensor) for leaf in leaves.leaf_tensors(t))
-    ]
+    offloaded = offloaded_weights(module)
     if offloaded:
         name, t = offloaded[0]
         raise RuntimeError(
-            f"offtensor: {type(module).__name__} '{state.qualified_name(module, '').rstrip('.')}' of a wrapped model "
+            f"offtensor: {type(module).__name__} '{wrapped_state(module).qualified_name(module, '').rstrip('.')}' of a wrapped model "
             f"is being parallelized (distribute_module / parallelize_module) while {len(offloaded)} of the model's "
             f"weights are offloaded ('{name}', {t.numel() * t.element_size()} bytes): parallelize first, then call "
             f"ot.wrap_model on each rank, so that each rank's host masters hold only its shard. Nothing was "

@@ -4,6 +4,7 @@ places, casts, copies or unwraps it."""
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Optional
 
@@ -204,6 +205,17 @@ def wrapped_state(module: nn.Module) -> Optional[State]:
     so that a traced forward guards on nothing but the module."""
     member = module.__dict__.get(_MEMBER)
     return member.state if member is not None and member.module() is module else None
+
+
+def offloaded_weights(module: nn.Module) -> list:
+    """``(name, tensor)`` of each weight of ``module``'s wrapped model with an offloaded leaf, in the
+    model's order (empty for a module of no wrapped model): what refusals name."""
+    state = wrapped_state(module)
+    model = state.model_ref() if state is not None else None
+    if model is None:
+        return []
+    return [(n, t) for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
+            if any(isinstance(leaf, OffloadedTensor) for leaf in leaves.leaf_tensors(t))]
 
 
 def placing_state(module: nn.Module) -> Optional[State]:
