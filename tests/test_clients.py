@@ -533,3 +533,35 @@ def test_accelerate_init_empty_weights_puts_an_offloaded_parameter_registered_un
         holder.register_parameter("weight", weight)
     assert type(holder.weight) is torch.nn.Parameter and holder.weight.is_meta
     assert holder.weight.shape == weight.shape and holder.weight.requires_grad == weight.requires_grad
+
+
+def test_wrapping_a_model_that_accelerate_offloads_is_refused_naming_the_module(device):
+    """cpu_offload leaves the weights on meta and fills them at each forward: a second offloader of
+    the same weights is refused before anything moves; the model still runs as accelerate's."""
+    pytest.importorskip("accelerate")
+    from accelerate import cpu_offload
+
+    from offtensor.models.tiny import tiny_transformers
+
+    model = tiny_transformers("llama")
+    reference = _reference(model, device)
+    cpu_offload(model, execution_device=torch.device(device))
+    with pytest.raises(ValueError, match=r"Embedding 'model.embed_tokens' of LlamaForCausalLM has its weights "
+                                         r"offloaded by accelerate's hooks.*Nothing was changed"):
+        ot.wrap_model(model, budget_gb=1e-4, device=device)
+    ids, mask = _prompt(device)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits,
+                           reference(input_ids=ids, attention_mask=mask).logits)
+
+
+def test_wrapping_a_from_pretrained_disk_offloaded_model_is_refused_naming_its_device_map(tmp_path, device):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from offtensor.models.tiny import tiny_transformers
+
+    tiny_transformers("llama").save_pretrained(tmp_path / "model")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "model", device_map="auto", max_memory={"cpu": 1}, offload_folder=str(tmp_path / "offload"))
+    with pytest.raises(ValueError, match=r"offloaded by accelerate's hooks \(hf_device_map \{'': 'disk'\}\)"):
+        ot.wrap_model(model, budget_gb=1e-4, device=device)

@@ -69,7 +69,8 @@ def prepare(model: nn.Module, config: OffloadConfig, device: torch.device, *,
 
 
 def check_wrappable(model) -> None:
-    """Refuse what ``wrap_model`` and ``load_safetensors`` cannot take: not a module, or wrapped already."""
+    """Refuse what ``wrap_model`` and ``load_safetensors`` cannot take: not a module, wrapped already,
+    or offloaded by accelerate's hooks."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"offtensor: expected an nn.Module, got {type(model).__name__}")
     state = wrapped_state(model)
@@ -78,6 +79,25 @@ def check_wrappable(model) -> None:
             f"offtensor: {type(model).__name__} is already wrapped (budget {state.pager.budget_bytes} bytes on "
             f"{state.pager.device}); call ot.unwrap_model(model) before wrapping it again"
         )
+    _refuse_accelerate_offload(model)
+
+
+def _refuse_accelerate_offload(model: nn.Module) -> None:
+    """A model whose weights accelerate's hooks offload (``from_pretrained(..., device_map=...)`` with
+    "cpu" or "disk" entries, ``cpu_offload``, ``disk_offload``): its offloaded weights are meta
+    tensors between forwards, filled from accelerate's own copies at each one. Two offloaders of the
+    same weights cannot both be right, so it is refused before anything moves, naming the module."""
+    for name, module in model.named_modules():
+        hook = getattr(module, "_hf_hook", None)
+        hooks = getattr(hook, "hooks", None) or ([hook] if hook is not None else [])
+        if any(getattr(h, "offload", False) is True for h in hooks):
+            device_map = getattr(model, "hf_device_map", None)
+            raise ValueError(
+                f"offtensor: {type(module).__name__} '{name}' of {type(model).__name__} has its weights offloaded by "
+                f"accelerate's hooks{f' (hf_device_map {device_map})' if device_map else ''}: they are meta tensors "
+                f"that accelerate fills at each forward, and offtensor would offload the same weights. Load the "
+                f"model without offloading in its device_map (device_map=None or {{'': 'cpu'}}) and wrap it, or "
+                f"load it with ot.from_pretrained(path, budget_gb=...). Nothing was changed.")
 
 
 def apply_placement(model: nn.Module, placed: placement.ModelPlacement, pager: Pager, config: OffloadConfig,
