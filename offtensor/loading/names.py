@@ -6,6 +6,7 @@ every mismatch (missing and unexpected names, shapes, dtypes, another architectu
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from typing import Optional
@@ -14,6 +15,9 @@ import torch
 from torch import nn
 
 from .files import FileTensor, open_regular, read_exactly
+
+# Equal-values checks read both tensors this many bytes at a time (each).
+COMPARE_BYTES = 16 << 20
 
 
 class Piece:
@@ -120,12 +124,13 @@ def match(entries: dict, model: nn.Module, groups, convert_dtypes: bool, path, s
                     t = member.tensor
                     missing.append(f"{member.names[0]} ({tuple(t.shape)}, {t.dtype}, {t.numel() * t.element_size()} bytes)")
                 continue
-            # Tied names stored more than once: one is read, the others are only known. A tie's source
-            # is read, as transformers ties its target to the source's values.
+            # Tied names stored more than once: one is read (a tie's source, as transformers ties its
+            # target to the source's values), the others are checked against it.
             if len(names) > 1:
                 names.sort(key=tie_targets(model).__contains__)
             chosen[id(member)] = (member, pieces[names[0]])
             problems += _check_pieces(names[0], member.tensor, pieces[names[0]], convert_dtypes)
+            problems += _check_copies(names, member.tensor, pieces, convert_dtypes) if len(names) > 1 else []
     if strict and unmatched:
         problems.append(f"the files hold {len(unmatched)} tensors the model does not have: {sorted(unmatched)[:8]}"
                         f"{' ...' if len(unmatched) > 8 else ''} (pass strict=False to ignore them)")
@@ -214,6 +219,64 @@ def _check_pieces(name, t: torch.Tensor, pieces, convert_dtypes: bool) -> list:
         problems.append(f"{name}: the parts {sorted(by_part)} concatenate to {offset} along dim {dim + 1}, the model "
                         f"has {slice_shape[dim]} ({tuple(t.shape)}, {model_bytes} bytes)")
     return problems
+
+
+def _check_copies(names, t: torch.Tensor, pieces, convert_dtypes: bool) -> list:
+    """Problems of the other stored names of one tied tensor: each must fit the model as the one
+    read does and hold the same values. Only one is read, so a copy of another shape or with other
+    values would otherwise be dropped unseen, and the model would get one of two contradicting
+    weights (torch's ``load_state_dict`` keeps whichever it copies last)."""
+    problems = []
+    for name in names[1:]:
+        fit = _check_pieces(name, t, pieces[name], convert_dtypes)
+        if not fit and not stored_equal(pieces[names[0]], pieces[name], t.dtype):
+            fit = [f"{names[0]} and {name} are one tied tensor of the model, but the files store them with "
+                   f"different values ({pieces[names[0]][0].describe()}, {pieces[name][0].describe()}, "
+                   f"{t.numel() * t.element_size()} bytes): store one, or untie them in the model"]
+        problems += fit
+    return problems
+
+
+def stored_equal(a_pieces, b_pieces, dtype: torch.dtype) -> bool:
+    """Whether two stored tensors hold equal values in ``dtype`` (``torch.equal``, as transformers
+    compares them once loaded), read a chunk at a time. Values spread over several pieces (stacked
+    experts) count as different: ``ties.decide`` then loads each from its own pieces, which is right
+    either way, and a model tied for good refuses them."""
+    if len(a_pieces) != 1 or len(b_pieces) != 1 or a_pieces[0].index is not None or b_pieces[0].index is not None:
+        return False
+    a, b = a_pieces[0].source, b_pieces[0].source
+    if a.shape != b.shape:
+        return False
+    numel = math.prod(a.shape)
+    step = max(1, COMPARE_BYTES // max(a.dtype.itemsize, b.dtype.itemsize))
+    fds = [open_regular(a.file, "safetensors file"), open_regular(b.file, "safetensors file")]
+    try:
+        for lo in range(0, numel, step):
+            n = min(step, numel - lo)
+            x, y = (_values(fd, t, lo, n) for fd, t in zip(fds, (a, b)))
+            if not _equal_chunk(x, y, dtype):
+                return False
+        return True
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _values(fd: int, t: FileTensor, lo: int, n: int) -> torch.Tensor:
+    size = t.dtype.itemsize
+    raw = read_exactly(fd, t.begin + lo * size, n * size)
+    if len(raw) != n * size:
+        return torch.empty(0)  # the file shrank: counted as different, and the load reports it
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(t.dtype)
+
+
+def _equal_chunk(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> bool:
+    if x.numel() != y.numel():
+        return False
+    try:
+        return torch.equal(x.to(dtype), y.to(dtype))
+    except (RuntimeError, TypeError):  # a dtype without conversions or comparisons (float4): compare bits
+        return x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
 
 
 def architecture_problem(model: nn.Module, files) -> Optional[str]:

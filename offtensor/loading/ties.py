@@ -18,18 +18,12 @@ on another build of the same config, so the files are compared once.
 
 from __future__ import annotations
 
-import math
-import os
 import warnings
 
 import torch
 from torch import nn
 
-from .files import FileTensor, open_regular, read_exactly
-from .names import pieces_by_name
-
-# Equal-values checks read both tensors this many bytes at a time (each).
-COMPARE_BYTES = 16 << 20
+from .names import pieces_by_name, stored_equal
 
 
 def tie_pairs(model: nn.Module) -> list:
@@ -56,7 +50,7 @@ def decide(model: nn.Module, entries: dict) -> list:
     made = []
     for i, (target, source) in enumerate(pairs):
         if source in stored and target in stored:
-            if not _equal(pieces[source], pieces[target], _tensor(model, target).dtype):
+            if not stored_equal(pieces[source], pieces[target], _tensor(model, target).dtype):
                 warnings.warn(
                     f"offtensor: the config ties {target!r} to {source!r}, but the checkpoint stores both with "
                     f"different values: loading them untied, as transformers does (set tie_word_embeddings=False "
@@ -114,44 +108,3 @@ def _tensor(model: nn.Module, name: str) -> torch.Tensor:
 def _slot(model: nn.Module, name: str):
     parent, _, attr = name.rpartition(".")
     return (model.get_submodule(parent) if parent else model), attr
-
-
-def _equal(a_pieces, b_pieces, dtype: torch.dtype) -> bool:
-    """Whether two stored tensors hold equal values in ``dtype`` (``torch.equal``, as transformers
-    compares them once loaded), read a chunk at a time. Values spread over several pieces (stacked
-    experts) count as different: each is then loaded from its own pieces, which is right either way."""
-    if len(a_pieces) != 1 or len(b_pieces) != 1 or a_pieces[0].index is not None or b_pieces[0].index is not None:
-        return False
-    a, b = a_pieces[0].source, b_pieces[0].source
-    if a.shape != b.shape:
-        return False
-    numel = math.prod(a.shape)
-    step = max(1, COMPARE_BYTES // max(a.dtype.itemsize, b.dtype.itemsize))
-    fds = [open_regular(a.file, "safetensors file"), open_regular(b.file, "safetensors file")]
-    try:
-        for lo in range(0, numel, step):
-            n = min(step, numel - lo)
-            x, y = (_values(fd, t, lo, n) for fd, t in zip(fds, (a, b)))
-            if not _equal_chunk(x, y, dtype):
-                return False
-        return True
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def _values(fd: int, t: FileTensor, lo: int, n: int) -> torch.Tensor:
-    size = t.dtype.itemsize
-    raw = read_exactly(fd, t.begin + lo * size, n * size)
-    if len(raw) != n * size:
-        return torch.empty(0)  # the file shrank: counted as different, and the load reports it
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(t.dtype)
-
-
-def _equal_chunk(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> bool:
-    if x.numel() != y.numel():
-        return False
-    try:
-        return torch.equal(x.to(dtype), y.to(dtype))
-    except (RuntimeError, TypeError):  # a dtype without conversions or comparisons (float4): compare bits
-        return x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))

@@ -1,0 +1,172 @@
+"""Hostile and damaged checkpoints beyond a malformed header: files that contradict themselves or
+the model, files swapped or rewritten while a load runs, an index that names nothing, and a giant
+file beside the checkpoint. Each is refused with ``ot.CheckpointError`` before the model changes
+(or, for the file beside it, never read whole); none loads wrong weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import offtensor as ot
+from offtensor.loading import files as loading_files
+from offtensor.loading import read as loading_read
+from offtensor.model.copies import is_wrapped
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+class Tied(nn.Module):
+    """An embedding and a head that share one weight (4 x 2 float32), and a scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(4, 2)
+        self.head = nn.Linear(2, 4, bias=False)
+        self.head.weight = self.embed.weight
+        self.scale = nn.Parameter(torch.ones(1))
+
+
+class Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(64))
+        self.b = nn.Parameter(torch.zeros(64))
+
+
+def _meta(cls):
+    with torch.device("meta"):
+        return cls().eval()
+
+
+def _unchanged(model) -> bool:
+    return all(p.is_meta and not isinstance(p, ot.OffloadedTensor) for p in model.parameters()) \
+        and not is_wrapped(model)
+
+
+def _refused(model, path, match, device, **kwargs) -> str:
+    with pytest.raises(ot.CheckpointError, match=match) as info:
+        ot.load_safetensors(model, path, budget_gb=1, device=device, **kwargs)
+    assert _unchanged(model)
+    return str(info.value)
+
+
+# ---------------------------------------------------------------------------- tied names stored twice
+
+
+def test_a_tie_stored_twice_with_different_values_is_refused_naming_both(tmp_path, device):
+    # torch's load_state_dict would keep whichever name it copies last; offtensor read one name and
+    # ignored the other's values, so the model silently got one of two contradicting weights.
+    path = str(tmp_path / "model.safetensors")
+    safetensors_torch.save_file({"embed.weight": torch.zeros(4, 2), "head.weight": torch.ones(4, 2),
+                                 "scale": torch.ones(1)}, path)
+    message = _refused(_meta(Tied), path, r"different values", device)
+    assert "embed.weight" in message and "head.weight" in message
+
+
+def test_a_tie_stored_twice_with_another_shape_is_refused_naming_the_copy(tmp_path, device):
+    # The second copy's shape was never checked: a (3, 2) head beside a (4, 2) embedding loaded.
+    path = str(tmp_path / "model.safetensors")
+    safetensors_torch.save_file({"embed.weight": torch.zeros(4, 2), "head.weight": torch.zeros(3, 2),
+                                 "scale": torch.ones(1)}, path)
+    _refused(_meta(Tied), path, r"head\.weight: 'head\.weight' in .* has shape \(3, 2\)", device)
+
+
+def test_a_tie_stored_twice_with_equal_values_loads(tmp_path, device):
+    path = str(tmp_path / "model.safetensors")
+    values = torch.arange(8.0).view(4, 2)
+    safetensors_torch.save_file({"embed.weight": values, "head.weight": values.clone(), "scale": torch.ones(1)}, path)
+    model = _meta(Tied)
+    ot.load_safetensors(model, path, budget_gb=1, device=device)
+    assert model.head.weight is model.embed.weight
+    assert torch.equal(model.embed.weight.cpu(), values)
+
+
+# ---------------------------------------------------------------------------- files that change under a load
+
+
+def _swap_after_header(monkeypatch, path, replacement):
+    """The file at ``path`` is replaced by ``replacement`` once its header has been checked."""
+    real = loading_files.read_header
+
+    def then_replace(file):
+        entries = real(file)
+        if os.path.exists(replacement):
+            os.replace(replacement, path)
+        return entries
+
+    monkeypatch.setattr(loading_files, "read_header", then_replace)
+
+
+def test_a_file_replaced_after_its_header_was_checked_is_refused_not_read(tmp_path, device, monkeypatch):
+    # The reader opened the path again: a new file of another layout was read at the old header's
+    # offsets, and the model silently got bytes of its header as weights.
+    path = str(tmp_path / "model.safetensors")
+    safetensors_torch.save_file({"a": torch.ones(64), "b": torch.full((64,), 2.0)}, path)
+    other = str(tmp_path / "other.safetensors")
+    safetensors_torch.save_file({"a": torch.full((64,), 9.0), "b": torch.full((64,), 7.0)}, other,
+                                metadata={"note": "x" * 40})  # a longer header: every offset moves
+    _swap_after_header(monkeypatch, path, other)
+    _refused(_meta(Pair), path, r"model\.safetensors.*changed since its header was read", device, threads=1)
+
+
+def test_a_file_rewritten_in_place_while_being_read_is_refused(tmp_path, device, monkeypatch):
+    path = str(tmp_path / "model.safetensors")
+    safetensors_torch.save_file({"a": torch.ones(64), "b": torch.full((64,), 2.0)}, path)
+    real = loading_read._pread_into
+
+    def read_then_rewrite(fd, offset, dst, what):
+        real(fd, offset, dst, what)
+        with open(path, "r+b") as f:  # another writer zeroes the bytes not read yet
+            f.seek(offset + dst.numel())
+            f.write(bytes(os.path.getsize(path) - offset - dst.numel()))
+        stat = os.stat(path)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # a clock tick later
+
+    monkeypatch.setattr(loading_read, "_pread_into", read_then_rewrite)
+    _refused(_meta(Pair), path, r"model\.safetensors.*changed while it was read", device, threads=1)
+
+
+# ---------------------------------------------------------------------------- indexes and files beside
+
+
+def test_an_index_whose_weight_map_is_empty_is_a_checkpoint_error(tmp_path, device):
+    # It raised a bare IndexError from the architecture check (files[0] of no files).
+    safetensors_torch.save_file({"a": torch.ones(64), "b": torch.ones(64)}, str(tmp_path / "model.safetensors"))
+    with open(tmp_path / "model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {}, "weight_map": {}}, f)
+    _refused(_meta(Pair), str(tmp_path), r"model\.safetensors\.index\.json.*names no shard", device)
+
+
+class Configured(Pair):
+    """A model with a transformers-style config, so the config.json beside the files is compared."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(model_type="llama")
+
+
+def test_a_giant_config_json_beside_the_files_is_not_read_whole(tmp_path, device, monkeypatch):
+    # The architecture check read config.json whole, whatever its size: a sparse 1 TiB file beside
+    # the shards made the load allocate until the machine ran out of memory.
+    safetensors_torch.save_file({"a": torch.ones(64), "b": torch.ones(64)}, str(tmp_path / "model.safetensors"))
+    config = tmp_path / "config.json"
+    with open(config, "wb") as f:
+        f.truncate(1 << 40)  # sparse: takes no disk
+    real_pread, read = os.pread, [0]
+
+    def counted(fd, count, offset):
+        chunk = real_pread(fd, count, offset)
+        read[0] += len(chunk)
+        assert read[0] < 1 << 30, "the load read a gigabyte: it is reading config.json whole"
+        return chunk
+
+    monkeypatch.setattr(os, "pread", counted)
+    model = _meta(Configured)
+    ot.load_safetensors(model, str(tmp_path), budget_gb=1, device=device)
+    assert torch.equal(model.a.cpu(), torch.ones(64))
