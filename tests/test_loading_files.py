@@ -257,15 +257,15 @@ def test_corrupt_or_truncated_file_is_refused_naming_file_and_tensor(tmp_path, r
 def test_file_truncated_while_loading_fails_and_leaves_the_model_unchanged(tmp_path, reference, monkeypatch):
     file = tmp_path / "model.safetensors"
     safetensors_torch.save_model(reference, str(file))
-    real = loading_files.read_header
+    real = loading_read.open_unchanged
 
-    def then_truncate(path):
-        entries = real(path)
-        with open(path, "r+b") as f:  # the checks passed; the bytes go away before they are read
-            f.truncate(entries["head.weight"].begin + 8)
-        return entries
+    def then_truncate(source):
+        fd = real(source)  # the checks passed and the reader holds the file (a truncation before is
+        with open(source.file, "r+b") as f:  # refused at the open); the bytes go away before they are read
+            f.truncate(loading_files.read_header(source.file)["head.weight"].begin + 8)
+        return fd
 
-    monkeypatch.setattr(loading_files, "read_header", then_truncate)
+    monkeypatch.setattr(loading_read, "open_unchanged", then_truncate)
     model = _meta()
     with pytest.raises(ot.CheckpointError, match=r"reading '[\w.]+' in .*model\.safetensors.* bytes short") as info:
         ot.load_safetensors(model, file, budget_gb=1, device="cpu", threads=2)

@@ -42,11 +42,12 @@ class CheckpointError(ValueError):
 class FileTensor:
     """One tensor's entry in a safetensors header: where its bytes lie in the file."""
 
-    __slots__ = ("file", "key", "dtype", "dtype_name", "shape", "begin", "nbytes")
+    __slots__ = ("file", "key", "dtype", "dtype_name", "shape", "begin", "nbytes", "identity")
 
-    def __init__(self, file, key, dtype, dtype_name, shape, begin, nbytes):
+    def __init__(self, file, key, dtype, dtype_name, shape, begin, nbytes, identity=None):
         self.file, self.key, self.dtype, self.dtype_name = file, key, dtype, dtype_name
         self.shape, self.begin, self.nbytes = shape, begin, nbytes
+        self.identity = identity  # the file's ``identity`` when its header was read
 
 
 def open_regular(path, what: str) -> int:
@@ -70,6 +71,26 @@ def open_regular(path, what: str) -> int:
                 else "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
                 else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
         raise CheckpointError(f"offtensor: {what} {os.fspath(path)!r} is {kind}, not a regular file: refusing to read it")
+    return fd
+
+
+def identity(fd: int) -> tuple:
+    """What tells one state of an open file from another: its inode (a file replaced under the same
+    name is another inode), size and modification time (a file rewritten in place)."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def open_unchanged(source: "FileTensor") -> int:
+    """A descriptor of ``source``'s file, refused unless the file is the one whose header was
+    checked. The data are read through a descriptor opened after the header's: a file replaced or
+    rewritten meanwhile would be read at the old header's offsets, another file's bytes taken for
+    weights without an error."""
+    fd = open_regular(source.file, "safetensors file")
+    if source.identity is not None and identity(fd) != source.identity:
+        os.close(fd)
+        raise CheckpointError(f"offtensor: {source.file!r} changed since its header was read (it was replaced or "
+                              f"rewritten while loading): nothing was loaded from it; load it again once it is complete")
     return fd
 
 
@@ -250,7 +271,7 @@ def read_header(file) -> dict:
     string -> string ``__metadata__``, known dtypes, shapes and offsets of non-negative ints, each
     tensor's bytes matching its shape and dtype, and the tensors tiling the data section exactly:
     no overlap, no gap, nothing after the last one."""
-    header, size, header_bytes = _read_header_json(file)
+    header, size, header_bytes, state = _read_header_json(file)
     data_start = 8 + header_bytes
     data_bytes = size - data_start
     entries = {}
@@ -264,15 +285,18 @@ def read_header(file) -> dict:
                                       f"safetensors requires), it is {bad}: the file is corrupt")
             continue
         entries[key] = _header_entry(file, key, info, data_start, data_bytes)
+        entries[key].identity = state
     _check_tiling(file, entries, data_start, size)
     return entries
 
 
 def _read_header_json(file):
-    """(the parsed JSON header, the file's size, the header's length) of a safetensors file."""
+    """(the parsed JSON header, the file's size, the header's length, its ``identity``) of a
+    safetensors file."""
     fd = open_regular(file, "safetensors file")
     try:
-        size = os.fstat(fd).st_size
+        state = identity(fd)
+        size = state[2]
         head = read_exactly(fd, 0, 8)
         if len(head) < 8:
             raise CheckpointError(f"offtensor: {file!r} is {size} bytes, too short for the 8-byte header length of a "
@@ -293,7 +317,7 @@ def _read_header_json(file):
     if not isinstance(header, dict):
         raise CheckpointError(f"offtensor: the {header_bytes}-byte header of {file!r} is not a safetensors JSON "
                               f"header (the header is a JSON {type(header).__name__}, not an object): the file is corrupt")
-    return header, size, header_bytes
+    return header, size, header_bytes, state
 
 
 def _header_entry(file, key: str, info, data_start: int, data_bytes: int) -> "FileTensor":

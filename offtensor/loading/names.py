@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .files import FileTensor, open_regular, read_exactly
+from .files import FileTensor, open_regular, open_unchanged, read_exactly
 
 # Equal-values checks read both tensors this many bytes at a time (each).
 COMPARE_BYTES = 16 << 20
@@ -249,8 +249,10 @@ def stored_equal(a_pieces, b_pieces, dtype: torch.dtype) -> bool:
         return False
     numel = math.prod(a.shape)
     step = max(1, COMPARE_BYTES // max(a.dtype.itemsize, b.dtype.itemsize))
-    fds = [open_regular(a.file, "safetensors file"), open_regular(b.file, "safetensors file")]
+    fds = []
     try:
+        for t in (a, b):
+            fds.append(open_unchanged(t))  # the files whose headers were checked, or an error
         for lo in range(0, numel, step):
             n = min(step, numel - lo)
             x, y = (_values(fd, t, lo, n) for fd, t in zip(fds, (a, b)))

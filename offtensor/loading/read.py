@@ -27,7 +27,7 @@ from ..pager import Pager, format_bytes, master_for, pins_host_memory
 from ..pager.device import for_device
 from ..model.groups import StorageGroup
 from ..tensor import OffloadedTensor
-from .files import CheckpointError, FileTensor, open_regular
+from .files import CheckpointError, FileTensor, identity, open_unchanged
 from .names import Piece
 
 # One read or one staged copy moves at most this much, so threads share big tensors and the
@@ -151,6 +151,7 @@ class Reader:
         self.device, self.threads, self.progress = device, threads, progress
         self.staged = _stages_resident(device)
         self.fds: dict = {}
+        self.identities: dict = {}  # file -> its identity when its header was read
         self.jobs: list = []
         # Staged copies go through the pager's device layer, the one owner of copies on a side stream
         # (pager/device.py says why): a copy, then a wait before the staging buffer is reused.
@@ -162,16 +163,26 @@ class Reader:
         self.stopped = False  # the load failed or was interrupted: queued jobs do nothing
         self.pool = None  # the worker pool while it may have workers: shut down before files close
 
-    def fd(self, file) -> int:
-        if file not in self.fds:
-            self.fds[file] = open_regular(file, "safetensors file")  # still a regular file, never a FIFO
-        return self.fds[file]
+    def fd(self, source: FileTensor) -> int:
+        if source.file not in self.fds:  # still a regular file (never a FIFO), and the one checked
+            self.fds[source.file] = open_unchanged(source)
+            self.identities[source.file] = source.identity
+        return self.fds[source.file]
+
+    def check_unchanged(self) -> None:
+        """Every file read is as its header found it: a file rewritten in place while its bytes were
+        read (its modification time moved) may have given some weights old bytes and some new."""
+        for file, fd in self.fds.items():
+            if self.identities[file] is not None and identity(fd) != self.identities[file]:
+                raise CheckpointError(f"offtensor: {file!r} changed while it was read (it was rewritten while "
+                                      f"loading): the weights read from it may mix old and new bytes; nothing "
+                                      f"was loaded; load it again once it is complete")
 
     def add(self, piece: Piece, dest: torch.Tensor, offloaded: bool, pin_after: Optional[torch.Tensor] = None) -> None:
         """Schedule ``piece`` into ``dest``, its region of a host master (``offloaded``) or of a
         device tensor. ``pin_after``: the master's allocation, pinned once all its pieces are in."""
         s, what = piece.source, piece.describe
-        self.fd(s.file)  # opened here, on one thread, so the jobs only look it up
+        self.fd(s)  # opened here, on one thread, so the jobs only look it up
         if not dest.is_contiguous() or dest.dtype != s.dtype:
             self._expect(pin_after, 1)
             self.jobs.append(lambda: self._read_converted(s, dest, what, pin_after))
@@ -191,7 +202,7 @@ class Reader:
 
     def _direct_job(self, s, target, lo, what, pin_after):
         def job():
-            _pread_into(self.fd(s.file), s.begin + lo, target, what)
+            _pread_into(self.fd(s), s.begin + lo, target, what)
             self.progress.update(target.numel())
             if pin_after is not None:
                 self._chunk_done(pin_after)
@@ -223,7 +234,7 @@ class Reader:
                     self.copies.block(ticket)  # the slot's previous copy has left it
                     ticket = None
                 chunk = buf[: target.numel()]
-                _pread_into(self.fd(s.file), s.begin + lo, chunk, what)
+                _pread_into(self.fd(s), s.begin + lo, chunk, what)
                 with self.submit_lock:
                     ticket = self.copies.load_copy(target, chunk)
             finally:
@@ -237,7 +248,7 @@ class Reader:
         raw = _ext.alloc_host(s.nbytes, pin=False, touch=False)
         for lo in range(0, s.nbytes, CHUNK_BYTES):
             hi = min(lo + CHUNK_BYTES, s.nbytes)
-            _pread_into(self.fd(s.file), s.begin + lo, raw[lo:hi], what)
+            _pread_into(self.fd(s), s.begin + lo, raw[lo:hi], what)
             self.progress.update(hi - lo)
         values = raw.view(s.dtype).view(s.shape) if s.nbytes else torch.empty(s.shape, dtype=s.dtype)
         with torch.no_grad():
@@ -253,6 +264,7 @@ class Reader:
             else:
                 self._run_pool()
             self.drain()
+            self.check_unchanged()
         except RuntimeError as error:
             raise _interrupt_behind(error)
         finally:
@@ -298,6 +310,7 @@ class Reader:
         while fds:
             fd = fds.popitem()[1]
             os.close(fd)
+        self.identities.clear()
         self.jobs.clear()
         self.pending_pins.clear()
 
