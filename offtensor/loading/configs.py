@@ -14,11 +14,10 @@ import re
 import torch
 
 from ..model.groups import collect_groups
-from .files import CheckpointError, read_small_file
+from .files import MAX_CONFIG_BYTES, CheckpointError, read_small_file
 from .names import match, pieces_by_name
 from .ties import decide as decide_ties
 
-_MAX_CONFIG_BYTES = 100_000_000
 # Fields that hold a size or a count (hidden_size, num_hidden_layers, vocab_size, head_dim,
 # n_routed_experts...): ints at least -1, the "none" some configs write (chunk_size=-1).
 _SIZE = re.compile(r"(^|_)(size|sizes|dim|embeddings|layers|experts|heads|rank|channels|length|vocab)(_|$)|^(num|n)_")
@@ -31,7 +30,7 @@ def read_config(root: str, trust_remote_code: bool):
     import transformers
 
     path = os.path.join(root, "config.json")
-    raw = read_small_file(path, "config", _MAX_CONFIG_BYTES, "a transformers config", "config.json")
+    raw = read_small_file(path, "config", MAX_CONFIG_BYTES, "a transformers config", "config.json")
     try:
         fields = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:

@@ -33,6 +33,8 @@ _PACKED = {"F4": 2}  # values per byte of the dtypes whose header shape counts s
 _MAX_HEADER_BYTES = 100_000_000
 # An index is a small JSON file (one line per tensor); a larger one is not an index.
 _MAX_INDEX_BYTES = 100_000_000
+# A transformers config.json is as small: a larger one is not a config (configs.py, names.py).
+MAX_CONFIG_BYTES = 100_000_000
 
 
 class CheckpointError(ValueError):
@@ -248,6 +250,9 @@ def shard_files(path, allow_outside_paths: bool = False) -> list:
         return files
     if path.endswith(".json"):
         weight_map = _read_index(path)
+        if not weight_map:  # no file to read, and nothing to say what the checkpoint is
+            raise CheckpointError(f"offtensor: index {path!r} names no shard (its weight_map is empty): the index "
+                                  f"is corrupt or was written before its shards")
         root = os.path.dirname(path)
         by_name = {name: _shard_path(root, name, path, allow_outside_paths) for name in dict.fromkeys(weight_map.values())}
         files = list(by_name.values())

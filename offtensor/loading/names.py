@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .files import FileTensor, open_regular, open_unchanged, read_exactly
+from .files import MAX_CONFIG_BYTES, FileTensor, open_unchanged, read_exactly, read_small_file
 
 # Equal-values checks read both tensors this many bytes at a time (each).
 COMPARE_BYTES = 16 << 20
@@ -288,11 +288,10 @@ def architecture_problem(model: nn.Module, files) -> Optional[str]:
     if not model_type or not os.path.exists(config_file):
         return None
     try:
-        fd = open_regular(config_file, "config")  # never blocks on a FIFO named config.json
-        try:
-            theirs = json.loads(read_exactly(fd, 0, os.fstat(fd).st_size)).get("model_type")
-        finally:
-            os.close(fd)
+        # Never blocks on a FIFO named config.json, and never reads a giant one whole (a file beside
+        # the checkpoint, of any size): one larger than any config is not read, and not compared.
+        theirs = json.loads(read_small_file(config_file, "config", MAX_CONFIG_BYTES, "a transformers config",
+                                            "config.json")).get("model_type")
     except (OSError, ValueError, AttributeError, RecursionError):  # CheckpointError is a ValueError
         return None
     if theirs and theirs != model_type:
