@@ -170,3 +170,23 @@ def test_a_giant_config_json_beside_the_files_is_not_read_whole(tmp_path, device
     model = _meta(Configured)
     ot.load_safetensors(model, str(tmp_path), budget_gb=1, device=device)
     assert torch.equal(model.a.cpu(), torch.ones(64))
+
+
+# ---------------------------------------------------------------------------- names
+
+
+def test_an_expert_index_too_long_for_an_int_is_an_unexpected_tensor_not_a_bare_value_error(tmp_path, device):
+    # A per-expert name's index was converted with int(): 5000 digits raised Python's "Exceeds the
+    # limit (4300 digits)" ValueError, naming neither the file nor the tensor.
+    transformers = pytest.importorskip("transformers")
+    from test_transformers_models import _config
+
+    model = transformers.AutoModelForCausalLM.from_config(_config("mixtral")).eval()
+    model.save_pretrained(tmp_path)
+    path = str(tmp_path / "model.safetensors")
+    state = safetensors_torch.load_file(path)
+    key = next(k for k in state if ".experts.0." in k)
+    state[key.replace(".experts.0.", ".experts." + "9" * 5000 + ".")] = state.pop(key)
+    safetensors_torch.save_file(state, path, metadata={"format": "pt"})
+    with pytest.raises(ot.CheckpointError, match=r"tensors the model does not have: \['model\.layers\.0\..*experts\.999"):
+        ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)

@@ -78,7 +78,9 @@ class _Conversions:
                     self.unsupported.append(f"{sources} -> {targets}: MergeModulelist(dim={t.operations[0].dim})")
                     continue
                 cat_dim = t.operations[1].dim - 1 if len(ops) == 2 else None  # dims of one expert's slice
-                patterns = [re.compile(re.escape(s).replace(r"\*", r"(\d+)")) for s in sources]
+                # ASCII digits, at most 18: int() of any such index fits, where a hostile name's
+                # thousands of digits raised Python's digit-limit ValueError naming no tensor.
+                patterns = [re.compile(re.escape(s).replace(r"\*", r"([0-9]{1,18})")) for s in sources]
                 self.stacks.append((scope, patterns, targets[0], cat_dim))
             else:
                 self.unsupported.append(f"{sources} -> {targets}: {ops}")
