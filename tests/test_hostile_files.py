@@ -188,5 +188,24 @@ def test_an_expert_index_too_long_for_an_int_is_an_unexpected_tensor_not_a_bare_
     key = next(k for k in state if ".experts.0." in k)
     state[key.replace(".experts.0.", ".experts." + "9" * 5000 + ".")] = state.pop(key)
     safetensors_torch.save_file(state, path, metadata={"format": "pt"})
-    with pytest.raises(ot.CheckpointError, match=r"tensors the model does not have: \['model\.layers\.0\..*experts\.999"):
+    unexpected = r"tensors the model does not have: \['model\.layers\.0\..*experts\.999"
+    with pytest.raises(ot.CheckpointError, match=unexpected):
+        ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)
+
+
+def test_scalar_per_expert_tensors_are_a_checkpoint_error_naming_their_shapes(tmp_path, device):
+    # Scalars in place of the per-expert tensors concatenated into a stack have no dimension to
+    # concatenate along: reading their width raised a bare IndexError.
+    transformers = pytest.importorskip("transformers")
+    from test_transformers_models import _config
+
+    model = transformers.AutoModelForCausalLM.from_config(_config("mixtral")).eval()
+    model.save_pretrained(tmp_path)
+    path = str(tmp_path / "model.safetensors")
+    state = safetensors_torch.load_file(path)
+    for key in [k for k in state if k.startswith("model.layers.0.") and k.endswith(".w1.weight")]:
+        state[key] = torch.tensor(1.0)
+    safetensors_torch.save_file(state, path, metadata={"format": "pt"})
+    shapes = r"gate_up_proj: expert tensors such as .*w1\.weight.* have shapes \[\(\)\]"
+    with pytest.raises(ot.CheckpointError, match=shapes):
         ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)

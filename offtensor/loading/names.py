@@ -208,11 +208,15 @@ def _check_pieces(name, t: torch.Tensor, pieces, convert_dtypes: bool) -> list:
                     f"{' ...' if len(got) > 8 else ''}; each expert must appear exactly once"]
         shapes = {ps[0].source.shape for ps in got.values()}
         dim = got[0][0].dim
-        width = next(iter(shapes))[dim] if dim is not None and len(shapes) == 1 else None
+        # A part's width along the concatenated dim, where its tensors have that dim (a hostile
+        # file's scalars have none: indexing their shape raised a bare IndexError).
+        shape = next(iter(shapes))
+        width = shape[dim] if dim is not None and len(shapes) == 1 and dim < len(shape) else None
         for ps in got.values():
             ps[0].offset = offset
-        expected = slice_shape if dim is None else slice_shape[:dim] + (width,) + slice_shape[dim + 1:]
-        if len(shapes) != 1 or next(iter(shapes)) != expected:
+        expected = slice_shape if dim is None else (
+            slice_shape[:dim] + ("n" if width is None else width,) + slice_shape[dim + 1:])
+        if len(shapes) != 1 or shape != expected:
             return [f"{name}: expert tensors such as {got[0][0].describe()} have shapes {sorted(shapes)[:3]}, "
                     f"the model's {tuple(t.shape)} ({model_bytes} bytes) needs {expected}"]
         offset += width or 0
