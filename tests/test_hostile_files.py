@@ -209,3 +209,27 @@ def test_scalar_per_expert_tensors_are_a_checkpoint_error_naming_their_shapes(tm
     shapes = r"gate_up_proj: expert tensors such as .*w1\.weight.* have shapes \[\(\)\]"
     with pytest.raises(ot.CheckpointError, match=shapes):
         ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)
+
+
+# ---------------------------------------------------------------------------- sizes
+
+
+def test_a_load_larger_than_the_machines_memory_is_refused_before_anything_is_allocated(tmp_path, device, monkeypatch):
+    # Host masters are allocated untouched, so each allocation succeeded however many there were;
+    # the reads then faulted them in past the machine's memory, until the kernel killed the process.
+    import importlib
+
+    from offtensor import _ext
+
+    loading_load = importlib.import_module("offtensor.loading.load")
+    path = str(tmp_path / "model.safetensors")
+    safetensors_torch.save_file({"a": torch.ones(64), "b": torch.ones(64)}, path)  # 512 bytes
+    monkeypatch.setattr(loading_load, "physical_memory", lambda: 300, raising=False)
+    allocated = []
+    real_alloc = _ext.alloc_host
+    monkeypatch.setattr(_ext, "alloc_host", lambda nbytes, **kw: allocated.append(nbytes) or real_alloc(nbytes, **kw))
+    model = _meta(Pair)
+    with pytest.raises(ot.CheckpointError, match=r"would take .*\(512 bytes\) of host memory, more than this "
+                                                 r"machine's .*\(300 bytes\)"):
+        ot.load_safetensors(model, path, offload_gb=1, device=device)  # every weight offloaded: host masters
+    assert _unchanged(model) and allocated == []

@@ -159,7 +159,7 @@ def test_hostile_config_json_is_a_checkpoint_error_naming_it_and_the_field(tmp_p
 
 def test_buffers_a_config_makes_larger_than_memory_are_refused_before_the_build(tmp_path, monkeypatch):
     _tiny_checkpoint(tmp_path)
-    monkeypatch.setattr(loading_configs, "_physical_memory", lambda: 16)  # fewer bytes than the rotary buffers
+    monkeypatch.setattr(loading_configs, "physical_memory", lambda: 16)  # fewer bytes than the rotary buffers
     built = []
     real = transformers.LlamaForCausalLM._from_config.__func__
     monkeypatch.setattr(transformers.LlamaForCausalLM, "_from_config",

@@ -129,7 +129,7 @@ def _computed_buffers(skeleton, pieces: dict, config, root: str) -> list:
                 computed.append((full, buffer))
                 del module._buffers[name]
     nbytes = sum({id(b): b.numel() * b.element_size() for _, b in computed}.values())
-    memory = _physical_memory()
+    memory = physical_memory()
     if memory is None or nbytes <= memory:
         return []
     name, largest = max(computed, key=lambda nb: nb[1].numel() * nb[1].element_size())
@@ -139,7 +139,7 @@ def _computed_buffers(skeleton, pieces: dict, config, root: str) -> list:
             f"{' (' + ', '.join(fields[:3]) + ')' if fields else ''}"]
 
 
-def _physical_memory():
+def physical_memory():
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):

@@ -12,7 +12,8 @@ from torch import nn
 from ..config import OffloadConfig
 from ..sim.expert_choice import choose_expert_placement
 from ..model.prepare import check_wrappable, prepare
-from ..pager import resolve_device
+from ..pager import format_bytes, resolve_device
+from .configs import physical_memory
 from .files import CheckpointError, headers, shard_files
 from .names import architecture_problem, match
 from .read import Progress, Reader, read
@@ -68,6 +69,7 @@ def load(model: nn.Module, path, config: OffloadConfig, strict: bool, convert_dt
         chosen.update(matched)
 
     def read_all(groups, placed, pager, config):
+        _check_host_memory(path, groups, chosen, placed, device)
         total = sum(p.source.nbytes for _, ps in chosen.values() for p in ps)
         progress_bar = Progress(total, config.progress, f"offtensor: loading {os.path.basename(os.fspath(path))}")
         ok = False
@@ -80,3 +82,19 @@ def load(model: nn.Module, path, config: OffloadConfig, strict: bool, convert_dt
 
     prepare(model, config, device, check=check, choose_experts=choose_expert_placement, read=read_all)
     return model
+
+
+def _check_host_memory(path, groups, chosen: dict, placed, device) -> None:
+    """Refuse, before anything is allocated, a load whose host memory (the offloaded weights' host
+    masters; every weight on the emulated device) is more than this machine has. Each master is
+    allocated untouched, so a sum past the memory is not refused when allocated: the reads then
+    fault it in until the kernel kills the process (a checkpoint, or a sparse file padded out to a
+    config's absurd sizes, larger than the machine)."""
+    memory = physical_memory()
+    host = sum(g.nbytes for g in groups if any(id(m) in chosen for m in g)
+               and (placed.offloads(g) or device.type == "cpu"))
+    if memory is not None and host > memory:
+        raise CheckpointError(f"offtensor: loading {os.fspath(path)} would take {format_bytes(host)} ({host} bytes) "
+                              f"of host memory, more than this machine's {format_bytes(memory)} ({memory} bytes): "
+                              f"nothing was allocated (the model is unchanged)")
+
