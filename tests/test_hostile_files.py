@@ -233,3 +233,12 @@ def test_a_load_larger_than_the_machines_memory_is_refused_before_anything_is_al
                                                  r"machine's .*\(300 bytes\)"):
         ot.load_safetensors(model, path, offload_gb=1, device=device)  # every weight offloaded: host masters
     assert _unchanged(model) and allocated == []
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy_pickle"])
+def test_a_torch_save_checkpoint_is_named_as_one_not_as_a_truncated_safetensors_file(tmp_path, device, zipped):
+    # Its first 8 bytes, read as a header length, gave "the file is truncated or corrupt", which sent
+    # users looking for a damaged download instead of a conversion.
+    path = str(tmp_path / "pytorch_model.bin")
+    torch.save({"a": torch.ones(64), "b": torch.ones(64)}, path, _use_new_zipfile_serialization=zipped)
+    _refused(_meta(Pair), path, r"pytorch_model\.bin.* torch\.save checkpoint.*not a safetensors file", device)

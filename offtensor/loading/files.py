@@ -307,6 +307,11 @@ def _read_header_json(file):
             raise CheckpointError(f"offtensor: {file!r} is {size} bytes, too short for the 8-byte header length of a "
                                   f"safetensors file: it is truncated or not a safetensors file")
         header_bytes = int.from_bytes(head, "little")
+        if header_bytes > min(size - 8, _MAX_HEADER_BYTES) and head.startswith((b"PK\x03\x04", b"\x80")):
+            # A zip archive or a pickle: said so, or the length check below calls it truncated.
+            raise CheckpointError(f"offtensor: {file!r} is a torch.save checkpoint (a "
+                                  f"{'zip archive' if head[0] == 0x50 else 'pickle'}), not a safetensors file: "
+                                  f"offtensor reads safetensors only; convert it with safetensors.torch.save_file")
         if header_bytes > min(size - 8, _MAX_HEADER_BYTES):
             raise CheckpointError(
                 f"offtensor: {file!r} says its header is {header_bytes} bytes, but the file has {size - 8} bytes after "
