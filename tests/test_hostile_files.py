@@ -242,3 +242,23 @@ def test_a_torch_save_checkpoint_is_named_as_one_not_as_a_truncated_safetensors_
     path = str(tmp_path / "pytorch_model.bin")
     torch.save({"a": torch.ones(64), "b": torch.ones(64)}, path, _use_new_zipfile_serialization=zipped)
     _refused(_meta(Pair), path, r"pytorch_model\.bin.* torch\.save checkpoint.*not a safetensors file", device)
+
+
+def test_from_pretrained_reads_the_two_stored_copies_of_a_tie_once(tmp_path, device, monkeypatch):
+    # Deciding the tie, checking the build on meta and loading each compare the copies; reading a
+    # large embedding twice over three times would triple what checking costs.
+    transformers = pytest.importorskip("transformers")
+    from test_transformers_models import _config
+
+    from offtensor.loading import names as loading_names
+
+    transformers.AutoModelForCausalLM.from_config(_config("llama_tied")).save_pretrained(tmp_path)
+    path = str(tmp_path / "model.safetensors")
+    state = safetensors_torch.load_file(path)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    safetensors_torch.save_file(state, path, metadata={"format": "pt"})
+    reads, real = [], loading_names._read_equal
+    monkeypatch.setattr(loading_names, "_read_equal", lambda *args: reads.append(args) or real(*args))
+    model = ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert len(reads) == 1
