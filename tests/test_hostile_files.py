@@ -262,3 +262,33 @@ def test_from_pretrained_reads_the_two_stored_copies_of_a_tie_once(tmp_path, dev
     model = ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert len(reads) == 1
+
+
+def test_a_config_with_a_million_layers_is_refused_before_any_layer_is_built(tmp_path, device):
+    # The meta build made every layer's modules (about 3 ms and 80 KB each): a config.json giving
+    # num_hidden_layers = 1,000,000 beside a 2-layer checkpoint ran for an hour, and out of memory,
+    # before the files were matched against it.
+    import signal
+
+    transformers = pytest.importorskip("transformers")
+    from test_transformers_models import _config
+
+    transformers.AutoModelForCausalLM.from_config(_config("llama_tied")).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_hidden_layers"] = 1_000_000
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    class TooSlow(BaseException):  # not an Exception: nothing on the way turns it into a CheckpointError
+        pass
+
+    def alarm(signum, frame):
+        raise TooSlow("from_pretrained was still building layers after 20 s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, 20)
+    try:
+        with pytest.raises(ot.CheckpointError, match=r"config\.json.*num_hidden_layers = 1000000.*holds \d+ tensors"):
+            ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

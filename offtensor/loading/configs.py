@@ -97,6 +97,9 @@ def check_on_meta(build, config, entries: dict, root: str, strict: bool):
     (``entries``): a size the files do not have, or buffers larger than this machine's memory, fail
     here by arithmetic, naming config.json's field. Returns the ties for the real build, or None
     when the model's own ``__init__`` cannot run on meta (it reads a value: ``.item()``)."""
+    too_many = _layers_beyond_files(config, entries, root)
+    if too_many:
+        raise CheckpointError(f"offtensor: cannot load {root} (nothing was built): " + "; ".join(too_many))
     try:
         with torch.device("meta"):
             skeleton = build(config)
@@ -115,6 +118,21 @@ def check_on_meta(build, config, entries: dict, root: str, strict: bool):
         raise CheckpointError(f"offtensor: cannot load {root} into {type(skeleton).__name__} (nothing was "
                               f"allocated):\n  " + "\n  ".join(problems))
     return ties
+
+
+# The layer counts transformers builds from (``n_layer`` and ``num_layers`` are some configs' names).
+_LAYER_COUNT = re.compile(r"(^|\.)(num_hidden_layers|n_layer|num_layers)$")
+
+
+def _layers_beyond_files(config, entries: dict, root: str) -> list:
+    """Layer counts larger than the number of tensors in the files. Sizes cost the meta build only
+    arithmetic, but each layer is built, modules and all (milliseconds and tens of KB each): a
+    config.json giving a million layers would run for an hour, out of memory, before its weights
+    were matched against the files. Every layer has weights of its own, so such a count cannot be
+    this checkpoint's."""
+    return [f"{os.path.join(root, 'config.json')!r} gives {name} = {value}, but the checkpoint holds {len(entries)} "
+            f"tensors in all, fewer than one a layer: the config is not this checkpoint's"
+            for name, value in _int_fields(config) if _LAYER_COUNT.search(name) and value > len(entries)]
 
 
 def _computed_buffers(skeleton, pieces: dict, config, root: str) -> list:
