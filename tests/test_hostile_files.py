@@ -1,7 +1,9 @@
-"""Hostile and damaged checkpoints beyond a malformed header: files that contradict themselves or
-the model, files swapped or rewritten while a load runs, an index that names nothing, and a giant
-file beside the checkpoint. Each is refused with ``ot.CheckpointError`` before the model changes
-(or, for the file beside it, never read whole); none loads wrong weights."""
+"""Hostile and damaged checkpoints beyond a malformed header: tied names stored twice with other
+values or shapes, files swapped or rewritten while a load runs, an index that names nothing, a
+giant config.json beside the files, per-expert names with absurd indexes or shapes, a torch.save
+file named as safetensors, a load larger than the machine's memory and a config with a million
+layers. Each is refused with ``ot.CheckpointError`` before the model changes (the file beside it
+is never read whole); none loads wrong weights, raises a bare Python error, or runs out of memory."""
 
 from __future__ import annotations
 

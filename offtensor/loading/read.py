@@ -165,8 +165,8 @@ class Reader:
 
     def fd(self, source: FileTensor) -> int:
         if source.file not in self.fds:  # still a regular file (never a FIFO), and the one checked
-            self.fds[source.file] = open_unchanged(source)
             self.identities[source.file] = source.identity
+            self.fds[source.file] = open_unchanged(source)
         return self.fds[source.file]
 
     def check_unchanged(self) -> None:
