@@ -125,7 +125,40 @@ def _classify(func):
         return Mutation(func)
     if schema.returns and all(r.alias_info is not None for r in schema.returns):
         return view
+    if func.has_kernel_for_dispatch_key(_COMPOSITE) and not any(map(func.has_kernel_for_dispatch_key, _BACKENDS)):
+        return _decomposed  # a composite a plain tensor decomposes too (one with a kernel of its own runs that)
     return _compute
+
+
+def _decomposed(func, types, args, kwargs):
+    """A composite op (``conv2d``, ``matmul``, ``linear``...) reaches ``__torch_dispatch__`` whole
+    only where autograd's keys are off (``torch.inference_mode``, another subclass's dispatch);
+    elsewhere it is decomposed before it gets here. Run its decomposition, as a plain tensor does, so
+    its parts meet their handlers (``convolution`` and ``mm`` tile a weight larger than the room)
+    instead of one page of every argument whole, which a budget that wrap accepted may not hold.
+
+    The C++ kernel, not ``func.decompose``, which prefers torch._decomp's Python version where one
+    is registered (its ``matmul`` broadcasts a weight into a bmm), which a plain tensor never runs.
+    In inference mode a plain tensor runs it with autograd's view kernel on, which gives a view
+    (``weight.t()``) its base's requires_grad, and ``matmul`` folds a 3-D input into one mm only
+    for a weight that requires grad; inside ``__torch_dispatch__`` that kernel is off, so it is
+    turned on again for the decomposition, else the weight would be broadcast into a bmm."""
+    if not _inference():
+        return func._op_dk(_COMPOSITE, *args, **kwargs)
+    excluded = _is_excluded(_AD_INPLACE_OR_VIEW)
+    _set_excluded(_AD_INPLACE_OR_VIEW, False)
+    try:
+        return func._op_dk(_COMPOSITE, *args, **kwargs)
+    finally:
+        _set_excluded(_AD_INPLACE_OR_VIEW, excluded)
+
+
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+_BACKENDS = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
+_AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
+_inference = torch.is_inference_mode_enabled
+_is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
 
 
 _SCHEMA_HANDLERS: dict = {}

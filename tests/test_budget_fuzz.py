@@ -1,0 +1,72 @@
+"""Budgets found by searching near the smallest one ``wrap_model`` accepts (a bisection on the bytes
+of tiny models: dense, convolutional, attention, tied), each with its case: a budget that wrap
+accepts runs, and gives the unwrapped model's outputs bit for bit (or wrap warned that it may not)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import offtensor as ot
+
+GiB = 1 << 30
+
+
+def _wrapped_pair(model: nn.Module, budget_bytes: int, device, fast_path: bool = False):
+    """(wrapped, reference): ``model`` wrapped at exactly ``budget_bytes`` with every weight
+    offloaded, and an unwrapped copy on ``device``; wrap must not warn that bits may differ (but for
+    a skipped fused fast path, with ``fast_path``: the caller runs the composite path)."""
+    reference = copy.deepcopy(model).to(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if fast_path:
+            warnings.filterwarnings("ignore", message=".*fast path")
+        ot.wrap_model(model, budget_gb=budget_bytes / GiB, device=device, policy={"offload": ["*"]})
+    return model, reference
+
+
+class _ConvThenMatmul(nn.Module):
+    """A convolution and an ``x @ w.T`` (torch.matmul), each weight larger than the budget's room."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 64, 3, padding=1)
+        self.head = nn.Parameter(torch.randn(64, 1024) / 32)
+
+    def forward(self, x):
+        return self.conv(x).flatten(1) @ self.head.T
+
+
+def test_conv2d_and_matmul_under_inference_mode_run_in_tiles_within_an_accepted_budget(device):
+    # Under torch.inference_mode composite ops (conv2d, matmul) reach __torch_dispatch__ whole, where
+    # they paged each weight whole instead of meeting convolution's and mm's tiles: a BudgetError
+    # at a budget that wrap accepted, and that no_grad runs.
+    torch.manual_seed(0)
+    model, reference = _wrapped_pair(_ConvThenMatmul().eval(), 64 * 1024 * 4 // 2, device)
+    x = torch.randn(2, 4, 4, 4, device=device)
+    with torch.no_grad():
+        expected = reference(x)
+        assert torch.equal(model(x), expected)
+    with torch.inference_mode():
+        assert torch.equal(model(x), expected)
+    s = ot.stats(model)
+    assert s.peak_device_bytes <= s.budget_bytes
+
+
+def test_multihead_attention_under_inference_mode_runs_within_an_accepted_budget(device):
+    # nn.MultiheadAttention's slow path calls linear on each third of in_proj_weight with torch
+    # functions off; under inference mode that composite linear reached dispatch whole, and its
+    # matmul broadcast the weight into a bmm instead of folding the 3-D input into one tiled mm.
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(64, 4, batch_first=True)  # training: no fused fast path, no dropout
+    model, reference = _wrapped_pair(attention, 16 * 1024, device, fast_path=True)
+    x = torch.randn(5, 1, 64, device=device).expand(-1, 3, -1)  # not contiguous: no fold by copy
+    with torch.no_grad():
+        expected = reference(x, x, x)[0]
+        assert torch.equal(model(x, x, x)[0], expected)
+    with torch.inference_mode():
+        assert torch.equal(model(x, x, x)[0], expected)
