@@ -70,3 +70,29 @@ def test_multihead_attention_under_inference_mode_runs_within_an_accepted_budget
         assert torch.equal(model(x, x, x)[0], expected)
     with torch.inference_mode():
         assert torch.equal(model(x, x, x)[0], expected)
+
+
+class _NormedEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(512, 64, max_norm=1.0)
+        self.out = nn.Linear(64, 8)
+
+    def forward(self, ids):
+        return self.out(self.embed(ids).mean(1))
+
+
+def test_an_embedding_with_max_norm_is_refused_below_its_table_and_runs_at_it(device):
+    # Its lookup renormalises the rows it reads in place (embedding_renorm_), one op over the whole
+    # table: placement took the table for one that linear reads in tiles and accepted budgets of a
+    # few rows, whose first forward then raised BudgetError.
+    table = 512 * 64 * 4
+    torch.manual_seed(0)
+    with pytest.raises(ot.BudgetError, match=rf"embed\.weight.*{table} bytes"):
+        ot.wrap_model(_NormedEmbedding(), budget_gb=table // 4 / GiB, device=device, policy={"offload": ["*"]})
+    ids = torch.randint(0, 512, (4, 6), generator=torch.Generator().manual_seed(1)).to(device)
+    model, reference = _wrapped_pair(_NormedEmbedding(), table, device)
+    assert isinstance(model.embed.weight, ot.OffloadedTensor)
+    with torch.no_grad():
+        assert torch.equal(model(ids), reference(ids))
+    assert torch.equal(model.embed.weight.cpu(), reference.embed.weight.cpu())  # the rows it renormalised

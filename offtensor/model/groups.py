@@ -164,6 +164,8 @@ def read_in_tiles(module: nn.Module, attr: str) -> bool:
         return True
     if isinstance(module, _TILED_CONVS):
         return module.groups == 1
+    if isinstance(module, nn.Embedding) and module.max_norm is not None:
+        return False  # embedding_renorm_ rewrites the rows it looks up in one op over the whole table
     return isinstance(module, _TILED_MODULES)
 
 
