@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import math
 import os
 import re
 import warnings
@@ -31,6 +30,7 @@ from .config import OffloadConfig, Policy
 from .moe import is_routed_stack  # what the expert cache takes for a stack of routed experts
 from .ops import TILE_ALIGN  # the tile width ops cut; room is planned for it
 from .pager import GiB, BudgetError, format_bytes
+from .pager.budget import smallest_budget_gb
 from .exactness import warn_fast_paths, warn_inexact_tiles, warn_narrow_tiles  # noqa: F401  (public here too)
 
 EXPERTS, ROWS, MLP, ATTENTION, OTHER, LAST = range(6)
@@ -433,7 +433,7 @@ class _Offloading:
         self.weights.append(w)
         self.nbytes += w.nbytes
         self.freed += w.resident_cost
-        for stem in {name.rpartition(".")[0] for name in w.names}:
+        for stem in {module_of(name) for name in w.names}:
             tensors = self.by_module.setdefault(stem, [])
             tensors.append((len(w.shape), w.working_set, w.fused))
             need = _together(tensors)
@@ -465,6 +465,14 @@ class _Offloading:
         if copies == 2:
             return self.resident_bytes + self.working_set + self.prefetch_room() <= budget
         return self.resident_bytes + copies * self.working_set <= budget
+
+
+def module_of(name: str) -> str:
+    """The module whose one op may read ``name`` with its other tensors: its owner; but a
+    parametrization's own tensors (spectral_norm's ``l.parametrizations.weight.0._v``) count with the
+    tensor it parametrizes (``l.parametrizations.weight.original``), as ``mv(weight, _v)`` reads both."""
+    stem = name.rpartition(".")[0]
+    return stem.rpartition(".")[0] if stem.split(".")[-3:-2] == ["parametrizations"] else stem
 
 
 def _together(tensors) -> int:
@@ -531,7 +539,7 @@ def _budget_error(chosen: _Offloading, kept: list, budget_bytes: int) -> BudgetE
     if kept:
         needs.append(f"the policy keeps {_bytes(resident)} resident ({len(kept)} tensors, e.g. '{kept[0].name}')")
     if largest is not None:
-        of_widest = [w for w in chosen.weights if any(n.rpartition(".")[0] == widest for n in w.names)]
+        of_widest = [w for w in chosen.weights if any(module_of(n) == widest for n in w.names)]
         first = max(of_widest, key=lambda w: w.working_set).name if of_widest else largest.name
         needs.append(
             f"paging '{first}'"
@@ -548,18 +556,6 @@ def _budget_error(chosen: _Offloading, kept: list, budget_bytes: int) -> BudgetE
 
 def _bytes(n: int) -> str:
     return f"{format_bytes(n)} ({n} bytes)"
-
-
-def smallest_budget_gb(nbytes: int) -> float:
-    """The least ``budget_gb``, to three significant digits, whose budget holds ``nbytes``."""
-    if nbytes <= 0:
-        return 0.0
-    digits = max(0, 2 - math.floor(math.log10(nbytes / GiB)))
-    step = 10.0 ** -digits
-    gb = round(math.ceil(nbytes / GiB / step) * step, digits)
-    while int(gb * GiB) < nbytes:  # budget_bytes truncates: never suggest a budget a byte short
-        gb = round(gb + step, digits)
-    return gb
 
 
 def _tie_key(w: Weight, position: dict):

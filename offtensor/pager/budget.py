@@ -11,6 +11,7 @@ does not page into (the expert pools, the learned look-ahead's maps) is taken ou
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 GiB = 1 << 30
@@ -73,3 +74,15 @@ class Budget:
             f"current op is using, leaving {budget - self.resident_bytes - in_use} bytes. "
             f"Raise budget_gb, or offload more weights so fewer stay resident."
         )
+
+
+def smallest_budget_gb(nbytes: int) -> float:
+    """The least ``budget_gb``, to three significant digits, whose budget holds ``nbytes``."""
+    if nbytes <= 0:
+        return 0.0
+    digits = max(0, 2 - math.floor(math.log10(nbytes / GiB)))
+    step = 10.0 ** -digits
+    gb = round(math.ceil(nbytes / GiB / step) * step, digits)
+    while int(gb * GiB) < nbytes:  # budget_bytes truncates: never suggest a budget a byte short
+        gb = round(gb + step, digits)
+    return gb
