@@ -135,3 +135,30 @@ def test_spectral_norm_runs_at_the_smallest_budget_wrap_accepts(training, device
             assert torch.equal(model(x), reference(x))
     s = ot.stats(model)
     assert s.peak_device_bytes <= s.budget_bytes
+
+
+class _ProductOfTwoWeights(nn.Module):
+    """One op reading weights of two modules at once: ``a.weight.T @ b.weight.T`` (an absorbed
+    projection, a LoRA merge's ``B @ A``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 128, bias=False)
+        self.b = nn.Linear(128, 64, bias=False)
+
+    def forward(self, x):
+        return x @ torch.mm(self.a.weight.t(), self.b.weight.t())
+
+
+@pytest.mark.parametrize("budget_bytes", [16 * 1024, 32 * 1024 + 896])
+def test_an_op_reading_two_offloaded_weights_tiles_both_within_an_accepted_budget(budget_bytes, device):
+    # mm paged its first operand whole beside each column tile of the second: at 16 KiB (room for
+    # 16 rows of one and 16 columns of the other) it raised BudgetError; at 32.9 KiB it cut the
+    # columns one wide, which sums in another order than the whole op, without a warning.
+    torch.manual_seed(0)
+    model, reference = _wrapped_pair(_ProductOfTwoWeights().eval(), budget_bytes, device)
+    x = torch.randn(5, 64, device=device)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    s = ot.stats(model)
+    assert s.peak_device_bytes <= s.budget_bytes

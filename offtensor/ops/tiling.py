@@ -264,15 +264,48 @@ def mm(func, types, args, kwargs):
         bias_dim = dim - 2 + bias.dim()
         bias_dim = bias_dim if bias_dim >= 0 and bias.shape[bias_dim] == size else None
     _, others = _offloaded_bytes([other] + ([bias] if bias_dim is None else []))
+    inner = _inner_tiles(big, dim, other, bias, others)
+    if inner is not None:
+        others += inner - _offloaded_bytes([other])[1]
 
     def compute(start, stop, paged):
         part = _page_slice(big, dim, start, stop, paged)
-        left, right = (paged.arg(a), part) if dim == 1 else (part, paged.arg(b))
+        left, right = (paged.arg(a) if inner is None else a, part) if dim == 1 else (part, paged.arg(b))
         if not addmm:
-            return func(left, right, **kwargs)
-        return func(_bias_slice(bias, dim, start, stop, size, paged), left, right, *args[3:], **kwargs)
+            return func(left, right, **kwargs) if inner is None else _rows_tiled(func, left, right, (), kwargs)
+        bias_part = _bias_slice(bias, dim, start, stop, size, paged)
+        if inner is not None:
+            return _rows_tiled(func, left, right, (bias_part, *args[3:]), kwargs)
+        return func(bias_part, left, right, *args[3:], **kwargs)
 
     return _tiled(big, dim, others, str(func), compute, dim, [] if bias_dim is None else [(bias, bias_dim)])
+
+
+def _inner_tiles(big, dim: int, other, bias, others: int):
+    """Room to keep for ``a`` when mm's operands are both offloaded and ``a`` cannot be paged whole
+    beside ``TILE_ALIGN`` columns of ``b``: ``TILE_ALIGN`` of its rows, which each column tile then
+    computes in row tiles (``_rows_tiled``). Paging ``a`` whole beside every column tile raised
+    BudgetError, or cut the columns narrower than TILE_ALIGN, silently, at a budget that holds a
+    tile of each, as an op of two weights of different modules (``a.weight @ b.weight``) needs.
+    None: ``a`` is paged whole (it fits, it is not offloaded, or a 2-D bias would need row tiles too)."""
+    if (dim != 1 or not isinstance(other, OffloadedTensor) or other.shape[0] == 0
+            or (isinstance(bias, torch.Tensor) and bias.dim() > 1)):
+        return None
+    free, column = big._master.pager.free_bytes(), _slice_bytes(big, dim)
+    if others + TILE_ALIGN * column <= free:
+        return None
+    rows = min(_offloaded_bytes([other])[1], TILE_ALIGN * _slice_bytes(other, 0))
+    return rows if rows + TILE_ALIGN * column <= free else _slice_bytes(other, 0)  # else narrow tiles of both
+
+
+def _rows_tiled(func, a: OffloadedTensor, right: torch.Tensor, before: tuple, kwargs):
+    """mm / addmm of offloaded ``a`` and a device column tile ``right`` in tiles of ``a``'s rows,
+    in the room the column tile leaves (``before``: addmm's bias slice, then its beta and alpha)."""
+    def compute(start, stop, paged):
+        rows = _page_slice(a, 0, start, stop, paged)
+        return func(*before[:1], rows, right, *before[1:], **kwargs)
+
+    return _tiled(a, 0, 0, str(func), compute, 0)
 
 
 @implements(aten.bmm.default)
