@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 from typing import Callable, Optional, Sequence, Union
 
@@ -145,9 +146,13 @@ class OffloadConfig:
             raise ValueError("offtensor: give budget_gb or offload_gb, not both")
         for label, value in (("budget_gb", self.budget_gb), ("offload_gb", self.offload_gb)):
             if value is not None and (
-                not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0
+                not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or value < 0
             ):
                 raise ValueError(f"offtensor: {label} must be a non-negative number of GiB, got {value!r}")
+            if value is not None and not isinstance(value, (int, float)):
+                # numpy's and fractions' numbers as a float: np.int64 * 2**30 would wrap past 8 EiB,
+                # np.float32 round the bytes in single precision.
+                object.__setattr__(self, label, float(value))
         if not isinstance(self.routing_warmup, int) or isinstance(self.routing_warmup, bool) or self.routing_warmup < 0:
             raise ValueError(f"offtensor: routing_warmup must be a number of routed tokens >= 0, got "
                              f"{self.routing_warmup!r}")

@@ -162,3 +162,18 @@ def test_an_op_reading_two_offloaded_weights_tiles_both_within_an_accepted_budge
         assert torch.equal(model(x), reference(x))
     s = ot.stats(model)
     assert s.peak_device_bytes <= s.budget_bytes
+
+
+def test_a_budget_given_as_any_real_number_is_taken_in_gib(device):
+    # np.float64 was taken but np.float32, np.int64 and Fraction were refused as "not a
+    # non-negative number of GiB", though a budget computed with numpy is one of them.
+    import fractions
+
+    np = pytest.importorskip("numpy")
+    for budget in (np.float32(0.5), np.int64(1), fractions.Fraction(1, 2), np.float64(0.5)):
+        model = nn.Linear(8, 8)
+        ot.wrap_model(model, budget_gb=budget, device=device)
+        assert ot.stats(model).budget_bytes == int(float(budget) * GiB)
+    for bad in (np.float32("nan"), np.int64(-1), True):
+        with pytest.raises(ValueError, match="budget_gb"):
+            ot.wrap_model(nn.Linear(8, 8), budget_gb=bad, device=device)
