@@ -177,3 +177,19 @@ def test_a_budget_given_as_any_real_number_is_taken_in_gib(device):
     for bad in (np.float32("nan"), np.int64(-1), True):
         with pytest.raises(ValueError, match="budget_gb"):
             ot.wrap_model(nn.Linear(8, 8), budget_gb=bad, device=device)
+
+
+def test_a_forward_under_inference_mode_leaves_pages_that_later_forwards_can_use(device):
+    # The arena's ranges keep their typed views for the next copy; made under inference_mode those
+    # were inference tensors, so a later no_grad forward raised on F.linear of a 3-D input that does
+    # not fold (its tile must require grad, as the unwrapped weight does, to take matmul's kernel).
+    torch.manual_seed(0)
+    model, reference = _wrapped_pair(nn.Linear(64, 256), 32 * 1024, device)
+    x = torch.randn(5, 1, 64, device=device).expand(-1, 3, -1)
+    with torch.no_grad():
+        expected = reference(x)
+    with torch.inference_mode():
+        assert torch.equal(model(x), expected)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    assert torch.equal(model(x), reference(x))

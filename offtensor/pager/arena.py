@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
+import torch
+
 ALIGN = 256
 # Alignment padding the arena gets beyond what the pager may page: ranges are aligned, the budget's
 # bytes are not, so 16 ranges of odd sizes still fit where their exact bytes do.
@@ -67,7 +69,11 @@ class Slot:
         """``buf`` viewed as ``dtype``: the same view for a slot taken again for the same dtype."""
         typed = self._typed
         if typed is None or typed.dtype != dtype:
-            typed = self._typed = self.buf.view(dtype)
+            # Kept for later ops: under inference_mode view(dtype) would make an inference tensor,
+            # and an op outside it could not make the weight's page require grad (F.linear on a 3-D
+            # input, tiling.as_linear_weight) nor write into it.
+            with torch.inference_mode(False):
+                typed = self._typed = self.buf.view(dtype)
         return typed
 
 
