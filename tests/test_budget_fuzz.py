@@ -193,3 +193,23 @@ def test_a_forward_under_inference_mode_leaves_pages_that_later_forwards_can_use
     with torch.no_grad():
         assert torch.equal(model(x), expected)
     assert torch.equal(model(x), reference(x))
+
+
+def test_a_model_wrapped_under_inference_mode_trains_and_loads_after_it(device):
+    # Wrapped inside torch.inference_mode (a setup function under @torch.inference_mode()), every
+    # master and wrapper was an inference tensor: an optimizer step or load_state_dict outside it
+    # raised "Inplace update to inference tensor outside InferenceMode", where the plain model runs.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 64))
+    reference = copy.deepcopy(model).to(device)
+    with torch.inference_mode():
+        ot.wrap_model(model, budget_gb=40 * 1024 / GiB, device=device)
+    assert any(isinstance(p, ot.OffloadedTensor) for p in model.parameters())
+    ids = torch.randint(0, 64, (3, 5), device=device)
+    for m in (reference, model):
+        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        m(ids).pow(2).mean().backward()
+        optimizer.step()
+    for (name, want), got in zip(reference.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(got.cpu(), want.cpu()), name
+    model.load_state_dict(reference.state_dict())

@@ -5,6 +5,7 @@ and its one later change."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -48,20 +49,25 @@ def prepare(model: nn.Module, config: OffloadConfig, device: torch.device, *,
 
     The caller's grad mode is the same after a failure as before: an interrupt that lands inside a
     step's ``torch.no_grad()`` enter or exit (after grad went off, before the ``with`` took hold)
-    would otherwise leave it off for the rest of the thread."""
+    would otherwise leave it off for the rest of the thread.
+
+    Under ``torch.inference_mode`` the masters and wrappers are made as normal tensors all the
+    same: the model's own parameters are, and inference tensors could never be written outside it
+    (an optimizer step, ``load_state_dict``)."""
     grad = torch.is_grad_enabled()
     try:
-        groups = collect_groups(model)
-        if check is not None:
-            check(groups)
-        placed = placement.choose_model_placement(groups, config, device)
-        expert = None
-        if choose_experts is not None:
-            placed, config, report, watch = choose_experts(model, groups, placed, config, device)
-            expert = (report, watch)
-        pager = Pager(device, placed.budget_bytes, strict=config.strict)
-        loaded = read(groups, placed, pager, config) if read is not None else None
-        apply_placement(model, placed, pager, config, loaded, expert=expert)
+        with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
+            groups = collect_groups(model)
+            if check is not None:
+                check(groups)
+            placed = placement.choose_model_placement(groups, config, device)
+            expert = None
+            if choose_experts is not None:
+                placed, config, report, watch = choose_experts(model, groups, placed, config, device)
+                expert = (report, watch)
+            pager = Pager(device, placed.budget_bytes, strict=config.strict)
+            loaded = read(groups, placed, pager, config) if read is not None else None
+            apply_placement(model, placed, pager, config, loaded, expert=expert)
     except BaseException:
         torch.set_grad_enabled(grad)
         raise
