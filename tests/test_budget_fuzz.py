@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import offtensor as ot
 
@@ -213,3 +214,27 @@ def test_a_model_wrapped_under_inference_mode_trains_and_loads_after_it(device):
     for (name, want), got in zip(reference.state_dict().items(), model.state_dict().values()):
         assert torch.equal(got.cpu(), want.cpu()), name
     model.load_state_dict(reference.state_dict())
+
+
+class _CosineHead(nn.Module):
+    """A classifier on normalised weights: F.normalize ends in ``norm.expand_as(weight)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(256, 64))
+
+    def forward(self, x):
+        return F.linear(F.normalize(x), F.normalize(self.weight))
+
+
+def test_composite_views_shaped_by_an_offloaded_weight_run_under_inference_mode(device):
+    # Under inference_mode expand_as (view_as, reshape_as) reaches dispatch whole, with a plain
+    # tensor first and the weight second, and the view handler read the plain tensor's host view:
+    # F.normalize(weight) raised AttributeError.
+    torch.manual_seed(0)
+    model, reference = _wrapped_pair(_CosineHead().eval(), 128 * 1024, device)
+    x = torch.randn(5, 64, device=device)
+    with torch.no_grad():
+        expected = reference(x)
+    with torch.inference_mode():
+        assert torch.equal(model(x), expected)

@@ -15,10 +15,16 @@ from .table import implements
 aten = torch.ops.aten
 _functionalize_unsafe_set = torch._functionalize_unsafe_set
 _inference = torch.is_inference_mode_enabled
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 
 
 def view(func, types, args, kwargs):
     self = args[0]
+    if not isinstance(self, OffloadedTensor) and func.has_kernel_for_dispatch_key(_COMPOSITE):
+        # A composite view of a plain tensor shaped by an offloaded one (``x.expand_as(weight)`` in
+        # F.normalize, ``x.view_as(weight)``), reached whole under inference_mode: it views ``self``,
+        # the weight lends only its sizes; its decomposition is what a plain tensor runs.
+        return func._op_dk(_COMPOSITE, *args, **kwargs)
     out = func(self._host, *args[1:], **kwargs)
     if _inference() and not (out if isinstance(out, torch.Tensor) else out[0]).is_inference():
         # In inference mode, most views of a normal tensor are normal tensors (autograd's view
