@@ -58,3 +58,15 @@ def test_index_writes_with_a_whole_dimension_before_the_index_reach_the_host_mas
         else:
             t[torch.tensor([0, 2], device=t.device)[:, None], columns] = 3.0
     assert_same(x, plain)
+
+
+def test_is_set_to_answers_for_the_memory_a_tensor_views(device):
+    x, plain = offloaded_and_plain(torch.arange(12.0).reshape(3, 4), device)
+
+    def others(t):
+        return {"itself": t, "detached": t.detach(), "reshaped": t.view(12), "rows": t[1:], "clone": t.clone()}
+
+    offloaded_others, plain_others = others(x), others(plain)
+    for name in plain_others:
+        assert x.is_set_to(offloaded_others[name]) == plain.is_set_to(plain_others[name]), name
+    assert x.is_set_to(x.detach())

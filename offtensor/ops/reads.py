@@ -1,7 +1,7 @@
 """Ops that read an OffloadedTensor without paging it through the general rule: copies, casts and
 values read from the host master (``clone``, ``.to(dtype)``, ``.to("cpu")``, ``item``), factories
-that read only metadata (``zeros_like``, ``new_empty``...), questions about memory the caller does
-not manage (``is_pinned``, ``record_stream``), and lazy conjugate/negative bits resolved."""
+that read only metadata (``zeros_like``, ``new_empty``...), questions about memory (``is_set_to``,
+``is_pinned``, ``record_stream``), and lazy conjugate/negative bits resolved."""
 
 from __future__ import annotations
 
@@ -79,6 +79,17 @@ _NEW_SET = frozenset(_NEW)
 @implements(aten._local_scalar_dense.default)
 def _item(func, types, args, kwargs):
     return args[0]._host.item()
+
+
+@implements(aten.is_set_to.default)
+def _is_set_to(func, types, args, kwargs):
+    # A question about memory: the general rule would page both arguments and compare two fresh
+    # device copies, never the same memory (``w.is_set_to(w)`` was False). The host views answer
+    # it; a plain tensor never views a host master.
+    self, other = args
+    if isinstance(self, OffloadedTensor) and isinstance(other, OffloadedTensor):
+        return self._host.is_set_to(other._host)
+    return False
 
 
 @implements(aten.is_pinned.default)
