@@ -45,6 +45,23 @@ def outcome(program, *tensors):
         return None, str(error).split("\n")[0]
 
 
+@pytest.mark.parametrize("write", ["fill_", "zero_", "masked_fill_", "index_fill_"])
+def test_writes_a_plain_tensor_allows_through_an_expanded_view_reach_the_host_master(device, write):
+    # Elements of a stride-0 dimension share memory; these ops write them all with one value.
+    x, plain = offloaded_and_plain(torch.arange(4.0).view(1, 4), device)
+    ops = {
+        "fill_": lambda a: a.fill_(7.0),
+        "zero_": lambda a: a.zero_(),
+        "masked_fill_": lambda a: a.masked_fill_(torch.ones(3, 4, dtype=torch.bool, device=a.device), 3.0),
+        "index_fill_": lambda a: a.index_fill_(1, torch.tensor([0, 2], device=a.device), 5.0),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # masked_fill_ and index_fill_ on expanded tensors are deprecated
+        ops[write](plain.expand(3, 4))
+        ops[write](x.expand(3, 4))
+    assert_same(x, plain)
+
+
 @pytest.mark.parametrize("index", ["columns", "mask_after_slice", "rows_and_columns"])
 def test_index_writes_with_a_whole_dimension_before_the_index_reach_the_host_master(device, index):
     # Weight loaders write column blocks: ``param.data[:, cols] = loaded``.

@@ -131,9 +131,16 @@ def write_back(t: OffloadedTensor, values: torch.Tensor) -> None:
             f"offtensor: an op would resize {describe(t)} to {tuple(values.shape)}: its host master is exactly "
             f"{t.host_nbytes} bytes. Pass an out= tensor of the result's shape, or assign a new tensor instead."
         )
+    host = t._host
+    if 0 in host.stride() and host.numel() > 1:
+        # An expanded view that its op may write (fill_, zero_, masked_fill_ allow it, as on a
+        # plain tensor): the elements of a stride-0 dimension are one element in memory, on the
+        # device too, and copy_ refuses such a destination. Index 0 of the dimension holds it.
+        keep = tuple(0 if step == 0 and size > 1 else slice(None) for size, step in zip(host.shape, host.stride()))
+        host, values = host[keep], values[keep]
     pager = t._master.pager
     with pager.lock:  # no other thread's op pages the master between the wait and the write
         pager.before_write(t._master)
         with no_dispatch():
-            t._host.copy_(values)
-        pager.count_write_back(t._host.numel() * t._host.element_size())
+            host.copy_(values)
+        pager.count_write_back(host.numel() * host.element_size())
