@@ -62,6 +62,33 @@ def test_writes_a_plain_tensor_allows_through_an_expanded_view_reach_the_host_ma
     assert_same(x, plain)
 
 
+def test_an_out_op_resizing_its_offloaded_output_leaves_other_cached_copies_intact(device):
+    pager = Pager(resolve_device(device), budget_bytes=1 << 16)
+    weights = [ot.offload(torch.arange(64.0) + 100 * i, pager=pager) for i in range(8)]
+    out = ot.offload(torch.zeros(2), pager=pager)
+    for w in weights:
+        w + 0  # each cached, side by side in the arena
+    weights[0].copy_(torch.zeros(64))  # a host write: the first range is free again
+    with pytest.raises(RuntimeError, match="host master is exactly 8 bytes"), pytest.warns(UserWarning):
+        torch.mul(torch.ones(1000, device=out.device), 5, out=out)
+    assert torch.equal(out.cpu(), torch.zeros(2))
+    for i, w in enumerate(weights[1:], 1):  # cached copies, read again: none written over
+        assert torch.equal((w + 0).cpu(), torch.arange(64.0) + 100 * i)
+
+
+def test_an_out_op_growing_a_view_within_its_master_writes_what_a_plain_op_writes(device):
+    pager = Pager(resolve_device(device), budget_bytes=1 << 16)
+    x, plain = offloaded_and_plain(torch.arange(8.0), device, pager)
+    other = ot.offload(torch.arange(64.0), pager=pager)
+    other + 0
+    with pytest.warns(UserWarning):
+        torch.mul(torch.arange(6.0, device=x.device), 5, out=plain[:2])
+    with pytest.warns(UserWarning):
+        torch.mul(torch.arange(6.0, device=x.device), 5, out=x[:2])
+    assert_same(x, plain)
+    assert torch.equal((other + 0).cpu(), torch.arange(64.0))
+
+
 @pytest.mark.parametrize("index", ["columns", "mask_after_slice", "rows_and_columns"])
 def test_index_writes_with_a_whole_dimension_before_the_index_reach_the_host_master(device, index):
     # Weight loaders write column blocks: ``param.data[:, cols] = loaded``.

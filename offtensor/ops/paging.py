@@ -27,7 +27,7 @@ class Paged:
         self.entries = []  # (pager, entry, the pager's lock depth before this hold)
         self.private = []  # (OffloadedTensor, its private device copy), for arguments the op writes
 
-    def page(self, t: OffloadedTensor, private: bool = False) -> torch.Tensor:
+    def page(self, t: OffloadedTensor, private: bool = False, out: bool = False) -> torch.Tensor:
         # Every compute op runs this once per offloaded argument: one __dict__ read instead of
         # three attribute lookups through torch.Tensor's type.
         own = t.__dict__
@@ -37,6 +37,14 @@ class Paged:
             # Being traced by torch.compile: the graph calls the pager at run time through an
             # opaque op (compile.py) and owns its result, so there is no entry to release.
             return _compile.page(host, master.id, pager.device)
+        if out:
+            # An out= argument may be resized by its op. A range of the arena would grow in place,
+            # over other weights' cached copies (the arena's storage is large enough); a device
+            # copy of its own is reallocated instead, and write_back sees the new shape. Outside
+            # the budget, like the op's output it stands for.
+            view = pager.copy_out(host)
+            self.private.append((t, view))
+            return view
         layout = own.get("_layout")
         if layout is None:
             layout = own["_layout"] = page_layout(host, master.id)
@@ -102,14 +110,15 @@ def describe(t: OffloadedTensor) -> str:
     return f"an OffloadedTensor{'' if name is None else ' of ' + repr(name)} of shape {tuple(t.shape)} and dtype {t.dtype}"
 
 
-def run(func, args, kwargs, written=()):
-    """Page every OffloadedTensor argument (privately where ``written``), run ``func`` on plain
-    tensors, write mutated arguments back to their host masters."""
+def run(func, args, kwargs, written=(), outs=()):
+    """Page every OffloadedTensor argument (privately where ``written``; ``outs``, the written
+    out= arguments, each into a device copy of its own), run ``func`` on plain tensors, write
+    mutated arguments back to their host masters."""
     paged = Paged()
     try:
         if written:
-            new_args = [paged.arg(a, i in written) for i, a in enumerate(args)]
-            new_kwargs = {k: paged.arg(v, k in written) for k, v in kwargs.items()} if kwargs else kwargs
+            new_args = [_written_arg(paged, a, i in written, i in outs) for i, a in enumerate(args)]
+            new_kwargs = {k: _written_arg(paged, v, k in written, k in outs) for k, v in kwargs.items()} if kwargs else kwargs
         else:  # the common case, without the per-argument membership tests
             arg = paged.arg
             new_args = [arg(a) for a in args]
@@ -120,6 +129,15 @@ def run(func, args, kwargs, written=()):
     finally:
         paged.release()
     return out
+
+
+def _written_arg(paged: Paged, a, written: bool, out: bool):
+    """The device argument of a writing op: a page of its own (private where written)."""
+    if isinstance(a, OffloadedTensor):
+        return paged.page(a, written, out and written)
+    if isinstance(a, (list, tuple)) and any(isinstance(x, OffloadedTensor) for x in a):
+        return type(a)(_written_arg(paged, x, written, out) for x in a)
+    return a
 
 
 def write_back(t: OffloadedTensor, values: torch.Tensor) -> None:

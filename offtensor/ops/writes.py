@@ -21,9 +21,12 @@ class Mutation:
     def __init__(self, func):
         schema = func._schema
         self.positions = {}
+        self.outs = set()  # positions of the out= arguments among them
         for i, arg in enumerate(schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:
                 self.positions[i] = arg.name
+                if arg.is_out:
+                    self.outs.add(i)
         # Which argument each return aliases (in-place ops return their input object).
         self.returns = []
         for ret in schema.returns:
@@ -38,13 +41,17 @@ class Mutation:
     def __call__(self, func, types, args, kwargs, also_written=()):
         # also_written: arguments the op writes although its schema does not say so.
         written = set(also_written)
+        outs = set()
         for i, name in self.positions.items():
             value = args[i] if i < len(args) else kwargs.get(name)
             if _has_offloaded(value):
-                written.add(i if i < len(args) else name)
+                key = i if i < len(args) else name
+                written.add(key)
+                if i in self.outs:
+                    outs.add(key)
         if not written:
             return run(func, args, kwargs)
-        out = run(func, args, kwargs, written)
+        out = run(func, args, kwargs, written, outs)
         if not self.returns:
             return out  # e.g. _foreach_add_ returns nothing; its writes are already written back
         results = []
