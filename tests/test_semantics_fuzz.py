@@ -45,6 +45,75 @@ def outcome(program, *tensors):
         return None, str(error).split("\n")[0]
 
 
+@st.composite
+def aliased_programs(draw):
+    """A 1-D length, and a list of steps; each step names two (possibly overlapping) windows of the
+    one base tensor and an op that writes the first while reading the second, or both at once."""
+    n = draw(st.integers(2, 8))
+
+    def window():
+        start = draw(st.integers(0, n - 1))
+        length = draw(st.integers(1, n - start))
+        return start, length
+
+    steps = []
+    for _ in range(draw(st.integers(1, 4))):
+        steps.append((draw(st.sampled_from(["add_", "mul_", "copy_", "foreach_add_", "addcmul_", "index_add_"])),
+                      window(), window()))
+    return n, steps
+
+
+def run_step(base: torch.Tensor, step) -> None:
+    name, (s0, n0), (s1, n1) = step
+    a, b = base.narrow(0, s0, n0), base.narrow(0, s1, n1)
+    if name == "foreach_add_":
+        torch._foreach_add_([a, b], 1.0)
+        return
+    b = b[: min(n0, n1)]
+    a = a[: min(n0, n1)]
+    if name == "add_":
+        a.add_(b, alpha=2)
+    elif name == "mul_":
+        a.mul_(b)
+    elif name == "copy_":
+        a.copy_(b)
+    elif name == "addcmul_":
+        a.addcmul_(b, b, value=0.5)
+    elif name == "index_add_":
+        a.index_add_(0, torch.arange(a.shape[0], device=a.device).flip(0), b)
+
+
+@given(program=aliased_programs(), seed=st.integers(0, 2**16))
+@settings(max_examples=120)
+def test_ops_whose_arguments_alias_each_other_match_plain_tensors(device, program, seed):
+    n, steps = program
+    values = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    x, plain = offloaded_and_plain(values, device)
+    for step in steps:
+        _, error = outcome(run_step, plain, step)
+        _, offloaded_error = outcome(run_step, x, step)
+        assert offloaded_error == error, step
+        assert_same(x, plain)
+
+
+def test_foreach_write_through_a_weight_and_its_alias_keeps_both_writes(device):
+    # Two Parameters over one storage (a tie made with .data) in one foreach optimizer step.
+    x, plain = offloaded_and_plain(torch.arange(6.0), device)
+    torch._foreach_add_([x, x.detach()], [torch.ones(6, device=x.device), torch.full((6,), 10.0, device=x.device)])
+    torch._foreach_add_([plain, plain.detach()], [torch.ones(6, device=plain.device), torch.full((6,), 10.0, device=plain.device)])
+    assert_same(x, plain)
+
+
+def test_an_in_place_op_reading_a_partly_overlapping_alias_is_refused_as_on_a_plain_tensor(device):
+    x, plain = offloaded_and_plain(torch.arange(5.0), device)
+    with pytest.raises(RuntimeError, match="refer to a single memory location") as expected:
+        plain[1:].add_(plain[:-1])
+    with pytest.raises(RuntimeError) as error:
+        x[1:].add_(x[:-1])
+    assert str(error.value) == str(expected.value)
+    assert_same(x, plain)  # nothing written
+
+
 @pytest.mark.parametrize("write", ["fill_", "zero_", "masked_fill_", "index_fill_"])
 def test_writes_a_plain_tensor_allows_through_an_expanded_view_reach_the_host_master(device, write):
     # Elements of a stride-0 dimension share memory; these ops write them all with one value.

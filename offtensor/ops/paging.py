@@ -117,8 +117,10 @@ def run(func, args, kwargs, written=(), outs=()):
     paged = Paged()
     try:
         if written:
-            new_args = [_written_arg(paged, a, i in written, i in outs) for i, a in enumerate(args)]
-            new_kwargs = {k: _written_arg(paged, v, k in written, k in outs) for k, v in kwargs.items()} if kwargs else kwargs
+            shared = _page_aliases(paged, args, kwargs, written, outs)
+            new_args = [_written_arg(paged, a, i in written, i in outs, shared) for i, a in enumerate(args)]
+            new_kwargs = ({k: _written_arg(paged, v, k in written, k in outs, shared) for k, v in kwargs.items()}
+                          if kwargs else kwargs)
         else:  # the common case, without the per-argument membership tests
             arg = paged.arg
             new_args = [arg(a) for a in args]
@@ -131,13 +133,67 @@ def run(func, args, kwargs, written=(), outs=()):
     return out
 
 
-def _written_arg(paged: Paged, a, written: bool, out: bool):
-    """The device argument of a writing op: a page of its own (private where written)."""
+def _written_arg(paged: Paged, a, written: bool, out: bool, shared: dict):
+    """The device argument of a writing op: the view into a copy shared with its aliases, else a
+    page of its own (private where written)."""
     if isinstance(a, OffloadedTensor):
-        return paged.page(a, written, out and written)
+        view = shared.get(id(a))
+        return view if view is not None else paged.page(a, written, out and written)
     if isinstance(a, (list, tuple)) and any(isinstance(x, OffloadedTensor) for x in a):
-        return type(a)(_written_arg(paged, x, written, out) for x in a)
+        return type(a)(_written_arg(paged, x, written, out, shared) for x in a)
     return a
+
+
+def _byte_range(host: torch.Tensor):
+    lo, hi = page_layout(host, 0)[:2]
+    return lo * host.element_size(), hi * host.element_size()
+
+
+def _page_aliases(paged: Paged, args, kwargs, written, outs) -> dict:
+    """``id(argument) -> device view`` for the OffloadedTensor arguments of a writing op whose
+    bytes overlap those of an argument it writes in place (out= arguments aside, see ``page``).
+
+    Paged one by one, each would get a copy of its own: a write through one (``_foreach_add_`` of
+    a weight and its alias) would not reach the other, and the last write-back would undo the
+    first; an overlap torch refuses (``x[1:].add_(x[:-1])``) would pass. Overlapping arguments
+    instead view one private copy of the bytes they cover together, as they view one host master,
+    so the op sees them alias as a plain op does; that copy is written back whole."""
+    by_master = {}
+    for key, a in (*enumerate(args), *kwargs.items()):
+        if key in outs:
+            continue
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, OffloadedTensor) and t._host.numel():
+                by_master.setdefault(id(t._master), []).append((*_byte_range(t._host), key in written, t))
+    shared = {}
+    for members in by_master.values():
+        if len(members) < 2 or not any(m[2] for m in members):
+            continue
+        members.sort(key=lambda m: m[0])
+        group, end = [], -1
+        for m in members + [(float("inf"), 0, False, None)]:  # a sentinel closes the last group
+            if m[0] >= end:
+                if len(group) > 1 and any(g[2] for g in group):
+                    shared.update(_page_together(paged, group))
+                group, end = [], -1
+            group.append(m)
+            end = max(end, m[1])
+    return shared
+
+
+def _page_together(paged: Paged, group) -> dict:
+    """One private device copy of the bytes the group's tensors (of one master) cover, and each
+    tensor's view into it at its own offset, dtype, shape and strides."""
+    lo = group[0][0] // 16 * 16  # a whole number of elements of any dtype: each view below is aligned
+    hi = max(m[1] for m in group)
+    first = group[0][3]
+    span = torch.empty(0, dtype=torch.uint8).set_(first._host.untyped_storage(), lo, (hi - lo,), (1,))
+    device = paged.page(OffloadedTensor(span, first._master), True)
+    views = {}
+    for start, stop, _, t in group:
+        host = t._host
+        views[id(t)] = device[start - lo : stop - lo].view(host.dtype).as_strided(host.shape, host.stride())
+    return views
 
 
 def write_back(t: OffloadedTensor, values: torch.Tensor) -> None:
