@@ -183,3 +183,12 @@ def test_is_set_to_answers_for_the_memory_a_tensor_views(device):
     for name in plain_others:
         assert x.is_set_to(offloaded_others[name]) == plain.is_set_to(plain_others[name]), name
     assert x.is_set_to(x.detach())
+
+
+def test_resize_as_past_the_host_master_names_the_tensor_and_within_it_resizes_as_plain(device):
+    x, plain = offloaded_and_plain(torch.arange(6.0), device)
+    with pytest.raises(RuntimeError, match=r"cannot resize .* to \(9,\): its host master is exactly 24 bytes"):
+        x.resize_as_(torch.zeros(9))
+    offloaded_view, plain_view = x[:2].resize_as_(torch.zeros(2, 2)), plain[:2].resize_as_(torch.zeros(2, 2))
+    assert (offloaded_view.shape, offloaded_view.stride()) == (plain_view.shape, plain_view.stride())
+    assert_same(offloaded_view, plain_view)

@@ -160,6 +160,13 @@ def resize_(func, types, args, kwargs):
     )
 
 
+@implements(aten.resize_as_.default)
+def resize_as_(func, types, args, kwargs):
+    # An in-place view op by its tags, so the host view's own resize_as_ would refuse a master
+    # too small with torch's "storage that is not resizable": resize_ names the tensor and bytes.
+    return resize_(aten.resize_.default, types, (args[0], args[1].shape), kwargs)
+
+
 @implements(aten.set_.source_Tensor, aten.set_.source_Storage, aten.set_.source_Storage_storage_offset, aten.set_.default)
 def set_(func, types, args, kwargs):
     raise RuntimeError(
