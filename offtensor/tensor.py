@@ -387,15 +387,16 @@ def _dense_strides(t: torch.Tensor):
     return strides
 
 
-def new_host_master(t: torch.Tensor, pin: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
+def new_host_master(t: torch.Tensor, pin: bool, dtype: torch.dtype | None = None, strides=None) -> torch.Tensor:
     """An exact-size host copy of ``t`` (same shape, dtype and memory order), backed by the
     extension's page-aligned allocation. With ``dtype``: ``t``'s values cast to it, the copy
-    converting element by element (no whole temporary of either dtype)."""
+    converting element by element (no whole temporary of either dtype). With ``strides`` (dense
+    ones): the copy's layout, instead of ``t``'s memory order."""
     dtype = t.dtype if dtype is None else dtype
     nbytes = t.numel() * dtype.itemsize
     raw = _ext.alloc_host(nbytes, pin=pin)
     flat = raw.view(dtype) if nbytes else torch.empty(0, dtype=dtype)
-    strides = _dense_strides(t)
+    strides = _dense_strides(t) if strides is None else strides
     host = flat.as_strided(t.shape, strides) if strides is not None else flat.view(t.shape)
     with torch.no_grad():
         host.copy_(t.detach())

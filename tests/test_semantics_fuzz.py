@@ -185,6 +185,26 @@ def test_is_set_to_answers_for_the_memory_a_tensor_views(device):
     assert x.is_set_to(x.detach())
 
 
+@pytest.mark.parametrize("layout", ["transposed_and_stepped", "column_slice", "expanded", "permuted", "size_one_dims"])
+@pytest.mark.parametrize("memory_format", [torch.preserve_format, torch.contiguous_format])
+def test_clone_has_the_strides_of_a_plain_clone(device, layout, memory_format):
+    base = torch.arange(24.0)
+    views = {
+        "transposed_and_stepped": lambda b: b.view(4, 6).t()[::2],
+        "column_slice": lambda b: b.view(4, 6)[:, 1:4],
+        "expanded": lambda b: b[:4].view(1, 4).expand(3, 4),
+        "permuted": lambda b: b.view(2, 3, 4).permute(2, 0, 1),
+        "size_one_dims": lambda b: b.view(2, 1, 12).transpose(0, 1),
+    }
+    x, plain = offloaded_and_plain(base, device)
+    offloaded_clone = views[layout](x).clone(memory_format=memory_format)
+    plain_clone = views[layout](plain).clone(memory_format=memory_format)
+    # The same strides, so what the layout allows next works (or fails) alike: the clone of a
+    # transposed view, transposed back, is contiguous and views as 1-D.
+    assert offloaded_clone.stride() == plain_clone.stride()
+    assert_same(offloaded_clone, plain_clone)
+
+
 def test_resize_as_past_the_host_master_names_the_tensor_and_within_it_resizes_as_plain(device):
     x, plain = offloaded_and_plain(torch.arange(6.0), device)
     with pytest.raises(RuntimeError, match=r"cannot resize .* to \(9,\): its host master is exactly 24 bytes"):

@@ -18,12 +18,12 @@ aten = torch.ops.aten
 @implements(aten.clone.default)
 def _clone(func, types, args, kwargs):
     self = args[0]
-    memory_format = kwargs.get("memory_format")
     host = self._host
-    if memory_format not in (None, torch.preserve_format):
-        host = host.contiguous(memory_format=memory_format)
+    # The strides a plain clone gets, empty_like's: a layout with gaps keeps its order of dims
+    # (``w.t()[::2].clone()`` is no contiguous tensor); the master's own rule would make it one.
+    layout = torch.empty_like(host, device="meta", memory_format=kwargs.get("memory_format") or torch.preserve_format)
     pager = self._master.pager
-    return wrap_host(new_host_master(host, pin=pins_host_memory(pager.device)), pager)
+    return wrap_host(new_host_master(host, pin=pins_host_memory(pager.device), strides=layout.stride()), pager)
 
 
 @implements(aten._to_copy.default)
