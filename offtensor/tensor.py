@@ -178,7 +178,10 @@ class OffloadedTensor(torch.Tensor):
             # not; aliases still share one storage in the file. Nothing is paged.
             return self._host.__reduce_ex__(protocol)
         is_param = bool(getattr(self, "_is_param", False))
-        return (_rebuild_offloaded, (self._host, str(self.device), self.requires_grad, is_param))
+        rebuilt = (self._host, str(self.device), self.requires_grad, is_param)
+        # The user's attributes come back, as torch.Tensor's and nn.Parameter's pickling keep them.
+        attrs = user_attrs(self)
+        return (_rebuild_offloaded, rebuilt + (attrs,) if attrs else rebuilt)
 
     def __deepcopy__(self, memo):
         if id(self) in memo:
@@ -203,6 +206,8 @@ class OffloadedTensor(torch.Tensor):
             copy = torch.nn.Parameter(copy, requires_grad=self.requires_grad)
         else:
             copy.requires_grad_(self.requires_grad)
+            # torch.Tensor.__deepcopy__ copies the user's attributes too (nn.Parameter's does not).
+            copy.__dict__.update(_deepcopy(user_attrs(self), memo))
         if self.grad is not None:
             copy.grad = _deepcopy(self.grad, memo)
         memo[id(self)] = copy
@@ -463,7 +468,7 @@ def offload(t: torch.Tensor, device=None, *, pager: Pager | None = None) -> Offl
     return wrap_host(host, pager, requires_grad=t.requires_grad)
 
 
-def _rebuild_offloaded(host: torch.Tensor, device: str, requires_grad: bool, is_param: bool):
+def _rebuild_offloaded(host: torch.Tensor, device: str, requires_grad: bool, is_param: bool, attrs=None):
     try:
         target = resolve_device(device)
     except ValueError:
@@ -472,7 +477,9 @@ def _rebuild_offloaded(host: torch.Tensor, device: str, requires_grad: bool, is_
         target = resolve_device(None)
     t = wrap_host(host, Pager.default(target), requires_grad and not is_param)
     if is_param:
-        return torch.nn.Parameter(t, requires_grad=requires_grad)
+        t = torch.nn.Parameter(t, requires_grad=requires_grad)
+    if attrs:
+        t.__dict__.update(attrs)
     return t
 
 

@@ -205,6 +205,39 @@ def test_clone_has_the_strides_of_a_plain_clone(device, layout, memory_format):
     assert_same(offloaded_clone, plain_clone)
 
 
+def _round_trips(t):
+    def saved(weights_only):
+        buffer = io.BytesIO()
+        torch.save(t, buffer)
+        buffer.seek(0)
+        with ot.safe_globals():
+            return torch.load(buffer, weights_only=weights_only)
+
+    return {
+        "pickle": lambda: pickle.loads(pickle.dumps(t)),
+        "torch.save": lambda: saved(False),
+        "torch.save weights_only": lambda: saved(True),
+        "deepcopy": lambda: copy.deepcopy(t),
+    }
+
+
+@pytest.mark.parametrize("parameter", [False, True])
+def test_pickling_and_deepcopy_keep_the_attributes_a_plain_tensor_keeps(device, parameter):
+    x, plain = offloaded_and_plain(torch.arange(3.0), device)
+    if parameter:
+        x, plain = torch.nn.Parameter(x), torch.nn.Parameter(plain)
+    for t in (x, plain):
+        t.output_dim = 1
+        t.note = "kept"
+    offloaded_copies, plain_copies = _round_trips(x), _round_trips(plain)
+    for how in plain_copies:
+        plain_copy, offloaded_copy = plain_copies[how](), offloaded_copies[how]()
+        assert isinstance(offloaded_copy, OffloadedTensor)
+        for name in ("output_dim", "note"):
+            assert getattr(offloaded_copy, name, None) == getattr(plain_copy, name, None), (how, name)
+        assert torch.equal(offloaded_copy.cpu(), plain_copy.detach().cpu())
+
+
 def test_resize_as_past_the_host_master_names_the_tensor_and_within_it_resizes_as_plain(device):
     x, plain = offloaded_and_plain(torch.arange(6.0), device)
     with pytest.raises(RuntimeError, match=r"cannot resize .* to \(9,\): its host master is exactly 24 bytes"):
