@@ -2,9 +2,12 @@
 for bit after every step, the host master included.
 
 What tests/test_properties.py leaves out: ops whose arguments alias each other (a write through one
-alias read or written through another in the same op), out= outputs that an op resizes, index writes
-with a whole dimension before the index, memory questions (``is_set_to``), the layout of a clone, and
-the attributes a tensor carries through pickling and deepcopy.
+alias read or written through another in the same op), writes through expanded views, out= outputs
+that an op resizes, index writes with a whole dimension before the index, memory questions
+(``is_set_to``), the layout of a clone, the attributes a tensor carries through pickling and
+deepcopy, and random programs of the views it does not draw (``unfold``, ``as_strided``,
+``view_as_complex``, ``.data``...) with writes through any alias, checked through the host master, a
+fresh page and a cached one.
 """
 
 from __future__ import annotations
@@ -245,3 +248,107 @@ def test_resize_as_past_the_host_master_names_the_tensor_and_within_it_resizes_a
     offloaded_view, plain_view = x[:2].resize_as_(torch.zeros(2, 2)), plain[:2].resize_as_(torch.zeros(2, 2))
     assert (offloaded_view.shape, offloaded_view.stride()) == (plain_view.shape, plain_view.stride())
     assert_same(offloaded_view, plain_view)
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as bytes, in row-major order: NaNs and signed zeros compare exactly."""
+    dense = torch.empty(t.shape, dtype=t.dtype)
+    dense.copy_(t.detach().cpu())
+    return dense.reshape(-1).view(torch.uint8)
+
+
+def draw_view(data, ref: torch.Tensor):
+    """A view op valid for ``ref``: ones test_properties.py does not draw, and aliases."""
+    dim, shape = ref.dim(), ref.shape
+    names = ["data", "detach", "ellipsis", "unsqueeze"]
+    if dim:
+        names += ["unfold", "stepped", "as_strided"]
+    if dim >= 2:
+        names += ["mT", "diagonal"]
+    if ref.dtype == torch.float32 and dim and shape[-1] % 2 == 0 and ref.stride(-1) == 1:
+        names += ["view_as_complex", "view_int32"]
+    if ref.dtype == torch.complex64:
+        names.append("view_as_real")
+    name = data.draw(st.sampled_from(names), label="view")
+    if name in ("unfold", "stepped"):
+        d = data.draw(st.integers(0, dim - 1))
+        size, step = data.draw(st.integers(0, shape[d])), data.draw(st.integers(1, 3))
+        if name == "unfold":
+            return lambda a: a.unfold(d, size, step)
+        return lambda a: a[(slice(None),) * d + (slice(size, None, step),)]
+    if name == "as_strided":  # within the elements the view covers, overlapping or not
+        sizes = (data.draw(st.integers(0, 2)), data.draw(st.integers(0, 2)))
+        strides = (data.draw(st.integers(0, 2)), data.draw(st.integers(0, 2)))
+        return lambda a: a.as_strided(sizes, strides, a.storage_offset())
+    if name == "diagonal":
+        offset = data.draw(st.integers(-1, 1))
+        return lambda a: a.diagonal(offset)
+    return {
+        "data": lambda a: a.data, "detach": lambda a: a.detach(), "ellipsis": lambda a: a[...],
+        "unsqueeze": lambda a: a.unsqueeze(0), "mT": lambda a: a.mT,
+        "view_as_complex": lambda a: torch.view_as_complex(a.unflatten(-1, (-1, 2))),
+        "view_int32": lambda a: a.view(torch.int32), "view_as_real": lambda a: torch.view_as_real(a),
+    }[name]
+
+
+def draw_write(data, ref: torch.Tensor, count: int):
+    """A write of ``ref`` (an alias) as a function of (target, every alias), possibly reading another alias."""
+    source = (torch.randn(ref.shape, dtype=ref.dtype) if ref.dtype.is_floating_point or ref.dtype.is_complex
+              else torch.randint(-5, 5, ref.shape, dtype=ref.dtype))
+    mask = torch.randint(0, 2, ref.shape, generator=torch.Generator().manual_seed(count)).bool()
+    other = data.draw(st.integers(0, count - 1), label="other alias")
+    name = data.draw(st.sampled_from(["fill_", "copy_", "add_", "neg_", "masked_fill_", "out=", "foreach_mul_",
+                                      "add_other_", "copy_other_", "index_put_"]), label="write")
+
+    def read_other(a, aliases):
+        b = aliases[other]
+        return b if b.dtype == a.dtype and b.shape == a.shape else a.detach()
+
+    return name, {
+        "fill_": lambda a, aliases: a.fill_(2),
+        "copy_": lambda a, aliases: a.copy_(source.to(a.device)),
+        "add_": lambda a, aliases: a.add_(source.to(a.device)),
+        "neg_": lambda a, aliases: a.neg_(),
+        "masked_fill_": lambda a, aliases: a.masked_fill_(mask.to(a.device), 1),
+        "out=": lambda a, aliases: torch.mul(source.to(a.device), 2, out=a),
+        "foreach_mul_": lambda a, aliases: torch._foreach_mul_([a, read_other(a, aliases)], 2),
+        "add_other_": lambda a, aliases: a.add_(read_other(a, aliases)),
+        "copy_other_": lambda a, aliases: a.copy_(read_other(a, aliases)),
+        "index_put_": lambda a, aliases: a.index_put_((mask.to(a.device),), torch.tensor(5, dtype=a.dtype)),
+    }[name]
+
+
+@given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.complex64, torch.int64, torch.float16]),
+       budget=st.sampled_from([None, 1 << 14]))
+@settings(max_examples=150)
+def test_random_programs_of_views_and_writes_through_aliases_match_plain_tensors(device, data, dtype, budget):
+    rows, columns = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 6))
+    values = (torch.randn(rows, columns, dtype=dtype) if dtype.is_floating_point or dtype.is_complex
+              else torch.randint(-9, 9, (rows, columns), dtype=dtype))
+    x, plain = offloaded_and_plain(values, device, Pager(resolve_device(device), budget_bytes=budget))
+    pairs = [(x, plain)]
+    for _ in range(data.draw(st.integers(1, 4))):
+        base_x, base_plain = pairs[data.draw(st.integers(0, len(pairs) - 1))]
+        view = draw_view(data, base_plain)
+        try:
+            plain_view = view(base_plain)
+        except RuntimeError:
+            continue
+        offloaded_view = view(base_x)
+        assert isinstance(offloaded_view, OffloadedTensor)
+        assert (offloaded_view.shape, offloaded_view.stride(), offloaded_view.storage_offset(), offloaded_view.dtype) == (
+            plain_view.shape, plain_view.stride(), plain_view.storage_offset(), plain_view.dtype)
+        pairs.append((offloaded_view, plain_view))
+    for _ in range(data.draw(st.integers(1, 4))):
+        target = data.draw(st.integers(0, len(pairs) - 1))
+        name, write = draw_write(data, pairs[target][1], len(pairs))
+        _, error = outcome(write, pairs[target][1], [p for _, p in pairs])
+        _, offloaded_error = outcome(write, pairs[target][0], [o for o, _ in pairs])
+        assert (offloaded_error is None) == (error is None), (name, error, offloaded_error)
+        if error is not None:
+            return  # both refused; a plain op may have written part before its error
+        for offloaded, reference in pairs:  # the host master, a fresh page and a cached one
+            expected = as_bits(reference)
+            assert torch.equal(as_bits(offloaded._host), expected), name
+            assert torch.equal(as_bits(offloaded.materialize()), expected), name
+            assert torch.equal(as_bits(torch.ops.aten.alias_copy.default(offloaded)), expected), name
