@@ -352,3 +352,25 @@ def test_random_programs_of_views_and_writes_through_aliases_match_plain_tensors
             assert torch.equal(as_bits(offloaded._host), expected), name
             assert torch.equal(as_bits(offloaded.materialize()), expected), name
             assert torch.equal(as_bits(torch.ops.aten.alias_copy.default(offloaded)), expected), name
+
+
+def test_a_tensor_offloaded_where_a_shared_master_was_allocated_is_no_alias_of_it(device):
+    # share_memory_ (model.share_memory() for Hogwild) moves a host master's bytes into shared
+    # memory and frees its allocation; the next allocation of that size takes the same address
+    # (here, as the allocator reuses it).
+    pager = Pager(resolve_device(device), budget_bytes=1 << 16)
+    x, plain = offloaded_and_plain(torch.arange(6.0), device, pager)
+    x + 0  # a cached copy of x
+    try:
+        x.share_memory_()
+    except RuntimeError as error:  # where torch cannot share pinned host memory, nothing moves
+        pytest.skip(f"share_memory_ of this device's host masters: {error}")
+    assert x.is_shared()
+    later = [ot.offload(torch.full((6,), 10.0 + i), pager=pager) for i in range(4)]
+    for i, y in enumerate(later):
+        assert y._master is not x._master
+        assert torch.equal((y + 0).cpu(), torch.full((6,), 10.0 + i))
+    x.add_(1)
+    plain.add_(1)
+    assert_same(x, plain)
+    assert torch.equal((later[0] + 0).cpu(), torch.full((6,), 10.0))

@@ -101,6 +101,11 @@ def master_for(host: torch.Tensor, pager) -> Master:
     storage = host.untyped_storage()
     ptr = storage.data_ptr()
     master = _BY_STORAGE.get(ptr) if ptr else None
+    if master is not None and master.flat.untyped_storage().data_ptr() != ptr:
+        # That master's storage has moved its bytes since (``share_memory_`` puts them in shared
+        # memory and frees the old allocation): this address is another allocation's now, and
+        # taking it for an alias would hand its ops the other master's cached copies.
+        master = None
     if master is None:
         master = pager.new_master(storage.nbytes())
         master.flat = torch.empty(0, dtype=torch.uint8).set_(storage)
