@@ -5,7 +5,7 @@ What tests/test_properties.py leaves out: ops whose arguments alias each other (
 alias read or written through another in the same op), writes through expanded views, out= outputs
 that an op resizes, index writes with a whole dimension before the index, memory questions
 (``is_set_to``), the layout of a clone, the attributes a tensor carries through pickling and
-deepcopy, and random programs of the views it does not draw (``unfold``, ``as_strided``,
+deepcopy, a master whose bytes ``share_memory_`` moved, and random programs of the views it does not draw (``unfold``, ``as_strided``,
 ``view_as_complex``, ``.data``...) with writes through any alias, checked through the host master, a
 fresh page and a cached one.
 """
