@@ -374,3 +374,16 @@ def test_a_tensor_offloaded_where_a_shared_master_was_allocated_is_no_alias_of_i
     plain.add_(1)
     assert_same(x, plain)
     assert torch.equal((later[0] + 0).cpu(), torch.full((6,), 10.0))
+
+
+def test_ops_whose_arguments_alias_each_other_run_on_a_meta_pager():
+    # ot.plan runs a model on meta, its masters meta bytes: a forward that writes a weight through
+    # two of its aliases in one op pages them together there too.
+    pager = Pager(torch.device("meta"), budget_bytes=1 << 16)
+    flat = torch.empty(6, device="meta")
+    master = pager.new_master(flat.numel() * flat.element_size())
+    master.flat = flat.view(torch.uint8)
+    x = OffloadedTensor(flat, master)
+    torch._foreach_add_([x, x.detach()], 1.0)
+    x[2:].mul_(x[2:].detach())
+    assert x.device.type == "meta" and x.shape == (6,)

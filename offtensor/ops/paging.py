@@ -187,7 +187,8 @@ def _page_together(paged: Paged, group) -> dict:
     lo = group[0][0] // 16 * 16  # a whole number of elements of any dtype: each view below is aligned
     hi = max(m[1] for m in group)
     first = group[0][3]
-    span = torch.empty(0, dtype=torch.uint8).set_(first._host.untyped_storage(), lo, (hi - lo,), (1,))
+    host = first._host  # on meta too (ot.plan), where the master is meta bytes
+    span = torch.empty(0, dtype=torch.uint8, device=host.device).set_(host.untyped_storage(), lo, (hi - lo,), (1,))
     device = paged.page(OffloadedTensor(span, first._master), True)
     views = {}
     for start, stop, _, t in group:
