@@ -393,8 +393,11 @@ class _StrictWorker:
     def after_fork_in_child(self):
         """The worker thread does not exist in a forked child: a new condition and thread, and
         every copy not finished at the fork queued again, in ticket order (a copy overwrites its
-        whole destination, so running one again is right)."""
-        self.cond = threading.Condition()
+        whole destination, so running one again is right). The condition is made over the
+        worker's own lock, renewed: sections take ``self.lock`` and notify ``self.cond``, so a
+        condition over a lock of its own refused every notify ("un-acquired lock")."""
+        forking.renew_lock(self.lock)
+        self.cond = threading.Condition(self.lock)
         self.thread = None
         self.urgent = set()
         self.queue = collections.deque(sorted((j for j in self.jobs.values() if not j.done), key=lambda j: j.ticket))
