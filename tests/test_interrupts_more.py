@@ -1,18 +1,22 @@
 """Ctrl-C and fork on the paths the other interrupt tests do not walk.
 
 - ``fork()`` in strict mode (``OFFTENSOR_STRICT=1``, the strict copy engine's worker renewed in the
-  child): the child's forward finishes, right.
+  child), and while another thread adopts an orphaned weight: the child's forward finishes, right.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
+import threading
+import time
 
 import pytest
 import torch
 
 import offtensor as ot
+from offtensor.pager import Pager
 
 from test_interrupts_atomic import _wait_child
 from test_reliability import GiB, _inputs, _nbytes, _reference
@@ -57,3 +61,26 @@ def test_a_forked_child_of_a_strict_model_runs_its_forward(monkeypatch):
 
         assert _in_child(forward) == 0
         assert torch.equal(model(x), want)
+
+
+@needs_fork
+def test_a_fork_while_a_thread_adopts_an_orphaned_weight_leaves_the_child_free_to_use_one():
+    """A state-dict value outlives its model: its first use charges it to the default pager, under
+    ``Master._adopting``. A thread doing so waits there for the default pager's lock (held by
+    another op); forked then, the child on main found ``_adopting`` held for good and hung."""
+    model = _reference()
+    _wrap(model)
+    state = model.state_dict()
+    w0, w1 = state["layers.0.weight"], state["layers.1.weight"]
+    want = w1.detach().clone() * 2
+    del model, state
+    gc.collect()
+    default = Pager.default(torch.device("cpu"))
+    adopting = threading.Thread(target=lambda: w0 + 1, daemon=True)
+    with default.lock:  # an op of another thread on the default pager
+        adopting.start()
+        time.sleep(0.2)  # the thread now holds _adopting, waiting for the lock
+        status = _in_child(lambda: torch.equal(w1 * 2, want))
+    adopting.join(10)
+    assert status == 0
+    assert torch.equal(w1 * 2, want)

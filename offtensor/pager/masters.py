@@ -27,6 +27,8 @@ from typing import Optional
 
 import torch
 
+from .. import forking
+
 _BY_STORAGE: "weakref.WeakValueDictionary[int, Master]" = weakref.WeakValueDictionary()
 _BY_ID: "weakref.WeakValueDictionary[int, Master]" = weakref.WeakValueDictionary()
 
@@ -118,3 +120,9 @@ def master_for(host: torch.Tensor, pager) -> Master:
 def registered_master(master_id: int) -> Optional[Master]:
     """The live master with this id, or None once it has died (or was never registered)."""
     return _BY_ID.get(master_id)
+
+
+# A thread adopting an orphan holds ``_adopting`` while it waits for the default pager's lock, which
+# an op of a third thread may hold through its compute; forked then, the child would find it held
+# for good and hang on its first use of an orphaned tensor.
+forking.at_fork_in_child(lambda: forking.renew_lock(Master._adopting))
