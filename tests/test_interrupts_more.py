@@ -1,14 +1,23 @@
 """Ctrl-C and fork on the paths the other interrupt tests do not walk.
 
+Interrupts are raised where CPython raises a signal handler's exception (``_Points``): entering a
+function, at a loop's back edge, and when a C function returns (attributed to the instruction that
+called it, as Python attributes it).
+
+- A Ctrl-C while a routing guess is copied ahead, the traceback kept (as a REPL keeps the last
+  one): the expert cache's next evictions are not limited to the guesses' spare room.
 - ``fork()`` in strict mode (``OFFTENSOR_STRICT=1``, the strict copy engine's worker renewed in the
   child), and while another thread adopts an orphaned weight: the child's forward finishes, right.
 """
 
 from __future__ import annotations
 
+import copy
 import gc
+import opcode
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -18,10 +27,112 @@ import torch
 import offtensor as ot
 from offtensor.pager import Pager
 
+from test_interrupts import _moe as _interrupts_moe
 from test_interrupts_atomic import _wait_child
 from test_reliability import GiB, _inputs, _nbytes, _reference
 
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+needs_311 = pytest.mark.skipif(sys.version_info < (3, 11), reason="the points are 3.11's bytecodes")
+
+_BACK_EDGES = {opcode.opmap[name] for name in ("JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT") if name in opcode.opmap}
+
+
+class _Points:
+    """A tracer raising ``KeyboardInterrupt`` at the ``n``-th point where Python raises a signal's
+    exception (a function's entry, a loop's back edge, the return of a C function called: it
+    surfaces at the call, inside whatever ``try`` or ``with`` holds it), in frames whose code passes
+    ``where`` and in the Python functions they call directly (``contextlib``'s ``__enter__``...).
+    n < 0 only counts."""
+
+    def __init__(self, n, where):
+        self.n, self.count, self.where = n, 0, where
+
+    def _point(self):
+        self.count += 1
+        if self.count == self.n:
+            sys.settrace(None)
+            sys.setprofile(None)
+            raise KeyboardInterrupt(f"injected at point {self.n}")
+
+    def _walked(self, frame) -> bool:
+        return frame is not None and (self.where(frame.f_code) or
+                                      (frame.f_back is not None and self.where(frame.f_back.f_code)))
+
+    def __call__(self, frame, event, arg):
+        if not self._walked(frame):
+            return None
+        frame.f_trace_opcodes, frame.f_trace_lines = True, False
+        self._point()
+        return self._opcode
+
+    def _opcode(self, frame, event, arg):
+        if event == "opcode" and frame.f_code.co_code[frame.f_lasti] in _BACK_EDGES:
+            self._point()
+        return self._opcode
+
+    def _profile(self, frame, event, arg):
+        if event == "c_return" and self._walked(frame):
+            self._point()
+
+    def run(self, fn):
+        """``fn()`` under the tracer: the KeyboardInterrupt it raised, or None."""
+        sys.settrace(self)
+        sys.setprofile(self._profile)
+        try:
+            fn()
+        except KeyboardInterrupt as error:
+            return error
+        finally:
+            sys.settrace(None)
+            sys.setprofile(None)
+        return None
+
+
+def _points(fn, where) -> int:
+    counter = _Points(-1, where)
+    counter.run(fn)
+    return counter.count
+
+
+def _moe(monkeypatch, fraction):
+    """The reference MoE model of test_interrupts, wrapped at ``fraction`` of its bytes, with every
+    routing guess copied ahead (the gate a guess must pass opened), warm."""
+    from offtensor.moe import guesses
+
+    model, reference, (ids,) = _interrupts_moe(monkeypatch)
+    monkeypatch.setattr(guesses, "SPECULATE_PRECISION", 0.0)
+    monkeypatch.setattr(guesses, "SPECULATE_PRECISION_IDLE", 0.0)
+    monkeypatch.setattr(guesses, "SPECULATE_EVIDENCE", 0.0)
+    model = copy.deepcopy(reference)
+    weights = sum(p.numel() * p.element_size() for p in reference.parameters())
+    ot.wrap_model(model, budget_gb=fraction * weights / GiB, device="cpu")
+    for _ in range(3):
+        model.generate(ids, 4)
+    assert ot.stats(model).guesses["copied_experts"] > 0
+    return model, reference, ids
+
+
+@needs_311
+def test_an_interrupt_where_a_guess_is_copied_ahead_leaves_eviction_free_to_make_room(monkeypatch):
+    """A Ctrl-C at each point of the speculator's ``_issue`` (where a guess is copied ahead inside
+    the eviction's spare-room-only block), its traceback kept, then decode steps that copy no guess:
+    they run and decode as the plain model. On main the block was a ``contextlib`` generator: an
+    interrupt in its ``__enter__``, after the mode was set, left it set while the traceback lived,
+    and the next in-line page of an expert failed with a BudgetError."""
+    from offtensor.moe import speculation
+
+    model, reference, ids = _moe(monkeypatch, 0.35)
+    want = reference.generate(ids, 4)
+    in_issue = lambda code: code is speculation.RoutingSpeculator._issue.__code__  # noqa: E731
+    total = _points(lambda: model.generate(ids, 4), in_issue)
+    assert total > 20
+    kept = []  # the tracebacks a REPL would keep (only the last, there)
+    for n in range(1, total + 1):
+        monkeypatch.setattr(speculation, "SPECULATE_COPY", True)
+        kept.append(_Points(n, in_issue).run(lambda: model.generate(ids, 4)))
+        monkeypatch.setattr(speculation, "SPECULATE_COPY", False)
+        assert torch.equal(model.generate(ids, 4), want), f"after an interrupt at point {n}"
+    assert any(kept)
 
 
 def _wrap(model):

@@ -16,7 +16,6 @@ speculator: ``NextTurn``), its chances replace ``p`` for that layer.
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING
 
 from .. import _ext
@@ -58,6 +57,38 @@ def _distance(where, here: int, count: int) -> float:
     """Layers from the current one (at ``here``) to the layer at ``where`` in a cycle of ``count``:
     a whole cycle for the current layer itself, half a layer for one not yet placed."""
     return (where - here) % count or count if where is not None else 0.5
+
+
+class _SpareRoomOnly:
+    """``ExpertEviction.in_spare_room_only``: the mode in which copies issued take only spare room,
+    for the duration of ``run(copy, *args)`` (the speculator's guesses) or of a ``with`` block.
+
+    ``run`` sets and resets the mode with plain stores around a ``try``, never in a call of its own:
+    Python raises a Ctrl-C where it checks for signals (a function's entry, the return of a call, a
+    loop's back edge), so one that lands before the reset lands inside the ``try``. As a
+    ``contextlib`` generator the block could be cut in its ``__enter__`` after the mode was set, or
+    at its ``__exit__``'s entry before the reset; the mode then stayed on (for as long as the
+    traceback lived, or for good), every later eviction spare-room-only, and an op's own page
+    failed with a ``BudgetError``. (``__exit__`` still has that entry: ``with`` is for tests.)"""
+
+    __slots__ = ("eviction", "next_use")
+
+    def __init__(self, eviction: "ExpertEviction", next_use):
+        self.eviction, self.next_use = eviction, next_use
+
+    def run(self, copy, *args):
+        eviction = self.eviction
+        eviction._spare_room_only, eviction._ahead_distance = True, self.next_use
+        try:
+            return copy(*args)
+        finally:
+            eviction._spare_room_only, eviction._ahead_distance = False, None
+
+    def __enter__(self) -> None:
+        self.eviction._spare_room_only, self.eviction._ahead_distance = True, self.next_use
+
+    def __exit__(self, *exc) -> None:
+        self.eviction._spare_room_only, self.eviction._ahead_distance = False, None
 
 
 class ExpertEviction:
@@ -185,16 +216,11 @@ class ExpertEviction:
             return None
         return best
 
-    @contextlib.contextmanager
-    def in_spare_room_only(self, next_use=None):
+    def in_spare_room_only(self, next_use=None) -> "_SpareRoomOnly":
         """Copies issued inside (guesses) are ahead of their use: they take only room whose next use
         is expected later than ``next_use`` layers (the guess's own, ``expected_next_use``) and at
-        least SPECULATE_VICTIM_CYCLES cycles away (see ``victim``)."""
-        self._spare_room_only, self._ahead_distance = True, next_use
-        try:
-            yield
-        finally:
-            self._spare_room_only, self._ahead_distance = False, None
+        least SPECULATE_VICTIM_CYCLES cycles away (see ``victim``): ``.run(copy, *args)``, or ``with``."""
+        return _SpareRoomOnly(self, next_use)
 
     def expected_next_use(self, stack: Stack, expert: int, chance: float) -> float:
         """Expected layers until a guessed ``expert`` of ``stack``'s layer is used: at that layer's

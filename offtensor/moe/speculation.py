@@ -426,9 +426,8 @@ class RoutingSpeculator:
             if not self.waste.spend(chance):
                 return  # over the waste budget (guesses.SPECULATE_WASTE); the rest are less precise
             next_use = self._stacks.expected_next_use(router.stacks[0], expert, chance)
-            with self._stacks.in_spare_room_only(next_use):
-                if not _copy_ahead(pager, router, expert, ahead):
-                    return  # no room without evicting copies used sooner than the guess
+            if not self._stacks.in_spare_room_only(next_use).run(_copy_ahead, pager, router, expert, ahead):
+                return  # no room without evicting copies used sooner than the guess
 
     def routing_known(self, group, keys) -> None:
         """The layer of stack group ``group`` pages the cache keys ``keys`` this pass (announced, or
