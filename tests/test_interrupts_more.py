@@ -6,6 +6,8 @@ called it, as Python attributes it).
 
 - A Ctrl-C while a routing guess is copied ahead, the traceback kept (as a REPL keeps the last
   one): the expert cache's next evictions are not limited to the guesses' spare room.
+- A Ctrl-C at any point of an unwrap's unregistration: the model is still wrapped (and
+  ``unwrap_model`` finishes it) or fully unwrapped: plain tensors, its own classes, no hooks.
 - ``fork()`` in strict mode (``OFFTENSOR_STRICT=1``, the strict copy engine's worker renewed in the
   child), and while another thread adopts an orphaned weight: the child's forward finishes, right.
 """
@@ -25,11 +27,12 @@ import pytest
 import torch
 
 import offtensor as ot
+from offtensor.model import copies as _copies
 from offtensor.pager import Pager
 
 from test_interrupts import _moe as _interrupts_moe
 from test_interrupts_atomic import _wait_child
-from test_reliability import GiB, _inputs, _nbytes, _reference
+from test_reliability import GiB, _assert_unchanged, _inputs, _nbytes, _reference, _snapshot
 
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 needs_311 = pytest.mark.skipif(sys.version_info < (3, 11), reason="the points are 3.11's bytecodes")
@@ -151,6 +154,48 @@ def _in_child(run) -> int:
         except BaseException:
             os._exit(2)
     return _wait_child(pid)
+
+
+@needs_311
+def test_an_unwrap_interrupted_at_any_point_of_its_unregistration_is_finished_by_the_next():
+    """A Ctrl-C at each point of the modules' unregistration (model/copies.py, assignment.py,
+    state.py and what they call): the model is still wrapped, with the right outputs, and a second
+    ``unwrap_model`` finishes; or it is unwrapped as a plain model is. On main the model itself left
+    first: cut short after it, the model was not wrapped, so could not be unwrapped (nor wrapped:
+    "already wrapped" where its member record stayed), while its other modules kept the wrapping
+    class and its step hook, which adopted it as a copy at its next forward."""
+    here = os.path.dirname(ot.__file__)
+    files = {os.path.join(here, "model", name) for name in ("copies.py", "assignment.py", "state.py")}
+    where = lambda code: code.co_filename in files  # noqa: E731
+    x = _inputs("cpu", 1)[0]
+    with torch.no_grad():
+        want = _reference()(x)
+
+    def warm():
+        model = _reference()
+        before = _snapshot(model)
+        _wrap(model)
+        with torch.no_grad():
+            model(x)
+        return model, before
+
+    model, _ = warm()
+    total = _points(lambda: ot.unwrap_model(model), where)
+    assert total > 100
+    for n in range(1, total + 1):
+        model, before = warm()
+        assert _Points(n, where).run(lambda: ot.unwrap_model(model)) is not None
+        if _copies.is_wrapped(model):
+            with torch.no_grad():
+                assert torch.equal(model(x), want), n
+            ot.unwrap_model(model)
+        tensors, _ = before  # the same objects and values, now plain again (on the emulated device: cpu)
+        before = ({name: (t, cls, None, values) for name, (t, cls, _, values) in tensors.items()}, before[1])
+        _assert_unchanged(model, before)
+        assert not any(m._forward_pre_hooks or m._state_dict_hooks for m in model.modules()), n
+        _wrap(model)
+        with torch.no_grad():
+            assert torch.equal(model(x), want), n
 
 
 @needs_fork

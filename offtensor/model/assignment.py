@@ -169,9 +169,10 @@ def join(module: nn.Module, state: State) -> None:
 
 
 def leave(module: nn.Module) -> None:
-    """``module`` is no longer part of a wrapped model: its own class back, no placement."""
-    withdraw(module)
+    """``module`` is no longer part of a wrapped model: its own class back, no placement. The class
+    first: cut short between the two, the module is still found as wrapped and left again."""
     give_user_class(module)
+    withdraw(module)
 
 
 # ---------------------------------------------------------------------------- wrapped modules' classes

@@ -62,13 +62,15 @@ def _register_state(model: nn.Module, pager: Pager, choice: placement.Placement,
 
 def unregister_wrapped(model: nn.Module, state: State) -> None:
     """Undo ``register_wrapped`` (a failed registration; the end of ``unwrap_model``): every module of
-    ``state`` gets its own class back, the hooks go, the pager's observers are dropped."""
+    ``state`` gets its own class back, the hooks go, the pager's observers are dropped.
+
+    Each step can run again, and ``model`` itself leaves last: ``unwrap_model`` finds the state
+    through it, so an unwrap cut short anywhere (a Ctrl-C) is still wrapped and finishes when
+    called again, rather than leaving modules of the wrapping class, its hooks (whose step hook
+    would adopt the model as a copy) and no way to unwrap or wrap it again."""
     pager = state.pager
     pager.prefetcher = None
     moe.detach(pager)
-    for module in [m for m, s in list(WRAPPED.items()) if s is state]:
-        if wrapped_state(module) is state:
-            leave(module)
     if state.watch is not None:
         state.watch.stop()
         state.watch = None
@@ -78,6 +80,10 @@ def unregister_wrapped(model: nn.Module, state: State) -> None:
     if state.step_hook is not None:
         state.step_hook.remove()
         state.step_hook = None
+    modules = [m for m, s in list(WRAPPED.items()) if s is state] + list(model.modules())
+    for module in [m for m in modules if m is not model] + [model]:
+        if wrapped_state(module) is state:
+            leave(module)
 
 
 def undo_registration(model: nn.Module, state: State) -> None:

@@ -167,11 +167,11 @@ def unwrap(model: nn.Module, state: State) -> nn.Module:
     for group in offloaded:
         make_resident(group, pager.device)
     refit_wrappers(m for group in offloaded for m in group)
-    unregister_wrapped(model, state)
     # The model's weights are no longer this pager's: what it still pages (a view of a master taken
     # before unwrapping, an op of another thread's forward dispatched before the swap) pages within
     # the budget beside no resident weights, instead of failing beside weights it no longer holds.
     pager.recount_resident(0)
+    unregister_wrapped(model, state)  # last: until it ends, an unwrap cut short is retried in full
     return model
 
 
