@@ -6,6 +6,8 @@ called it, as Python attributes it).
 
 - A Ctrl-C while a routing guess is copied ahead, the traceback kept (as a REPL keeps the last
   one): the expert cache's next evictions are not limited to the guesses' spare room.
+- A Ctrl-C while the expert registry is rebuilt (after an expert stack is assigned anew): the next
+  step rebuilds it again, with the router hooks of a fresh wrap, once each.
 - A Ctrl-C at any point of an unwrap's unregistration: the model is still wrapped (and
   ``unwrap_model`` finishes it) or fully unwrapped: plain tensors, its own classes, no hooks.
 - ``fork()`` in strict mode (``OFFTENSOR_STRICT=1``, the strict copy engine's worker renewed in the
@@ -138,6 +140,47 @@ def test_an_interrupt_where_a_guess_is_copied_ahead_leaves_eviction_free_to_make
     assert any(kept)
 
 
+def _speculator_hooks(model) -> list:
+    from offtensor.moe.hooks import _SpeculatorHook
+
+    return [h for m in model.modules() for hooks in (m._forward_pre_hooks, m._forward_hooks)
+            for h in hooks.values() if isinstance(h, _SpeculatorHook)]
+
+
+@needs_311
+def test_an_expert_refresh_cut_short_is_run_again_at_the_next_step(monkeypatch):
+    """An expert stack assigned anew makes the next step rebuild the registry (detach, attach); a
+    Ctrl-C at every 5th point of that rebuild (``State.refresh_experts``, moe/hooks.py and what they
+    call): the next decode gives the plain model's tokens with every router hooked once, as after
+    the wrap. On main the registry was marked fresh before the rebuild: cut short, the routers'
+    hooks were gone (no guesses) until the next change of a stack."""
+    from offtensor.model.state import State
+    from offtensor.moe import hooks as moe_hooks
+
+    model, reference, ids = _moe(monkeypatch, 0.5)
+    want = reference.generate(ids, 3)
+    hooked = sorted(map(type, _speculator_hooks(model)), key=str)
+    assert hooked
+    where = lambda code: code is State.refresh_experts.__code__ or code.co_filename == moe_hooks.__file__  # noqa: E731
+
+    def restack():
+        experts = model.layers[1].mlp.experts
+        experts.w1 = torch.nn.Parameter(reference.layers[1].mlp.experts.w1.detach().clone())
+
+    restack()
+    total = _points(lambda: model.generate(ids, 3), where)
+    assert total > 100
+    interrupted = 0
+    for n in range(1, total + 1, 5):
+        restack()
+        interrupted += _Points(n, where).run(lambda: model.generate(ids, 3)) is not None
+        assert torch.equal(model.generate(ids, 3), want), n
+        assert sorted(map(type, _speculator_hooks(model)), key=str) == hooked, n
+        speculator = _copies.state_of(model).pager.experts.speculator
+        assert all(h.speculator_ref() is speculator for h in _speculator_hooks(model)), n
+    assert interrupted > total // 5 - 5  # (a rebuild's points vary by a few)
+
+
 def _wrap(model):
     budget = int(_nbytes(model) * 0.4)
     return ot.wrap_model(model, budget_gb=budget / GiB, device="cpu", policy={"offload": ["layers.*"]})
@@ -182,9 +225,10 @@ def test_an_unwrap_interrupted_at_any_point_of_its_unregistration_is_finished_by
     model, _ = warm()
     total = _points(lambda: ot.unwrap_model(model), where)
     assert total > 100
+    interrupted = 0
     for n in range(1, total + 1):
         model, before = warm()
-        assert _Points(n, where).run(lambda: ot.unwrap_model(model)) is not None
+        interrupted += _Points(n, where).run(lambda: ot.unwrap_model(model)) is not None
         if _copies.is_wrapped(model):
             with torch.no_grad():
                 assert torch.equal(model(x), want), n
@@ -196,6 +240,7 @@ def test_an_unwrap_interrupted_at_any_point_of_its_unregistration_is_finished_by
         _wrap(model)
         with torch.no_grad():
             assert torch.equal(model(x), want), n
+    assert interrupted > total - 5
 
 
 @needs_fork

@@ -152,7 +152,9 @@ class State:
         self.watch = None
 
     def refresh_experts(self) -> None:
-        self.experts_stale = False
+        """Rebuild the pager's expert registry and router hooks. Stale until done: a refresh cut short
+        (a Ctrl-C in a forward's step hook) runs again at the next step, rather than leaving the
+        experts half detached (router hooks gone, no guesses) until the next change of a stack."""
         model = self.model_ref()
         if model is not None:
             installed = getattr(self.pager.experts, "lookahead", None)
@@ -162,6 +164,7 @@ class State:
                        room_needed=self.room_needed())
             if installed is not None:  # the learned look-ahead, for the stacks registered anew
                 moe.reinstall(self.pager, installed)
+        self.experts_stale = False
 
     def room_needed(self):
         """() -> the bytes this model's largest op pages at once (``working_set_bytes``, as it is

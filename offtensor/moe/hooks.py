@@ -70,6 +70,8 @@ def attach(model: nn.Module, pager, speculate: bool = True, compute: str = "devi
     if not routers:
         return stacks
     speculator = RoutingSpeculator(pager, stacks, routers)
+    stacks.speculator = speculator  # before its hooks: a detach then removes every one it made
+    _remove_stale_hooks(model, pager)
     for router in routers:
         module = router.module_ref()
 
@@ -78,8 +80,22 @@ def attach(model: nn.Module, pager, speculate: bool = True, compute: str = "devi
     embeddings = input_embeddings(model)
     if embeddings is not None:  # the step's tokens guess the first MoE layer (moe.first_layer)
         speculator.hooks.append(embeddings.register_forward_pre_hook(_TokensHook(speculator)))
-    stacks.speculator = speculator
     return stacks
+
+
+def _remove_stale_hooks(model: nn.Module, pager) -> None:
+    """Remove the router and token hooks an earlier attach to ``pager`` left on ``model`` without its
+    speculator knowing them (a Ctrl-C between a hook's registration and its record), and inert
+    ones (a deep copy's): a refresh run again would otherwise hook its routers twice."""
+    for module in model.modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for key in [k for k, h in hooks.items() if isinstance(h, _SpeculatorHook) and _stale(h, pager)]:
+                del hooks[key]
+
+
+def _stale(hook: "_SpeculatorHook", pager) -> bool:
+    speculator = hook.speculator_ref() if hook.speculator_ref is not None else None
+    return speculator is None or speculator.pager_ref() is pager
 
 
 class _SpeculatorHook:
