@@ -174,12 +174,17 @@ def test_a_plan_of_a_host_bound_model_predicts_the_emulated_step_within_10_perce
     budget = 4 * n * width * width * 4 / 2**30
     with torch.device("meta"):
         meta = ManySmallOps(n, width)
-    base = ot.measure_profile("cpu")
-    tl = ot.plan(meta, budget_gb=budget, example_inputs=(torch.empty(1, width, device="meta"),), profile=base,
-                 policy=["*"], prefetch=False)
+    for _ in range(3):
+        # A profile measured while the other test worker loads the launch side (its launch_us over
+        # the page's host_us) makes this host-bound plan look compute-bound: measured again.
+        base = ot.measure_profile("cpu")
+        tl = ot.plan(meta, budget_gb=budget, example_inputs=(torch.empty(1, width, device="meta"),), profile=base,
+                     policy=["*"], prefetch=False)
+        if tl.replay(base).bound_by == "host":
+            break
     last = [r for r in tl.records if r.step == tl.steps - 1 and r.kind == "op"]
     assert len(last) == n and all(r.pages == 1 for r in last)  # one hit per op, recorded as such
-    assert tl.replay(base).bound_by == "host"
+    assert tl.replay(base).bound_by == "host", (base.host_us, base.launch_us)
     torch.manual_seed(0)
     model = ot.wrap_model(ManySmallOps(n, width), budget_gb=budget, device="cpu", prefetch=False, policy=["*"])
     x = torch.randn(1, width)
