@@ -145,11 +145,11 @@ class OffloadConfig:
         if self.budget_gb is not None and self.offload_gb is not None:
             raise ValueError("offtensor: give budget_gb or offload_gb, not both")
         for label, value in (("budget_gb", self.budget_gb), ("offload_gb", self.offload_gb)):
-            if value is not None and (
-                not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or value < 0
-            ):
+            if value is None:
+                continue
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"offtensor: {label} must be a non-negative number of GiB, got {value!r}")
-            if value is not None and not isinstance(value, (int, float)):
+            if not isinstance(value, (int, float)):
                 # numpy's and fractions' numbers as a float: np.int64 * 2**30 would wrap past 8 EiB,
                 # np.float32 round the bytes in single precision.
                 object.__setattr__(self, label, float(value))

@@ -5,7 +5,6 @@ and its one later change."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -56,7 +55,7 @@ def prepare(model: nn.Module, config: OffloadConfig, device: torch.device, *,
     (an optimizer step, ``load_state_dict``)."""
     grad = torch.is_grad_enabled()
     try:
-        with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
+        with torch.inference_mode(False):  # (outside inference mode, a no-op)
             groups = collect_groups(model)
             if check is not None:
                 check(groups)
