@@ -144,9 +144,15 @@ def _written_arg(paged: Paged, a, written: bool, out: bool, shared: dict):
     return a
 
 
-def _byte_range(host: torch.Tensor):
-    lo, hi = page_layout(host, 0)[:2]
-    return lo * host.element_size(), hi * host.element_size()
+def _byte_range(t: OffloadedTensor):
+    """The bytes of its master that ``t`` covers, from the layout ``Paged.page`` keeps on the tensor
+    (made here when absent, so the page that follows does not make it again)."""
+    own = t.__dict__
+    host = own["_host"]
+    layout = own.get("_layout")
+    if layout is None:
+        layout = own["_layout"] = page_layout(host, own["_master"].id)
+    return layout[0] * host.element_size(), layout[1] * host.element_size()
 
 
 def _page_aliases(paged: Paged, args, kwargs, written, outs) -> dict:
@@ -164,7 +170,7 @@ def _page_aliases(paged: Paged, args, kwargs, written, outs) -> dict:
             continue
         for t in a if isinstance(a, (list, tuple)) else (a,):
             if isinstance(t, OffloadedTensor) and t._host.numel():
-                by_master.setdefault(id(t._master), []).append((*_byte_range(t._host), key in written, t))
+                by_master.setdefault(id(t._master), []).append((*_byte_range(t), key in written, t))
     shared = {}
     for members in by_master.values():
         if len(members) < 2 or not any(m[2] for m in members):
