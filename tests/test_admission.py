@@ -268,7 +268,32 @@ def test_foreach_optimizers_step_offloaded_weights_as_unwrapped_ones(device, opt
 
 
 @pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
-def test_a_foreach_step_on_a_weight_larger_than_the_free_room_runs_in_slices_as_the_unwrapped_step(device, optimizer):
+@pytest.mark.parametrize("mode", ["foreach", "fused"])
+def test_a_multi_tensor_step_over_weights_that_do_not_fit_together_runs_per_weight_as_the_unwrapped_step(
+        device, optimizer, mode):
+    # The fused steps (``_fused_adamw_``, what transformers' Trainer runs by default) paged every
+    # offloaded weight at once and raised BudgetError past a budget wrap had accepted.
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4)))
+    reference = copy.deepcopy(model).to(device)
+    budget = int(1.5 * 64 * 64 * 4)  # one weight's copy at a time
+    ot.wrap_model(model, budget_gb=budget / GiB, device=device, prefetch=False)
+    assert all(isinstance(m.weight, ot.OffloadedTensor) for m in model)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).to(device)
+    for m in (model, reference):
+        opt = getattr(torch.optim, optimizer)(m.parameters(), lr=0.1, **{mode: True})
+        for _ in range(2):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.detach().cpu(), q.detach().cpu())
+    assert ot.stats(model).peak_device_bytes <= budget
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
+@pytest.mark.parametrize("mode", ["foreach", "fused"])
+def test_a_foreach_step_on_a_weight_larger_than_the_free_room_runs_in_slices_as_the_unwrapped_step(device, optimizer, mode):
     # Once: ForeachInPieces split the list down to one element and called itself again, forever
     # (RecursionError); then a BudgetError. The element now runs in slices that fit.
     torch.manual_seed(0)
@@ -277,7 +302,7 @@ def test_a_foreach_step_on_a_weight_larger_than_the_free_room_runs_in_slices_as_
     budget = 0.5 * 256 * 192 * 4
     ot.wrap_model(model, budget_gb=budget / GiB, device=device, prefetch=False, policy={"offload": ["0.weight"]})
     for m in (model, reference):
-        opt = getattr(torch.optim, optimizer)(m.parameters(), lr=0.1, foreach=True)
+        opt = getattr(torch.optim, optimizer)(m.parameters(), lr=0.1, **{mode: True})
         for p in m.parameters():
             p.grad = torch.ones(p.shape, device=device)
         opt.step()

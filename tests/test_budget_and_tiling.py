@@ -85,6 +85,14 @@ def test_foreach_op_over_offloaded_tensors_larger_than_the_free_room_runs_per_el
     scalars = torch.tensor([2.0, 3.0])  # one per element, as a tensor: split with the lists
     for got, want in zip(torch._foreach_addcmul([oa, ob], t1, t2, scalars), torch._foreach_addcmul([a.to(device), b.to(device)], t1, t2, scalars)):
         assert torch.equal(got, want)
+    # The functional fused Adam step gives five lists back: joined per return, not mixed.
+    state = dict(lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+    lists = lambda *ts: ([t.to(device) for t in ts], [torch.ones(16, 16, device=device)] * 2,
+                         [torch.zeros(16, 16, device=device)] * 2, [torch.zeros(16, 16, device=device)] * 2, [],
+                         [torch.tensor(1.0, device=device)] * 2)
+    got, want = torch.ops.aten._fused_adam([oa, ob], *lists()[1:], **state), torch.ops.aten._fused_adam(*lists(a, b), **state)
+    assert [len(g) for g in got] == [len(w) for w in want] == [2, 2, 2, 2, 0]
+    assert all(torch.equal(g, w) for gs, ws in zip(got, want) for g, w in zip(gs, ws))
     torch._foreach_add_([oa, ob], [torch.ones(16, 16, device=device)] * 2)
     assert torch.equal(oa.cpu(), a + 1) and torch.equal(ob.cpu(), b + 1)
     assert pager.stats.peak_device_bytes <= 1500

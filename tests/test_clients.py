@@ -445,6 +445,24 @@ def test_assisted_generate_with_a_wrapped_assistant_gives_the_unwrapped_tokens(d
     _paged_within_budget(assistant)
 
 
+def test_transformers_trainer_with_its_default_fused_adamw_trains_a_wrapped_model_like_the_unwrapped_one(tmp_path, device):
+    """Trainer's default optimizer is torch's fused AdamW: one ``_fused_adamw_`` over every weight,
+    which offtensor runs weight by weight when the offloaded ones do not fit the budget together."""
+    from transformers import Trainer, TrainingArguments
+
+    model, reference = _tiny_llama(device)
+    ids, _ = _prompt(device)
+    rows = [dict(input_ids=row.cpu(), labels=row.cpu()) for row in ids.repeat(2, 1)]
+    for m in (model, reference):
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, report_to=[],
+                                 save_strategy="no", seed=0, data_seed=0, use_cpu=device == "cpu")
+        assert args.optim == "adamw_torch_fused"
+        Trainer(model=m, args=args, train_dataset=rows).train()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.detach().cpu(), q.detach().cpu())
+    _paged_within_budget(model)
+
+
 # ---------------------------------------------------------------------------- save_pretrained
 
 

@@ -194,7 +194,10 @@ def _storage_addressing(func, types, args, kwargs):
 
 def _in_pieces_when_short(func, handler):
     arguments = func._schema.arguments
-    if func.name().startswith("aten::_foreach_") and arguments and isinstance(arguments[0].type, torch.ListType):
+    # The fused optimizer steps (``_fused_adamw_`` and kin, what ``torch.optim`` runs with
+    # ``fused=True`` and transformers' Trainer by default) are per-parameter like ``_foreach_*``.
+    if func.name().startswith(("aten::_foreach_", "aten::_fused_")) and arguments and \
+            isinstance(arguments[0].type, torch.ListType):
         return ForeachInPieces(func, handler)
     return handler
 

@@ -90,8 +90,9 @@ def _offloaded(args, kwargs) -> list:
 
 
 class ForeachInPieces:
-    """A ``_foreach_*`` op whose offloaded list elements do not fit the free room together: run it
-    once per element (each call pages one element's tensors), which is what the op computes."""
+    """A ``_foreach_*`` op (or a fused optimizer step) whose offloaded list elements do not fit the
+    free room together: run it once per element (each call pages one element's tensors), which is
+    what the op computes."""
 
     def __init__(self, func, handler):
         self.func, self.handler = func, handler
@@ -124,9 +125,11 @@ class ForeachInPieces:
             func(*(piece(a, i, name) for a, name in zip(args, names)), **{k: piece(v, i, k) for k, v in kwargs.items()})
             for i in range(n)
         ]
+        if len(func._schema.returns) > 1:  # lists, one per return (_foreach_frexp, _fused_adam): joined per return
+            return tuple([r for result in results for r in result[j]] for j in range(len(func._schema.returns)))
         if results and isinstance(results[0], (list, tuple)):
             return [r for result in results for r in result]
-        return None  # in-place _foreach ops return nothing
+        return None  # in-place ops return nothing
 
 
 # ---------------------------------------------------------------------------- tiling past the budget
@@ -420,9 +423,12 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
     def meta(v):
         return [_meta(x) for x in v] if isinstance(v, (list, tuple)) else _meta(v)
 
-    shape = func(*(meta(a) for a in args), **{k: meta(v) for k, v in kwargs.items()})
-    if listed:  # in-place: no result, the element's own shape; else its one result
-        shape = _meta(args[0][0]) if shape is None else shape[0]
+    in_place = listed and func._schema.name.endswith("_")
+    if in_place:  # no result: the element's own shape (the fused optimizer steps have no meta kernel)
+        shape = _meta(args[0][0])
+    else:
+        shape = func(*(meta(a) for a in args), **{k: meta(v) for k, v in kwargs.items()})
+        shape = shape[0] if listed else shape
     offloaded = _offloaded(args, kwargs)
     mutation = getattr(handler, "returns", None)  # a Mutation: in-place / out= (ops/writes.py)
     if (not isinstance(shape, torch.Tensor) or not offloaded
@@ -460,7 +466,7 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
         d = aligned(v)
         return v if d is None else v.narrow(d, start, stop - start)
 
-    writes = mutation is not None or (listed and func._schema.name.endswith("_"))
+    writes = mutation is not None or in_place
     out = None if writes else torch.empty_strided(shape.shape, shape.stride(), dtype=shape.dtype, device=pager.device)
     start = 0
     _cutting.depth = getattr(_cutting, "depth", 0) + 1
