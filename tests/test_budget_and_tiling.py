@@ -609,6 +609,11 @@ def test_a_pointwise_read_of_a_weight_larger_than_the_room_runs_in_slices(device
     weight = _offload_under(pager, values)
     mask = (torch.arange(128) % 3 == 0).to(device)
     assert torch.equal((weight * mask).cpu(), values * mask.cpu())
+    # torch.equal (tagged pointwise, no meta kernel) raised NotImplementedError; it compares slices.
+    other = values.clone()
+    assert torch.equal(weight, other.to(device)) and torch.equal(other.to(device), weight)
+    other[-1, -1] += 1
+    assert not torch.equal(weight, other.to(device)) and not torch.equal(weight, values[:32].to(device))
     assert pager.stats.peak_device_bytes <= 16 * 1024
     with pytest.raises(BudgetError, match="32768 bytes"):  # a reduction cannot be cut into slices
         weight.sum()

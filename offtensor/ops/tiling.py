@@ -424,10 +424,18 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
         return [_meta(x) for x in v] if isinstance(v, (list, tuple)) else _meta(v)
 
     in_place = listed and func._schema.name.endswith("_")
+    equal = func is torch.ops.aten.equal.default  # a bool, true where every slice's is (no meta kernel)
     if in_place:  # no result: the element's own shape (the fused optimizer steps have no meta kernel)
         shape = _meta(args[0][0])
+    elif equal:
+        if args[0].shape != args[1].shape:
+            return False
+        shape = _meta(args[0])
     else:
-        shape = func(*(meta(a) for a in args), **{k: meta(v) for k, v in kwargs.items()})
+        try:
+            shape = func(*(meta(a) for a in args), **{k: meta(v) for k, v in kwargs.items()})
+        except NotImplementedError:  # no meta kernel: its slices' shapes cannot be known
+            raise error from None
         shape = shape[0] if listed else shape
     offloaded = _offloaded(args, kwargs)
     mutation = getattr(handler, "returns", None)  # a Mutation: in-place / out= (ops/writes.py)
@@ -467,7 +475,7 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
         return v if d is None else v.narrow(d, start, stop - start)
 
     writes = mutation is not None or in_place
-    out = None if writes else torch.empty_strided(shape.shape, shape.stride(), dtype=shape.dtype, device=pager.device)
+    out = None if writes or equal else torch.empty_strided(shape.shape, shape.stride(), dtype=shape.dtype, device=pager.device)
     start = 0
     _cutting.depth = getattr(_cutting, "depth", 0) + 1
     try:
@@ -482,6 +490,8 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
                     raise error from None
                 step //= 2
                 continue
+            if equal and not piece:
+                return False
             if out is not None:
                 out.narrow(dim, start, stop - start).copy_(piece[0] if listed else piece)
             start = stop
@@ -489,6 +499,8 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
         _cutting.depth -= 1
     if out is not None:
         return [out] if listed else out
+    if equal:
+        return True
     if listed:
         return None  # in-place _foreach ops return nothing
     results = [args[i] if i < len(args) else kwargs[name] for i, name in mutation]
