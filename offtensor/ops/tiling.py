@@ -414,29 +414,34 @@ def cutting() -> bool:
     return getattr(_cutting, "depth", 0) > 0
 
 
+def _result_shape(func, args, kwargs, listed: bool, in_place: bool, equal: bool, error: BudgetError):
+    """The meta tensor shaped as what ``pointwise_in_pieces`` cuts: its one result, or the element
+    written in place or compared (the fused optimizer steps and ``equal`` have no meta kernel)."""
+    if in_place:
+        return _meta(args[0][0])
+    if equal:
+        return _meta(args[0])
+
+    def meta(v):
+        return [_meta(x) for x in v] if isinstance(v, (list, tuple)) else _meta(v)
+
+    try:
+        shape = func(*(meta(a) for a in args), **{k: meta(v) for k, v in kwargs.items()})
+    except NotImplementedError:  # no meta kernel: its slices' shapes cannot be known
+        raise error from None
+    return shape[0] if listed else shape
+
+
 def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
     """Run pointwise ``func`` (or a ``_foreach_*`` op of one element) in slices along the output's
     first dimension longer than 1 that fit the free room; re-raise ``error`` where no slicing helps
     (one slice does not fit, a multi-output op, a write whose returns are not its arguments)."""
     listed = isinstance(args[0], (list, tuple))  # a _foreach_* op of one element (ForeachInPieces)
-
-    def meta(v):
-        return [_meta(x) for x in v] if isinstance(v, (list, tuple)) else _meta(v)
-
     in_place = listed and func._schema.name.endswith("_")
     equal = func is torch.ops.aten.equal.default  # a bool, true where every slice's is (no meta kernel)
-    if in_place:  # no result: the element's own shape (the fused optimizer steps have no meta kernel)
-        shape = _meta(args[0][0])
-    elif equal:
-        if args[0].shape != args[1].shape:
-            return False
-        shape = _meta(args[0])
-    else:
-        try:
-            shape = func(*(meta(a) for a in args), **{k: meta(v) for k, v in kwargs.items()})
-        except NotImplementedError:  # no meta kernel: its slices' shapes cannot be known
-            raise error from None
-        shape = shape[0] if listed else shape
+    if equal and args[0].shape != args[1].shape:
+        return False
+    shape = _result_shape(func, args, kwargs, listed, in_place, equal, error)
     offloaded = _offloaded(args, kwargs)
     mutation = getattr(handler, "returns", None)  # a Mutation: in-place / out= (ops/writes.py)
     if (not isinstance(shape, torch.Tensor) or not offloaded
