@@ -403,6 +403,8 @@ def _prompt(device, batch=2):
 GENERATE_MODES = {
     "sampling": dict(do_sample=True, top_k=0),  # the full distribution, so every logit's last bit can matter
     "beam_search": dict(do_sample=False, num_beams=3, num_return_sequences=2),
+    "beam_sample": dict(do_sample=True, num_beams=3, top_k=0),
+    "no_cache": dict(do_sample=False, use_cache=False),  # every step runs the whole sequence again
     "static_cache": dict(do_sample=False, cache_implementation="static"),  # eager; test_compile.py compiles it
 }
 
@@ -441,6 +443,8 @@ def test_assisted_generate_with_a_wrapped_assistant_gives_the_unwrapped_tokens(d
     assert expected.shape == (1, 14)
     assert torch.equal(got, expected)
     assert torch.equal(got, reference.generate(ids, **kwargs))  # assisted greedy is greedy
+    # Prompt lookup: the drafts are n-grams of the prompt, verified by the wrapped model the same way.
+    assert torch.equal(model.generate(ids, prompt_lookup_num_tokens=2, **kwargs), expected)
     _paged_within_budget(model)
     _paged_within_budget(assistant)
 
@@ -455,7 +459,8 @@ def test_transformers_trainer_with_its_default_fused_adamw_trains_a_wrapped_mode
     rows = [dict(input_ids=row.cpu(), labels=row.cpu()) for row in ids.repeat(2, 1)]
     for m in (model, reference):
         args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, report_to=[],
-                                 save_strategy="no", seed=0, data_seed=0, use_cpu=device == "cpu")
+                                 save_strategy="no", seed=0, data_seed=0, use_cpu=device == "cpu",
+                                 activation_checkpointing=True)
         assert args.optim == "adamw_torch_fused"
         Trainer(model=m, args=args, train_dataset=rows).train()
     for p, q in zip(model.parameters(), reference.parameters()):
