@@ -1,6 +1,7 @@
 """``python -m offtensor <command>``: ``demo`` (offtensor/demo.py) and ``plan`` (below)."""
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -88,31 +89,57 @@ def plan_main(argv) -> int:
     return 0
 
 
+def _whole_number(least: int):
+    """An argparse type: a whole number of at least ``least``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+
+    return parse
+
+
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of GiB: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative number of GiB, got {text}")
+    return value
+
+
 def _plan_parser() -> argparse.ArgumentParser:
     from . import PROFILES
 
     parser = argparse.ArgumentParser(prog="python -m offtensor plan", description=plan_main.__doc__)
-    parser.add_argument("--layers", type=int, default=24, help="dense stack: number of MLP layers (default: 24)")
-    parser.add_argument("--hidden", type=int, default=8192, help="dense stack: hidden size, W1's rows (default: 8192)")
-    parser.add_argument("--ffn", type=int, default=24576, help="dense stack: MLP width, W1's columns (default: 24576)")
+    count = _whole_number(1)
+    parser.add_argument("--layers", type=count, default=24, help="dense stack: number of MLP layers (default: 24)")
+    parser.add_argument("--hidden", type=count, default=8192, help="dense stack: hidden size, W1's rows (default: 8192)")
+    parser.add_argument("--ffn", type=count, default=24576, help="dense stack: MLP width, W1's columns (default: 24576)")
     parser.add_argument("--config", help="a transformers config.json, or a checkpoint directory holding one: the "
                         "whole model (AutoModelForCausalLM.from_config on meta; needs transformers)")
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                         help="the weights' dtype (default: the config's dtype with --config, float32 when it names "
                         "none, as transformers loads it; bf16 for the dense stack)")
     budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--budget-gb", type=float, help="device budget, GiB (default: half the weights with "
+    budget.add_argument("--budget-gb", type=_gib, help="device budget, GiB (default: half the weights with "
                         "--config; for the dense stack, what offloads half its layers)")
-    budget.add_argument("--offload-layers", type=int, default=None,
+    budget.add_argument("--offload-layers", type=_whole_number(0), default=None,
                         help="dense stack only: a budget that makes the default placement offload this many layers")
-    budget.add_argument("--offload-gb", type=float, help="offload at least this many GiB (vLLM's cpu_offload_gb)")
+    budget.add_argument("--offload-gb", type=_gib, help="offload at least this many GiB (vLLM's cpu_offload_gb)")
     parser.add_argument("--profile", default="h200", type=str.lower, choices=sorted(PROFILES),
                         help="the GPU whose copy and compute rates the replay uses (default: h200)")
-    parser.add_argument("--prefill-tokens", type=int, default=4096,
+    parser.add_argument("--prefill-tokens", type=count, default=4096,
                         help="tokens of the prefill phase's forward (default: 4096)")
-    parser.add_argument("--decode-tokens", type=int, default=1,
+    parser.add_argument("--decode-tokens", type=count, default=1,
                         help="tokens of the decode phase's forward (default: 1)")
-    parser.add_argument("--steps", type=int, default=2,
+    parser.add_argument("--steps", type=count, default=2,
                         help="forwards recorded per phase after the warm-up; the table reports the last (default: 2)")
     parser.add_argument("--no-prefetch", action="store_true",
                         help="page each weight in when an op needs it, with no copy ahead of use")
@@ -129,7 +156,9 @@ def _plan_parser() -> argparse.ArgumentParser:
 def _load_routing(RoutingStats, path: str):
     try:
         return RoutingStats.load(path)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError) as e:
+        if str(e).startswith("offtensor: "):  # RoutingStats.load's own words, which name the file
+            raise SystemExit(f"offtensor plan: {str(e).removeprefix('offtensor: ')}") from None
         raise SystemExit(f"offtensor plan: cannot read routing statistics from {path!r}: {e}") from None
 
 
@@ -233,10 +262,20 @@ def _transformers_model(args, dtype):
     path = args.config
     if not os.path.exists(path):
         raise SystemExit(f"offtensor plan: no config at {path!r}")
-    config = transformers.AutoConfig.from_pretrained(os.path.dirname(path) if path.endswith(".json") else path)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise SystemExit(f"offtensor plan: no config.json in {path!r}")
+    try:
+        config = transformers.AutoConfig.from_pretrained(os.path.dirname(path) if path.endswith(".json") else path)
+    except (OSError, ValueError, KeyError) as e:  # not JSON, no or an unknown model_type
+        raise SystemExit(f"offtensor plan: transformers cannot read the config at {path!r}: "
+                         f"{str(e).strip().splitlines()[0]}") from None
     dtype = dtype or _checkpoint_dtype(config)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    except ValueError as e:  # a model type with no causal LM (t5, clip, ...)
+        raise SystemExit(f"offtensor plan: {path!r} is not a causal LM transformers can build: "
+                         f"{str(e).strip().splitlines()[0]}") from None
     seen = {}
     for t in model.parameters():
         seen[id(t)] = t.numel() * t.element_size()
@@ -268,7 +307,13 @@ def main(argv=None) -> int:
 
         return demo(rest)
     if command == "plan":
-        return plan_main(rest)
+        from .pager import BudgetError
+
+        try:
+            return plan_main(rest)
+        except BudgetError as error:  # a budget the model cannot run in: its message, without a traceback
+            print(error, file=sys.stderr)
+            return 2
     print(f"offtensor: unknown command {command!r}\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -186,6 +186,66 @@ def test_plan_help_explains_every_option_and_lists_the_profiles(capsys):
     assert f"--profile {{{','.join(sorted(ot.PROFILES))}}}" in options
 
 
+@pytest.mark.parametrize("option, value, words", [
+    ("--layers", "0", "argument --layers: must be at least 1, got 0"),
+    ("--steps", "two", "argument --steps: not a whole number: 'two'"),
+    ("--budget-gb", "-3", "argument --budget-gb: must be a non-negative number of GiB, got -3"),
+    ("--offload-gb", "nan", "argument --offload-gb: must be a non-negative number of GiB, got nan"),
+])
+def test_plan_refuses_a_number_out_of_range_naming_the_option(capsys, option, value, words):
+    from offtensor.__main__ import main
+
+    with pytest.raises(SystemExit) as exited:  # was a traceback from deep in the plan, or a hang
+        main(["plan", option, value])
+    assert exited.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_plan_at_a_budget_the_model_cannot_run_in_says_so_without_a_traceback(tmp_path, capsys):
+    from offtensor.__main__ import main
+
+    args = ["plan", "--layers", "2", "--hidden", "8", "--ffn", "8", "--budget-gb", "0", "--png", str(tmp_path / "p.png")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("offtensor: a budget of 0 B (0 bytes) cannot hold this model") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[1, 2]", "is not routing statistics: a JSON list, not an object"),
+    ('{"top_k": 2}', "is not routing statistics: no popularity, locality"),
+    ('{"popularity": [[0.5, 0.5]], "locality": [0.3], "top_k": 0}', "top_k 0 is not a whole number of at least 1"),
+    ('{"popularity": [[-1, 2]], "locality": [0.3], "top_k": 1}', "popularity is not a list, per MoE layer"),
+    ('{"popularity": [[0.5, 0.5]], "locality": [3], "top_k": 1}', "locality is not a list of shares between 0 and 1"),
+])
+def test_plan_with_a_file_that_is_not_routing_statistics_names_the_file_and_what_is_wrong(tmp_path, capsys, text, words):
+    from offtensor.__main__ import main
+
+    path = tmp_path / "routing.json"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exited:  # was an AttributeError, KeyError or TypeError traceback
+        main(["plan", "--routing", str(path)])
+    assert str(exited.value.code).startswith(f"offtensor plan: {path} is not routing statistics: ")
+    assert words in str(exited.value.code)
+
+
+@pytest.mark.parametrize("config, words", [
+    (None, "no config.json in"),
+    ('{"model_type": "no-such-model"}', "transformers cannot read the config at"),
+    ("not json", "transformers cannot read the config at"),
+    ('{"model_type": "clip"}', "is not a causal LM transformers can build: Unrecognized configuration class"),
+])
+def test_plan_with_a_config_transformers_cannot_build_says_which_and_why(tmp_path, config, words):
+    pytest.importorskip("transformers")
+    from offtensor.__main__ import main
+
+    if config is not None:
+        (tmp_path / "config.json").write_text(config)
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--config", str(tmp_path)])
+    assert str(exited.value.code).startswith("offtensor plan: ") and words in str(exited.value.code)
+    assert "\n" not in str(exited.value.code)
+
+
 def _tiny_config(tmp_path, **extra):
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 2048, "hidden_size": 64,
               "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

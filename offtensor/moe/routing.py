@@ -105,6 +105,16 @@ def routed_experts(output, num_experts: int, top_k: int, module: nn.Module) -> O
 # ---------------------------------------------------------------------------- measured routing for plans
 
 
+def _number(v) -> bool:
+    """A finite JSON number (not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _shares(values) -> bool:
+    """Whether ``values`` are finite non-negative numbers with a positive sum."""
+    return all(_number(v) and v >= 0 for v in values) and sum(values) > 0
+
+
 @dataclasses.dataclass
 class RoutingStats:
     """Routing measured on a real run, for plans of MoE models (``plan(..., routing=stats)``).
@@ -161,11 +171,31 @@ class RoutingStats:
 
     @classmethod
     def load(cls, path: str) -> "RoutingStats":
+        """A RoutingStats JSON (``to_dict``'s, alone or under ``"routing_stats"``); anything else
+        is a ValueError naming the file and what is wrong with it."""
         with open(path) as f:
             d = json.load(f)
-        d = d.get("routing_stats", d)
-        return cls(d["popularity"], d["locality"], int(d["top_k"]), d.get("lookahead_precision", []),
-                   d.get("source", path))
+        if isinstance(d, dict):
+            d = d.get("routing_stats", d)
+
+        def wrong(what):
+            return ValueError(f"offtensor: {path} is not routing statistics: {what}")
+
+        if not isinstance(d, dict):
+            raise wrong(f"a JSON {type(d).__name__}, not an object")
+        missing = [k for k in ("popularity", "locality", "top_k") if k not in d]
+        if missing:
+            raise wrong(f"no {', '.join(missing)}")
+        popularity, locality, top_k = d["popularity"], d["locality"], d["top_k"]
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            raise wrong(f"top_k {top_k!r} is not a whole number of at least 1")
+        if (not isinstance(popularity, list) or not popularity
+                or not all(isinstance(row, list) and len(row) >= top_k and _shares(row) for row in popularity)):
+            raise wrong("popularity is not a list, per MoE layer, of at least top_k non-negative shares summing "
+                        "above 0")
+        if not isinstance(locality, list) or not locality or not all(_number(v) and 0 <= v <= 1 for v in locality):
+            raise wrong("locality is not a list of shares between 0 and 1, one per MoE layer")
+        return cls(popularity, locality, top_k, d.get("lookahead_precision", []), d.get("source", path))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
