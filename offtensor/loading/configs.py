@@ -14,7 +14,7 @@ import re
 import torch
 
 from ..model.groups import collect_groups
-from .files import MAX_CONFIG_BYTES, CheckpointError, read_small_file
+from ..safetensors_files import MAX_CONFIG_BYTES, CheckpointError, read_small_file
 from .names import match, pieces_by_name
 from .ties import decide as decide_ties
 

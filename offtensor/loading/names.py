@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .files import MAX_CONFIG_BYTES, FileTensor, open_unchanged, read_exactly, read_small_file
+from ..safetensors_files import MAX_CONFIG_BYTES, FileTensor, open_unchanged, read_exactly, read_small_file
 
 # Equal-values checks read both tensors this many bytes at a time (each).
 COMPARE_BYTES = 16 << 20

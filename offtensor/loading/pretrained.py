@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import OffloadConfig
 from .configs import building, check_on_meta, read_config
-from .files import headers, shard_files
+from ..safetensors_files import headers, shard_files
 from .load import load
 from .ties import apply as apply_ties
 from .ties import decide as decide_ties

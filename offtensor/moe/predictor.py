@@ -40,9 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from ..pager import BudgetError
+from ..safetensors_files import LOOKAHEAD_FILE
 from .first_layer import TokenTable
 
-FILE_NAME = "lookahead.safetensors"
+FILE_NAME = LOOKAHEAD_FILE
 # The ridge, relative to the mean diagonal of the centred Gram matrix (a scale-free strength).
 RIDGE = 1e-2
 # Softmax temperatures tried for the fitted scores (a one-hot regression's scores lie near [0, 1]).

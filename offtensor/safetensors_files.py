@@ -4,6 +4,8 @@ file, a directory of shards, an index kept inside its directory), and each file'
 Every file header is parsed here (8-byte little-endian length + JSON) and checked against the file
 size as safetensors checks it (UTF-8 JSON with no key twice, known dtypes, shapes and offsets, the
 tensors tiling the data section exactly), so a bad checkpoint is refused before the model changes.
+It sits at the bottom of the package, importing nothing of offtensor's, so that any reader of a
+safetensors file, not only the loader, can go through the same checks.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import stat
 
 import torch
 
-from ..moe.predictor import FILE_NAME as LOOKAHEAD_FILE
+# The learned look-ahead offtensor keeps beside a checkpoint (``moe.predictor`` saves it): a
+# safetensors file in the directory that is not one of the checkpoint's shards.
+LOOKAHEAD_FILE = "lookahead.safetensors"
 
 # Every dtype safetensors writes, as ``safetensors.torch.load_file`` gives it. F4 packs two
 # 4-bit values in a byte: its header counts 4-bit values, torch's float4_e2m1fn_x2 counts bytes,
