@@ -280,10 +280,15 @@ def read_header(file) -> dict:
     string -> string ``__metadata__``, known dtypes, shapes and offsets of non-negative ints, each
     tensor's bytes matching its shape and dtype, and the tensors tiling the data section exactly:
     no overlap, no gap, nothing after the last one."""
+    return read_header_and_metadata(file)[0]
+
+
+def read_header_and_metadata(file) -> tuple:
+    """(``read_header(file)``, the file's ``__metadata__``: strings -> strings, empty where absent)."""
     header, size, header_bytes, state = _read_header_json(file)
     data_start = 8 + header_bytes
     data_bytes = size - data_start
-    entries = {}
+    entries, metadata = {}, {}
     for key, info in header.items():
         if key == "__metadata__":
             # safetensors: an optional map of strings to strings (null is its "absent").
@@ -292,11 +297,12 @@ def read_header(file) -> dict:
                        "{" + ", ".join(f"{k!r}: {v!r}" for k, v in info.items() if not isinstance(v, str))[:200] + "}")
                 raise CheckpointError(f"offtensor: the __metadata__ of {file!r} must map strings to strings (as "
                                       f"safetensors requires), it is {bad}: the file is corrupt")
+            metadata = dict(info or {})
             continue
         entries[key] = _header_entry(file, key, info, data_start, data_bytes)
         entries[key].identity = state
     _check_tiling(file, entries, data_start, size)
-    return entries
+    return entries, metadata
 
 
 def _read_header_json(file):
@@ -431,3 +437,68 @@ def headers(files) -> dict:
             entries[key] = entry
     return entries
 
+
+
+# ---------------------------------------------------------------------------- whole tensors
+
+
+def checkpoint_tensors(path, allow_outside_paths: bool = False):
+    """(name, CPU tensor) for every tensor of the checkpoint at ``path`` (as ``shard_files`` finds
+    its files), shard after shard, one tensor in memory at a time. Every shard's header is checked
+    first (and no name in two shards), so a damaged shard is refused before any tensor is given."""
+    files = shard_files(path, allow_outside_paths)
+    by_file: dict = {}
+    for entry in headers(files).values():
+        by_file.setdefault(entry.file, {})[entry.key] = entry
+    for file in files:
+        yield from tensors(by_file.get(file, {}))
+
+
+def tensors(entries: dict):
+    """(key, CPU tensor) for each entry of one file's checked header (``read_header``), in file
+    order, each read whole through one descriptor of the file as its header found it.
+
+    Never through a memory map (safetensors' ``safe_open``): a mapped file truncated after its
+    header was read kills the whole process with SIGBUS at the first read past its new end. Here a
+    short read is a ``CheckpointError`` naming the file, the tensor and the bytes, and a file
+    replaced or rewritten meanwhile is refused (its identity is checked around every tensor)."""
+    ordered = sorted(entries.values(), key=lambda e: e.begin)
+    if not ordered:
+        return
+    fd = open_unchanged(ordered[0])
+    try:
+        for entry in ordered:
+            yield entry.key, read_tensor(fd, entry)
+    finally:
+        os.close(fd)
+
+
+def read_tensor(fd: int, entry: FileTensor) -> torch.Tensor:
+    """``entry``'s tensor, read whole from ``fd`` (its file, as its header found it) into new memory:
+    at most ``entry.nbytes``, which the header check bounded by the file's size."""
+    where = f"tensor {entry.key!r} of {entry.file!r} (file bytes [{entry.begin}, {entry.begin + entry.nbytes}))"
+    _unchanged_since_header(fd, entry, where)
+    raw = torch.empty(entry.nbytes, dtype=torch.uint8)
+    view = memoryview(raw.numpy()).cast("B")
+    done = 0
+    while done < entry.nbytes:
+        try:
+            n = os.preadv(fd, [view[done:]], entry.begin + done)
+        except OSError as e:
+            raise CheckpointError(f"offtensor: reading {where} failed after {done} of its {entry.nbytes} bytes: "
+                                  f"{e}") from None
+        if n == 0:
+            raise CheckpointError(f"offtensor: {entry.file!r} ended at byte {entry.begin + done}, {entry.nbytes - done} "
+                                  f"of the {entry.nbytes} bytes of {where} short: the file was truncated after its "
+                                  f"header was read")
+        done += n
+    _unchanged_since_header(fd, entry, where)  # no byte of it from a rewrite
+    if not entry.nbytes:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    return raw.view(entry.dtype).view(entry.shape)
+
+
+def _unchanged_since_header(fd: int, entry: FileTensor, where: str) -> None:
+    if entry.identity is not None and identity(fd) != entry.identity:
+        raise CheckpointError(f"offtensor: {entry.file!r} changed since its header was read (it was replaced, "
+                              f"truncated or rewritten), while reading {where}: load it again once it is complete")
