@@ -7,6 +7,7 @@ is never read whole); none loads wrong weights, raises a bare Python error, or r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import types
@@ -266,31 +267,55 @@ def test_from_pretrained_reads_the_two_stored_copies_of_a_tie_once(tmp_path, dev
     assert len(reads) == 1
 
 
-def test_a_config_with_a_million_layers_is_refused_before_any_layer_is_built(tmp_path, device):
-    # The meta build made every layer's modules (about 3 ms and 80 KB each): a config.json giving
-    # num_hidden_layers = 1,000,000 beside a 2-layer checkpoint ran for an hour, and out of memory,
-    # before the files were matched against it.
+class TooSlow(BaseException):  # not an Exception: nothing on the way turns it into a CheckpointError
+    pass
+
+
+@contextlib.contextmanager
+def _within(seconds: float, what: str):
     import signal
 
+    def alarm(signum, frame):
+        raise TooSlow(f"{what} after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _llama_with_layers(tmp_path, layers: int, extra=None):
     transformers = pytest.importorskip("transformers")
     from test_transformers_models import _config
 
     transformers.AutoModelForCausalLM.from_config(_config("llama_tied")).save_pretrained(tmp_path)
+    if extra:
+        path = str(tmp_path / "model.safetensors")
+        safetensors_torch.save_file(safetensors_torch.load_file(path) | extra, path, metadata={"format": "pt"})
     config = json.loads((tmp_path / "config.json").read_text())
-    config["num_hidden_layers"] = 1_000_000
+    config["num_hidden_layers"] = layers
     (tmp_path / "config.json").write_text(json.dumps(config))
 
-    class TooSlow(BaseException):  # not an Exception: nothing on the way turns it into a CheckpointError
-        pass
 
-    def alarm(signum, frame):
-        raise TooSlow("from_pretrained was still building layers after 20 s")
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, 20)
-    try:
+def test_a_config_with_a_million_layers_is_refused_before_any_layer_is_built(tmp_path, device):
+    # The meta build made every layer's modules (about 3 ms and 80 KB each): a config.json giving
+    # num_hidden_layers = 1,000,000 beside a 2-layer checkpoint ran for an hour, and out of memory,
+    # before the files were matched against it.
+    _llama_with_layers(tmp_path, 1_000_000)
+    with _within(20, "from_pretrained was still building layers"):
         with pytest.raises(ot.CheckpointError, match=r"config\.json.*num_hidden_layers = 1000000.*holds \d+ tensors"):
             ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+
+
+def test_empty_tensors_do_not_vouch_for_layers_of_a_config(tmp_path, device):
+    # The layer count was checked against every tensor the files list: a header listing 50,000 empty
+    # tensors (no data at all) let num_hidden_layers = 50,000 through, and the meta build then made
+    # 50,000 layers (minutes; a million-entry header, an hour) before the files were matched.
+    _llama_with_layers(tmp_path, 50_000, {f"empty.{i}": torch.empty(0) for i in range(50_000)})
+    with _within(20, "from_pretrained was still building layers"):
+        with pytest.raises(ot.CheckpointError, match=r"num_hidden_layers = 50000, but the checkpoint holds \d+ tensors "
+                                                     r"in all that are not empty \(and 50000 empty ones\)"):
+            ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)

@@ -129,10 +129,13 @@ def _layers_beyond_files(config, entries: dict, root: str) -> list:
     arithmetic, but each layer is built, modules and all (milliseconds and tens of KB each): a
     config.json giving a million layers would run for an hour, out of memory, before its weights
     were matched against the files. Every layer has weights of its own, so such a count cannot be
-    this checkpoint's."""
-    return [f"{os.path.join(root, 'config.json')!r} gives {name} = {value}, but the checkpoint holds {len(entries)} "
-            f"tensors in all, fewer than one a layer: the config is not this checkpoint's"
-            for name, value in _int_fields(config) if _LAYER_COUNT.search(name) and value > len(entries)]
+    this checkpoint's. Only tensors with bytes count: a header listing a million empty tensors
+    (one zero-byte entry each, no data) would otherwise vouch for a million layers."""
+    stored = sum(1 for e in entries.values() if e.nbytes)
+    empty = f" that are not empty (and {len(entries) - stored} empty ones)" if stored < len(entries) else ""
+    return [f"{os.path.join(root, 'config.json')!r} gives {name} = {value}, but the checkpoint holds {stored} "
+            f"tensors in all{empty}, fewer than one a layer: the config is not this checkpoint's"
+            for name, value in _int_fields(config) if _LAYER_COUNT.search(name) and value > stored]
 
 
 def _computed_buffers(skeleton, pieces: dict, config, root: str) -> list:
