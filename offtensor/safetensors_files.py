@@ -237,18 +237,40 @@ def _shard_path(root: str, name: str, index, allow_outside_paths: bool) -> str:
     return path
 
 
+def stat_or_none(path, what: str):
+    """``os.stat(path)``, or None where nothing is there. Where that cannot be told (a directory on
+    the way that this user may not search, a symlink loop), a CheckpointError naming the path and
+    the reason: ``os.path.exists`` says False there, and "does not exist" sent users looking for a
+    file that is there."""
+    try:
+        return os.stat(path)
+    except (FileNotFoundError, NotADirectoryError, ValueError):  # ValueError: a NUL byte in the path
+        return None
+    except OSError as e:
+        raise CheckpointError(f"offtensor: cannot reach {what} {os.fspath(path)!r}: {e.strerror or e}") from None
+
+
+def list_directory(path, what: str = "checkpoint directory") -> list:
+    """The names in the directory ``path``; one this user may not list is a CheckpointError naming it."""
+    try:
+        return os.listdir(path)
+    except OSError as e:
+        raise CheckpointError(f"offtensor: cannot list the {what} {os.fspath(path)!r}: {e.strerror or e}") from None
+
+
 def shard_files(path, allow_outside_paths: bool = False) -> list:
     """The safetensors files behind ``path``: a file, a directory, or an ``*.index.json``."""
     path = os.fspath(path)
-    if not os.path.exists(path):
+    found = stat_or_none(path, "the checkpoint")
+    if found is None:
         raise FileNotFoundError(f"offtensor: no safetensors checkpoint at {path!r}: the path does not exist")
-    if os.path.isdir(path):
-        indexes = sorted(f for f in os.listdir(path) if f.endswith(".safetensors.index.json"))
+    if stat.S_ISDIR(found.st_mode):
+        names = list_directory(path)
+        indexes = sorted(f for f in names if f.endswith(".safetensors.index.json"))
         if indexes:
             return shard_files(os.path.join(path, indexes[0]), allow_outside_paths)
         # (not the learned look-ahead that offtensor keeps beside a checkpoint: moe.predictor)
-        files = sorted(os.path.join(path, f) for f in os.listdir(path)
-                       if f.endswith(".safetensors") and f != LOOKAHEAD_FILE)
+        files = sorted(os.path.join(path, f) for f in names if f.endswith(".safetensors") and f != LOOKAHEAD_FILE)
         if not files:
             raise FileNotFoundError(f"offtensor: directory {path!r} holds no *.safetensors file and no index")
         return files
@@ -260,7 +282,7 @@ def shard_files(path, allow_outside_paths: bool = False) -> list:
         root = os.path.dirname(path)
         by_name = {name: _shard_path(root, name, path, allow_outside_paths) for name in dict.fromkeys(weight_map.values())}
         files = list(by_name.values())
-        missing = [f for f in files if not os.path.exists(f)]
+        missing = [f for f in files if stat_or_none(f, f"the shard index {path!r} names") is None]
         if missing:
             lost = [name for name, file in weight_map.items() if by_name[file] in missing]
             raise FileNotFoundError(

@@ -319,3 +319,79 @@ def test_empty_tensors_do_not_vouch_for_layers_of_a_config(tmp_path, device):
         with pytest.raises(ot.CheckpointError, match=r"num_hidden_layers = 50000, but the checkpoint holds \d+ tensors "
                                                      r"in all that are not empty \(and 50000 empty ones\)"):
             ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)
+
+
+# ---------------------------------------------------------------------------- paths this user may not read
+
+
+@pytest.fixture(params=["chmod", "simulated"])
+def deny(request, monkeypatch):
+    """``deny(directory)``: this user may no longer list ``directory`` or reach anything in it. By
+    ``chmod 000`` where that denies (not to root, who reads anything: skipped there), else by
+    making ``os`` answer as the kernel answers such a user, EACCES."""
+    denied = []
+    if request.param == "chmod":
+        if os.geteuid() == 0:
+            pytest.skip("root reads a chmod 000 directory: the simulated case stands in")
+        yield lambda d: denied.append(d) or os.chmod(d, 0)
+        for d in denied:
+            os.chmod(d, 0o755)  # so that tmp_path can be removed
+        return
+
+    def refused(path):
+        path = os.path.abspath(os.fspath(path))
+        return any(path.startswith(d + os.sep) for d in denied)
+
+    def guard(real, inside_only=True):
+        def call(path, *args, **kwargs):
+            if not isinstance(path, int) and (refused(path) or not inside_only and
+                                              os.path.abspath(os.fspath(path)) in denied):
+                raise PermissionError(13, "Permission denied", os.fspath(path))
+            return real(path, *args, **kwargs)
+        return call
+
+    for name in ("stat", "lstat", "open"):
+        monkeypatch.setattr(os, name, guard(getattr(os, name)))
+    monkeypatch.setattr(os, "listdir", guard(os.listdir, inside_only=False))
+    yield lambda d: denied.append(os.path.abspath(d))
+
+
+def test_a_directory_this_user_may_not_list_is_a_checkpoint_error_naming_it(tmp_path, device, deny):
+    # os.listdir's bare PermissionError came out of the load.
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    safetensors_torch.save_file({"a": torch.ones(64), "b": torch.ones(64)}, str(root / "model.safetensors"))
+    deny(str(root))
+    _refused(_meta(Pair), str(root), r"cannot list the checkpoint directory '.*ckpt': Permission denied", device)
+
+
+def test_a_file_in_a_directory_this_user_may_not_search_is_not_called_missing(tmp_path, device, deny):
+    # os.path.exists said False, and the load said "the path does not exist" of a file that is there.
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    safetensors_torch.save_file({"a": torch.ones(64), "b": torch.ones(64)}, str(root / "model.safetensors"))
+    deny(str(root))
+    _refused(_meta(Pair), str(root / "model.safetensors"),
+             r"cannot reach the checkpoint '.*model\.safetensors': Permission denied", device)
+
+
+def test_an_index_naming_shards_this_user_may_not_reach_says_so_not_that_they_are_missing(tmp_path, device, deny):
+    (tmp_path / "shards").mkdir()
+    safetensors_torch.save_file({"a": torch.ones(64), "b": torch.ones(64)}, str(tmp_path / "shards" / "1.safetensors"))
+    with open(tmp_path / "model.safetensors.index.json", "w") as f:
+        json.dump({"weight_map": {"a": "shards/1.safetensors", "b": "shards/1.safetensors"}}, f)
+    deny(str(tmp_path / "shards"))
+    _refused(_meta(Pair), str(tmp_path), r"cannot reach the shard index .* names '.*shards/1\.safetensors': "
+                                         r"Permission denied", device)
+
+
+def test_from_pretrained_on_a_directory_this_user_may_not_read_names_it_and_the_reason(tmp_path, device, deny):
+    # "not a transformers checkpoint directory (no config.json)", of a directory holding one.
+    transformers = pytest.importorskip("transformers")
+    from test_transformers_models import _config
+
+    root = tmp_path / "ckpt"
+    transformers.AutoModelForCausalLM.from_config(_config("llama_tied")).save_pretrained(root)
+    deny(str(root))
+    with pytest.raises(ot.CheckpointError, match=r"cannot reach the config '.*ckpt/config\.json': Permission denied"):
+        ot.from_pretrained(root, budget_gb=1, device=device, progress=False)
