@@ -90,6 +90,27 @@ def test_a_tie_stored_twice_with_equal_values_loads(tmp_path, device):
     assert torch.equal(model.embed.weight.cpu(), values)
 
 
+def test_a_tie_stored_twice_with_nans_in_the_same_places_loads_bit_for_bit(tmp_path, device):
+    # The copies were compared with torch.equal, where NaN != NaN: two byte-identical copies of a
+    # weight holding a NaN were refused as "different values".
+    path = str(tmp_path / "model.safetensors")
+    values = torch.arange(8.0).view(4, 2)
+    values[1, 0] = float("nan")
+    safetensors_torch.save_file({"embed.weight": values, "head.weight": values.clone(), "scale": torch.ones(1)}, path)
+    model = _meta(Tied)
+    ot.load_safetensors(model, path, budget_gb=1, device=device)
+    assert model.head.weight is model.embed.weight
+    assert torch.equal(model.embed.weight.cpu().view(torch.int32), values.view(torch.int32))
+
+
+def test_a_tie_stored_twice_with_zeros_of_other_signs_is_refused(tmp_path, device):
+    # Equal as numbers, but the model would get one of two byte patterns (1 / w tells them apart).
+    path = str(tmp_path / "model.safetensors")
+    safetensors_torch.save_file({"embed.weight": torch.zeros(4, 2), "head.weight": -torch.zeros(4, 2),
+                                 "scale": torch.ones(1)}, path)
+    _refused(_meta(Tied), path, r"different values", device)
+
+
 # ---------------------------------------------------------------------------- files that change under a load
 
 
