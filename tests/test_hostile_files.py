@@ -416,3 +416,20 @@ def test_from_pretrained_on_a_directory_this_user_may_not_read_names_it_and_the_
     deny(str(root))
     with pytest.raises(ot.CheckpointError, match=r"cannot reach the config '.*ckpt/config\.json': Permission denied"):
         ot.from_pretrained(root, budget_gb=1, device=device, progress=False)
+
+
+@pytest.mark.parametrize("field", ["encoder_layers", "decoder_layers"])
+def test_an_encoder_decoder_config_with_a_million_layers_is_refused_before_any_layer_is_built(tmp_path, device, field):
+    # Only num_hidden_layers, n_layer and num_layers were checked: BART's decoder_layers =
+    # 1,000,000 made the meta build run for over an hour (4 ms a layer).
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BartConfig(vocab_size=96, d_model=32, encoder_layers=1, decoder_layers=1,
+                                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, max_position_embeddings=64)
+    transformers.BartForConditionalGeneration(config).save_pretrained(tmp_path)
+    fields = json.loads((tmp_path / "config.json").read_text())
+    fields[field] = 1_000_000
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    with _within(20, "from_pretrained was still building layers"):
+        with pytest.raises(ot.CheckpointError, match=rf"config\.json.*{field} = 1000000.*holds \d+ tensors"):
+            ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)

@@ -120,8 +120,11 @@ def check_on_meta(build, config, entries: dict, root: str, strict: bool):
     return ties
 
 
-# The layer counts transformers builds from (``n_layer`` and ``num_layers`` are some configs' names).
-_LAYER_COUNT = re.compile(r"(^|\.)(num_hidden_layers|n_layer|num_layers)$")
+# The layer counts transformers builds from: ``num_hidden_layers`` and its other names (``n_layer``,
+# ``num_layers``), an encoder-decoder's ``encoder_layers`` / ``decoder_layers`` /
+# ``num_decoder_layers``, a sub-stack's ``decoder_num_hidden_layers``. (``max_window_layers`` is
+# no count of layers built, and may exceed a tiny checkpoint's tensors.)
+_LAYER_COUNT = re.compile(r"(^|\.)(n_layers?|([a-z_]*_)?num_[a-z_]*layers|([a-z_]*_)?(encoder|decoder)_layers)$")
 
 
 def _layers_beyond_files(config, entries: dict, root: str) -> list:
