@@ -63,7 +63,11 @@ def open_regular(path, what: str) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise
+        try:  # a directory's listing names it: a symlink whose target is gone (a half-removed cache)
+            dangling = f" (a symlink to {os.readlink(path)!r}, which does not exist)"
+        except (OSError, ValueError):
+            dangling = ""
+        raise FileNotFoundError(f"offtensor: {what} {os.fspath(path)!r} does not exist{dangling}") from None
     except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
         raise CheckpointError(f"offtensor: cannot open {what} {os.fspath(path)!r}: {e}") from None
     try:

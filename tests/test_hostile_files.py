@@ -167,6 +167,16 @@ def test_an_index_whose_weight_map_is_empty_is_a_checkpoint_error(tmp_path, devi
     _refused(_meta(Pair), str(tmp_path), r"model\.safetensors\.index\.json.*names no shard", device)
 
 
+def test_a_dangling_symlink_among_the_shards_is_named_with_its_target(tmp_path, device):
+    # os.open's bare "[Errno 2] No such file or directory" of a file the directory listing had just
+    # given: a half-removed huggingface_hub cache (snapshots linking to deleted blobs) looks so.
+    safetensors_torch.save_file({"a": torch.ones(64), "b": torch.ones(64)}, str(tmp_path / "1.safetensors"))
+    os.symlink(str(tmp_path / "gone.safetensors"), str(tmp_path / "2.safetensors"))
+    with pytest.raises(FileNotFoundError, match=r"offtensor: safetensors file '.*2\.safetensors' does not exist "
+                                                r"\(a symlink to '.*gone\.safetensors', which does not exist\)"):
+        ot.load_safetensors(_meta(Pair), str(tmp_path), budget_gb=1, device=device)
+
+
 class Configured(Pair):
     """A model with a transformers-style config, so the config.json beside the files is compared."""
 
