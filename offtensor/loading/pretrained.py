@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config import OffloadConfig
 from .configs import building, check_on_meta, read_config
-from ..safetensors_files import headers, list_directory, shard_files, stat_or_none
+from ..safetensors_files import CheckpointError, headers, list_directory, shard_files, stat_or_none
 from .load import load
 from .ties import apply as apply_ties
 from .ties import decide as decide_ties
@@ -111,10 +111,7 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
             if entry.dtype.is_floating_point:
                 by_dtype[entry.dtype] = by_dtype.get(entry.dtype, 0) + entry.nbytes
         dtype = max(by_dtype, key=by_dtype.get) if by_dtype else torch.get_default_dtype()
-    cls = model_class
-    if cls is None:
-        names = getattr(model_config, "architectures", None) or []
-        cls = next((getattr(transformers, n) for n in names if hasattr(transformers, n)), None)
+    cls = model_class if model_class is not None else _architecture(transformers, model_config, root)
 
     def build(model_config):
         with building(root, model_config):
@@ -137,6 +134,17 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
     if config.prefetch:
         _install_lookahead(model, root)
     return model
+
+
+def _architecture(transformers, model_config, root: str):
+    """The transformers model class config.json's ``architectures`` names, or None (then
+    ``AutoModelForCausalLM``). Only model classes: any other name of transformers' is passed over."""
+    names = getattr(model_config, "architectures", None) or []
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise CheckpointError(f"offtensor: {os.path.join(root, 'config.json')!r} gives architectures = {names!r:.200}, "
+                              f"not a list of transformers model class names: the checkpoint's config is corrupt")
+    found = (getattr(transformers, n, None) for n in names)
+    return next((c for c in found if isinstance(c, type) and issubclass(c, transformers.PreTrainedModel)), None)
 
 
 def _install_lookahead(model: nn.Module, root: str) -> None:
