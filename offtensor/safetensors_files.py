@@ -501,9 +501,16 @@ def tensors(entries: dict):
 
 def read_tensor(fd: int, entry: FileTensor) -> torch.Tensor:
     """``entry``'s tensor, read whole from ``fd`` (its file, as its header found it) into new memory:
-    at most ``entry.nbytes``, which the header check bounded by the file's size."""
+    ``entry.nbytes``, which the header check bounded by the file's size, and which is refused
+    before it is allocated where it is more than this machine's memory (a sparse file can be
+    any size on a small disk: its reads would fault the allocation in until the kernel kills the
+    process)."""
     where = f"tensor {entry.key!r} of {entry.file!r} (file bytes [{entry.begin}, {entry.begin + entry.nbytes}))"
     _unchanged_since_header(fd, entry, where)
+    memory = physical_memory()
+    if memory is not None and entry.nbytes > memory:
+        raise CheckpointError(f"offtensor: {where} is {entry.nbytes} bytes, more than this machine's {memory} bytes "
+                              f"of memory: nothing was allocated for it")
     raw = torch.empty(entry.nbytes, dtype=torch.uint8)
     view = memoryview(raw.numpy()).cast("B")
     done = 0
@@ -522,6 +529,14 @@ def read_tensor(fd: int, entry: FileTensor) -> torch.Tensor:
     if not entry.nbytes:
         return torch.empty(entry.shape, dtype=entry.dtype)
     return raw.view(entry.dtype).view(entry.shape)
+
+
+def physical_memory():
+    """This machine's memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _unchanged_since_header(fd: int, entry: FileTensor, where: str) -> None:

@@ -140,3 +140,20 @@ def test_a_lookahead_file_of_another_kind_is_an_error_naming_it(tmp_path):
     safetensors_torch.save_file({"weight.0": torch.ones(2)}, path, metadata={"scores": "[1"})
     with pytest.raises(ValueError, match=r"lookahead\.safetensors: its scores metadata is not"):
         LookaheadPredictor.load(path)
+
+
+def test_a_tensor_larger_than_the_machines_memory_is_refused_before_it_is_allocated(tmp_path, monkeypatch):
+    # A sparse file declares a tensor of any size on a small disk; reading it allocated that much
+    # (the reads then fault it in until the kernel kills the process, or torch's allocator refuses
+    # with a bare RuntimeError naming no file).
+    from offtensor import safetensors_files
+
+    path = str(tmp_path / "model.safetensors")
+    safetensors_torch.save_file({"small": torch.ones(4), "big": torch.ones(1 << 10)}, path)
+    monkeypatch.setattr(safetensors_files, "physical_memory", lambda: 1000, raising=False)
+    given = []
+    with pytest.raises(ot.CheckpointError, match=r"tensor 'big' of .*model\.safetensors.* is 4096 bytes, more than "
+                                                 r"this machine's 1000 bytes of memory"):
+        for name, tensor in vd.iterate_checkpoint(path):
+            given.append(name)
+    assert given == []  # 'big' comes first in the file, and nothing was read for it

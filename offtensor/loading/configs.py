@@ -14,7 +14,7 @@ import re
 import torch
 
 from ..model.groups import collect_groups
-from ..safetensors_files import MAX_CONFIG_BYTES, CheckpointError, read_small_file
+from ..safetensors_files import MAX_CONFIG_BYTES, CheckpointError, physical_memory, read_small_file
 from .names import match, pieces_by_name
 from .ties import decide as decide_ties
 
@@ -161,13 +161,6 @@ def _computed_buffers(skeleton, pieces: dict, config, root: str) -> list:
     return [f"{os.path.join(root, 'config.json')!r} makes the buffers the model computes at build {nbytes} bytes, more "
             f"than this machine's {memory} bytes of memory: {name!r} alone is {tuple(largest.shape)}"
             f"{' (' + ', '.join(fields[:3]) + ')' if fields else ''}"]
-
-
-def physical_memory():
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def shape_problems(model, pieces: dict, config, root: str) -> list:
