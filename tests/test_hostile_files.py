@@ -7,6 +7,7 @@ is never read whole); none loads wrong weights, raises a bare Python error, or r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import types
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 import offtensor as ot
-from offtensor.loading import files as loading_files
+from offtensor import safetensors_files as loading_files
 from offtensor.loading import read as loading_read
 from offtensor.model.copies import is_wrapped
 
@@ -89,6 +90,27 @@ def test_a_tie_stored_twice_with_equal_values_loads(tmp_path, device):
     assert torch.equal(model.embed.weight.cpu(), values)
 
 
+def test_a_tie_stored_twice_with_nans_in_the_same_places_loads_bit_for_bit(tmp_path, device):
+    # The copies were compared with torch.equal, where NaN != NaN: two byte-identical copies of a
+    # weight holding a NaN were refused as "different values".
+    path = str(tmp_path / "model.safetensors")
+    values = torch.arange(8.0).view(4, 2)
+    values[1, 0] = float("nan")
+    safetensors_torch.save_file({"embed.weight": values, "head.weight": values.clone(), "scale": torch.ones(1)}, path)
+    model = _meta(Tied)
+    ot.load_safetensors(model, path, budget_gb=1, device=device)
+    assert model.head.weight is model.embed.weight
+    assert torch.equal(model.embed.weight.cpu().view(torch.int32), values.view(torch.int32))
+
+
+def test_a_tie_stored_twice_with_zeros_of_other_signs_is_refused(tmp_path, device):
+    # Equal as numbers, but the model would get one of two byte patterns (1 / w tells them apart).
+    path = str(tmp_path / "model.safetensors")
+    safetensors_torch.save_file({"embed.weight": torch.zeros(4, 2), "head.weight": -torch.zeros(4, 2),
+                                 "scale": torch.ones(1)}, path)
+    _refused(_meta(Tied), path, r"different values", device)
+
+
 # ---------------------------------------------------------------------------- files that change under a load
 
 
@@ -143,6 +165,16 @@ def test_an_index_whose_weight_map_is_empty_is_a_checkpoint_error(tmp_path, devi
     with open(tmp_path / "model.safetensors.index.json", "w") as f:
         json.dump({"metadata": {}, "weight_map": {}}, f)
     _refused(_meta(Pair), str(tmp_path), r"model\.safetensors\.index\.json.*names no shard", device)
+
+
+def test_a_dangling_symlink_among_the_shards_is_named_with_its_target(tmp_path, device):
+    # os.open's bare "[Errno 2] No such file or directory" of a file the directory listing had just
+    # given: a half-removed huggingface_hub cache (snapshots linking to deleted blobs) looks so.
+    safetensors_torch.save_file({"a": torch.ones(64), "b": torch.ones(64)}, str(tmp_path / "1.safetensors"))
+    os.symlink(str(tmp_path / "gone.safetensors"), str(tmp_path / "2.safetensors"))
+    with pytest.raises(FileNotFoundError, match=r"offtensor: safetensors file '.*2\.safetensors' does not exist "
+                                                r"\(a symlink to '.*gone\.safetensors', which does not exist\)"):
+        ot.load_safetensors(_meta(Pair), str(tmp_path), budget_gb=1, device=device)
 
 
 class Configured(Pair):
@@ -266,31 +298,148 @@ def test_from_pretrained_reads_the_two_stored_copies_of_a_tie_once(tmp_path, dev
     assert len(reads) == 1
 
 
-def test_a_config_with_a_million_layers_is_refused_before_any_layer_is_built(tmp_path, device):
-    # The meta build made every layer's modules (about 3 ms and 80 KB each): a config.json giving
-    # num_hidden_layers = 1,000,000 beside a 2-layer checkpoint ran for an hour, and out of memory,
-    # before the files were matched against it.
+class TooSlow(BaseException):  # not an Exception: nothing on the way turns it into a CheckpointError
+    pass
+
+
+@contextlib.contextmanager
+def _within(seconds: float, what: str):
     import signal
 
+    def alarm(signum, frame):
+        raise TooSlow(f"{what} after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _llama_with_layers(tmp_path, layers: int, extra=None):
     transformers = pytest.importorskip("transformers")
     from test_transformers_models import _config
 
     transformers.AutoModelForCausalLM.from_config(_config("llama_tied")).save_pretrained(tmp_path)
+    if extra:
+        path = str(tmp_path / "model.safetensors")
+        safetensors_torch.save_file(safetensors_torch.load_file(path) | extra, path, metadata={"format": "pt"})
     config = json.loads((tmp_path / "config.json").read_text())
-    config["num_hidden_layers"] = 1_000_000
+    config["num_hidden_layers"] = layers
     (tmp_path / "config.json").write_text(json.dumps(config))
 
-    class TooSlow(BaseException):  # not an Exception: nothing on the way turns it into a CheckpointError
-        pass
 
-    def alarm(signum, frame):
-        raise TooSlow("from_pretrained was still building layers after 20 s")
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, 20)
-    try:
+def test_a_config_with_a_million_layers_is_refused_before_any_layer_is_built(tmp_path, device):
+    # The meta build made every layer's modules (about 3 ms and 80 KB each): a config.json giving
+    # num_hidden_layers = 1,000,000 beside a 2-layer checkpoint ran for an hour, and out of memory,
+    # before the files were matched against it.
+    _llama_with_layers(tmp_path, 1_000_000)
+    with _within(20, "from_pretrained was still building layers"):
         with pytest.raises(ot.CheckpointError, match=r"config\.json.*num_hidden_layers = 1000000.*holds \d+ tensors"):
             ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+
+
+def test_empty_tensors_do_not_vouch_for_layers_of_a_config(tmp_path, device):
+    # The layer count was checked against every tensor the files list: a header listing 50,000 empty
+    # tensors (no data at all) let num_hidden_layers = 50,000 through, and the meta build then made
+    # 50,000 layers (minutes; a million-entry header, an hour) before the files were matched.
+    _llama_with_layers(tmp_path, 50_000, {f"empty.{i}": torch.empty(0) for i in range(50_000)})
+    with _within(20, "from_pretrained was still building layers"):
+        with pytest.raises(ot.CheckpointError, match=r"num_hidden_layers = 50000, but the checkpoint holds \d+ tensors "
+                                                     r"in all that are not empty \(and 50000 empty ones\)"):
+            ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)
+
+
+# ---------------------------------------------------------------------------- paths this user may not read
+
+
+@pytest.fixture(params=["chmod", "simulated"])
+def deny(request, monkeypatch):
+    """``deny(directory)``: this user may no longer list ``directory`` or reach anything in it. By
+    ``chmod 000`` where that denies (not to root, who reads anything: skipped there), else by
+    making ``os`` answer as the kernel answers such a user, EACCES."""
+    denied = []
+    if request.param == "chmod":
+        if os.geteuid() == 0:
+            pytest.skip("root reads a chmod 000 directory: the simulated case stands in")
+        yield lambda d: denied.append(d) or os.chmod(d, 0)
+        for d in denied:
+            os.chmod(d, 0o755)  # so that tmp_path can be removed
+        return
+
+    def refused(path):
+        path = os.path.abspath(os.fspath(path))
+        return any(path.startswith(d + os.sep) for d in denied)
+
+    def guard(real, inside_only=True):
+        def call(path, *args, **kwargs):
+            if not isinstance(path, int) and (refused(path) or not inside_only and
+                                              os.path.abspath(os.fspath(path)) in denied):
+                raise PermissionError(13, "Permission denied", os.fspath(path))
+            return real(path, *args, **kwargs)
+        return call
+
+    for name in ("stat", "lstat", "open"):
+        monkeypatch.setattr(os, name, guard(getattr(os, name)))
+    monkeypatch.setattr(os, "listdir", guard(os.listdir, inside_only=False))
+    yield lambda d: denied.append(os.path.abspath(d))
+
+
+def test_a_directory_this_user_may_not_list_is_a_checkpoint_error_naming_it(tmp_path, device, deny):
+    # os.listdir's bare PermissionError came out of the load.
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    safetensors_torch.save_file({"a": torch.ones(64), "b": torch.ones(64)}, str(root / "model.safetensors"))
+    deny(str(root))
+    _refused(_meta(Pair), str(root), r"cannot list the checkpoint directory '.*ckpt': Permission denied", device)
+
+
+def test_a_file_in_a_directory_this_user_may_not_search_is_not_called_missing(tmp_path, device, deny):
+    # os.path.exists said False, and the load said "the path does not exist" of a file that is there.
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    safetensors_torch.save_file({"a": torch.ones(64), "b": torch.ones(64)}, str(root / "model.safetensors"))
+    deny(str(root))
+    _refused(_meta(Pair), str(root / "model.safetensors"),
+             r"cannot reach the checkpoint '.*model\.safetensors': Permission denied", device)
+
+
+def test_an_index_naming_shards_this_user_may_not_reach_says_so_not_that_they_are_missing(tmp_path, device, deny):
+    (tmp_path / "shards").mkdir()
+    safetensors_torch.save_file({"a": torch.ones(64), "b": torch.ones(64)}, str(tmp_path / "shards" / "1.safetensors"))
+    with open(tmp_path / "model.safetensors.index.json", "w") as f:
+        json.dump({"weight_map": {"a": "shards/1.safetensors", "b": "shards/1.safetensors"}}, f)
+    deny(str(tmp_path / "shards"))
+    _refused(_meta(Pair), str(tmp_path), r"cannot reach the shard index .* names '.*shards/1\.safetensors': "
+                                         r"Permission denied", device)
+
+
+def test_from_pretrained_on_a_directory_this_user_may_not_read_names_it_and_the_reason(tmp_path, device, deny):
+    # "not a transformers checkpoint directory (no config.json)", of a directory holding one.
+    transformers = pytest.importorskip("transformers")
+    from test_transformers_models import _config
+
+    root = tmp_path / "ckpt"
+    transformers.AutoModelForCausalLM.from_config(_config("llama_tied")).save_pretrained(root)
+    deny(str(root))
+    with pytest.raises(ot.CheckpointError, match=r"cannot reach the config '.*ckpt/config\.json': Permission denied"):
+        ot.from_pretrained(root, budget_gb=1, device=device, progress=False)
+
+
+@pytest.mark.parametrize("field", ["encoder_layers", "decoder_layers"])
+def test_an_encoder_decoder_config_with_a_million_layers_is_refused_before_any_layer_is_built(tmp_path, device, field):
+    # Only num_hidden_layers, n_layer and num_layers were checked: BART's decoder_layers =
+    # 1,000,000 made the meta build run for over an hour (4 ms a layer).
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BartConfig(vocab_size=96, d_model=32, encoder_layers=1, decoder_layers=1,
+                                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, max_position_embeddings=64)
+    transformers.BartForConditionalGeneration(config).save_pretrained(tmp_path)
+    fields = json.loads((tmp_path / "config.json").read_text())
+    fields[field] = 1_000_000
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    with _within(20, "from_pretrained was still building layers"):
+        with pytest.raises(ot.CheckpointError, match=rf"config\.json.*{field} = 1000000.*holds \d+ tensors"):
+            ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)

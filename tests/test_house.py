@@ -12,7 +12,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "offtensor")
 
 # docs/design.md's layers, bottom first: a module may import its own unit and lower layers only.
 LAYERS = [
-    {"forking"},
+    {"forking", "safetensors_files"},
     {"_ext", "_optional", "config", "leaves", "prefetch", "models"},
     {"pager"},
     {"tensor", "moe"},

@@ -16,7 +16,7 @@ from torch import nn
 
 import offtensor as ot
 from offtensor import _ext
-from offtensor.loading import files as loading_files
+from offtensor import safetensors_files as loading_files
 from offtensor.loading import read as loading_read
 from offtensor.model.copies import is_wrapped
 

@@ -138,6 +138,8 @@ HOSTILE = {
     "intermediate_size_minus_one": ({"intermediate_size": -1}, r"cannot build a model .*intermediate_size = -1"),
     "unknown_model_type": ({"model_type": "X9"}, r"transformers refuses .*X9"),
     "not_json": ("{not json", r"is not JSON"),
+    # A bare TypeError ("'int' object is not iterable") came out of choosing the model class.
+    "architectures_not_a_list": ({"architectures": 5}, r"architectures = 5, not a list of transformers model class"),
     "a_json_list": ("[1]", r"is a JSON list"),
     "absurd_vocabulary": ({"vocab_size": 10**15}, r"(?s)nothing was allocated.*vocab_size = 1000000000000000.*"
                                                   r"'model\.embed_tokens\.weight' \(1000000000000000, 64\) "

@@ -5,8 +5,10 @@ into its destination in one pass: an offloaded one into its exact-size host mast
 to the device through reused staging buffers. Every header is checked against the file and the
 model first, so a bad checkpoint is refused before the model changes; a read that fails later also
 leaves it unchanged, because tensors are swapped into the model only after every byte has arrived.
+Which files a path names, and each file's header, parsed and checked (and ``CheckpointError``), are
+``offtensor/safetensors_files.py``'s, at the bottom of the package, where readers of safetensors
+files below the loader can use them too.
 
-    files.py       which files a path names; each file's header, parsed and checked; CheckpointError
     names.py       how the files' names and dtypes map onto the model's tensors, and every mismatch
     ties.py        a transformers checkpoint's tied weights, decided from the files as transformers does
     configs.py     config.json checked, and the model built on meta and matched, before any allocation
@@ -15,7 +17,7 @@ leaves it unchanged, because tensors are swapped into the model only after every
     pretrained.py  from_pretrained: a transformers directory -> its model on meta, then load
 """
 
-from .files import CheckpointError, read_header
+from ..safetensors_files import CheckpointError, read_header
 from .load import load_safetensors
 from .pretrained import from_pretrained
 

@@ -14,7 +14,7 @@ import re
 import torch
 
 from ..model.groups import collect_groups
-from .files import MAX_CONFIG_BYTES, CheckpointError, read_small_file
+from ..safetensors_files import MAX_CONFIG_BYTES, CheckpointError, physical_memory, read_small_file
 from .names import match, pieces_by_name
 from .ties import decide as decide_ties
 
@@ -120,8 +120,11 @@ def check_on_meta(build, config, entries: dict, root: str, strict: bool):
     return ties
 
 
-# The layer counts transformers builds from (``n_layer`` and ``num_layers`` are some configs' names).
-_LAYER_COUNT = re.compile(r"(^|\.)(num_hidden_layers|n_layer|num_layers)$")
+# The layer counts transformers builds from: ``num_hidden_layers`` and its other names (``n_layer``,
+# ``num_layers``), an encoder-decoder's ``encoder_layers`` / ``decoder_layers`` /
+# ``num_decoder_layers``, a sub-stack's ``decoder_num_hidden_layers``. (``max_window_layers`` is
+# no count of layers built, and may exceed a tiny checkpoint's tensors.)
+_LAYER_COUNT = re.compile(r"(^|\.)(n_layers?|([a-z_]*_)?num_[a-z_]*layers|([a-z_]*_)?(encoder|decoder)_layers)$")
 
 
 def _layers_beyond_files(config, entries: dict, root: str) -> list:
@@ -129,10 +132,13 @@ def _layers_beyond_files(config, entries: dict, root: str) -> list:
     arithmetic, but each layer is built, modules and all (milliseconds and tens of KB each): a
     config.json giving a million layers would run for an hour, out of memory, before its weights
     were matched against the files. Every layer has weights of its own, so such a count cannot be
-    this checkpoint's."""
-    return [f"{os.path.join(root, 'config.json')!r} gives {name} = {value}, but the checkpoint holds {len(entries)} "
-            f"tensors in all, fewer than one a layer: the config is not this checkpoint's"
-            for name, value in _int_fields(config) if _LAYER_COUNT.search(name) and value > len(entries)]
+    this checkpoint's. Only tensors with bytes count: a header listing a million empty tensors
+    (one zero-byte entry each, no data) would otherwise vouch for a million layers."""
+    stored = sum(1 for e in entries.values() if e.nbytes)
+    empty = f" that are not empty (and {len(entries) - stored} empty ones)" if stored < len(entries) else ""
+    return [f"{os.path.join(root, 'config.json')!r} gives {name} = {value}, but the checkpoint holds {stored} "
+            f"tensors in all{empty}, fewer than one a layer: the config is not this checkpoint's"
+            for name, value in _int_fields(config) if _LAYER_COUNT.search(name) and value > stored]
 
 
 def _computed_buffers(skeleton, pieces: dict, config, root: str) -> list:
@@ -155,13 +161,6 @@ def _computed_buffers(skeleton, pieces: dict, config, root: str) -> list:
     return [f"{os.path.join(root, 'config.json')!r} makes the buffers the model computes at build {nbytes} bytes, more "
             f"than this machine's {memory} bytes of memory: {name!r} alone is {tuple(largest.shape)}"
             f"{' (' + ', '.join(fields[:3]) + ')' if fields else ''}"]
-
-
-def physical_memory():
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def shape_problems(model, pieces: dict, config, root: str) -> list:

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .files import MAX_CONFIG_BYTES, FileTensor, open_unchanged, read_exactly, read_small_file
+from ..safetensors_files import MAX_CONFIG_BYTES, FileTensor, open_unchanged, read_exactly, read_small_file
 
 # Equal-values checks read both tensors this many bytes at a time (each).
 COMPARE_BYTES = 16 << 20
@@ -229,13 +229,15 @@ def _check_pieces(name, t: torch.Tensor, pieces, convert_dtypes: bool) -> list:
 
 def _check_copies(names, t: torch.Tensor, pieces, convert_dtypes: bool) -> list:
     """Problems of the other stored names of one tied tensor: each must fit the model as the one
-    read does and hold the same values. Only one is read, so a copy of another shape or with other
-    values would otherwise be dropped unseen, and the model would get one of two contradicting
-    weights (torch's ``load_state_dict`` keeps whichever it copies last)."""
+    read does and hold the same values, bit for bit in the model's dtype. Only one is read, so a
+    copy of another shape or with other values would otherwise be dropped unseen, and the model
+    would get one of two contradicting weights (torch's ``load_state_dict`` keeps whichever it
+    copies last). Bits, not ``torch.equal``: NaNs in the same places are the same weight (NaN !=
+    NaN refused it), and a +0 where the other copy has -0 is not."""
     problems = []
     for name in names[1:]:
         fit = _check_pieces(name, t, pieces[name], convert_dtypes)
-        if not fit and not stored_equal(pieces[names[0]], pieces[name], t.dtype):
+        if not fit and not stored_equal(pieces[names[0]], pieces[name], t.dtype, bitwise=True):
             fit = [f"{names[0]} and {name} are one tied tensor of the model, but the files store them with "
                    f"different values ({pieces[names[0]][0].describe()}, {pieces[name][0].describe()}, "
                    f"{t.numel() * t.element_size()} bytes): store one, or untie them in the model"]
@@ -243,44 +245,49 @@ def _check_copies(names, t: torch.Tensor, pieces, convert_dtypes: bool) -> list:
     return problems
 
 
-def stored_equal(a_pieces, b_pieces, dtype: torch.dtype) -> bool:
+def stored_equal(a_pieces, b_pieces, dtype: torch.dtype, bitwise: bool = False) -> bool:
     """Whether two stored tensors hold equal values in ``dtype`` (``torch.equal``, as transformers
-    compares them once loaded), read a chunk at a time. Values spread over several pieces (stacked
-    experts) count as different: ``ties.decide`` then loads each from its own pieces, which is right
-    either way, and a model tied for good refuses them."""
+    compares them once loaded; with ``bitwise``, the same bytes once in ``dtype``), read a chunk at
+    a time. Values spread over several pieces (stacked experts) count as different: ``ties.decide``
+    then loads each from its own pieces, which is right either way, and a model tied for good
+    refuses them."""
     if len(a_pieces) != 1 or len(b_pieces) != 1 or a_pieces[0].index is not None or b_pieces[0].index is not None:
         return False
     a, b = a_pieces[0].source, b_pieces[0].source
     if a.shape != b.shape:
         return False
     if a.identity is None or b.identity is None:
-        return _read_equal(a, b, dtype)
+        return _read_equal(a, b, dtype)[bitwise]
     key = (a.file, a.begin, a.identity, b.file, b.begin, b.identity, dtype)
     if key not in _COMPARED:
         if len(_COMPARED) >= 64:
             _COMPARED.clear()
         _COMPARED[key] = _read_equal(a, b, dtype)
-    return _COMPARED[key]
+    return _COMPARED[key][bitwise]
 
 
-# (both copies' places in their unchanged files, dtype) -> equal. from_pretrained asks about a tie's
-# copies when it decides the tie, checks the build on meta, and loads: the copies are read once.
+# (both copies' places in their unchanged files, dtype) -> (equal, bitwise equal). from_pretrained
+# asks about a tie's copies when it decides the tie (by value, as transformers), checks the build
+# on meta, and loads (bitwise): the copies are read once.
 _COMPARED: dict = {}
 
 
-def _read_equal(a: FileTensor, b: FileTensor, dtype: torch.dtype) -> bool:
+def _read_equal(a: FileTensor, b: FileTensor, dtype: torch.dtype) -> tuple:
+    """(equal values, the same bits) of ``a`` and ``b`` in ``dtype``."""
     numel = math.prod(a.shape)
     step = max(1, COMPARE_BYTES // max(a.dtype.itemsize, b.dtype.itemsize))
     fds = []
+    equal = same = True
     try:
         for t in (a, b):
             fds.append(open_unchanged(t))  # the files whose headers were checked, or an error
         for lo in range(0, numel, step):
             n = min(step, numel - lo)
             x, y = (_values(fd, t, lo, n) for fd, t in zip(fds, (a, b)))
-            if not _equal_chunk(x, y, dtype):
-                return False
-        return True
+            equal, same = _equal_chunk(x, y, dtype, equal, same)
+            if not equal and not same:
+                break
+        return equal, same
     finally:
         for fd in fds:
             os.close(fd)
@@ -294,13 +301,17 @@ def _values(fd: int, t: FileTensor, lo: int, n: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(t.dtype)
 
 
-def _equal_chunk(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> bool:
+def _equal_chunk(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, equal: bool, same: bool) -> tuple:
+    """(``equal`` and the chunks' values are equal, ``same`` and their bits are), in ``dtype``."""
     if x.numel() != y.numel():
-        return False
+        return False, False
     try:
-        return torch.equal(x.to(dtype), y.to(dtype))
+        x, y = x.to(dtype), y.to(dtype)
+        equal = equal and torch.equal(x, y)
     except (RuntimeError, TypeError):  # a dtype without conversions or comparisons (float4): compare bits
-        return x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        equal = None
+    same = same and x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+    return (same if equal is None else equal), same
 
 
 def architecture_problem(model: nn.Module, files) -> Optional[str]:

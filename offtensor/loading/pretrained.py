@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import stat
 import threading
 import warnings
 from typing import Optional
@@ -16,7 +17,7 @@ from torch import nn
 
 from ..config import OffloadConfig
 from .configs import building, check_on_meta, read_config
-from .files import headers, shard_files
+from ..safetensors_files import CheckpointError, headers, list_directory, shard_files, stat_or_none
 from .load import load
 from .ties import apply as apply_ties
 from .ties import decide as decide_ties
@@ -94,7 +95,9 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
             "config.json; without it, build the model on meta yourself and call ot.load_safetensors(model, path)"
         ) from None
     root = os.fspath(path)
-    if not os.path.isdir(root) or not os.path.isfile(os.path.join(root, "config.json")):  # isfile: not a FIFO
+    found = stat_or_none(root, "the checkpoint directory")
+    config_file = stat_or_none(os.path.join(root, "config.json"), "the config") if found else None
+    if not found or not stat.S_ISDIR(found.st_mode) or not config_file or not stat.S_ISREG(config_file.st_mode):
         raise FileNotFoundError(f"offtensor: {root!r} is not a transformers checkpoint directory (no config.json)")
     config = OffloadConfig.from_arguments(budget_gb=budget_gb, offload_gb=offload_gb, device=device, prefetch=prefetch,
                                           policy=policy, progress=progress, load_threads=threads, routing=routing,
@@ -108,10 +111,7 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
             if entry.dtype.is_floating_point:
                 by_dtype[entry.dtype] = by_dtype.get(entry.dtype, 0) + entry.nbytes
         dtype = max(by_dtype, key=by_dtype.get) if by_dtype else torch.get_default_dtype()
-    cls = model_class
-    if cls is None:
-        names = getattr(model_config, "architectures", None) or []
-        cls = next((getattr(transformers, n) for n in names if hasattr(transformers, n)), None)
+    cls = model_class if model_class is not None else _architecture(transformers, model_config, root)
 
     def build(model_config):
         with building(root, model_config):
@@ -128,12 +128,23 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
     else:
         apply_ties(model, ties)
     model.eval()
-    index = next((os.path.join(root, f) for f in sorted(os.listdir(root)) if f.endswith(".safetensors.index.json")),
+    index = next((os.path.join(root, f) for f in sorted(list_directory(root)) if f.endswith(".safetensors.index.json")),
                  None)
     model = load(model, index or root, config, strict, convert_dtypes=True, allow_outside_paths=allow_outside_paths)
     if config.prefetch:
         _install_lookahead(model, root)
     return model
+
+
+def _architecture(transformers, model_config, root: str):
+    """The transformers model class config.json's ``architectures`` names, or None (then
+    ``AutoModelForCausalLM``). Only model classes: any other name of transformers' is passed over."""
+    names = getattr(model_config, "architectures", None) or []
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise CheckpointError(f"offtensor: {os.path.join(root, 'config.json')!r} gives architectures = {names!r:.200}, "
+                              f"not a list of transformers model class names: the checkpoint's config is corrupt")
+    found = (getattr(transformers, n, None) for n in names)
+    return next((c for c in found if isinstance(c, type) and issubclass(c, transformers.PreTrainedModel)), None)
 
 
 def _install_lookahead(model: nn.Module, root: str) -> None:

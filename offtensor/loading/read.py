@@ -27,7 +27,7 @@ from ..pager import Pager, format_bytes, master_for, pins_host_memory
 from ..pager.device import for_device
 from ..model.groups import StorageGroup
 from ..tensor import OffloadedTensor
-from .files import CheckpointError, FileTensor, identity, open_unchanged
+from ..safetensors_files import CheckpointError, FileTensor, identity, open_unchanged
 from .names import Piece
 
 # One read or one staged copy moves at most this much, so threads share big tensors and the

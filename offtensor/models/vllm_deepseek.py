@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..safetensors_files import checkpoint_tensors
 from .deepseek import DeepSeekConfig, LatentCache, RMSNorm, RotaryEmbedding, apply_rotary, route
 from .vllm_layers import (Int8Linear, MergedColumnLinear, PackedQKVLinear, ReplicatedLinear, RowLinear, VocabEmbedding,
                           check_shape, default_weight_loader, quantize_int8, set_weight_attrs)
@@ -382,25 +383,14 @@ def random_checkpoint(config: DeepSeekConfig, seed: int = 0) -> Dict[str, torch.
     return tensors
 
 
-def iterate_checkpoint(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
+def iterate_checkpoint(path: str, allow_outside_paths: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
     """(name, CPU tensor) for every tensor of a safetensors file, or of every shard named by a
-    directory's ``*.safetensors.index.json`` (else its ``*.safetensors`` files), one shard open at a time."""
-    from safetensors import safe_open
-
-    if os.path.isdir(path):
-        indexes = sorted(f for f in os.listdir(path) if f.endswith(".safetensors.index.json"))
-        if indexes:
-            with open(os.path.join(path, indexes[0])) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        else:
-            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        files = [os.path.join(path, f) for f in files]
-    else:
-        files = [path]
-    for file in files:
-        with safe_open(file, framework="pt") as shard:
-            for name in shard.keys():
-                yield name, shard.get_tensor(name)
+    directory's ``*.safetensors.index.json`` (else its ``*.safetensors`` files), one tensor in memory
+    at a time. Every shard's header is checked as ``ot.load_safetensors`` checks it before any tensor
+    is given, and the tensors are read, not memory-mapped (``safetensors_files.tensors`` says why), so
+    a damaged or hostile checkpoint is an ``ot.CheckpointError`` naming the file. ``allow_outside_paths``:
+    as for ``ot.load_safetensors``."""
+    return checkpoint_tensors(path, allow_outside_paths)
 
 
 def write_sharded_checkpoint(tensors: dict, directory, shard_bytes: int) -> int:

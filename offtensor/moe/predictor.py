@@ -40,9 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from ..pager import BudgetError
+from ..safetensors_files import LOOKAHEAD_FILE, read_header_and_metadata, tensors
 from .first_layer import TokenTable
 
-FILE_NAME = "lookahead.safetensors"
+FILE_NAME = LOOKAHEAD_FILE
 # The ridge, relative to the mean diagonal of the centred Gram matrix (a scale-free strength).
 RIDGE = 1e-2
 # Softmax temperatures tried for the fitted scores (a one-hot regression's scores lie near [0, 1]).
@@ -397,19 +398,22 @@ class LookaheadPredictor:
 
     @classmethod
     def load(cls, directory: str) -> "LookaheadPredictor":
-        from safetensors import safe_open
-
+        """The look-ahead ``save`` wrote, its header checked as the loader checks a checkpoint's and
+        its tensors read, not memory-mapped (``safetensors_files.tensors``): a damaged file is an
+        error naming it, never a crash."""
         path = os.path.join(directory, FILE_NAME) if os.path.isdir(directory) else directory
         maps = {"weight": {}, "bias": {}, "weight2": {}, "bias2": {}, "own_weight": {}, "own_bias": {},
                 "hidden_weight": {}, "hidden_bias": {}, "first_experts": {}, "first_chances": {}}
-        with safe_open(path, "pt") as f:
-            meta = f.metadata() or {}
-            for name in f.keys():
-                kind, _, layer = name.partition(".")
-                if kind not in maps:
-                    raise ValueError(f"offtensor: {path}: unknown tensor {name!r} in a look-ahead file")
-                maps[kind][int(layer)] = f.get_tensor(name)
-        scores = {int(k): v for k, v in json.loads(meta.get("scores", "{}")).items()}
+        entries, meta = read_header_and_metadata(path)
+        for name, tensor in tensors(entries):
+            kind, _, layer = name.partition(".")
+            if kind not in maps or not (layer.isascii() and layer.isdigit() and len(layer) < 10):
+                raise ValueError(f"offtensor: {path}: unknown tensor {name!r} in a look-ahead file")
+            maps[kind][int(layer)] = tensor
+        try:
+            scores = {int(k): v for k, v in json.loads(meta.get("scores", "{}")).items()}
+        except (ValueError, TypeError, AttributeError, RecursionError) as e:
+            raise ValueError(f"offtensor: {path}: its scores metadata is not a JSON map of layers to scores ({e})") from None
         if maps["hidden_weight"].keys() != maps["hidden_bias"].keys():
             raise ValueError(f"offtensor: {path}: hidden layers {sorted(maps['hidden_weight'])} have biases for "
                              f"{sorted(maps['hidden_bias'])}")

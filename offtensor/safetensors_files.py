@@ -4,6 +4,8 @@ file, a directory of shards, an index kept inside its directory), and each file'
 Every file header is parsed here (8-byte little-endian length + JSON) and checked against the file
 size as safetensors checks it (UTF-8 JSON with no key twice, known dtypes, shapes and offsets, the
 tensors tiling the data section exactly), so a bad checkpoint is refused before the model changes.
+It sits at the bottom of the package, importing nothing of offtensor's, so that any reader of a
+safetensors file, not only the loader, can go through the same checks.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import stat
 
 import torch
 
-from ..moe.predictor import FILE_NAME as LOOKAHEAD_FILE
+# The learned look-ahead offtensor keeps beside a checkpoint (``moe.predictor`` saves it): a
+# safetensors file in the directory that is not one of the checkpoint's shards.
+LOOKAHEAD_FILE = "lookahead.safetensors"
 
 # Every dtype safetensors writes, as ``safetensors.torch.load_file`` gives it. F4 packs two
 # 4-bit values in a byte: its header counts 4-bit values, torch's float4_e2m1fn_x2 counts bytes,
@@ -59,7 +63,11 @@ def open_regular(path, what: str) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise
+        try:  # a directory's listing names it: a symlink whose target is gone (a half-removed cache)
+            dangling = f" (a symlink to {os.readlink(path)!r}, which does not exist)"
+        except (OSError, ValueError):
+            dangling = ""
+        raise FileNotFoundError(f"offtensor: {what} {os.fspath(path)!r} does not exist{dangling}") from None
     except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
         raise CheckpointError(f"offtensor: cannot open {what} {os.fspath(path)!r}: {e}") from None
     try:
@@ -233,18 +241,40 @@ def _shard_path(root: str, name: str, index, allow_outside_paths: bool) -> str:
     return path
 
 
+def stat_or_none(path, what: str):
+    """``os.stat(path)``, or None where nothing is there. Where that cannot be told (a directory on
+    the way that this user may not search, a symlink loop), a CheckpointError naming the path and
+    the reason: ``os.path.exists`` says False there, and "does not exist" sent users looking for a
+    file that is there."""
+    try:
+        return os.stat(path)
+    except (FileNotFoundError, NotADirectoryError, ValueError):  # ValueError: a NUL byte in the path
+        return None
+    except OSError as e:
+        raise CheckpointError(f"offtensor: cannot reach {what} {os.fspath(path)!r}: {e.strerror or e}") from None
+
+
+def list_directory(path, what: str = "checkpoint directory") -> list:
+    """The names in the directory ``path``; one this user may not list is a CheckpointError naming it."""
+    try:
+        return os.listdir(path)
+    except OSError as e:
+        raise CheckpointError(f"offtensor: cannot list the {what} {os.fspath(path)!r}: {e.strerror or e}") from None
+
+
 def shard_files(path, allow_outside_paths: bool = False) -> list:
     """The safetensors files behind ``path``: a file, a directory, or an ``*.index.json``."""
     path = os.fspath(path)
-    if not os.path.exists(path):
+    found = stat_or_none(path, "the checkpoint")
+    if found is None:
         raise FileNotFoundError(f"offtensor: no safetensors checkpoint at {path!r}: the path does not exist")
-    if os.path.isdir(path):
-        indexes = sorted(f for f in os.listdir(path) if f.endswith(".safetensors.index.json"))
+    if stat.S_ISDIR(found.st_mode):
+        names = list_directory(path)
+        indexes = sorted(f for f in names if f.endswith(".safetensors.index.json"))
         if indexes:
             return shard_files(os.path.join(path, indexes[0]), allow_outside_paths)
         # (not the learned look-ahead that offtensor keeps beside a checkpoint: moe.predictor)
-        files = sorted(os.path.join(path, f) for f in os.listdir(path)
-                       if f.endswith(".safetensors") and f != LOOKAHEAD_FILE)
+        files = sorted(os.path.join(path, f) for f in names if f.endswith(".safetensors") and f != LOOKAHEAD_FILE)
         if not files:
             raise FileNotFoundError(f"offtensor: directory {path!r} holds no *.safetensors file and no index")
         return files
@@ -256,7 +286,7 @@ def shard_files(path, allow_outside_paths: bool = False) -> list:
         root = os.path.dirname(path)
         by_name = {name: _shard_path(root, name, path, allow_outside_paths) for name in dict.fromkeys(weight_map.values())}
         files = list(by_name.values())
-        missing = [f for f in files if not os.path.exists(f)]
+        missing = [f for f in files if stat_or_none(f, f"the shard index {path!r} names") is None]
         if missing:
             lost = [name for name, file in weight_map.items() if by_name[file] in missing]
             raise FileNotFoundError(
@@ -276,10 +306,15 @@ def read_header(file) -> dict:
     string -> string ``__metadata__``, known dtypes, shapes and offsets of non-negative ints, each
     tensor's bytes matching its shape and dtype, and the tensors tiling the data section exactly:
     no overlap, no gap, nothing after the last one."""
+    return read_header_and_metadata(file)[0]
+
+
+def read_header_and_metadata(file) -> tuple:
+    """(``read_header(file)``, the file's ``__metadata__``: strings -> strings, empty where absent)."""
     header, size, header_bytes, state = _read_header_json(file)
     data_start = 8 + header_bytes
     data_bytes = size - data_start
-    entries = {}
+    entries, metadata = {}, {}
     for key, info in header.items():
         if key == "__metadata__":
             # safetensors: an optional map of strings to strings (null is its "absent").
@@ -288,11 +323,12 @@ def read_header(file) -> dict:
                        "{" + ", ".join(f"{k!r}: {v!r}" for k, v in info.items() if not isinstance(v, str))[:200] + "}")
                 raise CheckpointError(f"offtensor: the __metadata__ of {file!r} must map strings to strings (as "
                                       f"safetensors requires), it is {bad}: the file is corrupt")
+            metadata = dict(info or {})
             continue
         entries[key] = _header_entry(file, key, info, data_start, data_bytes)
         entries[key].identity = state
     _check_tiling(file, entries, data_start, size)
-    return entries
+    return entries, metadata
 
 
 def _read_header_json(file):
@@ -427,3 +463,83 @@ def headers(files) -> dict:
             entries[key] = entry
     return entries
 
+
+
+# ---------------------------------------------------------------------------- whole tensors
+
+
+def checkpoint_tensors(path, allow_outside_paths: bool = False):
+    """(name, CPU tensor) for every tensor of the checkpoint at ``path`` (as ``shard_files`` finds
+    its files), shard after shard, one tensor in memory at a time. Every shard's header is checked
+    first (and no name in two shards), so a damaged shard is refused before any tensor is given."""
+    files = shard_files(path, allow_outside_paths)
+    by_file: dict = {}
+    for entry in headers(files).values():
+        by_file.setdefault(entry.file, {})[entry.key] = entry
+    for file in files:
+        yield from tensors(by_file.get(file, {}))
+
+
+def tensors(entries: dict):
+    """(key, CPU tensor) for each entry of one file's checked header (``read_header``), in file
+    order, each read whole through one descriptor of the file as its header found it.
+
+    Never through a memory map (safetensors' ``safe_open``): a mapped file truncated after its
+    header was read kills the whole process with SIGBUS at the first read past its new end. Here a
+    short read is a ``CheckpointError`` naming the file, the tensor and the bytes, and a file
+    replaced or rewritten meanwhile is refused (its identity is checked around every tensor)."""
+    ordered = sorted(entries.values(), key=lambda e: e.begin)
+    if not ordered:
+        return
+    fd = open_unchanged(ordered[0])
+    try:
+        for entry in ordered:
+            yield entry.key, read_tensor(fd, entry)
+    finally:
+        os.close(fd)
+
+
+def read_tensor(fd: int, entry: FileTensor) -> torch.Tensor:
+    """``entry``'s tensor, read whole from ``fd`` (its file, as its header found it) into new memory:
+    ``entry.nbytes``, which the header check bounded by the file's size, and which is refused
+    before it is allocated where it is more than this machine's memory (a sparse file can be
+    any size on a small disk: its reads would fault the allocation in until the kernel kills the
+    process)."""
+    where = f"tensor {entry.key!r} of {entry.file!r} (file bytes [{entry.begin}, {entry.begin + entry.nbytes}))"
+    _unchanged_since_header(fd, entry, where)
+    memory = physical_memory()
+    if memory is not None and entry.nbytes > memory:
+        raise CheckpointError(f"offtensor: {where} is {entry.nbytes} bytes, more than this machine's {memory} bytes "
+                              f"of memory: nothing was allocated for it")
+    raw = torch.empty(entry.nbytes, dtype=torch.uint8)
+    view = memoryview(raw.numpy()).cast("B")
+    done = 0
+    while done < entry.nbytes:
+        try:
+            n = os.preadv(fd, [view[done:]], entry.begin + done)
+        except OSError as e:
+            raise CheckpointError(f"offtensor: reading {where} failed after {done} of its {entry.nbytes} bytes: "
+                                  f"{e}") from None
+        if n == 0:
+            raise CheckpointError(f"offtensor: {entry.file!r} ended at byte {entry.begin + done}, {entry.nbytes - done} "
+                                  f"of the {entry.nbytes} bytes of {where} short: the file was truncated after its "
+                                  f"header was read")
+        done += n
+    _unchanged_since_header(fd, entry, where)  # no byte of it from a rewrite
+    if not entry.nbytes:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    return raw.view(entry.dtype).view(entry.shape)
+
+
+def physical_memory():
+    """This machine's memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _unchanged_since_header(fd: int, entry: FileTensor, where: str) -> None:
+    if entry.identity is not None and identity(fd) != entry.identity:
+        raise CheckpointError(f"offtensor: {entry.file!r} changed since its header was read (it was replaced, "
+                              f"truncated or rewritten), while reading {where}: load it again once it is complete")
