@@ -229,15 +229,15 @@ def _check_pieces(name, t: torch.Tensor, pieces, convert_dtypes: bool) -> list:
 
 def _check_copies(names, t: torch.Tensor, pieces, convert_dtypes: bool) -> list:
     """Problems of the other stored names of one tied tensor: each must fit the model as the one
-    read does and hold the same values, bit for bit in the model's dtype. Only one is read, so a
-    copy of another shape or with other values would otherwise be dropped unseen, and the model
-    would get one of two contradicting weights (torch's ``load_state_dict`` keeps whichever it
-    copies last). Bits, not ``torch.equal``: NaNs in the same places are the same weight (NaN !=
-    NaN refused it), and a +0 where the other copy has -0 is not."""
+    read does and hold the same values in the model's dtype. Only one is read, so a copy of another
+    shape or with other values would otherwise be dropped unseen, and the model would get one of
+    two contradicting weights (torch's ``load_state_dict`` keeps whichever it copies last). Equal
+    as numbers (``torch.equal``, so +0 and -0 alike) or as bits (so NaNs in the same places, which
+    ``torch.equal`` calls different, are the same weight)."""
     problems = []
     for name in names[1:]:
         fit = _check_pieces(name, t, pieces[name], convert_dtypes)
-        if not fit and not stored_equal(pieces[names[0]], pieces[name], t.dtype, bitwise=True):
+        if not fit and not stored_equal(pieces[names[0]], pieces[name], t.dtype, or_same_bits=True):
             fit = [f"{names[0]} and {name} are one tied tensor of the model, but the files store them with "
                    f"different values ({pieces[names[0]][0].describe()}, {pieces[name][0].describe()}, "
                    f"{t.numel() * t.element_size()} bytes): store one, or untie them in the model"]
@@ -245,10 +245,10 @@ def _check_copies(names, t: torch.Tensor, pieces, convert_dtypes: bool) -> list:
     return problems
 
 
-def stored_equal(a_pieces, b_pieces, dtype: torch.dtype, bitwise: bool = False) -> bool:
+def stored_equal(a_pieces, b_pieces, dtype: torch.dtype, or_same_bits: bool = False) -> bool:
     """Whether two stored tensors hold equal values in ``dtype`` (``torch.equal``, as transformers
-    compares them once loaded; with ``bitwise``, the same bytes once in ``dtype``), read a chunk at
-    a time. Values spread over several pieces (stacked experts) count as different: ``ties.decide``
+    compares them once loaded; with ``or_same_bits``, also where they hold the same bytes once in
+    ``dtype``, NaNs included), read a chunk at a time. Values spread over several pieces (stacked experts) count as different: ``ties.decide``
     then loads each from its own pieces, which is right either way, and a model tied for good
     refuses them."""
     if len(a_pieces) != 1 or len(b_pieces) != 1 or a_pieces[0].index is not None or b_pieces[0].index is not None:
@@ -257,18 +257,23 @@ def stored_equal(a_pieces, b_pieces, dtype: torch.dtype, bitwise: bool = False) 
     if a.shape != b.shape:
         return False
     if a.identity is None or b.identity is None:
-        return _read_equal(a, b, dtype)[bitwise]
+        return _either(_read_equal(a, b, dtype), or_same_bits)
     key = (a.file, a.begin, a.identity, b.file, b.begin, b.identity, dtype)
     if key not in _COMPARED:
         if len(_COMPARED) >= 64:
             _COMPARED.clear()
         _COMPARED[key] = _read_equal(a, b, dtype)
-    return _COMPARED[key][bitwise]
+    return _either(_COMPARED[key], or_same_bits)
+
+
+def _either(compared: tuple, or_same_bits: bool) -> bool:
+    equal, same = compared
+    return equal or (or_same_bits and same)
 
 
 # (both copies' places in their unchanged files, dtype) -> (equal, bitwise equal). from_pretrained
 # asks about a tie's copies when it decides the tie (by value, as transformers), checks the build
-# on meta, and loads (bitwise): the copies are read once.
+# on meta, and loads (by value or bits): the copies are read once.
 _COMPARED: dict = {}
 
 
