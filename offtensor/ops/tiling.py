@@ -136,8 +136,8 @@ class ForeachInPieces:
 # convolution, batches of bmm. Each tile is one call of the same op on a slice of the weight, and
 # the tiles are concatenated. Every output element is computed from the same inputs with the same
 # reduction length, so results are bit-identical where the kernel sums in the same order for a
-# narrower output: on CPU (MKL/oneDNN) that held for every tile at least TILE_ALIGN wide in
-# test_budget_and_tiling; tiles narrower than that (a budget with room for only a few rows) may
+# narrower output: on CPU (MKL/oneDNN) that held for every tile at least TILE_ALIGN wide and cut at
+# multiples of TILE_ALIGN in test_budget_and_tiling; tiles narrower than that (a budget with room for only a few rows) may
 # make BLAS pick a matrix-vector kernel, which differs in the last bits (tested to a tolerance).
 # Placement reserves room for tiles TILE_ALIGN wide (placement.tile_working_set), so a wrapped
 # model's tiles stay bit-identical; narrower ones are its fallback, with a warning.
@@ -183,16 +183,21 @@ def _tile_size(weight: OffloadedTensor, dim: int, others: int, what: str, sliced
 
 def _tiled(weight, dim, others, what, compute, out_dim, sliced=()):
     """``compute(start, stop, paged)`` for tiles of ``weight`` along ``dim``, concatenated along
-    ``out_dim`` of the outputs. Each tile's pages are released before the next is paged."""
+    ``out_dim`` of the outputs. Each tile's pages are released before the next is paged. Where the
+    room allows, tiles are cut at multiples of ``TILE_ALIGN`` and are at least that wide."""
     n = weight.shape[dim]
-    step = _tile_size(weight, dim, others, what, sliced)
-    if TILE_ALIGN <= step < n:
-        step -= step % TILE_ALIGN
+    fits = _tile_size(weight, dim, others, what, sliced)
+    step = fits - fits % TILE_ALIGN if TILE_ALIGN <= fits < n else fits
     bounds = list(range(0, n, step)) + [n]
-    if len(bounds) > 2 and bounds[-1] - bounds[-2] < TILE_ALIGN <= step - TILE_ALIGN:
-        # Every tile at least TILE_ALIGN wide where the room allows: a 1- or 2-wide output makes
-        # BLAS pick a matrix-vector kernel that sums in another order.
-        bounds[-2] = n - TILE_ALIGN
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] < TILE_ALIGN and step % TILE_ALIGN == 0:
+        # A 1- or 2-wide output makes BLAS pick a matrix-vector kernel that sums in another order,
+        # so the last tile takes TILE_ALIGN more outputs from the one before, where the room allows.
+        # The cut stays at a multiple of TILE_ALIGN: for one row of input (a decode step's token)
+        # MKL computes the outputs in blocks of 16 from the first, and an output of a tile that
+        # starts elsewhere, or of a block a tile's end splits, is summed in another order.
+        cut = bounds[-2] - TILE_ALIGN
+        if cut > bounds[-3] and n - cut <= fits:
+            bounds[-2] = cut
     outs = []
     for start, stop in zip(bounds, bounds[1:]):
         paged = Paged()
