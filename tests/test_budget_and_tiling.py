@@ -422,10 +422,31 @@ def test_tiles_narrower_than_the_kernel_blocks_agree_to_rounding(device):
 
 
 def test_an_op_whose_single_slice_exceeds_the_room_raises_a_clear_budget_error(device):
-    pager = Pager(torch.device(device), 4 * 1024)
-    experts = _offload_under(pager, torch.randn(2, 64, 32))  # one batch is 8 KiB
-    with pytest.raises(BudgetError, match=r"aten.bmm.default cannot be tiled.*8192 bytes"):
+    pager = Pager(torch.device(device), 128)
+    experts = _offload_under(pager, torch.randn(2, 64, 32))  # one column of a batch is 256 bytes
+    with pytest.raises(BudgetError, match=r"aten.bmm.default cannot be tiled.*is 256 bytes.*128 bytes"):
         torch.bmm(torch.randn(2, 3, 64, device=device), experts)
+
+
+@pytest.mark.parametrize("both", [False, True])
+def test_a_bmm_whose_one_batch_exceeds_the_room_runs_in_tiles_of_each_batch(device, both):
+    # bmm was tiled by batch only: one batch of an input and a weight larger than the room (an
+    # einsum of an input and a weight runs bmm on a batch of one) raised BudgetError at a budget
+    # that placement accepted for tiles of the weight's rows; with both operands offloaded, one
+    # batch of each had to fit together.
+    torch.manual_seed(0)
+    budget = 6 * 1024
+    pager = Pager(torch.device(device), budget)
+    a, b = torch.randn(2, 24, 64), torch.randn(2, 64, 200)  # 12 and 100 KiB
+    xa = _offload_under(pager, a) if both else a.to(device)
+    assert torch.equal(torch.bmm(xa, _offload_under(pager, b)), torch.bmm(a, b).to(device))
+    assert torch.equal(torch.bmm(_offload_under(pager, b).transpose(1, 2), xa.transpose(1, 2)),
+                       torch.bmm(b.transpose(1, 2), a.transpose(1, 2)).to(device))  # rows of the first
+    x = torch.randn(1, 3, 64, device=device)  # a decode-sized input
+    w = torch.randn(256, 64)
+    assert torch.equal(torch.einsum("bsk,nk->bsn", x, _offload_under(pager, w)),
+                       torch.einsum("bsk,nk->bsn", x, w.to(device)))
+    assert pager.stats.peak_device_bytes <= budget
 
 
 class _TiedLM(nn.Module):

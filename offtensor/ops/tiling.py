@@ -133,7 +133,7 @@ class ForeachInPieces:
 
 # A weight larger than the budget's free room is computed in output tiles that fit: rows of a
 # linear weight (output features), columns of mm's second operand, output channels of a
-# convolution, batches of bmm. Each tile is one call of the same op on a slice of the weight, and
+# convolution, batches of bmm (columns and rows of each batch where one does not fit). Each tile is one call of the same op on a slice of the weight, and
 # the tiles are concatenated. Every output element is computed from the same inputs with the same
 # reduction length, so results are bit-identical where the kernel sums in the same order for a
 # narrower output: on CPU (MKL/oneDNN) that held for every tile at least TILE_ALIGN wide and cut at
@@ -258,59 +258,68 @@ def mm(func, types, args, kwargs):
     addmm = func is aten.addmm.default
     bias, a, b = (args[0], args[1], args[2]) if addmm else (None, args[0], args[1])
     if needs_tiling(b, [a, bias]) and b.dim() == 2:
-        big, dim, other = b, 1, a  # columns of b -> columns of the output
+        columns = True  # columns of b -> columns of the output
     elif needs_tiling(a, [b, bias]) and a.dim() == 2:
-        big, dim, other = a, 0, b  # rows of a -> rows of the output
+        columns = False  # rows of a -> rows of the output
     else:
         return run(func, args, kwargs)
+    return _product_tiled(func, a, b, columns, (bias, *args[3:]) if addmm else (), kwargs)
+
+
+def _product_tiled(func, a, b, columns: bool, before: tuple, kwargs, lead: int = 0):
+    """mm / addmm of ``a`` and ``b`` (``lead`` 0), or bmm of one batch of them (``lead`` 1: each of
+    batch size 1), in tiles of ``b``'s columns (``columns``) or of ``a``'s rows; ``before``:
+    addmm's bias, beta and alpha (empty for mm and bmm)."""
+    bias = before[0] if before else None
+    big, dim, other = (b, lead + 1, a) if columns else (a, lead, b)
     size = big.shape[dim]
     bias_dim = None
     if isinstance(bias, torch.Tensor) and bias.dim():
         bias_dim = dim - 2 + bias.dim()
         bias_dim = bias_dim if bias_dim >= 0 and bias.shape[bias_dim] == size else None
     _, others = _offloaded_bytes([other] + ([bias] if bias_dim is None else []))
-    inner = _inner_tiles(big, dim, other, bias, others)
+    inner = _inner_tiles(big, dim - lead, other, bias, others, lead)
     if inner is not None:
         others += inner - _offloaded_bytes([other])[1]
 
     def compute(start, stop, paged):
         part = _page_slice(big, dim, start, stop, paged)
-        left, right = (paged.arg(a) if inner is None else a, part) if dim == 1 else (part, paged.arg(b))
-        if not addmm:
-            return func(left, right, **kwargs) if inner is None else _rows_tiled(func, left, right, (), kwargs)
-        bias_part = _bias_slice(bias, dim, start, stop, size, paged)
+        left, right = (paged.arg(a) if inner is None else a, part) if columns else (part, paged.arg(b))
+        rest = (_bias_slice(bias, dim, start, stop, size, paged), *before[1:]) if before else ()
         if inner is not None:
-            return _rows_tiled(func, left, right, (bias_part, *args[3:]), kwargs)
-        return func(bias_part, left, right, *args[3:], **kwargs)
+            return _rows_tiled(func, left, right, rest, kwargs, lead)
+        return func(*rest[:1], left, right, *rest[1:], **kwargs)
 
     return _tiled(big, dim, others, str(func), compute, dim, [] if bias_dim is None else [(bias, bias_dim)])
 
 
-def _inner_tiles(big, dim: int, other, bias, others: int):
+def _inner_tiles(big, dim: int, other, bias, others: int, lead: int = 0):
     """Room to keep for ``a`` when mm's operands are both offloaded and ``a`` cannot be paged whole
     beside ``TILE_ALIGN`` columns of ``b``: ``TILE_ALIGN`` of its rows, which each column tile then
     computes in row tiles (``_rows_tiled``). Paging ``a`` whole beside every column tile raised
     BudgetError, or cut the columns narrower than TILE_ALIGN, silently, at a budget that holds a
     tile of each, as an op of two weights of different modules (``a.weight @ b.weight``) needs.
-    None: ``a`` is paged whole (it fits, it is not offloaded, or a 2-D bias would need row tiles too)."""
-    if (dim != 1 or not isinstance(other, OffloadedTensor) or other.shape[0] == 0
+    None: ``a`` is paged whole (it fits, it is not offloaded, or a 2-D bias would need row tiles too).
+    ``dim`` counts from ``lead`` (1 for one batch of a bmm)."""
+    if (dim != 1 or not isinstance(other, OffloadedTensor) or other.shape[lead] == 0
             or (isinstance(bias, torch.Tensor) and bias.dim() > 1)):
         return None
-    free, column = big._master.pager.free_bytes(), _slice_bytes(big, dim)
+    free, column = big._master.pager.free_bytes(), _slice_bytes(big, lead + dim)
     if others + TILE_ALIGN * column <= free:
         return None
-    rows = min(_offloaded_bytes([other])[1], TILE_ALIGN * _slice_bytes(other, 0))
-    return rows if rows + TILE_ALIGN * column <= free else _slice_bytes(other, 0)  # else narrow tiles of both
+    rows = min(_offloaded_bytes([other])[1], TILE_ALIGN * _slice_bytes(other, lead))
+    return rows if rows + TILE_ALIGN * column <= free else _slice_bytes(other, lead)  # else narrow tiles of both
 
 
-def _rows_tiled(func, a: OffloadedTensor, right: torch.Tensor, before: tuple, kwargs):
-    """mm / addmm of offloaded ``a`` and a device column tile ``right`` in tiles of ``a``'s rows,
-    in the room the column tile leaves (``before``: addmm's bias slice, then its beta and alpha)."""
+def _rows_tiled(func, a: OffloadedTensor, right: torch.Tensor, before: tuple, kwargs, lead: int = 0):
+    """mm / addmm (or bmm of one batch) of offloaded ``a`` and a device column tile ``right`` in
+    tiles of ``a``'s rows, in the room the column tile leaves (``before``: addmm's bias slice, then
+    its beta and alpha)."""
     def compute(start, stop, paged):
-        rows = _page_slice(a, 0, start, stop, paged)
+        rows = _page_slice(a, lead, start, stop, paged)
         return func(*before[:1], rows, right, *before[1:], **kwargs)
 
-    return _tiled(a, 0, 0, str(func), compute, 0)
+    return _tiled(a, lead, 0, str(func), compute, lead)
 
 
 @implements(aten.bmm.default)
@@ -320,11 +329,25 @@ def bmm(func, types, args, kwargs):
     if big is None:
         return run(func, args, kwargs)
     other = a if big is b else b
+    batch = _slice_bytes(big, 0) + (_slice_bytes(other, 0) if isinstance(other, OffloadedTensor) else 0)
+    if batch > big._master.pager.free_bytes() and big.shape[0] > 0:
+        # Not even one batch of the offloaded operands fits (einsum of weights runs bmm on a batch
+        # of one): each batch in tiles of its columns and rows, as mm is.
+        outs = [_product_tiled(func, _batch(a, i), _batch(b, i), big is b, (), kwargs, lead=1)
+                for i in range(big.shape[0])]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def compute(start, stop, paged):
         return func(_page_slice(a, 0, start, stop, paged), _page_slice(b, 0, start, stop, paged), **kwargs)
 
     return _tiled(big, 0, 0, str(func), compute, 0, [(other, 0)])
+
+
+def _batch(t, i: int):
+    """Batch ``i`` of a bmm operand, as a batch of one: an OffloadedTensor view of its host master."""
+    if isinstance(t, OffloadedTensor):
+        return OffloadedTensor(t._host.narrow(0, i, 1), t._master)
+    return t.narrow(0, i, 1)
 
 
 @implements(aten.convolution.default)
