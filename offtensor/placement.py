@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import os
 import re
 import warnings
 from typing import Iterable, Optional, Sequence
@@ -29,7 +28,7 @@ import torch
 from .config import OffloadConfig, Policy
 from .moe import is_routed_stack  # what the expert cache takes for a stack of routed experts
 from .ops import TILE_ALIGN  # the tile width ops cut; room is planned for it
-from .pager import GiB, BudgetError, format_bytes
+from .pager import GiB, BudgetError, device_total_bytes, format_bytes, free_device_bytes
 from .pager.budget import smallest_budget_gb
 from .exactness import warn_fast_paths, warn_inexact_tiles, warn_narrow_tiles  # noqa: F401  (public here too)
 
@@ -282,25 +281,6 @@ def _warn_budget_over_memory(config: OffloadConfig, device: torch.device) -> Non
             f"offtensor: budget_gb={config.budget_gb} ({config.budget_bytes} bytes) is more than the {total} bytes "
             f"({total / GiB:.2f} GiB) of {memory} that {device} has: the budget cannot hold, and weights it lets stay "
             f"resident may not fit; give a budget below the device's memory", UserWarning, stacklevel=5)
-
-
-def device_total_bytes(device: torch.device) -> Optional[int]:
-    """All the memory of ``device`` (a GPU's total, the emulated device's: the machine's RAM), or
-    None where it is not known (meta)."""
-    try:
-        if device.type == "cuda":
-            return torch.cuda.mem_get_info(device)[1]
-        if device.type == "cpu":
-            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (RuntimeError, ValueError, OSError):
-        return None
-    return None
-
-
-def free_device_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 # ---------------------------------------------------------------------------- choosing
