@@ -428,6 +428,27 @@ def test_an_op_whose_single_slice_exceeds_the_room_raises_a_clear_budget_error(d
         torch.bmm(torch.randn(2, 3, 64, device=device), experts)
 
 
+def test_a_weight_larger_than_the_room_times_a_vector_runs_in_row_tiles(device):
+    # weight @ v (matmul of a 2-D weight and a 1-D input) runs mv, which paged the weight whole:
+    # BudgetError at a budget that placement accepted for tiles of its rows.
+    torch.manual_seed(0)
+    budget = 40 * 1024  # room for 16 rows of the transpose, 1.5 KiB each
+    pager = Pager(torch.device(device), budget)
+    w, b = torch.randn(384, 96), torch.randn(384)  # 147 KiB: 3.6x the budget
+    ow, ob = _offload_under(pager, w), _offload_under(pager, b)
+    w, b = w.to(device), b.to(device)
+    v, u = torch.randn(96, device=device), torch.randn(384, device=device)
+    assert torch.equal(ow @ v, w @ v)
+    assert torch.equal(torch.addmv(ob, ow, v, beta=0.5, alpha=2.0), torch.addmv(b, w, v, beta=0.5, alpha=2.0))
+    assert torch.equal(ow.t() @ u, w.t() @ u)  # rows of the transpose: gathered column-major on the host
+    weight = nn.Parameter(ow)
+    (weight @ v).square().sum().backward()  # autograd's mv: its backward is an outer product
+    reference = nn.Parameter(w.clone())
+    (reference @ v).square().sum().backward()
+    assert torch.equal(weight.grad, reference.grad)
+    assert pager.stats.peak_device_bytes <= budget
+
+
 @pytest.mark.parametrize("both", [False, True])
 def test_a_bmm_whose_one_batch_exceeds_the_room_runs_in_tiles_of_each_batch(device, both):
     # bmm was tiled by batch only: one batch of an input and a weight larger than the room (an

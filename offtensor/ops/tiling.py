@@ -1,6 +1,6 @@
 """Ops computed in pieces when the budget's free room is short: lists of offloaded inputs paged one at a
 time (``cat``, ``stack``, ``_foreach_*``), and weights larger than the room computed in output tiles
-(``linear``, ``mm``/``addmm``, ``bmm``, ``convolution``), ``TILE_ALIGN`` wide where the room allows."""
+(``linear``, ``mm``/``addmm``, ``mv``/``addmv``, ``bmm``, ``convolution``), ``TILE_ALIGN`` wide where the room allows."""
 
 from __future__ import annotations
 
@@ -154,14 +154,18 @@ def _page_slice(t, dim: int, start: int, stop: int, paged: Paged):
     """Device tensor of ``t.narrow(dim, start, stop - start)``, paging only that slice's own
     elements: tiles are sized by them (``_tile_size``, ``placement.tile_working_set``), so a strided
     slice whose covering range holds more (a column tile of a row-major weight covers nearly all of
-    its rows) is gathered on the host first and uploaded compact."""
+    its rows) is gathered on the host first and uploaded compact, in its own memory order: rows of
+    a transposed weight stay column-major, so that a kernel whose order of summing follows the
+    layout (mv's) sums each output as it does for the whole weight."""
     if not isinstance(t, OffloadedTensor):
         return t.narrow(dim, start, stop - start)
     host = t._host.narrow(dim, start, stop - start)
     lo, hi = host_layout(host)[:2]
     if (hi - lo) <= host.numel():
         return paged.page(OffloadedTensor(host, t._master))
-    return t._master.pager.upload(host.contiguous(), describe(t), paged.entries)[0]
+    order = sorted(range(host.dim()), key=lambda d: -host.stride(d))  # outermost first
+    gathered = t._master.pager.upload(host.permute(order).contiguous(), describe(t), paged.entries)[0]
+    return gathered.permute(sorted(range(host.dim()), key=order.__getitem__))
 
 
 def _tile_size(weight: OffloadedTensor, dim: int, others: int, what: str, sliced=()) -> int:
@@ -348,6 +352,27 @@ def _batch(t, i: int):
     if isinstance(t, OffloadedTensor):
         return OffloadedTensor(t._host.narrow(0, i, 1), t._master)
     return t.narrow(0, i, 1)
+
+
+@implements(aten.mv.default, aten.addmv.default)
+def mv(func, types, args, kwargs):
+    """A matrix larger than the room times a vector (``weight @ v``): rows of the matrix in tiles,
+    as mm's rows (addmv's bias cut with them)."""
+    addmv = func is aten.addmv.default
+    bias, a, v = (args[0], args[1], args[2]) if addmv else (None, args[0], args[1])
+    if not needs_tiling(a, [v, bias]):
+        return run(func, args, kwargs)
+    cut = isinstance(bias, torch.Tensor) and bias.dim() == 1 and bias.shape[0] == a.shape[0] and a.shape[0] > 1
+    _, others = _offloaded_bytes([v] + ([] if cut else [bias]))
+
+    def compute(start, stop, paged):
+        rows = _page_slice(a, 0, start, stop, paged)
+        if not addmv:
+            return func(rows, paged.arg(v), **kwargs)
+        part = _page_slice(bias, 0, start, stop, paged) if cut else paged.arg(bias)
+        return func(part, rows, paged.arg(v), *args[3:], **kwargs)
+
+    return _tiled(a, 0, others, str(func), compute, 0, [(bias, 0)] if cut else [])
 
 
 @implements(aten.convolution.default)
