@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import os
 import re
 import warnings
 from typing import Iterable, Optional, Sequence
@@ -29,7 +28,7 @@ import torch
 from .config import OffloadConfig, Policy
 from .moe import is_routed_stack  # what the expert cache takes for a stack of routed experts
 from .ops import TILE_ALIGN  # the tile width ops cut; room is planned for it
-from .pager import GiB, BudgetError, format_bytes
+from .pager import GiB, BudgetError, device_total_bytes, format_bytes, free_device_bytes
 from .pager.budget import smallest_budget_gb
 from .exactness import warn_fast_paths, warn_inexact_tiles, warn_narrow_tiles  # noqa: F401  (public here too)
 
@@ -74,7 +73,8 @@ class Weight:
     # Whether one op may read every tensor of its module at once: torch.nn's own modules do
     # (weight and bias of a linear, every layer's weights of an LSTM in one cuDNN call). A model's own
     # module (a layer holding w1 and w2 for x @ w1 @ w2, a stack of experts) reads its weights in
-    # separate ops, with at most its lower-rank tensors (biases) beside the largest.
+    # separate ops, with at most its lower-rank tensors (biases) beside the largest, or two of them
+    # in tiles (``x @ (w1 @ w2)``: ``pair_working_set``).
     fused: bool = True
     # Whether every use is an index op that pages only the selected rows (the weight of an
     # nn.Embedding and nothing else): offloaded first, whatever its name says.
@@ -284,25 +284,6 @@ def _warn_budget_over_memory(config: OffloadConfig, device: torch.device) -> Non
             f"resident may not fit; give a budget below the device's memory", UserWarning, stacklevel=5)
 
 
-def device_total_bytes(device: torch.device) -> Optional[int]:
-    """All the memory of ``device`` (a GPU's total, the emulated device's: the machine's RAM), or
-    None where it is not known (meta)."""
-    try:
-        if device.type == "cuda":
-            return torch.cuda.mem_get_info(device)[1]
-        if device.type == "cpu":
-            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (RuntimeError, ValueError, OSError):
-        return None
-    return None
-
-
-def free_device_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 # ---------------------------------------------------------------------------- choosing
 
 
@@ -435,7 +416,7 @@ class _Offloading:
         self.freed += w.resident_cost
         for stem in {module_of(name) for name in w.names}:
             tensors = self.by_module.setdefault(stem, [])
-            tensors.append((len(w.shape), w.working_set, w.fused))
+            tensors.append((len(w.shape), w.working_set, w.fused, pair_working_set(w)))
             need = _together(tensors)
             if need > self.working_set:
                 self.working_set, self.widest = need, stem
@@ -475,12 +456,24 @@ def module_of(name: str) -> str:
     return stem.rpartition(".")[0] if stem.split(".")[-3:-2] == ["parametrizations"] else stem
 
 
+def pair_working_set(w: Weight) -> int:
+    """What an op of ``w`` and another weight of its module (``w1 @ w2``, an einsum of both) pages of
+    ``w`` at least: its tile (``TILE_ALIGN`` slices; one where its working set is one slice), as mm
+    and bmm do. 0 for routed experts and tables read in slices, which no such op reads."""
+    if len(w.shape) < 2 or w.sliced or is_routed_stack(w.name, w.shape):
+        return 0
+    return tile_working_set(w.shape, w.nbytes, w.working_set) if w.tileable else w.working_set
+
+
 def _together(tensors) -> int:
-    """The most one op pages of one module's offloaded tensors (see ``Weight.fused``)."""
-    if any(fused for _, _, fused in tensors):
-        return sum(ws for _, ws, _ in tensors)
-    top = max(rank for rank, _, _ in tensors)
-    return max(ws for rank, ws, _ in tensors if rank == top) + sum(ws for rank, ws, _ in tensors if rank < top)
+    """The most one op pages of one module's offloaded tensors (see ``Weight.fused``), for a model's
+    own module at least a tile of each of its two largest of the highest rank (``pair_working_set``)."""
+    if any(fused for _, _, fused, _ in tensors):
+        return sum(ws for _, ws, _, _ in tensors)
+    top = max(rank for rank, *_ in tensors)
+    pair = sum(sorted((p for rank, *_, p in tensors if rank == top), reverse=True)[:2])
+    widest = max(ws for rank, ws, *_ in tensors if rank == top)
+    return max(widest, pair) + sum(ws for rank, ws, *_ in tensors if rank < top)
 
 
 def _choose_untiled(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: Optional[int] = None,
@@ -541,9 +534,10 @@ def _budget_error(chosen: _Offloading, kept: list, budget_bytes: int) -> BudgetE
     if largest is not None:
         of_widest = [w for w in chosen.weights if any(module_of(n) == widest for n in w.names)]
         first = max(of_widest, key=lambda w: w.working_set).name if of_widest else largest.name
+        module = f"module '{widest}'" if widest else "the model itself"
         needs.append(
             f"paging '{first}'"
-            + (f" (one op of module '{widest}', {len(of_widest)} offloaded tensors)" if len(of_widest) > 1 else "")
+            + (f" (one op of {module}, {len(of_widest)} offloaded tensors)" if len(of_widest) > 1 else "")
             + f" needs {_bytes(ws)} on the device at once"
         )
     return BudgetError(

@@ -403,6 +403,22 @@ def test_placement_leaves_room_for_tiles_wide_enough_to_be_bit_identical(device)
     assert s.budget_bytes - s.resident_bytes >= 16 * 768 * 4  # room for a 16-row tile of `down`
 
 
+@pytest.mark.parametrize("rows", [32, 40, 500])
+def test_a_decode_step_through_a_tiled_head_of_an_odd_vocabulary_is_bit_identical(device, rows):
+    # The last tile of a 1001-row head took 16 rows from the one before it (starting at 985): for a
+    # single input row MKL sums outputs in blocks of 16 from a tile's first, so the outputs of the
+    # two last tiles came out in another order than the whole op's (2.4e-07 apart).
+    torch.manual_seed(0)
+    pager = Pager(torch.device(device), rows * 64 * 4)
+    w = torch.randn(1001, 64)
+    ow = _offload_under(pager, w)
+    with torch.no_grad():
+        for _ in range(4):  # four decode steps: a last-bit difference shows for most inputs, not all
+            x = torch.randn(1, 64, device=device)
+            assert torch.equal(F.linear(x, ow), F.linear(x, w.to(device)))
+    assert pager.stats.peak_device_bytes <= rows * 64 * 4
+
+
 def test_tiles_narrower_than_the_kernel_blocks_agree_to_rounding(device):
     # Room for 2 rows of 8: BLAS runs a matrix-vector kernel per tile, summing in another order.
     torch.manual_seed(0)
@@ -414,10 +430,52 @@ def test_tiles_narrower_than_the_kernel_blocks_agree_to_rounding(device):
 
 
 def test_an_op_whose_single_slice_exceeds_the_room_raises_a_clear_budget_error(device):
-    pager = Pager(torch.device(device), 4 * 1024)
-    experts = _offload_under(pager, torch.randn(2, 64, 32))  # one batch is 8 KiB
-    with pytest.raises(BudgetError, match=r"aten.bmm.default cannot be tiled.*8192 bytes"):
+    pager = Pager(torch.device(device), 128)
+    experts = _offload_under(pager, torch.randn(2, 64, 32))  # one column of a batch is 256 bytes
+    with pytest.raises(BudgetError, match=r"aten.bmm.default cannot be tiled.*is 256 bytes.*128 bytes"):
         torch.bmm(torch.randn(2, 3, 64, device=device), experts)
+
+
+def test_a_weight_larger_than_the_room_times_a_vector_runs_in_row_tiles(device):
+    # weight @ v (matmul of a 2-D weight and a 1-D input) runs mv, which paged the weight whole:
+    # BudgetError at a budget that placement accepted for tiles of its rows.
+    torch.manual_seed(0)
+    budget = 40 * 1024  # room for 16 rows of the transpose, 1.5 KiB each
+    pager = Pager(torch.device(device), budget)
+    w, b = torch.randn(384, 96), torch.randn(384)  # 147 KiB: 3.6x the budget
+    ow, ob = _offload_under(pager, w), _offload_under(pager, b)
+    w, b = w.to(device), b.to(device)
+    v, u = torch.randn(96, device=device), torch.randn(384, device=device)
+    assert torch.equal(ow @ v, w @ v)
+    assert torch.equal(torch.addmv(ob, ow, v, beta=0.5, alpha=2.0), torch.addmv(b, w, v, beta=0.5, alpha=2.0))
+    assert torch.equal(ow.t() @ u, w.t() @ u)  # rows of the transpose: gathered column-major on the host
+    weight = nn.Parameter(ow)
+    (weight @ v).square().sum().backward()  # autograd's mv: its backward is an outer product
+    reference = nn.Parameter(w.clone())
+    (reference @ v).square().sum().backward()
+    assert torch.equal(weight.grad, reference.grad)
+    assert pager.stats.peak_device_bytes <= budget
+
+
+@pytest.mark.parametrize("both", [False, True])
+def test_a_bmm_whose_one_batch_exceeds_the_room_runs_in_tiles_of_each_batch(device, both):
+    # bmm was tiled by batch only: one batch of an input and a weight larger than the room (an
+    # einsum of an input and a weight runs bmm on a batch of one) raised BudgetError at a budget
+    # that placement accepted for tiles of the weight's rows; with both operands offloaded, one
+    # batch of each had to fit together.
+    torch.manual_seed(0)
+    budget = 6 * 1024
+    pager = Pager(torch.device(device), budget)
+    a, b = torch.randn(2, 24, 64), torch.randn(2, 64, 200)  # 12 and 100 KiB
+    xa = _offload_under(pager, a) if both else a.to(device)
+    assert torch.equal(torch.bmm(xa, _offload_under(pager, b)), torch.bmm(a, b).to(device))
+    assert torch.equal(torch.bmm(_offload_under(pager, b).transpose(1, 2), xa.transpose(1, 2)),
+                       torch.bmm(b.transpose(1, 2), a.transpose(1, 2)).to(device))  # rows of the first
+    x = torch.randn(1, 3, 64, device=device)  # a decode-sized input
+    w = torch.randn(256, 64)
+    assert torch.equal(torch.einsum("bsk,nk->bsn", x, _offload_under(pager, w)),
+                       torch.einsum("bsk,nk->bsn", x, w.to(device)))
+    assert pager.stats.peak_device_bytes <= budget
 
 
 class _TiedLM(nn.Module):

@@ -238,3 +238,74 @@ def test_composite_views_shaped_by_an_offloaded_weight_run_under_inference_mode(
         expected = reference(x)
     with torch.inference_mode():
         assert torch.equal(model(x), expected)
+
+
+class _OwnProduct(nn.Module):
+    """A model's own module whose forward multiplies two of its own weights (a low-rank factorised
+    projection, an absorbed attention): ``mm``, or ``einsum`` (bmm on a batch of one), of 2-D
+    weights, or ``bmm`` / ``einsum`` of 3-D ones."""
+
+    def __init__(self, product: str):
+        super().__init__()
+        self.product = product
+        batch = (4,) if product.endswith("3d") else ()
+        self.w1 = nn.Parameter(torch.randn(*batch, 48, 128) / 8)
+        self.w2 = nn.Parameter(torch.randn(*batch, 128, 80) / 8)
+
+    def forward(self, x):
+        if self.product == "mm":
+            w = self.w1 @ self.w2
+        elif self.product == "bmm3d":
+            w = torch.bmm(self.w1, self.w2)
+        else:
+            w = torch.einsum("...ij,...jk->...ik", self.w1, self.w2)
+        return x @ w
+
+
+def _smallest_accepted(build, high: int, device) -> int:
+    """The smallest budget in bytes that wrap_model accepts for ``build()`` with every weight offloaded."""
+    low = 0
+    while low + 1 < high:
+        middle = (low + high) // 2
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ot.wrap_model(build(), budget_gb=middle / GiB, device=device, policy={"offload": ["*"]})
+        except ot.BudgetError:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
+@pytest.mark.parametrize("product", ["mm", "einsum", "bmm3d", "einsum3d"])
+def test_a_module_multiplying_two_of_its_weights_runs_at_every_budget_wrap_accepts(product, device):
+    # Placement counted a model's own module at its largest weight's tile, as if its forward read
+    # one weight per op: a budget of one slice of w1 was accepted, and w1 @ w2, which pages a tile of
+    # each, raised BudgetError in forward (as an einsum of them did: bmm on a batch of one).
+    def build():
+        torch.manual_seed(0)
+        return _OwnProduct(product)
+
+    smallest = _smallest_accepted(build, 10**7, device)
+    assert smallest >= 128 * 4 * 2  # a row of w1 and a column of w2: what one tile of w1 @ w2 pages
+    with pytest.raises(ot.BudgetError, match=rf"'w[12]' \(one op of the model itself, 2 offloaded tensors\) needs .*\({smallest} bytes\)"):
+        ot.wrap_model(build(), budget_gb=(smallest - 1) / GiB, device=device, policy={"offload": ["*"]})
+    whole = sum(p.numel() * 4 for p in build().parameters())
+    x = torch.randn(4, 3, 48, device=device) if product.endswith("3d") else torch.randn(3, 48, device=device)
+    for budget in sorted({smallest, smallest + 700, 3 * smallest, whole // 3, whole // 2 + 4096, whole}):
+        model, reference = build(), build().to(device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ot.wrap_model(model, budget_gb=budget / GiB, device=device, policy={"offload": ["*"]})
+        exact = not any("in the last bits" in str(w.message) for w in caught)
+        out, expected = model(x), reference(x)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        for got, want in ((out, expected), (model.w1.grad, reference.w1.grad), (model.w2.grad, reference.w2.grad)):
+            if exact:
+                assert torch.equal(got, want), budget
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        s = ot.stats(model)
+        assert s.peak_device_bytes <= s.budget_bytes, budget

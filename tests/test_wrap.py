@@ -592,6 +592,58 @@ def test_wrapping_twice_raises(pair, device):
         ot.wrap_model(model, budget_gb=1, device=device)
 
 
+def _two_linears():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+
+
+def test_wrapping_a_model_around_a_wrapped_submodule_is_refused_naming_it(device):
+    # Wrapping the parent of a submodule wrapped on its own was accepted: the submodule's weights
+    # stayed on its own pager, outside the parent's budget, and its own stats went stale; likewise
+    # a module shared with another wrapped model, whose weights moved to the new pager.
+    model, reference = _two_linears(), _two_linears().to(device)
+    ot.wrap_model(model[0], budget_gb=32 * 1024 / 2**30, device=device, policy={"offload": ["*"]})
+    with pytest.raises(RuntimeError, match=r"Linear '0' of this Sequential is wrapped on its own \(budget 32768 bytes"
+                                           r".*ot.unwrap_model\(model.get_submodule\('0'\)\)"):
+        ot.wrap_model(model, budget_gb=80 * 1024 / 2**30, device=device, policy={"offload": ["*"]})
+    assert not isinstance(model[2].weight, ot.OffloadedTensor) and ot.stats(model[0]).budget_bytes == 32 * 1024
+    shared = nn.Sequential(model[0])  # a second model holding the wrapped submodule
+    with pytest.raises(RuntimeError, match=r"Linear '0' of this Sequential is wrapped on its own"):
+        ot.wrap_model(shared, budget_gb=1, device=device)
+    ot.unwrap_model(model[0])
+    ot.wrap_model(model, budget_gb=80 * 1024 / 2**30, device=device, policy={"offload": ["*"]})
+    with pytest.raises(RuntimeError, match=r"Linear '0' of this Sequential is a module of another wrapped model, a "
+                                           r"Sequential \(budget 81920 bytes"):
+        ot.wrap_model(shared, budget_gb=1, device=device)
+    with pytest.raises(RuntimeError, match=r"this Linear is a module of a wrapped Sequential \(budget 81920 bytes"):
+        ot.wrap_model(model[2], budget_gb=1, device=device)
+    x = torch.randn(3, 64, device=device)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    s = ot.stats(model)
+    assert s.peak_device_bytes <= s.budget_bytes
+
+
+def test_assigning_a_module_wrapped_on_its_own_into_a_wrapped_model_is_refused(device):
+    # It was accepted: its weights moved to the model's pager while it stayed wrapped on its own,
+    # with its own pager, hooks and stats, and what was later assigned into it went to that pager.
+    model = _two_linears()
+    ot.wrap_model(model, budget_gb=80 * 1024 / 2**30, device=device, policy={"offload": ["*"]})
+    other = nn.Linear(64, 64)
+    ot.wrap_model(other, budget_gb=8 * 1024 / 2**30, device=device, policy={"offload": ["*"]})
+    pager = other.weight._master.pager
+    for assign in (lambda: setattr(model, "extra", other), lambda: model.add_module("extra", other),
+                   lambda: model.append(nn.Sequential(other))):
+        with pytest.raises(RuntimeError, match=r"Linear .*is wrapped on its own \(budget 8192 bytes.*before assigning "
+                                               r"it into this wrapped model"):
+            assign()
+        assert not hasattr(model, "extra") and len(model) == 3
+        assert other.weight._master.pager is pager
+    ot.unwrap_model(other)
+    model.extra = other  # placed under the model's budget, as any new submodule
+    assert isinstance(other.weight, ot.OffloadedTensor) and other.weight._master.pager is model[0].weight._master.pager
+
+
 @pytest.mark.parametrize("budget", [-1, -0.5, float("nan"), "1"])
 def test_bad_budget_raises(device, budget):
     with pytest.raises((ValueError, TypeError), match="budget_gb"):

@@ -19,7 +19,7 @@ from .dtensor import asked_by_distribute_module, refuse_distribute, refuse_shard
 from .loads import after_load, portable_state_dict
 from .moves import resident_bytes
 from .place import place, place_attribute
-from .state import State, enrol, offloaded_weights, placing_state, withdraw, wrapped_state
+from .state import State, enrol, offloaded_weights, placing_state, refuse_wrapped_elsewhere, withdraw, wrapped_state
 
 
 def _set_attribute(set_attribute, module: nn.Module, name: str, value) -> None:
@@ -121,6 +121,8 @@ def _add_submodule(add_module, module: nn.Module, name: str, submodule) -> None:
 def _attach_submodule(state: State, module: nn.Module, name: str, submodule: nn.Module) -> None:
     """``submodule`` is being set as ``module.name`` of a wrapped model: its modules join the model
     and its tensors are placed, those of the submodule it replaces no longer counting."""
+    refuse_wrapped_elsewhere(submodule, f"assigning it into this wrapped model as '{state.qualified_name(module, name)}'",
+                             state)
     old = module._modules.get(name)
     # Slots of the module being replaced stop counting, except those of its submodules that the new
     # one keeps (peft's LoRA layer holds the Linear it replaces as ``base_layer``): they stay resident.

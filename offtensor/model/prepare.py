@@ -21,7 +21,7 @@ from .copies import StepHook, register_wrapped, unregister_wrapped
 from .dtensor import refuse_offloading_what_fsdp2_manages
 from .groups import collect_groups
 from .moves import Undo, as_param_like, make_resident, offload_group, refit_wrappers, resident_bytes, swap
-from .state import State, wrapped_state
+from .state import State, refuse_wrapped_elsewhere, wrapped_state
 
 
 class Prepared(NamedTuple):
@@ -80,10 +80,17 @@ def check_wrappable(model) -> None:
         raise TypeError(f"offtensor: expected an nn.Module, got {type(model).__name__}")
     state = wrapped_state(model)
     if state is not None:
+        owner = state.model_ref()
+        if owner is not None and owner is not model:
+            raise RuntimeError(
+                f"offtensor: this {type(model).__name__} is a module of a wrapped {type(owner).__name__} (budget "
+                f"{state.pager.budget_bytes} bytes on {state.pager.device}), whose budget holds its weights; call "
+                f"ot.unwrap_model on that {type(owner).__name__} before wrapping this module on its own")
         raise RuntimeError(
             f"offtensor: {type(model).__name__} is already wrapped (budget {state.pager.budget_bytes} bytes on "
             f"{state.pager.device}); call ot.unwrap_model(model) before wrapping it again"
         )
+    refuse_wrapped_elsewhere(model, f"wrapping this {type(model).__name__} around it")
     _refuse_accelerate_offload(model)
 
 

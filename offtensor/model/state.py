@@ -210,6 +210,27 @@ def wrapped_state(module: nn.Module) -> Optional[State]:
     return member.state if member is not None and member.module() is module else None
 
 
+def refuse_wrapped_elsewhere(module: nn.Module, doing: str, state: "Optional[State]" = None) -> None:
+    """Refuse ``doing`` with ``module`` where it, or a module in it, is already a module of a wrapped
+    model other than ``state``'s (wrapped on its own, or shared with another wrapped model): its
+    weights would be paged under two budgets at once and that wrap's stats go stale. Raises before
+    anything changes, naming the module, as ``wrap_model`` of a wrapped model itself does."""
+    for name, sub in module.named_modules():
+        other = wrapped_state(sub)
+        owner = other.model_ref() if other is not None and other is not state else None
+        if owner is None:
+            continue
+        own = owner is sub
+        what = "wrapped on its own" if own else f"a module of another wrapped model, a {type(owner).__name__}"
+        unwrap = (f"ot.unwrap_model on that {type(owner).__name__}" if not own
+                  else f"ot.unwrap_model(model.get_submodule({name!r}))" if name else "ot.unwrap_model on it")
+        which = f"{type(sub).__name__} '{name}' of this {type(module).__name__}" if name else f"this {type(sub).__name__}"
+        raise RuntimeError(
+            f"offtensor: {which} is {what} (budget "
+            f"{other.pager.budget_bytes} bytes on {other.pager.device}); call {unwrap} before {doing}. Nothing was "
+            f"changed.")
+
+
 def offloaded_weights(module: nn.Module) -> list:
     """``(name, tensor)`` of each weight of ``module``'s wrapped model with an offloaded leaf, in the
     model's order (empty for a module of no wrapped model): what refusals name."""

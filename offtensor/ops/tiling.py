@@ -1,6 +1,6 @@
 """Ops computed in pieces when the budget's free room is short: lists of offloaded inputs paged one at a
 time (``cat``, ``stack``, ``_foreach_*``), and weights larger than the room computed in output tiles
-(``linear``, ``mm``/``addmm``, ``bmm``, ``convolution``), ``TILE_ALIGN`` wide where the room allows."""
+(``linear``, ``mm``/``addmm``, ``mv``/``addmv``, ``bmm``, ``convolution``), ``TILE_ALIGN`` wide where the room allows."""
 
 from __future__ import annotations
 
@@ -136,11 +136,11 @@ class ForeachInPieces:
 
 # A weight larger than the budget's free room is computed in output tiles that fit: rows of a
 # linear weight (output features), columns of mm's second operand, output channels of a
-# convolution, batches of bmm. Each tile is one call of the same op on a slice of the weight, and
+# convolution, batches of bmm (columns and rows of each batch where one does not fit). Each tile is one call of the same op on a slice of the weight, and
 # the tiles are concatenated. Every output element is computed from the same inputs with the same
 # reduction length, so results are bit-identical where the kernel sums in the same order for a
-# narrower output: on CPU (MKL/oneDNN) that held for every tile at least TILE_ALIGN wide in
-# test_budget_and_tiling; tiles narrower than that (a budget with room for only a few rows) may
+# narrower output: on CPU (MKL/oneDNN) that held for every tile at least TILE_ALIGN wide and cut at
+# multiples of TILE_ALIGN in test_budget_and_tiling; tiles narrower than that (a budget with room for only a few rows) may
 # make BLAS pick a matrix-vector kernel, which differs in the last bits (tested to a tolerance).
 # Placement reserves room for tiles TILE_ALIGN wide (placement.tile_working_set), so a wrapped
 # model's tiles stay bit-identical; narrower ones are its fallback, with a warning.
@@ -157,14 +157,18 @@ def _page_slice(t, dim: int, start: int, stop: int, paged: Paged):
     """Device tensor of ``t.narrow(dim, start, stop - start)``, paging only that slice's own
     elements: tiles are sized by them (``_tile_size``, ``placement.tile_working_set``), so a strided
     slice whose covering range holds more (a column tile of a row-major weight covers nearly all of
-    its rows) is gathered on the host first and uploaded compact."""
+    its rows) is gathered on the host first and uploaded compact, in its own memory order: rows of
+    a transposed weight stay column-major, so that a kernel whose order of summing follows the
+    layout (mv's) sums each output as it does for the whole weight."""
     if not isinstance(t, OffloadedTensor):
         return t.narrow(dim, start, stop - start)
     host = t._host.narrow(dim, start, stop - start)
     lo, hi = host_layout(host)[:2]
     if (hi - lo) <= host.numel():
         return paged.page(OffloadedTensor(host, t._master))
-    return t._master.pager.upload(host.contiguous(), describe(t), paged.entries)[0]
+    order = sorted(range(host.dim()), key=lambda d: -host.stride(d))  # outermost first
+    gathered = t._master.pager.upload(host.permute(order).contiguous(), describe(t), paged.entries)[0]
+    return gathered.permute(sorted(range(host.dim()), key=order.__getitem__))
 
 
 def _tile_size(weight: OffloadedTensor, dim: int, others: int, what: str, sliced=()) -> int:
@@ -186,16 +190,21 @@ def _tile_size(weight: OffloadedTensor, dim: int, others: int, what: str, sliced
 
 def _tiled(weight, dim, others, what, compute, out_dim, sliced=()):
     """``compute(start, stop, paged)`` for tiles of ``weight`` along ``dim``, concatenated along
-    ``out_dim`` of the outputs. Each tile's pages are released before the next is paged."""
+    ``out_dim`` of the outputs. Each tile's pages are released before the next is paged. Where the
+    room allows, tiles are cut at multiples of ``TILE_ALIGN`` and are at least that wide."""
     n = weight.shape[dim]
-    step = _tile_size(weight, dim, others, what, sliced)
-    if TILE_ALIGN <= step < n:
-        step -= step % TILE_ALIGN
+    fits = _tile_size(weight, dim, others, what, sliced)
+    step = fits - fits % TILE_ALIGN if TILE_ALIGN <= fits < n else fits
     bounds = list(range(0, n, step)) + [n]
-    if len(bounds) > 2 and bounds[-1] - bounds[-2] < TILE_ALIGN <= step - TILE_ALIGN:
-        # Every tile at least TILE_ALIGN wide where the room allows: a 1- or 2-wide output makes
-        # BLAS pick a matrix-vector kernel that sums in another order.
-        bounds[-2] = n - TILE_ALIGN
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] < TILE_ALIGN and step % TILE_ALIGN == 0:
+        # A 1- or 2-wide output makes BLAS pick a matrix-vector kernel that sums in another order,
+        # so the last tile takes TILE_ALIGN more outputs from the one before, where the room allows.
+        # The cut stays at a multiple of TILE_ALIGN: for one row of input (a decode step's token)
+        # MKL computes the outputs in blocks of 16 from the first, and an output of a tile that
+        # starts elsewhere, or of a block a tile's end splits, is summed in another order.
+        cut = bounds[-2] - TILE_ALIGN
+        if cut > bounds[-3] and n - cut <= fits:
+            bounds[-2] = cut
     outs = []
     for start, stop in zip(bounds, bounds[1:]):
         paged = Paged()
@@ -256,59 +265,68 @@ def mm(func, types, args, kwargs):
     addmm = func is aten.addmm.default
     bias, a, b = (args[0], args[1], args[2]) if addmm else (None, args[0], args[1])
     if needs_tiling(b, [a, bias]) and b.dim() == 2:
-        big, dim, other = b, 1, a  # columns of b -> columns of the output
+        columns = True  # columns of b -> columns of the output
     elif needs_tiling(a, [b, bias]) and a.dim() == 2:
-        big, dim, other = a, 0, b  # rows of a -> rows of the output
+        columns = False  # rows of a -> rows of the output
     else:
         return run(func, args, kwargs)
+    return _product_tiled(func, a, b, columns, (bias, *args[3:]) if addmm else (), kwargs)
+
+
+def _product_tiled(func, a, b, columns: bool, before: tuple, kwargs, lead: int = 0):
+    """mm / addmm of ``a`` and ``b`` (``lead`` 0), or bmm of one batch of them (``lead`` 1: each of
+    batch size 1), in tiles of ``b``'s columns (``columns``) or of ``a``'s rows; ``before``:
+    addmm's bias, beta and alpha (empty for mm and bmm)."""
+    bias = before[0] if before else None
+    big, dim, other = (b, lead + 1, a) if columns else (a, lead, b)
     size = big.shape[dim]
     bias_dim = None
     if isinstance(bias, torch.Tensor) and bias.dim():
         bias_dim = dim - 2 + bias.dim()
         bias_dim = bias_dim if bias_dim >= 0 and bias.shape[bias_dim] == size else None
     _, others = _offloaded_bytes([other] + ([bias] if bias_dim is None else []))
-    inner = _inner_tiles(big, dim, other, bias, others)
+    inner = _inner_tiles(big, dim - lead, other, bias, others, lead)
     if inner is not None:
         others += inner - _offloaded_bytes([other])[1]
 
     def compute(start, stop, paged):
         part = _page_slice(big, dim, start, stop, paged)
-        left, right = (paged.arg(a) if inner is None else a, part) if dim == 1 else (part, paged.arg(b))
-        if not addmm:
-            return func(left, right, **kwargs) if inner is None else _rows_tiled(func, left, right, (), kwargs)
-        bias_part = _bias_slice(bias, dim, start, stop, size, paged)
+        left, right = (paged.arg(a) if inner is None else a, part) if columns else (part, paged.arg(b))
+        rest = (_bias_slice(bias, dim, start, stop, size, paged), *before[1:]) if before else ()
         if inner is not None:
-            return _rows_tiled(func, left, right, (bias_part, *args[3:]), kwargs)
-        return func(bias_part, left, right, *args[3:], **kwargs)
+            return _rows_tiled(func, left, right, rest, kwargs, lead)
+        return func(*rest[:1], left, right, *rest[1:], **kwargs)
 
     return _tiled(big, dim, others, str(func), compute, dim, [] if bias_dim is None else [(bias, bias_dim)])
 
 
-def _inner_tiles(big, dim: int, other, bias, others: int):
+def _inner_tiles(big, dim: int, other, bias, others: int, lead: int = 0):
     """Room to keep for ``a`` when mm's operands are both offloaded and ``a`` cannot be paged whole
     beside ``TILE_ALIGN`` columns of ``b``: ``TILE_ALIGN`` of its rows, which each column tile then
     computes in row tiles (``_rows_tiled``). Paging ``a`` whole beside every column tile raised
     BudgetError, or cut the columns narrower than TILE_ALIGN, silently, at a budget that holds a
     tile of each, as an op of two weights of different modules (``a.weight @ b.weight``) needs.
-    None: ``a`` is paged whole (it fits, it is not offloaded, or a 2-D bias would need row tiles too)."""
-    if (dim != 1 or not isinstance(other, OffloadedTensor) or other.shape[0] == 0
+    None: ``a`` is paged whole (it fits, it is not offloaded, or a 2-D bias would need row tiles too).
+    ``dim`` counts from ``lead`` (1 for one batch of a bmm)."""
+    if (dim != 1 or not isinstance(other, OffloadedTensor) or other.shape[lead] == 0
             or (isinstance(bias, torch.Tensor) and bias.dim() > 1)):
         return None
-    free, column = big._master.pager.free_bytes(), _slice_bytes(big, dim)
+    free, column = big._master.pager.free_bytes(), _slice_bytes(big, lead + dim)
     if others + TILE_ALIGN * column <= free:
         return None
-    rows = min(_offloaded_bytes([other])[1], TILE_ALIGN * _slice_bytes(other, 0))
-    return rows if rows + TILE_ALIGN * column <= free else _slice_bytes(other, 0)  # else narrow tiles of both
+    rows = min(_offloaded_bytes([other])[1], TILE_ALIGN * _slice_bytes(other, lead))
+    return rows if rows + TILE_ALIGN * column <= free else _slice_bytes(other, lead)  # else narrow tiles of both
 
 
-def _rows_tiled(func, a: OffloadedTensor, right: torch.Tensor, before: tuple, kwargs):
-    """mm / addmm of offloaded ``a`` and a device column tile ``right`` in tiles of ``a``'s rows,
-    in the room the column tile leaves (``before``: addmm's bias slice, then its beta and alpha)."""
+def _rows_tiled(func, a: OffloadedTensor, right: torch.Tensor, before: tuple, kwargs, lead: int = 0):
+    """mm / addmm (or bmm of one batch) of offloaded ``a`` and a device column tile ``right`` in
+    tiles of ``a``'s rows, in the room the column tile leaves (``before``: addmm's bias slice, then
+    its beta and alpha)."""
     def compute(start, stop, paged):
-        rows = _page_slice(a, 0, start, stop, paged)
+        rows = _page_slice(a, lead, start, stop, paged)
         return func(*before[:1], rows, right, *before[1:], **kwargs)
 
-    return _tiled(a, 0, 0, str(func), compute, 0)
+    return _tiled(a, lead, 0, str(func), compute, lead)
 
 
 @implements(aten.bmm.default)
@@ -318,11 +336,46 @@ def bmm(func, types, args, kwargs):
     if big is None:
         return run(func, args, kwargs)
     other = a if big is b else b
+    batch = _slice_bytes(big, 0) + (_slice_bytes(other, 0) if isinstance(other, OffloadedTensor) else 0)
+    if batch > big._master.pager.free_bytes() and big.shape[0] > 0:
+        # Not even one batch of the offloaded operands fits (einsum of weights runs bmm on a batch
+        # of one): each batch in tiles of its columns and rows, as mm is.
+        outs = [_product_tiled(func, _batch(a, i), _batch(b, i), big is b, (), kwargs, lead=1)
+                for i in range(big.shape[0])]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def compute(start, stop, paged):
         return func(_page_slice(a, 0, start, stop, paged), _page_slice(b, 0, start, stop, paged), **kwargs)
 
     return _tiled(big, 0, 0, str(func), compute, 0, [(other, 0)])
+
+
+def _batch(t, i: int):
+    """Batch ``i`` of a bmm operand, as a batch of one: an OffloadedTensor view of its host master."""
+    if isinstance(t, OffloadedTensor):
+        return OffloadedTensor(t._host.narrow(0, i, 1), t._master)
+    return t.narrow(0, i, 1)
+
+
+@implements(aten.mv.default, aten.addmv.default)
+def mv(func, types, args, kwargs):
+    """A matrix larger than the room times a vector (``weight @ v``): rows of the matrix in tiles,
+    as mm's rows (addmv's bias cut with them)."""
+    addmv = func is aten.addmv.default
+    bias, a, v = (args[0], args[1], args[2]) if addmv else (None, args[0], args[1])
+    if not needs_tiling(a, [v, bias]):
+        return run(func, args, kwargs)
+    cut = isinstance(bias, torch.Tensor) and bias.dim() == 1 and bias.shape[0] == a.shape[0] and a.shape[0] > 1
+    _, others = _offloaded_bytes([v] + ([] if cut else [bias]))
+
+    def compute(start, stop, paged):
+        rows = _page_slice(a, 0, start, stop, paged)
+        if not addmv:
+            return func(rows, paged.arg(v), **kwargs)
+        part = _page_slice(bias, 0, start, stop, paged) if cut else paged.arg(bias)
+        return func(part, rows, paged.arg(v), *args[3:], **kwargs)
+
+    return _tiled(a, 0, others, str(func), compute, 0, [(bias, 0)] if cut else [])
 
 
 @implements(aten.convolution.default)

@@ -66,13 +66,13 @@ from .budget import GiB, Budget, BudgetError
 from .cache import (
     CacheKey, CachedCopy, CacheView, LeastRecentlyUsed, cache_key, covering_range, host_layout, page_layout,
 )
-from .device import pins_host_memory, resolve_device, strict_from_env, upload_small
+from .device import device_total_bytes, free_device_bytes, pins_host_memory, resolve_device, strict_from_env, upload_small
 from .masters import Master, master_for, registered_master
 from .pager import Pager
 from .stats import OffloadStats, format_bytes
 
 __all__ = [
     "GiB", "Budget", "BudgetError", "CacheKey", "CachedCopy", "CacheView", "LeastRecentlyUsed", "cache_key",
-    "covering_range", "host_layout", "page_layout", "pins_host_memory", "resolve_device", "strict_from_env", "upload_small",
+    "covering_range", "host_layout", "page_layout", "device_total_bytes", "free_device_bytes", "pins_host_memory", "resolve_device", "strict_from_env", "upload_small",
     "Master", "master_for", "registered_master", "Pager", "OffloadStats", "format_bytes",
 ]

@@ -107,6 +107,25 @@ def resolve_device(device) -> torch.device:
     return torch.device("cuda", index)
 
 
+def device_total_bytes(device: torch.device) -> "int | None":
+    """All the memory of ``device`` (a GPU's total, the emulated device's: the machine's RAM), or
+    None where it is not known (meta)."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[1]
+        if device.type == "cpu":
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (RuntimeError, ValueError, OSError):
+        return None
+    return None
+
+
+def free_device_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def for_device(device: torch.device, strict: bool) -> "EmulatedDevice":
     """The device operations for ``device``'s kind (``strict`` applies to the emulated device only)."""
     if device.type == "cuda":
