@@ -16,6 +16,7 @@ called it, as Python attributes it).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import opcode
@@ -31,6 +32,7 @@ import torch
 import offtensor as ot
 from offtensor.model import copies as _copies
 from offtensor.pager import Pager
+from offtensor.tensor import OffloadedTensor
 
 from test_interrupts import _moe as _interrupts_moe
 from test_interrupts_atomic import _wait_child
@@ -285,3 +287,58 @@ def test_a_fork_while_a_thread_adopts_an_orphaned_weight_leaves_the_child_free_t
     adopting.join(10)
     assert status == 0
     assert torch.equal(w1 * 2, want)
+
+
+class _PointsPastExitEntry(_Points):
+    """``_Points`` without the entry of ``HostLoan.__exit__``: Python raises there before any of its
+    code runs, which no ``with`` exit written in Python can prevent (CPython calls it as a function)."""
+
+    def __call__(self, frame, event, arg):
+        if frame.f_code.co_qualname == "HostLoan.__exit__" and self._walked(frame):
+            frame.f_trace_opcodes, frame.f_trace_lines = True, False
+            return self._opcode
+        return super().__call__(frame, event, arg)
+
+
+@needs_311
+def test_an_interrupt_at_any_point_of_on_host_gives_every_weight_and_the_lock_back():
+    """A Ctrl-C at each point of ``ot.on_host``'s enter and exit (model/host.py and what it calls),
+    its traceback kept: every slot holds its own weight again (a wrapper subclass its own object
+    over its offloaded leaves), nothing is marked lent, the pager's lock is free for another
+    thread, and the next forward and ``on_host`` run. On main the block was a ``contextlib``
+    generator holding the lock across its ``yield``: an interrupt while it lent (or gave back) left
+    slots lent to the stand-ins, and one just after its ``yield`` (in ``contextlib``'s
+    ``__enter__``) left the lock held by the suspended generator for as long as the traceback lived."""
+    from test_interrupts import _lock_is_free
+    from test_subclass_leaves import HIDDEN, _offloaded_two_tensor_model
+
+    from offtensor.model import host
+
+    # (contextlib's frames: where the block's enter and exit ran on main)
+    where = lambda code: code.co_filename in (host.__file__, contextlib.__file__)  # noqa: E731
+    model, param = _offloaded_two_tensor_model("cpu")
+    registered = [(m, name, t) for m in model.modules() for name, t in m.named_parameters(recurse=False)]
+    state = _copies.state_of(model)
+    x = torch.randn(3, HIDDEN)
+    with torch.no_grad():
+        want = model(x)
+
+    def block():
+        with torch.no_grad(), ot.on_host(model):
+            model[0].weight.mul_(1)  # a transform writing through its stand-in (the same values)
+
+    total = _points(block, where)
+    assert total > 20
+    kept = []  # the tracebacks a REPL would keep (only the last, there)
+    for n in range(1, total + 1):
+        kept.append(_PointsPastExitEntry(n, where).run(block))
+        assert all(m._parameters[name] is t for m, name, t in registered), n
+        assert isinstance(param.a, OffloadedTensor) and isinstance(param.b, OffloadedTensor), n
+        assert state.lent_slots == frozenset(), n
+        assert state.pager.lock._recursion_count() == 0 and _lock_is_free(state.pager), n
+        with torch.no_grad():
+            out = model(x)
+        assert torch.equal(out.a, want.a) and torch.equal(out.b, want.b), n
+    assert sum(error is not None for error in kept) > total - 5
+    block()
+    assert all(m._parameters[name] is t for m, name, t in registered)
