@@ -342,3 +342,86 @@ def test_an_interrupt_at_any_point_of_on_host_gives_every_weight_and_the_lock_ba
     assert sum(error is not None for error in kept) > total - 5
     block()
     assert all(m._parameters[name] is t for m, name, t in registered)
+
+
+def _refresh_points(model, reference, ids, step: int):
+    """Yield after a Ctrl-C at every ``step``-th point of an expert registry's refresh (after an
+    expert stack is assigned anew: ``State.refresh_experts``, moe/hooks.py, the budget's accounts
+    and what they call), its traceback kept, and a decode step that runs the refresh again."""
+    from offtensor.model.state import State
+    from offtensor.moe import hooks as moe_hooks
+    from offtensor.moe import predictor
+    from offtensor.pager import budget, room
+
+    files = {moe_hooks.__file__, predictor.__file__, budget.__file__, room.__file__}
+    where = lambda code: code is State.refresh_experts.__code__ or code.co_filename in files  # noqa: E731
+
+    def restack():
+        experts = model.layers[1].mlp.experts
+        experts.w1 = torch.nn.Parameter(reference.layers[1].mlp.experts.w1.detach().clone())
+
+    want = reference.generate(ids, 2)
+    restack()
+    total = _points(lambda: model.generate(ids, 2), where)
+    assert total > 50
+    kept = []
+    for n in range(1, total + 1, step):
+        restack()
+        kept.append(_Points(n, where).run(lambda: model.generate(ids, 2)))
+        assert torch.equal(model.generate(ids, 2), want), n  # no BudgetError: the refresh ran again
+        yield n
+    # (Not every point: one in a finalizer, the replaced stack's master dying, is lost to Python.)
+    assert sum(error is not None for error in kept) > total // step // 2
+
+
+@needs_311
+def test_an_expert_pool_refresh_cut_short_anywhere_gives_the_budget_back_exactly_once(monkeypatch):
+    """``expert_pool=True``: the pools' bytes are held from the budget. After a Ctrl-C at each
+    point of a refresh (detach, attach), the next step's refresh leaves the budget minus exactly
+    the new pools' bytes. On main an interrupt between the detach dropping the pools and giving
+    their bytes back lost them for good (the budget shrank by the pools' bytes per Ctrl-C, until
+    the pools no longer fitted: a BudgetError)."""
+    from offtensor.models import DeepSeekConfig, DeepSeekForCausalLM
+
+    config = DeepSeekConfig(
+        vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, q_lora_rank=0, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=16, n_shared_experts=1,
+        num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=128, first_k_dense_replace=1,
+    )
+    reference = DeepSeekForCausalLM.empty(config).init_weights(seed=0).eval()
+    model = copy.deepcopy(reference)
+    weights = sum(p.numel() * p.element_size() for p in reference.parameters())
+    ot.wrap_model(model, budget_gb=0.5 * weights / GiB, device="cpu", expert_pool=True)
+    pager = _copies.state_of(model).pager
+    full = pager.budget_bytes + pager.expert_pool.nbytes
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)  # (pytest's keeps the tracebacks)
+    for n in _refresh_points(model, reference, ids, 3):
+        assert pager.expert_pool is not None and pager.budget_bytes + pager.expert_pool.nbytes == full, n
+
+
+@needs_311
+def test_a_refresh_cut_short_anywhere_keeps_the_learned_lookahead_and_its_bytes(monkeypatch):
+    """An installed learned look-ahead is installed again for the stacks registered anew. After a
+    Ctrl-C at each point of that refresh, the next step's refresh leaves it installed (every map
+    on its router) and the budget minus exactly its bytes. On main a refresh cut short after the
+    detach ran again without it (the look-ahead was gone for good), and one cut short between the
+    detach giving back the maps' bytes and forgetting them gave them back twice."""
+    from offtensor.moe.predictor import LOOKAHEAD_ACCOUNT, LookaheadPredictor, install
+
+    model, reference, ids = _moe(monkeypatch, 0.5)
+    pager = _copies.state_of(model).pager
+    full = pager.budget_bytes
+    g = torch.Generator().manual_seed(0)
+    maps = LookaheadPredictor()
+    for i in range(2):  # the first two of the three MoE layers guess the next
+        maps.weights[i], maps.biases[i] = torch.randn(16, 64, generator=g), torch.zeros(16)
+    install(pager, maps)
+    nbytes = maps.installed_bytes(4)
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)
+    assert pager.budget_bytes == full - nbytes
+    for n in _refresh_points(model, reference, ids, 5):
+        routers = [r for r in pager.experts.speculator.routers if r.stacks]
+        assert [r.lookahead is not None for r in routers] == [True, True, False], n
+        assert pager.experts.lookahead[0] is maps and pager.held_outside(LOOKAHEAD_ACCOUNT) == nbytes, n
+        assert pager.budget_bytes == full - nbytes, n
