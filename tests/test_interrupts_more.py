@@ -425,3 +425,46 @@ def test_a_refresh_cut_short_anywhere_keeps_the_learned_lookahead_and_its_bytes(
         assert [r.lookahead is not None for r in routers] == [True, True, False], n
         assert pager.experts.lookahead[0] is maps and pager.held_outside(LOOKAHEAD_ACCOUNT) == nbytes, n
         assert pager.budget_bytes == full - nbytes, n
+
+
+@needs_311
+def test_an_unwrap_interrupted_while_it_moves_the_weights_leaves_the_model_wrapped_and_whole(monkeypatch):
+    """A Ctrl-C at every point of an unwrap's moves (model/moves.py, torch's ``swap_tensors``,
+    ``prepare.unwrap``): the model is still wrapped with the right outputs, and a second
+    ``unwrap_model`` gives plain Parameters with them; or the first finished. On main an interrupt
+    inside ``swap_tensors`` (which exchanges class, attributes and C++ tensor one by one) left a
+    Parameter of the plain class over the offloaded tensor, which neither a forward nor a second
+    unwrap could use (torch raised: "Attempted to access the data pointer on an invalid python
+    storage", or an internal assert of its dispatch)."""
+    import torch.utils
+
+    from offtensor.model import moves, prepare
+
+    files = {moves.__file__, torch.utils.__file__}
+    where = lambda code: code.co_filename in files or code is prepare.unwrap.__code__  # noqa: E731
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)  # (a master's finalizer, interrupted)
+    x = _inputs("cpu", 1)[0]
+    with torch.no_grad():
+        want = _reference()(x)
+
+    def warm():
+        model = _reference()
+        _wrap(model)
+        with torch.no_grad():
+            model(x)
+        return model
+
+    model = warm()
+    total = _points(lambda: ot.unwrap_model(model), where)
+    assert total > 100
+    for n in range(1, total + 1):
+        model = warm()
+        params = list(model.parameters())
+        _Points(n, where).run(lambda: ot.unwrap_model(model))
+        if _copies.is_wrapped(model):
+            with torch.no_grad():
+                assert torch.equal(model(x), want), n
+            ot.unwrap_model(model)
+        assert list(model.parameters()) == params and all(type(p) is torch.nn.Parameter for p in params), n
+        with torch.no_grad():
+            assert torch.equal(model(x), want), n
