@@ -468,3 +468,60 @@ def test_an_unwrap_interrupted_while_it_moves_the_weights_leaves_the_model_wrapp
         assert list(model.parameters()) == params and all(type(p) is torch.nn.Parameter for p in params), n
         with torch.no_grad():
             assert torch.equal(model(x), want), n
+
+
+class _PointsPastEntry(_Points):
+    """``_Points`` without the entry of the function whose code is ``entry``: Python raises there
+    before any of its code runs."""
+
+    def __init__(self, n, where, entry):
+        super().__init__(n, where)
+        self.entry = entry
+
+    def __call__(self, frame, event, arg):
+        if frame.f_code is self.entry and self._walked(frame):
+            frame.f_trace_opcodes, frame.f_trace_lines = True, False
+            return self._opcode
+        return super().__call__(frame, event, arg)
+
+
+@needs_311
+def test_an_interrupt_where_a_master_dies_leaves_the_offloaded_bytes_right(monkeypatch):
+    """A weight of a wrapped model replaced (its old host master dies, and its finalizer drops the
+    master's cached copies and its bytes from the pager's count), a Ctrl-C at each point of that
+    finalizer past its entry (which Python then ignores): the pager counts exactly the live
+    masters' bytes, and the forward is right. On main the count came after the drop of the copies:
+    an interrupt there left the dead master's bytes counted for good."""
+    from offtensor.pager import room
+    from offtensor.pager.masters import Master
+
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)
+    # (room.py: the drop of the copies, and the room the re-placement makes)
+    where = lambda code: code is Master._died.__code__ or code.co_filename == room.__file__  # noqa: E731
+    reference = _reference()
+    x = _inputs("cpu", 1)[0]
+
+    def offloaded(model) -> int:
+        masters = {p._master.id: p._master.nbytes for p in model.parameters() if isinstance(p, OffloadedTensor)}
+        return sum(masters.values())
+
+    def replace(model):
+        with torch.no_grad():
+            model(x)  # the weight's copy is cached
+        layer = model.layers[0]
+        layer.weight = torch.nn.Parameter(reference.layers[0].weight.detach().clone())
+
+    model = _reference()
+    _wrap(model)
+    assert isinstance(model.layers[0].weight, OffloadedTensor)
+    total = _points(lambda: replace(model), where)
+    assert total > 3
+    for n in range(1, total + 1):
+        model = _reference()
+        _wrap(model)
+        pager = _copies.state_of(model).pager
+        _PointsPastEntry(n, where, Master._died.__code__).run(lambda: replace(model))
+        gc.collect()
+        assert pager.offloaded_bytes == offloaded(model), n
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x)), n
