@@ -16,6 +16,7 @@ called it, as Python attributes it).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import opcode
@@ -31,6 +32,7 @@ import torch
 import offtensor as ot
 from offtensor.model import copies as _copies
 from offtensor.pager import Pager
+from offtensor.tensor import OffloadedTensor
 
 from test_interrupts import _moe as _interrupts_moe
 from test_interrupts_atomic import _wait_child
@@ -285,3 +287,241 @@ def test_a_fork_while_a_thread_adopts_an_orphaned_weight_leaves_the_child_free_t
     adopting.join(10)
     assert status == 0
     assert torch.equal(w1 * 2, want)
+
+
+class _PointsPastExitEntry(_Points):
+    """``_Points`` without the entry of ``HostLoan.__exit__``: Python raises there before any of its
+    code runs, which no ``with`` exit written in Python can prevent (CPython calls it as a function)."""
+
+    def __call__(self, frame, event, arg):
+        if frame.f_code.co_qualname == "HostLoan.__exit__" and self._walked(frame):
+            frame.f_trace_opcodes, frame.f_trace_lines = True, False
+            return self._opcode
+        return super().__call__(frame, event, arg)
+
+
+@needs_311
+def test_an_interrupt_at_any_point_of_on_host_gives_every_weight_and_the_lock_back():
+    """A Ctrl-C at each point of ``ot.on_host``'s enter and exit (model/host.py and what it calls),
+    its traceback kept: every slot holds its own weight again (a wrapper subclass its own object
+    over its offloaded leaves), nothing is marked lent, the pager's lock is free for another
+    thread, and the next forward and ``on_host`` run. On main the block was a ``contextlib``
+    generator holding the lock across its ``yield``: an interrupt while it lent (or gave back) left
+    slots lent to the stand-ins, and one just after its ``yield`` (in ``contextlib``'s
+    ``__enter__``) left the lock held by the suspended generator for as long as the traceback lived."""
+    from test_interrupts import _lock_is_free
+    from test_subclass_leaves import HIDDEN, _offloaded_two_tensor_model
+
+    from offtensor.model import host
+
+    # (contextlib's frames: where the block's enter and exit ran on main)
+    where = lambda code: code.co_filename in (host.__file__, contextlib.__file__)  # noqa: E731
+    model, param = _offloaded_two_tensor_model("cpu")
+    registered = [(m, name, t) for m in model.modules() for name, t in m.named_parameters(recurse=False)]
+    state = _copies.state_of(model)
+    x = torch.randn(3, HIDDEN)
+    with torch.no_grad():
+        want = model(x)
+
+    def block():
+        with torch.no_grad(), ot.on_host(model):
+            model[0].weight.mul_(1)  # a transform writing through its stand-in (the same values)
+
+    total = _points(block, where)
+    assert total > 20
+    kept = []  # the tracebacks a REPL would keep (only the last, there)
+    for n in range(1, total + 1):
+        kept.append(_PointsPastExitEntry(n, where).run(block))
+        assert all(m._parameters[name] is t for m, name, t in registered), n
+        assert isinstance(param.a, OffloadedTensor) and isinstance(param.b, OffloadedTensor), n
+        assert state.lent_slots == frozenset(), n
+        assert state.pager.lock._recursion_count() == 0 and _lock_is_free(state.pager), n
+        with torch.no_grad():
+            out = model(x)
+        assert torch.equal(out.a, want.a) and torch.equal(out.b, want.b), n
+    assert sum(error is not None for error in kept) > total - 5
+    block()
+    assert all(m._parameters[name] is t for m, name, t in registered)
+
+
+def _refresh_points(model, reference, ids, step: int):
+    """Yield after a Ctrl-C at every ``step``-th point of an expert registry's refresh (after an
+    expert stack is assigned anew: ``State.refresh_experts``, moe/hooks.py, the budget's accounts
+    and what they call), its traceback kept, and a decode step that runs the refresh again."""
+    from offtensor.model.state import State
+    from offtensor.moe import hooks as moe_hooks
+    from offtensor.moe import predictor
+    from offtensor.pager import budget, room
+
+    files = {moe_hooks.__file__, predictor.__file__, budget.__file__, room.__file__}
+    where = lambda code: code is State.refresh_experts.__code__ or code.co_filename in files  # noqa: E731
+
+    def restack():
+        experts = model.layers[1].mlp.experts
+        experts.w1 = torch.nn.Parameter(reference.layers[1].mlp.experts.w1.detach().clone())
+
+    want = reference.generate(ids, 2)
+    restack()
+    total = _points(lambda: model.generate(ids, 2), where)
+    assert total > 50
+    kept = []
+    for n in range(1, total + 1, step):
+        restack()
+        kept.append(_Points(n, where).run(lambda: model.generate(ids, 2)))
+        assert torch.equal(model.generate(ids, 2), want), n  # no BudgetError: the refresh ran again
+        yield n
+    # (Not every point: one in a finalizer, the replaced stack's master dying, is lost to Python.)
+    assert sum(error is not None for error in kept) > total // step // 2
+
+
+@needs_311
+def test_an_expert_pool_refresh_cut_short_anywhere_gives_the_budget_back_exactly_once(monkeypatch):
+    """``expert_pool=True``: the pools' bytes are held from the budget. After a Ctrl-C at each
+    point of a refresh (detach, attach), the next step's refresh leaves the budget minus exactly
+    the new pools' bytes. On main an interrupt between the detach dropping the pools and giving
+    their bytes back lost them for good (the budget shrank by the pools' bytes per Ctrl-C, until
+    the pools no longer fitted: a BudgetError)."""
+    from offtensor.models import DeepSeekConfig, DeepSeekForCausalLM
+
+    config = DeepSeekConfig(
+        vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, q_lora_rank=0, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=16, n_shared_experts=1,
+        num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=128, first_k_dense_replace=1,
+    )
+    reference = DeepSeekForCausalLM.empty(config).init_weights(seed=0).eval()
+    model = copy.deepcopy(reference)
+    weights = sum(p.numel() * p.element_size() for p in reference.parameters())
+    ot.wrap_model(model, budget_gb=0.5 * weights / GiB, device="cpu", expert_pool=True)
+    pager = _copies.state_of(model).pager
+    full = pager.budget_bytes + pager.expert_pool.nbytes
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)  # (pytest's keeps the tracebacks)
+    for n in _refresh_points(model, reference, ids, 3):
+        assert pager.expert_pool is not None and pager.budget_bytes + pager.expert_pool.nbytes == full, n
+
+
+@needs_311
+def test_a_refresh_cut_short_anywhere_keeps_the_learned_lookahead_and_its_bytes(monkeypatch):
+    """An installed learned look-ahead is installed again for the stacks registered anew. After a
+    Ctrl-C at each point of that refresh, the next step's refresh leaves it installed (every map
+    on its router) and the budget minus exactly its bytes. On main a refresh cut short after the
+    detach ran again without it (the look-ahead was gone for good), and one cut short between the
+    detach giving back the maps' bytes and forgetting them gave them back twice."""
+    from offtensor.moe.predictor import LOOKAHEAD_ACCOUNT, LookaheadPredictor, install
+
+    model, reference, ids = _moe(monkeypatch, 0.5)
+    pager = _copies.state_of(model).pager
+    full = pager.budget_bytes
+    g = torch.Generator().manual_seed(0)
+    maps = LookaheadPredictor()
+    for i in range(2):  # the first two of the three MoE layers guess the next
+        maps.weights[i], maps.biases[i] = torch.randn(16, 64, generator=g), torch.zeros(16)
+    install(pager, maps)
+    nbytes = maps.installed_bytes(4)
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)
+    assert pager.budget_bytes == full - nbytes
+    for n in _refresh_points(model, reference, ids, 5):
+        routers = [r for r in pager.experts.speculator.routers if r.stacks]
+        assert [r.lookahead is not None for r in routers] == [True, True, False], n
+        assert pager.experts.lookahead[0] is maps and pager.held_outside(LOOKAHEAD_ACCOUNT) == nbytes, n
+        assert pager.budget_bytes == full - nbytes, n
+
+
+@needs_311
+def test_an_unwrap_interrupted_while_it_moves_the_weights_leaves_the_model_wrapped_and_whole(monkeypatch):
+    """A Ctrl-C at every point of an unwrap's moves (model/moves.py, torch's ``swap_tensors``,
+    ``prepare.unwrap``): the model is still wrapped with the right outputs, and a second
+    ``unwrap_model`` gives plain Parameters with them; or the first finished. On main an interrupt
+    inside ``swap_tensors`` (which exchanges class, attributes and C++ tensor one by one) left a
+    Parameter of the plain class over the offloaded tensor, which neither a forward nor a second
+    unwrap could use (torch raised: "Attempted to access the data pointer on an invalid python
+    storage", or an internal assert of its dispatch)."""
+    import torch.utils
+
+    from offtensor.model import moves, prepare
+
+    files = {moves.__file__, torch.utils.__file__}
+    where = lambda code: code.co_filename in files or code is prepare.unwrap.__code__  # noqa: E731
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)  # (a master's finalizer, interrupted)
+    x = _inputs("cpu", 1)[0]
+    with torch.no_grad():
+        want = _reference()(x)
+
+    def warm():
+        model = _reference()
+        _wrap(model)
+        with torch.no_grad():
+            model(x)
+        return model
+
+    model = warm()
+    total = _points(lambda: ot.unwrap_model(model), where)
+    assert total > 100
+    for n in range(1, total + 1):
+        model = warm()
+        params = list(model.parameters())
+        _Points(n, where).run(lambda: ot.unwrap_model(model))
+        if _copies.is_wrapped(model):
+            with torch.no_grad():
+                assert torch.equal(model(x), want), n
+            ot.unwrap_model(model)
+        assert list(model.parameters()) == params and all(type(p) is torch.nn.Parameter for p in params), n
+        with torch.no_grad():
+            assert torch.equal(model(x), want), n
+
+
+class _PointsPastEntry(_Points):
+    """``_Points`` without the entry of the function whose code is ``entry``: Python raises there
+    before any of its code runs."""
+
+    def __init__(self, n, where, entry):
+        super().__init__(n, where)
+        self.entry = entry
+
+    def __call__(self, frame, event, arg):
+        if frame.f_code is self.entry and self._walked(frame):
+            frame.f_trace_opcodes, frame.f_trace_lines = True, False
+            return self._opcode
+        return super().__call__(frame, event, arg)
+
+
+@needs_311
+def test_an_interrupt_where_a_master_dies_leaves_the_offloaded_bytes_right(monkeypatch):
+    """A weight of a wrapped model replaced (its old host master dies, and its finalizer drops the
+    master's cached copies and its bytes from the pager's count), a Ctrl-C at each point of that
+    finalizer past its entry (which Python then ignores): the pager counts exactly the live
+    masters' bytes, and the forward is right. On main the count came after the drop of the copies:
+    an interrupt there left the dead master's bytes counted for good."""
+    from offtensor.pager import room
+    from offtensor.pager.masters import Master
+
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)
+    # (room.py: the drop of the copies, and the room the re-placement makes)
+    where = lambda code: code is Master._died.__code__ or code.co_filename == room.__file__  # noqa: E731
+    reference = _reference()
+    x = _inputs("cpu", 1)[0]
+
+    def offloaded(model) -> int:
+        masters = {p._master.id: p._master.nbytes for p in model.parameters() if isinstance(p, OffloadedTensor)}
+        return sum(masters.values())
+
+    def replace(model):
+        with torch.no_grad():
+            model(x)  # the weight's copy is cached
+        layer = model.layers[0]
+        layer.weight = torch.nn.Parameter(reference.layers[0].weight.detach().clone())
+
+    model = _reference()
+    _wrap(model)
+    assert isinstance(model.layers[0].weight, OffloadedTensor)
+    total = _points(lambda: replace(model), where)
+    assert total > 3
+    for n in range(1, total + 1):
+        model = _reference()
+        _wrap(model)
+        pager = _copies.state_of(model).pager
+        _PointsPastEntry(n, where, Master._died.__code__).run(lambda: replace(model))
+        gc.collect()
+        assert pager.offloaded_bytes == offloaded(model), n
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x)), n

@@ -12,7 +12,7 @@ import torch
 
 import offtensor as ot
 from offtensor.model.state import pager_of
-from offtensor.moe.predictor import LookaheadPredictor, install
+from offtensor.moe.predictor import LOOKAHEAD_ACCOUNT, LookaheadPredictor, install
 from offtensor.pager import BudgetError
 
 pytest.importorskip("transformers")
@@ -33,8 +33,8 @@ def _maps(layers, hidden=None) -> LookaheadPredictor:
 
 
 def _held(pager) -> int:
-    """Bytes of the installed look-ahead's maps that the budget holds."""
-    return pager.experts.lookahead[2] if pager.experts.lookahead is not None else 0
+    """Bytes of the installed look-ahead's maps that the budget holds (its account)."""
+    return pager.held_outside(LOOKAHEAD_ACCOUNT)
 
 
 def _used(pager) -> int:

@@ -4,20 +4,21 @@ transform that reads whole weights (quantisation, repacking) computes from host 
 
 from __future__ import annotations
 
-import contextlib
-
 from torch import nn
 
 from .. import leaves
+from ..pager.safety import lock_depth, restore_depth
 from ..tensor import OffloadedTensor
 from .copies import state_of
 from .moves import as_param_like, resident_bytes
 from .standins import HostStandIn, has_offloaded_leaves
 from .state import State
 
+# Give-backs of one loan that raise (a second Ctrl-C, each) before leaving gives up and raises.
+ATTEMPTS = 4
 
-@contextlib.contextmanager
-def on_host(model: nn.Module):
+
+def on_host(model: nn.Module) -> "HostLoan":
     """``with ot.on_host(model): quantize_(model, Int8WeightOnlyConfig())``: inside, each
     offloaded parameter and buffer of the wrapped ``model`` reads as its host master (a plain CPU
     tensor viewing the master's memory, dressed as the same Parameter class, no copy), and each
@@ -30,17 +31,79 @@ def on_host(model: nn.Module):
     transform did not replace gets its own tensor back (a wrapper its own object, with its
     offloaded leaves); masters written in place are seen by the next forward (their cached device
     copies are dropped). Not for forwards: on a GPU the weights are host tensors inside."""
-    state = state_of(model)
-    # Held throughout: another thread's forward must not read the host stand-ins.
-    with state.pager.lock:
-        yield from _lend_host_masters(state, model)
+    return HostLoan(model)
 
 
-def _lend_host_masters(state: State, model: nn.Module):
+class HostLoan:
+    """The ``with`` block of ``on_host``. The pager's lock is held throughout: another thread's
+    forward must not read the host stand-ins.
+
+    A class rather than a ``contextlib`` generator, for Ctrl-C: a generator's ``__enter__`` cut
+    short after its ``yield`` (or its ``__exit__`` at its entry) left the stand-ins in the model
+    and the lock held by a suspended generator, for as long as the traceback kept it (a REPL keeps
+    the last one); and one cut short while it lent or gave back left some slots lent. Here
+    ``__enter__`` either lends every slot and holds the lock or, whatever cut it short, gives back
+    what it lent and the lock (to the hold count read before taking it); ``__exit__`` gives back
+    again where an interrupt cut its give-back short (every step can run twice), then the lock.
+    Python can still raise at ``__exit__``'s very entry, before any of its code: then the slots
+    stay lent (CPython calls no ``with`` exit atomically)."""
+
+    __slots__ = ("model", "state", "depth", "depth_of", "lent", "wrappers")
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.state = self.depth = self.depth_of = None
+        self.lent = []  # (module, table, attr, registered tensor, host stand-in)
+        self.wrappers = []  # the HostStandIn of each wrapper subclass lent
+
+    def __enter__(self) -> nn.Module:
+        state = state_of(self.model)
+        lock = state.pager.lock
+        depth_of = lock_depth(lock)
+        depth = depth_of()
+        # Recorded before anything changes: the undo below and ``__exit__`` read them.
+        self.state, self.depth, self.depth_of, self.lent, self.wrappers = state, depth, depth_of, [], []
+        try:
+            lock.acquire()
+            _collect(state, self.model, self.lent, self.wrappers)
+            state.lent_slots = frozenset((module, attr) for module, _, attr, _, _ in self.lent)
+            for _, table, attr, _, stand_in in self.lent:
+                table[attr] = stand_in
+            return self.model  # (no point between this return and the block where Python raises)
+        except BaseException:
+            try:
+                _put_back(state, self.lent)
+            finally:
+                restore_depth(lock, depth_of, depth)
+            raise
+
+    def __exit__(self, *exc) -> bool:
+        # Every call inside the ``try``: one that an interrupt cuts short runs again (each step can),
+        # and the loop's back edge, a point where Python raises too, is reached only after one did.
+        pending, attempts, given = None, 0, False
+        while True:
+            try:
+                if not given and attempts < ATTEMPTS:
+                    _give_back(self.state, self.model, self.lent, self.wrappers)
+                given = True
+                restore_depth(self.state.pager.lock, self.depth_of, self.depth)
+                break
+            except BaseException as error:
+                pending = error if pending is None else pending
+                attempts += 1
+        if pending is not None:
+            try:
+                raise pending
+            finally:
+                pending = None  # no cycle through this frame
+        return False
+
+
+def _collect(state: State, model: nn.Module, lent: list, wrappers: list) -> None:
+    """What ``model`` lends, into ``lent`` and ``wrappers``; changes no slot (only drops the cached
+    copies of the masters lent, which the transform may write)."""
     pager = state.pager
-    lent = []  # (module, table, attr, registered tensor, host stand-in)
     stand_ins = {}  # id(registered tensor) -> its stand-in: a tensor in two slots (a tie) lends one
-    wrappers = []  # the HostStandIn of each wrapper subclass lent
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for attr, t in table.items():
@@ -62,24 +125,29 @@ def _lend_host_masters(state: State, model: nn.Module):
                     for master in masters:
                         pager.before_write(master)  # no copy may still read a master the transform writes
                 lent.append((module, table, attr, t, stand_in))
-    state.lent_slots = frozenset((module, attr) for module, _, attr, _, _ in lent)
-    for _, table, attr, _, stand_in in lent:
-        table[attr] = stand_in
-    try:
-        yield model
-    finally:
-        state.lent_slots = frozenset()
-        for _, table, attr, t, stand_in in lent:
-            if table.get(attr) is stand_in:
-                table[attr] = t
-        for t in {id(t): t for _, _, _, t, _ in lent}.values():
-            for master in _masters_of(t):
-                pager.before_write(master)  # written in place through the stand-in: cached copies are stale
-        for wrapper in wrappers:
-            wrapper.write_back()
-        if pager.experts is not None:
-            state.experts_stale = True
-        pager.recount_resident(resident_bytes(model, pager.device))
+
+
+def _put_back(state: State, lent: list) -> None:
+    """Each slot that still holds its stand-in gets its own tensor back (a slot the transform
+    replaced keeps the new one); a no-op for slots not lent yet or already given back."""
+    state.lent_slots = frozenset()
+    for _, table, attr, t, stand_in in lent:
+        if table.get(attr) is stand_in:
+            table[attr] = t
+
+
+def _give_back(state: State, model: nn.Module, lent: list, wrappers: list) -> None:
+    """The end of the loan; every step can run again."""
+    pager = state.pager
+    _put_back(state, lent)
+    for t in {id(t): t for _, _, _, t, _ in lent}.values():
+        for master in _masters_of(t):
+            pager.before_write(master)  # written in place through the stand-in: cached copies are stale
+    for wrapper in wrappers:
+        wrapper.write_back()
+    if pager.experts is not None:
+        state.experts_stale = True
+    pager.recount_resident(resident_bytes(model, pager.device))
 
 
 def _masters_of(t) -> list:

@@ -164,15 +164,28 @@ def _start_expert_placement(model: nn.Module, report: Optional[dict], watch) -> 
 
 def unwrap(model: nn.Module, state: State) -> nn.Module:
     """Every weight of the wrapped ``model`` back to a plain tensor on the device, its modules back
-    to their own classes, its hooks gone (``unwrap_model``, under the pager's lock; the end of a plan)."""
+    to their own classes, its hooks gone (``unwrap_model``, under the pager's lock; the end of a plan).
+
+    Cut short (a Ctrl-C) before every weight is plain, the model stays wrapped and whole: the moves
+    are undone as a failed wrap's are, the prefetcher is put back, and the next step registers its
+    experts again. A weight's swap cut short half-way (``swap_tensors`` exchanges class, attributes
+    and C++ tensor one by one) left before a Parameter of one class over the other's tensor, which
+    no forward or unwrap could use again."""
     pager = state.pager
-    pager.prefetcher = None
-    moe.detach(pager)
-    pager.clear()
-    offloaded = [group for group in collect_groups(model) if group.is_offloaded]
-    for group in offloaded:
-        make_resident(group, pager.device)
-    refit_wrappers(m for group in offloaded for m in group)
+    prefetcher = pager.prefetcher
+    try:
+        state.experts_stale = True  # (for a model still wrapped after all)
+        pager.prefetcher = None
+        moe.detach(pager)
+        pager.clear()
+        offloaded = [group for group in collect_groups(model) if group.is_offloaded]
+        with Undo():
+            for group in offloaded:
+                make_resident(group, pager.device)
+            refit_wrappers(m for group in offloaded for m in group)
+    except BaseException:
+        pager.prefetcher = prefetcher
+        raise
     # The model's weights are no longer this pager's: what it still pages (a view of a master taken
     # before unwrapping, an op of another thread's forward dispatched before the swap) pages within
     # the budget beside no resident weights, instead of failing beside weights it no longer holds.

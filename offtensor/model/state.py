@@ -144,6 +144,10 @@ class State:
         # assign=True, a new experts module): the pager's expert registry names dead masters and
         # misses the new ones, so it is rebuilt before the next forward or stats read.
         self.experts_stale = False
+        # The learned look-ahead a refresh of the registry installs again (``ExpertStacks.lookahead``),
+        # kept here until it has: the detach drops it from the stacks, and a refresh cut short after
+        # that would otherwise run again without it.
+        self.reinstalling = None
         # (module, attribute) slots that ``on_host`` lent a host stand-in: not resident weights.
         self.lent_slots: frozenset = frozenset()
         # How the routed experts were placed and why (``ot.stats(model).expert_placement``), and
@@ -157,13 +161,15 @@ class State:
         experts half detached (router hooks gone, no guesses) until the next change of a stack."""
         model = self.model_ref()
         if model is not None:
-            installed = getattr(self.pager.experts, "lookahead", None)
+            if self.reinstalling is None:
+                self.reinstalling = getattr(self.pager.experts, "lookahead", None)
             moe.detach(self.pager)
             moe.attach(model, self.pager, speculate=self.config.prefetch, compute=self.config.expert_compute,
                        compute_choice=self.config.expert_compute_choice, pool=self.config.expert_pool,
                        room_needed=self.room_needed())
-            if installed is not None:  # the learned look-ahead, for the stacks registered anew
-                moe.reinstall(self.pager, installed)
+            if self.reinstalling is not None:  # the learned look-ahead, for the stacks registered anew
+                moe.reinstall(self.pager, self.reinstalling)
+        self.reinstalling = None
         self.experts_stale = False
 
     def room_needed(self):

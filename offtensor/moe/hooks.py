@@ -9,11 +9,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .pool import build_pools
+from .pool import POOL_ACCOUNT, build_pools
 from .routing import attribute_top_k, is_routed_stack, model_top_k, router_modules
 from . import speculation
 from .first_layer import host_tokens, input_embeddings
 from .guesses import Router
+from .predictor import LOOKAHEAD_ACCOUNT
 from .speculation import RoutingSpeculator
 from .stacks import ExpertStacks
 
@@ -28,7 +29,7 @@ def attach(model: nn.Module, pager, speculate: bool = True, compute: str = "devi
     copied guess would take the room of an expert the device computes from its cache.
 
     With ``pool``, the stacks get device-side expert pools (``pool.build_pools``) whose bytes are
-    taken from the pager's budget (given back by ``detach``); a budget too small for them raises
+    held from the pager's budget (given back by ``detach``); a budget too small for them raises
     ``BudgetError`` before anything is registered. ``room_needed()``: the bytes the model's largest
     op pages at once (what the learned look-ahead's maps must leave room for, ``predictor.install``)."""
     stacks = ExpertStacks(compute, compute_choice)
@@ -51,7 +52,7 @@ def attach(model: nn.Module, pager, speculate: bool = True, compute: str = "devi
     if pool:  # on meta (ot.plan) too: its slots are sized and its fetches planned (ops/expert_pool.py)
         pools = build_pools(pager, stacks, model_top_k(model), tensors, other_bytes)
         if pools is not None:
-            pager.take_from_budget(pools.nbytes)
+            pager.hold_outside(POOL_ACCOUNT, pools.nbytes)  # (cut short here: detach sets it back)
             pager.expert_pool = pools
     pager.experts = stacks
     if not speculate:
@@ -189,16 +190,19 @@ class _RouterHook(_SpeculatorHook):
 
 
 def detach(pager) -> None:
-    pools = getattr(pager, "expert_pool", None)
-    if pools is not None:
-        pager.expert_pool = None
-        pager.take_from_budget(-pools.nbytes)
+    """Undo ``attach``: the pools, router hooks and look-ahead maps go, and the budget they held
+    comes back. Every step can run again, and the budget's accounts are set (to nothing) whether or
+    not the records still name what held them: a detach, or an attach, cut short anywhere (a Ctrl-C
+    between taking bytes and recording what holds them) is put right by the next detach."""
+    if getattr(pager, "expert_pool", None) is not None:
+        pager.expert_pool = None  # before its bytes come back: cut short between, the budget errs low
+    pager.hold_outside(POOL_ACCOUNT, 0)
     stacks = getattr(pager, "experts", None)
     if stacks is not None and stacks.speculator is not None:
         stacks.speculator.remove()
         for router in stacks.speculator.routers:
             router.lookahead = None
-        if stacks.lookahead is not None and stacks.lookahead[2]:  # the learned look-ahead's maps went with them
-            pager.take_from_budget(-stacks.lookahead[2])
+    pager.hold_outside(LOOKAHEAD_ACCOUNT, 0)  # the learned look-ahead's maps went with the routers'
+    if stacks is not None:
         stacks.lookahead = None
     pager.experts = None

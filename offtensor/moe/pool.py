@@ -37,6 +37,9 @@ import torch
 
 from ..pager import BudgetError
 
+# The pools' account of the budget (``Pager.hold_outside``).
+POOL_ACCOUNT = "expert pools"
+
 
 def slot_bytes_of(key) -> int:
     """The bytes of one slot of a pool of ``key`` ((expert shape, dtype) per stack role)."""

@@ -44,6 +44,8 @@ from ..safetensors_files import LOOKAHEAD_FILE, read_header_and_metadata, tensor
 from .first_layer import TokenTable
 
 FILE_NAME = LOOKAHEAD_FILE
+# The maps' account of the budget (``Pager.hold_outside``).
+LOOKAHEAD_ACCOUNT = "look-ahead maps"
 # The ridge, relative to the mean diagonal of the centred Gram matrix (a scale-free strength).
 RIDGE = 1e-2
 # Softmax temperatures tried for the fitted scores (a one-hot regression's scores lie near [0, 1]).
@@ -450,10 +452,13 @@ def install(pager, predictor: LookaheadPredictor, device=None) -> list:
     target = torch.device(device) if device is not None else pager.device
     counted = target == pager.device and pager.budget_bytes is not None
     nbytes = _bytes_of(maps.values()) if counted else 0
-    grow = nbytes - (stacks.lookahead[2] if stacks.lookahead is not None else 0)
+    # What the budget holds for maps now: its account, not ``stacks.lookahead``, which an install
+    # cut short may not have recorded.
+    grow = nbytes - pager.held_outside(LOOKAHEAD_ACCOUNT)
     if grow > 0:  # taken before the maps are allocated (BudgetError, nothing changed, where they do not fit)
         _check_room(pager, stacks, nbytes, grow)
-        _charge(pager, stacks, (predictor, device, nbytes), grow)
+        pager.hold_outside(LOOKAHEAD_ACCOUNT, nbytes)
+        stacks.lookahead = (predictor, device, nbytes)
     stacks.eviction.next_turn.clear()  # made by the maps being replaced
     for router in routers:  # the maps being replaced go first: the new ones take their memory
         router.lookahead = router.split = router.own = None
@@ -471,7 +476,8 @@ def install(pager, predictor: LookaheadPredictor, device=None) -> list:
     if predictor.token_table is not None:
         routers[0].evidence = SPECULATE_EVIDENCE_LEARNED  # the first layer, guessed from the step's tokens
     if grow <= 0:  # given back once the maps that held it have gone
-        _charge(pager, stacks, (predictor, device, nbytes), grow)
+        pager.hold_outside(LOOKAHEAD_ACCOUNT, nbytes)
+        stacks.lookahead = (predictor, device, nbytes)
     return names
 
 
@@ -553,16 +559,3 @@ def _check_room(pager, stacks, nbytes: int, grow: int) -> None:
             f"{pager.resident_bytes} bytes of resident weights and must keep {need} bytes for the largest "
             f"paged op, leaving {max(left + grow - need, 0)} bytes for the {grow} bytes more that these maps "
             f"take. Raise budget_gb or offload more weights.")
-
-
-def _charge(pager, stacks, lookahead: tuple, grow: int) -> None:
-    """Take ``grow`` bytes from the budget (negative: give them back) and record ``lookahead``
-    (predictor, device, bytes) as what the budget holds for the maps. The record follows the budget,
-    whatever cuts the call short (an interrupt): detach gives back what was taken."""
-    before = pager.budget_bytes
-    try:
-        if grow:
-            pager.take_from_budget(grow)
-    finally:
-        if not grow or pager.budget_bytes != before:
-            stacks.lookahead = lookahead

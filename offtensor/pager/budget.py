@@ -6,7 +6,7 @@ transient, in flight), and nothing else. The high-water mark of resident + paged
 ``stats.peak_device_bytes``. The layers above change the resident count only through
 ``recount_resident`` / ``hold_resident``; the pager moves ``paged_bytes``. Device memory the pager
 does not page into (the expert pools, the learned look-ahead's maps) is taken out of
-``budget_bytes`` itself (``Pager.take_from_budget``).
+``budget_bytes`` itself, each under an account of its own (``hold_outside``).
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ class BudgetError(RuntimeError):
 class Budget:
     """``budget_bytes`` (None: no budget, nothing cached) and the bytes counted against it."""
 
-    __slots__ = ("budget_bytes", "resident_bytes", "paged_bytes", "offloaded_bytes", "stats")
+    __slots__ = ("budget_bytes", "resident_bytes", "paged_bytes", "offloaded_bytes", "outside", "stats")
 
     def __init__(self, budget_bytes: Optional[int], stats):
         self.budget_bytes = budget_bytes
         self.resident_bytes = 0  # plain weights on the device, as the placing layer counted them
         self.paged_bytes = 0  # copies of host masters on the device: cached, transient, in flight
         self.offloaded_bytes = 0  # bytes of the host masters this pager pages from
+        self.outside = {}  # account -> bytes of the budget it holds outside paging (hold_outside)
         self.stats = stats  # the pager's live OffloadStats, whose peak_device_bytes is kept here
 
     # ------------------------------------------------------------------ the placing layer's calls
@@ -44,6 +45,21 @@ class Budget:
         """Resident weights grew to ``nbytes`` (a weight moved onto the device): counted in the peak."""
         self.resident_bytes = nbytes
         self.note_peak()
+
+    def hold_outside(self, account: str, nbytes: int) -> int:
+        """``account`` (the expert pools, the look-ahead's maps) holds ``nbytes`` of the budget from
+        now on, and what it held before comes back; returns the change (> 0: the budget shrank).
+
+        A set, not a transfer: the account and the budget change by two stores with no point
+        between them where Python raises a Ctrl-C, and a call repeated changes nothing. So a caller
+        cut short anywhere (between taking the bytes and recording what holds them, say) is put
+        right by setting the account again, and no byte is lost or counted twice."""
+        outside = self.outside
+        change = nbytes - outside.get(account, 0)
+        budget = self.budget_bytes - change
+        outside[account] = nbytes
+        self.budget_bytes = budget
+        return change
 
     # ------------------------------------------------------------------ the pager's
 

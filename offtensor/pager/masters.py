@@ -93,8 +93,11 @@ class Master:
         pager = owner[0]()
         if pager is not None:
             with pager.lock:
-                pager.forget_master(master_id)
+                # The count first, in one store once the lock is held: a Ctrl-C in the drop of the
+                # cached copies (which Python ignores in a finalizer) cannot skip it. Copies it
+                # leaves are evicted as any unused copy; their master's id is never used again.
                 pager.budget.offloaded_bytes -= nbytes
+                pager.forget_master(master_id)
 
 
 def master_for(host: torch.Tensor, pager) -> Master:

@@ -117,7 +117,7 @@ class Pager(RoomCalls, Recovering, PagingState):
     # The budget's counts, read-only here: the placing layer changes resident bytes through
     # ``pager.budget.recount_resident`` / ``hold_resident``.
     resident_bytes = property(_attrgetter("budget.resident_bytes"))
-    # The budget's one figure (``Budget.budget_bytes``; ``take_from_budget`` changes it).
+    # The budget's one figure (``Budget.budget_bytes``; ``hold_outside`` changes it).
     budget_bytes = property(_attrgetter("budget.budget_bytes"),
                             lambda self, nbytes: setattr(self.budget, "budget_bytes", nbytes))
     paged_bytes = property(_attrgetter("budget.paged_bytes"))

@@ -282,17 +282,23 @@ class RoomCalls:
 
     # Room in the budget for resident weights, and the free bytes an op could page.
 
-    def take_from_budget(self, nbytes: int) -> None:
-        """``nbytes`` of the budget go to (or, negative, come back from) device memory the pager does
-        not page into: the expert pools (``moe.pool``), the learned look-ahead's maps
-        (``moe.predictor.install``). What the pager pages then fits the rest: cached copies no op
-        uses are evicted first, before the caller allocates those bytes."""
+    def hold_outside(self, account: str, nbytes: int) -> None:
+        """``account`` holds ``nbytes`` of the budget from now on (``Budget.hold_outside``: what it
+        held comes back): device memory the pager does not page into, the expert pools
+        (``moe.pool``) or the learned look-ahead's maps (``moe.predictor.install``). What the pager
+        pages then fits the rest: cached copies no op uses are evicted first, before the caller
+        allocates those bytes. Setting an account again is a no-op, so a caller repeats it to undo
+        whatever cut it short."""
         with self.lock:
-            if self.budget_bytes is not None:
-                self.budget.budget_bytes -= nbytes
-                if nbytes > 0 and not self.budget.fits(0):
+            if self.budget_bytes is not None and self.budget.hold_outside(account, nbytes):
+                self._recount_due = True  # cut short before the arena fits the new room: the recount fits it
+                if not self.budget.fits(0):
                     self._room(self.room.evict_for, 0)
                 self._room(self.room.fit_arena)  # the arena must not hold those bytes
+
+    def held_outside(self, account: str) -> int:
+        """The bytes of the budget ``account`` holds (``hold_outside``)."""
+        return self.budget.outside.get(account, 0)
 
     def free_bytes(self) -> Optional[int]:
         """Bytes an op could page right now, evicting every unused cached copy; None without a budget."""
