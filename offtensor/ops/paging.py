@@ -42,13 +42,24 @@ class Paged:
             # over other weights' cached copies (the arena's storage is large enough); a device
             # copy of its own is reallocated instead, and write_back sees the new shape. Outside
             # the budget, like the op's output it stands for.
-            view = pager.copy_out(host)
+            view = with_bits(pager.copy_out(raw(host)), host)
             self.private.append((t, view))
             return view
         layout = own.get("_layout")
         if layout is None:
+            if _is_conj(host) or _is_neg(host):
+                return self._page_with_bits(t, host, private)
             layout = own["_layout"] = page_layout(host, master.id)
         view = pager.page(host, master, t, private, layout, self.entries)[0]  # t's repr names it in a BudgetError
+        if private:
+            self.private.append((t, view))
+        return view
+
+    def _page_with_bits(self, t: OffloadedTensor, host: torch.Tensor, private: bool) -> torch.Tensor:
+        """A page of a conjugate or negative view: the master's raw bytes, cached as any page of
+        them, viewed with the host view's bits. Never memoized (``layout_of``), so a page of such a
+        view always comes here; no weight of a model has the bits, only views taken of one."""
+        view = with_bits(t._master.pager.page(raw(host), t._master, t, private, None, self.entries)[0], host)
         if private:
             self.private.append((t, view))
         return view
@@ -87,6 +98,45 @@ class Paged:
             for pager, _, depth in entries:  # the first item of a pager has the lowest depth
                 pager.cut_short(depth)
             raise
+
+
+_is_conj = torch._C.TensorBase.is_conj
+_is_neg = torch._C.TensorBase.is_neg
+
+
+def raw(host: torch.Tensor) -> torch.Tensor:
+    """``host`` without its conjugate and negative bits: the bytes as the master holds them, what a
+    copy to the device moves."""
+    if not (_is_conj(host) or _is_neg(host)):
+        return host
+    bare = torch.ops.aten.alias.default(host)
+    torch._C._set_conj(bare, False)
+    torch._C._set_neg(bare, False)
+    return bare
+
+
+def with_bits(device: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """``device`` (a copy of ``raw(host)``) with ``host``'s conjugate and negative bits: a new alias,
+    since a cached copy's view is shared by the ops that read it."""
+    if not (_is_conj(host) or _is_neg(host)):
+        return device
+    view = torch.ops.aten.alias.default(device)
+    torch._C._set_conj(view, _is_conj(host))
+    torch._C._set_neg(view, _is_neg(host))
+    return view
+
+
+def layout_of(t: OffloadedTensor):
+    """``page_layout`` of ``t``, memoized on the tensor unless it is a view with conjugate or
+    negative bits, which ``Paged.page`` pages only when no layout is memoized."""
+    own = t.__dict__
+    layout = own.get("_layout")
+    if layout is None:
+        host = own["_host"]
+        layout = page_layout(host, own["_master"].id)
+        if not (_is_conj(host) or _is_neg(host)):
+            own["_layout"] = layout
+    return layout
 
 
 def reclaim(error: BaseException) -> None:
@@ -147,12 +197,9 @@ def _written_arg(paged: Paged, a, written: bool, out: bool, shared: dict):
 def _byte_range(t: OffloadedTensor):
     """The bytes of its master that ``t`` covers, from the layout ``Paged.page`` keeps on the tensor
     (made here when absent, so the page that follows does not make it again)."""
-    own = t.__dict__
-    host = own["_host"]
-    layout = own.get("_layout")
-    if layout is None:
-        layout = own["_layout"] = page_layout(host, own["_master"].id)
-    return layout[0] * host.element_size(), layout[1] * host.element_size()
+    layout = layout_of(t)
+    size = t.__dict__["_host"].element_size()
+    return layout[0] * size, layout[1] * size
 
 
 def _page_aliases(paged: Paged, args, kwargs, written, outs) -> dict:
@@ -199,7 +246,7 @@ def _page_together(paged: Paged, group) -> dict:
     views = {}
     for start, stop, _, t in group:
         host = t._host
-        views[id(t)] = device[start - lo : stop - lo].view(host.dtype).as_strided(host.shape, host.stride())
+        views[id(t)] = with_bits(device[start - lo : stop - lo].view(host.dtype).as_strided(host.shape, host.stride()), host)
     return views
 
 

@@ -1,0 +1,129 @@
+"""OffloadedTensor semantics in the corners of torch, against plain tensors:
+
+- lazy conjugate and negative views;
+
+Each test does the same thing to a plain tensor and to an offloaded copy of it and compares values,
+errors and what the master holds afterwards; most also read the offloaded tensor through a warm
+cache (a pager with a budget), where a write that bypassed the pager would leave a stale copy.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import offtensor as ot
+from offtensor import OffloadedTensor
+from offtensor.pager import Pager, resolve_device
+
+
+# The pagers of this test's tensors: a tensor holds its pager only weakly (a dropped pager's tensors
+# move to the uncached default pager), and these tests need the cache.
+_PAGERS: list = []
+
+
+@pytest.fixture(autouse=True)
+def _pagers_live_for_the_test():
+    yield
+    _PAGERS.clear()
+
+
+def cached(reference: torch.Tensor, device) -> OffloadedTensor:
+    """An offloaded copy of ``reference`` whose whole master is cached on the device."""
+    _PAGERS.append(Pager(resolve_device(device), budget_bytes=1 << 20))
+    x = ot.offload(reference.clone(), pager=_PAGERS[-1])
+    x * 1  # warm the cache
+    assert x.pager.stats.page_ins == 1 and x.pager.paged_bytes > 0
+    return x
+
+
+def assert_holds(x: OffloadedTensor, expected: torch.Tensor) -> None:
+    """``x``'s master holds ``expected``, read from the host and through the cache alike."""
+    assert torch.equal(x._host, expected)
+    assert torch.equal((x * 1).cpu(), expected)
+
+
+def complex_weight() -> torch.Tensor:
+    torch.manual_seed(0)
+    return torch.randn(4, 4, dtype=torch.complex64)
+
+
+# ------------------------------------------------------------------------------------------------
+# conjugate and negative views
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_conjugate_view_in_inference_mode_is_a_view_as_for_a_plain_tensor(device):
+    """``x.conj()`` raised "Cannot set version_counter for inference tensor" in inference mode."""
+    reference = complex_weight()
+    x = cached(reference, device)
+    with torch.inference_mode():
+        view, expected = x.conj(), reference.conj()
+        imag, expected_imag = x.conj().imag, reference.conj().imag
+        values = (view * 1).cpu()
+    assert isinstance(view, OffloadedTensor) and view.is_conj() and imag.is_neg()
+    assert view.is_inference() == expected.is_inference()
+    assert torch.equal(values, expected.resolve_conj())
+    assert torch.equal(imag.cpu(), expected_imag.resolve_neg())
+
+
+WRITES = {
+    "mul_": lambda w: w.conj().mul_(2),
+    "copy_": lambda w: w.conj().copy_(torch.arange(16.0).view(4, 4).to(torch.complex64) * 1j),
+    "add_ on a slice": lambda w: w.conj()[1:3].add_(1j),
+    "setitem": lambda w: w.conj().__setitem__(0, 3j),
+    "imag.mul_ (a negative view)": lambda w: w.conj().imag.mul_(2),
+    "addmm_ (the kernel takes the bit)": lambda w: w.conj().addmm_(torch.eye(4, dtype=torch.complex64), 1j * torch.eye(4, dtype=torch.complex64)),
+    "out=": lambda w: torch.add(torch.ones(4, 4, dtype=torch.complex64), 1j, out=w.conj()),
+    "mm out=": lambda w: torch.mm(torch.eye(4, dtype=torch.complex64), torch.ones(4, 4) * 1j, out=w.conj()),
+    "transposed conj": lambda w: w.t().conj().mul_(3),
+    "conj of conj": lambda w: w.conj().conj().mul_(3),
+}
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("write", list(WRITES))
+def test_writes_through_a_conjugate_view_reach_the_master(device, write, mode):
+    """A conjugate view resolved to a copy, so a write through it was lost; now it is a view, and
+    torch's Conjugate fallback writes through it to the master as for a plain tensor."""
+    reference = complex_weight()
+    x = cached(reference, device)
+    with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+        WRITES[write](reference)
+        WRITES[write](x)
+    assert_holds(x, reference)
+
+
+READS = {
+    "mul": lambda w: w.conj() * 1,
+    "mm": lambda w: w.conj() @ w,
+    "mm of a transposed conj": lambda w: torch.mm(w, w.conj().t()),
+    "F.linear": lambda w: F.linear(torch.ones(2, 4, dtype=torch.complex64), w.conj()),
+    "addmm": lambda w: torch.addmm(w, w.conj(), w),
+    "vdot": lambda w: torch.vdot(w[0], w.conj()[1]),
+    "resolve_conj": lambda w: w.conj().resolve_conj(),
+    "imag": lambda w: w.conj().imag * 1,
+    "cpu": lambda w: w.conj().cpu(),
+    "clone": lambda w: w.conj().clone(),
+    "deepcopy": lambda w: copy.deepcopy(w.conj()),
+    "item": lambda w: torch.tensor(w.conj()[1, 2].item()),
+}
+
+
+@pytest.mark.parametrize("read", list(READS))
+def test_reads_of_a_conjugate_view_give_the_plain_values(device, read):
+    """The device copy of a conjugate view is the master's raw bytes with the view's bit, so kernels
+    that take the bit themselves (mm, addmm, vdot, F.linear's) and the fallback read what a plain
+    view holds; the cached copy stays the unconjugated one every other reader shares."""
+    reference = complex_weight()
+    x = cached(reference, device)
+    expected = READS[read](reference)
+    got = READS[read](x)
+    if isinstance(got, OffloadedTensor):
+        got = got.cpu()
+    assert torch.equal(got.cpu().resolve_conj().resolve_neg(), expected.resolve_conj().resolve_neg())
+    assert_holds(x, reference)
+    assert torch.equal(x.conj().materialize().cpu(), reference.conj().resolve_conj())
