@@ -126,6 +126,41 @@ def with_bits(device: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
     return view
 
 
+_MATH_BIT_KEYS = (torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative, torch._C.DispatchKey.ZeroTensor)
+_is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+
+
+def with_math_bits(fn, args, kwargs):
+    """``fn(*args, **kwargs)`` with the Conjugate, Negative and ZeroTensor keys on. Inside
+    ``__torch_dispatch__`` they are off, so a composite op decomposed there (``fft_hfftn``, which
+    conjugates an intermediate of its own before ``_fft_c2r``, reached whole under inference mode
+    or as an out= op) would have its kernels read raw values where a plain tensor's fallbacks
+    resolve the lazy bit first. Only composites need it: a kernel of its own takes the bits of its
+    arguments into account, or the fallback resolved them before the op reached offtensor."""
+    excluded = [_is_excluded(key) for key in _MATH_BIT_KEYS]
+    for key in _MATH_BIT_KEYS:
+        _set_excluded(key, False)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        for key, was in zip(_MATH_BIT_KEYS, excluded):
+            _set_excluded(key, was)
+
+
+_COMPOSITES = (torch._C.DispatchKey.CompositeImplicitAutograd, torch._C.DispatchKey.CompositeExplicitAutograd,
+               torch._C.DispatchKey.CompositeExplicitAutogradNonFunctional)
+_BACKENDS = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
+
+
+def decomposes(func) -> bool:
+    """Whether ``func`` runs as a C++ composite of other ops (``linalg_pinv``, ``linalg_lstsq``,
+    ``fft_hfft2.out``): no kernel of its own on the CPU or a GPU. Its parts may take lazy views of
+    its own intermediates, so offtensor runs it with ``with_math_bits``."""
+    return any(map(func.has_kernel_for_dispatch_key, _COMPOSITES)) and not any(
+        map(func.has_kernel_for_dispatch_key, _BACKENDS))
+
+
 def layout_of(t: OffloadedTensor):
     """``page_layout`` of ``t``, memoized on the tensor unless it is a view with conjugate or
     negative bits, which ``Paged.page`` pages only when no layout is memoized."""
@@ -160,10 +195,11 @@ def describe(t: OffloadedTensor) -> str:
     return f"an OffloadedTensor{'' if name is None else ' of ' + repr(name)} of shape {tuple(t.shape)} and dtype {t.dtype}"
 
 
-def run(func, args, kwargs, written=(), outs=()):
+def run(func, args, kwargs, written=(), outs=(), composite=False):
     """Page every OffloadedTensor argument (privately where ``written``; ``outs``, the written
     out= arguments, each into a device copy of its own), run ``func`` on plain tensors, write
-    mutated arguments back to their host masters."""
+    mutated arguments back to their host masters; ``composite``: ``func`` is decomposed here, with
+    the lazy-bit fallbacks on (``with_math_bits``)."""
     paged = Paged()
     try:
         if written:
@@ -175,7 +211,7 @@ def run(func, args, kwargs, written=(), outs=()):
             arg = paged.arg
             new_args = [arg(a) for a in args]
             new_kwargs = {k: arg(v) for k, v in kwargs.items()} if kwargs else kwargs
-        out = func(*new_args, **new_kwargs)
+        out = func(*new_args, **new_kwargs) if not composite else with_math_bits(func, new_args, new_kwargs)
         for t, device_copy in paged.private:
             write_back(t, device_copy)
     finally:
