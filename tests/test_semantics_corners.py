@@ -2,6 +2,7 @@
 
 - lazy conjugate and negative views;
 - composites that take such views of their own intermediates;
+- out= arguments that overlap an input;
 
 Each test does the same thing to a plain tensor and to an offloaded copy of it and compares values,
 errors and what the master holds afterwards; most also read the offloaded tensor through a warm
@@ -172,3 +173,43 @@ def test_a_composite_out_variant_writes_the_plain_values(device):
         torch.fft.hfft2(reference, out=plain_out)
         torch.fft.hfft2(ot.offload(reference, device), out=out)
     assert_holds(out, plain_out)
+
+
+# ------------------------------------------------------------------------------------------------
+# out= arguments that overlap an input
+# ------------------------------------------------------------------------------------------------
+
+OUT_OPS = {
+    "add": lambda i, o: torch.add(i, 1, out=o),
+    "mul": lambda i, o: torch.mul(i, i, out=o),
+    "exp": lambda i, o: torch.exp(i, out=o),
+    "cumsum": lambda i, o: torch.cumsum(i, 0, out=o),
+    "cat": lambda i, o: torch.cat([i[:2], i[2:]], out=o),
+    "index_select": lambda i, o: torch.index_select(i, 0, torch.tensor([3, 0, 1, 2]), out=o),
+    "where": lambda i, o: torch.where(i > 0, i, torch.zeros(()), out=o),
+}
+
+
+@pytest.mark.parametrize("op", list(OUT_OPS))
+@pytest.mark.parametrize("input_at, out_at", [(0, 2), (2, 0), (1, 3), (0, 0), (0, 4)], ids=["partial", "partial_before", "partial_odd", "same", "disjoint"])
+def test_an_out_argument_overlapping_an_input_does_what_torch_does(device, op, input_at, out_at):
+    """An out= argument got a device copy of its own, so one partly overlapping an input was
+    computed (and written back over the input) where torch refuses: "some elements of the input
+    tensor and the written-to tensor refer to a single memory location". It now shares one device
+    copy with the arguments it overlaps, so the op sees the same aliasing as on the host."""
+    plain = torch.arange(12.0) - 5
+    x = cached(plain, device)
+
+    def run(buffer):
+        try:
+            with torch.no_grad():
+                return OUT_OPS[op](buffer[input_at : input_at + 4], buffer[out_at : out_at + 4])
+        except RuntimeError as error:
+            return error
+
+    expected, got = run(plain), run(x)
+    if isinstance(expected, RuntimeError):
+        assert isinstance(got, RuntimeError) and str(got) == str(expected)
+    else:
+        assert torch.equal(got.cpu(), expected)
+    assert_holds(x, plain)

@@ -240,27 +240,26 @@ def _byte_range(t: OffloadedTensor):
 
 def _page_aliases(paged: Paged, args, kwargs, written, outs) -> dict:
     """``id(argument) -> device view`` for the OffloadedTensor arguments of a writing op whose
-    bytes overlap those of an argument it writes in place (out= arguments aside, see ``page``).
+    bytes overlap those of an argument it writes.
 
     Paged one by one, each would get a copy of its own: a write through one (``_foreach_add_`` of
     a weight and its alias) would not reach the other, and the last write-back would undo the
-    first; an overlap torch refuses (``x[1:].add_(x[:-1])``) would pass. Overlapping arguments
-    instead view one private copy of the bytes they cover together, as they view one host master,
-    so the op sees them alias as a plain op does; that copy is written back whole."""
+    first; an overlap torch refuses (``x[1:].add_(x[:-1])``, ``torch.add(x[:4], 1, out=x[2:6])``)
+    would pass. Overlapping arguments instead view one private copy of the bytes they cover
+    together, as they view one host master, so the op sees them alias as a plain op does (and
+    raises where it raises); that copy is written back whole."""
     by_master = {}
     for key, a in (*enumerate(args), *kwargs.items()):
-        if key in outs:
-            continue
         for t in a if isinstance(a, (list, tuple)) else (a,):
             if isinstance(t, OffloadedTensor) and t._host.numel():
-                by_master.setdefault(id(t._master), []).append((*_byte_range(t), key in written, t))
+                by_master.setdefault(id(t._master), []).append((*_byte_range(t), key in written, t, key in outs))
     shared = {}
     for members in by_master.values():
         if len(members) < 2 or not any(m[2] for m in members):
             continue
         members.sort(key=lambda m: m[0])
         group, end = [], -1
-        for m in members + [(float("inf"), 0, False, None)]:  # a sentinel closes the last group
+        for m in members + [(float("inf"), 0, False, None, False)]:  # a sentinel closes the last group
             if m[0] >= end:
                 if len(group) > 1 and any(g[2] for g in group):
                     shared.update(_page_together(paged, group))
@@ -277,12 +276,24 @@ def _page_together(paged: Paged, group) -> dict:
     hi = max(m[1] for m in group)
     first = group[0][3]
     host = first._host  # on meta too (ot.plan), where the master is meta bytes
-    span = torch.empty(0, dtype=torch.uint8, device=host.device).set_(host.untyped_storage(), lo, (hi - lo,), (1,))
-    device = paged.page(OffloadedTensor(span, first._master), True)
+    span = OffloadedTensor(
+        torch.empty(0, dtype=torch.uint8, device=host.device).set_(host.untyped_storage(), lo, (hi - lo,), (1,)),
+        first._master)
+    outs = [m[3] for m in group if m[4]]
+    if outs:
+        # An out= argument may be resized by its op: a device copy of its own, as ``page`` gives
+        # one, rather than a range of the arena.
+        device = first._master.pager.copy_out(span._host)
+        paged.private.append((span, device))
+    else:
+        device = paged.page(span, True)
     views = {}
-    for start, stop, _, t in group:
+    for start, stop, _, t, _ in group:
         host = t._host
         views[id(t)] = with_bits(device[start - lo : stop - lo].view(host.dtype).as_strided(host.shape, host.stride()), host)
+    # Written back after the span: the same bytes again, unless the op resized the out= view
+    # (then out of the span), which only its own write-back can reach.
+    paged.private.extend((t, views[id(t)]) for t in outs)
     return views
 
 
