@@ -139,6 +139,12 @@ class OffloadedTensor(torch.Tensor):
             # (torch 2.11 reports is_compiling() only inside traced code, not while faking inputs)
             with torch._C.DisableTorchFunctionSubclass():
                 return torch._C.TensorBase.untyped_storage(self)
+        # The storage is writable, and a write through it (``plain.set_(w.untyped_storage())``
+        # then an in-place op, ``storage.copy_``) dispatches nothing: the master's cached device
+        # copies are dropped now, as before any write, so the next op pages what was written.
+        # (Writes through a storage kept across later ops are not seen: docs/design.md.)
+        master = self._master
+        master.pager.before_write(master)
         return self._host.untyped_storage()
 
     def __repr__(self, *, tensor_contents=None) -> str:

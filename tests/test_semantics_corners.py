@@ -2,6 +2,7 @@
 
 - lazy conjugate and negative views;
 - composites that take such views of their own intermediates;
+- storages handed out;
 - out= arguments that overlap an input;
 
 Each test does the same thing to a plain tensor and to an offloaded copy of it and compares values,
@@ -173,6 +174,30 @@ def test_a_composite_out_variant_writes_the_plain_values(device):
         torch.fft.hfft2(reference, out=plain_out)
         torch.fft.hfft2(ot.offload(reference, device), out=out)
     assert_holds(out, plain_out)
+
+
+# ------------------------------------------------------------------------------------------------
+# storages handed out
+# ------------------------------------------------------------------------------------------------
+
+STORAGE_WRITES = {
+    "set_ then fill_": lambda w: torch.tensor([], dtype=w.dtype).set_(w.untyped_storage()).fill_(7),
+    "set_ then a slice written": lambda w: torch.tensor([], dtype=w.dtype).set_(w.untyped_storage())[2:5].zero_(),
+    "storage copy_": lambda w: w.untyped_storage().copy_(torch.full((8,), 3.0).untyped_storage()),
+    "storage fill_": lambda w: w.untyped_storage().fill_(0),
+    "TypedStorage": lambda w: w.storage().fill_(2.5),
+}
+
+
+@pytest.mark.parametrize("write", list(STORAGE_WRITES))
+def test_writes_through_a_handed_out_storage_are_seen_by_the_next_op(device, write):
+    """A write through ``untyped_storage()`` dispatches nothing: the next op read the stale cached
+    copy. Handing the storage out drops the master's cached copies, as before any write."""
+    reference = torch.arange(8.0)
+    x = cached(reference, device)
+    STORAGE_WRITES[write](reference)
+    STORAGE_WRITES[write](x)
+    assert_holds(x, reference)
 
 
 # ------------------------------------------------------------------------------------------------
