@@ -4,6 +4,7 @@
 - composites that take such views of their own intermediates;
 - storages handed out;
 - out= arguments that overlap an input;
+- the numpy and DLPack exits.
 
 Each test does the same thing to a plain tensor and to an offloaded copy of it and compares values,
 errors and what the master holds afterwards; most also read the offloaded tensor through a warm
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -238,3 +240,51 @@ def test_an_out_argument_overlapping_an_input_does_what_torch_does(device, op, i
     else:
         assert torch.equal(got.cpu(), expected)
     assert_holds(x, plain)
+
+
+# ------------------------------------------------------------------------------------------------
+# numpy and DLPack
+# ------------------------------------------------------------------------------------------------
+
+
+def test_numpy_views_the_master_read_only_on_the_emulated_device(device):
+    """``.numpy()`` and ``np.asarray`` raised torch's ".numpy() is not supported for tensor
+    subclasses". On the emulated device (a plain CPU tensor's array shares its memory) the array
+    views the host master, read-only: a write into it, which would leave cached copies stale, is
+    refused by numpy instead of lost. On a GPU it refuses as for any device tensor, naming it."""
+    reference = torch.arange(6.0).view(2, 3)
+    x = cached(reference, device)
+    x._master.name = "layer.weight"
+    if x.device.type != "cpu":
+        with pytest.raises(TypeError, match=r"'layer.weight' of shape \(2, 3\).*24 bytes.*\.cpu\(\)"):
+            x.numpy()
+        assert np.array_equal(x.numpy(force=True), reference.numpy())
+        return
+    for array in (x.numpy(), np.asarray(x), x.t().numpy(), x.numpy(force=True)):
+        assert not array.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            array[0] = 1
+    assert np.array_equal(x.numpy(), reference.numpy()) and np.array_equal(x.t().numpy(), reference.t().numpy())
+    assert np.array_equal(np.asarray(x, dtype=np.float64), reference.numpy().astype(np.float64))
+    x.mul_(2)  # the array is the master's memory: it sees later writes, as a plain one does
+    assert np.array_equal(np.asarray(x), reference.numpy() * 2)
+    assert_holds(x, reference * 2)
+    with pytest.raises(RuntimeError, match="requires grad"):
+        torch.nn.Parameter(x).numpy()
+
+
+def test_a_dlpack_export_copies_only_when_asked_and_names_the_tensor(device):
+    """``__dlpack__`` reached C++ that read the wrapper's data pointer: "Cannot access data pointer
+    of Tensor (e.g. FakeTensor, FunctionalTensor)", naming nothing. An OffloadedTensor has no memory
+    of its own to share, so an export without ``copy=True`` is a BufferError naming the weight, its
+    bytes and what to do; with it, the export is a device copy."""
+    reference = torch.arange(6.0).view(2, 3)
+    x = ot.offload(reference.clone(), device)
+    x._master.name = "layer.weight"
+    with pytest.raises(BufferError, match=r"'layer.weight' of shape \(2, 3\).*24 bytes.*copy=True"):
+        x.__dlpack__()
+    with pytest.raises(BufferError, match="layer.weight"):
+        torch.from_dlpack(x)
+    assert torch.equal(torch.from_dlpack(x.__dlpack__(copy=True)).cpu(), reference)
+    if x.device.type == "cpu":
+        assert np.array_equal(np.from_dlpack(x, copy=True), reference.numpy())
