@@ -112,7 +112,10 @@ class OffloadedTensor(torch.Tensor):
 
     def materialize(self) -> torch.Tensor:
         """A plain tensor on ``self.device`` with this tensor's values (a copy, never cached)."""
-        return self._master.pager.copy_out(self._host)
+        host = self._host
+        if _is_conj(host) or _is_neg(host):  # a view with lazy bits: the copy holds the values
+            host = host.resolve_conj().resolve_neg()
+        return self._master.pager.copy_out(host)
 
     def data_ptr(self) -> int:
         # On the emulated device the host master *is* the tensor's memory. On a GPU, pinned
@@ -136,6 +139,12 @@ class OffloadedTensor(torch.Tensor):
             # (torch 2.11 reports is_compiling() only inside traced code, not while faking inputs)
             with torch._C.DisableTorchFunctionSubclass():
                 return torch._C.TensorBase.untyped_storage(self)
+        # The storage is writable, and a write through it (``plain.set_(w.untyped_storage())``
+        # then an in-place op, ``storage.copy_``) dispatches nothing: the master's cached device
+        # copies are dropped now, as before any write, so the next op pages what was written.
+        # (Writes through a storage kept across later ops are not seen: docs/design.md.)
+        master = self._master
+        master.pager.before_write(master)
         return self._host.untyped_storage()
 
     def __repr__(self, *, tensor_contents=None) -> str:
@@ -199,6 +208,10 @@ class OffloadedTensor(torch.Tensor):
             host = torch.empty(0, dtype=self.dtype).set_(
                 new_flat.untyped_storage(), self._host.storage_offset(), self.shape, self.stride()
             )
+            if _is_conj(self._host):  # the copied bytes are raw: the view keeps its lazy bits
+                host = host.conj()
+            if _is_neg(self._host):
+                host = torch._neg_view(host)
         # A deepcopy of a wrapped model charges its copies to the copy's own pager (model.copies.StepHook).
         copy = wrap_host(host, memo.get(("offtensor.pager", id(master.pager))) or master.pager)
         copy._master.name = master.name
@@ -330,7 +343,19 @@ def _wrapper(cls, host: torch.Tensor, master: Master, requires_grad: bool = Fals
         device=master.pager.device,
         requires_grad=requires_grad,
     )
+    if _is_conj(host) or _is_neg(host):
+        # A conjugate or negative view (``w.conj()``, ``w.conj().imag``) of the master: the wrapper
+        # carries the host view's lazy bits, so torch's Conjugate and Negative fallbacks resolve
+        # it (and write back through it) as they do for a plain view.
+        _set_conj(t, _is_conj(host))
+        _set_neg(t, _is_neg(host))
     return t
+
+
+_is_conj = torch._C.TensorBase.is_conj
+_is_neg = torch._C.TensorBase.is_neg
+_set_conj = torch._C._set_conj
+_set_neg = torch._C._set_neg
 
 
 def _count_traced(t: torch.Tensor) -> None:

@@ -36,7 +36,7 @@ from . import reads  # noqa: F401  (registers clone, _to_copy, item, is_pinned, 
 from .collectives import COLLECTIVE_NAMESPACES, Collective
 from .functions import FUNCTION_TABLE
 from .grouped import grouped_mm, grouped_mm_fallback
-from .paging import Paged, reclaim, run
+from .paging import Paged, decomposes, reclaim, run, with_math_bits
 from .planned import planned_routing
 from .rows import CACHED_SLICE_BYTES, HOST_SYNCS, embedding, index, index_select
 from .table import OP_TABLE, implements
@@ -78,7 +78,7 @@ def torch_dispatch(func, types, args, kwargs):
         # An exception that struck on the way into a handler's ``paged.release()`` left its record
         # holding the pager: release it here (pager/__init__.py, "Exceptions").
         reclaim(error)
-        if type(error) is BudgetError and (handler is _compute or type(handler) is Mutation) and _POINTWISE in func.tags and not cutting():
+        if type(error) is BudgetError and (handler in _PLAIN_COMPUTE or type(handler) is Mutation) and _POINTWISE in func.tags and not cutting():
             # Its arguments do not fit the free room together: slices of them do (tiling.py).
             return pointwise_in_pieces(func, handler, args, kwargs or {}, error)
         raise
@@ -113,6 +113,15 @@ def _compute(func, types, args, kwargs):
     return run(func, args, kwargs)
 
 
+def _compute_composite(func, types, args, kwargs):
+    # A C++ composite of other ops (``linalg_pinv``, ``linalg_lstsq``), run on the paged arguments
+    # with the lazy-bit fallbacks on (paging.with_math_bits).
+    return run(func, args, kwargs, composite=True)
+
+
+_PLAIN_COMPUTE = (_compute, _compute_composite)
+
+
 def _classify(func):
     if func.name() == "transformers::grouped_mm_fallback":
         return grouped_mm_fallback
@@ -127,7 +136,7 @@ def _classify(func):
         return view
     if func.has_kernel_for_dispatch_key(_COMPOSITE) and not any(map(func.has_kernel_for_dispatch_key, _BACKENDS)):
         return _decomposed  # a composite a plain tensor decomposes too (one with a kernel of its own runs that)
-    return _compute
+    return _compute_composite if decomposes(func) else _compute
 
 
 def _decomposed(func, types, args, kwargs):
@@ -142,13 +151,15 @@ def _decomposed(func, types, args, kwargs):
     In inference mode a plain tensor runs it with autograd's view kernel on, which gives a view
     (``weight.t()``) its base's requires_grad, and ``matmul`` folds a 3-D input into one mm only
     for a weight that requires grad; inside ``__torch_dispatch__`` that kernel is off, so it is
-    turned on again for the decomposition, else the weight would be broadcast into a bmm."""
+    turned on again for the decomposition, else the weight would be broadcast into a bmm.
+
+    The decomposition runs with the lazy-bit fallbacks on (``paging.with_math_bits``)."""
     if not _inference():
-        return func._op_dk(_COMPOSITE, *args, **kwargs)
+        return with_math_bits(func._op_dk, (_COMPOSITE, *args), kwargs)
     excluded = _is_excluded(_AD_INPLACE_OR_VIEW)
     _set_excluded(_AD_INPLACE_OR_VIEW, False)
     try:
-        return func._op_dk(_COMPOSITE, *args, **kwargs)
+        return with_math_bits(func._op_dk, (_COMPOSITE, *args), kwargs)
     finally:
         _set_excluded(_AD_INPLACE_OR_VIEW, excluded)
 
@@ -204,7 +215,7 @@ def _in_pieces_when_short(func, handler):
 
 # Handlers that page their arguments and compute (tiling when the room is short): under
 # torch.compile they run inside one opaque offtensor::compute op, which calls them at run time.
-_COMPUTE_HANDLERS = {_compute, mm, mv, bmm, convolution, convolution_backward, grouped_mm_fallback}
+_COMPUTE_HANDLERS = {_compute, _compute_composite, mm, mv, bmm, convolution, convolution_backward, grouped_mm_fallback}
 
 # Handlers that write host masters or page rows chosen by index values: a graph break under
 # torch.compile (see torch_dispatch).

@@ -11,7 +11,7 @@ from ..pager import pins_host_memory
 from ..tensor import OffloadedTensor, check_offloadable, new_host_master, wrap_host
 from .expert_pool import pooled_grouped_mm, serving_pool
 from .host_experts import expert_on_host, host_linear
-from .paging import Paged, reclaim
+from .paging import Paged, describe, reclaim
 from .tiling import as_linear_weight, folds_without_copy, linear_tiled, needs_tiling
 from .views import memoized_view, metadata_changed
 
@@ -139,6 +139,68 @@ def _tolist(args, kwargs):
     return args[0]._host.tolist() if isinstance(args[0], OffloadedTensor) else NotImplemented
 
 
+def _named(t: OffloadedTensor) -> str:
+    return f"{describe(t)} ({t.numel() * t.element_size()} bytes, in host memory paged to {t.device} per op)"
+
+
+def _numpy(args, kwargs):
+    """``Tensor.numpy`` (and ``np.asarray``, through ``__array__``), which torch refuses for every
+    subclass. On the emulated device, where a plain tensor's array shares its memory, the array
+    views the host master, read-only: a write into it would bypass the pager and leave cached
+    device copies stale, so numpy refuses it instead of losing it. On a GPU, as for a plain device
+    tensor, only ``force=True`` converts (a copy)."""
+    self = args[0]
+    if not isinstance(self, OffloadedTensor):
+        return NotImplemented
+    force = kwargs.get("force", False)
+    if self.device.type != "cpu":
+        if force:
+            return self.detach().cpu().resolve_conj().resolve_neg().numpy()
+        raise TypeError(
+            f"offtensor: can't convert {_named(self)} to numpy: like any {self.device.type} tensor it needs a "
+            f"copy in host memory first: .detach().cpu() (read from its host master, nothing paged) or "
+            f".numpy(force=True); to change a wrapped model's weights on the host, use `with ot.on_host(model):`"
+        )
+    host = self._host
+    if force:
+        host = host.resolve_conj().resolve_neg()  # a copy where it has lazy bits, as for a plain tensor
+    elif self.requires_grad:
+        raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
+    array = host.numpy()
+    if host is self._host:  # no copy was made: the array is the master's memory
+        array.flags.writeable = False
+    return array
+
+
+def _array(args, kwargs):
+    """``Tensor.__array__`` (``np.asarray``), which calls ``numpy()`` with torch functions off."""
+    if not isinstance(args[0], OffloadedTensor):
+        return NotImplemented
+    dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
+    array = _numpy(args[:1], {})
+    return array if dtype is None else array.astype(dtype, copy=False)
+
+
+def _dlpack(args, kwargs):
+    """``Tensor.__dlpack__`` (``np.from_dlpack``, ``torch.from_dlpack``, JAX, CuPy): an
+    OffloadedTensor has no memory of its own to share, so only an export that may copy
+    (``copy=True``) is made, of a device copy (``materialize``); otherwise a ``BufferError``
+    that names the tensor, where C++ would have refused its data pointer."""
+    self = args[0]
+    if not isinstance(self, OffloadedTensor):
+        return NotImplemented
+    if self.requires_grad:
+        raise BufferError("Can't export tensors that require gradient, use tensor.detach()")
+    if self.is_conj():
+        raise BufferError("Can't export tensors with the conjugate bit set")
+    if not kwargs.get("copy"):
+        raise BufferError(
+            f"offtensor: can't export {_named(self)} through DLPack without a copy: it has no memory of "
+            f"its own to share. Export a copy: copy=True, .materialize() (on {self.device}) or .detach().cpu()"
+        )
+    return self.materialize().__dlpack__(**{**kwargs, "copy": None})
+
+
 def _set_data(args, kwargs):
     """``x.data = value`` (``module.half()``, weight post-processing): torch would copy only the
     wrapper's metadata and leave ``_host`` behind, so dtype and shape would describe bytes the
@@ -189,6 +251,9 @@ FUNCTION_TABLE = {
     **({F.grouped_mm: _grouped_mm} if hasattr(F, "grouped_mm") else {}),
     torch.Tensor.cpu: _cpu,
     torch.Tensor.tolist: _tolist,
+    torch.Tensor.numpy: _numpy,
+    torch.Tensor.__array__: _array,
+    torch.Tensor.__dlpack__: _dlpack,
     torch.Tensor.data.__set__: _set_data,
     torch.Tensor.t: memoized_view(torch.Tensor.t),
     torch.Tensor.transpose: memoized_view(torch.Tensor.transpose),

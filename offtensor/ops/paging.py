@@ -42,13 +42,24 @@ class Paged:
             # over other weights' cached copies (the arena's storage is large enough); a device
             # copy of its own is reallocated instead, and write_back sees the new shape. Outside
             # the budget, like the op's output it stands for.
-            view = pager.copy_out(host)
+            view = with_bits(pager.copy_out(raw(host)), host)
             self.private.append((t, view))
             return view
         layout = own.get("_layout")
         if layout is None:
+            if _is_conj(host) or _is_neg(host):
+                return self._page_with_bits(t, host, private)
             layout = own["_layout"] = page_layout(host, master.id)
         view = pager.page(host, master, t, private, layout, self.entries)[0]  # t's repr names it in a BudgetError
+        if private:
+            self.private.append((t, view))
+        return view
+
+    def _page_with_bits(self, t: OffloadedTensor, host: torch.Tensor, private: bool) -> torch.Tensor:
+        """A page of a conjugate or negative view: the master's raw bytes, cached as any page of
+        them, viewed with the host view's bits. Never memoized (``layout_of``), so a page of such a
+        view always comes here; no weight of a model has the bits, only views taken of one."""
+        view = with_bits(t._master.pager.page(raw(host), t._master, t, private, None, self.entries)[0], host)
         if private:
             self.private.append((t, view))
         return view
@@ -89,6 +100,80 @@ class Paged:
             raise
 
 
+_is_conj = torch._C.TensorBase.is_conj
+_is_neg = torch._C.TensorBase.is_neg
+
+
+def raw(host: torch.Tensor) -> torch.Tensor:
+    """``host`` without its conjugate and negative bits: the bytes as the master holds them, what a
+    copy to the device moves."""
+    if not (_is_conj(host) or _is_neg(host)):
+        return host
+    bare = torch.ops.aten.alias.default(host)
+    torch._C._set_conj(bare, False)
+    torch._C._set_neg(bare, False)
+    return bare
+
+
+def with_bits(device: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """``device`` (a copy of ``raw(host)``) with ``host``'s conjugate and negative bits: a new alias,
+    since a cached copy's view is shared by the ops that read it."""
+    if not (_is_conj(host) or _is_neg(host)):
+        return device
+    view = torch.ops.aten.alias.default(device)
+    torch._C._set_conj(view, _is_conj(host))
+    torch._C._set_neg(view, _is_neg(host))
+    return view
+
+
+_MATH_BIT_KEYS = (torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative, torch._C.DispatchKey.ZeroTensor)
+_is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+
+
+def with_math_bits(fn, args, kwargs):
+    """``fn(*args, **kwargs)`` with the Conjugate, Negative and ZeroTensor keys on. Inside
+    ``__torch_dispatch__`` they are off, so a composite op decomposed there (``fft_hfftn``, which
+    conjugates an intermediate of its own before ``_fft_c2r``, reached whole under inference mode
+    or as an out= op) would have its kernels read raw values where a plain tensor's fallbacks
+    resolve the lazy bit first. Only composites need it: a kernel of its own takes the bits of its
+    arguments into account, or the fallback resolved them before the op reached offtensor."""
+    excluded = [_is_excluded(key) for key in _MATH_BIT_KEYS]
+    for key in _MATH_BIT_KEYS:
+        _set_excluded(key, False)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        for key, was in zip(_MATH_BIT_KEYS, excluded):
+            _set_excluded(key, was)
+
+
+_COMPOSITES = (torch._C.DispatchKey.CompositeImplicitAutograd, torch._C.DispatchKey.CompositeExplicitAutograd,
+               torch._C.DispatchKey.CompositeExplicitAutogradNonFunctional)
+_BACKENDS = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
+
+
+def decomposes(func) -> bool:
+    """Whether ``func`` runs as a C++ composite of other ops (``linalg_pinv``, ``linalg_lstsq``,
+    ``fft_hfft2.out``): no kernel of its own on the CPU or a GPU. Its parts may take lazy views of
+    its own intermediates, so offtensor runs it with ``with_math_bits``."""
+    return any(map(func.has_kernel_for_dispatch_key, _COMPOSITES)) and not any(
+        map(func.has_kernel_for_dispatch_key, _BACKENDS))
+
+
+def layout_of(t: OffloadedTensor):
+    """``page_layout`` of ``t``, memoized on the tensor unless it is a view with conjugate or
+    negative bits, which ``Paged.page`` pages only when no layout is memoized."""
+    own = t.__dict__
+    layout = own.get("_layout")
+    if layout is None:
+        host = own["_host"]
+        layout = page_layout(host, own["_master"].id)
+        if not (_is_conj(host) or _is_neg(host)):
+            own["_layout"] = layout
+    return layout
+
+
 def reclaim(error: BaseException) -> None:
     """An exception crossed an op's dispatch: release the records it left behind in the frames it
     unwound, those whose ``release`` it cut off at the call, before a line of it ran. Runs only on
@@ -110,10 +195,11 @@ def describe(t: OffloadedTensor) -> str:
     return f"an OffloadedTensor{'' if name is None else ' of ' + repr(name)} of shape {tuple(t.shape)} and dtype {t.dtype}"
 
 
-def run(func, args, kwargs, written=(), outs=()):
+def run(func, args, kwargs, written=(), outs=(), composite=False):
     """Page every OffloadedTensor argument (privately where ``written``; ``outs``, the written
     out= arguments, each into a device copy of its own), run ``func`` on plain tensors, write
-    mutated arguments back to their host masters."""
+    mutated arguments back to their host masters; ``composite``: ``func`` is decomposed here, with
+    the lazy-bit fallbacks on (``with_math_bits``)."""
     paged = Paged()
     try:
         if written:
@@ -125,7 +211,7 @@ def run(func, args, kwargs, written=(), outs=()):
             arg = paged.arg
             new_args = [arg(a) for a in args]
             new_kwargs = {k: arg(v) for k, v in kwargs.items()} if kwargs else kwargs
-        out = func(*new_args, **new_kwargs)
+        out = func(*new_args, **new_kwargs) if not composite else with_math_bits(func, new_args, new_kwargs)
         for t, device_copy in paged.private:
             write_back(t, device_copy)
     finally:
@@ -147,37 +233,33 @@ def _written_arg(paged: Paged, a, written: bool, out: bool, shared: dict):
 def _byte_range(t: OffloadedTensor):
     """The bytes of its master that ``t`` covers, from the layout ``Paged.page`` keeps on the tensor
     (made here when absent, so the page that follows does not make it again)."""
-    own = t.__dict__
-    host = own["_host"]
-    layout = own.get("_layout")
-    if layout is None:
-        layout = own["_layout"] = page_layout(host, own["_master"].id)
-    return layout[0] * host.element_size(), layout[1] * host.element_size()
+    layout = layout_of(t)
+    size = t.__dict__["_host"].element_size()
+    return layout[0] * size, layout[1] * size
 
 
 def _page_aliases(paged: Paged, args, kwargs, written, outs) -> dict:
     """``id(argument) -> device view`` for the OffloadedTensor arguments of a writing op whose
-    bytes overlap those of an argument it writes in place (out= arguments aside, see ``page``).
+    bytes overlap those of an argument it writes.
 
     Paged one by one, each would get a copy of its own: a write through one (``_foreach_add_`` of
     a weight and its alias) would not reach the other, and the last write-back would undo the
-    first; an overlap torch refuses (``x[1:].add_(x[:-1])``) would pass. Overlapping arguments
-    instead view one private copy of the bytes they cover together, as they view one host master,
-    so the op sees them alias as a plain op does; that copy is written back whole."""
+    first; an overlap torch refuses (``x[1:].add_(x[:-1])``, ``torch.add(x[:4], 1, out=x[2:6])``)
+    would pass. Overlapping arguments instead view one private copy of the bytes they cover
+    together, as they view one host master, so the op sees them alias as a plain op does (and
+    raises where it raises); that copy is written back whole."""
     by_master = {}
     for key, a in (*enumerate(args), *kwargs.items()):
-        if key in outs:
-            continue
         for t in a if isinstance(a, (list, tuple)) else (a,):
             if isinstance(t, OffloadedTensor) and t._host.numel():
-                by_master.setdefault(id(t._master), []).append((*_byte_range(t), key in written, t))
+                by_master.setdefault(id(t._master), []).append((*_byte_range(t), key in written, t, key in outs))
     shared = {}
     for members in by_master.values():
         if len(members) < 2 or not any(m[2] for m in members):
             continue
         members.sort(key=lambda m: m[0])
         group, end = [], -1
-        for m in members + [(float("inf"), 0, False, None)]:  # a sentinel closes the last group
+        for m in members + [(float("inf"), 0, False, None, False)]:  # a sentinel closes the last group
             if m[0] >= end:
                 if len(group) > 1 and any(g[2] for g in group):
                     shared.update(_page_together(paged, group))
@@ -194,12 +276,24 @@ def _page_together(paged: Paged, group) -> dict:
     hi = max(m[1] for m in group)
     first = group[0][3]
     host = first._host  # on meta too (ot.plan), where the master is meta bytes
-    span = torch.empty(0, dtype=torch.uint8, device=host.device).set_(host.untyped_storage(), lo, (hi - lo,), (1,))
-    device = paged.page(OffloadedTensor(span, first._master), True)
+    span = OffloadedTensor(
+        torch.empty(0, dtype=torch.uint8, device=host.device).set_(host.untyped_storage(), lo, (hi - lo,), (1,)),
+        first._master)
+    outs = [m[3] for m in group if m[4]]
+    if outs:
+        # An out= argument may be resized by its op: a device copy of its own, as ``page`` gives
+        # one, rather than a range of the arena.
+        device = first._master.pager.copy_out(span._host)
+        paged.private.append((span, device))
+    else:
+        device = paged.page(span, True)
     views = {}
-    for start, stop, _, t in group:
+    for start, stop, _, t, _ in group:
         host = t._host
-        views[id(t)] = device[start - lo : stop - lo].view(host.dtype).as_strided(host.shape, host.stride())
+        views[id(t)] = with_bits(device[start - lo : stop - lo].view(host.dtype).as_strided(host.shape, host.stride()), host)
+    # Written back after the span: the same bytes again, unless the op resized the out= view
+    # (then out of the span), which only its own write-back can reach.
+    paged.private.extend((t, views[id(t)]) for t in outs)
     return views
 
 

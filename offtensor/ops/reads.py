@@ -10,6 +10,7 @@ import torch
 from ..pager import pins_host_memory
 from ..tensor import OffloadedTensor, new_host_master, wrap_host
 from .paging import run
+from .views import view
 from .table import implements
 
 aten = torch.ops.aten
@@ -104,8 +105,17 @@ def _record_stream(func, types, args, kwargs):
 
 @implements(aten._conj.default, aten._neg_view.default)
 def _lazy_bit_view(func, types, args, kwargs):
-    # A conjugate or negative *bit* on a host view would be ignored here: the Conjugate and
-    # Negative fallbacks run above __torch_dispatch__, so paging and write-back would copy the raw
-    # values. Resolve it instead: a plain device tensor with the conjugated or negated values.
-    physical = aten.conj_physical.default if func is aten._conj.default else aten.neg.default
-    return run(physical, args, kwargs)
+    # A real view, as on a plain tensor: the host view and the wrapper carry the conjugate or
+    # negative bit (tensor._wrapper), so a write through it (``w.conj().mul_(2)``) reaches the
+    # master through torch's own fallback, and it is made in inference mode as other views are.
+    # Paging gives the device view the same bit over the master's raw bytes (paging.Paged.page).
+    return view(func, types, args, kwargs)
+
+
+@implements(aten.resolve_conj.default, aten.resolve_neg.default)
+def _resolve_bit(func, types, args, kwargs):
+    # Its schema says it returns an alias, which it is only when there is no bit to resolve;
+    # otherwise it is a new tensor with the values, as for a plain tensor (on the device).
+    self = args[0]
+    bit = self._host.is_conj() if func is aten.resolve_conj.default else self._host.is_neg()
+    return run(func, args, kwargs) if bit else self

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ..pager import page_layout, upload_small
+from ..pager import upload_small
 from ..tensor import OffloadedTensor
-from .paging import Paged, describe, run
+from .paging import Paged, describe, layout_of, run
 from .table import implements
 
 aten = torch.ops.aten
@@ -125,7 +125,7 @@ def _whole_copy_cached(t: OffloadedTensor) -> bool:
     if layout is None:
         if type(own["_host"]) is not torch.Tensor:  # traced by torch.compile: the row path decides
             return False
-        layout = own["_layout"] = page_layout(own["_host"], master.id)
+        layout = layout_of(t)
     return pager.is_cached(layout[5])
 
 

@@ -9,9 +9,9 @@ import warnings
 
 import torch
 
-from ..pager import BudgetError, host_layout, page_layout
+from ..pager import BudgetError, host_layout
 from ..tensor import OffloadedTensor
-from .paging import Paged, describe, run
+from .paging import Paged, describe, layout_of, run
 from .table import implements
 
 aten = torch.ops.aten
@@ -32,9 +32,7 @@ def _offloaded_bytes(values) -> tuple:
         for t in v if isinstance(v, (list, tuple)) else (v,):
             if isinstance(t, OffloadedTensor):
                 pager = pager or t._master.pager
-                layout = t.__dict__.get("_layout")  # memoized by Paged.page: this runs per op
-                if layout is None:
-                    layout = t.__dict__["_layout"] = page_layout(t._host, t._master.id)
+                layout = t.__dict__.get("_layout") or layout_of(t)  # memoized by Paged.page: this runs per op
                 need += (layout[1] - layout[0]) * t._host.element_size()  # _host: no __torch_function__
     return pager, need
 

@@ -8,7 +8,7 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 
 from ..tensor import OffloadedTensor
-from .paging import describe, run
+from .paging import decomposes, describe, run
 from .table import implements
 from .views import resize_within_master
 
@@ -37,6 +37,9 @@ class Mutation:
                         source = (i, arg.name)
             self.returns.append(source)
         self.__name__ = f"mutation({func})"
+        # A composite (``fft_hfft2.out`` under inference mode, ``linalg_pinv.out``) is decomposed
+        # inside the handler: with the lazy-bit fallbacks on (paging.with_math_bits).
+        self.composite = decomposes(func)
 
     def __call__(self, func, types, args, kwargs, also_written=()):
         # also_written: arguments the op writes although its schema does not say so.
@@ -51,7 +54,7 @@ class Mutation:
                     outs.add(key)
         if not written:
             return run(func, args, kwargs)
-        out = run(func, args, kwargs, written, outs)
+        out = run(func, args, kwargs, written, outs, self.composite)
         if not self.returns:
             return out  # e.g. _foreach_add_ returns nothing; its writes are already written back
         results = []
