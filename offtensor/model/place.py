@@ -124,7 +124,7 @@ def _place_member(state: State, member: Member, full_name: str, attaching=None):
         pager.hold_resident(with_t)
         return None
     refuse_offloading_an_fsdp2_parameter(state, module, name, t, resident)
-    reserve_paging_room(state, full_name, t, resident, tileable=leaf_is_tileable(t, member.owners))
+    reserve_paging_room(state, full_name, t, member.slots[0], resident, tileable=leaf_is_tileable(t, member.owners))
     member.names.append(full_name)
     source = t.detach()
     offload_group(StorageGroup([member]), pager)
@@ -162,7 +162,7 @@ def place_attribute(state: State, module: nn.Module, name: str, t: torch.Tensor)
         pager.hold_resident(resident)
         return
     without_t = resident - storage_bytes(t)[1]
-    reserve_paging_room(state, full_name, t, without_t, kind="the attribute ")
+    reserve_paging_room(state, full_name, t, (module, name, None), without_t, kind="the attribute ")
     member = Member(t)
     member.slots.append((module, name, None))
     member.names.append(full_name)
