@@ -348,7 +348,8 @@ def _setter(path: str, make):
 def _swap_in(make):
     def step(model, device):
         torch.manual_seed(5)  # the same new submodule for the model and its reference
-        model.inner = make().to(device)
+        step.made = make().to(device)
+        model.inner = step.made
     return step
 
 
@@ -419,6 +420,10 @@ def _assign_then_run(build, steps, make_x, budget: int, device, policy=None) -> 
                 refused = re.findall(r'parameter named "([\w.]+)"', str(e)) or list(before)
                 assert after.keys() == before.keys() and all(after[n] is before[n] for n in refused), str(e)
                 assert set(model.modules()) == modules
+                made = getattr(step, "made", None)  # a submodule refused: left as it was, not wrapped
+                if made is not None:
+                    assert not any(isinstance(t, ot.OffloadedTensor) for t in made.parameters())
+                    assert all("_offtensor_user_class" not in type(m).__dict__ for m in made.modules())
                 return "refused"
             step(reference, device)
         x = make_x().to(device)
@@ -476,3 +481,27 @@ def test_a_kept_weight_assigned_after_wrapping_leaves_room_for_each_modules_weig
         outcomes[kept] = _assign_then_run(build, [step], make_x, whole + 4, device,
                                           policy={"keep": ["extra"], "offload": ["*"]})
     assert outcomes[4] == "ran", outcomes
+
+
+def test_a_submodule_refused_part_way_through_its_tensors_is_left_as_it_was(device):
+    # A swapped-in submodule's tensors are placed one by one: those placed before one was refused
+    # stayed offloaded (or moved onto the device) and its modules stayed wrapped, though the
+    # submodule was never attached. Now the refusal puts every one of them back.
+    def build(hidden):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), _lstm(8, hidden))
+
+    model = _Holder(build(8))
+    lstm_bytes = sum(p.numel() * 4 for p in model.inner[1].parameters())
+    budget = 8 * 8 * 4 + 8 * 4 + lstm_bytes  # the kept Linear and the LSTM's weights together
+    ot.wrap_model(model, budget_gb=budget / GiB, device=device, policy={"keep": ["inner.0.*"], "offload": ["*"]})
+    old = model.inner
+    fresh = build(12)  # its first LSTM weight fits the room, the first two do not
+    before = {name: (t, t.device, t.data_ptr()) for name, t in fresh.named_parameters()}
+    with pytest.raises(ot.BudgetError, match=r"inner\.1\.weight_hh_l0 \(2304 bytes\) needs 3840 bytes .* module 'inner\.1'"):
+        model.inner = fresh
+    assert model.inner is old
+    assert {name: (t, t.device, t.data_ptr()) for name, t in fresh.named_parameters()} == before
+    assert all("_offtensor_user_class" not in type(m).__dict__ for m in fresh.modules())
+    x = _tensor(5, 2, 8, seed=3)
+    assert torch.equal(fresh(x)[0], build(12)(x)[0])  # the refused submodule still runs as it did

@@ -13,7 +13,7 @@ from ..pager import BudgetError
 from ..tensor import OffloadedTensor
 from .groups import Member, StorageGroup, leaf_is_tileable
 from .moves import (
-    as_param_like, check_offloadable_quietly, offload_group, refit, resident_bytes, resident_storages,
+    Undo, as_param_like, check_offloadable_quietly, offload_group, refit, resident_bytes, resident_storages,
     resident_storages_of, storage_bytes, swap, weight_tensors,
 )
 from .dtensor import refuse_offloading_an_fsdp2_parameter
@@ -117,6 +117,7 @@ def _place_member(state: State, member: Member, full_name: str, attaching=None):
         if moves:
             source = t.detach()
             pager.room_for_resident(with_t)  # cached copies go before the new bytes are allocated
+            Undo.note("data", t, t.data)  # a submodule refused later in its attachment gets its tensors back
             with torch.no_grad():
                 t.data = t.data.to(pager.device)
             state.remember(source, t, module, name)
