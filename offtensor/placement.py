@@ -5,8 +5,9 @@ the one placement API that ``wrap_model``, ``load_safetensors`` and ``ot.plan`` 
   (``model.groups.collect_groups``: tied names and aliases of one storage together) to offload for
   an ``OffloadConfig`` (a ``ModelPlacement``);
 - ``choose_placement(weights, budget_bytes, ...)``: the same choice on bare ``Weight`` records;
-- ``policy_choice``, ``working_set`` and ``tile_working_set``: the rules that re-placement after
-  wrapping applies to one tensor at a time.
+- ``policy_choice``: what a policy says for a tensor assigned after wrapping. What one op pages of
+  a tensor or of a module's tensors together is ``working_sets``' rule, which re-placement after
+  wrapping counts by too (its names are re-exported here).
 
 Decisions only: no tensor is moved here. The default order offloads the weights whose bytes are
 largest and used least per token first: routed MoE experts (only the routed ones are paged), then
@@ -31,15 +32,14 @@ from .ops import TILE_ALIGN  # the tile width ops cut; room is planned for it
 from .pager import GiB, BudgetError, device_total_bytes, format_bytes, free_device_bytes
 from .pager.budget import smallest_budget_gb
 from .exactness import warn_fast_paths, warn_inexact_tiles, warn_narrow_tiles  # noqa: F401  (public here too)
+from .working_sets import (  # noqa: F401  (public here too)
+    EXPERTS_PER_OP, module_of, module_working_set, pair_working_set, slice_working_set, tile_working_set, working_set,
+)
 
 EXPERTS, ROWS, MLP, ATTENTION, OTHER, LAST = range(6)
 CLASS_NAMES = {EXPERTS: "routed experts", ROWS: "read by rows", MLP: "dense MLP", ATTENTION: "attention", OTHER: "other", LAST: "last"}
 
 SMALL_BYTES = 1 << 16  # below this a tensor is "small": never worth a page-in per use
-# Stacked experts are never paged whole: ``_grouped_mm`` pages the routed experts one at a time,
-# eager MoE selects one expert per linear, and index ops page the selected experts in chunks that
-# fit the free room. So one op needs room for this many slices of a stack, not the routed 8.
-EXPERTS_PER_OP = 1
 # With prefetch, the room beside the working set should hold one layer's routed experts (DeepSeek
 # routes 8; every stack of the layer: gate_up and down), so the expert cache can take a layer's misses at once and keep hot experts across
 # tokens. Only a preference: placement offloads more experts for it when the budget allows, never
@@ -142,15 +142,6 @@ def weight_kind(w: Weight) -> int:
     return weight_class(w.name, w.shape, w.nbytes)
 
 
-def working_set(name: str, shape: tuple, nbytes: int, indexed: bool = False) -> int:
-    if indexed and len(shape) >= 1 and shape[0] > 0:
-        # ``_gather_rows`` pages the selected rows in chunks that fit the free room: one row at least.
-        return nbytes // shape[0]
-    if is_routed_stack(name, shape) and shape[0] > 0:
-        return nbytes // shape[0] * min(shape[0], EXPERTS_PER_OP)
-    return nbytes
-
-
 def policy_choice(policy: Policy, names: Iterable[str]) -> Optional[str]:
     """"offload", "keep" or None (no opinion) for a weight with these names."""
     if policy is None:
@@ -204,20 +195,6 @@ def _check_choice(choice: str) -> str:
     if choice not in ("offload", "keep"):
         raise ValueError(f"offtensor: a policy must answer 'offload', 'keep' or None, got {choice!r}")
     return choice
-
-
-def tile_working_set(shape: tuple, nbytes: int, working_set: int, slices: int = TILE_ALIGN) -> int:
-    """The least one op must page of a weight when it computes in output tiles (ops tile
-    linear, mm/addmm, bmm and convolution by rows, columns, batches or output channels; index ops
-    page only selected rows): ``slices`` slices along the shorter of its first two dims.
-
-    Placement plans for tiles ``TILE_ALIGN`` slices wide: narrower output tiles make BLAS pick
-    another kernel (matrix-vector for a few rows), which sums in another order and differs from the
-    whole op in the last bits. One slice is the fallback for a budget with no room for that."""
-    if len(shape) < 2 or min(shape[0], shape[1]) <= 0:
-        return working_set
-    n = min(shape[0], shape[1])
-    return min(working_set, nbytes // n * min(slices, n))
 
 
 @dataclasses.dataclass
@@ -325,13 +302,6 @@ def choose_placement(weights: Sequence[Weight], budget_bytes: Optional[int], off
     return chosen
 
 
-def slice_working_set(w: Weight) -> int:
-    """The least one read of a table in slices pages: one slice along its longest dim (ops
-    gathers exactly the elements a view covers)."""
-    longest = max(w.shape, default=1)
-    return w.nbytes // longest if longest > 0 else w.working_set
-
-
 def _choose_whole_or_tiled(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: Optional[int],
                            policy: Policy, prefetch: bool) -> Placement:
     """``choose_placement`` with whole working sets, else tiled ones (``TILE_ALIGN``, then 1 slice)."""
@@ -403,7 +373,7 @@ class _Offloading:
         self.freed = 0  # device bytes the offloaded weights held while resident
         self.working_set = 0
         self.widest = None  # the module whose offloaded tensors set ``working_set``
-        self.by_module = {}  # module path -> [(rank, working set, fused)] of its offloaded tensors
+        self.by_module = {}  # module path -> its offloaded Weights
 
     def add(self, w: Weight) -> None:
         """Offload ``w``. An op may read every tensor of one module together (weight and bias of a
@@ -416,8 +386,8 @@ class _Offloading:
         self.freed += w.resident_cost
         for stem in {module_of(name) for name in w.names}:
             tensors = self.by_module.setdefault(stem, [])
-            tensors.append((len(w.shape), w.working_set, w.fused, pair_working_set(w)))
-            need = _together(tensors)
+            tensors.append(w)
+            need = module_working_set(tensors)
             if need > self.working_set:
                 self.working_set, self.widest = need, stem
 
@@ -446,34 +416,6 @@ class _Offloading:
         if copies == 2:
             return self.resident_bytes + self.working_set + self.prefetch_room() <= budget
         return self.resident_bytes + copies * self.working_set <= budget
-
-
-def module_of(name: str) -> str:
-    """The module whose one op may read ``name`` with its other tensors: its owner; but a
-    parametrization's own tensors (spectral_norm's ``l.parametrizations.weight.0._v``) count with the
-    tensor it parametrizes (``l.parametrizations.weight.original``), as ``mv(weight, _v)`` reads both."""
-    stem = name.rpartition(".")[0]
-    return stem.rpartition(".")[0] if stem.split(".")[-3:-2] == ["parametrizations"] else stem
-
-
-def pair_working_set(w: Weight) -> int:
-    """What an op of ``w`` and another weight of its module (``w1 @ w2``, an einsum of both) pages of
-    ``w`` at least: its tile (``TILE_ALIGN`` slices; one where its working set is one slice), as mm
-    and bmm do. 0 for routed experts and tables read in slices, which no such op reads."""
-    if len(w.shape) < 2 or w.sliced or is_routed_stack(w.name, w.shape):
-        return 0
-    return tile_working_set(w.shape, w.nbytes, w.working_set) if w.tileable else w.working_set
-
-
-def _together(tensors) -> int:
-    """The most one op pages of one module's offloaded tensors (see ``Weight.fused``), for a model's
-    own module at least a tile of each of its two largest of the highest rank (``pair_working_set``)."""
-    if any(fused for _, _, fused, _ in tensors):
-        return sum(ws for _, ws, _, _ in tensors)
-    top = max(rank for rank, *_ in tensors)
-    pair = sum(sorted((p for rank, *_, p in tensors if rank == top), reverse=True)[:2])
-    widest = max(ws for rank, ws, *_ in tensors if rank == top)
-    return max(widest, pair) + sum(ws for rank, ws, *_ in tensors if rank < top)
 
 
 def _choose_untiled(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: Optional[int] = None,

@@ -17,7 +17,7 @@ LAYERS = [
     {"pager"},
     {"tensor", "moe"},
     {"ops"},
-    {"exactness"},
+    {"exactness", "working_sets"},
     {"placement"},
     {"model"},
     {"sim"},

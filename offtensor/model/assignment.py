@@ -17,7 +17,7 @@ from torch import nn
 from .casts import apply_to_wrapped
 from .dtensor import asked_by_distribute_module, refuse_distribute, refuse_sharding_an_offloaded_weight
 from .loads import after_load, portable_state_dict
-from .moves import resident_bytes
+from .moves import Undo, resident_bytes
 from .place import place, place_attribute
 from .state import State, enrol, offloaded_weights, placing_state, refuse_wrapped_elsewhere, withdraw, wrapped_state
 
@@ -132,18 +132,38 @@ def _attach_submodule(state: State, module: nn.Module, name: str, submodule: nn.
         for attr in (*m._parameters, *m._buffers)
     )
     parent = state.qualified_name(module, name)
+    named = [child for child in submodule.modules() if child not in state.prefixes]
     for path, child in submodule.named_modules(remove_duplicate=False):
         state.prefixes.setdefault(child, f"{parent}.{path}" if path else parent)
+    joined, room = [], state.working_set_bytes
+    try:
+        with Undo():  # a tensor refused (over budget) puts the submodule back as it was, nothing attached
+            _place_submodule(state, submodule, replaced, joined)
+    except BaseException:
+        for child in joined:
+            leave(child)
+        for child in named:
+            state.prefixes.pop(child, None)
+        state.working_set_bytes = room
+        _released(state)
+        raise
+
+
+def _place_submodule(state: State, submodule: nn.Module, replaced: frozenset, joined: list) -> None:
+    """Each module of ``submodule`` joins the wrapped model (listed in ``joined``) and each of its
+    tensors is placed, those placed first counting as resident beside the later ones."""
     placed = []
     for child in submodule.modules():
         if wrapped_state(child) is state:
             continue
         join(child, state)
+        joined.append(child)
         for table, is_buffer in ((child._parameters, False), (child._buffers, True)):
             for attr, t in list(table.items()):
                 if t is not None:
                     new = place(state, child, attr, t, is_buffer, attaching=(tuple(placed), replaced))
                     if new is not None:
+                        Undo.note("call", table.__setitem__, attr, t)
                         table[attr] = new
                     placed.append(table[attr])
 

@@ -105,20 +105,22 @@ def _cast_offloaded(state: State, module: nn.Module, fn) -> list:
                 cast_wrapper(state, module, attr, t, probe.dtype, fn)
                 handled.append((table, attr, table[attr]))
                 continue
-            _cast_master(state, state.qualified_name(module, attr), t, probe.dtype)
+            slot = (module, attr, table is module._buffers)
+            _cast_master(state, state.qualified_name(module, attr), t, slot, probe.dtype)
             if t.grad is not None:
                 t.grad = fn(t.grad)
             handled.append((table, attr, t))
     return handled
 
 
-def _cast_master(state: State, full_name: str, t: OffloadedTensor, dtype: torch.dtype) -> None:
-    """Re-point the offloaded ``t`` at a new host master holding its values cast to ``dtype``,
-    after reserving the room to page it at that size (a BudgetError leaves ``t`` as it was)."""
+def _cast_master(state: State, full_name: str, t: OffloadedTensor, slot: tuple, dtype: torch.dtype) -> None:
+    """Re-point the offloaded ``t`` (in ``slot``) at a new host master holding its values cast to
+    ``dtype``, after reserving the room to page it at that size beside its module's other offloaded
+    tensors (a BudgetError leaves ``t`` as it was)."""
     pager = state.pager
     host = t._host
     at_new_size = torch.empty_strided(host.shape, host.stride(), dtype=dtype, device="meta")
-    reserve_paging_room(state, full_name, at_new_size, pager.budget.resident_bytes)
+    reserve_paging_room(state, full_name, at_new_size, slot, pager.budget.resident_bytes, beside=())
     new_host = new_host_master(host, pin=pins_host_memory(pager.device), dtype=dtype)
     master = master_for(new_host, pager)
     master.name = full_name
@@ -166,7 +168,7 @@ def _replan_resident_after_cast(state: State, module: nn.Module, before: int) ->
         if placement.policy_choice(state.config.policy, [full_name]) == "keep":
             continue
         resident -= storage_bytes(t)[1]
-        reserve_paging_room(state, full_name, t, resident)
+        reserve_paging_room(state, full_name, t, (module, attr, is_buffer), resident)
         member = Member(t)
         member.slots.append((module, attr, is_buffer))
         member.names.append(full_name)

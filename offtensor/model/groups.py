@@ -9,7 +9,8 @@ from torch import nn
 
 from .. import leaves
 from ..pager import host_layout
-from ..placement import Weight, working_set
+from ..placement import Weight
+from ..working_sets import working_set
 from ..tensor import OffloadedTensor
 
 
@@ -216,23 +217,43 @@ def collect_groups(model: nn.Module) -> list:
             together = sum(tensor_bytes(t) for t in {id(t): t for t in [*module.parameters(), *module.buffers()]
                                                      if t.layout == torch.strided}.values())
             whole.update((id(sub), together) for sub in module.modules())
-        for table, is_buffer in ((module._parameters, False), (module._buffers, True)):
-            for attr, t in table.items():
-                if t is None:
-                    continue
-                name = f"{prefix}.{attr}" if prefix else attr
-                for tensor, owner in _leaf_members(t, name):
-                    member = members.get(id(tensor))
-                    if member is None:
-                        member = members[id(tensor)] = Member(tensor)
-                    member.fast_path = member.fast_path or fast.get(id(module))
-                    member.read_whole = max(member.read_whole, whole.get(id(module), 0))
-                    if (module, attr) not in [(m, a) for m, a, _ in member.slots]:
-                        member.slots.append((module, attr, is_buffer))
-                    if name not in member.names:
-                        member.names.append(name)
-                    if owner is not None and not any(o is owner[0] and a == owner[1] for o, a in member.owners):
-                        member.owners.append(owner)
+        _add_members(members, module, lambda attr, prefix=prefix: f"{prefix}.{attr}" if prefix else attr,
+                     fast.get(id(module)), whole.get(id(module), 0))
+    return _grouped(members)
+
+
+def module_groups(module: nn.Module, name_of, skip=frozenset()) -> list:
+    """``collect_groups`` of ``module``'s own tensors only (not its submodules'), each named
+    ``name_of(attribute)``, leaving out the attributes in ``skip``. What an enclosing module adds
+    (a fused fast path, a fused parent's whole read) is not seen."""
+    members = {}
+    _add_members(members, module, name_of, None, 0, skip)
+    return _grouped(members)
+
+
+def _add_members(members: dict, module: nn.Module, name_of, fast_path, read_whole: int, skip=frozenset()) -> None:
+    """Each tensor of ``module``'s own (a wrapper subclass: each of its leaves) as a Member of
+    ``members`` (id -> Member), with this slot and name added."""
+    for table, is_buffer in ((module._parameters, False), (module._buffers, True)):
+        for attr, t in table.items():
+            if t is None or attr in skip:
+                continue
+            name = name_of(attr)
+            for tensor, owner in _leaf_members(t, name):
+                member = members.get(id(tensor))
+                if member is None:
+                    member = members[id(tensor)] = Member(tensor)
+                member.fast_path = member.fast_path or fast_path
+                member.read_whole = max(member.read_whole, read_whole)
+                if (module, attr) not in [(m, a) for m, a, _ in member.slots]:
+                    member.slots.append((module, attr, is_buffer))
+                if name not in member.names:
+                    member.names.append(name)
+                if owner is not None and not any(o is owner[0] and a == owner[1] for o, a in member.owners):
+                    member.owners.append(owner)
+
+
+def _grouped(members: dict) -> list:
     groups = {}
     for member in members.values():
         groups.setdefault(_storage_key(member.tensor), StorageGroup()).append(member)

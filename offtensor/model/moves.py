@@ -48,13 +48,16 @@ class Undo:
             record.steps.append(step)
 
     def __enter__(self):
+        self.outer = getattr(Undo._active, "record", None)
         Undo._active.record = self
         return self
 
     def __exit__(self, kind, error, tb):
-        Undo._active.record = None
+        Undo._active.record = self.outer
         if kind is not None:
             self.roll_back()
+        elif self.outer is not None:  # inside another record: its failure undoes these steps too
+            self.outer.steps.extend(self.steps)
         self.steps.clear()  # a failure's traceback holds this frame: the new tensors go now
         return False
 

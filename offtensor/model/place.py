@@ -13,7 +13,7 @@ from ..pager import BudgetError
 from ..tensor import OffloadedTensor
 from .groups import Member, StorageGroup, leaf_is_tileable
 from .moves import (
-    as_param_like, check_offloadable_quietly, offload_group, refit, resident_bytes, resident_storages,
+    Undo, as_param_like, check_offloadable_quietly, offload_group, refit, resident_bytes, resident_storages,
     resident_storages_of, storage_bytes, swap, weight_tensors,
 )
 from .dtensor import refuse_offloading_an_fsdp2_parameter
@@ -117,6 +117,7 @@ def _place_member(state: State, member: Member, full_name: str, attaching=None):
         if moves:
             source = t.detach()
             pager.room_for_resident(with_t)  # cached copies go before the new bytes are allocated
+            Undo.note("data", t, t.data)  # a submodule refused later in its attachment gets its tensors back
             with torch.no_grad():
                 t.data = t.data.to(pager.device)
             state.remember(source, t, module, name)
@@ -124,7 +125,7 @@ def _place_member(state: State, member: Member, full_name: str, attaching=None):
         pager.hold_resident(with_t)
         return None
     refuse_offloading_an_fsdp2_parameter(state, module, name, t, resident)
-    reserve_paging_room(state, full_name, t, resident, tileable=leaf_is_tileable(t, member.owners))
+    reserve_paging_room(state, full_name, t, member.slots[0], resident, tileable=leaf_is_tileable(t, member.owners))
     member.names.append(full_name)
     source = t.detach()
     offload_group(StorageGroup([member]), pager)
@@ -162,7 +163,7 @@ def place_attribute(state: State, module: nn.Module, name: str, t: torch.Tensor)
         pager.hold_resident(resident)
         return
     without_t = resident - storage_bytes(t)[1]
-    reserve_paging_room(state, full_name, t, without_t, kind="the attribute ")
+    reserve_paging_room(state, full_name, t, (module, name, None), without_t, kind="the attribute ")
     member = Member(t)
     member.slots.append((module, name, None))
     member.names.append(full_name)

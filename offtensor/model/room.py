@@ -3,74 +3,108 @@ wrapping, and planned again when resident weights grow (a weight the policy keep
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
 
+from .. import leaves
 from .. import placement
+from .. import working_sets
 from ..pager import BudgetError, covering_range
 from ..tensor import OffloadedTensor
-from .groups import collect_groups, tensor_bytes
+from .groups import Member, StorageGroup, collect_groups, leaf_is_tileable, module_groups, tensor_bytes
 from .state import State
 
 
-def reserve_paging_room(state: State, full_name: str, t: torch.Tensor, resident: int, kind: str = "",
-                         tileable: bool = True) -> None:
-    """Before ``t`` is offloaded beside ``resident`` bytes of resident weights: make sure the budget
-    can page it, whole or in tiles (ops compute linear, mm, bmm and conv ops on a weight larger
-    than the room in output tiles), and reserve that working set. ``tileable=False``: a leaf of a
-    wrapper subclass, read whole by the subclass's kernels (``placement.Weight.tileable``)."""
+def reserve_paging_room(state: State, full_name: str, t: torch.Tensor, slot: tuple, resident: int, kind: str = "",
+                        tileable: bool = True, beside=None) -> None:
+    """Before ``t`` is offloaded into ``slot`` = (module, attribute, is_buffer; None for a plain
+    attribute) beside ``resident`` bytes of resident weights: make sure the budget can page it
+    together with the module's other offloaded tensors, as wrap-time placement counts a module
+    (``working_sets.module_working_set``: a torch.nn module reads them all in one op, a model's own
+    module may multiply two of them), whole or in tiles, and reserve that working set. Raises a
+    BudgetError, before anything changes, where it cannot. ``tileable=False``: a leaf of a wrapper
+    subclass, read whole by the subclass's kernels (``placement.Weight.tileable``). ``beside``:
+    (tensor, tileable) of the other tensors the slot will hold offloaded with ``t`` (a wrapper's
+    other leaves); by default the slot's offloaded leaves but ``t``."""
     pager = state.pager
+    module, attr, is_buffer = slot
+    name_of = lambda a: state.qualified_name(module, a)  # noqa: E731
+    others = [g.weight() for g in module_groups(module, name_of, skip={attr}) if g.is_offloaded]
+    placing = [(t, tileable), *(_offloaded_beside(slot, t, full_name) if beside is None else beside)]
+    weights = others + [_weight(full_name, tensor, slot, can_tile) for tensor, can_tile in placing]
+    plan = working_sets.modules_room(weights, pager.budget_bytes - resident)[0]
     nbytes = tensor_bytes(t)  # offloading keeps an expanded tensor's stride-0 layout
-    ws = placement.working_set(full_name, tuple(t.shape), nbytes)
-    narrow = False
-    for slices in (placement.TILE_ALIGN, 1) if tileable else ():  # bit-identical tiles first (see tile_working_set)
-        if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
-            ws = placement.tile_working_set(tuple(t.shape), nbytes, ws, slices)
-            narrow = slices < placement.TILE_ALIGN
-    if resident + max(ws, state.working_set_bytes) > pager.budget_bytes:
+    if resident + max(plan.need, state.working_set_bytes) > pager.budget_bytes:
+        together = (f" with the other offloaded tensors of its module '{plan.module}' ({len(plan.weights)} in all)"
+                    if len(plan.weights) > 1 else "")
         raise BudgetError(
-            f"offtensor: {kind}{full_name} ({nbytes} bytes) needs {ws} bytes on the device to be paged, but only "
-            f"{pager.budget_bytes - resident} of the budget's {pager.budget_bytes} bytes are not resident "
-            f"weights; raise budget_gb or offload more"
+            f"offtensor: {kind}{full_name} ({nbytes} bytes) needs {plan.need} bytes on the device to be paged"
+            f"{together}, but only {pager.budget_bytes - resident} of the budget's {pager.budget_bytes} bytes are "
+            f"not resident weights; raise budget_gb or offload more"
         )
-    if narrow:  # the same fallback, and the same warning, as wrap-time placement's
-        placement.warn_narrow_tiles(pager.budget_bytes, f"{kind}{full_name}", stacklevel=2)
-    whole = placement.working_set(full_name, tuple(t.shape), nbytes)
-    if tileable and ws < whole:
-        placement.warn_inexact_tiles([placement.Weight([full_name], nbytes, tuple(t.shape), ws, dtype=t.dtype)],
-                                     stacklevel=3)
-    state.working_set_bytes = max(state.working_set_bytes, ws)
+    _warn_tiles([plan], pager.budget_bytes, f"{kind}{full_name}", stacklevel=3)
+    state.working_set_bytes = max(state.working_set_bytes, plan.need)
 
 
 def replan_paging_room(state: State, resident: int, why: str) -> None:
     """Resident weights grow to ``resident`` bytes and leave less room than the paging planned for
     (a weight the policy keeps, a cast that the policy keeps resident): plan the room again, each
-    offloaded weight whole if it fits, else in tiles as placement would have chosen at that room,
-    so ``working_set_bytes`` says what paging needs now. Raises a BudgetError, before anything
-    changes, if some offloaded weight cannot be paged in the room left even one slice at a time."""
+    module's offloaded tensors together (``working_sets.modules_room``) whole if they fit, else in
+    tiles as placement would have chosen at that room, so ``working_set_bytes`` says what paging
+    needs now. Raises a BudgetError, before anything changes, if some module's offloaded tensors
+    cannot be paged in the room left even one slice at a time."""
     pager, model = state.pager, state.model_ref()
     room = pager.budget_bytes - resident
-    need, narrow = 0, None
-    for group in collect_groups(model) if model is not None else ():
-        if not group.is_offloaded:
-            continue
-        w = group.weight()
-        ws = w.working_set
-        for slices in (placement.TILE_ALIGN, 1):
-            if ws > room:
-                ws = placement.tile_working_set(w.shape, w.nbytes, ws, slices)
-                narrow = w.name if slices < placement.TILE_ALIGN and narrow is None else narrow
-        if ws > room:
-            raise BudgetError(
-                f"offtensor: {why} leaves {max(room, 0)} of the budget's {pager.budget_bytes} bytes for paging, but the "
-                f"offloaded '{w.name}' ({w.nbytes} bytes) needs {ws} bytes on the device at once even one slice at a "
-                f"time; raise budget_gb or let the policy offload more"
-            )
-        need = max(need, ws)
+    weights = [g.weight() for g in collect_groups(model) if g.is_offloaded] if model is not None else []
+    plans = working_sets.modules_room(weights, room)
+    if plans and plans[0].need > room:
+        plan = plans[0]
+        w = max(plan.weights, key=lambda w: w.nbytes)
+        together = (f" (one op of module '{plan.module}', {len(plan.weights)} offloaded tensors)"
+                    if len(plan.weights) > 1 else "")
+        raise BudgetError(
+            f"offtensor: {why} leaves {max(room, 0)} of the budget's {pager.budget_bytes} bytes for paging, but the "
+            f"offloaded '{w.name}' ({w.nbytes} bytes){together} needs {plan.need} bytes on the device at once"
+            f"{' even in tiles of one slice' if plan.tiled else ''}; raise budget_gb or let the policy offload more"
+        )
+    _warn_tiles(plans, pager.budget_bytes, None, stacklevel=3)
+    state.working_set_bytes = plans[0].need if plans else 0
+
+
+def _warn_tiles(plans, budget_bytes: int, what, stacklevel: int) -> None:
+    """The warnings wrap-time placement gives for what ``plans`` compute in tiles: tiles narrower than
+    ``TILE_ALIGN``, and tiles of a dtype that may not sum as the whole op does."""
+    narrow = next((p for p in plans if p.slices == 1), None)
     if narrow is not None:
-        placement.warn_narrow_tiles(pager.budget_bytes, f"'{narrow}'", stacklevel=3)
-    state.working_set_bytes = need
+        placement.warn_narrow_tiles(budget_bytes, what or f"'{max(narrow.weights, key=lambda w: w.nbytes).name}'",
+                                    stacklevel=stacklevel + 1)
+    tiled = [w for plan in plans for w in plan.tiled]
+    if tiled:
+        placement.warn_inexact_tiles(tiled, stacklevel=stacklevel + 1)
+
+
+def _weight(full_name: str, t: torch.Tensor, slot: tuple, tileable: bool) -> placement.Weight:
+    """``t``, to be offloaded into ``slot`` as ``full_name``, as placement sees it (a torch.nn
+    module's tensor reads with its others, a tensor of a module dispatch cannot tile is read whole)."""
+    member = Member(t)
+    member.slots.append(slot)
+    member.names.append(full_name)
+    w = StorageGroup([member]).weight()
+    return w if tileable or not w.tileable else dataclasses.replace(w, tileable=False)
+
+
+def _offloaded_beside(slot: tuple, t: torch.Tensor, full_name: str) -> list:
+    """(leaf, tileable) for each offloaded leaf but ``t`` of the wrapper subclass ``slot`` holds."""
+    module, attr, is_buffer = slot
+    table = module.__dict__ if is_buffer is None else module._buffers if is_buffer else module._parameters
+    value = table.get(attr)
+    if not isinstance(value, torch.Tensor) or leaves.is_leaf(value):
+        return []
+    return [(leaf, leaf_is_tileable(leaf, [(owner, name)]))
+            for owner, name, leaf in leaves.leaves(value, f"'{full_name}'")
+            if isinstance(leaf, OffloadedTensor) and leaf is not t]
 
 
 def warn_view_of_a_bigger_master(full_name: str, t: OffloadedTensor) -> None:

@@ -38,12 +38,19 @@ def cast_wrapper(state: State, module: nn.Module, attr: str, t: torch.Tensor, dt
     slots = _slots_of(state, t)
     plan, resident = _plan(state, frozenset((m, a) for m, a, _ in slots), new_leaves, pairs)
     room = state.working_set_bytes
+    slot = next((s for s in slots if s[0] is module and s[1] == attr), (module, attr, attr in module._buffers))
+    # What the slot holds offloaded after the cast: each leaf to offload, at its new size, and the
+    # offloaded leaves the cast leaves as they are; each is paged with the others (and the module's).
+    after = [(torch.empty_strided(new.shape, new.stride(), dtype=new.dtype, device="meta"),
+              new.dtype == result.dtype)
+             if isinstance(step, tuple) and step[0] == "offload"
+             else (step, step.dtype == result.dtype) if isinstance(step, OffloadedTensor) else None
+             for (_, _, new), step in zip(new_leaves, plan)]
     try:
-        for (_, leaf_attr, new), step in zip(new_leaves, plan):
+        for (_, leaf_attr, _), step, placing in zip(new_leaves, plan, after):
             if isinstance(step, tuple) and step[0] == "offload":
-                at_new_size = torch.empty_strided(new.shape, new.stride(), dtype=new.dtype, device="meta")
-                reserve_paging_room(state, f"{full_name} (its leaf {leaf_attr})", at_new_size, resident,
-                                    tileable=new.dtype == result.dtype)
+                reserve_paging_room(state, f"{full_name} (its leaf {leaf_attr})", placing[0], slot, resident,
+                                    tileable=placing[1], beside=[o for o in after if o is not None and o is not placing])
     except BaseException:
         state.working_set_bytes = room  # nothing changed
         raise
