@@ -134,8 +134,9 @@ def apply_placement(model: nn.Module, placed: placement.ModelPlacement, pager: P
             for member in group:
                 check_offloadable(member.tensor, f"'{member.names[0]}'")
     refuse_offloading_what_fsdp2_manages(model, [g for g in placed.offloaded if id(g[0]) not in loaded])
+    undo = Undo()
     try:
-        with Undo():
+        with undo:
             for group in placed.offloaded + placed.resident:
                 if id(group[0]) in loaded:
                     for member in group:
@@ -148,7 +149,9 @@ def apply_placement(model: nn.Module, placed: placement.ModelPlacement, pager: P
             register_wrapped(model, pager, placed.choice, config)
             if expert is not None:
                 _start_expert_placement(model, *expert)
+            undo.commit()
     except BaseException:
+        undo.roll_back()  # (where a second interrupt, at the entry of Undo.__exit__, skipped it)
         loaded.clear()  # the loader's destinations: freed now, not when the traceback goes
         raise
     return model
@@ -173,17 +176,20 @@ def unwrap(model: nn.Module, state: State) -> nn.Module:
     no forward or unwrap could use again."""
     pager = state.pager
     prefetcher = pager.prefetcher
+    undo = Undo()
     try:
         state.experts_stale = True  # (for a model still wrapped after all)
         pager.prefetcher = None
         moe.detach(pager)
         pager.clear()
         offloaded = [group for group in collect_groups(model) if group.is_offloaded]
-        with Undo():
+        with undo:
             for group in offloaded:
                 make_resident(group, pager.device)
             refit_wrappers(m for group in offloaded for m in group)
+            undo.commit()
     except BaseException:
+        undo.roll_back()  # (where a second interrupt, at the entry of Undo.__exit__, skipped it)
         pager.prefetcher = prefetcher
         raise
     # The model's weights are no longer this pager's: what it still pages (a view of a master taken
