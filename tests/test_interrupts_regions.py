@@ -3,6 +3,9 @@
 - The entry of ``Undo.__exit__``, where Python raises before any of its code runs: on a wrap's
   normal exit (the wrap is whole and the original tensors are freed, not kept by a record left
   active), and as a second interrupt after one inside the wrap (the wrap is rolled back all the same).
+- The expert placement decided from the measured routing at a forward (its replay, the re-placement
+  of the stacks): the decision is taken again at the next forward, and the placement recorded is
+  the one the stacks have.
 """
 
 from __future__ import annotations
@@ -19,7 +22,11 @@ from offtensor.model import copies as _copies
 from offtensor.model.moves import Undo
 
 from test_interrupts_atomic import _InterruptAt, _opcodes, _traced
+from test_interrupts_more import _Points, _points
 from test_reliability import GiB, _assert_unchanged, _inputs, _nbytes, _reference, _snapshot
+
+needs_311 = pytest.mark.skipif(sys.version_info < (3, 11), reason="the points are 3.11's bytecodes")
+
 
 def _wrap(model):
     return ot.wrap_model(model, budget_gb=int(_nbytes(model) * 0.4) / GiB, device="cpu",
@@ -100,4 +107,95 @@ def test_a_second_interrupt_at_the_entry_of_a_wraps_undo_exit_still_rolls_it_bac
         with torch.no_grad():
             assert torch.equal(model(x), want), n
     assert rolled_back > 30 and not any(left_active)
+
+
+@needs_311
+def test_a_ctrl_c_in_the_expert_placement_decision_is_decided_again_at_the_next_forward(monkeypatch):
+    """An MoE model wrapped without ``routing=`` decides its expert placement at the forward after
+    10 routed tokens (a replay of both placements, then the stacks re-placed). A Ctrl-C at sampled
+    points of that decision (sim/expert_choice.py, model/prepare.py and what they call): the next
+    decode decides, records the placement the stacks have, counts the resident bytes they hold and
+    gives the plain model's logits. On main the watch was removed before the decision: cut short,
+    the report said "to be decided after 10 routed tokens" for good and the model stayed in the
+    default placement; and one cut short after the stacks moved left them counted as resident."""
+    pytest.importorskip("transformers")
+    import test_moe_placement as moe_placement
+
+    from offtensor import config as ot_config
+    from offtensor.model import prepare
+    from offtensor.model.moves import resident_bytes
+    from offtensor.sim import expert_choice
+
+    monkeypatch.setattr(ot_config, "DEFAULT_PLACEMENT_PROFILE", moe_placement.SLOW_COPIES)
+    monkeypatch.delenv("OFFTENSOR_PLACEMENT_PROFILE", raising=False)
+    monkeypatch.setenv("OFFTENSOR_ROUTING_WARMUP", "10")
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)  # (a master's finalizer, interrupted)
+    want = moe_placement._decode(moe_placement._model("cpu"), 5)
+    where = lambda code: code.co_filename in (expert_choice.__file__, prepare.__file__)  # noqa: E731
+
+    def wrapped():
+        model = moe_placement._model("cpu")
+        return ot.wrap_model(model, budget_gb=moe_placement._budget_gb(model), device="cpu")
+
+    model = wrapped()
+    total = _points(lambda: moe_placement._decode(model, 5), where)  # decided at the 3rd forward
+    assert ot.stats(model).expert_placement["chosen"] == "all_paged"  # (so the stacks move)
+    assert total > 50
+    interrupted = 0
+    for n in sorted(random.Random(7).sample(range(1, total + 1), 7)) + [total - 2]:
+        model = wrapped()
+        interrupted += _Points(n, where).run(lambda: moe_placement._decode(model, 5)) is not None
+        logits = moe_placement._decode(model, 5)
+        assert all(torch.equal(a, b) for a, b in zip(logits, want)), n
+        report = ot.stats(model).expert_placement
+        assert "decided" in report, (n, report)
+        paged = all(moe_placement._stacks(model).values())
+        assert paged == (report["chosen"] == "all_paged"), (n, report)
+        pager = _copies.state_of(model).pager
+        assert pager.resident_bytes == resident_bytes(model, pager.device), n
+        assert not any(isinstance(h, expert_choice.PlacementWatch) for h in model._forward_pre_hooks.values()), n
+    assert interrupted == 8
+
+
+@needs_311
+def test_a_re_placement_of_the_experts_cut_short_leaves_the_old_placement_or_the_new_one(monkeypatch):
+    """A Ctrl-C at every 3rd point of ``re_place_experts`` (the stacks offloaded, then the state's
+    record of the placement: its config, the resident bytes counted, the prefetcher): either every
+    stack is offloaded and the state says so, or the model is placed and counted as before; the
+    resident bytes counted are what the resident weights hold, and the decode is right. On main an
+    interrupt after the stacks moved left them counted as resident (less room to page in) under the
+    old config."""
+    pytest.importorskip("transformers")
+    import test_moe_placement as moe_placement
+
+    from offtensor.model import prepare
+    from offtensor.model.moves import resident_bytes
+    from offtensor.placement import EXPERTS_PAGED
+
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)  # (a master's finalizer, interrupted)
+    monkeypatch.setenv("OFFTENSOR_ROUTING_WARMUP", "0")  # (no decision of its own)
+    want = moe_placement._decode(moe_placement._model("cpu"), 2)
+    where = lambda code: code.co_filename == prepare.__file__  # noqa: E731
+
+    def wrapped():
+        model = moe_placement._model("cpu")
+        ot.wrap_model(model, budget_gb=moe_placement._budget_gb(model), device="cpu")
+        state = _copies.state_of(model)
+        return model, state, lambda: prepare.re_place_experts(state, model, EXPERTS_PAGED)
+
+    model, state, re_place = wrapped()
+    before = moe_placement._stacks(model)
+    assert not all(before.values())
+    total = _points(re_place, where)
+    assert total > 20 and all(moe_placement._stacks(model).values())
+    for n in range(1, total + 1, 3):
+        model, state, re_place = wrapped()
+        assert _Points(n, where).run(re_place) is not None, n
+        stacks = moe_placement._stacks(model)
+        if state.config.policy is EXPERTS_PAGED:
+            assert all(stacks.values()), n
+        else:
+            assert stacks == before, n
+        assert state.pager.resident_bytes == resident_bytes(model, state.pager.device), n
+        assert all(torch.equal(a, b) for a, b in zip(moe_placement._decode(model, 2), want)), n
 

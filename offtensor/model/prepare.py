@@ -209,23 +209,55 @@ def re_place_experts(state: State, model: nn.Module, policy) -> None:
     """Offload the expert stacks that the placement under ``policy`` offloads and that are still
     resident, between two forwards, under the pager's lock. Only offloading: groups offloaded now
     stay offloaded (``choose_model_placement``), so device bytes only fall and the budget holds
-    throughout; values are the same bytes, so logits do not change. Atomic, as ``apply_placement``."""
+    throughout; values are the same bytes, so logits do not change. Atomic, as ``apply_placement``:
+    the state's record of the placement (its config, the resident bytes counted) changes inside the
+    same ``Undo``, so a Ctrl-C leaves either the old placement or the new one, never the stacks
+    offloaded beside a count of resident bytes that still holds them."""
     pager = state.pager
     config = state.config.replace(policy=policy)
     placed = placement.choose_model_placement(collect_groups(model), pinned(config, pager.budget_bytes),
                                               pager.device)
     moving = [g for g in placed.offloaded if not g.is_offloaded]
     ptrs = {m.tensor.untyped_storage().data_ptr() for g in moving for m in g if leaves.is_leaf(m.tensor)}
-    with Undo():
-        for group in moving:
-            offload_group(group, pager)
-    state.resident_ptrs -= ptrs
-    state.config, state.choice = config, placed.choice
-    state.working_set_bytes = max(state.working_set_bytes, placed.choice.working_set_bytes)
+    undo = Undo()
+    try:
+        with undo:
+            for group in moving:
+                offload_group(group, pager)
+            _take_placement(state, model, config, placed.choice, ptrs)
+            undo.commit()
+    except BaseException:
+        undo.roll_back()  # (where a second interrupt, at the entry of Undo.__exit__, skipped it)
+        raise
+    state.refresh_experts()  # the new stacks join the expert cache and its router hooks (stale until done)
+
+
+def _take_placement(state: State, model: nn.Module, config: OffloadConfig, choice: placement.Placement,
+                    ptrs: set) -> None:
+    """``state`` records the placement under ``config`` (``re_place_experts``), its undo noted first."""
+    pager = state.pager
     hook = model._forward_pre_hooks.get(state.step_hook.id) if state.step_hook is not None else None
-    if isinstance(hook, StepHook):
+    hook = hook if isinstance(hook, StepHook) else None
+    Undo.note("call", _put_back, state, hook, (state.resident_ptrs, state.config, state.choice,
+                                               state.working_set_bytes, hook and hook.config,
+                                               pager.resident_bytes, pager.prefetcher))
+    state.experts_stale = True
+    state.resident_ptrs = state.resident_ptrs - ptrs  # a new set: the undo keeps the old one
+    state.config, state.choice = config, choice
+    state.working_set_bytes = max(state.working_set_bytes, choice.working_set_bytes)
+    if hook is not None:
         hook.config = config  # a copy of the model is placed as this one is now
     pager.recount_resident(resident_bytes(model, pager.device))
     if config.prefetch and pager.prefetcher is None:
         pager.prefetcher = Prefetcher()
-    state.refresh_experts()  # the new stacks join the expert cache and its router hooks
+
+
+def _put_back(state: State, hook, saved: tuple) -> None:
+    """Undo ``_take_placement``: each part as it was (the experts are registered again at the next step)."""
+    ptrs, config, choice, working_set, hook_config, resident, prefetcher = saved
+    state.resident_ptrs, state.config, state.choice, state.working_set_bytes = ptrs, config, choice, working_set
+    if hook is not None:
+        hook.config = hook_config
+    state.pager.recount_resident(resident)
+    if state.pager.prefetcher is not prefetcher:
+        state.pager.prefetcher = prefetcher
