@@ -6,6 +6,8 @@
 - The expert placement decided from the measured routing at a forward (its replay, the re-placement
   of the stacks): the decision is taken again at the next forward, and the placement recorded is
   the one the stacks have.
+- A host master's creation, its move to another pager and its adoption by the default pager: each
+  pager's ``offloaded_bytes`` counts exactly the live masters it owns.
 """
 
 from __future__ import annotations
@@ -199,3 +201,62 @@ def test_a_re_placement_of_the_experts_cut_short_leaves_the_old_placement_or_the
         assert state.pager.resident_bytes == resident_bytes(model, state.pager.device), n
         assert all(torch.equal(a, b) for a, b in zip(moe_placement._decode(model, 2), want)), n
 
+
+@needs_311
+def test_an_interrupt_anywhere_in_a_masters_accounting_counts_each_live_master_once():
+    """A Ctrl-C at each point of a host master's creation, of its move to another pager (a wrap
+    adopting an offloaded tensor, or undoing that) and of its adoption by the default pager (its
+    model gone): every pager's ``offloaded_bytes`` (a figure of ``ot.stats`` and the cap on its
+    arena) counts exactly the live masters it owns, then and after the master is used and dies. On
+    main the count and the owner changed in separate steps: an interrupt between them counted a
+    master twice, or on a pager it left, or a master that never existed."""
+    from offtensor.pager import Pager, masters
+
+    where = lambda code: code.co_filename == masters.__file__  # noqa: E731
+    cpu = torch.device("cpu")
+    default = Pager.default(cpu)
+
+    def check(pagers, bases, live) -> None:
+        for pager, base in zip(pagers, bases):
+            owned = sum(m.nbytes for m in live if m._owner[0]() is pager)
+            assert pager.offloaded_bytes == base + owned
+
+    def walk(make, act) -> int:
+        """``act(master)`` cut short at each of its points, on a master ``make()`` made; the counts
+        after it, after the master's next use and after it dies. (make() -> (master, pagers))"""
+        interrupted, n = 0, 1
+        while True:
+            gc.collect()
+            master, pagers = make()
+            pagers = pagers + [default]
+            bases = [p.offloaded_bytes - (master is not None and master._owner[0]() is p) * 4096 for p in pagers]
+            made = []
+            cut = _Points(n, where).run(lambda: made.append(act(master))) is not None
+            gc.collect()  # (the traceback's frames, which may hold a master made)
+            live = [m for m in [master, *made] if isinstance(m, masters.Master)]
+            check(pagers, bases, live)
+            assert all(m.pager is not None for m in live)  # (an orphan: adopted now)
+            check(pagers, bases, live)
+            del master, made, live
+            gc.collect()
+            check(pagers, bases, [])
+            if not cut:
+                return interrupted
+            interrupted, n = interrupted + 1, n + 1
+
+    def on_a_pager():
+        pager = Pager(cpu, 1 << 20)
+        return masters.Master(pager, 4096), [pager]
+
+    pager = Pager(cpu, 1 << 20)
+    assert walk(lambda: (None, [pager]), lambda _: masters.Master(pager, 4096)) > 3  # creation
+    other = Pager(cpu, 1 << 20)
+    assert walk(on_a_pager, lambda m: m.move_to(other)) > 3  # a move to another pager
+
+    def orphan():
+        master, pagers = on_a_pager()
+        del pagers
+        gc.collect()  # its pager dies
+        return master, []
+
+    assert walk(orphan, lambda m: m.pager) > 3  # adopted by the default pager
