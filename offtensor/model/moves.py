@@ -33,7 +33,14 @@ class Undo:
     call): each step notes its undo *before* it changes anything, and every undo puts back the
     state it recorded, so undoing a step that did not happen, or happened in part, is right too.
     The roll-back survives a second interrupt: a step whose undo was interrupted is undone again,
-    and the first exception raised meanwhile is raised once every step is undone."""
+    and the first exception raised meanwhile is raised once every step is undone.
+
+    Python raises a signal's exception at the entry of ``__exit__`` before any of its code runs, so
+    the block's last statement is ``commit()`` (its changes stand: the record is no longer active
+    and lets go of the tensors it kept), and the caller's handler calls ``roll_back()`` again
+    (a no-op after ``__exit__`` or ``commit``): an interrupt at that entry then neither leaves the
+    record active, keeping the original tensors and whatever later steps note, nor skips the
+    roll-back of a block cut short."""
 
     _active = threading.local()  # the record of the placement running in this thread, if any
     ATTEMPTS = 4  # undoes of one step that raise before the roll-back gives up on that step
@@ -61,7 +68,15 @@ class Undo:
         self.steps.clear()  # a failure's traceback holds this frame: the new tensors go now
         return False
 
+    def commit(self) -> None:
+        """The block is done. Two stores, with no point between them where Python raises a
+        signal's exception: an interrupt before this call is rolled back, one after it keeps
+        every change (and then ``roll_back`` has nothing left to undo)."""
+        Undo._active.record = None
+        self.steps = []
+
     def roll_back(self) -> None:
+        Undo._active.record = None
         steps, pending, failures = self.steps, None, 0
         while steps:
             try:

@@ -134,8 +134,9 @@ def apply_placement(model: nn.Module, placed: placement.ModelPlacement, pager: P
             for member in group:
                 check_offloadable(member.tensor, f"'{member.names[0]}'")
     refuse_offloading_what_fsdp2_manages(model, [g for g in placed.offloaded if id(g[0]) not in loaded])
+    undo = Undo()
     try:
-        with Undo():
+        with undo:
             for group in placed.offloaded + placed.resident:
                 if id(group[0]) in loaded:
                     for member in group:
@@ -148,7 +149,9 @@ def apply_placement(model: nn.Module, placed: placement.ModelPlacement, pager: P
             register_wrapped(model, pager, placed.choice, config)
             if expert is not None:
                 _start_expert_placement(model, *expert)
+            undo.commit()
     except BaseException:
+        undo.roll_back()  # (where a second interrupt, at the entry of Undo.__exit__, skipped it)
         loaded.clear()  # the loader's destinations: freed now, not when the traceback goes
         raise
     return model
@@ -173,17 +176,20 @@ def unwrap(model: nn.Module, state: State) -> nn.Module:
     no forward or unwrap could use again."""
     pager = state.pager
     prefetcher = pager.prefetcher
+    undo = Undo()
     try:
         state.experts_stale = True  # (for a model still wrapped after all)
         pager.prefetcher = None
         moe.detach(pager)
         pager.clear()
         offloaded = [group for group in collect_groups(model) if group.is_offloaded]
-        with Undo():
+        with undo:
             for group in offloaded:
                 make_resident(group, pager.device)
             refit_wrappers(m for group in offloaded for m in group)
+            undo.commit()
     except BaseException:
+        undo.roll_back()  # (where a second interrupt, at the entry of Undo.__exit__, skipped it)
         pager.prefetcher = prefetcher
         raise
     # The model's weights are no longer this pager's: what it still pages (a view of a master taken
@@ -203,23 +209,55 @@ def re_place_experts(state: State, model: nn.Module, policy) -> None:
     """Offload the expert stacks that the placement under ``policy`` offloads and that are still
     resident, between two forwards, under the pager's lock. Only offloading: groups offloaded now
     stay offloaded (``choose_model_placement``), so device bytes only fall and the budget holds
-    throughout; values are the same bytes, so logits do not change. Atomic, as ``apply_placement``."""
+    throughout; values are the same bytes, so logits do not change. Atomic, as ``apply_placement``:
+    the state's record of the placement (its config, the resident bytes counted) changes inside the
+    same ``Undo``, so a Ctrl-C leaves either the old placement or the new one, never the stacks
+    offloaded beside a count of resident bytes that still holds them."""
     pager = state.pager
     config = state.config.replace(policy=policy)
     placed = placement.choose_model_placement(collect_groups(model), pinned(config, pager.budget_bytes),
                                               pager.device)
     moving = [g for g in placed.offloaded if not g.is_offloaded]
     ptrs = {m.tensor.untyped_storage().data_ptr() for g in moving for m in g if leaves.is_leaf(m.tensor)}
-    with Undo():
-        for group in moving:
-            offload_group(group, pager)
-    state.resident_ptrs -= ptrs
-    state.config, state.choice = config, placed.choice
-    state.working_set_bytes = max(state.working_set_bytes, placed.choice.working_set_bytes)
+    undo = Undo()
+    try:
+        with undo:
+            for group in moving:
+                offload_group(group, pager)
+            _take_placement(state, model, config, placed.choice, ptrs)
+            undo.commit()
+    except BaseException:
+        undo.roll_back()  # (where a second interrupt, at the entry of Undo.__exit__, skipped it)
+        raise
+    state.refresh_experts()  # the new stacks join the expert cache and its router hooks (stale until done)
+
+
+def _take_placement(state: State, model: nn.Module, config: OffloadConfig, choice: placement.Placement,
+                    ptrs: set) -> None:
+    """``state`` records the placement under ``config`` (``re_place_experts``), its undo noted first."""
+    pager = state.pager
     hook = model._forward_pre_hooks.get(state.step_hook.id) if state.step_hook is not None else None
-    if isinstance(hook, StepHook):
+    hook = hook if isinstance(hook, StepHook) else None
+    Undo.note("call", _put_back, state, hook, (state.resident_ptrs, state.config, state.choice,
+                                               state.working_set_bytes, hook and hook.config,
+                                               pager.resident_bytes, pager.prefetcher))
+    state.experts_stale = True
+    state.resident_ptrs = state.resident_ptrs - ptrs  # a new set: the undo keeps the old one
+    state.config, state.choice = config, choice
+    state.working_set_bytes = max(state.working_set_bytes, choice.working_set_bytes)
+    if hook is not None:
         hook.config = config  # a copy of the model is placed as this one is now
     pager.recount_resident(resident_bytes(model, pager.device))
     if config.prefetch and pager.prefetcher is None:
         pager.prefetcher = Prefetcher()
-    state.refresh_experts()  # the new stacks join the expert cache and its router hooks
+
+
+def _put_back(state: State, hook, saved: tuple) -> None:
+    """Undo ``_take_placement``: each part as it was (the experts are registered again at the next step)."""
+    ptrs, config, choice, working_set, hook_config, resident, prefetcher = saved
+    state.resident_ptrs, state.config, state.choice, state.working_set_bytes = ptrs, config, choice, working_set
+    if hook is not None:
+        hook.config = hook_config
+    state.pager.recount_resident(resident)
+    if state.pager.prefetcher is not prefetcher:
+        state.pager.prefetcher = prefetcher

@@ -48,11 +48,14 @@ class Master:
         self.name = None
         # [weak owner, device, the owner's class] shared with the finalizer, so the finalizer always
         # reaches the current owner without holding a reference to this object, and an orphan
-        # finds the default pager of its device (``_orphaned``).
-        self._owner = [weakref.ref(pager), pager.device, type(pager)]
-        with pager.lock:  # counts change under the pager's lock: another thread may be paging
-            pager.budget.offloaded_bytes += nbytes
-        weakref.finalize(self, Master._died, self._owner, self.id, nbytes)
+        # finds the default pager of its device (``_orphaned``). The owner is also the one pager
+        # whose ``offloaded_bytes`` count this master, and a dead reference means none does: the
+        # count and the owner change together, in two stores under the pager's lock with no point
+        # between them where Python raises a Ctrl-C, so an interrupt anywhere neither counts a
+        # master twice nor takes off bytes it never added.
+        self._owner = [_UNCOUNTED, pager.device, type(pager)]
+        weakref.finalize(self, Master._died, self._owner, self.id, nbytes)  # first: it reads the owner
+        self._count_on(pager)
 
     @property
     def pager(self):
@@ -62,6 +65,13 @@ class Master:
             pager = self._orphaned()
         return pager
 
+    def _count_on(self, pager) -> None:
+        """``pager`` owns and counts this master, which no pager counts now."""
+        owner = weakref.ref(pager)
+        with pager.lock:  # counts change under the pager's lock: another thread may be paging
+            pager.budget.offloaded_bytes += self.nbytes
+            self._owner[0] = owner
+
     def _orphaned(self):
         """The pager died (its model was dropped) while tensors of this master live on: charge the
         master to the uncached default pager of its device, which the process keeps."""
@@ -69,14 +79,13 @@ class Master:
             pager = self._owner[0]()
             if pager is None:
                 pager = self._owner[2].default(self._owner[1])
-                with pager.lock:
-                    pager.budget.offloaded_bytes += self.nbytes
-                self._owner[0] = weakref.ref(pager)
+                self._count_on(pager)
         return pager
 
     def move_to(self, pager) -> None:
         """Hand this master (and its accounting) to another pager, e.g. when wrap_model adopts an
-        already offloaded tensor."""
+        already offloaded tensor. Cut short between the two pagers, it is counted by neither and
+        owned by none: its next use charges it to the default pager, as an orphan."""
         old = self._owner[0]()
         if pager is old:
             return
@@ -84,9 +93,8 @@ class Master:
             with old.lock:
                 old.forget_master(self.id)
                 old.budget.offloaded_bytes -= self.nbytes
-        self._owner[0] = weakref.ref(pager)
-        with pager.lock:
-            pager.budget.offloaded_bytes += self.nbytes
+                self._owner[0] = _UNCOUNTED
+        self._count_on(pager)
 
     @staticmethod
     def _died(owner, master_id: int, nbytes: int) -> None:
@@ -98,6 +106,13 @@ class Master:
                 # leaves are evicted as any unused copy; their master's id is never used again.
                 pager.budget.offloaded_bytes -= nbytes
                 pager.forget_master(master_id)
+
+
+class _Gone:
+    pass
+
+
+_UNCOUNTED = weakref.ref(_Gone())  # dead at once: the owner of a master no pager counts
 
 
 def master_for(host: torch.Tensor, pager) -> Master:

@@ -115,6 +115,7 @@ class PlacementWatch:
         self.twin, self.stats = twin, stats
         self.recorder = None
         self.handle = None
+        self.verdict = None  # the replay's report once it chose every stack paged
 
     def start(self, state: State, model: nn.Module) -> None:
         if self.stats is None:
@@ -132,6 +133,8 @@ class PlacementWatch:
             return None
         state = wrapped_state(model)
         if state is None or state.watch is not self:
+            if state is not None and state.model_ref() is model:
+                self.stop()  # decided (a decision cut short after it was recorded left the hooks)
             return None
         if self.recorder is not None and self.recorder.tokens < state.config.routing_warmup:
             return None
@@ -156,31 +159,42 @@ class PlacementWatch:
 
 
 def _decide_expert_placement(state: State, model: nn.Module, watch: PlacementWatch, args) -> None:
-    """The watch's one decision, under the pager's lock."""
+    """The watch's one decision, under the pager's lock. The watch stays until the decision is
+    recorded: one cut short (a Ctrl-C in the replay, or in the re-placement, which copies every
+    stack it offloads: seconds on a large model) is taken again at the next forward, instead of
+    lost for good with the report saying it is still to be decided."""
     if watch.stats is not None:
         stats, when = watch.stats, "at the first forward, by routing="
     else:
         stats = watch.recorder.stats()
         when = f"after {watch.recorder.tokens} routed tokens, by the routing measured"
-    twin = watch.twin
+    report = watch.verdict
+    if report is None or state.config.policy is not placement.EXPERTS_PAGED:  # (else: re-placed, not recorded)
+        report = _decision(state, model, watch, args, stats, when)
+    state.expert_placement = report
+    state.watch = None  # decided: the watch's next call removes it, if this one is cut short before it does
     watch.stop()
-    state.watch = None
+
+
+def _decision(state: State, model: nn.Module, watch: PlacementWatch, args, stats, when: str) -> dict:
+    """The report of the replay under ``stats``, the experts re-placed if every stack paged is faster."""
     example = decode_example(model, args)
     if example is None:
-        state.expert_placement = {"chosen": "default", "decided": when,
-                                  "why": "no tensor input to plan a step from: the forward takes keywords only"}
-        return
-    sync_twin(twin, model)
-    report = _replay_expert_placement(twin, state.pager.budget_bytes, example, stats, state.config, when)
+        return {"chosen": "default", "decided": when,
+                "why": "no tensor input to plan a step from: the forward takes keywords only"}
+    sync_twin(watch.twin, model)
+    report = _replay_expert_placement(watch.twin, state.pager.budget_bytes, example, stats, state.config, when,
+                                      stacklevel=5)
     if report["chosen"] == "all_paged":
+        watch.verdict = report  # kept for a retry that finds the stacks re-placed already
         try:
             re_place_experts(state, model, placement.EXPERTS_PAGED)
         except Exception as e:  # noqa: BLE001 - undone by Undo; the forward runs on the default placement
             warnings.warn(f"offtensor: the experts stay in the default placement: re-placing them failed "
-                          f"({type(e).__name__}: {e})", UserWarning, stacklevel=3)
+                          f"({type(e).__name__}: {e})", UserWarning, stacklevel=4)
             report = dict(report, chosen="default", why=f"{report['why']}, but re-placing failed: "
                           f"{type(e).__name__}: {e}")
-    state.expert_placement = report
+    return report
 
 
 def is_expert_stack(group: StorageGroup) -> bool:

@@ -1,0 +1,262 @@
+"""Ctrl-C where a region of offtensor's changes state in several steps.
+
+- The entry of ``Undo.__exit__``, where Python raises before any of its code runs: on a wrap's
+  normal exit (the wrap is whole and the original tensors are freed, not kept by a record left
+  active), and as a second interrupt after one inside the wrap (the wrap is rolled back all the same).
+- The expert placement decided from the measured routing at a forward (its replay, the re-placement
+  of the stacks): the decision is taken again at the next forward, and the placement recorded is
+  the one the stacks have.
+- A host master's creation, its move to another pager and its adoption by the default pager: each
+  pager's ``offloaded_bytes`` counts exactly the live masters it owns.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import sys
+
+import pytest
+import torch
+
+import offtensor as ot
+from offtensor.model import copies as _copies
+from offtensor.model.moves import Undo
+
+from test_interrupts_atomic import _InterruptAt, _opcodes, _traced
+from test_interrupts_more import _Points, _points
+from test_reliability import GiB, _assert_unchanged, _inputs, _nbytes, _reference, _snapshot
+
+needs_311 = pytest.mark.skipif(sys.version_info < (3, 11), reason="the points are 3.11's bytecodes")
+
+
+def _wrap(model):
+    return ot.wrap_model(model, budget_gb=int(_nbytes(model) * 0.4) / GiB, device="cpu",
+                         policy={"offload": ["layers.*"]})
+
+
+class _AtExitEntry:
+    """A tracer raising KeyboardInterrupt at the entry of ``Undo.__exit__`` on a normal exit (the
+    block done). (A trace function that raises is unset by Python, so this one raises once.)"""
+
+    def __call__(self, frame, event, arg):
+        if frame.f_code is Undo.__exit__.__code__ and frame.f_locals["kind"] is None:
+            raise KeyboardInterrupt("at the entry of Undo.__exit__")
+        return None
+
+
+def _storages(model) -> list:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return [StorageWeakRef(p.untyped_storage()) for p in model.parameters()]
+
+
+def test_an_interrupt_at_the_entry_of_a_wraps_undo_exit_keeps_no_original_tensor():
+    """The wrap has done every step, then a Ctrl-C at the entry of its ``Undo.__exit__``, its
+    traceback kept (as a REPL keeps the last one): the model is wrapped and whole, no record is
+    left active and the original weights are freed. On main the record stayed active, holding the
+    original tensors (a host model's weights twice over) and every later step's note."""
+    model = _reference()
+    x = _inputs("cpu", 1)[0]
+    with torch.no_grad():
+        want = model(x)
+    originals = _storages(model)
+    sys.settrace(_AtExitEntry())
+    try:
+        _wrap(model)
+    except KeyboardInterrupt as error:
+        kept = error  # noqa: F841 (the traceback a REPL keeps)
+    finally:
+        sys.settrace(None)
+    assert _copies.is_wrapped(model)
+    assert getattr(Undo._active, "record", None) is None
+    gc.collect()
+    assert all(ref.expired() for ref in originals), "the original weights are still held"
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+
+
+def test_a_second_interrupt_at_the_entry_of_a_wraps_undo_exit_still_rolls_it_back(monkeypatch):
+    """A Ctrl-C at 60 sampled opcodes of a wrap, then a second at the entry of ``Undo.__exit__``,
+    which it calls with the first (``__exit__`` raising before its own code runs): the model is
+    exactly as it was, not wrapped, no record active, and the next wrap works. On main that second
+    interrupt skipped the roll-back: the model was left half wrapped (OffloadedTensors on a model
+    not registered as wrapped) and the record active."""
+    original = Undo.__exit__
+
+    def interrupted_at_entry(self, kind, error, tb):
+        if kind is not None:
+            raise KeyboardInterrupt("at the entry of Undo.__exit__")
+        return original(self, kind, error, tb)
+
+    x = _inputs("cpu", 1)[0]
+    total = _opcodes(lambda: _wrap(_reference()))
+    rolled_back, left_active = 0, []
+    for n in sorted(random.Random(5).sample(range(1, total + 1), 60)):
+        model = _reference()
+        with torch.no_grad():
+            want = model(x)
+        before = _snapshot(model)
+        monkeypatch.setattr(Undo, "__exit__", interrupted_at_entry)
+        _traced(_InterruptAt(n), lambda: _wrap(model))
+        monkeypatch.setattr(Undo, "__exit__", original)
+        if not _copies.is_wrapped(model):
+            _assert_unchanged(model, before)
+            rolled_back += 1
+        left_active.append(getattr(Undo._active, "record", None) is not None)
+        if not _copies.is_wrapped(model):
+            _wrap(model)
+        with torch.no_grad():
+            assert torch.equal(model(x), want), n
+    assert rolled_back > 30 and not any(left_active)
+
+
+@needs_311
+def test_a_ctrl_c_in_the_expert_placement_decision_is_decided_again_at_the_next_forward(monkeypatch):
+    """An MoE model wrapped without ``routing=`` decides its expert placement at the forward after
+    10 routed tokens (a replay of both placements, then the stacks re-placed). A Ctrl-C at sampled
+    points of that decision (sim/expert_choice.py, model/prepare.py and what they call): the next
+    decode decides, records the placement the stacks have, counts the resident bytes they hold and
+    gives the plain model's logits. On main the watch was removed before the decision: cut short,
+    the report said "to be decided after 10 routed tokens" for good and the model stayed in the
+    default placement; and one cut short after the stacks moved left them counted as resident."""
+    pytest.importorskip("transformers")
+    import test_moe_placement as moe_placement
+
+    from offtensor import config as ot_config
+    from offtensor.model import prepare
+    from offtensor.model.moves import resident_bytes
+    from offtensor.sim import expert_choice
+
+    monkeypatch.setattr(ot_config, "DEFAULT_PLACEMENT_PROFILE", moe_placement.SLOW_COPIES)
+    monkeypatch.delenv("OFFTENSOR_PLACEMENT_PROFILE", raising=False)
+    monkeypatch.setenv("OFFTENSOR_ROUTING_WARMUP", "10")
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)  # (a master's finalizer, interrupted)
+    want = moe_placement._decode(moe_placement._model("cpu"), 5)
+    where = lambda code: code.co_filename in (expert_choice.__file__, prepare.__file__)  # noqa: E731
+
+    def wrapped():
+        model = moe_placement._model("cpu")
+        return ot.wrap_model(model, budget_gb=moe_placement._budget_gb(model), device="cpu")
+
+    model = wrapped()
+    total = _points(lambda: moe_placement._decode(model, 5), where)  # decided at the 3rd forward
+    assert ot.stats(model).expert_placement["chosen"] == "all_paged"  # (so the stacks move)
+    assert total > 50
+    interrupted = 0
+    for n in sorted(random.Random(7).sample(range(1, total + 1), 7)) + [total - 2]:
+        model = wrapped()
+        interrupted += _Points(n, where).run(lambda: moe_placement._decode(model, 5)) is not None
+        logits = moe_placement._decode(model, 5)
+        assert all(torch.equal(a, b) for a, b in zip(logits, want)), n
+        report = ot.stats(model).expert_placement
+        assert "decided" in report, (n, report)
+        paged = all(moe_placement._stacks(model).values())
+        assert paged == (report["chosen"] == "all_paged"), (n, report)
+        pager = _copies.state_of(model).pager
+        assert pager.resident_bytes == resident_bytes(model, pager.device), n
+        assert not any(isinstance(h, expert_choice.PlacementWatch) for h in model._forward_pre_hooks.values()), n
+    assert interrupted == 8
+
+
+@needs_311
+def test_a_re_placement_of_the_experts_cut_short_leaves_the_old_placement_or_the_new_one(monkeypatch):
+    """A Ctrl-C at every 3rd point of ``re_place_experts`` (the stacks offloaded, then the state's
+    record of the placement: its config, the resident bytes counted, the prefetcher): either every
+    stack is offloaded and the state says so, or the model is placed and counted as before; the
+    resident bytes counted are what the resident weights hold, and the decode is right. On main an
+    interrupt after the stacks moved left them counted as resident (less room to page in) under the
+    old config."""
+    pytest.importorskip("transformers")
+    import test_moe_placement as moe_placement
+
+    from offtensor.model import prepare
+    from offtensor.model.moves import resident_bytes
+    from offtensor.placement import EXPERTS_PAGED
+
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)  # (a master's finalizer, interrupted)
+    monkeypatch.setenv("OFFTENSOR_ROUTING_WARMUP", "0")  # (no decision of its own)
+    want = moe_placement._decode(moe_placement._model("cpu"), 2)
+    where = lambda code: code.co_filename == prepare.__file__  # noqa: E731
+
+    def wrapped():
+        model = moe_placement._model("cpu")
+        ot.wrap_model(model, budget_gb=moe_placement._budget_gb(model), device="cpu")
+        state = _copies.state_of(model)
+        return model, state, lambda: prepare.re_place_experts(state, model, EXPERTS_PAGED)
+
+    model, state, re_place = wrapped()
+    before = moe_placement._stacks(model)
+    assert not all(before.values())
+    total = _points(re_place, where)
+    assert total > 20 and all(moe_placement._stacks(model).values())
+    for n in range(1, total + 1, 3):
+        model, state, re_place = wrapped()
+        assert _Points(n, where).run(re_place) is not None, n
+        stacks = moe_placement._stacks(model)
+        if state.config.policy is EXPERTS_PAGED:
+            assert all(stacks.values()), n
+        else:
+            assert stacks == before, n
+        assert state.pager.resident_bytes == resident_bytes(model, state.pager.device), n
+        assert all(torch.equal(a, b) for a, b in zip(moe_placement._decode(model, 2), want)), n
+
+
+@needs_311
+def test_an_interrupt_anywhere_in_a_masters_accounting_counts_each_live_master_once():
+    """A Ctrl-C at each point of a host master's creation, of its move to another pager (a wrap
+    adopting an offloaded tensor, or undoing that) and of its adoption by the default pager (its
+    model gone): every pager's ``offloaded_bytes`` (a figure of ``ot.stats`` and the cap on its
+    arena) counts exactly the live masters it owns, then and after the master is used and dies. On
+    main the count and the owner changed in separate steps: an interrupt between them counted a
+    master twice, or on a pager it left, or a master that never existed."""
+    from offtensor.pager import Pager, masters
+
+    where = lambda code: code.co_filename == masters.__file__  # noqa: E731
+    cpu = torch.device("cpu")
+    default = Pager.default(cpu)
+
+    def check(pagers, bases, live) -> None:
+        for pager, base in zip(pagers, bases):
+            owned = sum(m.nbytes for m in live if m._owner[0]() is pager)
+            assert pager.offloaded_bytes == base + owned
+
+    def walk(make, act) -> int:
+        """``act(master)`` cut short at each of its points, on a master ``make()`` made; the counts
+        after it, after the master's next use and after it dies. (make() -> (master, pagers))"""
+        interrupted, n = 0, 1
+        while True:
+            gc.collect()
+            master, pagers = make()
+            pagers = pagers + [default]
+            bases = [p.offloaded_bytes - (master is not None and master._owner[0]() is p) * 4096 for p in pagers]
+            made = []
+            cut = _Points(n, where).run(lambda: made.append(act(master))) is not None
+            gc.collect()  # (the traceback's frames, which may hold a master made)
+            live = [m for m in [master, *made] if isinstance(m, masters.Master)]
+            check(pagers, bases, live)
+            assert all(m.pager is not None for m in live)  # (an orphan: adopted now)
+            check(pagers, bases, live)
+            del master, made, live
+            gc.collect()
+            check(pagers, bases, [])
+            if not cut:
+                return interrupted
+            interrupted, n = interrupted + 1, n + 1
+
+    def on_a_pager():
+        pager = Pager(cpu, 1 << 20)
+        return masters.Master(pager, 4096), [pager]
+
+    pager = Pager(cpu, 1 << 20)
+    assert walk(lambda: (None, [pager]), lambda _: masters.Master(pager, 4096)) > 3  # creation
+    other = Pager(cpu, 1 << 20)
+    assert walk(on_a_pager, lambda m: m.move_to(other)) > 3  # a move to another pager
+
+    def orphan():
+        master, pagers = on_a_pager()
+        del pagers
+        gc.collect()  # its pager dies
+        return master, []
+
+    assert walk(orphan, lambda m: m.pager) > 3  # adopted by the default pager
