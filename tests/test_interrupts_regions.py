@@ -8,6 +8,8 @@
   the one the stacks have.
 - A host master's creation, its move to another pager and its adoption by the default pager: each
   pager's ``offloaded_bytes`` counts exactly the live masters it owns.
+- The block ``from_pretrained`` builds its model on meta in: the thread builds real weights again
+  after an interrupt at any point of its enter or exit.
 """
 
 from __future__ import annotations
@@ -260,3 +262,33 @@ def test_an_interrupt_anywhere_in_a_masters_accounting_counts_each_live_master_o
         return master, []
 
     assert walk(orphan, lambda m: m.pager) > 3  # adopted by the default pager
+
+
+@needs_311
+def test_an_interrupt_at_any_point_of_a_meta_build_block_leaves_the_thread_building_real_weights():
+    """``from_pretrained`` builds the model inside ``_parameters_on_meta()``, which makes this
+    thread's new parameters meta. A Ctrl-C at each point of the block's enter and exit, the exit's
+    entry included (where Python raises before any of its code runs), its traceback kept as a REPL
+    keeps it: the thread builds real weights again, and the next block leaves no hook behind. As a
+    ``contextlib`` generator, one at its exit's entry left the generator suspended inside the block
+    for as long as the traceback lived, and every model the thread built meanwhile got meta weights."""
+    import contextlib
+
+    from offtensor.loading import pretrained
+
+    on_meta = pretrained._parameters_on_meta
+    where = lambda code: code.co_filename in (pretrained.__file__, contextlib.__file__)  # noqa: E731
+
+    def block():
+        with on_meta():
+            assert torch.nn.Linear(2, 2).weight.is_meta
+
+    total = _points(block, where)
+    assert total > 3
+    kept = []
+    for n in range(1, total + 1):
+        kept.append(_Points(n, where).run(block))
+        assert not torch.nn.Linear(2, 2).weight.is_meta, n
+    assert all(error is not None for error in kept)
+    block()
+    assert not torch.nn.Linear(2, 2).weight.is_meta and on_meta.hook is None and not on_meta.blocks

@@ -4,10 +4,10 @@ as transformers ties it, and filled by the loader."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import stat
+import sys
 import threading
 import warnings
 from typing import Optional
@@ -34,37 +34,78 @@ class _ParametersOnMeta:
     in another thread gets ordinary weights; concurrent builds each see their own."""
 
     def __init__(self):
-        self.building = threading.local()
         self.lock = threading.Lock()
-        self.threads_building = 0
+        self.blocks = {}  # thread id -> the frames that entered a block there, innermost last
         self.hook = None
 
-    @contextlib.contextmanager
-    def __call__(self):
+    def __call__(self) -> "_Building":
+        return _Building(self)
+
+    def building(self) -> bool:
+        """Whether this thread is inside a block: the frame that entered its innermost one is still
+        on the thread's stack. A block whose exit never ran (a Ctrl-C at the exit's entry, where
+        Python raises before any of its code runs) ends with that frame, and is dropped here."""
+        frames = self.blocks.get(threading.get_ident())
+        while frames:
+            f = sys._getframe(1)
+            while f is not None and f is not frames[-1]:
+                f = f.f_back
+            if f is not None:
+                return True
+            frames.pop()
+        return False
+
+    def enter(self, frame) -> None:
+        """``frame`` enters a block: the hook is registered, then the frame recorded, under the lock
+        that ``leave`` drops the hook under (so no thread is left building without the hook)."""
         with self.lock:
-            self.threads_building += 1
             if self.hook is None:
                 from torch.nn.modules import module as module_mod
 
                 self.hook = module_mod.register_module_parameter_registration_hook(self.on_meta)
-        depth = getattr(self.building, "depth", 0)
-        self.building.depth = depth + 1
-        try:
-            yield
-        finally:
-            self.building.depth = depth
-            with self.lock:
-                self.threads_building -= 1
-                if not self.threads_building:
-                    self.hook.remove()
-                    self.hook = None
+            self.blocks.setdefault(threading.get_ident(), []).append(frame)  # now the thread builds
+
+    def leave(self, frame) -> None:
+        """``frame``'s block ends; the hook goes once no thread builds. One left by an interrupted
+        block acts for no thread (``on_meta`` asks ``building``) and goes at a later block's end."""
+        ident = threading.get_ident()
+        frames = self.blocks.get(ident)
+        if frames and frames[-1] is frame:
+            frames.pop()
+        self.building()  # drops this thread's blocks whose frames have ended
+        with self.lock:
+            if not self.blocks.get(ident):
+                self.blocks.pop(ident, None)
+            if not any(self.blocks.values()) and self.hook is not None:
+                hook, self.hook = self.hook, None
+                hook.remove()
 
     def on_meta(self, module, name, param):
-        if not getattr(self.building, "depth", 0) or param is None or param.is_meta:
+        if param is None or param.is_meta or not self.building():
             return None
         on_meta = type(param)(param.to("meta"), requires_grad=param.requires_grad)
         on_meta.__dict__.update(param.__dict__)
         return on_meta
+
+
+class _Building:
+    """One ``with _parameters_on_meta():`` block. A class, not a ``contextlib`` generator (whose
+    suspended frame a kept traceback holds), and bound to the frame that entered it: the thread
+    builds on meta while that frame runs, so even an exit an interrupt skipped ends the block."""
+
+    __slots__ = ("owner", "frame")
+
+    def __init__(self, owner: _ParametersOnMeta):
+        self.owner, self.frame = owner, None
+
+    def __enter__(self):
+        self.frame = sys._getframe(1)
+        self.owner.enter(self.frame)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        frame, self.frame = self.frame, None
+        self.owner.leave(frame)
 
 
 _parameters_on_meta = _ParametersOnMeta()
