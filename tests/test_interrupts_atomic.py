@@ -490,3 +490,38 @@ def test_fork_while_another_thread_runs_forwards_gives_the_child_a_working_model
     assert statuses == [0] * 8
     with torch.no_grad():
         assert torch.equal(model(x), want)  # the parent is unaffected
+
+
+class _Forwards(torch.utils.data.Dataset):
+    """Each item a forward of the wrapped model, run in a DataLoader worker."""
+
+    def __init__(self, model, inputs):
+        self.model, self.inputs = model, inputs
+
+    def __len__(self):
+        return len(self.inputs)
+
+    def __getitem__(self, i):
+        with torch.no_grad():
+            return self.model(self.inputs[i])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_dataloader_workers_forked_from_a_wrapped_model_run_its_forward():
+    """A torch DataLoader with two workers started by fork, each item a forward of the wrapped model
+    (its pager, copy engine and cached copies forked with it, the prefetcher on): every item equals
+    the unwrapped model's, and the parent's model runs after."""
+    import multiprocessing
+
+    reference, model = _reference(), _reference()
+    _wrap(model)
+    inputs = _inputs("cpu", 6)
+    with torch.no_grad():
+        model(inputs[0])  # a warm cache to fork
+        want = [reference(x) for x in inputs]
+    loader = torch.utils.data.DataLoader(_Forwards(model, inputs), batch_size=None, num_workers=2,
+                                         multiprocessing_context=multiprocessing.get_context("fork"), timeout=60)
+    got = list(loader)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    with torch.no_grad():
+        assert torch.equal(model(inputs[1]), want[1])
