@@ -32,6 +32,7 @@ from .ops import TILE_ALIGN  # the tile width ops cut; room is planned for it
 from .pager import GiB, BudgetError, device_total_bytes, format_bytes, free_device_bytes
 from .pager.budget import smallest_budget_gb
 from .exactness import warn_fast_paths, warn_inexact_tiles, warn_narrow_tiles  # noqa: F401  (public here too)
+from .working_sets import tiled as in_tiles
 from .working_sets import (  # noqa: F401  (public here too)
     EXPERTS_PER_OP, module_of, module_working_set, pair_working_set, slice_working_set, tile_working_set, working_set,
 )
@@ -339,11 +340,7 @@ def _choose_tiled(weights: Sequence[Weight], budget_bytes, offload_bytes, policy
     while tileable:
         count = min(count, len(tileable))
         tiled_ids = {id(w) for w in tileable[:count]}
-        trial = [
-            dataclasses.replace(w, working_set=tile_working_set(w.shape, w.nbytes, w.working_set, slices))
-            if id(w) in tiled_ids else w
-            for w in weights
-        ]
+        trial = [in_tiles(w, slices) if id(w) in tiled_ids else w for w in weights]
         try:
             tiled = _choose_untiled(trial, budget_bytes, offload_bytes, policy, prefetch)
         except BudgetError as e:

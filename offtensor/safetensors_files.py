@@ -499,6 +499,23 @@ def tensors(entries: dict):
         os.close(fd)
 
 
+def pread_into(fd: int, offset: int, dst: torch.Tensor, what) -> None:
+    """Reads ``dst.numel()`` bytes at ``offset`` straight into the CPU uint8 tensor ``dst``; a short
+    read (the file truncated meanwhile) or a failed one is a CheckpointError naming ``what()``."""
+    view = memoryview(dst.numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as e:
+            raise CheckpointError(f"offtensor: reading {what()} failed at byte {offset + done} of its file, "
+                                  f"{len(view) - done} of {len(view)} bytes still to read: {e}") from e
+        if n == 0:
+            raise CheckpointError(f"offtensor: reading {what()} stopped at byte {offset + done} of its file, "
+                                  f"{len(view) - done} of {len(view)} bytes short: the file was truncated while loading")
+        done += n
+
+
 def read_tensor(fd: int, entry: FileTensor) -> torch.Tensor:
     """``entry``'s tensor, read whole from ``fd`` (its file, as its header found it) into new memory:
     ``entry.nbytes``, which the header check bounded by the file's size, and which is refused
@@ -512,19 +529,7 @@ def read_tensor(fd: int, entry: FileTensor) -> torch.Tensor:
         raise CheckpointError(f"offtensor: {where} is {entry.nbytes} bytes, more than this machine's {memory} bytes "
                               f"of memory: nothing was allocated for it")
     raw = torch.empty(entry.nbytes, dtype=torch.uint8)
-    view = memoryview(raw.numpy()).cast("B")
-    done = 0
-    while done < entry.nbytes:
-        try:
-            n = os.preadv(fd, [view[done:]], entry.begin + done)
-        except OSError as e:
-            raise CheckpointError(f"offtensor: reading {where} failed after {done} of its {entry.nbytes} bytes: "
-                                  f"{e}") from None
-        if n == 0:
-            raise CheckpointError(f"offtensor: {entry.file!r} ended at byte {entry.begin + done}, {entry.nbytes - done} "
-                                  f"of the {entry.nbytes} bytes of {where} short: the file was truncated after its "
-                                  f"header was read")
-        done += n
+    pread_into(fd, entry.begin, raw, lambda: where)
     _unchanged_since_header(fd, entry, where)  # no byte of it from a rewrite
     if not entry.nbytes:
         return torch.empty(entry.shape, dtype=entry.dtype)

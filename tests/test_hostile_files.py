@@ -145,7 +145,7 @@ def test_a_file_replaced_after_its_header_was_checked_is_refused_not_read(tmp_pa
 def test_a_file_rewritten_in_place_while_being_read_is_refused(tmp_path, device, monkeypatch):
     path = str(tmp_path / "model.safetensors")
     safetensors_torch.save_file({"a": torch.ones(64), "b": torch.full((64,), 2.0)}, path)
-    real = loading_read._pread_into
+    real = loading_read.pread_into
 
     def read_then_rewrite(fd, offset, dst, what):
         real(fd, offset, dst, what)
@@ -155,7 +155,7 @@ def test_a_file_rewritten_in_place_while_being_read_is_refused(tmp_path, device,
         stat = os.stat(path)
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # a clock tick later
 
-    monkeypatch.setattr(loading_read, "_pread_into", read_then_rewrite)
+    monkeypatch.setattr(loading_read, "pread_into", read_then_rewrite)
     _refused(_meta(Pair), path, r"model\.safetensors.*changed while it was read", device, threads=1)
 
 

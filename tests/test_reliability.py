@@ -353,7 +353,7 @@ def _meta_model():
 
 _LOAD_STEPS = {
     "allocation": (_ext, "alloc_host", MemoryError, False),
-    "read": (_loading_read, "_pread_into", OSError, False),
+    "read": (_loading_read, "pread_into", OSError, False),
     "swap": (_prepare, "swap", RuntimeError, True),
     "registration": (_copies, "join", RuntimeError, True),
 }

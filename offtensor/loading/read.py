@@ -27,7 +27,7 @@ from ..pager import Pager, format_bytes, master_for, pins_host_memory
 from ..pager.device import for_device
 from ..model.groups import StorageGroup
 from ..tensor import OffloadedTensor
-from ..safetensors_files import CheckpointError, FileTensor, identity, open_unchanged
+from ..safetensors_files import CheckpointError, FileTensor, identity, open_unchanged, pread_into
 from .names import Piece
 
 # One read or one staged copy moves at most this much, so threads share big tensors and the
@@ -119,22 +119,6 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
 
 
-def _pread_into(fd: int, offset: int, dst: torch.Tensor, what) -> None:
-    """Reads ``dst.numel()`` bytes at ``offset`` straight into the CPU uint8 tensor ``dst``."""
-    view = memoryview(dst.numpy()).cast("B")
-    done = 0
-    while done < len(view):
-        try:
-            n = os.preadv(fd, [view[done:]], offset + done)
-        except OSError as e:
-            raise CheckpointError(f"offtensor: reading {what()} failed at byte {offset + done} of its file, "
-                                  f"{len(view) - done} of {len(view)} bytes still to read: {e}") from e
-        if n == 0:
-            raise CheckpointError(f"offtensor: reading {what()} stopped at byte {offset + done} of its file, "
-                                  f"{len(view) - done} of {len(view)} bytes short: the file was truncated while loading")
-        done += n
-
-
 def _stages_resident(device: torch.device) -> bool:
     """Whether resident weights go through the staging buffers. On the emulated device the device's
     memory is host memory, so a read lands in it directly; tests force staging there to run the GPU
@@ -202,7 +186,7 @@ class Reader:
 
     def _direct_job(self, s, target, lo, what, pin_after):
         def job():
-            _pread_into(self.fd(s), s.begin + lo, target, what)
+            pread_into(self.fd(s), s.begin + lo, target, what)
             self.progress.update(target.numel())
             if pin_after is not None:
                 self._chunk_done(pin_after)
@@ -234,7 +218,7 @@ class Reader:
                     self.copies.block(ticket)  # the slot's previous copy has left it
                     ticket = None
                 chunk = buf[: target.numel()]
-                _pread_into(self.fd(s), s.begin + lo, chunk, what)
+                pread_into(self.fd(s), s.begin + lo, chunk, what)
                 with self.submit_lock:
                     ticket = self.copies.load_copy(target, chunk)
             finally:
@@ -248,7 +232,7 @@ class Reader:
         raw = _ext.alloc_host(s.nbytes, pin=False, touch=False)
         for lo in range(0, s.nbytes, CHUNK_BYTES):
             hi = min(lo + CHUNK_BYTES, s.nbytes)
-            _pread_into(self.fd(s), s.begin + lo, raw[lo:hi], what)
+            pread_into(self.fd(s), s.begin + lo, raw[lo:hi], what)
             self.progress.update(hi - lo)
         values = raw.view(s.dtype).view(s.shape) if s.nbytes else torch.empty(s.shape, dtype=s.dtype)
         with torch.no_grad():

@@ -280,13 +280,9 @@ def _page_together(paged: Paged, group) -> dict:
         torch.empty(0, dtype=torch.uint8, device=host.device).set_(host.untyped_storage(), lo, (hi - lo,), (1,)),
         first._master)
     outs = [m[3] for m in group if m[4]]
-    if outs:
-        # An out= argument may be resized by its op: a device copy of its own, as ``page`` gives
-        # one, rather than a range of the arena.
-        device = first._master.pager.copy_out(span._host)
-        paged.private.append((span, device))
-    else:
-        device = paged.page(span, True)
+    # With an out= argument, which its op may resize: a device copy of its own, as ``page`` gives
+    # one, rather than a range of the arena.
+    device = paged.page(span, True, out=bool(outs))
     views = {}
     for start, stop, _, t, _ in group:
         host = t._host

@@ -123,7 +123,7 @@ class ForeachInPieces:
             func(*(piece(a, i, name) for a, name in zip(args, names)), **{k: piece(v, i, k) for k, v in kwargs.items()})
             for i in range(n)
         ]
-        if len(func._schema.returns) > 1:  # lists, one per return (_foreach_frexp, _fused_adam): joined per return
+        if len(func._schema.returns) > 1:  # lists, one per return (the functional _fused_adam): joined per return
             return tuple([r for result in results for r in result[j]] for j in range(len(func._schema.returns)))
         if results and isinstance(results[0], (list, tuple)):
             return [r for result in results for r in result]

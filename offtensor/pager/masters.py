@@ -108,11 +108,9 @@ class Master:
                 pager.forget_master(master_id)
 
 
-class _Gone:
-    pass
-
-
-_UNCOUNTED = weakref.ref(_Gone())  # dead at once: the owner of a master no pager counts
+def _UNCOUNTED():
+    """The owner of a master no pager counts: called as a dead weak reference is, it gives None."""
+    return None
 
 
 def master_for(host: torch.Tensor, pager) -> Master:
