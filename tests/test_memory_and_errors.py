@@ -363,6 +363,14 @@ def test_set_is_refused_and_names_the_op(device):
     assert torch.equal(x.cpu(), torch.ones(3))
 
 
+def test_set_pointing_a_plain_tensor_at_an_offloaded_one_is_refused_naming_it(device):
+    x = ot.offload(torch.ones(3), device=device)
+    plain = torch.zeros(0, device=device)
+    with pytest.raises(RuntimeError, match="plain tensor at an OffloadedTensor of shape \\(3,\\)"):
+        plain.set_(x)
+    assert plain.shape == (0,) and torch.equal(x.cpu(), torch.ones(3))
+
+
 def test_out_of_range_row_index_names_index_and_size(device):
     x = ot.offload(torch.ones(3, 2), device=device)
     plain = torch.ones(3, 2)

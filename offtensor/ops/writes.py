@@ -172,7 +172,15 @@ def resize_as_(func, types, args, kwargs):
 
 @implements(aten.set_.source_Tensor, aten.set_.source_Storage, aten.set_.source_Storage_storage_offset, aten.set_.default)
 def set_(func, types, args, kwargs):
+    if isinstance(args[0], OffloadedTensor):
+        raise RuntimeError(
+            f"offtensor: {func} would repoint {describe(args[0])} at other memory; "
+            f"assign a new tensor (or use copy_ to write values) instead"
+        )
+    # A plain tensor pointed at an offloaded one: the offloaded tensor has no device memory to
+    # share, and an alias of a paged copy would miss later writes to the master.
     raise RuntimeError(
-        f"offtensor: {func} would repoint {describe(args[0])} at other memory; "
-        f"assign a new tensor (or use copy_ to write values) instead"
+        f"offtensor: {func} would point a plain tensor at {describe(args[1])}, which has no memory of its "
+        f"own on {args[1].device} (its host master is paged per op); take a copy with .clone(), or its host "
+        f"memory with .untyped_storage()"
     )
