@@ -4,7 +4,8 @@
 - composites that take such views of their own intermediates;
 - storages handed out;
 - out= arguments that overlap an input;
-- the numpy and DLPack exits.
+- the numpy and DLPack exits;
+- Python functions over each element (``apply_``, ``map_``, ``map2_``).
 
 Each test does the same thing to a plain tensor and to an offloaded copy of it and compares values,
 errors and what the master holds afterwards; most also read the offloaded tensor through a warm
@@ -288,3 +289,37 @@ def test_a_dlpack_export_copies_only_when_asked_and_names_the_tensor(device):
     assert torch.equal(torch.from_dlpack(x.__dlpack__(copy=True)).cpu(), reference)
     if x.device.type == "cpu":
         assert np.array_equal(np.from_dlpack(x, copy=True), reference.numpy())
+
+
+# ------------------------------------------------------------------------------------------------
+# Python functions over each element
+# ------------------------------------------------------------------------------------------------
+
+ELEMENTWISE = {
+    "apply_": lambda w, other: w.apply_(lambda v: v * 2 + 1),
+    "map_": lambda w, other: w.map_(other, lambda a, b: a - b),
+    "map2_": lambda w, other: w.map2_(other, other, lambda a, b, c: a + b * c),
+    "a plain tensor's map_ reading it": lambda w, other: other.map_(w, lambda a, b: a + b),
+    "apply_ to a row": lambda w, other: w[1].apply_(lambda v: 0.0),
+}
+
+
+@pytest.mark.parametrize("case", list(ELEMENTWISE))
+def test_python_functions_over_elements_run_on_the_master_and_are_seen_by_the_next_op(device, case):
+    """``apply_`` / ``map_`` / ``map2_`` read the wrapper's data pointer in C++: "Cannot access data
+    pointer", naming nothing. On the emulated device they run on the host master, as on a plain CPU
+    tensor's memory, and the warm cache sees the write; on a GPU, torch's CPU-only rule, naming the
+    weight."""
+    reference, other = torch.arange(6.0).view(2, 3), torch.full((2, 3), 0.5)
+    x, x_other = cached(reference.clone(), device), other.clone()
+    if x.device.type != "cpu":
+        with pytest.raises(TypeError, match=r"of shape \(2, 3\).*only for CPU tensors"):
+            ELEMENTWISE[case](x, x_other.to(x.device) if case.startswith("a plain") else x_other)
+        assert_holds(x, reference)
+        return
+    ELEMENTWISE[case](reference, other)
+    ELEMENTWISE[case](x, x_other)
+    assert_holds(x, reference)
+    assert torch.equal(x_other, other)
+    with pytest.raises(RuntimeError, match="requires grad"):
+        torch.nn.Parameter(x).apply_(lambda v: v)

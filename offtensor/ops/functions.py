@@ -172,6 +172,31 @@ def _numpy(args, kwargs):
     return array
 
 
+def _python_elementwise(method):
+    """``Tensor.apply_`` / ``map_`` / ``map2_``: a Python function over each element, which torch runs
+    on CPU memory directly (a wrapper has none: "Cannot access data pointer"). On the emulated
+    device the host master is the memory: the function runs there and the cached device copies are
+    dropped first, as before any write. On a GPU, as for a plain device tensor, it is refused."""
+    name = method.__name__
+
+    def handler(args, kwargs):
+        tensors = args[:-1]
+        for t in tensors:
+            if isinstance(t, OffloadedTensor) and t.device.type != "cpu":
+                raise TypeError(f"offtensor: {name} runs a Python function over each element in host memory, which "
+                                f"torch does only for CPU tensors, and {_named(t)} is a {t.device.type} tensor; "
+                                f"to change a wrapped model's weights on the host, use `with ot.on_host(model):`")
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+            raise RuntimeError(f"Can't call {name}() on Variable that requires grad. Use var.detach().{name}() instead.")
+        self = tensors[0]
+        if isinstance(self, OffloadedTensor):
+            self._master.pager.before_write(self._master)
+        method(*(t._host if isinstance(t, OffloadedTensor) else t for t in tensors), args[-1], **kwargs)
+        return self
+
+    return handler
+
+
 def _array(args, kwargs):
     """``Tensor.__array__`` (``np.asarray``), which calls ``numpy()`` with torch functions off."""
     if not isinstance(args[0], OffloadedTensor):
@@ -254,6 +279,7 @@ FUNCTION_TABLE = {
     torch.Tensor.numpy: _numpy,
     torch.Tensor.__array__: _array,
     torch.Tensor.__dlpack__: _dlpack,
+    **{m: _python_elementwise(m) for m in (torch.Tensor.apply_, torch.Tensor.map_, torch.Tensor.map2_)},
     torch.Tensor.data.__set__: _set_data,
     torch.Tensor.t: memoized_view(torch.Tensor.t),
     torch.Tensor.transpose: memoized_view(torch.Tensor.transpose),
