@@ -128,6 +128,9 @@ class OffloadedTensor(torch.Tensor):
             f"host memory) has no device address; call .materialize() for a device copy or .cpu() for the host values"
         )
 
+    # The same address read-only (the wrapper's own, which torch would give, is null).
+    const_data_ptr = data_ptr
+
     def untyped_storage(self) -> torch.UntypedStorage:
         # The host master: lets storage-based tie detection (safetensors, transformers) see aliases.
         # Not while torch.compile or torch.export converts this tensor to a fake one: it would then

@@ -387,7 +387,7 @@ def test_data_ptr_is_the_host_address_only_where_the_device_can_address_it(devic
     # unified address space; a master in pageable memory (as torch.load gives) has no device address.
     x = ot.offload(torch.ones(3), device=device)
     if x.device.type == "cpu" or x._host.is_pinned():
-        assert x.data_ptr() == x.untyped_storage().data_ptr()
+        assert x.data_ptr() == x.const_data_ptr() == x.untyped_storage().data_ptr() != 0
     buffer = io.BytesIO()
     torch.save(x, buffer)
     buffer.seek(0)
@@ -397,8 +397,9 @@ def test_data_ptr_is_the_host_address_only_where_the_device_can_address_it(devic
         assert loaded.data_ptr() == loaded.untyped_storage().data_ptr()
     else:
         assert not loaded._host.is_pinned()
-        with pytest.raises(RuntimeError, match="materialize"):
-            loaded.data_ptr()
+        for pointer in (loaded.data_ptr, loaded.const_data_ptr):
+            with pytest.raises(RuntimeError, match="materialize"):
+                pointer()
 
 
 def test_cpp_reading_a_weights_data_pointer_without_dispatch_raises_instead_of_crashing(device):
