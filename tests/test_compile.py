@@ -351,6 +351,25 @@ def test_inductor_never_reuses_a_cached_copy_for_its_own_buffers(device):
     assert ot.stats(model).hits > 0
 
 
+def test_inductor_training_step_of_a_wrapped_conv_net_gives_the_unwrapped_gradients(device):
+    """The graph's step op took no tensor, so Inductor gave it no device and did not flush its
+    pending fused kernel (a conv's layout change of its input and weight) before it: it freed that
+    kernel's inputs first, and the kernel read freed names (UnboundLocalError) whenever the weights
+    need gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 10))
+    reference = copy.deepcopy(model).to(device)
+    ot.wrap_model(model, offload_gb=1e-9, device=device)
+    x = torch.randn(2, 3, 8, 8).to(device)
+    loss = torch.compile(model, backend="inductor")(x).square().sum()
+    loss.backward()
+    reference_loss = reference(x).square().sum()
+    reference_loss.backward()
+    torch.testing.assert_close(loss, reference_loss)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
 # ---------------------------------------------------------------------------- CUDA graphs
 
 

@@ -124,7 +124,8 @@ class StepHook:
 
     def __call__(self, model, args):
         if torch.compiler.is_compiling() and self.pager_key is not None:
-            torch.ops.offtensor.new_step(self.pager_key)
+            # (an empty tensor made in the graph: the op's device, compile.py)
+            torch.ops.offtensor.new_step(torch.empty(0, device=self.config.device), self.pager_key)
             return
         state = wrapped_state(model)
         if state is None or state.model_ref() is not model:

@@ -349,15 +349,19 @@ def register_pager(pager) -> int:
     return id(pager)
 
 
+# ``anchor``, an empty tensor on the pager's device, is read by nothing: it gives the op a device.
+# Inductor flushes its pending fused kernels before an op on a device only; before one on none it
+# freed a fused kernel's inputs first, and the kernel, emitted after, read freed names (a compiled
+# conv with weights that need gradients raised UnboundLocalError on torch 2.13).
 @torch.library.custom_op(f"{_LIB_NS}::new_step", mutates_args=())
-def _new_step_op(pager_key: int) -> None:
+def _new_step_op(anchor: torch.Tensor, pager_key: int) -> None:
     pager = _PAGERS.get(pager_key)
     if pager is not None:
         pager.new_step()
 
 
 @_new_step_op.register_fake
-def _new_step_fake(pager_key):
+def _new_step_fake(anchor, pager_key):
     return None
 
 
