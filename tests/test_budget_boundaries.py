@@ -1,0 +1,89 @@
+"""A budget that ``wrap_model`` accepts runs, and one it cannot run is refused at wrap time, with an
+error naming the tensor or module and the bytes: each case at its boundary, the smallest budget
+accepted (it runs, with the unwrapped model's results) and one byte less (refused)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import offtensor as ot
+from offtensor.pager import BudgetError
+
+GiB = 1 << 30
+
+
+class _Stacked(torch.nn.Module):
+    """A model's own module reading its 3-D weight (4 matrices of 64 x 64 floats, 65536 bytes) by
+    ``op``: a stack of matrices, tiled a batch and then a few columns of one matrix at a time."""
+
+    def __init__(self, op: str, shape=(4, 64, 64)):
+        super().__init__()
+        self.op = op
+        self.w = torch.nn.Parameter(torch.randn(*shape, generator=torch.Generator().manual_seed(0)))
+        self.register_buffer("bias", torch.randn(4, 8, shape[-1], generator=torch.Generator().manual_seed(1)),
+                             persistent=False)
+
+    def forward(self, x):
+        if self.op == "bmm":
+            return torch.bmm(x, self.w)
+        if self.op == "baddbmm":
+            return torch.baddbmm(self.bias.to(x.device), x, self.w, beta=0.5, alpha=2.0)
+        if self.op == "baddbmm_row_bias":
+            return torch.baddbmm(self.bias[0, 0].to(x.device), x, self.w)
+        if self.op == "cdist":  # p=2 with more than 25 rows: the matrix-product form (_euclidean_dist)
+            return torch.cdist(x, self.w)
+        if self.op == "cdist_p1":  # _cdist_forward
+            return torch.cdist(x, self.w, p=1.0)
+        raise AssertionError(self.op)
+
+
+def _wrap(model, budget: int, device):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # narrow-tile warnings: what is tested here is accept/refuse
+        return ot.wrap_model(model, budget_gb=budget / GiB, device=device, prefetch=False, policy={"keep": ["bias"]})
+
+
+# One column of one 64 x 64 float matrix: the least a tile of the stack pages; 16 of them (tiles
+# TILE_ALIGN wide, bit-identical) the least that stays exact.
+COLUMN = 64 * 4
+EXACT = 16 * COLUMN
+
+
+@pytest.mark.parametrize("op", ["bmm", "baddbmm", "baddbmm_row_bias", "cdist", "cdist_p1"])
+def test_a_stacked_weight_read_by_bmm_baddbmm_or_cdist_runs_in_tiles_at_the_smallest_budget_wrap_accepts(op, device):
+    x = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(2)).to(device)
+    resident = 4 * 8 * 64 * 4  # the bias, kept resident
+    model = _Stacked(op).eval()
+    reference = copy.deepcopy(model).to(device)
+    model.bias = model.bias.to(device)
+    _wrap(model, resident + EXACT, device)
+    assert isinstance(model.w, ot.OffloadedTensor)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert ot.stats(model).peak_device_bytes <= resident + EXACT
+
+    narrow = _Stacked(op).eval()
+    narrow.bias = narrow.bias.to(device)
+    _wrap(narrow, resident + COLUMN, device)  # one column at a time: runs, to BLAS's last bits
+    with torch.no_grad():
+        torch.testing.assert_close(narrow(x), reference(x), rtol=1e-5, atol=1e-5)
+
+    with pytest.raises(BudgetError, match=rf"'w'.*needs .*\({COLUMN} bytes\)"):
+        _wrap(_Stacked(op).eval(), resident + COLUMN - 1, device)
+
+
+def test_a_stacked_weight_is_counted_at_a_tile_of_one_matrix_not_of_its_batches():
+    from offtensor.placement import Weight, weight_tile
+
+    own = Weight(["m.w"], 65536, (4, 64, 64), 65536, fused=False)
+    assert weight_tile(own) == EXACT and weight_tile(own, 1) == COLUMN
+    # A Conv1d's weight (out, in, kernel): convolution cuts output channels only.
+    conv = Weight(["c.weight"], 65536, (4, 64, 64), 65536, fused=True)
+    assert weight_tile(conv, 1) == 65536 // 4
+    # Routed experts: _grouped_mm pages each expert whole.
+    experts = Weight(["mlp.experts.w"], 65536, (4, 64, 64), 16384, fused=False)
+    assert weight_tile(experts, 1) == 16384
