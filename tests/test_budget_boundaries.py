@@ -87,3 +87,36 @@ def test_a_stacked_weight_is_counted_at_a_tile_of_one_matrix_not_of_its_batches(
     # Routed experts: _grouped_mm pages each expert whole.
     experts = Weight(["mlp.experts.w"], 65536, (4, 64, 64), 16384, fused=False)
     assert weight_tile(experts, 1) == 16384
+
+
+TIGHT = 16 * 64 * 4 + 64 * 4  # a tile of 16 rows of a 64 x 64 linear weight, beside its whole bias
+
+
+def _tight(device):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).eval()
+    return ot.wrap_model(model, budget_gb=TIGHT / GiB, device=device, prefetch=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copy_of_a_tightly_wrapped_model_accepts_and_refuses_the_assignments_the_original_does(how, device, tmp_path):
+    original = _tight(device)
+    if how == "deepcopy":
+        twin = copy.deepcopy(original)
+    else:
+        torch.save(original, tmp_path / "model.pt")
+        twin = torch.load(tmp_path / "model.pt", weights_only=False)
+    x = torch.randn(3, 64).to(device)
+    for model in (original, twin):
+        assert ot.stats(model).budget_bytes == TIGHT
+        model[0].weight = torch.nn.Parameter(torch.randn(64, 64))  # a tile of it fits the room: accepted
+        assert isinstance(model[0].weight, ot.OffloadedTensor)
+        with torch.no_grad():
+            model(x)
+        # One row of 1024 inputs beside the bias fills the room (narrow tiles, warned); 1025 do not.
+        with pytest.warns(UserWarning, match="narrow"):
+            model[0].weight = torch.nn.Parameter(torch.randn(64, 1024))
+        with torch.no_grad():
+            model(torch.randn(3, 1024).to(device))
+        with pytest.raises(BudgetError, match=r"0\.weight \(262400 bytes\) needs 4356 bytes.* 4352 of the budget"):
+            model[0].weight = torch.nn.Parameter(torch.randn(64, 1025))
+        assert model[0].weight.shape == (64, 1024)
