@@ -120,3 +120,38 @@ def test_a_copy_of_a_tightly_wrapped_model_accepts_and_refuses_the_assignments_t
         with pytest.raises(BudgetError, match=r"0\.weight \(262400 bytes\) needs 4356 bytes.* 4352 of the budget"):
             model[0].weight = torch.nn.Parameter(torch.randn(64, 1025))
         assert model[0].weight.shape == (64, 1024)
+
+
+def _linear_with_a_wide_bias(device, room=12000):
+    """A 4 -> 1000 linear with a float64 bias, both offloaded: one column of its weight (4000 bytes)
+    beside its bias (8000) fills a room of 12000 bytes."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 1000)).eval()
+    model[0].bias.data = model[0].bias.data.double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ot.wrap_model(model, budget_gb=room / GiB, device=device, prefetch=False, policy={"offload": ["*"]})
+
+
+def test_load_state_dict_with_assign_checks_the_whole_state_dict_against_the_room_first(device):
+    # Fine as a whole (a float64 weight's column, 8000 bytes, beside a float16 bias, 2000), but the
+    # weight beside the old float64 bias (16000) is not: each key is placed beside the new bias.
+    model = _linear_with_a_wide_bias(device)
+    fits = {"0.weight": torch.randn(1000, 4, dtype=torch.float64), "0.bias": torch.randn(1000, dtype=torch.float16)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.load_state_dict(fits, assign=True)
+    assert (model[0].weight.dtype, model[0].bias.dtype) == (torch.float64, torch.float16)
+    assert torch.equal(model[0].weight.cpu(), fits["0.weight"]) and torch.equal(model[0].bias.cpu(), fits["0.bias"])
+
+    # Over as a whole (a complex128 bias, 16000 bytes, beside a float16 column of 2000): refused
+    # before anything changes, naming the module and the bytes; the float16 weight that would fit is
+    # not assigned either.
+    model = _linear_with_a_wide_bias(device)
+    before = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    over = {"0.weight": torch.randn(1000, 4, dtype=torch.float16), "0.bias": torch.randn(1000, dtype=torch.complex128)}
+    with pytest.raises(BudgetError, match=r"'0\.bias' \(16000 bytes\) into module '0' needs 18000 bytes.* 12000 of"):
+        model.load_state_dict(over, assign=True)
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k].cpu(), v) for k, v in before.items())
+    model.load_state_dict(fits, assign=True)  # the model still loads what fits
+    assert model[0].bias.dtype == torch.float16
