@@ -34,7 +34,8 @@ from .pager.budget import smallest_budget_gb
 from .exactness import warn_fast_paths, warn_inexact_tiles, warn_narrow_tiles  # noqa: F401  (public here too)
 from .working_sets import tiled as in_tiles
 from .working_sets import (  # noqa: F401  (public here too)
-    EXPERTS_PER_OP, module_of, module_working_set, pair_working_set, slice_working_set, tile_working_set, working_set,
+    EXPERTS_PER_OP, module_of, module_working_set, pair_working_set, slice_working_set, tile_working_set, weight_tile,
+    working_set,
 )
 
 EXPERTS, ROWS, MLP, ATTENTION, OTHER, LAST = range(6)
@@ -330,7 +331,7 @@ def _choose_tiled(weights: Sequence[Weight], budget_bytes, offload_bytes, policy
     slices, 1, 2, 4... of them: the others keep room for their whole working set (one op, one page,
     no tiles). The last BudgetError when no count fits; None when no weight can be tiled."""
     tileable = sorted(
-        (w for w in weights if w.tileable and tile_working_set(w.shape, w.nbytes, w.working_set, slices) < w.working_set),
+        (w for w in weights if w.tileable and weight_tile(w, slices) < w.working_set),
         key=lambda w: -w.working_set,
     )
     if not tileable:

@@ -45,6 +45,25 @@ def tile_working_set(shape: tuple, nbytes: int, working_set: int, slices: int = 
     return min(working_set, nbytes // n * min(slices, n))
 
 
+def weight_tile(w, slices: int = TILE_ALIGN) -> int:
+    """``tile_working_set`` of the Weight ``w``. A model's own module's tensor of three or more dims
+    (a bmm operand, an einsum's stacked weight) is a stack of matrices over its last two dims: bmm,
+    baddbmm and cdist tile it a batch at a time and, where one matrix does not fit, in columns or
+    rows of that matrix, so its tile is ``slices`` slices of one matrix. A torch.nn module's (a
+    ``Conv1d`` weight: convolution cuts only output channels), routed experts (``_grouped_mm``
+    pages each expert whole) and tables read in slices (a crop is no matrix product; they are
+    counted at a slice instead, ``slice_working_set``) keep the rule of the first two dims, and so
+    does a stack of one matrix (ViT's ``pos_embed`` of shape (1, tokens, width), read whole by
+    ``x + pos_embed`` as often as by a product)."""
+    matrices = 1
+    for n in w.shape[:-2]:
+        matrices *= n
+    if len(w.shape) < 3 or w.fused or w.sliced or is_routed_stack(w.name, w.shape) or matrices <= 1:
+        return tile_working_set(w.shape, w.nbytes, w.working_set, slices)
+    one = w.nbytes // matrices
+    return min(w.working_set, tile_working_set(w.shape[-2:], one, one, slices))
+
+
 def slice_working_set(w) -> int:
     """The least one read of a table in slices pages: one slice along its longest dim (ops
     gathers exactly the elements a view covers)."""
@@ -66,7 +85,7 @@ def pair_working_set(w) -> int:
     and bmm do. 0 for routed experts and tables read in slices, which no such op reads."""
     if len(w.shape) < 2 or w.sliced or is_routed_stack(w.name, w.shape):
         return 0
-    return tile_working_set(w.shape, w.nbytes, w.working_set) if w.tileable else w.working_set
+    return weight_tile(w) if w.tileable else w.working_set
 
 
 def module_working_set(weights: Sequence) -> int:
@@ -89,7 +108,7 @@ def tiled(w, slices: int):
     """``w`` planned in output tiles of ``slices`` slices where dispatch may tile it, else as it is."""
     if not w.tileable:
         return w
-    return dataclasses.replace(w, working_set=tile_working_set(w.shape, w.nbytes, w.working_set, slices))
+    return dataclasses.replace(w, working_set=weight_tile(w, slices))
 
 
 @dataclasses.dataclass

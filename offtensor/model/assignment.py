@@ -19,6 +19,7 @@ from .dtensor import asked_by_distribute_module, refuse_distribute, refuse_shard
 from .loads import after_load, portable_state_dict
 from .moves import Undo, resident_bytes
 from .place import place, place_attribute
+from .room import check_assigned_load
 from .state import State, enrol, offloaded_weights, placing_state, refuse_wrapped_elsewhere, withdraw, wrapped_state
 
 
@@ -182,6 +183,20 @@ def _released(state: State, old: Optional[nn.Module] = None) -> None:
         state.experts_stale = True  # a registered stack may be what was deleted
 
 
+def _load_into(load, module: nn.Module, state_dict, prefix: str, local_metadata, *rest) -> None:
+    """``module._load_from_state_dict``; where ``module`` is the one ``load_state_dict(assign=True)``
+    was called on (``prefix`` empty; it loads its own keys before its submodules'), the whole
+    incoming state dict is checked against the room first (``check_assigned_load``): refused whole,
+    nothing is assigned, and each key is then placed beside its module's other incoming tensors."""
+    state = placing_state(module)
+    if state is not None and not prefix and local_metadata.get("assign_to_params_buffers"):
+        with state.pager.lock:
+            state.loading, state.loading_root = {}, None
+            state.loading = check_assigned_load(state, module, state_dict)
+            state.loading_root = module
+    load(state_dict, prefix, local_metadata, *rest)
+
+
 def join(module: nn.Module, state: State) -> None:
     """``module`` joins a wrapped model: it places what is assigned into it and what it loads."""
     enrol(module, state)
@@ -241,6 +256,9 @@ def _make_wrapping_class(user_class: type) -> type:
     def add_module(self, name, module):
         _add_submodule(super(cls, self).add_module, self, name, module)
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *rest):
+        _load_into(super(cls, self)._load_from_state_dict, self, state_dict, prefix, local_metadata, *rest)
+
     def _apply(self, fn, recurse=True):
         return apply_to_wrapped(super(cls, self)._apply, self, fn, recurse)
 
@@ -274,7 +292,7 @@ def _make_wrapping_class(user_class: type) -> type:
         "__module__": user_class.__module__, "__qualname__": user_class.__qualname__, "__slots__": (),
         "_offtensor_user_class": user_class, "__setattr__": __setattr__, "__delattr__": __delattr__,
         "register_parameter": register_parameter, "register_buffer": register_buffer, "add_module": add_module,
-        "_apply": _apply, "_distribute_module_applied": property(_get_distributed, _set_distributed),
+        "_apply": _apply, "_load_from_state_dict": _load_from_state_dict, "_distribute_module_applied": property(_get_distributed, _set_distributed),
         "__reduce_ex__": __reduce_ex__,
     }
     cls = type(user_class)(user_class.__name__, (user_class,), namespace)

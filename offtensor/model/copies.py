@@ -13,6 +13,7 @@ from torch import nn
 from ..ops import compile as _compile
 from .. import moe
 from .. import placement
+from .. import working_sets
 from ..config import OffloadConfig
 from ..pager import Pager
 from ..prefetch import Prefetcher
@@ -57,7 +58,8 @@ def _register_state(model: nn.Module, pager: Pager, choice: placement.Placement,
     # Offloaded stacked experts: per-stack stats, expert-aware eviction, routing speculation.
     moe.attach(model, pager, speculate=config.prefetch and not planning, compute=config.expert_compute,
                compute_choice=config.expert_compute_choice, pool=config.expert_pool, room_needed=state.room_needed())
-    state.step_hook = model.register_forward_pre_hook(StepHook(config, choice.budget_bytes, pager))
+    state.step_hook = model.register_forward_pre_hook(StepHook(config, choice.budget_bytes, pager,
+                                                               state=state))
 
 
 def unregister_wrapped(model: nn.Module, state: State) -> None:
@@ -109,12 +111,17 @@ class StepHook:
     It also carries the wrap's settings through ``copy.deepcopy``: the copy of a wrapped model
     holds a copy of this hook, and the first time the copy is used (``ot.stats``, a forward...)
     ``adopt_copy`` gives it its own pager with the same budget, instead of leaving its new host
-    masters charged to the original's pager."""
+    masters charged to the original's pager. The copy's paging room is the original's as it stood
+    when copied (``working_set``): planned again from the copy's weights, it would be whole working
+    sets where the original had planned tiles, and refuse assignments the original accepts."""
 
-    __slots__ = ("config", "budget_bytes", "pager_ref", "pager_key", "copy_pager")
+    __slots__ = ("config", "budget_bytes", "pager_ref", "pager_key", "copy_pager", "room", "working_set")
 
-    def __init__(self, config: OffloadConfig, budget_bytes: int, pager=None, copy_pager=None):
+    def __init__(self, config: OffloadConfig, budget_bytes: int, pager=None, copy_pager=None, state=None,
+                 working_set=None):
         self.config, self.budget_bytes = config, budget_bytes  # config.device: the device resolved
+        self.room = weakref.ref(state) if state is not None else None  # the wrapped model's State
+        self.working_set = working_set  # a copy's: the original's working_set_bytes when copied
         self.pager_ref = weakref.ref(pager) if pager is not None else None
         # Under torch.compile the step is an op of the graph, keyed by this int (a constant to
         # Dynamo): looking the model up in WRAPPED would make Dynamo guard on that table's
@@ -140,7 +147,7 @@ class StepHook:
         # torch.save(model) of a wrapped model: the loaded model is adopted like a deepcopy (a
         # callable policy may not pickle; patterns do).
         config = self.config.replace(policy=None) if callable(self.config.policy) else self.config
-        return StepHook, (config, self.budget_bytes)
+        return StepHook, (config, self.budget_bytes, None, None, None, self._room_now())
 
     def new_pager(self) -> Pager:
         """A pager with the wrapped model's device, budget and strictness, for a copy of the model."""
@@ -152,7 +159,12 @@ class StepHook:
         if original is not None:
             # OffloadedTensor.__deepcopy__ charges the new host masters to this pager, not the original's.
             memo[("offtensor.pager", id(original))] = pager
-        return StepHook(self.config, self.budget_bytes, copy_pager=pager)
+        return StepHook(self.config, self.budget_bytes, copy_pager=pager, working_set=self._room_now())
+
+    def _room_now(self):
+        """The original's working_set_bytes now (a copy's: the one it was given), None if unknown."""
+        state = self.room() if self.room is not None else None
+        return state.working_set_bytes if state is not None else self.working_set
 
 
 def adopt_copy(model: nn.Module) -> Optional[State]:
@@ -183,10 +195,12 @@ def adopt_copy(model: nn.Module) -> Optional[State]:
     weights = [g.weight() for g in groups]
     offload = [w for w, g in zip(weights, groups) if g.is_offloaded]
     resident = [w for w, g in zip(weights, groups) if not g.is_offloaded]
-    ws = placement.choose_placement(offload, None, offload_bytes=0, policy=lambda name: "offload",
-                                    prefetch=False).working_set_bytes
-    choice = placement.Placement(offload, resident, hook.budget_bytes, resident_bytes(model, pager.device), offloaded,
-                                 ws)
+    resident_now = resident_bytes(model, pager.device)
+    ws = hook.working_set
+    if ws is None:  # the original was gone when copied: the room planned again, tiled where it must be
+        plans = working_sets.modules_room(offload, hook.budget_bytes - resident_now)
+        ws = plans[0].need if plans else 0
+    choice = placement.Placement(offload, resident, hook.budget_bytes, resident_now, offloaded, ws)
     register_wrapped(model, pager, choice, hook.config)
     return wrapped_state(model)
 

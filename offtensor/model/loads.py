@@ -22,7 +22,11 @@ def after_load(module, incompatible_keys):
     if model is None:
         return
     with state.pager.lock:
-        _place_loaded(state, model, module)
+        try:
+            _place_loaded(state, model, module)
+        finally:
+            if state.loading_root is module:  # the last post-hook of load_state_dict(assign=True)
+                state.loading, state.loading_root = {}, None
 
 
 def _place_loaded(state: State, model: nn.Module, module: nn.Module) -> None:

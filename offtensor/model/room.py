@@ -13,6 +13,7 @@ from .. import placement
 from .. import working_sets
 from ..pager import BudgetError, covering_range
 from ..tensor import OffloadedTensor
+from .moves import resident_bytes
 from .groups import Member, StorageGroup, collect_groups, leaf_is_tileable, module_groups, tensor_bytes
 from .state import State
 
@@ -31,7 +32,10 @@ def reserve_paging_room(state: State, full_name: str, t: torch.Tensor, slot: tup
     pager = state.pager
     module, attr, is_buffer = slot
     name_of = lambda a: state.qualified_name(module, a)  # noqa: E731
-    others = [g.weight() for g in module_groups(module, name_of, skip={attr}) if g.is_offloaded]
+    loading = {a: (new, b) for (m, a), (old, new, b) in state.loading.items()
+               if m is module and a != attr and _slot_value(m, a) is old}  # neighbours a load replaces next
+    others = [g.weight() for g in module_groups(module, name_of, skip={attr, *loading}) if g.is_offloaded]
+    others += [_weight(name_of(a), new, (module, a, b), True) for a, (new, b) in loading.items()]
     placing = [(t, tileable), *(_offloaded_beside(slot, t, full_name) if beside is None else beside)]
     weights = others + [_weight(full_name, tensor, slot, can_tile) for tensor, can_tile in placing]
     plan = working_sets.modules_room(weights, pager.budget_bytes - resident)[0]
@@ -46,6 +50,47 @@ def reserve_paging_room(state: State, full_name: str, t: torch.Tensor, slot: tup
         )
     _warn_tiles([plan], pager.budget_bytes, f"{kind}{full_name}", stacklevel=3)
     state.working_set_bytes = max(state.working_set_bytes, plan.need)
+
+
+def check_assigned_load(state: State, root: torch.nn.Module, state_dict) -> dict:
+    """Before ``root.load_state_dict(state_dict, assign=True)`` changes anything: each module's
+    offloaded tensors as the load leaves them (its incoming tensors at their new sizes, beside
+    those it keeps) must be pageable together in the room the resident weights leave, as
+    ``reserve_paging_room`` counts them. Raises a BudgetError naming the module and the bytes
+    where they cannot, so the load is refused whole. Returns what ``State.loading`` holds while
+    the keys are placed one by one: (module, attribute) -> (offloaded tensor, incoming, is_buffer)."""
+    incoming, by_module = {}, {}
+    for path, module in root.named_modules():
+        for table, is_buffer in ((module._parameters, False), (module._buffers, True)):
+            for attr, old in table.items():
+                new = state_dict.get(f"{path}.{attr}" if path else attr)
+                if (isinstance(old, OffloadedTensor) and isinstance(new, torch.Tensor) and leaves.is_leaf(new)
+                        and new is not old and not isinstance(new, OffloadedTensor) and new.shape == old.shape
+                        and attr not in module._non_persistent_buffers_set):
+                    incoming[(module, attr)] = (old, new, is_buffer)
+                    by_module.setdefault(module, []).append(attr)
+    if not incoming:
+        return incoming
+    pager, model = state.pager, state.model_ref()
+    room = pager.budget_bytes - resident_bytes(model, pager.device)
+    for module, attrs in by_module.items():
+        name_of = lambda a, module=module: state.qualified_name(module, a)  # noqa: E731
+        kept = [g.weight() for g in module_groups(module, name_of, skip=set(attrs)) if g.is_offloaded]
+        new = [_weight(name_of(a), incoming[(module, a)][1], (module, a, incoming[(module, a)][2]), True) for a in attrs]
+        plan = working_sets.module_room(name_of(attrs[0]).rpartition(".")[0], kept + new, room)
+        if plan.need > room:
+            names = ", ".join(f"'{w.name}' ({w.nbytes} bytes)" for w in new)
+            raise BudgetError(
+                f"offtensor: load_state_dict(assign=True) of {names} into module '{plan.module}' needs {plan.need} "
+                f"bytes on the device to page the module's {len(plan.weights)} offloaded tensors together"
+                f"{' even in tiles of one slice' if plan.slices == 1 else ''}, but only {max(room, 0)} of the budget's "
+                f"{pager.budget_bytes} bytes are not resident weights. Nothing was loaded; raise budget_gb or load "
+                f"smaller tensors")
+    return incoming
+
+
+def _slot_value(module: torch.nn.Module, attr: str):
+    return module._parameters.get(attr, module._buffers.get(attr))
 
 
 def replan_paging_room(state: State, resident: int, why: str) -> None:

@@ -148,6 +148,12 @@ class State:
         # kept here until it has: the detach drops it from the stacks, and a refresh cut short after
         # that would otherwise run again without it.
         self.reinstalling = None
+        # A load_state_dict(assign=True) under way: (module, attribute) -> (the offloaded tensor it
+        # replaces, the incoming one, is_buffer), so each key's placement counts its module's other
+        # incoming tensors at their new sizes (room.reserve_paging_room); and the module it was
+        # called on, whose load post-hook ends it.
+        self.loading: dict = {}
+        self.loading_root = None
         # (module, attribute) slots that ``on_host`` lent a host stand-in: not resident weights.
         self.lent_slots: frozenset = frozenset()
         # How the routed experts were placed and why (``ot.stats(model).expert_placement``), and

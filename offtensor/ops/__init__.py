@@ -15,7 +15,8 @@ The ops that address their argument's whole storage (``as_strided_copy``, ``as_s
 take the same schema-chosen handler here, on a page of the whole master.
 
 The modules beside this one name the ops that need more, by family: ``views``, ``reads``,
-``writes``, ``tiling`` (ops computed in pieces when the budget's free room is short), ``rows``
+``writes``, ``tiling`` (ops computed in pieces when the budget's free room is short) and
+``distances`` (``cdist`` in tiles the same way), ``rows``
 (index ops that page only the rows selected), ``grouped`` (grouped GEMMs of routed experts),
 ``collectives``, ``functions`` (whole ops intercepted at ``__torch_function__``: ``F.linear``,
 ``matmul``...) and ``compile`` (the same paging inside torch.compile graphs).
@@ -33,6 +34,7 @@ from ..pager import BudgetError
 from ..tensor import TRACED_ALIVE, OffloadedTensor
 from . import compile as _compile
 from . import reads  # noqa: F401  (registers clone, _to_copy, item, is_pinned, record_stream, _conj)
+from .distances import cdist
 from .collectives import COLLECTIVE_NAMESPACES, Collective
 from .functions import FUNCTION_TABLE
 from .grouped import grouped_mm, grouped_mm_fallback
@@ -215,7 +217,7 @@ def _in_pieces_when_short(func, handler):
 
 # Handlers that page their arguments and compute (tiling when the room is short): under
 # torch.compile they run inside one opaque offtensor::compute op, which calls them at run time.
-_COMPUTE_HANDLERS = {_compute, _compute_composite, mm, mv, bmm, convolution, convolution_backward, grouped_mm_fallback}
+_COMPUTE_HANDLERS = {_compute, _compute_composite, mm, mv, bmm, cdist, convolution, convolution_backward, grouped_mm_fallback}
 
 # Handlers that write host masters or page rows chosen by index values: a graph break under
 # torch.compile (see torch_dispatch).

@@ -1,6 +1,6 @@
 """Ops computed in pieces when the budget's free room is short: lists of offloaded inputs paged one at a
 time (``cat``, ``stack``, ``_foreach_*``), and weights larger than the room computed in output tiles
-(``linear``, ``mm``/``addmm``, ``mv``/``addmv``, ``bmm``, ``convolution``), ``TILE_ALIGN`` wide where the room allows."""
+(``linear``, ``mm``/``addmm``, ``mv``/``addmv``, ``bmm``/``baddbmm``, ``convolution``), ``TILE_ALIGN`` wide where the room allows."""
 
 from __future__ import annotations
 
@@ -248,11 +248,12 @@ def linear_tiled(x, weight, bias):
     return _tiled(weight, 0, others, "linear", compute, -1, [(bias, 0)])
 
 
-def _bias_slice(bias, out_dim, start, stop, size, paged):
-    """The part of addmm's broadcast ``bias`` that output tile [start, stop) of ``out_dim`` adds."""
+def _bias_slice(bias, out_dim, start, stop, size, paged, lead: int = 0):
+    """The part of addmm's (baddbmm's: ``lead`` 1) broadcast ``bias`` that output tile [start, stop)
+    of ``out_dim`` adds."""
     if not isinstance(bias, torch.Tensor) or bias.dim() == 0:
         return bias
-    dim = out_dim - 2 + bias.dim()  # bias broadcasts against the 2-D output from the right
+    dim = out_dim - 2 - lead + bias.dim()  # bias broadcasts against the output from the right
     if dim < 0 or bias.shape[dim] != size:
         return paged.arg(bias)
     return _page_slice(bias, dim, start, stop, paged)
@@ -272,15 +273,15 @@ def mm(func, types, args, kwargs):
 
 
 def _product_tiled(func, a, b, columns: bool, before: tuple, kwargs, lead: int = 0):
-    """mm / addmm of ``a`` and ``b`` (``lead`` 0), or bmm of one batch of them (``lead`` 1: each of
-    batch size 1), in tiles of ``b``'s columns (``columns``) or of ``a``'s rows; ``before``:
-    addmm's bias, beta and alpha (empty for mm and bmm)."""
+    """mm / addmm of ``a`` and ``b`` (``lead`` 0), or bmm / baddbmm of one batch of them (``lead`` 1:
+    each of batch size 1), in tiles of ``b``'s columns (``columns``) or of ``a``'s rows; ``before``:
+    addmm's bias, beta and alpha, or baddbmm's bias (empty for mm and bmm)."""
     bias = before[0] if before else None
     big, dim, other = (b, lead + 1, a) if columns else (a, lead, b)
     size = big.shape[dim]
     bias_dim = None
     if isinstance(bias, torch.Tensor) and bias.dim():
-        bias_dim = dim - 2 + bias.dim()
+        bias_dim = dim - 2 - lead + bias.dim()
         bias_dim = bias_dim if bias_dim >= 0 and bias.shape[bias_dim] == size else None
     _, others = _offloaded_bytes([other] + ([bias] if bias_dim is None else []))
     inner = _inner_tiles(big, dim - lead, other, bias, others, lead)
@@ -290,7 +291,7 @@ def _product_tiled(func, a, b, columns: bool, before: tuple, kwargs, lead: int =
     def compute(start, stop, paged):
         part = _page_slice(big, dim, start, stop, paged)
         left, right = (paged.arg(a) if inner is None else a, part) if columns else (part, paged.arg(b))
-        rest = (_bias_slice(bias, dim, start, stop, size, paged), *before[1:]) if before else ()
+        rest = (_bias_slice(bias, dim, start, stop, size, paged, lead), *before[1:]) if before else ()
         if inner is not None:
             return _rows_tiled(func, left, right, rest, kwargs, lead)
         return func(*rest[:1], left, right, *rest[1:], **kwargs)
@@ -327,25 +328,30 @@ def _rows_tiled(func, a: OffloadedTensor, right: torch.Tensor, before: tuple, kw
     return _tiled(a, lead, 0, str(func), compute, lead)
 
 
-@implements(aten.bmm.default)
+@implements(aten.bmm.default, aten.baddbmm.default)
 def bmm(func, types, args, kwargs):
-    a, b = args[0], args[1]
-    big = b if needs_tiling(b, [a]) else a if needs_tiling(a, [b]) else None
+    """bmm, or baddbmm (its bias cut with the batches and columns it adds to), of an operand larger
+    than the room: in tiles of batches, or of each batch's columns and rows where one does not fit."""
+    bias, a, b = (args[0], args[1], args[2]) if func is aten.baddbmm.default else (None, args[0], args[1])
+    big = b if needs_tiling(b, [a, bias]) else a if needs_tiling(a, [b, bias]) else None
     if big is None:
         return run(func, args, kwargs)
     other = a if big is b else b
-    batch = _slice_bytes(big, 0) + (_slice_bytes(other, 0) if isinstance(other, OffloadedTensor) else 0)
+    cut = isinstance(bias, torch.Tensor) and bias.dim() == 3 and bias.shape[0] == big.shape[0] > 1  # else broadcast
+    batch = sum(_slice_bytes(t, 0) for t in (big, other, bias if cut else None) if isinstance(t, OffloadedTensor))
     if batch > big._master.pager.free_bytes() and big.shape[0] > 0:
         # Not even one batch of the offloaded operands fits (einsum of weights runs bmm on a batch
         # of one): each batch in tiles of its columns and rows, as mm is.
-        outs = [_product_tiled(func, _batch(a, i), _batch(b, i), big is b, (), kwargs, lead=1)
+        outs = [_product_tiled(func, _batch(a, i), _batch(b, i), big is b,
+                               () if bias is None else (_batch(bias, i) if cut else bias,), kwargs, lead=1)
                 for i in range(big.shape[0])]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def compute(start, stop, paged):
-        return func(_page_slice(a, 0, start, stop, paged), _page_slice(b, 0, start, stop, paged), **kwargs)
+        part = () if bias is None else (_page_slice(bias, 0, start, stop, paged) if cut else paged.arg(bias),)
+        return func(*part, _page_slice(a, 0, start, stop, paged), _page_slice(b, 0, start, stop, paged), **kwargs)
 
-    return _tiled(big, 0, 0, str(func), compute, 0, [(other, 0)])
+    return _tiled(big, 0, 0, str(func), compute, 0, [(other, 0)] + ([(bias, 0)] if cut else []))
 
 
 def _batch(t, i: int):
