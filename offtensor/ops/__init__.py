@@ -40,7 +40,7 @@ from .paging import Paged, decomposes, reclaim, run, with_math_bits
 from .planned import planned_routing
 from .rows import CACHED_SLICE_BYTES, HOST_SYNCS, embedding, index, index_select
 from .table import OP_TABLE, implements
-from .tiling import TILE_ALIGN, ForeachInPieces, bmm, convolution, convolution_backward, mm, mv, cutting, pointwise_in_pieces
+from .tiling import TILE_ALIGN, ForeachInPieces, baddbmm, bmm, convolution, convolution_backward, mm, mv, cutting, pointwise_in_pieces
 from .views import inplace_view, view
 from .writes import Mutation, batch_norm, copy_, resize_, set_
 
@@ -215,7 +215,7 @@ def _in_pieces_when_short(func, handler):
 
 # Handlers that page their arguments and compute (tiling when the room is short): under
 # torch.compile they run inside one opaque offtensor::compute op, which calls them at run time.
-_COMPUTE_HANDLERS = {_compute, _compute_composite, mm, mv, bmm, convolution, convolution_backward, grouped_mm_fallback}
+_COMPUTE_HANDLERS = {_compute, _compute_composite, mm, mv, bmm, baddbmm, convolution, convolution_backward, grouped_mm_fallback}
 
 # Handlers that write host masters or page rows chosen by index values: a graph break under
 # torch.compile (see torch_dispatch).

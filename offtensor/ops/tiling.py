@@ -1,6 +1,6 @@
 """Ops computed in pieces when the budget's free room is short: lists of offloaded inputs paged one at a
 time (``cat``, ``stack``, ``_foreach_*``), and weights larger than the room computed in output tiles
-(``linear``, ``mm``/``addmm``, ``mv``/``addmv``, ``bmm``, ``convolution``), ``TILE_ALIGN`` wide where the room allows."""
+(``linear``, ``mm``/``addmm``, ``mv``/``addmv``, ``bmm``/``baddbmm``, ``convolution``), ``TILE_ALIGN`` wide where the room allows."""
 
 from __future__ import annotations
 
@@ -346,6 +346,29 @@ def bmm(func, types, args, kwargs):
         return func(_page_slice(a, 0, start, stop, paged), _page_slice(b, 0, start, stop, paged), **kwargs)
 
     return _tiled(big, 0, 0, str(func), compute, 0, [(other, 0)])
+
+
+@implements(aten.baddbmm.default)
+def baddbmm(func, types, args, kwargs):
+    """``self + batch1 @ batch2`` with an offloaded operand larger than the room, in tiles of the
+    batches: peft's LoRA on a stacked expert weight (``target_parameters``) computes
+    ``baddbmm(W, A, B)`` over the whole stack every forward, where the rest of the model reads it
+    one routed expert at a time. Each batch is its own product, so the tiles give the op's bits."""
+    operands = args[:3]
+    n = operands[1].shape[0]
+    batched = [isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] == n for t in operands]
+    big = next((t for t, cut in zip(operands, batched)
+                if cut and needs_tiling(t, [u for u in operands if u is not t])), None)
+    if big is None:
+        return run(func, args, kwargs)
+    _, others = _offloaded_bytes([t for t, cut in zip(operands, batched) if not cut])
+
+    def compute(start, stop, paged):
+        parts = [_page_slice(t, 0, start, stop, paged) if cut else paged.arg(t) for t, cut in zip(operands, batched)]
+        return func(*parts, *args[3:], **kwargs)
+
+    sliced = [(t, 0) for t, cut in zip(operands, batched) if cut and t is not big]
+    return _tiled(big, 0, others, str(func), compute, 0, sliced)
 
 
 def _batch(t, i: int):
