@@ -100,3 +100,29 @@ def test_peft_lora_on_stacked_moe_experts_trains_like_the_unwrapped_run(device):
     reference.eval()
     _same_logits(model, reference, device)
     _paged_within_budget(model)
+
+
+# ---------------------------------------------------------------------------- torch.export
+
+
+def test_export_run_decompositions_of_a_model_with_a_weight_past_the_room_runs_in_tiles(device):
+    """``run_decompositions`` registers Python kernels on the CPU and CUDA keys of the composites it
+    keeps (``linear``) while it runs. An op first met then was classified as having a kernel of its
+    own and kept a handler that pages it whole: the decomposed program, and every later eager
+    forward in inference mode, raised BudgetError on a weight that tiles."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
+                                torch.nn.GELU(), torch.nn.Linear(256, 64)).eval()
+    reference = copy.deepcopy(model).to(device)
+    _wrap(model, device)
+    s = ot.stats(model)
+    assert model[2].weight.numel() * 4 > s.budget_bytes - s.resident_bytes  # only its tiles fit
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        expected = reference(x)
+    program = torch.export.export(model, (x,)).run_decompositions()
+    with torch.no_grad():
+        assert torch.equal(program.module()(x), expected)
+    with torch.inference_mode():
+        assert torch.equal(model(x), expected)
+    _paged_within_budget(model)
