@@ -1,8 +1,7 @@
 """More clients over a wrapped model, each against the same model unwrapped, bit for bit
-(``torch.equal``): peft adapters on stacked MoE experts, DoRA, several adapters mixed and an adapter
-loaded from disk; transformers pipelines, ``generate`` returning attentions and hidden states,
-``save_pretrained`` read back by plain transformers, ``resize_token_embeddings``; torch's
-parametrizations registered after wrapping, ``torch.func`` and forward-mode AD; ``torch.export``'s
+(``torch.equal``): peft adapters on stacked MoE experts, DoRA and several adapters mixed; ``generate`` returning attentions and hidden states,
+``save_pretrained`` read back by plain transformers; torch's
+parametrizations registered after wrapping; ``torch.export``'s
 ``run_decompositions``. Tiny models built offline, as in tests/test_clients.py."""
 
 from __future__ import annotations
@@ -125,4 +124,79 @@ def test_export_run_decompositions_of_a_model_with_a_weight_past_the_room_runs_i
         assert torch.equal(program.module()(x), expected)
     with torch.inference_mode():
         assert torch.equal(model(x), expected)
+    _paged_within_budget(model)
+
+
+# ---------------------------------------------------------------------------- already composing
+
+
+def test_generate_returning_attentions_hidden_states_and_scores_and_plain_save_pretrained(tmp_path, device):
+    """``generate(output_attentions=..., output_hidden_states=..., output_scores=...)`` (eager
+    attention) gives every returned tensor bit for bit; the wrapped model's ``save_pretrained`` reads
+    back in plain transformers with its tie and values."""
+    transformers = pytest.importorskip("transformers")
+    model, reference = _tiny("llama", device)
+    for m in (model, reference):
+        m.set_attn_implementation("eager")
+    _wrap(model, device)
+    ids, mask = _ids(device)
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, pad_token_id=0, do_sample=False,
+                  output_attentions=True, output_hidden_states=True, output_scores=True, return_dict_in_generate=True)
+    got, expected = model.generate(ids, **kwargs), reference.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+
+    def flat(v):
+        return [v] if isinstance(v, torch.Tensor) else [t for x in v for t in flat(x)]
+
+    for key in ("attentions", "hidden_states", "scores"):
+        mine, theirs = flat(getattr(got, key)), flat(getattr(expected, key))
+        assert len(mine) == len(theirs) > 0 and all(map(torch.equal, mine, theirs)), key
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).to(device).eval()
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    for (name, value), (other, expected_value) in zip(loaded.state_dict().items(), reference.state_dict().items()):
+        assert name == other and torch.equal(value, expected_value), name
+    _paged_within_budget(model)
+
+
+def test_peft_dora_and_weighted_adapters_over_a_wrapped_model(device):
+    peft = pytest.importorskip("peft")
+    model, reference = _tiny("llama", device)
+
+    def adapters(m):
+        torch.manual_seed(1)
+        config = dict(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+        m = peft.get_peft_model(m, peft.LoraConfig(**config, use_dora=True), adapter_name="dora")
+        m.add_adapter("a", peft.LoraConfig(**config))
+        m.add_adapter("b", peft.LoraConfig(**config))
+        m.add_weighted_adapter(["a", "b"], [0.7, 0.3], "mix", combination_type="linear")
+        return m
+
+    model, reference = adapters(model), adapters(reference)
+    _wrap(model, device)
+    for name in ("dora", "mix", "b"):
+        model.set_adapter(name)
+        reference.set_adapter(name)
+        _same_logits(model, reference, device)
+    _paged_within_budget(model)
+
+
+def test_weight_norm_registered_after_wrap_trains_like_the_unwrapped_model(device):
+    """A parametrization registered on an offloaded weight after wrapping moves it under
+    ``parametrizations``, still offloaded, and trains."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 96),
+                                torch.nn.GELU(), torch.nn.Linear(96, 64))
+    reference = copy.deepcopy(model).to(device)
+    _wrap(model, device, 0.6)  # weight_norm reads the weight whole: the room must hold it
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).to(device)
+    for m in (model, reference):
+        torch.nn.utils.parametrizations.weight_norm(m[2])
+    assert any(isinstance(p, ot.OffloadedTensor) for p in model[2].parametrizations.weight.parameters())
+    got, expected = model(x), reference(x)
+    assert torch.equal(got, expected)
+    got.sum().backward()
+    expected.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
     _paged_within_budget(model)
