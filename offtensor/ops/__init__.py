@@ -38,7 +38,7 @@ from .distances import cdist
 from .collectives import COLLECTIVE_NAMESPACES, Collective
 from .functions import FUNCTION_TABLE
 from .grouped import grouped_mm, grouped_mm_fallback
-from .paging import Paged, decomposes, reclaim, run, with_math_bits
+from .paging import Paged, decomposes, native_kernel, reclaim, run, with_math_bits
 from .planned import planned_routing
 from .rows import CACHED_SLICE_BYTES, HOST_SYNCS, embedding, index, index_select
 from .table import OP_TABLE, implements
@@ -136,7 +136,7 @@ def _classify(func):
         return Mutation(func)
     if schema.returns and all(r.alias_info is not None for r in schema.returns):
         return view
-    if func.has_kernel_for_dispatch_key(_COMPOSITE) and not any(map(func.has_kernel_for_dispatch_key, _BACKENDS)):
+    if native_kernel(func, _COMPOSITE) and not any(native_kernel(func, k) for k in _BACKENDS):
         return _decomposed  # a composite a plain tensor decomposes too (one with a kernel of its own runs that)
     return _compute_composite if decomposes(func) else _compute
 

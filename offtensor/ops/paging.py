@@ -157,8 +157,18 @@ def decomposes(func) -> bool:
     """Whether ``func`` runs as a C++ composite of other ops (``linalg_pinv``, ``linalg_lstsq``,
     ``fft_hfft2.out``): no kernel of its own on the CPU or a GPU. Its parts may take lazy views of
     its own intermediates, so offtensor runs it with ``with_math_bits``."""
-    return any(map(func.has_kernel_for_dispatch_key, _COMPOSITES)) and not any(
-        map(func.has_kernel_for_dispatch_key, _BACKENDS))
+    return any(native_kernel(func, k) for k in _COMPOSITES) and not any(native_kernel(func, k) for k in _BACKENDS)
+
+
+def native_kernel(func, key) -> bool:
+    """Whether ``func`` has a kernel for ``key`` in the C++ dispatcher, which eager calls reach. Not
+    ``func.has_kernel_for_dispatch_key``, which counts Python kernels too: torch.export's
+    ``run_decompositions`` registers some on the CPU and CUDA keys of the composites it keeps
+    (``linear``) while it runs, and an op classified then kept a handler that pages it whole."""
+    return _has_kernel(func.name(), key)
+
+
+_has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
 
 
 def layout_of(t: OffloadedTensor):

@@ -333,13 +333,14 @@ def bmm(func, types, args, kwargs):
     """bmm, or baddbmm (its bias cut with the batches and columns it adds to), of an operand larger
     than the room: in tiles of batches, or of each batch's columns and rows where one does not fit."""
     bias, a, b = (args[0], args[1], args[2]) if func is aten.baddbmm.default else (None, args[0], args[1])
+    cut = isinstance(bias, torch.Tensor) and bias.dim() == 3 and bias.shape[0] == a.shape[0] > 1  # else broadcast
     big = b if needs_tiling(b, [a, bias]) else a if needs_tiling(a, [b, bias]) else None
+    if big is None and cut and needs_tiling(bias, [a, b]):
+        big = bias  # peft's LoRA on a stacked expert weight: baddbmm(W, A, B) over the whole stack
     if big is None:
         return run(func, args, kwargs)
-    other = a if big is b else b
-    cut = isinstance(bias, torch.Tensor) and bias.dim() == 3 and bias.shape[0] == big.shape[0] > 1  # else broadcast
-    batch = sum(_slice_bytes(t, 0) for t in (big, other, bias if cut else None) if isinstance(t, OffloadedTensor))
-    if batch > big._master.pager.free_bytes() and big.shape[0] > 0:
+    batch = sum(_slice_bytes(t, 0) for t in (a, b, bias if cut else None) if isinstance(t, OffloadedTensor))
+    if batch > big._master.pager.free_bytes() and big.shape[0] > 0 and big is not bias:
         # Not even one batch of the offloaded operands fits (einsum of weights runs bmm on a batch
         # of one): each batch in tiles of its columns and rows, as mm is.
         outs = [_product_tiled(func, _batch(a, i), _batch(b, i), big is b,
@@ -351,7 +352,7 @@ def bmm(func, types, args, kwargs):
         part = () if bias is None else (_page_slice(bias, 0, start, stop, paged) if cut else paged.arg(bias),)
         return func(*part, _page_slice(a, 0, start, stop, paged), _page_slice(b, 0, start, stop, paged), **kwargs)
 
-    return _tiled(big, 0, 0, str(func), compute, 0, [(other, 0)] + ([(bias, 0)] if cut else []))
+    return _tiled(big, 0, 0, str(func), compute, 0, [(t, 0) for t in (a, b, bias if cut else None) if t is not big])
 
 
 def _batch(t, i: int):

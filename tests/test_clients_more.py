@@ -1,0 +1,202 @@
+"""More clients over a wrapped model, each against the same model unwrapped, bit for bit
+(``torch.equal``): peft adapters on stacked MoE experts, DoRA and several adapters mixed; ``generate`` returning attentions and hidden states,
+``save_pretrained`` read back by plain transformers; torch's
+parametrizations registered after wrapping; ``torch.export``'s
+``run_decompositions``. Tiny models built offline, as in tests/test_clients.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import offtensor as ot
+
+GiB = 1 << 30
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    return sum({id(t): t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())}.values())
+
+
+def _wrap(model: torch.nn.Module, device, fraction=0.3) -> None:
+    ot.wrap_model(model, budget_gb=fraction * _weight_bytes(model) / GiB, device=device)
+    assert ot.stats(model).offloaded_bytes > 0
+
+
+def _paged_within_budget(model: torch.nn.Module) -> None:
+    s = ot.stats(model)
+    assert s.bytes_h2d > 0, "nothing was paged"
+    assert s.peak_device_bytes <= s.budget_bytes, s
+
+
+def _ids(device, batch=2):
+    ids = torch.randint(0, 128, (batch, 6), generator=torch.Generator().manual_seed(1)).to(device)
+    return ids, torch.ones_like(ids)
+
+
+def _same_logits(model, reference, device) -> None:
+    ids, mask = _ids(device)
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).logits
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, expected)
+
+
+def _same_training(model, reference, device, steps=2) -> None:
+    """``steps`` AdamW steps of each model's trainable weights: equal losses at every step."""
+    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (model, reference)]
+    g = torch.Generator().manual_seed(2)
+    for step in range(steps):
+        ids = torch.randint(0, 128, (2, 8), generator=g).to(device)
+        losses = []
+        for m, optimizer in zip((model, reference), optimizers):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss)
+        assert torch.equal(*losses), (step, losses)
+
+
+def _tiny(name, device):
+    pytest.importorskip("transformers")
+    from offtensor.models.tiny import tiny_transformers
+
+    model = tiny_transformers(name)
+    return model, copy.deepcopy(model).to(device)
+
+
+# ---------------------------------------------------------------------------- peft
+
+
+def test_peft_lora_on_stacked_moe_experts_trains_like_the_unwrapped_run(device):
+    """peft's ``target_parameters`` LoRA on a stacked expert weight computes ``baddbmm(W, A, B)``
+    over the whole stack at every forward, where the rest of the model reads it one routed expert
+    at a time, so wrap left no room for the stack. It paged the stack whole and raised BudgetError
+    at the first forward of a budget wrap accepted; now baddbmm runs in tiles of the batches."""
+    peft = pytest.importorskip("peft")
+    model, reference = _tiny("qwen3_moe", device)
+
+    def config():
+        return peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False,
+                               target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+
+    torch.manual_seed(1)
+    model = peft.get_peft_model(model, config())
+    torch.manual_seed(1)
+    reference = peft.get_peft_model(reference, config())
+    _wrap(model, device)
+    stacks = [p for n, p in model.named_parameters() if n.endswith("experts.base_layer.base_layer.gate_up_proj")]
+    assert stacks and all(isinstance(p, ot.OffloadedTensor) for p in stacks)
+    s = ot.stats(model)
+    assert stacks[0].numel() * stacks[0].element_size() > s.budget_bytes - s.resident_bytes  # never fits whole
+    _same_logits(model, reference, device)
+    model.train()
+    reference.train()
+    _same_training(model, reference, device)
+    model.eval()
+    reference.eval()
+    _same_logits(model, reference, device)
+    _paged_within_budget(model)
+
+
+# ---------------------------------------------------------------------------- torch.export
+
+
+def test_export_run_decompositions_of_a_model_with_a_weight_past_the_room_runs_in_tiles(device):
+    """``run_decompositions`` registers Python kernels on the CPU and CUDA keys of the composites it
+    keeps (``linear``) while it runs. An op first met then was classified as having a kernel of its
+    own and kept a handler that pages it whole: the decomposed program, and every later eager
+    forward in inference mode, raised BudgetError on a weight that tiles."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
+                                torch.nn.GELU(), torch.nn.Linear(256, 64)).eval()
+    reference = copy.deepcopy(model).to(device)
+    _wrap(model, device)
+    s = ot.stats(model)
+    assert model[2].weight.numel() * 4 > s.budget_bytes - s.resident_bytes  # only its tiles fit
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        expected = reference(x)
+    program = torch.export.export(model, (x,)).run_decompositions()
+    with torch.no_grad():
+        assert torch.equal(program.module()(x), expected)
+    with torch.inference_mode():
+        assert torch.equal(model(x), expected)
+    _paged_within_budget(model)
+
+
+# ---------------------------------------------------------------------------- already composing
+
+
+def test_generate_returning_attentions_hidden_states_and_scores_and_plain_save_pretrained(tmp_path, device):
+    """``generate(output_attentions=..., output_hidden_states=..., output_scores=...)`` (eager
+    attention) gives every returned tensor bit for bit; the wrapped model's ``save_pretrained`` reads
+    back in plain transformers with its tie and values."""
+    transformers = pytest.importorskip("transformers")
+    model, reference = _tiny("llama", device)
+    for m in (model, reference):
+        m.set_attn_implementation("eager")
+    _wrap(model, device)
+    ids, mask = _ids(device)
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, pad_token_id=0, do_sample=False,
+                  output_attentions=True, output_hidden_states=True, output_scores=True, return_dict_in_generate=True)
+    got, expected = model.generate(ids, **kwargs), reference.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+
+    def flat(v):
+        return [v] if isinstance(v, torch.Tensor) else [t for x in v for t in flat(x)]
+
+    for key in ("attentions", "hidden_states", "scores"):
+        mine, theirs = flat(getattr(got, key)), flat(getattr(expected, key))
+        assert len(mine) == len(theirs) > 0 and all(map(torch.equal, mine, theirs)), key
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).to(device).eval()
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    for (name, value), (other, expected_value) in zip(loaded.state_dict().items(), reference.state_dict().items()):
+        assert name == other and torch.equal(value, expected_value), name
+    _paged_within_budget(model)
+
+
+def test_peft_dora_and_weighted_adapters_over_a_wrapped_model(device):
+    peft = pytest.importorskip("peft")
+    model, reference = _tiny("llama", device)
+
+    def adapters(m):
+        torch.manual_seed(1)
+        config = dict(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+        m = peft.get_peft_model(m, peft.LoraConfig(**config, use_dora=True), adapter_name="dora")
+        m.add_adapter("a", peft.LoraConfig(**config))
+        m.add_adapter("b", peft.LoraConfig(**config))
+        m.add_weighted_adapter(["a", "b"], [0.7, 0.3], "mix", combination_type="linear")
+        return m
+
+    model, reference = adapters(model), adapters(reference)
+    _wrap(model, device)
+    for name in ("dora", "mix", "b"):
+        model.set_adapter(name)
+        reference.set_adapter(name)
+        _same_logits(model, reference, device)
+    _paged_within_budget(model)
+
+
+def test_weight_norm_registered_after_wrap_trains_like_the_unwrapped_model(device):
+    """A parametrization registered on an offloaded weight after wrapping moves it under
+    ``parametrizations``, still offloaded, and trains."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 96),
+                                torch.nn.GELU(), torch.nn.Linear(96, 64))
+    reference = copy.deepcopy(model).to(device)
+    _wrap(model, device, 0.6)  # weight_norm reads the weight whole: the room must hold it
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).to(device)
+    for m in (model, reference):
+        torch.nn.utils.parametrizations.weight_norm(m[2])
+    assert any(isinstance(p, ot.OffloadedTensor) for p in model[2].parametrizations.weight.parameters())
+    got, expected = model(x), reference(x)
+    assert torch.equal(got, expected)
+    got.sum().backward()
+    expected.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    _paged_within_budget(model)
