@@ -130,6 +130,8 @@ class StepHook:
         if state is None or state.model_ref() is not model:
             state = adopt_copy(model)
         if state is not None:
+            if state.loans:
+                state.settle_loans()
             with state.pager.lock:
                 if state.experts_stale:
                     state.refresh_experts()
@@ -202,4 +204,7 @@ def is_wrapped(model: nn.Module) -> bool:
 def state_of(model: nn.Module) -> State:
     if not is_wrapped(model):
         raise ValueError(f"offtensor: this {type(model).__name__} is not wrapped; call ot.wrap_model(model, ...) first")
-    return wrapped_state(model)
+    state = wrapped_state(model)
+    if state.loans:
+        state.settle_loans()
+    return state
