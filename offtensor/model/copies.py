@@ -167,14 +167,7 @@ def adopt_copy(model: nn.Module) -> Optional[State]:
     hooks = [(key, h) for key, h in model._forward_pre_hooks.items() if isinstance(h, StepHook)]
     if not hooks:
         return None
-    undo = Undo()
-    try:
-        with undo:
-            _adopt(model, hooks)
-            undo.commit()
-    except BaseException:
-        undo.roll_back()  # (where a second interrupt, at the entry of Undo.__exit__, skipped it)
-        raise
+    Undo.run(_adopt, model, hooks)
     return wrapped_state(model)
 
 
