@@ -4,6 +4,8 @@ code runs, in the blocks users enter.
 - ``ot.on_host``: the loan is bound to the frame that entered it; once that frame has ended, the
   next touch of the model in that thread (its forward, ``ot.stats``, another ``on_host``,
   ``unwrap_model``, an assignment) gives every weight back and the lock with them.
+- ``ops.planned_routing`` (``ot.plan`` with measured routing): the routing holds only while the
+  frame that entered the block runs, so later plans in the thread draw their routing again.
 """
 
 from __future__ import annotations
@@ -155,3 +157,47 @@ def test_a_loan_held_across_a_generators_yield_is_not_taken_for_ended():
     assert model[0].weight is lent and lent is not param
     gen.close()
     assert _given_back(model, param, registered)
+
+
+@needs_311
+def test_an_interrupt_at_any_point_of_a_planned_routing_block_leaves_later_plans_uniform(monkeypatch):
+    """A Ctrl-C at each point of a ``planned_routing`` block's enter and exit, the exit's entry
+    included, its traceback kept: a meta grouped GEMM's routing read after it (``planned_ends``) is
+    drawn again, not the block's. As a ``contextlib`` generator, one at its exit's entry left the
+    generator suspended inside the block, and every later plan of the thread routed as that one."""
+    from offtensor.ops import planned
+
+    monkeypatch.setattr(planned, "_planned_ends", lambda experts, rows: ["drawn"])
+    where = lambda code: code.co_filename in (planned.__file__, contextlib.__file__)  # noqa: E731
+
+    def block():
+        with planned.planned_routing(lambda experts, rows: ["measured"]):
+            assert planned.planned_ends(2, 2) == ["measured"]
+
+    total = _points(block, where)
+    assert total > 5
+    kept = []
+    for n in range(1, total + 1):
+        kept.append(_Points(n, where).run(block))
+        assert planned.planned_ends(2, 2) == ["drawn"], n
+    assert all(error is not None for error in kept)
+    block()
+    assert planned.planned_ends(2, 2) == ["drawn"]
+
+
+def test_a_planned_routing_block_in_a_generator_holds_across_its_yield(monkeypatch):
+    """A ``planned_routing`` block entered in a generator, whose frame leaves the stack at each
+    ``yield``: the routing holds while the generator is suspended, and goes when it is closed."""
+    from offtensor.ops import planned
+
+    monkeypatch.setattr(planned, "_planned_ends", lambda experts, rows: ["drawn"])
+
+    def routed():
+        with planned.planned_routing(lambda experts, rows: ["measured"]):
+            yield
+
+    gen = routed()
+    next(gen)
+    assert planned.planned_ends(2, 2) == ["measured"]
+    gen.close()
+    assert planned.planned_ends(2, 2) == ["drawn"]
