@@ -291,7 +291,8 @@ def test_a_fork_while_a_thread_adopts_an_orphaned_weight_leaves_the_child_free_t
 
 class _PointsPastExitEntry(_Points):
     """``_Points`` without the entry of ``HostLoan.__exit__``: Python raises there before any of its
-    code runs, which no ``with`` exit written in Python can prevent (CPython calls it as a function)."""
+    code runs (CPython calls it as a function), so the loan is given back at the next touch of the
+    model instead, which ``test_interrupts_exits.py`` checks."""
 
     def __call__(self, frame, event, arg):
         if frame.f_code.co_qualname == "HostLoan.__exit__" and self._walked(frame):

@@ -8,6 +8,7 @@
   the one the stacks have.
 - A host master's creation, its move to another pager and its adoption by the default pager: each
   pager's ``offloaded_bytes`` counts exactly the live masters it owns.
+- The adoption of a ``copy.deepcopy`` of a wrapped model: the copy is adopted whole at its next use.
 - The block ``from_pretrained`` builds its model on meta in: the thread builds real weights again
   after an interrupt at any point of its enter or exit.
 """
@@ -295,3 +296,45 @@ def test_an_interrupt_at_any_point_of_a_meta_build_block_leaves_the_thread_build
     assert all(error is not None for error in kept)
     block()
     assert not torch.nn.Linear(2, 2).weight.is_meta and on_meta.hook is None and not on_meta.blocks
+
+
+@needs_311
+def test_a_deep_copy_adopted_anywhere_cut_short_is_adopted_whole_at_its_next_use():
+    """A ``copy.deepcopy`` of a wrapped model is adopted on a pager of its own at its first use; a
+    Ctrl-C at every 7th point of that adoption (model/copies.py, the masters' moves and what they call),
+    then ``ot.stats`` of the copy: the copy is wrapped on its own pager, which counts exactly its
+    masters, the original is wrapped as before on its pager with the same count, and both give the
+    unwrapped outputs. On main an interrupt after the copied step hook was dropped left a copy that
+    nothing adopted again (``ot.stats`` refused it as not wrapped)."""
+    import copy
+
+    from offtensor.model import copies
+    from offtensor.pager import masters
+
+    where = lambda code: code.co_filename in (copies.__file__, masters.__file__)  # noqa: E731
+    reference = _reference()
+    x = _inputs("cpu", 1)[0]
+    with torch.no_grad():
+        want = reference(x)
+    original = _reference()
+    _wrap(original)
+    pager = _copies.state_of(original).pager
+    counted = pager.offloaded_bytes
+
+    def masters_of(model) -> set:
+        return {id(p._master): p._master for p in model.parameters() if isinstance(p, ot.OffloadedTensor)}
+
+    total = _points(lambda: _copies.is_wrapped(copy.deepcopy(original)), where)
+    assert total > 20
+    for n in range(1, total + 1, 7):
+        clone = copy.deepcopy(original)
+        _Points(n, where).run(lambda: _copies.is_wrapped(clone))
+        own = ot.stats(clone)
+        state = _copies.state_of(clone)
+        assert state.pager is not pager and state.model_ref() is clone, n
+        assert state.pager.offloaded_bytes == own.offloaded_bytes == sum(
+            m.nbytes for m in masters_of(clone).values()), n
+        assert all(m.pager is state.pager for m in masters_of(clone).values()), n
+        assert _copies.state_of(original).pager is pager and pager.offloaded_bytes == counted, n
+        with torch.no_grad():
+            assert torch.equal(clone(x), want) and torch.equal(original(x), want), n

@@ -22,7 +22,7 @@ from .assignment import give_user_class, join, leave
 from .groups import collect_groups
 from .loads import after_load, portable_state_dict
 from .moves import Undo, resident_bytes, weight_tensors
-from .state import WRAPPED, State, wrapped_state
+from .state import WRAPPED, State, enrol, wrapped_state
 
 
 def register_wrapped(model: nn.Module, pager: Pager, choice: placement.Placement, config: OffloadConfig) -> None:
@@ -138,6 +138,8 @@ class StepHook:
         if state is None or state.model_ref() is not model:
             state = adopt_copy(model)
         if state is not None:
+            if state.loans:
+                state.settle_loans()
             with state.pager.lock:
                 if state.experts_stale:
                     state.refresh_experts()
@@ -169,12 +171,29 @@ class StepHook:
 
 def adopt_copy(model: nn.Module) -> Optional[State]:
     """Register a ``copy.deepcopy`` of a wrapped model as wrapped on its own pager; None when
-    ``model`` holds no copied step hook (it was never a wrapped model)."""
+    ``model`` holds no copied step hook (it was never a wrapped model).
+
+    All or nothing, as a wrap (``Undo``): cut short anywhere (a Ctrl-C), the copy keeps its copied
+    hooks, its masters stay on the pager its deep copy made and its step hook keeps that pager, so
+    its next use adopts it again. Before, a Ctrl-C after the copied step hook was dropped left a copy
+    that nothing would ever adopt: not wrapped, its masters on a pager no state counted."""
     hooks = [(key, h) for key, h in model._forward_pre_hooks.items() if isinstance(h, StepHook)]
     if not hooks:
         return None
+    Undo.run(_adopt, model, hooks)
+    return wrapped_state(model)
+
+
+def _adopt(model: nn.Module, hooks: list) -> None:
+    """``adopt_copy``'s steps, each undo noted before the step."""
     hook = hooks[0][1]
-    for module in model.modules():
+    modules = list(model.modules())
+    tables = [model._forward_pre_hooks] + [t for m in modules for t in (m._load_state_dict_post_hooks,
+                                                                          m._state_dict_hooks)]
+    members = [(m, type(m), WRAPPED.get(m)) for m in modules if m in WRAPPED]
+    Undo.note("call", _put_back_hooks, [(t, dict(t)) for t in tables], members)
+    Undo.note("call", setattr, hook, "copy_pager", hook.copy_pager)
+    for module in modules:
         # The copy's modules carry copies of the original's hooks; register_wrapped adds its own.
         for key in [k for k, h in module._load_state_dict_post_hooks.items() if h is after_load]:
             del module._load_state_dict_post_hooks[key]
@@ -190,8 +209,10 @@ def adopt_copy(model: nn.Module) -> Optional[State]:
     groups = collect_groups(model)
     for group in groups:
         if group.is_offloaded:
-            group[0].tensor._master.move_to(pager)
-            offloaded += group[0].tensor._master.nbytes
+            master = group[0].tensor._master
+            Undo.note("moved", master, master.pager)
+            master.move_to(pager)
+            offloaded += master.nbytes
     weights = [g.weight() for g in groups]
     offload = [w for w, g in zip(weights, groups) if g.is_offloaded]
     resident = [w for w, g in zip(weights, groups) if not g.is_offloaded]
@@ -202,7 +223,20 @@ def adopt_copy(model: nn.Module) -> Optional[State]:
         ws = plans[0].need if plans else 0
     choice = placement.Placement(offload, resident, hook.budget_bytes, resident_now, offloaded, ws)
     register_wrapped(model, pager, choice, hook.config)
-    return wrapped_state(model)
+
+
+def _put_back_hooks(tables: list, members: list) -> None:
+    """Undo ``_adopt``'s drops: each hook table as it was, each module it took out of a wrapped model
+    back in it, with its class. Can run again."""
+    for table, saved in tables:
+        if list(table.items()) != list(saved.items()):
+            table.clear()
+            table.update(saved)
+    for module, cls, state in members:
+        if type(module) is not cls:
+            module.__class__ = cls
+        if state is not None and wrapped_state(module) is not state:
+            enrol(module, state)
 
 
 def is_wrapped(model: nn.Module) -> bool:
@@ -217,4 +251,7 @@ def is_wrapped(model: nn.Module) -> bool:
 def state_of(model: nn.Module) -> State:
     if not is_wrapped(model):
         raise ValueError(f"offtensor: this {type(model).__name__} is not wrapped; call ot.wrap_model(model, ...) first")
-    return wrapped_state(model)
+    state = wrapped_state(model)
+    if state.loans:
+        state.settle_loans()
+    return state

@@ -4,6 +4,10 @@ transform that reads whole weights (quantisation, repacking) computes from host 
 
 from __future__ import annotations
 
+import inspect
+import sys
+import threading
+
 from torch import nn
 
 from .. import leaves
@@ -45,14 +49,21 @@ class HostLoan:
     ``__enter__`` either lends every slot and holds the lock or, whatever cut it short, gives back
     what it lent and the lock (to the hold count read before taking it); ``__exit__`` gives back
     again where an interrupt cut its give-back short (every step can run twice), then the lock.
-    Python can still raise at ``__exit__``'s very entry, before any of its code: then the slots
-    stay lent (CPython calls no ``with`` exit atomically)."""
 
-    __slots__ = ("model", "state", "depth", "depth_of", "lent", "wrappers")
+    Python can still raise at ``__exit__``'s very entry, before any of its code (CPython calls no
+    ``with`` exit atomically). So the loan is bound to the frame that entered it and recorded on
+    the model's state (``State.loans``): once that frame has ended with the loan still recorded,
+    whoever touches the model next in the lending thread (its forward, ``ot.stats``, ``on_host``,
+    ``unwrap_model``, an assignment, a cast, a load) gives it back first (``settle``), its one hold
+    of the lock included. A loan entered in a generator or coroutine, whose frame may be suspended
+    rather than ended, is never taken for ended."""
+
+    __slots__ = ("model", "state", "depth", "depth_of", "lent", "wrappers", "frame", "thread", "held")
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.state = self.depth = self.depth_of = None
+        self.state = self.depth = self.depth_of = self.frame = self.thread = None
+        self.held = False  # this loan's one hold of the pager's lock is still to give back
         self.lent = []  # (module, table, attr, registered tensor, host stand-in)
         self.wrappers = []  # the HostStandIn of each wrapper subclass lent
 
@@ -63,8 +74,11 @@ class HostLoan:
         depth = depth_of()
         # Recorded before anything changes: the undo below and ``__exit__`` read them.
         self.state, self.depth, self.depth_of, self.lent, self.wrappers = state, depth, depth_of, [], []
+        self.frame, self.thread = sys._getframe(1), threading.get_ident()
         try:
+            state.loans = state.loans + (self,)
             lock.acquire()
+            self.held = True  # (no point between the acquire's return and this store)
             _collect(state, self.model, self.lent, self.wrappers)
             state.lent_slots = frozenset((module, attr) for module, _, attr, _, _ in self.lent)
             for _, table, attr, _, stand_in in self.lent:
@@ -74,7 +88,9 @@ class HostLoan:
             try:
                 _put_back(state, self.lent)
             finally:
+                self.held = False
                 restore_depth(lock, depth_of, depth)
+                _drop(state, self)
             raise
 
     def __exit__(self, *exc) -> bool:
@@ -86,7 +102,9 @@ class HostLoan:
                 if not given and attempts < ATTEMPTS:
                     _give_back(self.state, self.model, self.lent, self.wrappers)
                 given = True
+                self.held = False
                 restore_depth(self.state.pager.lock, self.depth_of, self.depth)
+                _drop(self.state, self)
                 break
             except BaseException as error:
                 pending = error if pending is None else pending
@@ -97,6 +115,37 @@ class HostLoan:
             finally:
                 pending = None  # no cycle through this frame
         return False
+
+    def ended(self) -> bool:
+        """Whether the frame that entered this loan has ended without giving it back (an interrupt at
+        the entry of ``__exit__``): asked in the lending thread only, which holds the lock for it."""
+        if self.thread != threading.get_ident() or self.frame.f_code.co_flags & _SUSPENDABLE:
+            return False
+        f = sys._getframe(1)
+        while f is not None:
+            if f is self.frame:
+                return False
+            f = f.f_back
+        return True
+
+    def settle(self) -> None:
+        """Give back an ended loan (``State.settle_loans``): its slots, then its one hold of the
+        lock, which the caller's own holds are above or below. Each step can run again."""
+        _give_back(self.state, self.model, self.lent, self.wrappers)
+        if self.held:
+            self.held = False  # (no point between this store and the release)
+            self.state.pager.lock.release()
+        _drop(self.state, self)
+        self.frame = None
+
+
+# A generator's or coroutine's frame leaves the stack at each ``yield`` or ``await`` and comes back.
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
+
+
+def _drop(state: State, loan: HostLoan) -> None:
+    """``loan`` no longer recorded on ``state``; idempotent."""
+    state.loans = tuple(other for other in state.loans if other is not loan)
 
 
 def _collect(state: State, model: nn.Module, lent: list, wrappers: list) -> None:

@@ -75,6 +75,21 @@ class Undo:
         Undo._active.record = None
         self.steps = []
 
+    @staticmethod
+    def run(steps, *args):
+        """``steps(*args)`` all or nothing: inside a new record, committed as its last statement;
+        whatever cuts it short (an error, a Ctrl-C, one at the entry of ``__exit__`` too) is rolled
+        back before it is raised again. Returns what ``steps`` returned."""
+        undo = Undo()
+        try:
+            with undo:
+                result = steps(*args)
+                undo.commit()
+        except BaseException:
+            undo.roll_back()  # (where a second interrupt, at the entry of Undo.__exit__, skipped it)
+            raise
+        return result
+
     def roll_back(self) -> None:
         Undo._active.record = None
         steps, pending, failures = self.steps, None, 0

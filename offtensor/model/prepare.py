@@ -134,27 +134,29 @@ def apply_placement(model: nn.Module, placed: placement.ModelPlacement, pager: P
             for member in group:
                 check_offloadable(member.tensor, f"'{member.names[0]}'")
     refuse_offloading_what_fsdp2_manages(model, [g for g in placed.offloaded if id(g[0]) not in loaded])
-    undo = Undo()
     try:
-        with undo:
-            for group in placed.offloaded + placed.resident:
-                if id(group[0]) in loaded:
-                    for member in group:
-                        swap(member, as_param_like(member.tensor, loaded[id(member)]))
-                elif placed.offloads(group):
-                    offload_group(group, pager)  # for a load: not in the files, has values (a buffer made at init)
-                else:
-                    make_resident(group, pager.device)
-            refit_wrappers(m for group in placed.offloaded + placed.resident for m in group)
-            register_wrapped(model, pager, placed.choice, config)
-            if expert is not None:
-                _start_expert_placement(model, *expert)
-            undo.commit()
+        Undo.run(_place, model, placed, pager, config, loaded, expert)
     except BaseException:
-        undo.roll_back()  # (where a second interrupt, at the entry of Undo.__exit__, skipped it)
         loaded.clear()  # the loader's destinations: freed now, not when the traceback goes
         raise
     return model
+
+
+def _place(model: nn.Module, placed: placement.ModelPlacement, pager: Pager, config: OffloadConfig, loaded: dict,
+           expert: Optional[tuple]) -> None:
+    """``apply_placement``'s steps, inside its undo record."""
+    for group in placed.offloaded + placed.resident:
+        if id(group[0]) in loaded:
+            for member in group:
+                swap(member, as_param_like(member.tensor, loaded[id(member)]))
+        elif placed.offloads(group):
+            offload_group(group, pager)  # for a load: not in the files, has values (a buffer made at init)
+        else:
+            make_resident(group, pager.device)
+    refit_wrappers(m for group in placed.offloaded + placed.resident for m in group)
+    register_wrapped(model, pager, placed.choice, config)
+    if expert is not None:
+        _start_expert_placement(model, *expert)
 
 
 def _start_expert_placement(model: nn.Module, report: Optional[dict], watch) -> None:
@@ -176,20 +178,14 @@ def unwrap(model: nn.Module, state: State) -> nn.Module:
     no forward or unwrap could use again."""
     pager = state.pager
     prefetcher = pager.prefetcher
-    undo = Undo()
     try:
         state.experts_stale = True  # (for a model still wrapped after all)
         pager.prefetcher = None
         moe.detach(pager)
         pager.clear()
         offloaded = [group for group in collect_groups(model) if group.is_offloaded]
-        with undo:
-            for group in offloaded:
-                make_resident(group, pager.device)
-            refit_wrappers(m for group in offloaded for m in group)
-            undo.commit()
+        Undo.run(_make_resident, offloaded, pager.device)
     except BaseException:
-        undo.roll_back()  # (where a second interrupt, at the entry of Undo.__exit__, skipped it)
         pager.prefetcher = prefetcher
         raise
     # The model's weights are no longer this pager's: what it still pages (a view of a master taken
@@ -219,17 +215,23 @@ def re_place_experts(state: State, model: nn.Module, policy) -> None:
                                               pager.device)
     moving = [g for g in placed.offloaded if not g.is_offloaded]
     ptrs = {m.tensor.untyped_storage().data_ptr() for g in moving for m in g if leaves.is_leaf(m.tensor)}
-    undo = Undo()
-    try:
-        with undo:
-            for group in moving:
-                offload_group(group, pager)
-            _take_placement(state, model, config, placed.choice, ptrs)
-            undo.commit()
-    except BaseException:
-        undo.roll_back()  # (where a second interrupt, at the entry of Undo.__exit__, skipped it)
-        raise
+    Undo.run(_offload_experts, state, model, moving, config, placed.choice, ptrs)
     state.refresh_experts()  # the new stacks join the expert cache and its router hooks (stale until done)
+
+
+def _make_resident(offloaded: list, device: torch.device) -> None:
+    """``unwrap``'s moves, inside its undo record."""
+    for group in offloaded:
+        make_resident(group, device)
+    refit_wrappers(m for group in offloaded for m in group)
+
+
+def _offload_experts(state: State, model: nn.Module, moving: list, config: OffloadConfig,
+                     choice: placement.Placement, ptrs: set) -> None:
+    """``re_place_experts``' steps, inside its undo record."""
+    for group in moving:
+        offload_group(group, state.pager)
+    _take_placement(state, model, config, choice, ptrs)
 
 
 def _take_placement(state: State, model: nn.Module, config: OffloadConfig, choice: placement.Placement,

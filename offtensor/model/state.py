@@ -156,10 +156,19 @@ class State:
         self.loading_root = None
         # (module, attribute) slots that ``on_host`` lent a host stand-in: not resident weights.
         self.lent_slots: frozenset = frozenset()
+        # The ``on_host`` loans not given back yet (``host.HostLoan``), innermost last.
+        self.loans: tuple = ()
         # How the routed experts were placed and why (``ot.stats(model).expert_placement``), and
         # the PlacementWatch while that is still to be decided from the model's own routing.
         self.expert_placement: Optional[dict] = None
         self.watch = None
+
+    def settle_loans(self) -> None:
+        """Give back each ``on_host`` loan whose block this thread left without its exit running (a
+        Ctrl-C at the exit's entry); called where a model is touched, before its lock is taken."""
+        for loan in reversed(self.loans):
+            if loan.ended():
+                loan.settle()
 
     def refresh_experts(self) -> None:
         """Rebuild the pager's expert registry and router hooks. Stale until done: a refresh cut short
@@ -259,7 +268,11 @@ def placing_state(module: nn.Module) -> Optional[State]:
     be placed. None also while ``ot.plan`` runs the model on a meta pager: meta tensors hold no
     bytes, and the plan counts the bytes its placement chose, as a GPU run would hold them."""
     state = wrapped_state(module)
-    return None if state is None or state.pager.device.type == "meta" else state
+    if state is None or state.pager.device.type == "meta":
+        return None
+    if state.loans:
+        state.settle_loans()
+    return state
 
 
 def pager_of(model: nn.Module) -> Optional[Pager]:

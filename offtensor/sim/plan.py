@@ -164,16 +164,10 @@ class _PlannedRouting:
         return counts.cumsum(0).tolist()
 
 
-@contextlib.contextmanager
 def _routing_from(routing: Optional[_PlannedRouting]):
     """While planning with measured routing, dispatch's routing of a meta grouped GEMM comes from
-    ``routing`` (``ops.planned_routing``)."""
-    if routing is None:
-        yield
-        return
-    with ops.planned_routing(routing.ends):
-        yield
-
+    ``routing`` (``ops.planned_routing``, entered by the caller's own frame)."""
+    return ops.planned_routing(routing.ends) if routing is not None else contextlib.nullcontext()
 
 
 # Every routed expert stack offloaded: the whole budget beyond the dense weights is expert cache.
