@@ -164,7 +164,8 @@ def test_a_file_rewritten_in_place_while_being_read_is_refused(tmp_path, device,
 
 def test_an_index_whose_weight_map_is_empty_is_a_checkpoint_error(tmp_path, device):
     # It raised a bare IndexError from the architecture check (files[0] of no files).
-    safetensors_torch.save_file({"a": torch.ones(64), "b": torch.ones(64)}, str(tmp_path / "model.safetensors"))
+    # (a shard it does not name: a model.safetensors beside the index would be loaded instead, as transformers does)
+    safetensors_torch.save_file({"a": torch.ones(64), "b": torch.ones(64)}, str(tmp_path / "shard.safetensors"))
     with open(tmp_path / "model.safetensors.index.json", "w") as f:
         json.dump({"metadata": {}, "weight_map": {}}, f)
     _refused(_meta(Pair), str(tmp_path), r"model\.safetensors\.index\.json.*names no shard", device)
