@@ -39,6 +39,20 @@ _MAX_HEADER_BYTES = 100_000_000
 MAX_CONFIG_BYTES = 100_000_000
 
 
+# A shape longer than this is shown as its first dimensions and its rank: a header may give a
+# tensor a 100,000-dimension shape, which printed whole made a 300 KB message.
+_SHAPE_SHOWN = 8
+
+
+def shape_text(shape) -> str:
+    """``shape`` as a message shows it: the tuple, or for a shape of more than a few dimensions its
+    first ones and its rank."""
+    shape = tuple(shape)
+    if len(shape) <= _SHAPE_SHOWN:
+        return str(shape)
+    return f"({', '.join(map(str, shape[:4]))}, ... {len(shape) - 4} more: rank {len(shape)})"
+
+
 class CheckpointError(ValueError):
     """A checkpoint file is unreadable, or does not fit the model; nothing was changed."""
 
@@ -292,7 +306,7 @@ def _header_entry(file, key: str, info, data_start: int, data_bytes: int) -> "Fi
     if end - begin != nbytes:
         raise CheckpointError(
             f"offtensor: {where} spans bytes [{begin}, {end}) = {end - begin} bytes of the data section, but its "
-            f"shape {tuple(shape)} in {dtype_name} needs {nbytes} bytes: the file is corrupt"
+            f"shape {shape_text(shape)} in {dtype_name} needs {nbytes} bytes: the file is corrupt"
         )
     if end > data_bytes:
         raise CheckpointError(
@@ -311,7 +325,7 @@ def _torch_shape(where: str, dtype_name: str, shape: list, numel: int) -> list:
         return shape
     if numel % per or not shape or shape[-1] % per:
         raise CheckpointError(
-            f"offtensor: {where} has shape {tuple(shape)} in {dtype_name}, {per} values per byte: "
+            f"offtensor: {where} has shape {shape_text(shape)} in {dtype_name}, {per} values per byte: "
             f"{'its values do not fill whole bytes' if numel % per else 'its last dimension is not a multiple of ' + str(per)}"
             f", which safetensors refuses: the file is corrupt")
     return shape[:-1] + [shape[-1] // per]

@@ -488,3 +488,18 @@ def test_a_shard_path_that_climbs_out_after_normalising_is_refused_naming_it(tmp
     _two_shards(tmp_path / "elsewhere")
     _index(root, dict.fromkeys(_entries(), name))
     _refused(root, rf"names the shard '{name}', which climbs out with '\.\.', outside the checkpoint directory", device)
+
+
+# ---------------------------------------------------------------------------- bounded messages
+
+
+@pytest.mark.parametrize("case", ["shape_the_model_lacks", "bytes_the_shape_lacks", "f4_odd_last_dim"])
+def test_a_shape_of_100000_dimensions_is_shown_by_its_rank_and_first_dimensions(tmp_path, device, case):
+    # The whole shape was printed: a 300 KB message of "1, 1, 1, ...".
+    rank = 100_000
+    scale = {"shape_the_model_lacks": {"dtype": "F32", "shape": [1] * rank, "data_offsets": [64, 68]},
+             "bytes_the_shape_lacks": {"dtype": "F32", "shape": [1] * (rank - 1) + [2], "data_offsets": [64, 68]},
+             "f4_odd_last_dim": {"dtype": "F4", "shape": [2] * (rank - 1) + [1], "data_offsets": [64, 68]}}[case]
+    path = _write(tmp_path / "m.safetensors", _entries(scale=scale))
+    message = _refused(path, rf"'scale' .* shape \([12], [12], [12], [12], \.\.\. 9999[67] more: rank {rank}\)", device)
+    assert f"rank {rank}" in message and len(message) < 1000, message[:2000]

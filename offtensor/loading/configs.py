@@ -14,7 +14,7 @@ import re
 import torch
 
 from ..model.groups import collect_groups
-from ..safetensors_files import MAX_CONFIG_BYTES, CheckpointError, physical_memory, read_small_file
+from ..safetensors_files import MAX_CONFIG_BYTES, CheckpointError, physical_memory, read_small_file, shape_text
 from .names import match, pieces_by_name
 from .ties import decide as decide_ties
 
@@ -178,7 +178,7 @@ def shape_problems(model, pieces: dict, config, root: str) -> list:
         named = [f"{n} = {v}" for n, v in fields if v in dims and v > 1]
         if named:
             problems.append(f"{path!r} gives {', '.join(named[:3])}, which makes {name!r} {tuple(t.shape)} "
-                            f"({t.numel() * t.element_size()} bytes); the checkpoint stores {stored}")
+                            f"({t.numel() * t.element_size()} bytes); the checkpoint stores {shape_text(stored)}")
     return problems
 
 

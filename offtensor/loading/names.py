@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..safetensors_files import MAX_CONFIG_BYTES, FileTensor, open_unchanged, read_exactly, read_small_file
+from ..safetensors_files import (MAX_CONFIG_BYTES, FileTensor, open_unchanged, read_exactly, read_small_file,
+                                 shape_text)
 
 # Equal-values checks read both tensors this many bytes at a time (each).
 COMPARE_BYTES = 16 << 20
@@ -188,7 +189,7 @@ def _check_pieces(name, t: torch.Tensor, pieces, convert_dtypes: bool) -> list:
     if len(pieces) == 1 and pieces[0].index is None:
         s = pieces[0].source
         if s.shape != tuple(t.shape):
-            problems.append(f"{name}: {pieces[0].describe()} has shape {s.shape} ({s.nbytes} bytes), the model "
+            problems.append(f"{name}: {pieces[0].describe()} has shape {shape_text(s.shape)} ({s.nbytes} bytes), the model "
                             f"expects {tuple(t.shape)} ({model_bytes} bytes)")
         return problems
     # Stacked from per-expert tensors: every (expert, part) once, parts laid end to end along dim.
@@ -217,8 +218,9 @@ def _check_pieces(name, t: torch.Tensor, pieces, convert_dtypes: bool) -> list:
         expected = slice_shape if dim is None else (
             slice_shape[:dim] + ("n" if width is None else width,) + slice_shape[dim + 1:])
         if len(shapes) != 1 or shape != expected:
-            return [f"{name}: expert tensors such as {got[0][0].describe()} have shapes {sorted(shapes)[:3]}, "
-                    f"the model's {tuple(t.shape)} ({model_bytes} bytes) needs {expected}"]
+            return [f"{name}: expert tensors such as {got[0][0].describe()} have shapes "
+                    f"[{', '.join(shape_text(s) for s in sorted(shapes)[:3])}], the model's {tuple(t.shape)} ({model_bytes} bytes) "
+                    f"needs {shape_text(expected)}"]
         offset += width or 0
     dim = pieces[0].dim
     if dim is not None and offset != slice_shape[dim]:
