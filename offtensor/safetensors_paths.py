@@ -16,7 +16,7 @@ from .safetensors_files import (LOOKAHEAD_FILE, CheckpointError, headers, parse_
 _MAX_INDEX_BYTES = 100_000_000
 
 
-def _read_index(path) -> dict:
+def read_index(path) -> dict:
     """The ``weight_map`` of a safetensors index: tensor name -> shard file name, both strings."""
     raw = read_small_file(path, "safetensors index", _MAX_INDEX_BYTES, "an index")
     index = parse_json(raw, path, "index")
@@ -151,7 +151,7 @@ def shard_files(path, allow_outside_paths: bool = False) -> list:
 def _index_shards(path: str, allow_outside_paths: bool) -> list:
     """The shard files the index ``path`` names, each once: names that reach one file (``a``,
     ``./a``, a symlink to it) are one shard, read once."""
-    weight_map = _read_index(path)
+    weight_map = read_index(path)
     if not weight_map:  # no file to read, and nothing to say what the checkpoint is
         raise CheckpointError(f"offtensor: index {path!r} names no shard (its weight_map is empty): the index "
                               f"is corrupt or was written before its shards")
@@ -171,6 +171,18 @@ def _index_shards(path: str, allow_outside_paths: bool) -> list:
             f"e.g. {lost[:4]}. Download the missing shards or point at a complete checkpoint."
         )
     return files
+
+
+def index_claims(path, keys) -> list:
+    """(key, shard name) for each of ``keys`` that the index behind ``path`` (``index_of``) lists:
+    where the index puts tensors that the shards' headers, which are what is read, do not hold.
+    Empty where there is no index or it cannot be read (this only adds to another error)."""
+    try:
+        index = index_of(path)
+        weight_map = read_index(index) if index is not None else {}
+    except (OSError, ValueError):  # CheckpointError is a ValueError
+        return []
+    return [(key, weight_map[key]) for key in keys if key in weight_map]
 
 
 def checkpoint_tensors(path, allow_outside_paths: bool = False):

@@ -380,6 +380,31 @@ def test_a_well_formed_index_loads(tmp_path, device):
     _loads(tmp_path, device)
 
 
+def test_a_tensor_the_index_puts_in_another_shard_loads_from_the_shard_that_holds_it(tmp_path, device):
+    # The shards' headers are what is read, as transformers reads them (it loads every key of every
+    # shard the index names): an index that misplaces a tensor loses nothing and loads no wrong bytes.
+    weight_map = _two_shards(tmp_path)
+    weight_map["embed.weight"], weight_map["scale"] = "b.safetensors", "a.safetensors"
+    _index(tmp_path, weight_map)
+    _loads(tmp_path, device)
+
+
+def test_a_tensor_a_shard_holds_that_its_index_does_not_list_is_loaded(tmp_path, device):
+    weight_map = _two_shards(tmp_path)
+    del weight_map["head.weight"]
+    _index(tmp_path, weight_map)
+    _loads(tmp_path, device)
+
+
+def test_a_weight_the_index_puts_in_a_shard_that_lacks_it_is_named_with_the_index_and_the_shard(tmp_path, device):
+    # "the files lack 1 weights" said nothing of the index that promised it.
+    weight_map = _two_shards(tmp_path)
+    weight_map["scale"] = "a.safetensors"  # b, which holds it, is not named: no shard read holds it
+    _index(tmp_path, weight_map)
+    _refused(tmp_path, r"lack 1 weights .*scale.*; the index puts 'scale' in 'a\.safetensors', but no shard's "
+                       r"header holds it", device)
+
+
 @pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink_file", "symlink_dir"])
 def test_index_paths_stay_inside_the_checkpoint_directory_unless_allowed(tmp_path, device, kind):
     root, outside = tmp_path / "ckpt", tmp_path / "elsewhere"
