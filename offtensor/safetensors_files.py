@@ -1,5 +1,5 @@
-"""Safetensors files, read and checked before anything is loaded: which files a path names (a
-file, a directory of shards, an index kept inside its directory), and each file's header.
+"""Safetensors files, read and checked before anything is loaded: each file's header, and its
+tensors read whole. (Which files a checkpoint path names is ``safetensors_paths``'.)
 
 Every file header is parsed here (8-byte little-endian length + JSON) and checked against the file
 size as safetensors checks it (UTF-8 JSON with no key twice, known dtypes, shapes and offsets, the
@@ -35,10 +35,22 @@ _DTYPES = {name: dtype for name, dtype in {
 _PACKED = {"F4": 2}  # values per byte of the dtypes whose header shape counts sub-byte values
 # safetensors refuses headers above 100 MB; a larger length field means a corrupt file.
 _MAX_HEADER_BYTES = 100_000_000
-# An index is a small JSON file (one line per tensor); a larger one is not an index.
-_MAX_INDEX_BYTES = 100_000_000
 # A transformers config.json is as small: a larger one is not a config (configs.py, names.py).
 MAX_CONFIG_BYTES = 100_000_000
+
+
+# A shape longer than this is shown as its first dimensions and its rank: a header may give a
+# tensor a 100,000-dimension shape, which printed whole made a 300 KB message.
+_SHAPE_SHOWN = 8
+
+
+def shape_text(shape) -> str:
+    """``shape`` as a message shows it: the tuple, or for a shape of more than a few dimensions its
+    first ones and its rank."""
+    shape = tuple(shape)
+    if len(shape) <= _SHAPE_SHOWN:
+        return str(shape)
+    return f"({', '.join(map(str, shape[:4]))}, ... {len(shape) - 4} more: rank {len(shape)})"
 
 
 class CheckpointError(ValueError):
@@ -141,7 +153,7 @@ def _no_constant(name):
     raise ValueError(f"{name} is not JSON")
 
 
-def _parse_json(raw: bytes, file, what: str):
+def parse_json(raw: bytes, file, what: str):
     """The JSON value in ``raw``, parsed as safetensors parses headers: UTF-8 only (``json.loads`` of
     bytes would also take UTF-16 and UTF-32), no key twice in an object, no NaN or Infinity, no
     unpaired surrogate escape. Every failure is a CheckpointError naming ``file``."""
@@ -186,115 +198,6 @@ def read_small_file(path, what: str, limit: int, is_not: str, kind: str = "") ->
         return read_exactly(fd, 0, size)
     finally:
         os.close(fd)
-
-
-def _read_index(path) -> dict:
-    """The ``weight_map`` of a safetensors index: tensor name -> shard file name, both strings."""
-    raw = read_small_file(path, "safetensors index", _MAX_INDEX_BYTES, "an index")
-    index = _parse_json(raw, path, "index")
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict):
-        got = f"is a JSON {type(index).__name__}" if not isinstance(index, dict) else (
-            "has no weight_map" if "weight_map" not in index
-            else f"has a weight_map that is a JSON {type(weight_map).__name__}")
-        raise CheckpointError(f"offtensor: {path!r} is not a safetensors index: an index is a JSON object whose "
-                              f"weight_map maps tensor names to shard files, this one {got}")
-    bad = [(k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v]
-    if bad:
-        raise CheckpointError(f"offtensor: index {path!r} maps {len(bad)} tensors to something other than a shard file "
-                              f"name, e.g. {bad[0][0]!r} -> {bad[0][1]!r}: the index is corrupt")
-    return weight_map
-
-
-def _inside(path: str, root: str) -> bool:
-    return os.path.commonpath([path, root]) == root
-
-
-def _shard_path(root: str, name: str, index, allow_outside_paths: bool) -> str:
-    """The shard an index names, kept inside the index's directory unless ``allow_outside_paths``:
-    no absolute path, no ``..``, and no symlink that resolves outside it, except the
-    huggingface_hub cache layout, where ``snapshots/<rev>/<file>`` links to ``../../blobs/<hash>``."""
-    if "\x00" in name:
-        raise CheckpointError(f"offtensor: index {index!r} names a shard {name!r} with a NUL byte: the index is corrupt")
-    if allow_outside_paths:
-        return os.path.join(root, name)
-    escape = None
-    if os.path.isabs(name):
-        escape = "is an absolute path"
-    elif ".." in name.replace(os.sep, "/").split("/"):
-        escape = "climbs out with '..'"
-    path = os.path.join(root, name)
-    if escape is None:
-        real_root = os.path.realpath(root or ".")
-        real = os.path.realpath(path)
-        allowed = [real_root]
-        parent = os.path.dirname(os.path.abspath(root or "."))
-        if os.path.basename(parent) == "snapshots":  # huggingface_hub: <repo>/snapshots/<rev> -> <repo>/blobs
-            allowed.append(os.path.realpath(os.path.join(parent, os.pardir, "blobs")))
-        if not any(_inside(real, a) for a in allowed):
-            escape = f"resolves through a symlink to {real!r}"
-    if escape is not None:
-        raise CheckpointError(
-            f"offtensor: index {index!r} names the shard {name!r}, which {escape}, outside the checkpoint directory "
-            f"{root or '.'!r}; pass allow_outside_paths=True to load shards from elsewhere if you trust this index"
-        )
-    return path
-
-
-def stat_or_none(path, what: str):
-    """``os.stat(path)``, or None where nothing is there. Where that cannot be told (a directory on
-    the way that this user may not search, a symlink loop), a CheckpointError naming the path and
-    the reason: ``os.path.exists`` says False there, and "does not exist" sent users looking for a
-    file that is there."""
-    try:
-        return os.stat(path)
-    except (FileNotFoundError, NotADirectoryError, ValueError):  # ValueError: a NUL byte in the path
-        return None
-    except OSError as e:
-        raise CheckpointError(f"offtensor: cannot reach {what} {os.fspath(path)!r}: {e.strerror or e}") from None
-
-
-def list_directory(path, what: str = "checkpoint directory") -> list:
-    """The names in the directory ``path``; one this user may not list is a CheckpointError naming it."""
-    try:
-        return os.listdir(path)
-    except OSError as e:
-        raise CheckpointError(f"offtensor: cannot list the {what} {os.fspath(path)!r}: {e.strerror or e}") from None
-
-
-def shard_files(path, allow_outside_paths: bool = False) -> list:
-    """The safetensors files behind ``path``: a file, a directory, or an ``*.index.json``."""
-    path = os.fspath(path)
-    found = stat_or_none(path, "the checkpoint")
-    if found is None:
-        raise FileNotFoundError(f"offtensor: no safetensors checkpoint at {path!r}: the path does not exist")
-    if stat.S_ISDIR(found.st_mode):
-        names = list_directory(path)
-        indexes = sorted(f for f in names if f.endswith(".safetensors.index.json"))
-        if indexes:
-            return shard_files(os.path.join(path, indexes[0]), allow_outside_paths)
-        # (not the learned look-ahead that offtensor keeps beside a checkpoint: moe.predictor)
-        files = sorted(os.path.join(path, f) for f in names if f.endswith(".safetensors") and f != LOOKAHEAD_FILE)
-        if not files:
-            raise FileNotFoundError(f"offtensor: directory {path!r} holds no *.safetensors file and no index")
-        return files
-    if path.endswith(".json"):
-        weight_map = _read_index(path)
-        if not weight_map:  # no file to read, and nothing to say what the checkpoint is
-            raise CheckpointError(f"offtensor: index {path!r} names no shard (its weight_map is empty): the index "
-                                  f"is corrupt or was written before its shards")
-        root = os.path.dirname(path)
-        by_name = {name: _shard_path(root, name, path, allow_outside_paths) for name in dict.fromkeys(weight_map.values())}
-        files = list(by_name.values())
-        missing = [f for f in files if stat_or_none(f, f"the shard index {path!r} names") is None]
-        if missing:
-            lost = [name for name, file in weight_map.items() if by_name[file] in missing]
-            raise FileNotFoundError(
-                f"offtensor: index {path!r} names shards that do not exist: {missing}; they hold {len(lost)} tensors, "
-                f"e.g. {lost[:4]}. Download the missing shards or point at a complete checkpoint."
-            )
-        return files
-    return [path]
 
 
 _COUNT_LIMIT = 1 << 63  # torch sizes are int64
@@ -359,7 +262,7 @@ def _read_header_json(file):
     if len(raw) < header_bytes:
         raise CheckpointError(f"offtensor: {file!r} ended after {len(raw)} of its {header_bytes} header bytes: "
                               f"the file was truncated while being read")
-    header = _parse_json(raw, file, "header")
+    header = parse_json(raw, file, "header")
     if not isinstance(header, dict):
         raise CheckpointError(f"offtensor: the {header_bytes}-byte header of {file!r} is not a safetensors JSON "
                               f"header (the header is a JSON {type(header).__name__}, not an object): the file is corrupt")
@@ -403,7 +306,7 @@ def _header_entry(file, key: str, info, data_start: int, data_bytes: int) -> "Fi
     if end - begin != nbytes:
         raise CheckpointError(
             f"offtensor: {where} spans bytes [{begin}, {end}) = {end - begin} bytes of the data section, but its "
-            f"shape {tuple(shape)} in {dtype_name} needs {nbytes} bytes: the file is corrupt"
+            f"shape {shape_text(shape)} in {dtype_name} needs {nbytes} bytes: the file is corrupt"
         )
     if end > data_bytes:
         raise CheckpointError(
@@ -422,7 +325,7 @@ def _torch_shape(where: str, dtype_name: str, shape: list, numel: int) -> list:
         return shape
     if numel % per or not shape or shape[-1] % per:
         raise CheckpointError(
-            f"offtensor: {where} has shape {tuple(shape)} in {dtype_name}, {per} values per byte: "
+            f"offtensor: {where} has shape {shape_text(shape)} in {dtype_name}, {per} values per byte: "
             f"{'its values do not fill whole bytes' if numel % per else 'its last dimension is not a multiple of ' + str(per)}"
             f", which safetensors refuses: the file is corrupt")
     return shape[:-1] + [shape[-1] // per]
@@ -466,18 +369,6 @@ def headers(files) -> dict:
 
 
 # ---------------------------------------------------------------------------- whole tensors
-
-
-def checkpoint_tensors(path, allow_outside_paths: bool = False):
-    """(name, CPU tensor) for every tensor of the checkpoint at ``path`` (as ``shard_files`` finds
-    its files), shard after shard, one tensor in memory at a time. Every shard's header is checked
-    first (and no name in two shards), so a damaged shard is refused before any tensor is given."""
-    files = shard_files(path, allow_outside_paths)
-    by_file: dict = {}
-    for entry in headers(files).values():
-        by_file.setdefault(entry.file, {})[entry.key] = entry
-    for file in files:
-        yield from tensors(by_file.get(file, {}))
 
 
 def tensors(entries: dict):

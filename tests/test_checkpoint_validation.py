@@ -380,6 +380,31 @@ def test_a_well_formed_index_loads(tmp_path, device):
     _loads(tmp_path, device)
 
 
+def test_a_tensor_the_index_puts_in_another_shard_loads_from_the_shard_that_holds_it(tmp_path, device):
+    # The shards' headers are what is read, as transformers reads them (it loads every key of every
+    # shard the index names): an index that misplaces a tensor loses nothing and loads no wrong bytes.
+    weight_map = _two_shards(tmp_path)
+    weight_map["embed.weight"], weight_map["scale"] = "b.safetensors", "a.safetensors"
+    _index(tmp_path, weight_map)
+    _loads(tmp_path, device)
+
+
+def test_a_tensor_a_shard_holds_that_its_index_does_not_list_is_loaded(tmp_path, device):
+    weight_map = _two_shards(tmp_path)
+    del weight_map["head.weight"]
+    _index(tmp_path, weight_map)
+    _loads(tmp_path, device)
+
+
+def test_a_weight_the_index_puts_in_a_shard_that_lacks_it_is_named_with_the_index_and_the_shard(tmp_path, device):
+    # "the files lack 1 weights" said nothing of the index that promised it.
+    weight_map = _two_shards(tmp_path)
+    weight_map["scale"] = "a.safetensors"  # b, which holds it, is not named: no shard read holds it
+    _index(tmp_path, weight_map)
+    _refused(tmp_path, r"lack 1 weights .*scale.*; the index puts 'scale' in 'a\.safetensors', but no shard's "
+                       r"header holds it", device)
+
+
 @pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink_file", "symlink_dir"])
 def test_index_paths_stay_inside_the_checkpoint_directory_unless_allowed(tmp_path, device, kind):
     root, outside = tmp_path / "ckpt", tmp_path / "elsewhere"
@@ -427,3 +452,79 @@ def test_the_huggingface_hub_cache_layout_loads(tmp_path, device):
         os.symlink(f"../../blobs/{name}", snapshot / name)
     assert os.path.exists(index)
     _loads(snapshot, device)
+
+
+def _other_values(root, name):
+    """A shard named ``name`` holding the three tensors with other values than VALUES."""
+    return _write(os.path.join(root, name), _entries(), (VALUES + 100).numpy().tobytes())
+
+
+def test_of_several_indexes_the_one_transformers_reads_is_loaded(tmp_path, device):
+    # The first index in alphabetical order was read: here another checkpoint's, whose values
+    # loaded without a word. transformers reads model.safetensors.index.json.
+    _index(tmp_path, _two_shards(tmp_path))
+    _other_values(tmp_path, "other.safetensors")
+    _index(tmp_path, dict.fromkeys(_entries(), "other.safetensors"), name="a-draft.safetensors.index.json")
+    _loads(tmp_path, device)
+
+
+def test_several_indexes_none_of_them_transformers_is_refused_naming_them(tmp_path, device):
+    weight_map = _two_shards(tmp_path)
+    _index(tmp_path, weight_map, name="b.safetensors.index.json")
+    _other_values(tmp_path, "other.safetensors")
+    _index(tmp_path, dict.fromkeys(_entries(), "other.safetensors"), name="a.safetensors.index.json")
+    _refused(tmp_path, r"holds 2 safetensors indexes, none of them 'model\.safetensors\.index\.json': "
+                       r"\['a\.safetensors\.index\.json', 'b\.safetensors\.index\.json'\].*ambiguous", device)
+    _loads(os.path.join(tmp_path, "b.safetensors.index.json"), device)  # named, it is not ambiguous
+
+
+def test_a_model_safetensors_beside_an_index_is_loaded_as_transformers_loads_it(tmp_path, device):
+    # transformers looks for model.safetensors first and never reads the index beside it; the
+    # index's shards (other values here) were loaded instead.
+    _write(os.path.join(tmp_path, "model.safetensors"), _entries())
+    _other_values(tmp_path, "other.safetensors")
+    _index(tmp_path, dict.fromkeys(_entries(), "other.safetensors"))
+    _loads(tmp_path, device)
+
+
+@pytest.mark.parametrize("spelling", ["./a.safetensors", ".//a.safetensors", "./././a.safetensors"])
+def test_one_shard_spelled_two_ways_in_an_index_is_read_once(tmp_path, device, spelling):
+    # './a.safetensors' and 'a.safetensors' were two shards, and every tensor of a was refused as
+    # "in both" of them.
+    weight_map = _two_shards(tmp_path)
+    weight_map["head.weight"] = spelling
+    _index(tmp_path, weight_map)
+    _loads(tmp_path, device)
+
+
+def test_a_shard_and_a_symlink_to_it_in_one_index_are_one_shard(tmp_path, device):
+    weight_map = _two_shards(tmp_path)
+    os.symlink("a.safetensors", tmp_path / "alias.safetensors")
+    weight_map["head.weight"] = "alias.safetensors"
+    _index(tmp_path, weight_map)
+    _loads(tmp_path, device)
+
+
+@pytest.mark.parametrize("name", ["./../elsewhere/a.safetensors", "sub/../../elsewhere/a.safetensors"])
+def test_a_shard_path_that_climbs_out_after_normalising_is_refused_naming_it(tmp_path, device, name):
+    root = tmp_path / "ckpt"
+    (root / "sub").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    _two_shards(tmp_path / "elsewhere")
+    _index(root, dict.fromkeys(_entries(), name))
+    _refused(root, rf"names the shard '{name}', which climbs out with '\.\.', outside the checkpoint directory", device)
+
+
+# ---------------------------------------------------------------------------- bounded messages
+
+
+@pytest.mark.parametrize("case", ["shape_the_model_lacks", "bytes_the_shape_lacks", "f4_odd_last_dim"])
+def test_a_shape_of_100000_dimensions_is_shown_by_its_rank_and_first_dimensions(tmp_path, device, case):
+    # The whole shape was printed: a 300 KB message of "1, 1, 1, ...".
+    rank = 100_000
+    scale = {"shape_the_model_lacks": {"dtype": "F32", "shape": [1] * rank, "data_offsets": [64, 68]},
+             "bytes_the_shape_lacks": {"dtype": "F32", "shape": [1] * (rank - 1) + [2], "data_offsets": [64, 68]},
+             "f4_odd_last_dim": {"dtype": "F4", "shape": [2] * (rank - 1) + [1], "data_offsets": [64, 68]}}[case]
+    path = _write(tmp_path / "m.safetensors", _entries(scale=scale))
+    message = _refused(path, rf"'scale' .* shape \([12], [12], [12], [12], \.\.\. 9999[67] more: rank {rank}\)", device)
+    assert f"rank {rank}" in message and len(message) < 1000, message[:2000]

@@ -164,7 +164,8 @@ def test_a_file_rewritten_in_place_while_being_read_is_refused(tmp_path, device,
 
 def test_an_index_whose_weight_map_is_empty_is_a_checkpoint_error(tmp_path, device):
     # It raised a bare IndexError from the architecture check (files[0] of no files).
-    safetensors_torch.save_file({"a": torch.ones(64), "b": torch.ones(64)}, str(tmp_path / "model.safetensors"))
+    # (a shard it does not name: a model.safetensors beside the index would be loaded instead, as transformers does)
+    safetensors_torch.save_file({"a": torch.ones(64), "b": torch.ones(64)}, str(tmp_path / "shard.safetensors"))
     with open(tmp_path / "model.safetensors.index.json", "w") as f:
         json.dump({"metadata": {}, "weight_map": {}}, f)
     _refused(_meta(Pair), str(tmp_path), r"model\.safetensors\.index\.json.*names no shard", device)
@@ -352,6 +353,37 @@ def test_empty_tensors_do_not_vouch_for_layers_of_a_config(tmp_path, device):
     with _within(20, "from_pretrained was still building layers"):
         with pytest.raises(ot.CheckpointError, match=r"num_hidden_layers = 50000, but the checkpoint holds \d+ tensors "
                                                      r"in all that are not empty \(and 50000 empty ones\)"):
+            ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)
+
+
+def _one_byte_tensors(path, count: int) -> None:
+    """A safetensors file of ``count`` one-byte tensors, its header written directly (fast)."""
+    import struct
+
+    header = json.dumps({f"t{i}": {"dtype": "U8", "shape": [1], "data_offsets": [i, i + 1]} for i in range(count)},
+                        separators=(",", ":")).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header + bytes(count))
+
+
+@pytest.mark.parametrize("width", ["the_checkpoints", "one"])
+def test_a_header_of_tiny_tensors_does_not_vouch_for_as_many_layers(tmp_path, device, width):
+    # Every tensor holding a byte vouched for a layer: a shard of 300,000 one-byte tensors (a
+    # million fit in a header) let num_hidden_layers = 300,000 through to a meta build of about
+    # 15 minutes and 15 GB. With the config's width, the files' bytes cannot give each layer one
+    # row; a config shrunk to width 1 still may not ask for more than MAX_LAYERS.
+    count = 300_000
+    _llama_with_layers(tmp_path, count)
+    _one_byte_tensors(tmp_path / "tiny.safetensors", count)
+    expected = rf"num_hidden_layers = {count} layers of width 64, at least {count * 64} values.*2 file\(s\)"
+    if width == "one":
+        config = json.loads((tmp_path / "config.json").read_text())
+        config.update(hidden_size=1, num_attention_heads=1, num_key_value_heads=1, head_dim=1, intermediate_size=1)
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        expected = rf"num_hidden_layers = {count}, more layers than offtensor builds in one stack \(at most 4096; " \
+                   rf"the 2 file\(s\) of .* list \d+ tensors\)"
+    with _within(30, "from_pretrained was still building layers"):
+        with pytest.raises(ot.CheckpointError, match=r"config\.json.*" + expected):
             ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)
 
 

@@ -13,6 +13,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "offtensor")
 # docs/design.md's layers, bottom first: a module may import its own unit and lower layers only.
 LAYERS = [
     {"forking", "safetensors_files"},
+    {"safetensors_paths"},
     {"_ext", "_optional", "config", "leaves", "prefetch", "models"},
     {"pager"},
     {"tensor", "moe"},

@@ -5,9 +5,9 @@ into its destination in one pass: an offloaded one into its exact-size host mast
 to the device through reused staging buffers. Every header is checked against the file and the
 model first, so a bad checkpoint is refused before the model changes; a read that fails later also
 leaves it unchanged, because tensors are swapped into the model only after every byte has arrived.
-Which files a path names, and each file's header, parsed and checked (and ``CheckpointError``), are
-``offtensor/safetensors_files.py``'s, at the bottom of the package, where readers of safetensors
-files below the loader can use them too.
+Each file's header, parsed and checked (and ``CheckpointError``), is ``offtensor/safetensors_files.py``'s,
+and which files a path names ``offtensor/safetensors_paths.py``'s, at the bottom of the package,
+where readers of safetensors files below the loader can use them too.
 
     names.py       how the files' names and dtypes map onto the model's tensors, and every mismatch
     ties.py        a transformers checkpoint's tied weights, decided from the files as transformers does

@@ -14,7 +14,7 @@ import re
 import torch
 
 from ..model.groups import collect_groups
-from ..safetensors_files import MAX_CONFIG_BYTES, CheckpointError, physical_memory, read_small_file
+from ..safetensors_files import MAX_CONFIG_BYTES, CheckpointError, physical_memory, read_small_file, shape_text
 from .names import match, pieces_by_name
 from .ties import decide as decide_ties
 
@@ -127,18 +127,46 @@ def check_on_meta(build, config, entries: dict, root: str, strict: bool):
 _LAYER_COUNT = re.compile(r"(^|\.)(n_layers?|([a-z_]*_)?num_[a-z_]*layers|([a-z_]*_)?(encoder|decoder)_layers)$")
 
 
+# Above this many layers in one count, the meta build alone (milliseconds and tens of KB a layer)
+# takes minutes and gigabytes, whatever the files hold: no transformers model comes near it (the
+# deepest published ones have a few hundred), and a header can list a million tiny tensors.
+MAX_LAYERS = 4096
+# The width every layer of a model spans (a norm's weight, a projection's rows): each layer holds
+# at least this many values, and a stored value takes at least one bit.
+_WIDTH = ("hidden_size", "d_model", "n_embd", "n_embed", "embed_dim")
+
+
 def _layers_beyond_files(config, entries: dict, root: str) -> list:
-    """Layer counts larger than the number of tensors in the files. Sizes cost the meta build only
-    arithmetic, but each layer is built, modules and all (milliseconds and tens of KB each): a
-    config.json giving a million layers would run for an hour, out of memory, before its weights
-    were matched against the files. Every layer has weights of its own, so such a count cannot be
-    this checkpoint's. Only tensors with bytes count: a header listing a million empty tensors
-    (one zero-byte entry each, no data) would otherwise vouch for a million layers."""
+    """Layer counts the files cannot hold. Sizes cost the meta build only arithmetic, but each layer
+    is built, modules and all (milliseconds and tens of KB each): a config.json giving a million
+    layers would run for an hour, out of memory, before its weights were matched against the files.
+    So a count is refused where it is more than the tensors in the files that hold bytes (every
+    layer has weights of its own; a million empty entries vouch for nothing), more than the files'
+    bits can give each layer the config's width in, or more than ``MAX_LAYERS``."""
     stored = sum(1 for e in entries.values() if e.nbytes)
+    bits = 8 * sum(e.nbytes for e in entries.values())
     empty = f" that are not empty (and {len(entries) - stored} empty ones)" if stored < len(entries) else ""
-    return [f"{os.path.join(root, 'config.json')!r} gives {name} = {value}, but the checkpoint holds {stored} "
-            f"tensors in all{empty}, fewer than one a layer: the config is not this checkpoint's"
-            for name, value in _int_fields(config) if _LAYER_COUNT.search(name) and value > stored]
+    config_file = repr(os.path.join(root, "config.json"))
+    files = f"{len({e.file for e in entries.values()})} file(s) of {root!r}"
+    fields = dict(_int_fields(config))
+    problems = []
+    for name, value in fields.items():
+        if not _LAYER_COUNT.search(name) or value <= 0:
+            continue
+        prefix = name.rpartition(".")[0] + "." if "." in name else ""
+        width = next((fields[prefix + w] for w in _WIDTH if fields.get(prefix + w, 0) > 0), 1)
+        if value > stored:
+            problems.append(f"{config_file} gives {name} = {value}, but the checkpoint holds {stored} tensors in all"
+                            f"{empty}, fewer than one a layer: the config is not this checkpoint's")
+        elif value * width > bits:
+            problems.append(f"{config_file} gives {name} = {value} layers of width {width}, at least {value * width} "
+                            f"values at one bit or more each, but the {files} hold {bits // 8} bytes of tensors in "
+                            f"all: the config is not this checkpoint's")
+        elif value > MAX_LAYERS:
+            problems.append(f"{config_file} gives {name} = {value}, more layers than offtensor builds in one stack "
+                            f"(at most {MAX_LAYERS}; the {files} list {stored} tensors): building each layer's "
+                            f"modules would take minutes and gigabytes before a weight is matched")
+    return problems
 
 
 def _computed_buffers(skeleton, pieces: dict, config, root: str) -> list:
@@ -178,7 +206,7 @@ def shape_problems(model, pieces: dict, config, root: str) -> list:
         named = [f"{n} = {v}" for n, v in fields if v in dims and v > 1]
         if named:
             problems.append(f"{path!r} gives {', '.join(named[:3])}, which makes {name!r} {tuple(t.shape)} "
-                            f"({t.numel() * t.element_size()} bytes); the checkpoint stores {stored}")
+                            f"({t.numel() * t.element_size()} bytes); the checkpoint stores {shape_text(stored)}")
     return problems
 
 

@@ -14,7 +14,8 @@ from ..sim.expert_choice import choose_expert_placement
 from ..model.prepare import check_wrappable, prepare
 from ..pager import format_bytes, resolve_device
 from .configs import physical_memory
-from ..safetensors_files import CheckpointError, headers, shard_files
+from ..safetensors_files import CheckpointError, headers
+from ..safetensors_paths import shard_files
 from .names import architecture_problem, match
 from .read import Progress, Reader, read
 

@@ -14,7 +14,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..safetensors_files import MAX_CONFIG_BYTES, FileTensor, open_unchanged, read_exactly, read_small_file
+from ..safetensors_files import (MAX_CONFIG_BYTES, FileTensor, open_unchanged, read_exactly, read_small_file,
+                                 shape_text)
+from ..safetensors_paths import index_claims
 
 # Equal-values checks read both tensors this many bytes at a time (each).
 COMPARE_BYTES = 16 << 20
@@ -116,7 +118,7 @@ def match(entries: dict, model: nn.Module, groups, convert_dtypes: bool, path, s
     # transformers models name checkpoint tensors they deliberately skip (DeepSeek-V3's MTP layer 61).
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
     unmatched = [k for k in unmatched if not any(p.search(k) for p in ignored)]
-    problems, missing = [], []
+    problems, missing, missing_names = [], [], []
     chosen = {}  # id(member) -> (member, [pieces])
     for group in groups:
         for member in group:
@@ -125,6 +127,7 @@ def match(entries: dict, model: nn.Module, groups, convert_dtypes: bool, path, s
                 if member.tensor.is_meta:
                     t = member.tensor
                     missing.append(f"{member.names[0]} ({tuple(t.shape)}, {t.dtype}, {t.numel() * t.element_size()} bytes)")
+                    missing_names += member.names
                 continue
             # Tied names stored more than once: one is read (a tie's source, as transformers ties its
             # target to the source's values), the others are checked against it.
@@ -138,7 +141,7 @@ def match(entries: dict, model: nn.Module, groups, convert_dtypes: bool, path, s
                         f"{' ...' if len(unmatched) > 8 else ''} (pass strict=False to ignore them)")
     if missing:
         problems.append(f"the files lack {len(missing)} weights the model has no values for: {missing[:8]}"
-                        f"{' ...' if len(missing) > 8 else ''}")
+                        f"{' ...' if len(missing) > 8 else ''}{_index_says(path, missing_names)}")
     if conversions is not None and conversions.unsupported and (unmatched or missing):
         problems.append(f"transformers converts this checkpoint with steps offtensor does not do: "
                         f"{conversions.unsupported[:4]}")
@@ -148,6 +151,18 @@ def match(entries: dict, model: nn.Module, groups, convert_dtypes: bool, path, s
         problems.append(f"only {found} of the model's {len(named)} weights are in {os.fspath(path)!r}: it looks like "
                         f"a checkpoint of another architecture (file: {sorted(entries)[:3]}, model: {named[:3]})")
     return chosen, problems
+
+
+def _index_says(path, names) -> str:
+    """What the index says of missing weights it lists: the shard it puts each in, whose header
+    (what is read, as transformers reads it) does not hold it."""
+    claims = index_claims(path, names)
+    if not claims:
+        return ""
+    said = ", ".join(f"{key!r} in {shard!r}" for key, shard in claims[:4])
+    return (f"; the index puts {said}{' ...' if len(claims) > 4 else ''}, but no shard's header holds "
+            f"{'it' if len(claims) == 1 else 'them'}: the index and its shards disagree (a shard replaced by "
+            f"another checkpoint's?)")
 
 
 def pieces_by_name(entries: dict, model: nn.Module, names):
@@ -188,7 +203,7 @@ def _check_pieces(name, t: torch.Tensor, pieces, convert_dtypes: bool) -> list:
     if len(pieces) == 1 and pieces[0].index is None:
         s = pieces[0].source
         if s.shape != tuple(t.shape):
-            problems.append(f"{name}: {pieces[0].describe()} has shape {s.shape} ({s.nbytes} bytes), the model "
+            problems.append(f"{name}: {pieces[0].describe()} has shape {shape_text(s.shape)} ({s.nbytes} bytes), the model "
                             f"expects {tuple(t.shape)} ({model_bytes} bytes)")
         return problems
     # Stacked from per-expert tensors: every (expert, part) once, parts laid end to end along dim.
@@ -217,8 +232,9 @@ def _check_pieces(name, t: torch.Tensor, pieces, convert_dtypes: bool) -> list:
         expected = slice_shape if dim is None else (
             slice_shape[:dim] + ("n" if width is None else width,) + slice_shape[dim + 1:])
         if len(shapes) != 1 or shape != expected:
-            return [f"{name}: expert tensors such as {got[0][0].describe()} have shapes {sorted(shapes)[:3]}, "
-                    f"the model's {tuple(t.shape)} ({model_bytes} bytes) needs {expected}"]
+            return [f"{name}: expert tensors such as {got[0][0].describe()} have shapes "
+                    f"[{', '.join(shape_text(s) for s in sorted(shapes)[:3])}], the model's {tuple(t.shape)} ({model_bytes} bytes) "
+                    f"needs {shape_text(expected)}"]
         offset += width or 0
     dim = pieces[0].dim
     if dim is not None and offset != slice_shape[dim]:

@@ -17,7 +17,8 @@ from torch import nn
 
 from ..config import OffloadConfig
 from .configs import building, check_on_meta, read_config
-from ..safetensors_files import CheckpointError, headers, list_directory, shard_files, stat_or_none
+from ..safetensors_files import CheckpointError, headers
+from ..safetensors_paths import directory_checkpoint, shard_files, stat_or_none
 from .load import load
 from .ties import apply as apply_ties
 from .ties import decide as decide_ties
@@ -169,8 +170,7 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
     else:
         apply_ties(model, ties)
     model.eval()
-    index = next((os.path.join(root, f) for f in sorted(list_directory(root)) if f.endswith(".safetensors.index.json")),
-                 None)
+    index = directory_checkpoint(root)[0]  # the one shard_files chose: named in the load's messages
     model = load(model, index or root, config, strict, convert_dtypes=True, allow_outside_paths=allow_outside_paths)
     if config.prefetch:
         _install_lookahead(model, root)

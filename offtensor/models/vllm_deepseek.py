@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..safetensors_files import checkpoint_tensors
+from ..safetensors_paths import checkpoint_tensors
 from .deepseek import DeepSeekConfig, LatentCache, RMSNorm, RotaryEmbedding, apply_rotary, route
 from .vllm_layers import (Int8Linear, MergedColumnLinear, PackedQKVLinear, ReplicatedLinear, RowLinear, VocabEmbedding,
                           check_shape, default_weight_loader, quantize_int8, set_weight_attrs)

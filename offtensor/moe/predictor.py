@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..pager import BudgetError
-from ..safetensors_files import LOOKAHEAD_FILE, read_header_and_metadata, tensors
+from ..safetensors_files import LOOKAHEAD_FILE, read_header_and_metadata, shape_text, tensors
 from .first_layer import TokenTable
 
 FILE_NAME = LOOKAHEAD_FILE
@@ -534,7 +534,7 @@ def _check_shapes(routers: list, i: int, split, own, tensors) -> None:
     weight = getattr(routers[i].module_ref(), "weight", None)
     width = weight.shape[-1] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
     w, b, *hidden = tensors
-    shapes = [tuple(t.shape) for t in tensors]
+    shapes = "[" + ", ".join(shape_text(t.shape) for t in tensors) + "]"
     reads = hidden[0].shape[-1] if hidden else w.shape[-1]
     ok = w.dim() == 2 and w.shape[0] == sum(experts) and tuple(b.shape) == (sum(experts),) \
         and (width is None or reads == width) \
