@@ -127,6 +127,40 @@ def test_export_run_decompositions_of_a_model_with_a_weight_past_the_room_runs_i
     _paged_within_budget(model)
 
 
+def test_export_run_decompositions_pages_weights_it_passes_whole_through_the_pager_cache(device, monkeypatch):
+    """GPT-2's ``Conv1D`` computes ``addmm(bias, x, weight)`` on its weight and bias as they are.
+    ``run_decompositions`` lifts each offloaded host view into a Parameter of the program, and an op
+    given one read it as a tracing stand-in: at run time it was copied whole into a device tensor
+    of its own that the budget does not count (``offtensor::page``), where the exported program
+    and eager forwards page it through the pager's cache. Now it is paged as they page it."""
+    from offtensor.ops import compile as ot_compile
+
+    Conv1D = pytest.importorskip("transformers.pytorch_utils").Conv1D
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Conv1D(128, 64), torch.nn.GELU(), Conv1D(128, 128), torch.nn.GELU(),
+                                Conv1D(64, 128)).eval()
+    reference = copy.deepcopy(model).to(device)
+    _wrap(model, device, 0.6)
+    assert all(isinstance(m.weight, ot.OffloadedTensor) for m in model[::2])
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        expected = reference(x)
+        ot.reset_stats(model)
+        assert torch.equal(model(x), expected)
+    eager = ot.stats(model)
+    program = torch.export.export(model, (x,)).run_decompositions().module()
+    own_copies = []
+    real_page = ot_compile.page
+    monkeypatch.setattr(ot_compile, "page", lambda host, *rest: own_copies.append(tuple(host.shape)) or real_page(host, *rest))
+    ot.reset_stats(model)
+    with torch.no_grad():
+        assert torch.equal(program(x), expected)
+        s = ot.stats(model)
+        assert (s.bytes_h2d, s.page_ins) == (eager.bytes_h2d, eager.page_ins), (s, eager)
+    assert own_copies == []
+    _paged_within_budget(model)
+
+
 # ---------------------------------------------------------------------------- already composing
 
 

@@ -130,6 +130,11 @@ def _offloaded(host: torch.Tensor, master_id: int, what: str, pooled_rows: Optio
     # that path makes no host decision (ops/expert_pool.py).
     if pooled_rows is None or not _pool_serves(master, pooled_rows):
         _refuse_under_capture(master.pager, what, host, master.name)
+    if type(host) is torch.nn.Parameter:
+        # The program of torch.export's run_decompositions passes each host view as the Parameter
+        # it lifted it into. Real memory: paged as a plain alias, through the cache and within the
+        # budget, where a Parameter would read as a tracing stand-in (is_traced) and be copied whole.
+        host = host.detach()
     return OffloadedTensor(host, master)
 
 
