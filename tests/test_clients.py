@@ -127,6 +127,30 @@ def test_diffusers_layerwise_casting_then_wrap_keeps_weights_offloaded_through_i
     _paged_within_budget(unet)
 
 
+@pytest.mark.parametrize("how", ["enable_group_offload", "apply_group_offloading_leaf_level"])
+def test_wrapping_a_diffusers_model_under_group_offloading_is_refused_naming_the_module(how, device):
+    """diffusers' group offloading moves each group's weights to the onload device at every forward:
+    wrapping such a model would offload the same weights a second time. Refused before anything
+    moves, as a model that accelerate's hooks offload is; the model still runs as diffusers' own."""
+    unet, reference = _unet(), _reference(_unet(), device)
+    if how == "enable_group_offload":
+        unet.enable_group_offload(onload_device=torch.device(device), offload_type="block_level", num_blocks_per_group=1)
+        where = "UNet2DConditionModel '' of UNet2DConditionModel"
+    else:
+        from diffusers.hooks import apply_group_offloading
+
+        apply_group_offloading(unet.down_blocks, onload_device=torch.device(device), offload_type="leaf_level")
+        where = "GroupNorm 'down_blocks.0.attentions.0.norm' of UNet2DConditionModel"  # its first module with weights
+    with pytest.raises(ValueError, match=rf"({where}) .*offloaded by diffusers' group offloading.*Nothing was changed"):
+        ot.wrap_model(unet, budget_gb=BUDGET_FRACTION * _weight_bytes(unet) / GiB, device=device)
+    assert not any(isinstance(p, ot.OffloadedTensor) for p in unet.parameters())
+    g = torch.Generator().manual_seed(0)
+    sample, text = torch.randn(2, 4, 8, 8, generator=g).to(device), torch.randn(2, 7, 32, generator=g).to(device)
+    timesteps = torch.tensor([10, 500], device=device)
+    with torch.no_grad():
+        assert torch.equal(unet(sample, timesteps, text).sample, reference(sample, timesteps, text).sample)
+
+
 def test_diffusers_autoencoder_kl_encode_and_decode_wrapped_match_unwrapped(device):
     vae = _vae()
     reference = _reference(vae, device)

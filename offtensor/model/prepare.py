@@ -92,6 +92,7 @@ def check_wrappable(model) -> None:
         )
     refuse_wrapped_elsewhere(model, f"wrapping this {type(model).__name__} around it")
     _refuse_accelerate_offload(model)
+    _refuse_diffusers_group_offload(model)
 
 
 def _refuse_accelerate_offload(model: nn.Module) -> None:
@@ -110,6 +111,27 @@ def _refuse_accelerate_offload(model: nn.Module) -> None:
                 f"that accelerate fills at each forward, and offtensor would offload the same weights. Load the "
                 f"model without offloading in its device_map (device_map=None or {{'': 'cpu'}}) and wrap it, or "
                 f"load it with ot.from_pretrained(path, budget_gb=...). Nothing was changed.")
+
+
+# The names diffusers registers its group offloading hooks under (diffusers.hooks.group_offloading).
+_GROUP_OFFLOAD_HOOKS = ("group_offloading", "lazy_prefetch_group_offloading")
+
+
+def _refuse_diffusers_group_offload(model: nn.Module) -> None:
+    """A model whose weights diffusers' group offloading moves (``enable_group_offload``,
+    ``apply_group_offloading``, a pipeline's ``enable_group_offload``): its hooks move each group's
+    weights to the onload device before the group's forward and back after it, so offtensor would
+    offload weights that diffusers moves as well, each offloader under its own count of the device's
+    bytes. Refused before anything moves, naming the module, as accelerate's offloading is."""
+    for name, module in model.named_modules():
+        hooks = getattr(getattr(module, "_diffusers_hook", None), "hooks", None)
+        if isinstance(hooks, dict) and any(h in hooks for h in _GROUP_OFFLOAD_HOOKS):
+            raise ValueError(
+                f"offtensor: {type(module).__name__} '{name}' of {type(model).__name__} has its weights offloaded by "
+                f"diffusers' group offloading (enable_group_offload / apply_group_offloading), which moves them to "
+                f"the onload device at each forward, and offtensor would offload the same weights. Build the model "
+                f"without group offloading and wrap it: the budget bounds what its weights hold on the device. "
+                f"Nothing was changed.")
 
 
 def apply_placement(model: nn.Module, placed: placement.ModelPlacement, pager: Pager, config: OffloadConfig,
