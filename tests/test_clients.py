@@ -103,17 +103,22 @@ def test_diffusers_unet2d_condition_wrapped_gives_the_unwrapped_noise_prediction
     _paged_within_budget(unet)
 
 
-def test_diffusers_layerwise_casting_then_wrap_keeps_weights_offloaded_through_its_casts(device):
+@pytest.mark.parametrize("order", ["cast_then_wrap", "wrap_then_cast"])
+def test_diffusers_layerwise_casting_and_wrap_keep_weights_offloaded_through_its_casts(order, device):
     """``enable_layerwise_casting`` (bf16 storage, fp32 compute) casts each layer to fp32 before its
     forward and back after. On main the cast paged whole weights and raised BudgetError; now the
-    offloaded ones are converted host master to host master and the room re-planned for fp32."""
-    def build():
-        unet = _unet()
+    offloaded ones are converted host master to host master and the room re-planned for fp32.
+    Enabled after wrapping, its first cast converts the offloaded fp32 weights to bf16 the same way."""
+    def cast(unet):
         unet.enable_layerwise_casting(storage_dtype=torch.bfloat16, compute_dtype=torch.float32)
         return unet
 
-    unet, reference = build(), build().to(device)  # a deepcopy would keep hooks bound to the original
-    _wrap(unet, device)
+    unet, reference = _unet(), cast(_unet()).to(device)  # a deepcopy would keep hooks bound to the original
+    if order == "cast_then_wrap":
+        _wrap(cast(unet), device)
+    else:
+        _wrap(unet, device)
+        cast(unet)
     g = torch.Generator().manual_seed(0)
     sample = torch.randn(2, 4, 8, 8, generator=g).to(device)
     text = torch.randn(2, 7, 32, generator=g).to(device)
