@@ -25,6 +25,13 @@ class LoRALinear(nn.Module):
         self.lora_a = nn.Parameter(torch.randn(RANK, in_features) * 0.1)
         self.lora_b = nn.Parameter(torch.randn(out_features, RANK) * 0.1)
 
+    @classmethod
+    def around(cls, base: nn.Linear) -> "LoRALinear":
+        """Adapters around an existing (frozen) linear layer."""
+        lora = cls(base.in_features, base.out_features)
+        lora.base = base
+        return lora
+
     def forward(self, x):
         return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
 
@@ -145,3 +152,66 @@ def test_an_offloaded_weight_that_needs_a_gradient_gets_the_unwrapped_one(device
     loss(x, reference).backward()
     assert not isinstance(offloaded.grad, ot.OffloadedTensor)  # a plain device tensor, like any gradient
     torch.testing.assert_close(offloaded.grad, reference.grad)
+
+
+# ---------------------------------------------------------------------------- offloaded MoE experts
+
+
+def _tiny_moe(layers: int = 1):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=64, decoder_sparse_step=1, mlp_only_layers=[])
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_grouped_gemm_fallback_backward_pages_only_the_routed_experts(device):
+    """transformers' grouped GEMM fallback (what its MoE runs under torch.compile) has a backward op
+    of its own; on an offloaded stack it pages each expert with tokens for the input's gradient, as
+    the forward does, not the whole stack, and gives the op's own gradients."""
+    pytest.importorskip("transformers")
+    from transformers.integrations import moe  # noqa: F401  (registers the ops)
+
+    stack = torch.randn(8, 16, 24)
+    offloaded = ot.offload(stack, device)
+    x, grad = torch.randn(5, 16).to(device), torch.randn(5, 24).to(device)
+    offs = torch.tensor([0, 2, 2, 2, 4, 4, 5, 5]).to(device)  # experts 1, 4 and 6 have tokens
+    backward = torch.ops.transformers.grouped_mm_fallback_backward
+    expected = backward(x, stack.to(device), offs, grad)
+    before = offloaded.pager.stats.bytes_h2d
+    got = backward(x, offloaded, offs, grad)
+    assert all(type(g) is torch.Tensor and torch.equal(g, e) for g, e in zip(got, expected))
+    assert offloaded.pager.stats.bytes_h2d - before == 3 * 16 * 24 * 4
+
+
+@pytest.mark.parametrize("trained", ["all", "adapters"])
+def test_compiled_training_of_an_offloaded_moe_equals_the_unwrapped_model(device, trained):
+    """Full fine-tuning (every parameter needs a gradient) and LoRA-style training (frozen experts,
+    trainable adapters) of a tiny Qwen3-MoE whose expert stacks are offloaded at half the model's
+    bytes, compiled: the graph's backward runs transformers' grouped GEMM backward on the routed
+    experts only (it paged the whole stack, past the budget), and the loss and every gradient equal
+    the unwrapped eager model's."""
+    model = _tiny_moe()
+    if trained == "adapters":
+        for p in model.parameters():
+            p.requires_grad_(False)
+        attention = model.model.layers[0].self_attn
+        attention.q_proj = LoRALinear.around(attention.q_proj)
+    reference = copy.deepcopy(model).to(device)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    ot.wrap_model(model, budget_gb=0.5 * total / GiB, device=device)
+    assert any(isinstance(p, ot.OffloadedTensor) and p.dim() == 3 for p in model.parameters())
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(0)).to(device)
+    loss = torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids).loss
+    loss.backward()
+    reference_loss = reference(input_ids=ids, labels=ids).loss
+    reference_loss.backward()
+    assert torch.equal(loss, reference_loss)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert type(p.grad) is torch.Tensor and torch.equal(p.grad, q.grad), name
+    s = ot.stats(model)
+    assert s.peak_device_bytes <= s.budget_bytes

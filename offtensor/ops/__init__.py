@@ -37,7 +37,7 @@ from . import reads  # noqa: F401  (registers clone, _to_copy, item, is_pinned, 
 from .distances import cdist
 from .collectives import COLLECTIVE_NAMESPACES, Collective
 from .functions import FUNCTION_TABLE
-from .grouped import grouped_mm, grouped_mm_fallback
+from .grouped import grouped_mm, grouped_mm_fallback, grouped_mm_fallback_backward
 from .paging import Paged, decomposes, native_kernel, reclaim, run, with_math_bits
 from .planned import planned_routing
 from .rows import CACHED_SLICE_BYTES, HOST_SYNCS, embedding, index, index_select
@@ -127,6 +127,8 @@ _PLAIN_COMPUTE = (_compute, _compute_composite)
 def _classify(func):
     if func.name() == "transformers::grouped_mm_fallback":
         return grouped_mm_fallback
+    if func.name() == "transformers::grouped_mm_fallback_backward":
+        return grouped_mm_fallback_backward
     if func.namespace in COLLECTIVE_NAMESPACES:
         return Collective(func)
     schema = func._schema
@@ -217,7 +219,8 @@ def _in_pieces_when_short(func, handler):
 
 # Handlers that page their arguments and compute (tiling when the room is short): under
 # torch.compile they run inside one opaque offtensor::compute op, which calls them at run time.
-_COMPUTE_HANDLERS = {_compute, _compute_composite, mm, mv, bmm, cdist, convolution, convolution_backward, grouped_mm_fallback}
+_COMPUTE_HANDLERS = {_compute, _compute_composite, mm, mv, bmm, cdist, convolution, convolution_backward, grouped_mm_fallback,
+                     grouped_mm_fallback_backward}
 
 # Handlers that write host masters or page rows chosen by index values: a graph break under
 # torch.compile (see torch_dispatch).

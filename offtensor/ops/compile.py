@@ -288,6 +288,19 @@ def _op_named(name: str):
 @torch.library.custom_op(f"{_LIB_NS}::compute", mutates_args=())
 def compute(op: str, device: torch.device, tensors: list[Optional[torch.Tensor]], master_ids: list[int]) -> torch.Tensor:
     """``op`` on ``tensors``, those with a master id as the OffloadedTensors they are host views of."""
+    return _compute_now(op, device, tensors, master_ids)
+
+
+# The same for an op that returns several tensors (a backward op giving its input's and its
+# weight's gradients: transformers' grouped_mm_fallback_backward).
+@torch.library.custom_op(f"{_LIB_NS}::compute_tensors", mutates_args=())
+def compute_tensors(
+    op: str, device: torch.device, tensors: list[Optional[torch.Tensor]], master_ids: list[int]
+) -> list[torch.Tensor]:
+    return list(_compute_now(op, device, tensors, master_ids))
+
+
+def _compute_now(op: str, device: torch.device, tensors, master_ids):
     pooled = tensors[0].shape[0] if _pooled_call(op, tensors, master_ids) else None
     if pooled is None and _capturing_any(master_ids):
         # Under CUDA graph capture each weight is copied from its master into graph memory (page).
@@ -320,10 +333,16 @@ def _compute_fake(op, device, tensors, master_ids):
     return _op_named(op)(*args)
 
 
+@compute_tensors.register_fake
+def _compute_tensors_fake(op, device, tensors, master_ids):
+    return list(_compute_fake(op, device, tensors, master_ids))
+
+
 def traced_compute(func, args, kwargs):
     """The graph's opaque op for a compute op on traced OffloadedTensors, or None when its arguments
     are not all tensors (the caller then pages each argument through ``page``)."""
-    if kwargs or len(func._schema.returns) != 1 or str(func._schema.returns[0].type) != "Tensor":
+    returns = func._schema.returns
+    if kwargs or not returns or any(str(r.type) != "Tensor" for r in returns):
         return None
     device = None
     tensors, master_ids = [], []
@@ -339,7 +358,10 @@ def traced_compute(func, args, kwargs):
             return None
     if device is None:
         return None
-    return compute(f"{func._schema.name}.{func._overloadname}", device, tensors, master_ids)
+    name = f"{func._schema.name}.{func._overloadname}"
+    if len(returns) > 1:
+        return tuple(compute_tensors(name, device, tensors, master_ids))
+    return compute(name, device, tensors, master_ids)
 
 
 # ---------------------------------------------------------------------------- prefetch step marks

@@ -17,6 +17,14 @@ from .views import memoized_view, metadata_changed
 
 aten = torch.ops.aten
 
+# Whether a torch.func transform (jvp, grad, vmap, jacfwd...) is running. It sits between
+# __torch_function__ and dispatch: ops a handler here runs are seen by it, and under jvp or grad
+# every result, even of an op on a plain host view or pager buffer, comes back as a functorch
+# TensorWrapper, which has no storage for the pager to copy from or keep alive. Handlers that page
+# therefore step aside under a transform: the function decomposes as it would unwrapped, and its
+# aten ops reach __torch_dispatch__ below the transform, on unwrapped arguments. (~0.1 us)
+under_transform = torch._C._are_functorch_transforms_active
+
 
 def _linear(args, kwargs):
     x = args[0] if args else kwargs["input"]
@@ -29,6 +37,8 @@ def _linear(args, kwargs):
     ):
         # Let autograd see t + addmm so it saves the OffloadedTensor, not a device copy, and
         # backward pages the weight again.
+        return NotImplemented
+    if under_transform():
         return NotImplemented
     offloaded = isinstance(weight, OffloadedTensor)
     if offloaded:
@@ -64,7 +74,7 @@ def _grouped_mm(args, kwargs):
     offs = args[2] if len(args) > 2 else kwargs.get("offs")
     if (type(x) is not torch.Tensor or type(offs) is not torch.Tensor or x.dim() != 2
             or weight.__dict__["_host"].dim() != 3 or (len(args) > 3 and args[3] is not None) or kwargs.get("bias") is not None
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) or under_transform()):
         return NotImplemented
     pool = serving_pool(weight, x.shape[0])
     if pool is None:
@@ -106,8 +116,8 @@ def _matrix_product(product):
                 return NotImplemented  # mm's own error
         elif b_dim > 2 or (a_dim > 2 and (a is not hosts[0] or not folds_without_copy(a))):
             return NotImplemented
-        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-            return NotImplemented  # autograd must see the OffloadedTensor (see _linear)
+        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad) or under_transform():
+            return NotImplemented  # autograd (a transform) must see the OffloadedTensor (see _linear)
         if needs_tiling(b, [a]) or needs_tiling(a, [b]):
             return NotImplemented  # tiling.mm computes it in tiles
         paged = Paged()

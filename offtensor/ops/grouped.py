@@ -135,6 +135,40 @@ def grouped_mm_fallback(func, types, args, kwargs):
     return out
 
 
+def grouped_mm_fallback_backward(func, types, args, kwargs):
+    """The backward of transformers' grouped GEMM fallback (``transformers::grouped_mm_fallback_backward``,
+    which autograd runs for it: a compiled training step's graph calls it). Its input's gradient
+    needs each expert that has tokens, paged one at a time as the forward pages them; its weight's
+    gradient needs no weight at all. Whole, the op would page the whole stack, which a budget that
+    holds the routed experts need not hold. Each expert runs the op's own ``mm`` calls on the same
+    rows and the same expert layout, so the gradients are the op's own, bit for bit."""
+    call = dict(zip(("input", "weight", "offs", "grad_output"), args), **kwargs)
+    x, weight, offs, grad = call["input"], call["weight"], call["offs"], call["grad_output"]
+    if (
+        not isinstance(weight, OffloadedTensor)
+        or any(isinstance(t, OffloadedTensor) for t in (x, offs, grad))
+        or x.dim() != 2
+        or weight.dim() != 3
+    ):
+        return run(func, args, kwargs)
+    groups, _, _ = _routed_groups(weight, offs, x.shape[0])
+    _announce(weight, groups)
+    grad_input = torch.zeros_like(x)
+    # The weight's gradient is a plain device tensor, as any gradient of an offloaded weight is, in
+    # the weight's layout, as the op's own zeros_like gives it (a compiled graph's fake kernel
+    # says so: transformers passes the stack transposed).
+    grad_weight = torch.zeros_like(weight.__dict__["_host"], device=x.device)
+    page, _ = _expert_pager(weight)
+    for e, start, end in groups:
+        paged = Paged()
+        try:
+            torch.mm(grad[start:end], page(paged, e)[0].T, out=grad_input[start:end])
+        finally:
+            paged.release()
+        torch.mm(x[start:end].T, grad[start:end], out=grad_weight[e])
+    return grad_input, grad_weight
+
+
 def _routed_groups(weight: OffloadedTensor, offs: torch.Tensor, rows: int):
     """For a grouped GEMM of tokens sorted by expert: (expert, first row, end row) of each expert
     with tokens, each expert's group size as a one-element device tensor (a slice of one

@@ -104,6 +104,8 @@ _Tensor = torch.Tensor
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
 _grad = torch.is_grad_enabled
+# A torch.func transform would wrap the view's host view (ops/functions.py, under_transform).
+_under_transform = torch._C._are_functorch_transforms_active
 _GRAD = torch._C.TensorBase.grad.__get__
 _VIEW_TYPES = (OffloadedTensor,)
 
@@ -132,7 +134,7 @@ def memoized_view(function):
     def handler(args, kwargs):
         self = args[0]
         if (kwargs or _grad() or type(self) is not OffloadedTensor or _inference() or _dispatch_modes()
-                or _function_modes()):
+                or _function_modes() or _under_transform()):
             return NotImplemented
         own = self.__dict__
         if type(own["_host"]) is not _Tensor:
