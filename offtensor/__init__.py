@@ -13,7 +13,7 @@ from .loading import CheckpointError, from_pretrained, load_safetensors
 from .tensor import OffloadedTensor, add_safe_globals, offload, safe_globals
 from .sim.plan import plan
 from .sim.profiles import PROFILES, Profile, get_profile, measure_profile
-from .sim.recorder import timeline
+from .sim.recording import timeline
 from .moe import RoutingStats
 from .sim.timeline import Replay, Timeline
 from .model.host import on_host

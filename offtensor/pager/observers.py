@@ -17,6 +17,11 @@ Events (the pager's call sites):
 - ``released(entries)``: the op that read these copies has been enqueued;
 - ``evicted(entry)`` / ``freed(entry)``: a cached copy was evicted / dropped;
 - ``new_step()``: a forward of the wrapped model begins (the prefetcher is told first).
+
+Besides the events, ``quiet`` is the recorder's ``quietly`` (or None): the pager runs the work that
+issues its own ATen ops (a copy, an allocation, a wait for a copy) through it, so the recording
+takes them for the pager's copies, not for ops of the model. Only those paths read it: a cache hit
+on a completed copy does not.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ _EVENTS_OF = {"experts": _experts_events, "prefetcher": _prefetcher_events, "rec
 class Observers:
     """The observers of one pager, by role, and per event the callables to run in role order."""
 
-    __slots__ = ("_by_role", "paging", "accessed", "reading", "copied", "released", "evicted", "freed",
+    __slots__ = ("_by_role", "quiet", "paging", "accessed", "reading", "copied", "released", "evicted", "freed",
                  "new_step")
 
     def __init__(self):
@@ -85,7 +90,7 @@ class Observers:
         self._rebuild()
 
     def _rebuild(self) -> None:
-        calls = {event: [] for event in self.__slots__[1:]}
+        calls = {event: [] for event in self.__slots__[2:]}
         steps = {}
         for role in ROLES:
             observer = self._by_role.get(role)
@@ -98,3 +103,5 @@ class Observers:
         calls["new_step"] = [steps[role] for role in _STEP_ORDER if role in steps]
         for event, found in calls.items():
             setattr(self, event, tuple(found))
+        recorder = self._by_role.get("recorder")
+        self.quiet = recorder.quietly if recorder is not None else None

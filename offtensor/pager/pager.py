@@ -35,6 +35,13 @@ _new_key = tuple.__new__  # cache_key() without its call
 
 class _NoObservers:
     paging = accessed = reading = ()
+    quiet = None
+
+
+def _quietly(quiet, fn, *args):
+    """``fn(*args)``, through the recorder's ``quietly`` while a timeline records (``Observers.quiet``):
+    called on the paths that copy, allocate or wait, never on a hit on a completed copy."""
+    return fn(*args) if quiet is None else quiet(fn, *args)
 
 
 _NO_OBSERVERS = _NoObservers()  # what the hot path loops over when no observer is set
@@ -178,13 +185,13 @@ class Pager(RoomCalls, Recovering, PagingState):
             lo, hi, shape, stride, offset, key = layout or page_layout(host, master.id)
             observers = self.observers if self._observed else _NO_OBSERVERS
             if private or self.budget_bytes is None:
-                entry = self.copies.transient(self, host.as_strided((hi - lo,), (1,), lo),
-                                              (hi - lo) * host.element_size(), what)
+                entry = _quietly(observers.quiet, self.copies.transient, self, host.as_strided((hi - lo,), (1,), lo),
+                                 (hi - lo) * host.element_size(), what)
                 base = lo
                 for notify in observers.reading:
                     notify(entry)
                 if entry.ready is not None:
-                    self.device_ops.wait_ready(entry, self.lifetimes)
+                    _quietly(observers.quiet, self.device_ops.wait_ready, entry, self.lifetimes)
                 users, taken = 0, entry
                 entry.users = 1
                 layout = None  # a copy for this op only: no view to memoize
@@ -201,7 +208,8 @@ class Pager(RoomCalls, Recovering, PagingState):
                         self.stats.prefetch_hits += 1
                 else:
                     src = host.as_strided((hi - lo,), (1,), lo)
-                    entry = self.copies.insert(self, key, src, (hi - lo) * host.element_size(), what)
+                    entry = _quietly(observers.quiet, self.copies.insert, self, key, src,
+                                     (hi - lo) * host.element_size(), what)
                 base = entry.key[2]
                 # Held before the observers run: a prefetch makes room by evicting unused entries, and
                 # this one must survive until its op is enqueued (on a GPU its block would be reused).
@@ -212,7 +220,7 @@ class Pager(RoomCalls, Recovering, PagingState):
                 for notify in observers.reading:  # timeline: the op about to run reads this copy
                     notify(entry)
                 if entry.ready is not None:  # a cache hit on a completed copy skips the call
-                    self.device_ops.wait_ready(entry, self.lifetimes)
+                    _quietly(observers.quiet, self.device_ops.wait_ready, entry, self.lifetimes)
             # A hit with the caller's memoized layout gets the device view it got last time.
             view = entry.view_of(layout, shape, stride, offset - base)
             item = (self, entry, depth)
@@ -236,11 +244,13 @@ class Pager(RoomCalls, Recovering, PagingState):
             if self._recount_due and not depth:
                 self._recount()
             src = src.contiguous()
-            entry = self.copies.transient(self, src.view(-1), src.numel() * src.element_size(), what)
-            for notify in self.observers.reading:
+            observers = self.observers
+            entry = _quietly(observers.quiet, self.copies.transient, self, src.view(-1),
+                             src.numel() * src.element_size(), what)
+            for notify in observers.reading:
                 notify(entry)
             if entry.ready is not None:
-                self.device_ops.wait_ready(entry, self.lifetimes)
+                _quietly(observers.quiet, self.device_ops.wait_ready, entry, self.lifetimes)
             taken = entry
             entry.users = 1
             view = entry.buf.view(src.shape)
@@ -257,7 +267,7 @@ class Pager(RoomCalls, Recovering, PagingState):
         """A device copy owned by the caller: never cached, outside the budget (``Copies.copy_out``)."""
         if host.numel() == 0:
             return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
-        return self.copies.copy_out(host, self.lock)
+        return _quietly(self.observers.quiet, self.copies.copy_out, host, self.lock)
 
     def copy_into_graph(self, out: torch.Tensor, host: torch.Tensor) -> None:
         """Under CUDA graph capture: record a copy of ``host`` straight into ``out``, counted like a page."""
@@ -289,15 +299,7 @@ class Pager(RoomCalls, Recovering, PagingState):
                     return True
                 if self.budget_bytes is None or master.flat is None:
                     return False
-                itemsize = dtype.itemsize
-                nbytes = (hi - lo) * itemsize
-                if not self.room.make_room(nbytes, strict=False, keep_prefetched=True):
-                    return False
-                src = master.flat[lo * itemsize : hi * itemsize].view(dtype)
-                entry = self.copies.insert(self, key, src, nbytes, "a prefetch", prefetch=True, room_made=True)
-                entry.prefetched = True
-                self.stats.prefetches += 1
-                return True
+                return _quietly(self.observers.quiet, _prefetch, self, master, dtype, lo, hi, key)
             except BaseException:
                 self._recount_due = True
                 raise
@@ -341,6 +343,20 @@ class Pager(RoomCalls, Recovering, PagingState):
         with self.lock:
             self.lifetimes.wait_for(None)
 
+
+
+def _prefetch(pager: Pager, master: Master, dtype: torch.dtype, lo: int, hi: int, key) -> bool:
+    """``Pager.prefetch``'s copy (its caller holds the lock and recounts after an exception): room
+    made without evicting what is in use, then the copy."""
+    itemsize = dtype.itemsize
+    nbytes = (hi - lo) * itemsize
+    if not pager.room.make_room(nbytes, strict=False, keep_prefetched=True):
+        return False
+    src = master.flat[lo * itemsize : hi * itemsize].view(dtype)
+    entry = pager.copies.insert(pager, key, src, nbytes, "a prefetch", prefetch=True, room_made=True)
+    entry.prefetched = True
+    pager.stats.prefetches += 1
+    return True
 
 
 forking.at_fork_in_child(lambda: forking.renew_lock(Pager._defaults_lock))

@@ -10,7 +10,7 @@ bandwidth, a per-op overhead), which is what a GPU does with two CUDA streams an
 
 Three ways to get a timeline:
 
-- ``with ot.timeline(model) as tl: model(x)`` (recorder.py) records a real run (emulated device or
+- ``with ot.timeline(model) as tl: model(x)`` (recording.py; the mode in recorder.py) records a real run (emulated device or
   GPU): a ``TorchDispatchMode`` sees every op, including ops on plain resident tensors, and the
   pager tells the recorder about every copy, every use of a paged copy, every release and every
   eviction;

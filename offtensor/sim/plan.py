@@ -18,7 +18,7 @@ from ..model.prepare import prepare, unwrap
 from ..model.state import wrapped_state
 from ..pager import GiB
 from .profiles import get_profile
-from .recorder import timeline
+from .recording import timeline
 from .selection import PlannedSelection
 from .timeline import Timeline
 

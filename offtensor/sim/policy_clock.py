@@ -21,6 +21,7 @@ import time
 from ..moe import speculation
 from ..moe.speculation import RoutingSpeculator
 from ..moe.stacks import ExpertStacks
+from ..pager.pager import Pager
 
 # The policy's entry points, every call from the pager, the router hooks or a step, by part.
 POLICY = (
@@ -32,7 +33,9 @@ POLICY = (
 # Device work the policy issues, charged elsewhere: the look-ahead's kernels (on a GPU launches on
 # the compute stream; where the host runs them, as on the emulated device, their run is no host
 # work of a GPU's policy).
-DEVICE_WORK = ((speculation, ("lookahead_scores",)),)
+# The pager's own entry points, which the policy calls too (a guess's prefetch): the profile's page
+# and copy figures stand for them.
+DEVICE_WORK = ((speculation, ("lookahead_scores",)), (Pager, ("page", "upload", "copy_out", "prefetch")))
 
 
 # (inside, outside): the clock's own cost per timed call, seconds (``PolicyClock.calibrate``), measured

@@ -1,19 +1,16 @@
 """Recording a real run into a Timeline: a TorchDispatchMode sees every op (its FLOPs and bytes from
-shapes), the pager reports every copy, use, release and eviction; ``timeline(model)`` is ``ot.timeline``."""
+shapes), the pager reports every copy, use, release and eviction; ``recording.timeline`` (``ot.timeline``)
+installs it."""
 
 from __future__ import annotations
 
-import contextlib
-from typing import Optional
+import functools
 
 import torch
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from ..model.state import pager_of
 from ..tensor import OffloadedTensor, new_view
-from .policy_clock import PolicyClock
 from .timeline import Timeline
 
 
@@ -123,38 +120,38 @@ class Recorder(TorchDispatchMode):
         self._measure = measure and torch.cuda.is_available()
         self._events = []  # (record id, start event, end event) when measuring
         # Inside the pager (allocating a copy's buffer, the copy itself): its work is recorded by
-        # its call sites as copies, not as ops. Set by quiet().
+        # its call sites as copies, not as ops. Set by quietly().
         self._quiet = 0
+        self._kernel_depth = {}  # open op's record id -> the mode stack's depth below its kernels' pushes
         self._split = set()  # open ops whose handler runs their kernels one by one (kernels())
         self.clock = None  # PolicyClock: the expert policy's host time, given to the next record
 
     def _policy_ms(self) -> float:
         return self.clock.take() if self.clock is not None else 0.0
 
+    def quietly(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` (the pager's own work: ``Observers.quiet``) with this mode's op
+        recording paused. The count is set back to what it was, not decremented: a Ctrl-C anywhere
+        leaves it as before."""
+        depth = self._quiet
+        try:
+            self._quiet = depth + 1
+            return fn(*args, **kwargs)
+        finally:
+            self._quiet = depth
+
     def quiet(self, method):
-        """``method`` (a pager entry point) with this mode's op recording paused while it runs."""
+        """``method`` with this mode's op recording paused while it runs (``quietly``)."""
+        return functools.partial(self.quietly, method)
 
-        def run(*args, **kwargs):
-            self._quiet += 1
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self._quiet -= 1
-
-        return run
-
-    @contextlib.contextmanager
-    def kernels(self):
+    def kernels(self) -> "_Kernels":
         """Inside an op being recorded, whose handler splits it into kernels that each read only
         their own paged copies (``_grouped_mm``: one expert at a time): the kernels run in the
         block are recorded as ops of their own, each waiting for its own copies, as the compute
         stream runs them on a GPU (expert j computes while expert j+1 is still copying). The op
         itself is then recorded without cost (its kernels carry it) and with what its handler
         does after them (the concatenation of the pieces)."""
-        if self._open_ops:
-            self._split.add(self._open_ops[-1])
-        with self:  # this mode is off while it dispatches the outer op: back on for the kernels
-            yield
+        return _Kernels(self)
 
     # -------------------------------------------------------------- ops
 
@@ -181,6 +178,9 @@ class Recorder(TorchDispatchMode):
         try:
             out = _meta_grouped_mm(func, args, kwargs) if _is_meta_grouped_mm(func, args) else func(*args, **kwargs)
         finally:
+            depth = self._kernel_depth.pop(rid, None)
+            if depth is not None:  # a kernels block cut short at its exit's entry left this mode pushed
+                pop_to(self, depth)
             self._open_ops.pop()
         if self._measure:
             end = torch.cuda.Event(enable_timing=True)
@@ -277,86 +277,40 @@ class Recorder(TorchDispatchMode):
             by_id[rid].measured_ms = (t0.elapsed_time(start), t0.elapsed_time(end))
 
 
-def _unique(ids):
-    return list(dict.fromkeys(ids))
+class _Kernels:
+    """``Recorder.kernels``' block: this mode pushed again (torch takes a mode off its stack while
+    its handler runs) and popped back to the depth it found. A class, not a ``contextlib``
+    generator: a Ctrl-C at the entry of its exit, before any of its code runs, leaves the push to
+    the recorded op that holds the block, which pops back to that depth on its way out (and the
+    recording's own exit takes every push of its mode off the stack)."""
 
+    __slots__ = ("recorder", "depth")
 
-def _pagers_of(model: nn.Module):
-    pagers = []
-    wrapped = pager_of(model)
-    if wrapped is not None:
-        pagers.append(wrapped)
-    for t in list(model.parameters()) + list(model.buffers()):
-        master = getattr(t, "_master", None)
-        pager = master.pager if master is not None else None
-        if pager is not None and all(pager is not p for p in pagers):
-            pagers.append(pager)
-    return pagers
+    def __init__(self, recorder: Recorder):
+        self.recorder, self.depth = recorder, None
 
+    def __enter__(self) -> None:
+        recorder = self.recorder
+        self.depth = depth = torch._C._len_torch_dispatch_stack()
+        if recorder._open_ops:
+            rid = recorder._open_ops[-1]
+            recorder._split.add(rid)
+            recorder._kernel_depth.setdefault(rid, depth)
+        torch._C._push_on_torch_dispatch_stack(recorder)
 
-class timeline:
-    """``with ot.timeline(model) as tl: model(x)``: record every op and copy of the runs inside.
-    Each forward of ``model`` is one step. ``measure=True`` on a GPU also keeps CUDA-event times of
-    the ops (``Record.measured_ms``), to put beside the prediction.
-
-    ``model=None`` records whatever runs inside (a step function, say); then ``pagers`` names the
-    pagers whose copies to record and the caller marks steps with ``tl.next_step()``."""
-
-    def __init__(self, model: Optional[nn.Module] = None, profile=None, measure: bool = False, pagers=None):
-        self.model = model
-        self.tl = Timeline(profile)
-        self.recorder = Recorder(self.tl, measure)
-        self._hook = None
-        self._pagers = list(pagers) if pagers is not None else None
-        self._started = False
-
-    # The pager entry points that allocate and copy through ATen: their ops are the pager's, not the model's.
-    _PAGER_ENTRY_POINTS = ("page", "upload", "copy_out", "prefetch")
-
-    def __enter__(self) -> Timeline:
-        if self._pagers is None:
-            self._pagers = _pagers_of(self.model) if self.model is not None else []
-        clock = PolicyClock()
-        if any(getattr(p, "experts", None) is not None for p in self._pagers) and clock.install():
-            self.recorder.clock = clock
-        for pager in self._pagers:
-            pager.recorder = self.recorder
-            for name in self._PAGER_ENTRY_POINTS:
-                # An instance attribute shadows the method while recording; __exit__ deletes it.
-                # (The pager's own work is the profile's page and copy figures: not the policy's.)
-                method = self.recorder.quiet(getattr(pager, name))
-                setattr(pager, name, clock.excluded(method) if self.recorder.clock is not None else method)
-            _rebind_observers(pager)  # their bound methods of the policy: the timed ones
-
-        def new_step(module, args):
-            if self._started:
-                self.tl.next_step()
-            self._started = True
-
-        if self.model is not None:
-            self._hook = self.model.register_forward_pre_hook(new_step)
-        self.recorder.__enter__()
-        return self.tl
-
-    def __exit__(self, *exc):
-        self.recorder.__exit__(*exc)
-        if self._hook is not None:
-            self._hook.remove()
-        if self.recorder.clock is not None:
-            self.recorder.clock.remove()
-            self.recorder.clock = None
-        for pager in self._pagers:
-            pager.recorder = None
-            for name in self._PAGER_ENTRY_POINTS:
-                pager.__dict__.pop(name, None)
-            _rebind_observers(pager)
-        self.recorder.finish()
+    def __exit__(self, *exc) -> bool:
+        pop_to(self.recorder, self.depth)
         return False
 
 
-def _rebind_observers(pager) -> None:
-    """The pager's observer calls made again from the expert policy's current methods (bound
-    methods are taken when the observers are set: a clock's wrappers come and go with a recording)."""
-    observers = getattr(pager, "observers", None)
-    if observers is not None and observers.get("experts") is not None:
-        observers.set("experts", observers.get("experts"))
+def pop_to(mode, depth: int) -> None:
+    """Pop ``mode`` off the top of this thread's dispatch mode stack while the stack is deeper than
+    ``depth``; a mode above it stays."""
+    n = torch._C._len_torch_dispatch_stack()
+    while n > depth and torch._C._get_dispatch_stack_at(n - 1) is mode:
+        torch._C._pop_torch_dispatch_stack(None)
+        n -= 1
+
+
+def _unique(ids):
+    return list(dict.fromkeys(ids))
