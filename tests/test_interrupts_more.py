@@ -245,6 +245,51 @@ def test_an_unwrap_interrupted_at_any_point_of_its_unregistration_is_finished_by
     assert interrupted > total - 5
 
 
+@needs_311
+def test_an_unwrap_through_a_shallow_copy_interrupted_anywhere_is_finished_through_either_name():
+    """``ot.unwrap_model`` of a ``copy.copy`` of a wrapped model, a Ctrl-C at each point of the
+    unwrap (model/prepare.py, copies.py, assignment.py, state.py and what they call): both names are
+    still wrapped, sharing one wrap, with the right outputs, and a second unwrap through the copy
+    finishes; or both are plain. The copy is found through the original's member it carries, which
+    the original keeps until it leaves last: found only through the step hook (which goes first),
+    a cut-short unwrap left the copy not wrapped and adopted it as a deep copy at its next forward,
+    taking the original's modules away from its half-finished wrap."""
+    here = os.path.dirname(ot.__file__)
+    files = {os.path.join(here, "model", name) for name in ("prepare.py", "copies.py", "assignment.py", "state.py")}
+    where = lambda code: code.co_filename in files  # noqa: E731
+    x = _inputs("cpu", 1)[0]
+    with torch.no_grad():
+        want = _reference()(x)
+
+    def warm():
+        model = _reference()
+        _wrap(model)
+        twin = copy.copy(model)
+        with torch.no_grad():
+            twin(x)
+        return model, twin
+
+    model, twin = warm()
+    total = _points(lambda: ot.unwrap_model(twin), where)
+    assert total > 100
+    interrupted = 0
+    for n in range(1, total + 1, 3):
+        model, twin = warm()
+        interrupted += _Points(n, where).run(lambda: ot.unwrap_model(twin)) is not None
+        assert _copies.is_wrapped(twin) == _copies.is_wrapped(model), n
+        if _copies.is_wrapped(twin):
+            assert _copies.state_of(twin) is _copies.state_of(model), n
+            with torch.no_grad():
+                assert torch.equal(twin(x), want) and torch.equal(model(x), want), n
+            assert _copies.state_of(twin) is _copies.state_of(model), n
+            ot.unwrap_model(twin)
+        assert not any(isinstance(p, OffloadedTensor) for p in model.parameters()), n
+        assert not any(m._forward_pre_hooks or m._state_dict_hooks for m in model.modules()), n
+        with torch.no_grad():
+            assert torch.equal(twin(x), want) and torch.equal(model(x), want), n
+    assert interrupted > total // 3 - 5
+
+
 @needs_fork
 def test_a_forked_child_of_a_strict_model_runs_its_forward(monkeypatch):
     """On main the strict copy engine's worker got a condition over a new lock in the child while

@@ -1,6 +1,7 @@
 """Marking a model wrapped (its state, hooks and step hook) and undoing that; and copies of a
 wrapped model: the step hook carries the wrap's settings through ``copy.deepcopy`` and pickling,
-and the copy is adopted on a pager of its own the first time it is used."""
+and the copy is adopted on a pager of its own the first time it is used, while a ``copy.copy``
+(the same modules and weights under a second name) shares the original's wrap."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from .assignment import give_user_class, join, leave
 from .groups import collect_groups
 from .loads import after_load, portable_state_dict
 from .moves import Undo, resident_bytes, weight_tensors
-from .state import WRAPPED, State, enrol, wrapped_state
+from .state import WRAPPED, State, enrol, member_module, wrapped_state
 
 
 def register_wrapped(model: nn.Module, pager: Pager, choice: placement.Placement, config: OffloadConfig) -> None:
@@ -134,8 +135,8 @@ class StepHook:
             # (an empty tensor made in the graph: the op's device, compile.py)
             torch.ops.offtensor.new_step(torch.empty(0, device=self.config.device), self.pager_key)
             return
-        state = wrapped_state(model)
-        if state is None or state.model_ref() is not model:
+        state = model_state(model)
+        if state is None:
             state = adopt_copy(model)
         if state is not None:
             if state.loans:
@@ -239,19 +240,55 @@ def _put_back_hooks(tables: list, members: list) -> None:
             enrol(module, state)
 
 
+def shares_modules(model: nn.Module, original: nn.Module) -> bool:
+    """``model`` is ``original`` or a shallow copy of it (``copy.copy``): the very same module,
+    parameter and buffer tables, so the same modules and weights under a second name."""
+    return model is original or (model._modules is original._modules and model._parameters is original._parameters
+                                 and model._buffers is original._buffers)
+
+
+def model_state(model: nn.Module) -> Optional[State]:
+    """The state of the wrapped model that ``model`` is, or is a shallow copy of; None for anything
+    else (a deep copy still to be adopted, a module of a wrapped model, a plain model). Only a
+    lookup: nothing changes.
+
+    A ``copy.copy`` of a module copies its ``__dict__`` entry by entry, not what they hold: its
+    module, parameter, buffer and hook tables are the original's own dicts. It shares the original's
+    wrap (one pager, one budget, one set of stats) instead of being adopted as a deep copy, which
+    would take the shared modules and masters away from the original. It is found through the
+    member it carries, which names the original, or, where the original has none (unwrapped, then
+    wrapped again through the copy), through the step hook in the shared hook table, which names the
+    state; either way only while that state's model still has these very tables."""
+    state = wrapped_state(model)
+    if state is not None and state.model_ref() is model:
+        return state
+    original = member_module(model)
+    candidates = [wrapped_state(original)] if original is not None else []
+    candidates += [hook.room() for hook in model._forward_pre_hooks.values()
+                   if isinstance(hook, StepHook) and hook.room is not None]
+    for state in candidates:
+        original = state.model_ref() if state is not None else None
+        if original is not None and wrapped_state(original) is state and shares_modules(model, original):
+            return state
+    return None
+
+
 def is_wrapped(model: nn.Module) -> bool:
     """Whether ``model`` is currently wrapped (by wrap_model or load_safetensors, or is a
-    ``copy.deepcopy`` of a wrapped model, which this registers on its own pager)."""
-    state = wrapped_state(model)
-    if state is None or state.model_ref() is not model:
-        state = adopt_copy(model) if isinstance(model, nn.Module) else None
-    return state is not None and state.model_ref() is model
+    ``copy.deepcopy`` of a wrapped model, which this registers on its own pager, or a ``copy.copy``
+    of one, which shares its wrap)."""
+    if not isinstance(model, nn.Module):
+        return False
+    if model_state(model) is None:
+        adopt_copy(model)
+    return model_state(model) is not None
 
 
 def state_of(model: nn.Module) -> State:
+    """The state of the wrapped ``model`` (or of the wrapped model it is a ``copy.copy`` of)."""
     if not is_wrapped(model):
         raise ValueError(f"offtensor: this {type(model).__name__} is not wrapped; call ot.wrap_model(model, ...) first")
-    state = wrapped_state(model)
+    state = model_state(model)
     if state.loans:
         state.settle_loans()
     return state

@@ -17,11 +17,11 @@ from ..config import OffloadConfig
 from ..pager import Pager
 from ..prefetch import Prefetcher
 from ..tensor import OffloadedTensor, check_offloadable
-from .copies import StepHook, register_wrapped, unregister_wrapped
+from .copies import StepHook, model_state, register_wrapped, unregister_wrapped
 from .dtensor import refuse_offloading_what_fsdp2_manages
 from .groups import collect_groups
 from .moves import Undo, as_param_like, make_resident, offload_group, refit_wrappers, resident_bytes, swap
-from .state import State, refuse_wrapped_elsewhere, wrapped_state
+from .state import State, refuse_wrapped_elsewhere, withdraw, wrapped_state
 
 
 class Prepared(NamedTuple):
@@ -90,6 +90,12 @@ def check_wrappable(model) -> None:
             f"offtensor: {type(model).__name__} is already wrapped (budget {state.pager.budget_bytes} bytes on "
             f"{state.pager.device}); call ot.unwrap_model(model) before wrapping it again"
         )
+    state = model_state(model)
+    if state is not None:
+        raise RuntimeError(
+            f"offtensor: this {type(model).__name__} is a copy.copy of a wrapped {type(state.model_ref()).__name__} "
+            f"and shares its modules, weights and wrap (budget {state.pager.budget_bytes} bytes on "
+            f"{state.pager.device}); call ot.unwrap_model on either of them before wrapping it again")
     refuse_wrapped_elsewhere(model, f"wrapping this {type(model).__name__} around it")
     _refuse_accelerate_offload(model)
     _refuse_diffusers_group_offload(model)
@@ -197,7 +203,16 @@ def unwrap(model: nn.Module, state: State) -> nn.Module:
     are undone as a failed wrap's are, the prefetcher is put back, and the next step registers its
     experts again. A weight's swap cut short half-way (``swap_tensors`` exchanges class, attributes
     and C++ tensor one by one) left before a Parameter of one class over the other's tensor, which
-    no forward or unwrap could use again."""
+    no forward or unwrap could use again.
+
+    ``model`` may be a ``copy.copy`` of the wrapped model (``copies.model_state``): the modules they
+    share are unwrapped through the original, which leaves last as it does unwrapped by its own name
+    (so a cut-short unwrap is found again through either name), and both names end plain."""
+    original = state.model_ref()
+    if original is not None and original is not model:
+        unwrap(original, state)
+        withdraw(model)  # the original's member, which the copy carried as it is: no module of it now
+        return model
     pager = state.pager
     prefetcher = pager.prefetcher
     try:

@@ -231,6 +231,14 @@ def wrapped_state(module: nn.Module) -> Optional[State]:
     return member.state if member is not None and member.module() is module else None
 
 
+def member_module(module: nn.Module) -> Optional[nn.Module]:
+    """The module named by the member ``module`` carries: ``module`` itself for a module of a wrapped
+    model; the original for a shallow copy of one (``copy.copy`` carries the original's member
+    object as it is); None when it carries none, or one naming no live module."""
+    member = module.__dict__.get(_MEMBER)
+    return member.module() if member is not None else None
+
+
 def refuse_wrapped_elsewhere(module: nn.Module, doing: str, state: "Optional[State]" = None) -> None:
     """Refuse ``doing`` with ``module`` where it, or a module in it, is already a module of a wrapped
     model other than ``state``'s (wrapped on its own, or shared with another wrapped model): its

@@ -13,8 +13,9 @@ from torch import nn
 from .. import placement
 from ..config import OffloadConfig
 from ..model.groups import StorageGroup
+from ..model.copies import model_state
 from ..model.prepare import pinned, re_place_experts
-from ..model.state import State, wrapped_state
+from ..model.state import State
 from ..moe import RoutingRecorder, is_routed_stack, model_top_k, routing_stats_of
 from .host_compute import cached_share, choose_expert_compute
 from ..placement import ModelPlacement
@@ -131,16 +132,16 @@ class PlacementWatch:
     def __call__(self, model, args, kwargs):
         if torch.compiler.is_compiling():
             return None
-        state = wrapped_state(model)
+        state = model_state(model)  # (a copy.copy of the model runs the same modules: its forwards count too)
         if state is None or state.watch is not self:
-            if state is not None and state.model_ref() is model:
+            if state is not None:
                 self.stop()  # decided (a decision cut short after it was recorded left the hooks)
             return None
         if self.recorder is not None and self.recorder.tokens < state.config.routing_warmup:
             return None
         with state.pager.lock:
             if state.watch is self:  # another thread's forward may have decided first
-                _decide_expert_placement(state, model, self, args)
+                _decide_expert_placement(state, state.model_ref(), self, args)
         return None
 
     def stop(self) -> None:
