@@ -278,10 +278,10 @@ def test_an_interrupt_at_any_point_of_a_meta_build_block_leaves_the_thread_build
     for as long as the traceback lived, and every model the thread built meanwhile got meta weights."""
     import contextlib
 
-    from offtensor.loading import pretrained
+    from offtensor.loading import pretrained, scoped
 
     on_meta = pretrained._parameters_on_meta
-    where = lambda code: code.co_filename in (pretrained.__file__, contextlib.__file__)  # noqa: E731
+    where = lambda code: code.co_filename in (pretrained.__file__, scoped.__file__, contextlib.__file__)  # noqa: E731
 
     def block():
         with on_meta():
