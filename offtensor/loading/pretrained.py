@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..config import OffloadConfig
-from .configs import building, check_on_meta, read_config
+from .configs import building, check_on_meta, counted_build, read_config
 from ..safetensors_files import CheckpointError, headers
 from ..safetensors_paths import directory_checkpoint, shard_files, stat_or_none
 from .load import load
@@ -90,7 +90,7 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
             return cls._from_config(model_config, dtype=dtype)
 
     ties = check_on_meta(build, copy.deepcopy(model_config), entries, root, strict)
-    with _parameters_on_meta():
+    with _parameters_on_meta(), counted_build(entries, model_config, root):
         model = build(model_config)
     if ties is None:  # the model cannot be built on meta (its __init__ reads values): decide on this build
         decide_ties(model, entries)

@@ -11,15 +11,14 @@ from torch.nn.modules import module as module_mod
 
 # What each kind of hook is registered with (torch's public functions).
 _REGISTER = {"parameter": module_mod.register_module_parameter_registration_hook,
-             "buffer": module_mod.register_module_buffer_registration_hook,
              "module": module_mod.register_module_module_registration_hook}
 
 
 class ScopedHooks:
-    """``with hooks(state):`` makes this thread's registrations call ``act(state, module, name,
-    value)`` (``acts``: kind -> act; one returning a value replaces the registered one, as torch's
-    hooks do). The hooks are registered only while some thread is inside a block; concurrent blocks
-    each see their own state."""
+    """``with hooks(state):`` makes this thread's registrations (``acts``: "parameter" or "module" ->
+    act) call ``act(state, module, name, value)``; one returning a value replaces the registered
+    one, as torch's hooks do. The hooks are registered only while some thread is inside a block;
+    concurrent blocks each see their own state."""
 
     def __init__(self, **acts):
         self.acts = acts
@@ -51,7 +50,12 @@ class ScopedHooks:
         that ``leave`` drops the hooks under (so no thread is left inside a block without them)."""
         with self.lock:
             if self.hook is None:
-                self.hook = [_REGISTER[kind](self._hook(act)) for kind, act in self.acts.items()]
+                # The hooks act only while their list is ``self.hook``: one an interrupt left
+                # registered without its handle stored acts for no one, never twice beside another.
+                handles = []
+                for kind, act in self.acts.items():
+                    handles.append(_REGISTER[kind](self._hook(act, handles)))
+                self.hook = handles
             self.blocks.setdefault(threading.get_ident(), []).append((frame, state))  # now the thread is inside
 
     def leave(self, frame) -> None:
@@ -70,9 +74,9 @@ class ScopedHooks:
                 for handle in handles:
                     handle.remove()
 
-    def _hook(self, act):
+    def _hook(self, act, handles: list):
         def hook(module, name, value):
-            inside = self.current()
+            inside = self.current() if handles is self.hook else ()
             return act(inside[0], module, name, value) if inside else None
         return hook
 
