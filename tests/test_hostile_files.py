@@ -553,3 +553,19 @@ def test_a_config_repeating_modules_without_parameters_is_refused_within_seconds
         with pytest.raises(ot.CheckpointError, match=r"config\.json' \(check num_taps = 1000000000\) makes the model "
                                                      r"register more than \d+ modules.*stopped after ModuleList\.\d+"):
             ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False, model_class=Tapped)
+
+
+def test_a_header_of_tiny_tensors_vouches_for_no_more_parameters_than_the_ceiling(tmp_path, device, monkeypatch):
+    # Each tensor a header lists vouches for two parameters, and a header holds a million one-byte
+    # tensors: past MAX_PARAMETERS (lowered here, so that the test builds a few hundred) the build
+    # is stopped whatever the files list.
+    from offtensor.loading import registrations
+
+    monkeypatch.setattr(registrations, "MAX_PARAMETERS", 300)
+    _per_expert(tmp_path, "switch_transformers", 10**9)
+    _one_byte_tensors(tmp_path / "tiny.safetensors", 5000)
+    with _within(5, "from_pretrained was still building experts"):
+        with pytest.raises(ot.CheckpointError, match=r"num_experts = 1000000000\) makes the model register more than "
+                                                     r"300 parameters, more than offtensor builds for any checkpoint "
+                                                     r"\(at most 300; the 2 file\(s\) list 5061 tensors\)"):
+            ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)

@@ -24,7 +24,7 @@ from .scoped import ScopedHooks
 PARAMETERS_PER_TENSOR, PARAMETER_ALLOWANCE = 2, 1024
 MODULES_PER_TENSOR, MODULE_ALLOWANCE = 4, 4096
 # Whatever the files list (a header holds a million one-byte tensors), no build registers more,
-# which bounds its time and memory (about 1 GB here at the ceiling). The largest published model of
+# which bounds its time and memory (SwitchTransformers' experts up to the ceiling: 35 s, 1.2 GB). The largest published model of
 # one module per expert, SwitchTransformers' switch-c-2048 (2048 experts a sparse layer), registers
 # 61,709 parameters and 154,181 modules; remote code building DeepSeek-V3's layout per expert at
 # Kimi-K2's size (384 experts, 60 layers) about 70,000 parameters.
