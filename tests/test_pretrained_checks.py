@@ -251,3 +251,27 @@ def test_the_bound_on_what_a_build_registers_never_refuses_a_published_moe_check
     stored = {id(t): n for n, t in reversed(model.state_dict(keep_vars=True).items())}.values()
     limits = Registrations({n: SimpleNamespace(file="model.safetensors", nbytes=1) for n in stored}, "ckpt")
     assert len(state.parameters) <= limits.parameter_limit and state.modules <= limits.module_limit
+
+
+class ReadsAValueThenRepeats(transformers.LlamaForCausalLM):
+    """A model whose __init__ reads a value first (so it is built for real without the check on
+    meta), then repeats a module ``config.num_taps`` times."""
+
+    def __init__(self, config):
+        schedule = torch.linspace(0, 1, 3)[1].item()
+        super().__init__(config)
+        self.schedule = schedule
+        self.taps = torch.nn.ModuleList(torch.nn.Identity() for _ in range(config.num_taps))
+
+
+def test_a_model_that_cannot_be_built_on_meta_is_still_stopped_past_what_its_files_can_fill(tmp_path):
+    # The real build is counted as the meta one is: a model whose __init__ reads a value skips the
+    # check on meta, and built num_taps = 10**9 modules for real before anything was matched.
+    from test_hostile_files import _within
+
+    _tiny_checkpoint(tmp_path)
+    _edit_config(tmp_path, {"num_taps": 10**9})
+    with _within(5, "from_pretrained was still building modules"):
+        with pytest.raises(ot.CheckpointError, match=r"\(check num_taps = 1000000000\) makes the model register more "
+                                                     r"than \d+ modules"):
+            ot.from_pretrained(tmp_path, device="cpu", budget_gb=1, progress=False, model_class=ReadsAValueThenRepeats)
