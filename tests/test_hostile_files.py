@@ -1,8 +1,8 @@
 """Hostile and damaged checkpoints beyond a malformed header: tied names stored twice with other
 values or shapes, files swapped or rewritten while a load runs, an index that names nothing, a
 giant config.json beside the files, per-expert names with absurd indexes or shapes, a torch.save
-file named as safetensors, a load larger than the machine's memory and a config with a million
-layers. Each is refused with ``ot.CheckpointError`` before the model changes (the file beside it
+file named as safetensors, a load larger than the machine's memory, a config with a million
+layers and one with a billion experts of a module each. Each is refused with ``ot.CheckpointError`` before the model changes (the file beside it
 is never read whole); none loads wrong weights, raises a bare Python error, or runs out of memory."""
 
 from __future__ import annotations
@@ -477,4 +477,95 @@ def test_an_encoder_decoder_config_with_a_million_layers_is_refused_before_any_l
     (tmp_path / "config.json").write_text(json.dumps(fields))
     with _within(20, "from_pretrained was still building layers"):
         with pytest.raises(ot.CheckpointError, match=rf"config\.json.*{field} = 1000000.*holds \d+ tensors"):
+            ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)
+
+
+def _per_expert(tmp_path, kind: str, experts: int, stored: int = 4) -> None:
+    """A tiny checkpoint of a model that builds one module per expert (``stored`` experts in its
+    files), its config.json then giving ``experts`` experts."""
+    transformers = pytest.importorskip("transformers")
+    if kind == "switch_transformers":
+        config = transformers.SwitchTransformersConfig(
+            vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2, num_experts=stored,
+            num_sparse_encoder_layers=1, num_sparse_decoder_layers=1)
+        transformers.SwitchTransformersForConditionalGeneration(config).save_pretrained(tmp_path)
+    else:
+        config = transformers.NllbMoeConfig(
+            vocab_size=64, d_model=16, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+            encoder_attention_heads=2, decoder_attention_heads=2, num_experts=stored, encoder_sparse_step=2,
+            decoder_sparse_step=2, max_position_embeddings=64)
+        transformers.NllbMoeForConditionalGeneration(config).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_experts"] = experts
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("kind", ["switch_transformers", "nllb_moe"])
+def test_a_config_with_a_billion_experts_of_a_module_each_is_refused_within_seconds(tmp_path, device, kind):
+    # Expert counts were not bounded before the meta build, and these models build one module per
+    # expert: num_experts = 20,000 beside a 4-expert checkpoint built every expert first (35 s);
+    # 10**9 ran until memory was gone. The build is now stopped once it registers more parameters
+    # than the files can give a tensor each.
+    from offtensor import _ext
+    from offtensor.loading.registrations import counted
+
+    _per_expert(tmp_path, kind, 10**9)
+    live = _ext.live_host_bytes()
+    with _within(5, "from_pretrained was still building experts"):
+        with pytest.raises(ot.CheckpointError, match=r"config\.json' \(check num_experts = 1000000000\) makes the "
+                                                     r"model register more than \d+ parameters, but the 1 file\(s\) "
+                                                     r"of .* hold \d+ tensors.*stopped after \w+Experts\.expert_\d+"):
+            ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)
+    assert _ext.live_host_bytes() == live
+    assert counted.hook is None and not counted.blocks  # (the counting hooks go with the build)
+
+
+def test_a_per_expert_checkpoint_beyond_the_fixed_allowance_loads(tmp_path, device):
+    # The other side of the bound: 300 experts (1,200 expert parameters, more than the allowance of
+    # 1,024 a checkpoint of few tensors gets), every one stored, load as transformers loads them.
+    transformers = pytest.importorskip("transformers")
+    from offtensor.loading.registrations import PARAMETER_ALLOWANCE
+
+    _per_expert(tmp_path, "switch_transformers", 300, stored=300)
+    reference = transformers.SwitchTransformersForConditionalGeneration.from_pretrained(tmp_path).eval()
+    assert sum(1 for n, _ in reference.named_parameters() if ".expert_" in n) > PARAMETER_ALLOWANCE
+    model = ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        got = model(input_ids=ids, decoder_input_ids=ids).logits.cpu()
+        assert torch.equal(got, reference(input_ids=ids, decoder_input_ids=ids).logits)
+
+
+def test_a_config_repeating_modules_without_parameters_is_refused_within_seconds(tmp_path, device):
+    # Modules are counted too: a field that repeats parameterless modules (here a model class's
+    # num_taps) would build them all, whatever the files hold.
+    transformers = pytest.importorskip("transformers")
+
+    class Tapped(transformers.LlamaForCausalLM):
+        def __init__(self, config):
+            super().__init__(config)
+            self.taps = nn.ModuleList(nn.Identity() for _ in range(config.num_taps))
+
+    _llama_with_layers(tmp_path, 2)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"num_taps": 10**9}))
+    with _within(5, "from_pretrained was still building modules"):
+        with pytest.raises(ot.CheckpointError, match=r"config\.json' \(check num_taps = 1000000000\) makes the model "
+                                                     r"register more than \d+ modules.*stopped after ModuleList\.\d+"):
+            ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False, model_class=Tapped)
+
+
+def test_a_header_of_tiny_tensors_vouches_for_no_more_parameters_than_the_ceiling(tmp_path, device, monkeypatch):
+    # Each tensor a header lists vouches for two parameters, and a header holds a million one-byte
+    # tensors: past MAX_PARAMETERS (lowered here, so that the test builds a few hundred) the build
+    # is stopped whatever the files list.
+    from offtensor.loading import registrations
+
+    monkeypatch.setattr(registrations, "MAX_PARAMETERS", 300)
+    _per_expert(tmp_path, "switch_transformers", 10**9)
+    _one_byte_tensors(tmp_path / "tiny.safetensors", 5000)
+    with _within(5, "from_pretrained was still building experts"):
+        with pytest.raises(ot.CheckpointError, match=r"num_experts = 1000000000\) makes the model register more than "
+                                                     r"300 parameters, more than offtensor builds for any checkpoint "
+                                                     r"\(at most 300; the 2 file\(s\) list 5061 tensors\)"):
             ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)

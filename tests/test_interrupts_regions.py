@@ -278,10 +278,10 @@ def test_an_interrupt_at_any_point_of_a_meta_build_block_leaves_the_thread_build
     for as long as the traceback lived, and every model the thread built meanwhile got meta weights."""
     import contextlib
 
-    from offtensor.loading import pretrained
+    from offtensor.loading import pretrained, scoped
 
     on_meta = pretrained._parameters_on_meta
-    where = lambda code: code.co_filename in (pretrained.__file__, contextlib.__file__)  # noqa: E731
+    where = lambda code: code.co_filename in (pretrained.__file__, scoped.__file__, contextlib.__file__)  # noqa: E731
 
     def block():
         with on_meta():
@@ -296,6 +296,41 @@ def test_an_interrupt_at_any_point_of_a_meta_build_block_leaves_the_thread_build
     assert all(error is not None for error in kept)
     block()
     assert not torch.nn.Linear(2, 2).weight.is_meta and on_meta.hook is None and not on_meta.blocks
+
+
+@needs_311
+def test_an_interrupt_at_any_point_of_a_counted_build_leaves_the_thread_uncounted():
+    """``from_pretrained`` counts what its builds register (``registrations.counted``) and stops a
+    build past its limit. A Ctrl-C at each point of the block's enter and exit, the exit's entry
+    included, its traceback kept: the thread's later builds are not counted (a limit of 0 refuses
+    any parameter inside the block, none outside), the next block, the tracebacks still kept,
+    leaves no hook behind, and a later build is counted once: a hook an interrupt left registered
+    before its handle was kept counted every registration again beside the next block's."""
+    from offtensor.loading import registrations, scoped
+
+    counted = registrations.counted
+    where = lambda code: code.co_filename in (registrations.__file__, scoped.__file__)  # noqa: E731
+
+    def block():
+        state = registrations.Registrations({}, "ckpt")
+        state.parameter_limit = 0
+        with counted(state):
+            with pytest.raises(ot.CheckpointError, match=r"more than 0 parameters"):
+                torch.nn.Linear(2, 2)
+
+    total = _points(block, where)
+    assert total > 3
+    kept = []
+    for n in range(1, total + 1):
+        kept.append(_Points(n, where).run(block))
+        torch.nn.Linear(2, 2)  # not refused: this thread is outside every block
+        block()  # (hooks an interrupted block left go at the next block's end: each run takes the same points)
+        assert counted.hook is None and not counted.blocks, n
+        state = registrations.Registrations({}, "ckpt")
+        with counted(state):
+            torch.nn.Sequential(torch.nn.Linear(2, 2))
+        assert (len(state.parameters), state.modules) == (2, 1), n  # each counted once, by one hook
+    assert all(error is not None for error in kept)
 
 
 @needs_311

@@ -205,3 +205,73 @@ def test_no_default_config_of_the_pinned_transformers_fails_the_field_checks():
             loading_configs._check_fields(fields, "config.json", "")  # raises CheckpointError on a refusal
             checked += 1
     assert checked > 500
+
+
+# Published MoE checkpoints' config values: models that build one module per expert (SwitchTransformers,
+# NLLB-MoE) and ones that stack their experts (Mixtral, DeepSeek-V3, Qwen3-MoE, gpt-oss, Jamba).
+PUBLISHED = {
+    "switch-base-128": lambda: (transformers.SwitchTransformersForConditionalGeneration, transformers.SwitchTransformersConfig(
+        num_experts=128, d_ff=3072, encoder_sparse_step=2, decoder_sparse_step=2, num_sparse_encoder_layers=6,
+        num_sparse_decoder_layers=6)),
+    "nllb-moe-54b": lambda: (transformers.NllbMoeForConditionalGeneration, transformers.NllbMoeConfig(
+        vocab_size=256206, d_model=2048, encoder_layers=24, decoder_layers=24, encoder_ffn_dim=8192,
+        decoder_ffn_dim=8192, encoder_attention_heads=16, decoder_attention_heads=16, num_experts=128,
+        encoder_sparse_step=4, decoder_sparse_step=4)),
+    "mixtral-8x22b": lambda: (transformers.MixtralForCausalLM, transformers.MixtralConfig(
+        vocab_size=32768, hidden_size=6144, intermediate_size=16384, num_hidden_layers=56, num_attention_heads=48,
+        num_key_value_heads=8, num_local_experts=8)),
+    "deepseek-v3": lambda: (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config()),
+    "qwen3-235b-a22b": lambda: (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+        num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8)),
+    "gpt-oss-120b": lambda: (transformers.GptOssForCausalLM, transformers.GptOssConfig(num_hidden_layers=36,
+                                                                                       num_local_experts=128)),
+    "jamba-v0.1": lambda: (transformers.JambaForCausalLM, transformers.JambaConfig()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_the_bound_on_what_a_build_registers_never_refuses_a_published_moe_checkpoint(name):
+    # The build is stopped once it registers more parameters or modules than its files can fill;
+    # a checkpoint's files hold every parameter and persistent buffer (a tied one once; stacked
+    # experts are stored one tensor per expert, more than the model has). Built once on meta at its
+    # published size, counted without limits: what it registers is within the limits those names
+    # give, and every parameter and module is counted.
+    from types import SimpleNamespace
+
+    from offtensor.loading.registrations import Registrations, counted
+
+    cls, config = PUBLISHED[name]()
+    state = Registrations({}, "ckpt")
+    state.parameter_limit = state.module_limit = float("inf")
+    with torch.device("meta"), counted(state):
+        model = cls._from_config(config)
+    assert len(state.parameters) >= len({id(p) for p in model.parameters()})
+    assert state.modules == sum(1 for _ in model.modules()) - 1  # (all but the model itself)
+    stored = {id(t): n for n, t in reversed(model.state_dict(keep_vars=True).items())}.values()
+    limits = Registrations({n: SimpleNamespace(file="model.safetensors", nbytes=1) for n in stored}, "ckpt")
+    assert len(state.parameters) <= limits.parameter_limit and state.modules <= limits.module_limit
+
+
+class ReadsAValueThenRepeats(transformers.LlamaForCausalLM):
+    """A model whose __init__ reads a value first (so it is built for real without the check on
+    meta), then repeats a module ``config.num_taps`` times."""
+
+    def __init__(self, config):
+        schedule = torch.linspace(0, 1, 3)[1].item()
+        super().__init__(config)
+        self.schedule = schedule
+        self.taps = torch.nn.ModuleList(torch.nn.Identity() for _ in range(config.num_taps))
+
+
+def test_a_model_that_cannot_be_built_on_meta_is_still_stopped_past_what_its_files_can_fill(tmp_path):
+    # The real build is counted as the meta one is: a model whose __init__ reads a value skips the
+    # check on meta, and built num_taps = 10**9 modules for real before anything was matched.
+    from test_hostile_files import _within
+
+    _tiny_checkpoint(tmp_path)
+    _edit_config(tmp_path, {"num_taps": 10**9})
+    with _within(5, "from_pretrained was still building modules"):
+        with pytest.raises(ot.CheckpointError, match=r"\(check num_taps = 1000000000\) makes the model register more "
+                                                     r"than \d+ modules"):
+            ot.from_pretrained(tmp_path, device="cpu", budget_gb=1, progress=False, model_class=ReadsAValueThenRepeats)

@@ -16,6 +16,7 @@ import torch
 from ..model.groups import collect_groups
 from ..safetensors_files import MAX_CONFIG_BYTES, CheckpointError, physical_memory, read_small_file, shape_text
 from .names import match, pieces_by_name
+from .registrations import Registrations, counted
 from .ties import decide as decide_ties
 
 # Fields that hold a size or a count (hidden_size, num_hidden_layers, vocab_size, head_dim,
@@ -95,13 +96,15 @@ def check_on_meta(build, config, entries: dict, root: str, strict: bool):
     """Build the model from ``config`` with every tensor on meta (``build(config)``: nothing is
     allocated, whatever sizes config.json gives), decide its ties and match it against the files
     (``entries``): a size the files do not have, or buffers larger than this machine's memory, fail
-    here by arithmetic, naming config.json's field. Returns the ties for the real build, or None
-    when the model's own ``__init__`` cannot run on meta (it reads a value: ``.item()``)."""
+    here by arithmetic, naming config.json's field; a build registering more parameters or modules
+    than the files can fill is stopped as it goes (``registrations.py``). Returns the ties for the
+    real build, or None when the model's own ``__init__`` cannot run on meta (it reads a value:
+    ``.item()``)."""
     too_many = _layers_beyond_files(config, entries, root)
     if too_many:
         raise CheckpointError(f"offtensor: cannot load {root} (nothing was built): " + "; ".join(too_many))
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), counted_build(entries, config, root):
             skeleton = build(config)
     except CheckpointError as e:
         if "meta" in str(e.__cause__):
@@ -118,6 +121,12 @@ def check_on_meta(build, config, entries: dict, root: str, strict: bool):
         raise CheckpointError(f"offtensor: cannot load {root} into {type(skeleton).__name__} (nothing was "
                               f"allocated):\n  " + "\n  ".join(problems))
     return ties
+
+
+def counted_build(entries: dict, config, root: str):
+    """``with counted_build(...):`` stops this thread's build from ``config`` once it registers more
+    parameters or modules than the files (``entries``) can fill (``registrations.py``)."""
+    return counted(Registrations(entries, root, lambda: _int_fields(config)))
 
 
 # The layer counts transformers builds from: ``num_hidden_layers`` and its other names (``n_layer``,

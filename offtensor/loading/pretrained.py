@@ -7,8 +7,6 @@ from __future__ import annotations
 import copy
 import os
 import stat
-import sys
-import threading
 import warnings
 from typing import Optional
 
@@ -16,100 +14,29 @@ import torch
 from torch import nn
 
 from ..config import OffloadConfig
-from .configs import building, check_on_meta, read_config
+from .configs import building, check_on_meta, counted_build, read_config
 from ..safetensors_files import CheckpointError, headers
 from ..safetensors_paths import directory_checkpoint, shard_files, stat_or_none
 from .load import load
+from .scoped import ScopedHooks
 from .ties import apply as apply_ties
 from .ties import decide as decide_ties
 
 
-class _ParametersOnMeta:
-    """``with _parameters_on_meta():`` builds parameters on meta and leaves buffers real, like
-    accelerate's ``init_empty_weights(include_buffers=False)``: buffers computed at init (rotary
-    frequencies) are not in checkpoints, so they must keep their values.
-
-    Only the thread inside the block is affected: a parameter registration hook (torch's public
-    ``register_module_parameter_registration_hook``) acts for threads that are building, and is
-    registered only while one is (``nn.Module`` itself is never changed). A module built meanwhile
-    in another thread gets ordinary weights; concurrent builds each see their own."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.blocks = {}  # thread id -> the frames that entered a block there, innermost last
-        self.hook = None
-
-    def __call__(self) -> "_Building":
-        return _Building(self)
-
-    def building(self) -> bool:
-        """Whether this thread is inside a block: the frame that entered its innermost one is still
-        on the thread's stack. A block whose exit never ran (a Ctrl-C at the exit's entry, where
-        Python raises before any of its code runs) ends with that frame, and is dropped here."""
-        frames = self.blocks.get(threading.get_ident())
-        while frames:
-            f = sys._getframe(1)
-            while f is not None and f is not frames[-1]:
-                f = f.f_back
-            if f is not None:
-                return True
-            frames.pop()
-        return False
-
-    def enter(self, frame) -> None:
-        """``frame`` enters a block: the hook is registered, then the frame recorded, under the lock
-        that ``leave`` drops the hook under (so no thread is left building without the hook)."""
-        with self.lock:
-            if self.hook is None:
-                from torch.nn.modules import module as module_mod
-
-                self.hook = module_mod.register_module_parameter_registration_hook(self.on_meta)
-            self.blocks.setdefault(threading.get_ident(), []).append(frame)  # now the thread builds
-
-    def leave(self, frame) -> None:
-        """``frame``'s block ends; the hook goes once no thread builds. One left by an interrupted
-        block acts for no thread (``on_meta`` asks ``building``) and goes at a later block's end."""
-        ident = threading.get_ident()
-        frames = self.blocks.get(ident)
-        if frames and frames[-1] is frame:
-            frames.pop()
-        self.building()  # drops this thread's blocks whose frames have ended
-        with self.lock:
-            if not self.blocks.get(ident):
-                self.blocks.pop(ident, None)
-            if not any(self.blocks.values()) and self.hook is not None:
-                hook, self.hook = self.hook, None
-                hook.remove()
-
-    def on_meta(self, module, name, param):
-        if param is None or param.is_meta or not self.building():
-            return None
-        on_meta = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-        on_meta.__dict__.update(param.__dict__)
-        return on_meta
+def _on_meta(state, module, name, param):
+    if param is None or param.is_meta:
+        return None
+    on_meta = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+    on_meta.__dict__.update(param.__dict__)
+    return on_meta
 
 
-class _Building:
-    """One ``with _parameters_on_meta():`` block. A class, not a ``contextlib`` generator (whose
-    suspended frame a kept traceback holds), and bound to the frame that entered it: the thread
-    builds on meta while that frame runs, so even an exit an interrupt skipped ends the block."""
-
-    __slots__ = ("owner", "frame")
-
-    def __init__(self, owner: _ParametersOnMeta):
-        self.owner, self.frame = owner, None
-
-    def __enter__(self):
-        self.frame = sys._getframe(1)
-        self.owner.enter(self.frame)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        frame, self.frame = self.frame, None
-        self.owner.leave(frame)
-
-
-_parameters_on_meta = _ParametersOnMeta()
+# ``with _parameters_on_meta():`` builds parameters on meta and leaves buffers real, like
+# accelerate's ``init_empty_weights(include_buffers=False)``: buffers computed at init (rotary
+# frequencies) are not in checkpoints, so they must keep their values. Only the thread inside the
+# block, while the frame that entered it runs, is affected (``scoped.py``): a module built meanwhile
+# in another thread gets ordinary weights; concurrent builds each see their own.
+_parameters_on_meta = ScopedHooks(parameter=_on_meta)
 
 
 def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype: Optional[torch.dtype] = None, *,
@@ -163,7 +90,7 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
             return cls._from_config(model_config, dtype=dtype)
 
     ties = check_on_meta(build, copy.deepcopy(model_config), entries, root, strict)
-    with _parameters_on_meta():
+    with _parameters_on_meta(), counted_build(entries, model_config, root):
         model = build(model_config)
     if ties is None:  # the model cannot be built on meta (its __init__ reads values): decide on this build
         decide_ties(model, entries)
