@@ -101,6 +101,92 @@ def test_peft_lora_on_stacked_moe_experts_trains_like_the_unwrapped_run(device):
     _paged_within_budget(model)
 
 
+def _stacked_lora(model, adapters):
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(1)
+    config = dict(r=4, target_modules=["q_proj"], init_lora_weights=False,
+                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    model = peft.get_peft_model(model, peft.LoraConfig(**config), adapter_name=adapters[0])
+    for name in adapters[1:]:
+        model.add_adapter(name, peft.LoraConfig(**config))
+    return model
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.3])
+def test_several_peft_adapters_active_on_stacked_experts_run_at_every_budget_wrap_accepts(device, fraction):
+    """With several adapters active on a ``target_parameters`` weight, peft sums their deltas into
+    one tensor the size of the whole stack at every forward and holds it on a parametrization
+    module registered for that forward. That tensor was counted as a resident weight, so at 0.3 of
+    the weights and below the forward raised BudgetError; it is counted as activations are, and
+    ``W + delta`` runs in slices: logits and two training steps equal the unwrapped run's."""
+    model, reference = _tiny("qwen3_moe", device)
+    model, reference = _stacked_lora(model, ["a", "b"]), _stacked_lora(reference, ["a", "b"])
+    _wrap(model, device, fraction)
+    for m in (model, reference):
+        m.base_model.set_adapter(["a", "b"])
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any(".experts.base_layer.lora_A.a." in n for n in trained)
+    assert any(".experts.base_layer.lora_A.b." in n for n in trained)
+    _same_logits(model, reference, device)
+    model.train()
+    reference.train()
+    _same_training(model, reference, device)
+    _paged_within_budget(model)
+
+
+def test_merged_peft_adapter_on_stacked_experts_writes_the_offloaded_stack_and_unmerges(device):
+    """``merge_adapter`` of a ``target_parameters`` LoRA adds its delta into the offloaded stack's
+    master (``param.data += delta``) and ``unmerge_adapter`` takes it out: logits equal the
+    unwrapped model's both ways, within the budget."""
+    model, reference = _tiny("qwen3_moe", device)
+    model, reference = _stacked_lora(model, ["a"]), _stacked_lora(reference, ["a"])
+    _wrap(model, device)
+    stack = next(p for n, p in model.named_parameters() if n.endswith("experts.base_layer.base_layer.gate_up_proj"))
+    before = stack.detach().clone()
+    for m in (model, reference):
+        m.merge_adapter()
+    assert isinstance(stack, ot.OffloadedTensor) and not torch.equal(stack, before)
+    _same_logits(model, reference, device)
+    for m in (model, reference):
+        m.unmerge_adapter()
+    _same_logits(model, reference, device)
+    _paged_within_budget(model)
+
+
+class _AddDelta(torch.nn.Module):
+    """A parametrization as peft's ``_LoraParameterProxy``: ``W + self.delta``, the delta a plain attribute."""
+
+    def __init__(self, delta):
+        super().__init__()
+        self.delta = delta
+
+    def forward(self, w):
+        return w + self.delta
+
+
+def test_a_tensor_assigned_to_a_parametrization_of_a_wrapped_model_is_its_operand_not_a_weight(device):
+    """A plain tensor set on a registered parametrization (here after it joined the wrapped model;
+    peft sets its delta before) is an operand of the parametrized tensor, not a weight: it stays
+    the tensor assigned, on the device, outside the resident bytes. Before, it was offloaded in
+    place (a copy back to the host at each assignment) or, where it fit, counted as a resident weight."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
+    reference = copy.deepcopy(model).to(device)
+    _wrap(model, device)
+    for m in (model, reference):
+        torch.nn.utils.parametrize.register_parametrization(m[2], "weight", _AddDelta(torch.zeros(256, 256).to(device)))
+    resident = ot.stats(model).resident_bytes
+    delta = torch.randn(256, 256, generator=torch.Generator().manual_seed(1)).to(device)
+    for m in (model, reference):
+        m[2].parametrizations.weight[0].delta = delta
+    assert model[2].parametrizations.weight[0].delta is delta and not isinstance(delta, ot.OffloadedTensor)
+    s = ot.stats(model)
+    assert (s.resident_bytes, s.bytes_d2h) == (resident, 0), s
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(2)).to(device)
+    assert torch.equal(model(x), reference(x))
+    _paged_within_budget(model)
+
+
 # ---------------------------------------------------------------------------- torch.export
 
 

@@ -11,6 +11,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .. import leaves
 from ..pager import Pager, covering_range, master_for, pins_host_memory
@@ -383,11 +384,31 @@ def storage_bytes(t: torch.Tensor):
 
 def _attribute_tensors(model: nn.Module):
     """(module, name, tensor) for tensors held as plain attributes (not Parameters or buffers,
-    which nn.Module keeps out of ``__dict__``): weights computed after loading, like vLLM's W_UV."""
+    which nn.Module keeps out of ``__dict__``): weights computed after loading, like vLLM's W_UV.
+    Not those of parametrization functions (``_parametrization_functions``)."""
+    functions = _parametrization_functions(model)
     for module in model.modules():
+        if module in functions:
+            continue
         for name, t in module.__dict__.items():
             if isinstance(t, torch.Tensor) and not t.is_meta and t.layout == torch.strided:
                 yield module, name, t
+
+
+def _parametrization_functions(model: nn.Module) -> set:
+    """The modules ``torch.nn.utils.parametrize`` calls to compute a parametrized tensor from its
+    ``original`` (each entry of a ``ParametrizationList``), with their submodules. Their Parameters
+    and buffers are weights like any (spectral_norm's ``_u``, placed and counted); a plain tensor
+    attribute of theirs is an operand of that computation, which torch neither moves with the
+    module nor saves: peft's summed LoRA delta for a ``target_parameters`` weight with several
+    adapters active, built from the adapters at every forward and dropped after it. Such a tensor is
+    what ops compute during a forward, counted as activations are (not in the weight budget)."""
+    functions = set()
+    for module in model.modules():
+        if isinstance(module, parametrize.ParametrizationList):
+            for function in module:
+                functions.update(function.modules())
+    return functions
 
 
 def untracked_bytes(model: nn.Module, device: torch.device) -> int:
