@@ -385,9 +385,12 @@ def storage_bytes(t: torch.Tensor):
 def _attribute_tensors(model: nn.Module):
     """(module, name, tensor) for tensors held as plain attributes (not Parameters or buffers,
     which nn.Module keeps out of ``__dict__``): weights computed after loading, like vLLM's W_UV.
-    Not those of parametrization functions (``_parametrization_functions``)."""
-    functions = _parametrization_functions(model)
+    Not those of parametrization functions (``_parametrization_functions``), found in the same walk:
+    ``modules()`` lists a ParametrizationList before the functions it holds."""
+    functions = set()
     for module in model.modules():
+        if isinstance(module, parametrize.ParametrizationList):
+            functions.update(_parametrization_functions(module))
         if module in functions:
             continue
         for name, t in module.__dict__.items():
@@ -395,20 +398,15 @@ def _attribute_tensors(model: nn.Module):
                 yield module, name, t
 
 
-def _parametrization_functions(model: nn.Module) -> set:
+def _parametrization_functions(parametrizations: parametrize.ParametrizationList) -> set:
     """The modules ``torch.nn.utils.parametrize`` calls to compute a parametrized tensor from its
-    ``original`` (each entry of a ``ParametrizationList``), with their submodules. Their Parameters
+    ``original`` (each entry of ``parametrizations``), with their submodules. Their Parameters
     and buffers are weights like any (spectral_norm's ``_u``, placed and counted); a plain tensor
     attribute of theirs is an operand of that computation, which torch neither moves with the
     module nor saves: peft's summed LoRA delta for a ``target_parameters`` weight with several
     adapters active, built from the adapters at every forward and dropped after it. Such a tensor is
     what ops compute during a forward, counted as activations are (not in the weight budget)."""
-    functions = set()
-    for module in model.modules():
-        if isinstance(module, parametrize.ParametrizationList):
-            for function in module:
-                functions.update(function.modules())
-    return functions
+    return {m for function in parametrizations for m in function.modules()}
 
 
 def untracked_bytes(model: nn.Module, device: torch.device) -> int:
