@@ -220,3 +220,29 @@ def test_a_weight_a_fused_loss_reads_whole_placed_after_wrapping_is_counted_whol
         place()
         assert isinstance(model.loss.linear.weight, ot.OffloadedTensor)
         _loss_runs_as_unwrapped(model, reference, device)
+
+
+def test_an_offloaded_table_tied_into_a_fused_loss_after_wrapping_is_counted_whole(device):
+    # An embedding table is paged by rows (256 bytes a row); tied as the chunked loss's linear
+    # weight after wrapping, the loss's one kernel reads all of it, 65536 bytes: one byte less is
+    # refused at the tie, naming both names, and the loss keeps its own weight.
+    for budget in (65_535, 65_536):
+        model = torch.nn.Module()
+        model.embed = torch.nn.Embedding(256, 64)
+        ot.wrap_model(model, budget_gb=budget / GiB, device=device, prefetch=False, policy=["*"])
+        model.loss = torch.nn.LinearCrossEntropyLoss(64, 256, options=torch.nn.LinearCrossEntropyOptions(),
+                                                     device="meta")
+        assert isinstance(model.embed.weight, ot.OffloadedTensor)
+        if budget < 65_536:
+            with pytest.raises(BudgetError, match=r"loss\.linear\.weight \(65536 bytes, offloaded as 'embed\.weight'\)"
+                                                  r" would be read whole.*LinearCrossEntropyLoss.*only 65535"):
+                model.loss.linear.weight = model.embed.weight
+            assert model.loss.linear.weight.is_meta
+            continue
+        model.loss.linear.weight = model.embed.weight
+        reference = ot.unwrap_model(copy.deepcopy(model)).to(device)
+        x = torch.randint(0, 256, (8,), generator=torch.Generator().manual_seed(2)).to(device)
+        y = torch.randint(0, 256, (8,), generator=torch.Generator().manual_seed(3)).to(device)
+        with torch.no_grad():
+            assert torch.equal(model.loss(model.embed(x), y), reference.loss(reference.embed(x), y))
+        assert ot.stats(model).peak_device_bytes <= budget
