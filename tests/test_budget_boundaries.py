@@ -155,3 +155,94 @@ def test_load_state_dict_with_assign_checks_the_whole_state_dict_against_the_roo
     assert all(after[k].dtype == v.dtype and torch.equal(after[k].cpu(), v) for k, v in before.items())
     model.load_state_dict(fits, assign=True)  # the model still loads what fits
     assert model[0].bias.dtype == torch.float16
+
+
+class _Body(torch.nn.Module):
+    """A body whose LinearCrossEntropyLoss head (chunked: one kernel reads its linear's weight whole)
+    comes after wrapping: attached, or given a new, larger weight."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(64, 64, bias=False)  # 16384 bytes
+
+    def forward(self, x, y):
+        return self.loss(self.body(x), y)
+
+
+def _chunked_loss(classes: int) -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.LinearCrossEntropyLoss(64, classes, options=torch.nn.LinearCrossEntropyOptions())
+
+
+def _loss_runs_as_unwrapped(model, reference, device) -> None:
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(2)).to(device)
+    y = torch.randint(0, model.loss.num_classes, (8,), generator=torch.Generator().manual_seed(3)).to(device)
+    with torch.no_grad():
+        assert torch.equal(model(x, y), reference(x, y))
+    assert ot.stats(model).peak_device_bytes <= ot.stats(model).budget_bytes
+
+
+@pytest.mark.parametrize("how", ["attached", "assigned"])
+def test_a_weight_a_fused_loss_reads_whole_placed_after_wrapping_is_counted_whole(device, how):
+    # Its own Linear would be tiled (a tile of 16 rows is 4096 bytes), but the loss's chunked kernel
+    # (torch_nn._linear_cross_entropy_batch_chunked) reads the 256 x 64 weight, 65536 bytes, whole:
+    # the smallest budget that takes it is that, and one byte less is refused where it is placed.
+    for budget in (65_535, 65_536):
+        model = _Body()
+        if how == "assigned":
+            model.loss = _chunked_loss(64)  # 16384 bytes: wrap counts it whole beside the body
+        ot.wrap_model(model, budget_gb=budget / GiB, device=device, prefetch=False, policy=["*"])
+        head = _chunked_loss(256)
+        reference = ot.unwrap_model(copy.deepcopy(model)).to(device)
+        if how == "attached":
+            reference.loss = copy.deepcopy(head).to(device)
+        else:
+            reference.loss.num_classes = 256
+            reference.loss.linear.weight = torch.nn.Parameter(head.linear.weight.detach().clone().to(device))
+
+        def place():
+            if how == "attached":
+                model.loss = head
+            else:
+                model.loss.num_classes = 256
+                model.loss.linear.weight = head.linear.weight
+
+        if budget < 65_536:
+            with pytest.raises(BudgetError, match=r"loss\.linear\.weight \(65536 bytes\) needs 65536 bytes.*read whole"
+                                                  r".*'loss'.*LinearCrossEntropyLoss.*only 65535"):
+                place()
+            if how == "assigned":  # nothing lost: the loss keeps its weight, and runs
+                model.loss.num_classes = 64
+                assert model.loss.linear.weight.shape == (64, 64)
+                _loss_runs_as_unwrapped(model, ot.unwrap_model(copy.deepcopy(model)).to(device), device)
+            continue
+        place()
+        assert isinstance(model.loss.linear.weight, ot.OffloadedTensor)
+        _loss_runs_as_unwrapped(model, reference, device)
+
+
+def test_an_offloaded_table_tied_into_a_fused_loss_after_wrapping_is_counted_whole(device):
+    # An embedding table is paged by rows (256 bytes a row); tied as the chunked loss's linear
+    # weight after wrapping, the loss's one kernel reads all of it, 65536 bytes: one byte less is
+    # refused at the tie, naming both names, and the loss keeps its own weight.
+    for budget in (65_535, 65_536):
+        model = torch.nn.Module()
+        model.embed = torch.nn.Embedding(256, 64)
+        ot.wrap_model(model, budget_gb=budget / GiB, device=device, prefetch=False, policy=["*"])
+        model.loss = torch.nn.LinearCrossEntropyLoss(64, 256, options=torch.nn.LinearCrossEntropyOptions(),
+                                                     device="meta")
+        assert isinstance(model.embed.weight, ot.OffloadedTensor)
+        if budget < 65_536:
+            with pytest.raises(BudgetError, match=r"loss\.linear\.weight \(65536 bytes, offloaded as 'embed\.weight'\)"
+                                                  r" would be read whole.*LinearCrossEntropyLoss.*only 65535"):
+                model.loss.linear.weight = model.embed.weight
+            assert model.loss.linear.weight.is_meta
+            continue
+        model.loss.linear.weight = model.embed.weight
+        reference = ot.unwrap_model(copy.deepcopy(model)).to(device)
+        x = torch.randint(0, 256, (8,), generator=torch.Generator().manual_seed(2)).to(device)
+        y = torch.randint(0, 256, (8,), generator=torch.Generator().manual_seed(3)).to(device)
+        with torch.no_grad():
+            assert torch.equal(model.loss(model.embed(x), y), reference.loss(reference.embed(x), y))
+        assert ot.stats(model).peak_device_bytes <= budget

@@ -151,6 +151,25 @@ _FAST_PATHS = (nn.TransformerEncoderLayer, nn.TransformerEncoder, nn.MultiheadAt
 _FUSED_PARENTS = tuple(c for c in (getattr(nn, "LinearCrossEntropyLoss", None),) if c is not None)
 
 
+def read_whole_after(module: nn.Module, attr: str, t: torch.Tensor, modules) -> tuple:
+    """What the kernel of a ``_FUSED_PARENTS`` module among ``modules`` that holds ``module``
+    pages at once when ``module.attr`` holds ``t`` offloaded (a weight assigned after wrapping,
+    or attached with a new loss): the bytes of ``t`` and of the parent's other offloaded tensors,
+    read whole beside it, and the parent; (0, None) where no such parent holds ``module``: its ops
+    may tile it."""
+    for parent in {id(m): m for m in modules if isinstance(m, _FUSED_PARENTS)}.values():
+        inside = list(parent.modules())
+        if not any(m is module for m in inside):
+            continue
+        tensors = {id(t): t}
+        for m in inside:
+            for a, v in (*m._parameters.items(), *m._buffers.items()):
+                if isinstance(v, OffloadedTensor) and not (m is module and a == attr):
+                    tensors.setdefault(id(v), v)
+        return sum(tensor_bytes(v) for v in tensors.values()), parent
+    return 0, None
+
+
 def _batch_first(module: nn.Module) -> bool:
     """Whether ``module``'s fast path can be taken at all: only with batch-first attention."""
     if isinstance(module, nn.TransformerEncoder):

@@ -17,7 +17,7 @@ from .moves import (
     resident_storages_of, storage_bytes, swap, weight_tensors,
 )
 from .dtensor import refuse_offloading_an_fsdp2_parameter
-from .room import replan_paging_room, reserve_paging_room, warn_view_of_a_bigger_master
+from .room import replan_paging_room, reserve_paging_room, reserve_whole_read, warn_view_of_a_bigger_master
 from .state import State
 
 
@@ -33,6 +33,7 @@ def place(state: State, module: nn.Module, name: str, t: torch.Tensor, is_buffer
     if not state.experts_stale and "experts" in full_name.split("."):
         state.experts_stale = True
     if isinstance(t, OffloadedTensor):
+        reserve_whole_read(state, full_name, t, (module, name))
         t._master.move_to(pager)
         warn_view_of_a_bigger_master(full_name, t)
         return None

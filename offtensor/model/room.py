@@ -14,7 +14,9 @@ from .. import working_sets
 from ..pager import BudgetError, covering_range
 from ..tensor import OffloadedTensor
 from .moves import resident_bytes
-from .groups import Member, StorageGroup, collect_groups, leaf_is_tileable, module_groups, tensor_bytes
+from .groups import (
+    Member, StorageGroup, collect_groups, leaf_is_tileable, module_groups, read_whole_after, tensor_bytes,
+)
 from .state import State
 
 
@@ -38,11 +40,22 @@ def reserve_paging_room(state: State, full_name: str, t: torch.Tensor, slot: tup
     others += [_weight(name_of(a), new, (module, a, b), True) for a, (new, b) in loading.items()]
     placing = [(t, tileable), *(_offloaded_beside(slot, t, full_name) if beside is None else beside)]
     weights = others + [_weight(full_name, tensor, slot, can_tile) for tensor, can_tile in placing]
+    # A fused parent's kernel (LinearCrossEntropyLoss) reads this module's tensors whole with its
+    # own: as wrap-time placement counts them (groups.Member.read_whole), none is tiled and ``t``
+    # needs the room for all of them at once. The parent may be attaching with ``module``, not
+    # yet in the model: the names of its modules are known already.
+    whole, parent = _fused_parent_read(state, module, attr, t)
+    if whole:
+        weights = [dataclasses.replace(w, tileable=False, working_set=max(w.working_set, whole) if i == len(others)
+                                       else w.working_set) for i, w in enumerate(weights)]
     plan = working_sets.modules_room(weights, pager.budget_bytes - resident)[0]
     nbytes = tensor_bytes(t)  # offloading keeps an expanded tensor's stride-0 layout
     if resident + max(plan.need, state.working_set_bytes) > pager.budget_bytes:
         together = (f" with the other offloaded tensors of its module '{plan.module}' ({len(plan.weights)} in all)"
                     if len(plan.weights) > 1 else "")
+        if whole:
+            together += (f", read whole ({whole} bytes with the other offloaded tensors of '{state.prefixes.get(parent)}')"
+                         f" by the one kernel of the {type(parent).__name__} around it")
         raise BudgetError(
             f"offtensor: {kind}{full_name} ({nbytes} bytes) needs {plan.need} bytes on the device to be paged"
             f"{together}, but only {pager.budget_bytes - resident} of the budget's {pager.budget_bytes} bytes are "
@@ -50,6 +63,34 @@ def reserve_paging_room(state: State, full_name: str, t: torch.Tensor, slot: tup
         )
     _warn_tiles([plan], pager.budget_bytes, f"{kind}{full_name}", stacklevel=3)
     state.working_set_bytes = max(state.working_set_bytes, plan.need)
+
+
+def _fused_parent_read(state: State, module: torch.nn.Module, attr: str, t: torch.Tensor) -> tuple:
+    """``groups.read_whole_after`` among the model's modules and those attaching with ``module``."""
+    model = state.model_ref()
+    return read_whole_after(module, attr, t, [*state.prefixes.keys(), *(model.modules() if model is not None else ())])
+
+
+def reserve_whole_read(state: State, full_name: str, t: OffloadedTensor, slot: tuple) -> None:
+    """Before ``t``, offloaded already (a tie made after wrapping: ``loss.linear.weight =
+    embed.weight``), is registered into ``slot`` = (module, attribute): where a fused parent's
+    kernel reads it whole (the table an embedding pages by rows, read whole by the loss), make
+    sure the room holds that read, and reserve it. Raises a BudgetError, before anything changes,
+    where it cannot."""
+    module, attr = slot
+    whole, parent = _fused_parent_read(state, module, attr, t)
+    model = state.model_ref()
+    if not whole or model is None:
+        return
+    pager = state.pager
+    resident = resident_bytes(model, pager.device)
+    if resident + whole > pager.budget_bytes:
+        raise BudgetError(
+            f"offtensor: {full_name} ({tensor_bytes(t)} bytes, offloaded as {t._master.name!r}) would be read whole "
+            f"({whole} bytes with the other offloaded tensors of '{state.prefixes.get(parent)}') by the one kernel of "
+            f"the {type(parent).__name__} around it, but only {pager.budget_bytes - resident} of the budget's "
+            f"{pager.budget_bytes} bytes are not resident weights; raise budget_gb or keep a plain copy there")
+    state.working_set_bytes = max(state.working_set_bytes, whole)
 
 
 def check_assigned_load(state: State, root: torch.nn.Module, state_dict) -> dict:

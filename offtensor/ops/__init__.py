@@ -19,7 +19,8 @@ The modules beside this one name the ops that need more, by family: ``views``, `
 ``distances`` (``cdist`` in tiles the same way), ``rows``
 (index ops that page only the rows selected), ``grouped`` (grouped GEMMs of routed experts),
 ``collectives``, ``functions`` (whole ops intercepted at ``__torch_function__``: ``F.linear``,
-``matmul``...) and ``compile`` (the same paging inside torch.compile graphs).
+``matmul``...), ``compile`` (the same paging inside torch.compile graphs) and ``forward_ad`` (a
+forward-mode tangent for an offloaded weight, refused).
 
 Registration: ``OffloadedTensor.set_op_handlers`` is the class's one entry point for what ops do;
 the last line of this module calls it, once, with ``torch_dispatch`` and the ``functions`` table,
@@ -33,6 +34,7 @@ import torch
 from ..pager import BudgetError
 from ..tensor import TRACED_ALIVE, OffloadedTensor
 from . import compile as _compile
+from . import forward_ad  # noqa: F401  (refuses a forward-mode tangent for an offloaded weight)
 from . import reads  # noqa: F401  (registers clone, _to_copy, item, is_pinned, record_stream, _conj)
 from .distances import cdist
 from .collectives import COLLECTIVE_NAMESPACES, Collective

@@ -1,7 +1,8 @@
 """Ops that read an OffloadedTensor without paging it through the general rule: copies, casts and
 values read from the host master (``clone``, ``.to(dtype)``, ``.to("cpu")``, ``item``), factories
-that read only metadata (``zeros_like``, ``new_empty``...), questions about memory (``is_set_to``,
-``is_pinned``, ``record_stream``), and lazy conjugate/negative bits resolved."""
+that read only metadata (``zeros_like``, ``new_empty``...), questions about memory and shape
+(``is_set_to``, ``is_same_size``, ``is_pinned``, ``record_stream``), and lazy conjugate/negative
+bits resolved."""
 
 from __future__ import annotations
 
@@ -91,6 +92,13 @@ def _is_set_to(func, types, args, kwargs):
     if isinstance(self, OffloadedTensor) and isinstance(other, OffloadedTensor):
         return self._host.is_set_to(other._host)
     return False
+
+
+@implements(aten.is_same_size.default)
+def _is_same_size(func, types, args, kwargs):
+    # A question about shapes (forward AD asks it of a primal and its tangent): the general rule
+    # would page both arguments whole, and raise BudgetError for a weight larger than the room.
+    return tuple(args[0].shape) == tuple(args[1].shape)
 
 
 @implements(aten.is_pinned.default)
