@@ -247,6 +247,43 @@ def test_export_run_decompositions_pages_weights_it_passes_whole_through_the_pag
     _paged_within_budget(model)
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_of_a_model_whose_embedding_table_is_offloaded_pages_only_the_rows_it_looks_up(device, strict):
+    """export traces with gradients on, and an embedding table wrapped as a parameter needs one: the
+    traced embedding op was refused for such an argument, and the graph break it fell back on does
+    not exist under export, so export raised "aten.embedding ... cannot be traced". The op runs
+    below autograd, where the table's own formula (a scatter of rows that needs no weight) already
+    applies: it stays in the program, which pages the looked-up rows only."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(1000, 64), torch.nn.Linear(64, 64)).eval()
+    reference = copy.deepcopy(model).to(device)
+    resident = sum(p.numel() * p.element_size() for p in model[1].parameters())
+    ot.wrap_model(model, budget_gb=(resident + 1000 * 64 * 4 // 2) / GiB, device=device,
+                  policy=lambda name: "offload" if name == "0.weight" else "keep")
+    assert isinstance(model[0].weight, ot.OffloadedTensor) and model[0].weight.requires_grad
+    ids = torch.tensor([[3, 7, 3, 999], [0, 7, 512, 3]]).to(device)  # 5 distinct rows
+    program = torch.export.export(model, (ids,), strict=strict)
+    ot.reset_stats(model)
+    with torch.no_grad():
+        assert torch.equal(program.module()(ids), reference(ids))
+    assert ot.stats(model).bytes_h2d == 5 * 64 * 4
+    _paged_within_budget(model)
+
+
+def test_export_of_a_tiny_llama_at_30_percent_of_its_weights_gives_the_unwrapped_logits(device):
+    """Default placement offloads the embedding table (tied to the LM head) at this budget."""
+    model, reference = _tiny("llama", device)
+    _wrap(model, device)
+    assert isinstance(model.model.embed_tokens.weight, ot.OffloadedTensor)
+    ids, _ = _ids(device)
+    program = torch.export.export(model, (), {"input_ids": ids, "use_cache": False})
+    ot.reset_stats(model)
+    with torch.no_grad():
+        expected = reference(input_ids=ids, use_cache=False).logits
+        assert torch.equal(program.module()(input_ids=ids, use_cache=False).logits, expected)
+    _paged_within_budget(model)
+
+
 # ---------------------------------------------------------------------------- already composing
 
 

@@ -154,6 +154,31 @@ def test_an_offloaded_weight_that_needs_a_gradient_gets_the_unwrapped_one(device
     torch.testing.assert_close(offloaded.grad, reference.grad)
 
 
+def test_compiled_index_ops_on_an_offloaded_table_that_needs_a_gradient_stay_in_the_graph(device):
+    """embedding, index_select and indexing of an offloaded table that needs a gradient broke the
+    graph (each ran eagerly), on the belief that their opaque ops lacked an autograd formula; they
+    run below autograd, where the table's own formula applies. No break now, and the compiled step
+    gives the unwrapped loss and gradient bit for bit, as a plain device tensor."""
+    import torch.nn.functional as F
+
+    table = torch.randn(50, 8, generator=torch.Generator().manual_seed(0))
+    offloaded = nn.Parameter(ot.offload(table, device), requires_grad=True)
+    reference = table.clone().to(device).requires_grad_()
+    ids = torch.tensor([3, 7, 3, 49]).to(device)
+
+    def loss(w):
+        return F.embedding(ids, w).square().sum() + w.index_select(0, ids).sum() + w[ids].mean()
+
+    assert torch._dynamo.explain(loss)(offloaded).graph_break_count == 0
+    torch._dynamo.reset()
+    got = torch.compile(loss, backend="aot_eager")(offloaded)
+    got.backward()
+    expected = loss(reference)
+    expected.backward()
+    assert torch.equal(got, expected)
+    assert type(offloaded.grad) is torch.Tensor and torch.equal(offloaded.grad, reference.grad)
+
+
 # ---------------------------------------------------------------------------- offloaded MoE experts
 
 

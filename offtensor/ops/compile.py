@@ -17,8 +17,9 @@ device-to-device copy runs at device bandwidth, about 50x PCIe.
 
 Index ops that page only the rows (experts) they select are opaque ops of their own
 (``offtensor::embedding``, ``index_select``, ``index``, ``grouped_mm``) that run the eager handler at
-run time. What cannot be traced breaks the graph at that one op instead of crashing
-(``graph_break``): writes to an offloaded tensor, and index ops whose arguments need gradients.
+run time, with or without gradients (they run below autograd, see ``traced_index_op``). What cannot
+be traced breaks the graph at that one op instead of crashing (``graph_break``): writes to an
+offloaded tensor.
 Under CUDA graph capture ``page`` records a host->device copy from the pinned master into graph
 memory, so a replay reads the master's current bytes without any Python running; row-selective
 paging refuses to be captured.
@@ -248,8 +249,12 @@ def traced_index_op(func, args, kwargs):
     """The graph's opaque op for an index op whose one offloaded argument is its table (weight,
     expert stack); None when the call does not have that shape (the caller graph-breaks).
 
-    The ops have no autograd formula: when an argument needs a gradient (training through a
-    compiled MoE), the op runs eagerly instead, where autograd sees the eager handler's ops."""
+    An argument that needs a gradient (a trained embedding table, an MoE's input) does not keep the
+    op out of the graph: ``__torch_dispatch__`` runs below autograd, which has already recorded the
+    aten op's own formula on the OffloadedTensor (embedding's backward scatters gradient rows and
+    reads no weight; ``_grouped_mm``'s pages the experts again through this dispatch), so the opaque
+    op needs no formula of its own. torch.export, which traces with gradients on and has no graph to
+    break, depends on this."""
     entry = _TRACED_INDEX_OPS.get(func)
     if entry is None:
         return None
@@ -259,8 +264,6 @@ def traced_index_op(func, args, kwargs):
         values = value if isinstance(value, (list, tuple)) else (value,)
         for v in values:
             if isinstance(v, OffloadedTensor) and name != table:
-                return None
-            if isinstance(v, torch.Tensor) and v.requires_grad and torch.is_grad_enabled():
                 return None
     if not isinstance(call[table], OffloadedTensor):
         return None
