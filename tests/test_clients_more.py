@@ -247,6 +247,30 @@ def test_export_run_decompositions_pages_weights_it_passes_whole_through_the_pag
     _paged_within_budget(model)
 
 
+def test_export_run_decompositions_copies_a_convolution_weight_past_the_room_in_tiles(device):
+    """A convolution has non-tensor arguments, so the decomposed program gives it the graph's own
+    device copy of its weight (``offtensor::page``), which the budget does not count. The conv
+    handler ran while ``run_decompositions`` traced, so a weight larger than the room is recorded as
+    the tiles it chose (slices, a convolution each, a ``cat``): no copy is larger than the room, and
+    the program gives the unwrapped outputs within the budget."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(8, 64, 3), torch.nn.GELU(), torch.nn.Conv2d(64, 64, 3),
+                                torch.nn.GELU(), torch.nn.Conv2d(64, 8, 3)).eval()
+    reference = copy.deepcopy(model).to(device)
+    _wrap(model, device)
+    s = ot.stats(model)
+    room = s.budget_bytes - s.resident_bytes
+    assert isinstance(model[2].weight, ot.OffloadedTensor) and model[2].weight.numel() * 4 > room
+    x = torch.randn(2, 8, 12, 12, generator=torch.Generator().manual_seed(1)).to(device)
+    program = torch.export.export(model, (x,)).run_decompositions()
+    copies = [n.meta["val"] for n in program.graph.nodes if n.target == torch.ops.offtensor.page.default]
+    assert len(copies) > 3 and max(c.numel() * c.element_size() for c in copies) <= room
+    ot.reset_stats(model)
+    with torch.no_grad():
+        assert torch.equal(program.module()(x), reference(x))
+    _paged_within_budget(model)
+
+
 @pytest.mark.parametrize("strict", [False, True])
 def test_export_of_a_model_whose_embedding_table_is_offloaded_pages_only_the_rows_it_looks_up(device, strict):
     """export traces with gradients on, and an embedding table wrapped as a parameter needs one: the
