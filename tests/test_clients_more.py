@@ -295,16 +295,24 @@ def test_export_of_a_model_whose_embedding_table_is_offloaded_pages_only_the_row
 
 
 def test_export_of_a_tiny_llama_at_30_percent_of_its_weights_gives_the_unwrapped_logits(device):
-    """Default placement offloads the embedding table (tied to the LM head) at this budget."""
+    """Default placement offloads the embedding table (tied to the LM head) at this budget. The
+    decomposed program looks the rows up through offtensor's embedding op and gives what the
+    unwrapped model's decomposed program gives (decompositions change the last bits of both)."""
     model, reference = _tiny("llama", device)
     _wrap(model, device)
     assert isinstance(model.model.embed_tokens.weight, ot.OffloadedTensor)
     ids, _ = _ids(device)
-    program = torch.export.export(model, (), {"input_ids": ids, "use_cache": False})
+    kwargs = {"input_ids": ids, "use_cache": False}
+    program = torch.export.export(model, (), kwargs)
     ot.reset_stats(model)
     with torch.no_grad():
-        expected = reference(input_ids=ids, use_cache=False).logits
-        assert torch.equal(program.module()(input_ids=ids, use_cache=False).logits, expected)
+        assert torch.equal(program.module()(**kwargs).logits, reference(**kwargs).logits)
+    _paged_within_budget(model)
+    decomposed = program.run_decompositions()
+    assert any(n.target == torch.ops.offtensor.embedding.default for n in decomposed.graph.nodes)
+    unwrapped = torch.export.export(reference, (), kwargs).run_decompositions()
+    with torch.no_grad():
+        assert torch.equal(decomposed.module()(**kwargs).logits, unwrapped.module()(**kwargs).logits)
     _paged_within_budget(model)
 
 
