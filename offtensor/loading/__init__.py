@@ -12,6 +12,8 @@ where readers of safetensors files below the loader can use them too.
     names.py       how the files' names and dtypes map onto the model's tensors, and every mismatch
     ties.py        a transformers checkpoint's tied weights, decided from the files as transformers does
     configs.py     config.json checked, and the model built on meta and matched, before any allocation
+    registrations.py  how much a build may register, given the files it must match (counted as it runs)
+    scoped.py      registration hooks that act for one thread's block, bound to the frame that entered it
     read.py        the threaded reader: pieces into host masters and, staged, into device buffers
     load.py        load_safetensors: check, choose the placement, read, then change the model
     pretrained.py  from_pretrained: a transformers directory -> its model on meta, then load
