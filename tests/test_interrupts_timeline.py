@@ -21,24 +21,9 @@ from offtensor.sim.policy_clock import POLICY, PolicyClock
 
 from test_interrupts import _moe
 from test_interrupts_exits import _AtEntryOf
-from test_interrupts_more import _Points, _points
+from test_interrupts_more import _Points, _PointsPastEntry, _points
 
 needs_311 = pytest.mark.skipif(sys.version_info < (3, 11), reason="the points are 3.11's bytecodes")
-
-
-class _PointsPastEntry(_Points):
-    """``_Points`` without the entry of the function whose code is ``entry`` (there Python raises
-    before any of its code runs: ``test_a_ctrl_c_at_the_entry_of_timelines_exit_...`` has it)."""
-
-    def __init__(self, n, where, entry):
-        super().__init__(n, where)
-        self.entry = entry
-
-    def __call__(self, frame, event, arg):
-        if frame.f_code is self.entry and self._walked(frame):
-            frame.f_trace_opcodes, frame.f_trace_lines = True, False
-            return self._opcode
-        return super().__call__(frame, event, arg)
 
 
 def _policy():
