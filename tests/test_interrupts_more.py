@@ -532,7 +532,7 @@ class _PointsPastEntry(_Points):
 
 
 @needs_311
-def test_an_interrupt_where_a_master_dies_leaves_the_offloaded_bytes_right(monkeypatch):
+def test_an_interrupt_where_a_master_dies_leaves_the_offloaded_bytes_right(monkeypatch, young_heap):
     """A weight of a wrapped model replaced (its old host master dies, and its finalizer drops the
     master's cached copies and its bytes from the pager's count), a Ctrl-C at each point of that
     finalizer past its entry (which Python then ignores): the pager counts exactly the live

@@ -209,7 +209,7 @@ def test_a_re_placement_of_the_experts_cut_short_leaves_the_old_placement_or_the
 
 
 @needs_311
-def test_an_interrupt_anywhere_in_a_masters_accounting_counts_each_live_master_once():
+def test_an_interrupt_anywhere_in_a_masters_accounting_counts_each_live_master_once(young_heap):
     """A Ctrl-C at each point of a host master's creation, of its move to another pager (a wrap
     adopting an offloaded tensor, or undoing that) and of its adoption by the default pager (its
     model gone): every pager's ``offloaded_bytes`` (a figure of ``ot.stats`` and the cap on its
