@@ -184,12 +184,14 @@ class Router:
         if ahead == 1:
             self.uncached_guessed += 1
             self.uncached_correct += right
-            bins = (self.bin_correct, self.bin_guessed) + pool[:2]
+            correct, guessed, pool_correct, pool_guessed = self.bin_correct, self.bin_guessed, pool[0], pool[1]
         else:
-            bins = (self.bin2_correct, self.bin2_guessed) + pool[2:]
-        for i in (0, 2):
-            bins[i][confidence_bin] = PRECISION_DECAY * bins[i][confidence_bin] + right
-            bins[i + 1][confidence_bin] = PRECISION_DECAY * bins[i + 1][confidence_bin] + 1.0
+            correct, guessed, pool_correct, pool_guessed = self.bin2_correct, self.bin2_guessed, pool[2], pool[3]
+        b = confidence_bin  # (its own counts, then the pool's: each the same decayed sum)
+        correct[b] = PRECISION_DECAY * correct[b] + right
+        guessed[b] = PRECISION_DECAY * guessed[b] + 1.0
+        pool_correct[b] = PRECISION_DECAY * pool_correct[b] + right
+        pool_guessed[b] = PRECISION_DECAY * pool_guessed[b] + 1.0
 
     def pays_any(self, pool=None, ahead: int = 1) -> bool:
         """Whether any of its bins (of the guesses made ``ahead`` layers ahead) pays: ``pays`` of
@@ -214,17 +216,18 @@ class Router:
 
 
 
-def score(router: Router, pool) -> list:
+def score(router: Router, pool, used=None) -> list:
     """Close ``router``'s open guesses against the experts its stacks actually paged (``pool``:
-    every router's bins, ``RoutingSpeculator.pool``). Returns the experts its guesses copied that
-    its layer did not page (wrong copies)."""
+    every router's bins, ``RoutingSpeculator.pool``; ``used``: those experts where the caller has
+    them). Returns the experts its guesses copied that its layer did not page (wrong copies)."""
     guess, guess2 = router.guess, router.guess2
     if guess is None and guess2 is None:
         return []
     router.guess = router.guess2 = None
-    used = set()
-    for stack in router.stacks:
-        used |= stack.used
+    if used is None:
+        used = set()
+        for stack in router.stacks:
+            used |= stack.used
     if not used:
         return []  # its layer has not run yet (a forward cut short): nothing to score against
     # The misses a guess could cover: routed experts not cached when the first guess was made

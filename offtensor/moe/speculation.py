@@ -263,7 +263,7 @@ class RoutingSpeculator:
             if module is None or not isinstance(weight, torch.Tensor) or hasattr(weight, "_master") \
                     or weight.device != x.device or weight.shape[-1] != width:
                 return  # an offloaded router would be paged for a guess: not worth it
-        x = x.reshape(-1, width)  # (autograd is off: the router's hook runs this under no_grad)
+        x = x if x.dim() == 2 else x.reshape(-1, width)  # (a dispatched op; autograd is off: the hook runs under no_grad)
         x = x if x.dtype is weight.dtype else x.to(weight.dtype)
         scores = lookahead_scores(x, weight, bias, first)
         biased = bias is None and routing.correction_bias(module, scores.shape[-1]) is not None
@@ -440,10 +440,13 @@ class RoutingSpeculator:
             first = router.stacks[0]
             _drop_holds(self.pager_ref(), router, [e for e in router.copied if first.key_of(e) not in keys])
 
-    def _score(self, router: Router) -> None:
-        """Close ``router``'s open guesses against the experts its stacks actually paged (where its
-        routing was never told, ``routing_known``, its wrong copies' holds are dropped here)."""
-        _drop_holds(self.pager_ref(), router, score(router, self.pool))
+    def _score(self, router: Router, used=None) -> None:
+        """Close ``router``'s open guesses against the experts its stacks actually paged (``used``,
+        where the caller has them; where its routing was never told, ``routing_known``, its wrong
+        copies' holds are dropped here)."""
+        wrong = score(router, self.pool, used)
+        if wrong:
+            _drop_holds(self.pager_ref(), router, wrong)
 
     def step(self) -> None:
         """A pass ended: score open guesses, learn the router order and which stacks each selects."""
@@ -451,16 +454,15 @@ class RoutingSpeculator:
         if self.recorder is not None:
             self.recorder.step()
         for router in self.routers:
-            if router.tokens == 1 and router.stacks:
-                used = set()
-                for stack in router.stacks:
-                    used |= stack.used
-                if used:
-                    router.top_k = len(used)  # one token picks exactly top_k experts
+            used = set()  # (its layer's experts paged this pass: read once, for top_k and the score)
+            for stack in router.stacks:
+                used |= stack.used
+            if router.tokens == 1 and used:
+                router.top_k = len(used)  # one token picks exactly top_k experts
             if router.next_pass:
                 router.next_pass = False  # made for the pass to come: scored once that has run
             else:
-                self._score(router)
+                self._score(router, used)
             misses = sum(s.misses for s in router.stacks)
             router.missed = misses != router.misses_seen  # (a reset of the counters reads as a miss)
             router.misses_seen = misses
