@@ -457,6 +457,11 @@ def test_a_guess_is_binned_by_the_first_upper_edge_at_least_its_confidence_and_r
     # The most confident first; an expert's highest confidence; equal confidences in the order given.
     got = ot_guesses.ranked([(3, 0.2), (1, 0.5), (4, 0.2), (1, 0.1), (2, 0.5)])
     assert list(got.items()) == [(1, 0.5), (2, 0.5), (3, 0.2), (4, 0.2)]
+    # A guess's ranking and bins in one pass: the same experts in the same order in the same bins.
+    for pairs in ([(3, 0.2), (1, 0.5), (4, 0.2), (1, 0.1), (2, 0.5)], [(0, 1.5), (5, float("nan")), (6, 0.1000001),
+                                                                        (7, 0.1), (8, 0.95), (0, 0.05)]):
+        want = ot_guesses.confidence_bins(ot_guesses.ranked(pairs))
+        assert list(ot_guesses.ranked_bins(pairs).items()) == list(want.items())
 
 
 # ------------------------------------------------------------------------------------ placement

@@ -187,3 +187,16 @@ def test_an_online_refit_keeps_an_installed_token_table_the_decode_does_not_beat
     _decode(model, 16, ids=ids)
     assert refit.refits == 1
     assert refit.predictor.token_table is table and pager.experts.speculator.token_table is table
+
+
+def test_a_token_tables_guess_reads_each_token_once_and_anew_after_its_tables_change():
+    # (each step's guess looks its tokens' pairs up rather than reading and converting two rows)
+    table = TokenTable(torch.tensor([[3, 1, 0], [2, 0, 1]]), torch.tensor([[0.6, 0.3, 0.0], [0.9, 0.1, 0.0]]))
+    assert table.guess([0, 1, 7, -1]) == [(3, 0.6000000238418579), (1, 0.30000001192092896), (2, 0.8999999761581421),
+                                          (0, 0.10000000149011612)]
+    rows = table._rows[5]
+    assert table.guess([1]) == [(2, 0.8999999761581421), (0, 0.10000000149011612)] and table._rows[5] is rows
+    table.chances[1, 1] = 0.0  # written in place: read anew
+    assert table.guess([1]) == [(2, 0.8999999761581421)]
+    table.experts = torch.tensor([[5, 4, 0], [6, 0, 1]], dtype=torch.int32)  # replaced: read anew
+    assert table.guess([0]) == [(5, 0.6000000238418579), (4, 0.30000001192092896)]

@@ -24,6 +24,8 @@ import torch
 # Each token keeps this many times the top-k of its likeliest experts (the guess copies fewer: the
 # confidence gate and SPECULATE_EXPERTS decide).
 KEEP_PER_TOP_K = 2
+# At most this many tokens' pairs are kept read (``TokenTable.guess``).
+KEEP_TOKENS = 1 << 16
 
 
 class TokenTable:
@@ -31,13 +33,17 @@ class TokenTable:
     occurrences routed to each: ``experts`` [V, m] (int32), ``chances`` [V, m] (float32, 0 where a
     token was never seen or has fewer than m experts)."""
 
-    __slots__ = ("experts", "chances")
+    __slots__ = ("experts", "chances", "_rows")
 
     def __init__(self, experts: torch.Tensor, chances: torch.Tensor):
         if experts.shape != chances.shape or experts.dim() != 2:
             raise ValueError(f"offtensor: TokenTable: experts {tuple(experts.shape)} and chances "
                              f"{tuple(chances.shape)} must be the same [vocab, m] shape")
         self.experts, self.chances = experts.to(torch.int32).cpu(), chances.float().cpu()
+        # The pairs of the tokens guessed so far, read from the tables once (two row reads and two
+        # conversions a token were most of a step's first-layer guess): (experts, chances, their
+        # versions, vocab, token -> its pairs), made anew when either table is replaced or written.
+        self._rows = None
 
     @classmethod
     def fit(cls, ids: torch.Tensor, routed: torch.Tensor, num_experts: int, vocab: Optional[int] = None) -> "TokenTable":
@@ -64,10 +70,23 @@ class TokenTable:
     def guess(self, tokens: list) -> list:
         """(expert, chance) pairs of the given token ids' likeliest experts (none for a token out of
         range or never seen)."""
+        experts, chances, rows = self.experts, self.chances, getattr(self, "_rows", None)  # (unset: a table pickled without it)
+        if rows is None or rows[0] is not experts or rows[1] is not chances or rows[2] != _version(experts) \
+                or rows[3] != _version(chances):
+            rows = self._rows = (experts, chances, _version(experts), _version(chances), experts.shape[0], {})
+        vocab, known = rows[4], rows[5]
         out = []
-        for t in tokens:  # (a decode step's few rows, read per step: no per-token objects kept)
-            if 0 <= t < self.vocab:
-                out.extend((e, p) for e, p in zip(self.experts[t].tolist(), self.chances[t].tolist()) if p > 0.0)
+        for t in tokens:  # (a decode step's few rows)
+            pairs = known.get(t) if type(t) is int else None
+            if pairs is None:
+                if not 0 <= t < vocab:
+                    continue
+                pairs = tuple((e, p) for e, p in zip(experts[t].tolist(), chances[t].tolist()) if p > 0.0)
+                if type(t) is int:
+                    if len(known) >= KEEP_TOKENS:
+                        known.clear()  # (bounded: a long run over a large vocabulary starts again)
+                    known[t] = pairs
+            out.extend(pairs)
         return out
 
     def precision(self, ids: torch.Tensor, routed: torch.Tensor) -> float:
@@ -79,6 +98,12 @@ class TokenTable:
         top, known = self.experts[rows, :k].long(), self.chances[rows, :k] > 0
         hit = ((top.unsqueeze(-1) == routed.unsqueeze(-2)) & known.unsqueeze(-1)).any(-2) & inside[:, None]
         return float(hit.float().mean())
+
+
+def _version(t: torch.Tensor):
+    """``t``'s count of in-place writes, or None for an inference tensor, which keeps none (a table
+    counted under ``torch.inference_mode``: nothing here writes a table in place)."""
+    return None if t.is_inference() else t._version
 
 
 def input_embeddings(model) -> Optional[torch.nn.Module]:

@@ -47,6 +47,7 @@ SPECULATE_PRECISION_IDLE = 0.7
 # E experts: 1 / E is chance).
 CONFIDENCE_BINS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 _LAST_BIN = len(CONFIDENCE_BINS) - 1
+_EDGES = CONFIDENCE_BINS[:-1]  # (ranked_bins: a bisection over these needs no cap at the last bin)
 _NO_RECORD = ((0.0,) * len(CONFIDENCE_BINS),) * 2  # (a bin's record where no pool is given)
 # A bin's precision is correct / guessed over its recent uncached guesses: both counts decay by
 # this factor per scored guess, and at least SPECULATE_EVIDENCE guesses must stand behind it.
@@ -135,9 +136,19 @@ class Router:
         own record once it has SPECULATE_EVIDENCE guesses, until then by ``pool`` (every router's
         record of that bin, (correct, guessed) lists), so a router need not wait for evidence of
         its own before its first copy (on the trained test models a bin took 20-40 decode steps)."""
+        if SPECULATE_WASTE is None:  # (``_record`` inlined: asked of each uncached guess, every layer)
+            if ahead == 1:
+                correct, guessed, gate = self.bin_correct[confidence_bin], self.bin_guessed[confidence_bin], SPECULATE_PRECISION
+            else:
+                correct, guessed = self.bin2_correct[confidence_bin], self.bin2_guessed[confidence_bin]
+                gate = SPECULATE_PRECISION_IDLE
+            if guessed < self.evidence and pool is not None:
+                shared = pool if ahead == 1 else pool[2:]
+                correct, guessed = shared[0][confidence_bin], shared[1][confidence_bin]
+            return guessed >= self.evidence and correct >= gate * guessed
         correct, guessed = self._evidenced(confidence_bin, pool, ahead)
         gate = SPECULATE_PRECISION if ahead == 1 else SPECULATE_PRECISION_IDLE
-        if SPECULATE_WASTE is not None and ahead == 1:
+        if ahead == 1:
             gate = SPECULATE_PRECISION_FLOOR  # the waste budget decides (RoutingSpeculator._issue)
         return guessed >= self.evidence and correct >= gate * guessed
 
@@ -173,12 +184,14 @@ class Router:
         if ahead == 1:
             self.uncached_guessed += 1
             self.uncached_correct += right
-            bins = (self.bin_correct, self.bin_guessed) + pool[:2]
+            correct, guessed, pool_correct, pool_guessed = self.bin_correct, self.bin_guessed, pool[0], pool[1]
         else:
-            bins = (self.bin2_correct, self.bin2_guessed) + pool[2:]
-        for i in (0, 2):
-            bins[i][confidence_bin] = PRECISION_DECAY * bins[i][confidence_bin] + right
-            bins[i + 1][confidence_bin] = PRECISION_DECAY * bins[i + 1][confidence_bin] + 1.0
+            correct, guessed, pool_correct, pool_guessed = self.bin2_correct, self.bin2_guessed, pool[2], pool[3]
+        b = confidence_bin  # (its own counts, then the pool's: each the same decayed sum)
+        correct[b] = PRECISION_DECAY * correct[b] + right
+        guessed[b] = PRECISION_DECAY * guessed[b] + 1.0
+        pool_correct[b] = PRECISION_DECAY * pool_correct[b] + right
+        pool_guessed[b] = PRECISION_DECAY * pool_guessed[b] + 1.0
 
     def pays_any(self, pool=None, ahead: int = 1) -> bool:
         """Whether any of its bins (of the guesses made ``ahead`` layers ahead) pays: ``pays`` of
@@ -203,17 +216,18 @@ class Router:
 
 
 
-def score(router: Router, pool) -> list:
+def score(router: Router, pool, used=None) -> list:
     """Close ``router``'s open guesses against the experts its stacks actually paged (``pool``:
-    every router's bins, ``RoutingSpeculator.pool``). Returns the experts its guesses copied that
-    its layer did not page (wrong copies)."""
+    every router's bins, ``RoutingSpeculator.pool``; ``used``: those experts where the caller has
+    them). Returns the experts its guesses copied that its layer did not page (wrong copies)."""
     guess, guess2 = router.guess, router.guess2
     if guess is None and guess2 is None:
         return []
     router.guess = router.guess2 = None
-    used = set()
-    for stack in router.stacks:
-        used |= stack.used
+    if used is None:
+        used = set()
+        for stack in router.stacks:
+            used |= stack.used
     if not used:
         return []  # its layer has not run yet (a forward cut short): nothing to score against
     # The misses a guess could cover: routed experts not cached when the first guess was made
@@ -310,7 +324,10 @@ _NATIVE_GUESS, _NATIVE_CHANCES = _ext.native_function("guess_rows"), _ext.native
 
 def host_rows(scores) -> list:
     """A few rows of scores as lists of Python floats (``scores``: a tensor, or already its rows)."""
-    return scores if isinstance(scores, list) else scores.reshape(-1, scores.shape[-1]).tolist()
+    if isinstance(scores, list):
+        return scores
+    # (a decode step's scores are [tokens, E] already: a reshape is a dispatched op of its own)
+    return (scores if scores.dim() == 2 else scores.reshape(-1, scores.shape[-1])).tolist()
 
 
 def host_guess(scores, top_k) -> list:
@@ -360,3 +377,15 @@ def confidence_bins(confidence: dict) -> dict:
     last above them all; a NaN, which compares with nothing, the first), by bisection."""
     last = _LAST_BIN
     return {e: min(bisect_left(CONFIDENCE_BINS, p), last) for e, p in confidence.items()}
+
+
+def ranked_bins(pairs) -> dict:
+    """``confidence_bins(ranked(pairs))`` in one pass (each guess's: no dict of confidences between).
+    The bin is ``bisect_left`` over every upper edge but the last, the same as the bisection over
+    all of them capped at the last bin (a confidence above the last-but-one edge counts that edge
+    and no other either way; a NaN none)."""
+    edges, bins = _EDGES, {}
+    for e, p in sorted(pairs, key=itemgetter(1), reverse=True):
+        if e not in bins:  # (an expert's highest confidence: the first of its pairs in this order)
+            bins[e] = bisect_left(edges, p)
+    return bins

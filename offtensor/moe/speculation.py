@@ -45,8 +45,8 @@ import torch.nn.functional as F
 from .. import _ext
 from . import routing
 from .predictor import hidden_layer
-from .guesses import (CONFIDENCE_BINS, Router, WasteBudget, confidence_bins, copy_order, host_chances, host_guess, host_rows,
-                      ranked, routers_report, score)
+from .guesses import (CONFIDENCE_BINS, Router, WasteBudget, copy_order, host_chances, host_guess, host_rows, ranked_bins,
+                      routers_report, score)
 
 if TYPE_CHECKING:
     from .stack import Stack
@@ -100,7 +100,7 @@ def _read_back(packed):
     """(``packed`` on the host, an event or None): on a GPU, pinned staging copies of its tensors
     (a tensor, or a tuple of them) and an event after them, so nothing waits for the device."""
     tensors = packed if isinstance(packed, tuple) else (packed,)
-    if tensors[0].device.type != "cuda":
+    if not tensors[0].is_cuda:  # (a flag: no device object made, every layer of every step)
         return packed, None
     staged = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
     for host, t in zip(staged, tensors):
@@ -200,7 +200,7 @@ class RoutingSpeculator:
         self._next = {}  # router -> the router that ran after it in the last pass (the last: the first)
         self._wrap_from = None  # the router that ran last in the last pass: it guesses the next pass's first
         self._order = []  # routers in firing order, this pass
-        self._current = None  # the router that fired last: stacks paged now are its
+        self._current = None  # the stacks paged after the router that fired last (its list in _learned)
         self._learned = {}  # router -> stacks paged after it this pass
         # (router or None, scores or (ids, confidences), event or None, tokens, the layer after it, its
         # column, wrap, the router whose next-token prediction it holds (None once delivered), that
@@ -220,9 +220,9 @@ class RoutingSpeculator:
 
     def router_ran(self, router: Router, x: torch.Tensor) -> None:
         self._order.append(router)
-        self._current = router
-        self._learned.setdefault(router, [])
-        router.tokens = x.numel() // max(x.shape[-1], 1)
+        self._current = self._learned.setdefault(router, [])  # (one store: ``used`` appends to it)
+        width = x.shape[-1]
+        router.tokens = x.numel() // max(width, 1)
         if self.recorder is not None:
             self.recorder.input(router, x)
         nxt = self._next.get(router)
@@ -232,7 +232,7 @@ class RoutingSpeculator:
         # Where the learned map also predicts this layer's experts at the next token (rows from
         # ``own`` on), the matmul runs every decode step, for eviction, guess or not.
         learned = router.lookahead  # (the input's width: the hidden layer's, where it has one, else the map's)
-        if learned is not None and (learned[0].device != x.device or learned[len(learned) - 2].shape[-1] != x.shape[-1]):
+        if learned is not None and (learned[0].device != x.device or learned[len(learned) - 2].shape[-1] != width):
             learned = None
         own = learned is not None and router.own is not None
         if own and wrap and not router.missed:
@@ -251,17 +251,19 @@ class RoutingSpeculator:
                 self._stacks.eviction.next_turn.forget(router.stacks)  # a prefill: its next turn is not predicted
             return  # (the next pass's first layer is guessed by a learned map only, at decode)
         module = nxt.module_ref()
-        weight, bias, after, first = getattr(module, "weight", None), None, None, None
+        bias, after, first = None, None, None
         if learned is not None:
             # The learned look-ahead (moe.predictor): logits of nxt's experts, maybe from a hidden layer.
             weight, bias, first = learned[0], learned[1], learned[2:] or None
             after = self._next.get(nxt) if router.split is not None and not wrap else None
             if after is None or not after.stacks or after.top_k is None:
                 after = None  # (and the weight's two-ahead rows, if any, are not read)
-        elif module is None or not isinstance(weight, torch.Tensor) or hasattr(weight, "_master") \
-                or weight.device != x.device or weight.shape[-1] != x.shape[-1]:
-            return  # an offloaded router would be paged for a guess: not worth it
-        x = x.reshape(-1, x.shape[-1])  # (autograd is off: the router's hook runs this under no_grad)
+        else:
+            weight = getattr(module, "weight", None)  # (a module's attribute look-up: only where it guesses)
+            if module is None or not isinstance(weight, torch.Tensor) or hasattr(weight, "_master") \
+                    or weight.device != x.device or weight.shape[-1] != width:
+                return  # an offloaded router would be paged for a guess: not worth it
+        x = x if x.dim() == 2 else x.reshape(-1, width)  # (a dispatched op; autograd is off: the hook runs under no_grad)
         x = x if x.dtype is weight.dtype else x.to(weight.dtype)
         scores = lookahead_scores(x, weight, bias, first)
         biased = bias is None and routing.correction_bias(module, scores.shape[-1]) is not None
@@ -315,7 +317,7 @@ class RoutingSpeculator:
         usable = table is not None and first is not None and first.stacks and first.top_k is not None
         pairs = table.guess(tokens) if usable and SPECULATE_COPY and tokens else None
         if pairs:
-            self._issue(self.pager_ref(), first, ranked(pairs), len(tokens))
+            self._issue(self.pager_ref(), first, ranked_bins(pairs), len(tokens))
             first.next_pass = False  # (made for this pass: scored at its end)
 
     def router_output(self, router: Router, output) -> None:
@@ -348,7 +350,7 @@ class RoutingSpeculator:
         self._expected = keep
 
     def used(self, stack: Stack, expert: int) -> None:
-        learned = self._learned.setdefault(self._current, []) if self._current is not None else None
+        learned = self._current
         if learned is not None and stack not in learned:
             learned.append(stack)
 
@@ -386,21 +388,21 @@ class RoutingSpeculator:
                 end = split if split is not None else own
                 packed = host_rows(packed)
                 pairs = host_guess([r[:end] for r in packed], router.top_k)
-            self._issue(pager, router, ranked(pairs), tokens)
+            self._issue(pager, router, ranked_bins(pairs), tokens)
             router.next_pass = wrap
             if after is not None:
                 # Two layers ahead: copied only into copy time the next layer is expected to leave
                 # idle (every expert it is guessed to route is cached or being copied), so that
                 # such a copy never queues ahead of a miss of the next layer.
                 idle = all(e in router.cached or e in router.copied for e in router.guess)
-                self._issue(pager, after, ranked(host_guess([r[split:own] for r in packed], after.top_k)), tokens, 2, idle)
+                self._issue(pager, after, ranked_bins(host_guess([r[split:own] for r in packed], after.top_k)), tokens, 2, idle)
         self._pending = keep
 
-    def _issue(self, pager, router: Router, confidence: dict, tokens: int, ahead: int = 1, idle: bool = True) -> None:
+    def _issue(self, pager, router: Router, bins: dict, tokens: int, ahead: int = 1, idle: bool = True) -> None:
         """Open ``router``'s guess made ``ahead`` layers before it (scored at the step's end) and,
         with ``idle``, copy the guessed experts that are not cached and whose confidence bin has
-        paid (``Router.pays``), the most confident first, at most SPECULATE_EXPERTS."""
-        bins = confidence_bins(confidence)
+        paid (``Router.pays``), the most confident first, at most SPECULATE_EXPERTS. ``bins``:
+        expert -> its confidence bin, the most confident first (``guesses.ranked_bins``)."""
         cached = _cached_experts(pager, router)
         if ahead == 1:
             if router.guess is not None:
@@ -416,10 +418,11 @@ class RoutingSpeculator:
             return
         if ahead == 1:
             self._stacks.guard(router.stacks, bins)
-        if not idle:
+        if not idle or not SPECULATE_COPY:
             return
-        worth = copy_order(router, [e for e, b in bins.items() if SPECULATE_COPY and e not in cached
-                                    and e not in router.copied and router.pays(b, self.pool, ahead)], bins, self.pool, ahead)
+        pays, pool, copied = router.pays, self.pool, router.copied
+        worth = copy_order(router, [e for e, b in bins.items() if e not in cached and e not in copied and pays(b, pool, ahead)],
+                           bins, pool, ahead)
         for expert in worth[:SPECULATE_EXPERTS]:
             # It may take only the room of copies expected to be used later than itself.
             chance = router.precision(bins[expert], self.pool, ahead)
@@ -437,10 +440,13 @@ class RoutingSpeculator:
             first = router.stacks[0]
             _drop_holds(self.pager_ref(), router, [e for e in router.copied if first.key_of(e) not in keys])
 
-    def _score(self, router: Router) -> None:
-        """Close ``router``'s open guesses against the experts its stacks actually paged (where its
-        routing was never told, ``routing_known``, its wrong copies' holds are dropped here)."""
-        _drop_holds(self.pager_ref(), router, score(router, self.pool))
+    def _score(self, router: Router, used=None) -> None:
+        """Close ``router``'s open guesses against the experts its stacks actually paged (``used``,
+        where the caller has them; where its routing was never told, ``routing_known``, its wrong
+        copies' holds are dropped here)."""
+        wrong = score(router, self.pool, used)
+        if wrong:
+            _drop_holds(self.pager_ref(), router, wrong)
 
     def step(self) -> None:
         """A pass ended: score open guesses, learn the router order and which stacks each selects."""
@@ -448,16 +454,15 @@ class RoutingSpeculator:
         if self.recorder is not None:
             self.recorder.step()
         for router in self.routers:
-            if router.tokens == 1 and router.stacks:
-                used = set()
-                for stack in router.stacks:
-                    used |= stack.used
-                if used:
-                    router.top_k = len(used)  # one token picks exactly top_k experts
+            used = set()  # (its layer's experts paged this pass: read once, for top_k and the score)
+            for stack in router.stacks:
+                used |= stack.used
+            if router.tokens == 1 and used:
+                router.top_k = len(used)  # one token picks exactly top_k experts
             if router.next_pass:
                 router.next_pass = False  # made for the pass to come: scored once that has run
             else:
-                self._score(router)
+                self._score(router, used)
             misses = sum(s.misses for s in router.stacks)
             router.missed = misses != router.misses_seen  # (a reset of the counters reads as a miss)
             router.misses_seen = misses
