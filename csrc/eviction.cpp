@@ -10,6 +10,8 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include <initializer_list>
+#include <utility>
 #include <vector>
 
 #include "pyref.h"
@@ -54,10 +56,11 @@ struct Lookup {
     return get.p != nullptr;
   }
 
-  // The value under `key`, or None: a new reference, or nullptr with an exception set.
-  PyObject* operator()(PyObject* key) const {
+  // The value under `key` (whose hash is `hash`), or None: a new reference, or nullptr with an
+  // exception set.
+  PyObject* operator()(PyObject* key, Py_hash_t hash) const {
     if (dict == nullptr) return PyObject_CallOneArg(get.p, key);
-    PyObject* value = PyDict_GetItemWithError(dict, key);
+    PyObject* value = _PyDict_GetItem_KnownHash(dict, key, hash);
     if (value != nullptr) return Py_NewRef(value);
     return PyErr_Occurred() ? nullptr : Py_NewRef(Py_None);
   }
@@ -129,9 +132,12 @@ int slot_true(Slot& slot, PyObject* obj) {
   return value.p == Py_True ? 1 : PyObject_IsTrue(value.p);
 }
 
+// A key is looked up in several dicts (the cache, last uses, use counts): hashed once (a cache key is
+// a tuple of four, hashed item by item at every look-up), each dict probed with that hash.
+
 // `mapping.get(key, fallback)` of a dict, as a double; -1 with an exception set on failure.
-int get_double(PyObject* mapping, PyObject* key, double fallback, double* out) {
-  PyObject* value = PyDict_GetItemWithError(mapping, key);  // borrowed
+int get_double(PyObject* mapping, PyObject* key, Py_hash_t hash, double fallback, double* out) {
+  PyObject* value = _PyDict_GetItem_KnownHash(mapping, key, hash);  // borrowed
   if (value == nullptr) {
     if (PyErr_Occurred()) return -1;
     *out = fallback;
@@ -142,8 +148,8 @@ int get_double(PyObject* mapping, PyObject* key, double fallback, double* out) {
 }
 
 // `last.get(key, -1)` as a new reference.
-PyObject* tick_of(PyObject* last, PyObject* key) {
-  PyObject* value = PyDict_GetItemWithError(last, key);
+PyObject* tick_of(PyObject* last, PyObject* key, Py_hash_t hash) {
+  PyObject* value = _PyDict_GetItem_KnownHash(last, key, hash);
   if (value != nullptr) return Py_NewRef(value);
   return PyErr_Occurred() ? nullptr : PyLong_FromLong(-1);
 }
@@ -312,6 +318,7 @@ PyObject* rank_stack(const Ranking& r, PyObject* heap, PyObject* keys, PyObject*
   // 1. Of the experts routed at the layer's last turn (or its likeliest next), the least used.
   PyRef routed_ref;  // the least used of them (owned)
   PyObject* routed_key = nullptr;
+  Py_hash_t routed_hash = -1;
   long routed_e = -1;
   double routed_rank = 0.0;
   {
@@ -326,14 +333,16 @@ PyObject* rank_stack(const Ranking& r, PyObject* heap, PyObject* keys, PyObject*
         return nullptr;
       }
       PyObject* key = PyTuple_GET_ITEM(keys, e);
-      PyRef found(r.cache(key));
+      const Py_hash_t hash = PyObject_Hash(key);
+      if (hash == -1) return nullptr;
+      PyRef found(r.cache(key, hash));
       if (!found.p) return nullptr;
       if (found.p == Py_None) continue;
       const int ok = evictable(found.p, key, needed);
       if (ok < 0) return nullptr;
       if (!ok) continue;
       double rank;
-      if (get_double(r.frequency, key, 0.0, &rank) < 0) return nullptr;
+      if (get_double(r.frequency, key, hash, 0.0, &rank) < 0) return nullptr;
       if (predicted) {
         double chance;
         if (!chance_at(chances, e, &chance)) return nullptr;
@@ -342,7 +351,7 @@ PyObject* rank_stack(const Ranking& r, PyObject* heap, PyObject* keys, PyObject*
       }
       bool better = routed_ref.p == nullptr || rank < routed_rank;
       if (!better && rank == routed_rank) {  // ties to the older use
-        PyRef mine(tick_of(r.last, key)), theirs(tick_of(r.last, routed_key));
+        PyRef mine(tick_of(r.last, key, hash)), theirs(tick_of(r.last, routed_key, routed_hash));
         if (!mine.p || !theirs.p) return nullptr;
         const int older = PyObject_RichCompareBool(mine.p, theirs.p, Py_LT);
         if (older < 0) return nullptr;
@@ -351,7 +360,7 @@ PyObject* rank_stack(const Ranking& r, PyObject* heap, PyObject* keys, PyObject*
       if (better) {
         Py_XDECREF(routed_ref.p);
         routed_ref.p = found.release();
-        routed_key = key, routed_e = e, routed_rank = rank;
+        routed_key = key, routed_hash = hash, routed_e = e, routed_rank = rank;
       }
     }
     if (PyErr_Occurred()) return nullptr;
@@ -359,6 +368,7 @@ PyObject* rank_stack(const Ranking& r, PyObject* heap, PyObject* keys, PyObject*
 
   // 2. The least used evictable copy off the stack's heap of use records (ColdHeaps.coldest).
   PyRef cold_ref, cold_key;
+  Py_hash_t cold_hash = -1;
   long cold_e = -1;
   if (heap != Py_None && PyList_Check(heap)) {
     std::vector<PyObject*> aside;  // records popped to be pushed back (owned)
@@ -383,12 +393,14 @@ PyObject* rank_stack(const Ranking& r, PyObject* heap, PyObject* keys, PyObject*
       } else {
         key = PyTuple_GET_ITEM(record.p, 3);
       }
-      PyRef entry_ref(r.cache(key));
+      const Py_hash_t hash = PyObject_Hash(key);
+      if (hash == -1) { failed = true; break; }
+      PyRef entry_ref(r.cache(key, hash));
       if (!entry_ref.p) { failed = true; break; }
       PyObject* entry = entry_ref.p == Py_None ? nullptr : entry_ref.p;
       int stale = entry == nullptr;
       if (!stale) {
-        PyObject* tick = PyDict_GetItemWithError(r.last, key);
+        PyObject* tick = _PyDict_GetItem_KnownHash(r.last, key, hash);
         if (tick == nullptr && PyErr_Occurred()) { failed = true; break; }
         stale = PyObject_RichCompareBool(tick ? tick : Py_None, PyTuple_GET_ITEM(record.p, 1), Py_NE);
         if (stale < 0) { failed = true; break; }
@@ -406,7 +418,7 @@ PyObject* rank_stack(const Ranking& r, PyObject* heap, PyObject* keys, PyObject*
       if (ok) {
         cold_ref.p = entry_ref.release();
         cold_key.p = Py_NewRef(key);
-        cold_e = e;
+        cold_hash = hash, cold_e = e;
         break;
       }
     }
@@ -431,6 +443,7 @@ PyObject* rank_stack(const Ranking& r, PyObject* heap, PyObject* keys, PyObject*
   // 3. Of the two, the one whose next use is expected furthest away (ties to the older use).
   PyObject* candidates[2] = {routed_ref.p, cold_ref.p};
   PyObject* candidate_keys[2] = {routed_key, cold_key.p};  // (each its entry's key, as the entry was found by)
+  const Py_hash_t hashes[2] = {routed_hash, cold_hash};
   const long indexes[2] = {routed_e, cold_e};
   const bool recents[2] = {!predicted, false};
   PyRef best;
@@ -441,7 +454,7 @@ PyObject* rank_stack(const Ranking& r, PyObject* heap, PyObject* keys, PyObject*
     if (entry == nullptr) continue;
     PyObject* key = candidate_keys[c];
     double frequency_of;
-    if (get_double(r.frequency, key, 0.0, &frequency_of) < 0) return nullptr;
+    if (get_double(r.frequency, key, hashes[c], 0.0, &frequency_of) < 0) return nullptr;
     double q = frequency_of * r.per_turn;
     q = q < r.unseen ? r.unseen : q;  // max(q, unseen)
     q = 1.0 < q ? 1.0 : q;            // min(1.0, q)
@@ -452,7 +465,7 @@ PyObject* rank_stack(const Ranking& r, PyObject* heap, PyObject* keys, PyObject*
       p = recents[c] ? (reuse > q ? reuse : q) : q;  // max(q, reuse)
     }
     const double wait = 0.0 + (1.0 - p) * static_cast<double>(r.count) / q;
-    PyRef tick(tick_of(r.last, key));
+    PyRef tick(tick_of(r.last, key, hashes[c]));
     if (!tick.p) return nullptr;
     PyRef tie(PyNumber_Negative(tick.p));
     if (!tie.p) return nullptr;
@@ -532,7 +545,9 @@ PyObject* stack_candidate(VictimSearch& v, PyObject* stack, PyObject* keep) {
   static Slot master_id("master_id"), group_of("group"), keys_of("keys"), used("used"), last_used("last_used");
   PyRef master(master_id(stack));
   if (!master.p) return nullptr;
-  PyRef entries(v.cached(master.p));
+  const Py_hash_t master_hash = PyObject_Hash(master.p);
+  if (master_hash == -1) return nullptr;
+  PyRef entries(v.cached(master.p, master_hash));
   if (!entries.p) return nullptr;
   const int any = PyObject_IsTrue(entries.p);
   if (any <= 0) return any < 0 ? nullptr : Py_NewRef(Py_None);
@@ -553,8 +568,9 @@ PyObject* stack_candidate(VictimSearch& v, PyObject* stack, PyObject* keep) {
   }
   if (!recent.p) return nullptr;
   double reuse = v.reuse_prior;
-  if (get_double(v.reuse_of, group.p, v.reuse_prior, &reuse) < 0) return nullptr;
-  PyObject* heap = PyDict_GetItemWithError(v.heaps, master.p);
+  const Py_hash_t group_hash = PyObject_Hash(group.p);
+  if (group_hash == -1 || get_double(v.reuse_of, group.p, group_hash, v.reuse_prior, &reuse) < 0) return nullptr;
+  PyObject* heap = _PyDict_GetItem_KnownHash(v.heaps, master.p, master_hash);
   if (heap == nullptr && PyErr_Occurred()) return nullptr;
   PyRef keys(keys_of(stack));
   if (!keys.p) return nullptr;
@@ -681,15 +697,36 @@ bool rank_current(VictimSearch& v, PyObject* kept, Py_ssize_t i, PyObject* group
 
 }  // namespace
 
-PyObject* victim_search(PyObject*, PyObject* args) {
-  VictimSearch v{};
-  PyObject *kept, *cache, *cached, *current, *here_obj;
-  if (!PyArg_ParseTuple(args, "OOOOOO!O!O!O!OLO!O!O!O!dO!dd", &kept, &cache, &cached, &current, &v.needed,
-                        &PyDict_Type, &v.chances_of, &PyDict_Type, &v.likely_of, &PyDict_Type, &v.guarded,
-                        &PyDict_Type, &v.position, &here_obj, &v.r.count, &PyDict_Type, &v.heaps, &PyDict_Type,
-                        &v.r.last, &PyDict_Type, &v.r.frequency, &PyDict_Type, &v.reuse_of, &v.reuse_prior,
-                        &PySet_Type, &v.ran, &v.r.per_turn, &v.r.unseen))
+// victim_search's arguments of a type (a dict, a set: subclasses too): false with an exception set.
+bool typed(PyObject* const* args, std::initializer_list<int> at, PyTypeObject* type) {
+  for (int i : at) {
+    if (!PyObject_TypeCheck(args[i], type)) {
+      PyErr_Format(PyExc_TypeError, "victim_search() argument %d must be %s, not %.50s", i + 1, type->tp_name,
+                   Py_TYPE(args[i])->tp_name);
+      return false;
+    }
+  }
+  return true;
+}
+
+// Called with its arguments in place (METH_FASTCALL: once per eviction, its nineteen arguments
+// parsed by a format string cost more than a kept layer's whole comparison).
+PyObject* victim_search(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 19) {
+    PyErr_Format(PyExc_TypeError, "victim_search() takes 19 arguments (%zd given)", nargs);
     return nullptr;
+  }
+  if (!typed(args, {5, 6, 7, 8, 11, 12, 13, 14}, &PyDict_Type) || !typed(args, {16}, &PySet_Type)) return nullptr;
+  VictimSearch v{};
+  PyObject *kept = args[0], *cache = args[1], *cached = args[2], *current = args[3], *here_obj = args[9];
+  v.needed = args[4], v.chances_of = args[5], v.likely_of = args[6], v.guarded = args[7], v.position = args[8];
+  v.heaps = args[11], v.r.last = args[12], v.r.frequency = args[13], v.reuse_of = args[14], v.ran = args[16];
+  v.r.count = PyLong_AsLongLong(args[10]);
+  if (v.r.count == -1 && PyErr_Occurred()) return nullptr;
+  for (auto [at, out] : {std::pair{15, &v.reuse_prior}, {17, &v.r.per_turn}, {18, &v.r.unseen}}) {
+    *out = PyFloat_AsDouble(args[at]);
+    if (*out == -1.0 && PyErr_Occurred()) return nullptr;
+  }
   static Slot key_of("key");
   KeptLists lists;
   if (!lists.read(kept, v)) return nullptr;
@@ -744,7 +781,9 @@ PyObject* victim_search(PyObject*, PyObject* args) {
     PyRef held(Py_NewRef(best));  // (its layer's kept best may be replaced below)
     PyRef key(key_of(best));
     if (!key.p) return nullptr;
-    PyRef now(v.r.cache(key.p));
+    const Py_hash_t hash = PyObject_Hash(key.p);
+    if (hash == -1) return nullptr;
+    PyRef now(v.r.cache(key.p, hash));
     if (!now.p) return nullptr;
     const int usable = now.p == best ? evictable(best, key.p, Py_None) : 0;
     if (usable < 0) return nullptr;

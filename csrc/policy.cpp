@@ -15,7 +15,7 @@ namespace offtensor {
 
 // The expert eviction's victim search (csrc/eviction.cpp).
 PyObject* stack_best(PyObject*, PyObject* args);
-PyObject* victim_search(PyObject*, PyObject* args);
+PyObject* victim_search(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 
 namespace {
 
@@ -220,7 +220,7 @@ PyMethodDef kMethods[] = {
      "A next-token map's chances on rows of logits (offtensor/moe/guesses.py: host_chances)."},
     {"stack_best", stack_best, METH_VARARGS,
      "The expert eviction's ranking of one stack (offtensor/moe/eviction.py: ExpertEviction._stack_best)."},
-    {"victim_search", victim_search, METH_VARARGS,
+    {"victim_search", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(victim_search)), METH_FASTCALL,
      "The victim search's loop over the layers (offtensor/moe/eviction.py: ExpertEviction.victim)."},
     {"cached_experts", cached_experts, METH_VARARGS,
      "A layer's experts cached whole in every stack (offtensor/moe/speculation.py: _cached_experts)."},
