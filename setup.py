@@ -3,7 +3,7 @@
     pip install --no-build-isolation -e .      # torch must come from this environment, never from
                                                # an isolated build env (which would fetch another one)
 
-- The C++ part (csrc/offtensor.cpp, csrc/policy.cpp) is always built.
+- The C++ part (csrc/offtensor.cpp, csrc/policy.cpp, csrc/eviction.cpp) is always built.
 - csrc/cuda/runtime.cu is compiled with nvcc and linked in (with -lcudart) when nvcc is found via
   CUDA_HOME, CUDA_PATH, PATH or /usr/local/cuda. That is decided from the toolkit, never from
   torch.cuda.is_available(): a GPU-less build machine must not silently drop the CUDA code.
@@ -85,7 +85,7 @@ def native_build():
         )
     extension = CppExtension(
         "offtensor._C",
-        [os.path.join("csrc", "offtensor.cpp"), os.path.join("csrc", "policy.cpp")],
+        [os.path.join("csrc", "offtensor.cpp"), os.path.join("csrc", "policy.cpp"), os.path.join("csrc", "eviction.cpp")],
         extra_compile_args=["-O2"],
         **kwargs,
     )

@@ -285,3 +285,108 @@ def test_the_native_victim_search_evicts_what_the_interpreters_does(monkeypatch,
     assert len(compared) > 20 and len(retried) > 3
     assert all(same and kept_same for same, kept_same in compared)
     assert all(same and kept_same for same, kept_same in retried)
+
+
+def _guarded_policy():
+    """An ExpertEviction over one stack of 4 experts (group "g"), its kept bests all found."""
+    from offtensor.moe.stack import LayerOrder
+
+    class Stack:  # (hashable: kept bests are by stack)
+        pass
+
+    stack = Stack()
+    stack.__dict__.update(vars(_heap_stack()), group="g")
+    stack.key_of = stack.keys.__getitem__
+    policy = eviction.ExpertEviction({stack.master_id: stack}, LayerOrder())
+    policy.stack_groups()
+    return policy, stack
+
+
+def test_a_copy_of_an_expert_its_layers_guess_names_ranks_no_stack_anew():
+    """The experts a layer's guess names are kept from eviction (guard), so the guess's own copies
+    of them change nothing the layer is ranked by: its stack's kept best stands. A copy of any
+    other expert marks the stack to be ranked anew at the next search."""
+    policy, stack = _guarded_policy()
+    policy.guard([stack], [1])
+    policy._kept.dirty.clear()
+    policy.touch(stack.keys[1])
+    policy.push(stack.keys[1], stack, 1)
+    assert stack not in policy._kept.dirty
+    policy.touch(stack.keys[2])
+    policy.push(stack.keys[2], stack, 2)
+    assert stack in policy._kept.dirty
+
+
+def test_with_only_experts_cached_no_masters_copies_are_walked_for_a_plain_victim():
+    """A victim search first looks for a cached copy that is no expert's; where every cached master
+    is an expert stack (dense weights resident) that is one comparison of the masters, not a walk
+    over them."""
+    from types import SimpleNamespace
+
+    policy, stack = _guarded_policy()
+
+    class NoWalk(dict):
+        def items(self):
+            raise AssertionError("walked the cached masters")
+
+    assert policy._plain_victim(NoWalk({stack.master_id: [SimpleNamespace(key=stack.keys[0])]})) is None
+    plain = SimpleNamespace(key=(8, torch.float32, 0, 4), users=0, prefetched=False)
+    assert policy._plain_victim({stack.master_id: [], 8: [plain]}) is plain
+
+
+def test_the_native_ranking_leaves_the_heap_arranged_as_heapqs_steps_do():
+    """The native ranking pops and pushes a stack's heap of use records in C, comparing records as
+    Python compares tuples: after a walk that sets copies in use aside and drops stale records, the
+    list is in the very order ColdHeaps.coldest's heapq steps leave it, with records whose values tie
+    (the tick decides), are ints or big ints (compared by the interpreter)."""
+    import heapq
+    from types import SimpleNamespace
+
+    from offtensor.pager import cache_key
+
+    native = eviction._NATIVE_STACK_BEST
+    if native is None:
+        pytest.skip("the native extension is not built with the stack ranking")
+    keys = tuple(cache_key(7, torch.float32, 16 * e, 16 * (e + 1)) for e in range(40))
+    stack = SimpleNamespace(master_id=7, keys=keys, num_experts=40)
+    cache = {k: SimpleNamespace(key=k, users=0, prefetched=False) for k in keys}
+    last, heap = {}, []
+    for tick in range(120):
+        e = (tick * 7) % 40
+        last[keys[e]] = tick
+        value = [float(tick % 5), tick % 3, 2 ** 70 + tick % 4][tick % 3] if tick % 11 else 0.5
+        heapq.heappush(heap, (value, tick, e))
+    for e in range(0, 40, 3):
+        cache[keys[e]].users = 1  # in use: set aside and pushed back
+    del cache[keys[5]]  # evicted: its records are stale
+    ours = list(heap)
+    heaps = eviction.ColdHeaps()
+    heaps._heaps[7] = theirs = list(heap)
+    found = native(ours, keys, cache, last, {}, None, {1, 2}, None, 4, 0.4, 0.02, 0.02)
+    assert found[2] is heaps.coldest(stack, cache, last, None, {1, 2})
+    assert ours == theirs
+
+
+def test_the_native_ranking_reads_a_changed_class_anew():
+    """The native ranking reads a copy's users and prefetched at their slots once it knows the
+    class keeps them there; an attribute of the class set since (its version renewed) is read as
+    the interpreter reads it."""
+    native = eviction._NATIVE_STACK_BEST
+    if native is None:
+        pytest.skip("the native extension is not built with the stack ranking")
+
+    class Copy:
+        __slots__ = ("key", "users", "prefetched")
+
+        def __init__(self, key):
+            self.key, self.users, self.prefetched = key, 0, False
+
+    stack, heaps, last = _heap_stack(), eviction.ColdHeaps(), {}
+    cache = {k: Copy(k) for k in stack.keys}
+    for e in range(4):
+        last[stack.keys[e]] = e
+        heaps.push(stack, stack.keys[e], e, float(e), e, last)
+    rank = lambda: native(heaps.heap_of(stack), stack.keys, cache, last, {}, None, set(), None, 4, 0.4, 0.02, 0.02)  # noqa: E731
+    assert rank()[2] is cache[stack.keys[0]]
+    Copy.users = property(lambda self: 1)  # every copy in use now
+    assert rank() is None

@@ -42,8 +42,8 @@ REUSE_DECAY = 0.9
 VICTIM_WINDOW = 512
 # A use count below this is dropped (its expert counts as unseen).
 FREQUENCY_FLOOR = 0.01
-# The native extension's loops (csrc/policy.cpp), where built: a stack's ranking, the victim search's
-# loop over the layers (which ranks stacks as the first does), the decay.
+# The native extension's loops (csrc/eviction.cpp, csrc/policy.cpp), where built: a stack's ranking, the
+# victim search's loop over the layers (which ranks stacks as the first does), the decay.
 _NATIVE_STACK_BEST, _NATIVE_DECAY = _ext.native_function("stack_best"), _ext.native_function("decay_counts")
 _NATIVE_VICTIM = _ext.native_function("victim_search")
 # Probability of use given to an expert with no recorded use, so the cyclic distance still orders them.
@@ -157,10 +157,16 @@ class ExpertEviction:
 
     def push(self, key, stack: "Stack", expert: int) -> None:
         """``key`` (``expert`` of ``stack``) was used or copied: its record in the coldness index."""
-        needed = self.layers.needed
-        # A use or copy of a key the current op pages changes nothing its layer is ranked by (its
-        # ranking keeps those keys, and its ties do not depend on them): its kept best stands.
-        if needed is None or key not in needed or stack.group != self.layers.current:
+        # A use or copy of a key its layer's ranking keeps changes nothing that layer is ranked by
+        # (the key is no candidate, and no tie depends on it): its kept best stands. The current
+        # layer's ranking keeps the keys its op pages; another's, those its guess names (guard:
+        # the guess's own copies follow it, each a stack ranked anew for nothing otherwise).
+        if stack.group == self.layers.current:
+            needed = self.layers.needed
+            kept = needed is not None and key in needed
+        else:
+            kept = key in self._guarded.get(stack.group, ())
+        if not kept:
             self._kept.changed_stack(stack)
         self._coldest.push(stack, key, expert, self.frequency.get(key, 0.0), self._last[key], self._last)
 
@@ -196,7 +202,8 @@ class ExpertEviction:
             return plain
         position, count, here = self.layers.cycle()
         kept = self._kept
-        self.stack_groups()  # (tracked by kept)
+        if self._grouped != len(self.by_master):
+            self.stack_groups()  # (tracked by kept)
         if count != kept.count:
             kept.count = count
             kept.renew()
@@ -233,6 +240,8 @@ class ExpertEviction:
     def _plain_victim(self, cached: dict):
         """The least recently used evictable copy that is not an expert, if any."""
         by_master, last = self.by_master, self._last
+        if cached.keys() <= by_master.keys():
+            return None  # every cached copy an expert's (dense weights resident): one pass in C, not a loop
         plain, plain_tick = None, None
         for master_id, entries in cached.items():
             if master_id in by_master:
