@@ -126,15 +126,44 @@ class ExpertEviction:
         self._clock += 1
         self._last[key] = self._clock
 
-    def used(self, key, share: float, stack: "Stack", expert: int) -> None:
+    def used(self, key, share: float, stack: "Stack", expert: int, current: bool) -> None:
         """An op paged ``expert`` of ``stack`` (``key``), ``share`` of its layer's tokens routed to it
-        (1: the most)."""
-        self.frequency[key] = self.frequency.get(key, 0.0) + share
-        self.push(key, stack, expert)
+        (1: the most); ``current``: whether ``stack``'s layer is the one paged now. Its tick in the
+        LRU order, its use frequency and its record in the coldness index, in one call (``touch``
+        and ``push`` inlined: the pager makes it for every expert it pages)."""
+        tick = self._clock + 1
+        self._clock = tick
+        self._last[key] = tick
+        frequency = self.frequency
+        value = frequency[key] = frequency.get(key, 0.0) + share
+        needed = self.layers.needed  # (push, inlined)
+        if needed is None or not current or key not in needed:
+            self._kept.changed_stack(stack)
+        self._coldest.push(stack, key, expert, value, tick, self._last)
 
-    def evicted(self, key) -> None:
+    def copied(self, key, stack: "Stack", expert: int, current: bool) -> None:
+        """``expert`` of ``stack`` (``key``) was copied: ``touch`` and ``push`` in one call."""
+        tick = self._clock + 1
+        self._clock = tick
+        self._last[key] = tick
+        self.push(key, stack, expert, self.frequency.get(key, 0.0), tick, current)
+
+    def push(self, key, stack: "Stack", expert: int, value: float, tick: int, current: bool) -> None:
+        """``key`` (``expert`` of ``stack``) was used or copied: its record in the coldness index, with
+        what the caller knows already (its frequency ``value``, its ``tick``, and whether its layer is
+        the ``current`` one)."""
+        needed = self.layers.needed
+        # A use or copy of a key the current op pages changes nothing its layer is ranked by (its
+        # ranking keeps those keys, and its ties do not depend on them): its kept best stands.
+        if needed is None or not current or key not in needed:
+            self._kept.changed_stack(stack)
+        self._coldest.push(stack, key, expert, value, tick, self._last)
+
+    def evicted(self, key, stack=None) -> None:
+        """``key`` left the cache; ``stack``: its stack where the caller has it (None: not an expert's)."""
         self._last.pop(key, None)
-        self._changed(key[0])
+        if stack is not None:
+            self._kept.changed_stack(stack)
 
     def entered(self, group) -> None:
         """``group``'s layer starts paging: its own routing says what it pages now."""
@@ -149,20 +178,6 @@ class ExpertEviction:
         if stacks:
             self._guarded[stacks[0].group] = {s.key_of(int(e)) for s in stacks for e in experts}
             self._kept.changed(stacks[0].group)
-
-    def _changed(self, master_id) -> None:
-        stack = self.by_master.get(master_id)
-        if stack is not None:
-            self._kept.changed_stack(stack)
-
-    def push(self, key, stack: "Stack", expert: int) -> None:
-        """``key`` (``expert`` of ``stack``) was used or copied: its record in the coldness index."""
-        needed = self.layers.needed
-        # A use or copy of a key the current op pages changes nothing its layer is ranked by (its
-        # ranking keeps those keys, and its ties do not depend on them): its kept best stands.
-        if needed is None or key not in needed or stack.group != self.layers.current:
-            self._kept.changed_stack(stack)
-        self._coldest.push(stack, key, expert, self.frequency.get(key, 0.0), self._last[key], self._last)
 
     def victim(self, view, room: int, candidates):
         """The evictable copy to drop: a non-expert copy if one comes first in LRU order (dense
