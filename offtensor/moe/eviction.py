@@ -43,8 +43,10 @@ VICTIM_WINDOW = 512
 # A use count below this is dropped (its expert counts as unseen).
 FREQUENCY_FLOOR = 0.01
 # The native extension's loops (csrc/policy.cpp), where built: a stack's ranking, the victim search's
-# loop over the layers (which ranks stacks as the first does), the decay.
-_NATIVE_STACK_BEST, _NATIVE_DECAY = _ext.native_function("stack_best"), _ext.native_function("decay_counts")
+# loop over the layers (which ranks stacks as the first does), the decay (in place where it may:
+# every step walks every count, a few hundred to tens of thousands).
+_NATIVE_STACK_BEST = _ext.native_function("stack_best")
+_NATIVE_DECAY = _ext.native_function("decay_counts_in_place") or _ext.native_function("decay_counts")
 _NATIVE_VICTIM = _ext.native_function("victim_search")
 # Probability of use given to an expert with no recorded use, so the cyclic distance still orders them.
 UNSEEN_USE = 0.02
