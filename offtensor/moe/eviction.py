@@ -161,9 +161,9 @@ class ExpertEviction:
             self._kept.changed_stack(stack)
         self._coldest.push(stack, key, expert, value, tick, self._last)
 
-    def evicted(self, key, stack=None) -> None:
-        """``key`` left the cache; ``stack``: its stack where the caller has it (None: not an expert's)."""
+    def evicted(self, key) -> None:
         self._last.pop(key, None)
+        stack = self.by_master.get(key[0])
         if stack is not None:
             self._kept.changed_stack(stack)
 

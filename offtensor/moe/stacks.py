@@ -175,8 +175,8 @@ class ExpertStacks:
         self.eviction.copied(key, stack, expert, stack.group == self.layers.current)
 
     def evicted(self, key) -> None:
+        self.eviction.evicted(key)
         stack = self.by_master.get(key[0])
-        self.eviction.evicted(key, stack)
         if stack is not None:
             stack.evictions += 1
 
