@@ -213,6 +213,47 @@ PyObject* decay_counts(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// decay_counts without a new float or a dict store per count: a count's float that only the dict
+// holds (the usual case: ExpertEviction.used stores the sum it made) is changed in place, as the
+// interpreter's own float arithmetic reuses an operand only it holds; any other value is replaced
+// through the dict as decay_counts does. The same values, bit for bit, in the same order; no key's
+// hash is computed again. (Free-threaded builds, whose reference counts another thread may change
+// under the walk, always replace.)
+PyObject* decay_counts_in_place(PyObject*, PyObject* args) {
+  PyObject* counts;
+  double factor, floor;
+  if (!PyArg_ParseTuple(args, "O!dd", &PyDict_Type, &counts, &factor, &floor)) return nullptr;
+  PyRef dropped(PyList_New(0));
+  if (!dropped.p) return nullptr;
+  Py_ssize_t pos = 0;
+  PyObject *key, *value;
+  while (PyDict_Next(counts, &pos, &key, &value)) {
+    double old;
+    if (PyFloat_CheckExact(value)) {
+      old = PyFloat_AS_DOUBLE(value);
+    } else {
+      old = PyFloat_AsDouble(value);
+      if (old == -1.0 && PyErr_Occurred()) return nullptr;
+    }
+    const double now = old * factor;
+    if (now < floor) {
+      if (PyList_Append(dropped.p, key) < 0) return nullptr;
+      continue;
+    }
+#ifndef Py_GIL_DISABLED
+    if (PyFloat_CheckExact(value) && Py_REFCNT(value) == 1) {
+      reinterpret_cast<PyFloatObject*>(value)->ob_fval = now;  // (no one else can see it change)
+      continue;
+    }
+#endif
+    PyRef updated(PyFloat_FromDouble(now));
+    if (!updated.p || PyDict_SetItem(counts, key, updated.p) < 0) return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(dropped.p); ++i)
+    if (PyDict_DelItem(counts, PyList_GET_ITEM(dropped.p, i)) < 0) return nullptr;
+  Py_RETURN_NONE;
+}
+
 PyMethodDef kMethods[] = {
     {"guess_rows", guess_rows, METH_VARARGS,
      "The host side of a routing guess on rows of scores (offtensor/moe/guesses.py: host_guess)."},
@@ -226,6 +267,8 @@ PyMethodDef kMethods[] = {
      "A layer's experts cached whole in every stack (offtensor/moe/speculation.py: _cached_experts)."},
     {"decay_counts", decay_counts, METH_VARARGS,
      "Use counts decayed and the smallest dropped (offtensor/moe/eviction.py: ExpertEviction.decay)."},
+    {"decay_counts_in_place", decay_counts_in_place, METH_VARARGS,
+     "decay_counts, changing in place the floats only the dict holds (offtensor/moe/eviction.py: ExpertEviction.decay)."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -91,6 +91,23 @@ def test_the_native_decay_leaves_the_interpreters_counts_bit_for_bit_in_order(mo
         eviction._NATIVE_DECAY({keys[0]: "many"}, 0.5, 0.01)
 
 
+def test_the_native_decay_changes_in_place_only_the_counts_the_dict_alone_holds():
+    """The per-step decay walks every count: a float only the dict holds is changed in place (no new
+    float, no dict store), one held elsewhere too is replaced, its holder's value untouched."""
+    if eviction._NATIVE_DECAY is None:
+        pytest.skip("the native extension is not built with the decay loop")
+    keys = [cache_key(7, torch.float32, 16 * e, 16 * (e + 1)) for e in range(4)]
+    counts = {key: 1.0 + e / 3 for e, key in enumerate(keys)}  # (sums made at run time: only the dict holds them)
+    held = counts[keys[1]]  # a reader that kept a count
+    alone = id(counts[keys[2]])
+    interpreted = {key: 1.0 + e / 3 for e, key in enumerate(keys)}  # (floats of their own)
+    eviction._NATIVE_DECAY(counts, 0.5, 0.01)
+    eviction._decay_counts(interpreted, 0.5, 0.01)
+    assert _bits(counts) == _bits(interpreted)
+    assert id(counts[keys[2]]) == alone  # changed in place
+    assert held == 1.0 + 1 / 3 and counts[keys[1]] == held * 0.5  # the holder's float kept its value
+
+
 def test_a_decoding_policy_decays_through_the_native_loop_as_through_the_interpreters(monkeypatch):
     """Over a decode at a quarter of the experts, each step's decay leaves the same counts either way."""
     pytest.importorskip("transformers")

@@ -309,11 +309,9 @@ def test_a_copy_of_an_expert_its_layers_guess_names_ranks_no_stack_anew():
     policy, stack = _guarded_policy()
     policy.guard([stack], [1])
     policy._kept.dirty.clear()
-    policy.touch(stack.keys[1])
-    policy.push(stack.keys[1], stack, 1)
+    policy.copied(stack.keys[1], stack, 1, False)  # (its layer is not the one paged now)
     assert stack not in policy._kept.dirty
-    policy.touch(stack.keys[2])
-    policy.push(stack.keys[2], stack, 2)
+    policy.copied(stack.keys[2], stack, 2, False)
     assert stack in policy._kept.dirty
 
 

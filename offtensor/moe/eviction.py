@@ -43,8 +43,10 @@ VICTIM_WINDOW = 512
 # A use count below this is dropped (its expert counts as unseen).
 FREQUENCY_FLOOR = 0.01
 # The native extension's loops (csrc/eviction.cpp, csrc/policy.cpp), where built: a stack's ranking, the
-# victim search's loop over the layers (which ranks stacks as the first does), the decay.
-_NATIVE_STACK_BEST, _NATIVE_DECAY = _ext.native_function("stack_best"), _ext.native_function("decay_counts")
+# victim search's loop over the layers (which ranks stacks as the first does), the decay (in place
+# where it may: every step walks every count, a few hundred to tens of thousands).
+_NATIVE_STACK_BEST = _ext.native_function("stack_best")
+_NATIVE_DECAY = _ext.native_function("decay_counts_in_place") or _ext.native_function("decay_counts")
 _NATIVE_VICTIM = _ext.native_function("victim_search")
 # Probability of use given to an expert with no recorded use, so the cyclic distance still orders them.
 UNSEEN_USE = 0.02
@@ -126,15 +128,50 @@ class ExpertEviction:
         self._clock += 1
         self._last[key] = self._clock
 
-    def used(self, key, share: float, stack: "Stack", expert: int) -> None:
+    def used(self, key, share: float, stack: "Stack", expert: int, current: bool) -> None:
         """An op paged ``expert`` of ``stack`` (``key``), ``share`` of its layer's tokens routed to it
-        (1: the most)."""
-        self.frequency[key] = self.frequency.get(key, 0.0) + share
-        self.push(key, stack, expert)
+        (1: the most); ``current``: whether ``stack``'s layer is the one paged now. Its tick in the
+        LRU order, its use frequency and its record in the coldness index, in one call (``touch``
+        and ``push`` inlined: the pager makes it for every expert it pages)."""
+        tick = self._clock + 1
+        self._clock = tick
+        self._last[key] = tick
+        frequency = self.frequency
+        value = frequency[key] = frequency.get(key, 0.0) + share
+        if not self._keeps(key, stack, current):  # (push, inlined)
+            self._kept.changed_stack(stack)
+        self._coldest.push(stack, key, expert, value, tick, self._last)
+
+    def copied(self, key, stack: "Stack", expert: int, current: bool) -> None:
+        """``expert`` of ``stack`` (``key``) was copied: ``touch`` and ``push`` in one call."""
+        tick = self._clock + 1
+        self._clock = tick
+        self._last[key] = tick
+        self.push(key, stack, expert, self.frequency.get(key, 0.0), tick, current)
+
+    def push(self, key, stack: "Stack", expert: int, value: float, tick: int, current: bool) -> None:
+        """``key`` (``expert`` of ``stack``) was used or copied: its record in the coldness index, with
+        what the caller knows already (its frequency ``value``, its ``tick``, and whether its layer is
+        the ``current`` one)."""
+        if not self._keeps(key, stack, current):
+            self._kept.changed_stack(stack)
+        self._coldest.push(stack, key, expert, value, tick, self._last)
+
+    def _keeps(self, key, stack: "Stack", current: bool) -> bool:
+        """Whether ``stack``'s layer's ranking keeps ``key`` (no candidate of it, and no tie depends
+        on it), so that a use or copy of it leaves the layer's kept best standing: the current
+        layer's keeps the keys its op pages; another's, those its guess names (guard: the guess's
+        own copies follow it, each a stack ranked anew for nothing otherwise)."""
+        if current:
+            needed = self.layers.needed
+            return needed is not None and key in needed
+        return key in self._guarded.get(stack.group, ())
 
     def evicted(self, key) -> None:
         self._last.pop(key, None)
-        self._changed(key[0])
+        stack = self.by_master.get(key[0])
+        if stack is not None:
+            self._kept.changed_stack(stack)
 
     def entered(self, group) -> None:
         """``group``'s layer starts paging: its own routing says what it pages now."""
@@ -149,26 +186,6 @@ class ExpertEviction:
         if stacks:
             self._guarded[stacks[0].group] = {s.key_of(int(e)) for s in stacks for e in experts}
             self._kept.changed(stacks[0].group)
-
-    def _changed(self, master_id) -> None:
-        stack = self.by_master.get(master_id)
-        if stack is not None:
-            self._kept.changed_stack(stack)
-
-    def push(self, key, stack: "Stack", expert: int) -> None:
-        """``key`` (``expert`` of ``stack``) was used or copied: its record in the coldness index."""
-        # A use or copy of a key its layer's ranking keeps changes nothing that layer is ranked by
-        # (the key is no candidate, and no tie depends on it): its kept best stands. The current
-        # layer's ranking keeps the keys its op pages; another's, those its guess names (guard:
-        # the guess's own copies follow it, each a stack ranked anew for nothing otherwise).
-        if stack.group == self.layers.current:
-            needed = self.layers.needed
-            kept = needed is not None and key in needed
-        else:
-            kept = key in self._guarded.get(stack.group, ())
-        if not kept:
-            self._kept.changed_stack(stack)
-        self._coldest.push(stack, key, expert, self.frequency.get(key, 0.0), self._last[key], self._last)
 
     def victim(self, view, room: int, candidates):
         """The evictable copy to drop: a non-expert copy if one comes first in LRU order (dense

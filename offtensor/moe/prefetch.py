@@ -18,87 +18,80 @@ if TYPE_CHECKING:
 class ExpertIssuer:
     """The current op's experts (``announce`` / ``expect``) and the copies issued ahead of it."""
 
-    __slots__ = ("layers", "announcing", "_issued_for_op", "_announcing", "_announced", "_shares", "_expected", "_last")
+    __slots__ = ("layers", "announcing", "issued_for_op", "issuing", "announced", "shares", "_expected", "_last")
 
     def __init__(self, layers: "LayerOrder"):
         self.layers = layers  # ExpertStacks' LayerOrder: announce sets what the current op pages
         # Stack groups whose op announces its experts (``_grouped_mm``, the index ops): their
         # routers' top-k need not be read back (RoutingSpeculator.router_output).
         self.announcing = set()
-        self._issued_for_op = set()  # keys announce copied ahead of their op: misses, though found on the device
-        self._announcing = False
-        self._announced = None  # the key set the last announce issued
+        # Plain attributes rather than properties or lookup methods: ExpertStacks reads them for
+        # every expert paged (``accessed``, ``paging``).
+        self.issued_for_op = set()  # keys announce copied ahead of their op: misses, though found on the device
+        self.issuing = False  # whether the copies being made now are announce's (the layer's own, not copies ahead)
+        self.announced = None  # the key set the current layer's announce issued (None: none yet)
         self._last = None  # (group, experts, tokens, the key set) of the last announce
-        self._shares = {}  # expert -> its share of the current layer's tokens (announce), most routed = 1
+        self.shares = {}  # expert -> its share of the current layer's tokens (announce), most routed = 1
         # group -> keys its router's output says the layer will page (RoutingSpeculator.router_output),
         # for models that select experts one by one and so announce nothing
         self._expected = {}
 
-    @property
-    def issuing(self) -> bool:
-        """Whether the copies being made now are announce's (the layer's own, not copies ahead)."""
-        return self._announcing
-
-    @property
-    def announced(self):
-        """The key set the current layer's announce issued (None: none yet)."""
-        return self._announced
-
     def seen(self, key, hit: bool) -> bool:
         """Whether an op's use of ``key`` counts as a hit: a copy announce made for this very op is
         a miss the op did not wait for in line."""
-        if key in self._issued_for_op:
-            self._issued_for_op.discard(key)
+        if key in self.issued_for_op:
+            self.issued_for_op.discard(key)
             return False
         return hit
 
     def share(self, expert: int) -> float:
         """``expert``'s share of the current layer's tokens (1 where the op did not say)."""
-        return self._shares.get(expert, 1.0)
+        return self.shares.get(expert, 1.0)
 
     def entered(self, group) -> None:
         """``group``'s layer starts paging: what its router's output said it pages, if anything."""
-        self._shares = {}
+        self.shares = {}
         self.layers.needed = self._expected.pop(group, None)
-        self._announced = None
+        self.announced = None
 
     def announce(self, pager, stack: "Stack", group: list, experts, tokens=None, known=None) -> bool:
         """Issue the copies of ``experts`` of every stack in ``group`` (``stack``'s layer) that are
         not cached; ``tokens[i]`` tokens routed to ``experts[i]`` where the op knows the counts.
         ``known(group, keys)``, if given, is told the layer's keys before any copy is issued.
         False when the layer's other stack already announced the same experts (nothing issued)."""
-        experts = [int(e) for e in experts]
-        if tokens is not None and len(tokens) == len(experts) and max(tokens, default=0) > 0:
-            most = max(tokens)
-            self._shares = {e: n / most for e, n in zip(experts, tokens)}
-        else:
-            self._shares = {}
-        needed = {s.key_of(e) for s in group for e in experts}
-        if needed == self._announced:
-            self._last = (stack.group, experts, tokens, self._announced)
+        experts = list(map(int, experts))
+        most = max(tokens, default=0) if tokens is not None and len(tokens) == len(experts) else 0
+        self.shares = {e: n / most for e, n in zip(experts, tokens)} if most > 0 else {}
+        # Each stack's keys of the experts, looked up once: the key set and the copies below use them.
+        keys_of = [(s, [s.keys[e] for e in experts]) for s in group]
+        needed = set()
+        for _, keys in keys_of:
+            needed.update(keys)
+        if needed == self.announced:
+            self._last = (stack.group, experts, tokens, self.announced)
             return False  # the layer's second stack (down after gate_up): already issued
-        self.layers.needed = self._announced = needed
+        self.layers.needed = self.announced = needed
         self._last = (stack.group, experts, tokens, needed)
         self.announcing.add(stack.group)
         if known is not None:
             known(stack.group, needed)
         # The layer's own experts are paged right after anyway: they take the victims in-line paging
         # would (no _spare_room_only restriction), only sooner.
-        self._announcing = True
+        is_cached, prefetch, issued = pager.is_cached, pager.prefetch, self.issued_for_op
+        self.issuing = True
         try:
-            for s in group:
+            for s, keys in keys_of:
                 master = s.master_ref()
                 if master is None or master.flat is None:
                     continue
-                for e in experts:
-                    key = s.key_of(e)
-                    if pager.is_cached(key):
+                for key in keys:
+                    if is_cached(key):
                         continue
-                    if not pager.prefetch(master, *key[1:], key=key):
+                    if not prefetch(master, key[1], key[2], key[3], key):
                         break  # the budget holds no more at once: the rest is paged in line
-                    self._issued_for_op.add(key)
+                    issued.add(key)
         finally:
-            self._announcing = False
+            self.issuing = False
         return True
 
     def repeats(self, group, experts, tokens) -> bool:
@@ -108,7 +101,7 @@ class ExpertIssuer:
         last = self._last
         if type(experts) is not list or not (tokens is None or type(tokens) is list):
             return False
-        return (last is not None and last[3] is self._announced and last[0] == group
+        return (last is not None and last[3] is self.announced and last[0] == group
                 and last[1] == experts and last[2] == tokens)
 
     def expect(self, stacks: list, experts) -> None:
@@ -120,6 +113,6 @@ class ExpertIssuer:
 
     def step(self) -> None:
         """A step ended: nothing it announced or expected carries over."""
-        self._announced = None
-        self._issued_for_op = set()
+        self.announced = None
+        self.issued_for_op = set()
         self._expected = {}

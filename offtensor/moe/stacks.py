@@ -68,19 +68,24 @@ class ExpertStacks:
     # -------------------------------------------------------------- the pager's call sites
 
     def accessed(self, key, hit: bool) -> None:
-        """An op paged ``key`` (of a stack, or a dense weight's copy): a cache hit or a copy it waited for."""
-        self.eviction.touch(key)
+        """An op paged ``key`` (of a stack, or a dense weight's copy): a cache hit or a copy it waited
+        for. (It runs for every expert paged: the parts' state is read here, each part called once.)"""
         stack = self.by_master.get(key[0])
         if stack is None:
+            self.eviction.touch(key)
             return
-        hit = self.issuer.seen(key, hit)
+        issuer = self.issuer
+        if key in issuer.issued_for_op:
+            hit = issuer.seen(key, hit)
         if hit:
             stack.hits += 1
         else:
             stack.misses += 1
-        expert = stack.expert_of(key)
-        share = self.issuer.share(expert) if stack.group == self.layers.current else 1.0
-        self.eviction.used(key, share, stack, expert)
+        expert = stack.experts.get(key)
+        if expert is None:
+            expert = stack.expert_of(key)
+        current = stack.group == self.layers.current
+        self.eviction.used(key, issuer.shares.get(expert, 1.0) if current else 1.0, stack, expert, current)
         stack.used.add(expert)
         if self.speculator is not None:
             self.speculator.used(stack, expert)
@@ -99,15 +104,20 @@ class ExpertStacks:
         them one at a time: the copy stream gets the whole layer at once, and the guess for the
         next layer (issued right after) queues behind them instead of ahead of them."""
         stack = self.by_master.get(master_id)
-        if stack is None or (stack.group == self.layers.current and self.issuer.repeats(stack.group, experts, tokens)):
-            return  # the layer's other stack announced the same (paging would enter no layer)
-        self.paging(master_id, issue_guesses=False)  # guesses go behind this layer's copies, below
+        if stack is None:
+            return
+        issuer = self.issuer
+        if stack.group == self.layers.current:
+            if issuer.repeats(stack.group, experts, tokens):
+                return  # the layer's other stack announced the same (paging would enter no layer)
+        else:
+            self._enter(stack)  # (paging without its guesses: they go behind this layer's copies, below)
         group = self.eviction.stack_groups()[stack.group]
-        if self.speculator is not None:
-            self.speculator.predictions_ready()  # this layer's next turn, before its copies take room
         speculator = self.speculator
+        if speculator is not None:
+            speculator.predictions_ready()  # this layer's next turn, before its copies take room
         known = speculator.routing_known if speculator is not None else None
-        if self.issuer.announce(pager, stack, group, experts, tokens, known) and speculator is not None:
+        if issuer.announce(pager, stack, group, experts, tokens, known) and speculator is not None:
             speculator.issue_ready()
 
     def paging(self, master_id: int, issue_guesses: bool = True) -> None:
@@ -116,18 +126,22 @@ class ExpertStacks:
         experts (a model that selects them one by one), guesses whose ids have reached the host
         are issued here."""
         stack = self.by_master.get(master_id)
-        speculator = self.speculator
         if stack is not None and stack.group != self.layers.current:
-            if speculator is not None:
-                speculator.expected_ready()
-                speculator.predictions_ready()
-            self.issuer.entered(stack.group)
-            self.eviction.entered(stack.group)
-            self.layers.enter(stack.group)
-            if speculator is not None and self.layers.needed is not None:
-                speculator.routing_known(stack.group, self.layers.needed)  # (its router's output said)
-        if issue_guesses and speculator is not None and self.issuer.announced is None:
-            speculator.issue_ready()
+            self._enter(stack)
+        if issue_guesses and self.speculator is not None and self.issuer.announced is None:
+            self.speculator.issue_ready()
+
+    def _enter(self, stack: Stack) -> None:
+        """``stack``'s layer, not the current one, starts paging."""
+        speculator = self.speculator
+        if speculator is not None:
+            speculator.expected_ready()
+            speculator.predictions_ready()
+        self.issuer.entered(stack.group)
+        self.eviction.entered(stack.group)
+        self.layers.enter(stack.group)
+        if speculator is not None and self.layers.needed is not None:
+            speculator.routing_known(stack.group, self.layers.needed)  # (its router's output said)
 
     def expect(self, stacks: list, experts) -> None:
         """A router's output says its layer will page these experts of ``stacks`` (``ExpertIssuer.expect``)."""
@@ -147,13 +161,18 @@ class ExpertStacks:
         return self.eviction.expected_next_use(stack, expert, chance)
 
     def copied(self, key, nbytes: int, prefetch: bool) -> None:
-        self.eviction.touch(key)
+        """The pager copied ``key`` (``nbytes``, ahead of its use with ``prefetch``)."""
         stack = self.by_master.get(key[0])
-        if stack is not None:
-            stack.bytes_h2d += nbytes
-            if prefetch and not self.issuer.issuing:
-                stack.prefetched_bytes += nbytes
-            self.eviction.push(key, stack, stack.expert_of(key))
+        if stack is None:
+            self.eviction.touch(key)
+            return
+        stack.bytes_h2d += nbytes
+        if prefetch and not self.issuer.issuing:
+            stack.prefetched_bytes += nbytes
+        expert = stack.experts.get(key)
+        if expert is None:
+            expert = stack.expert_of(key)
+        self.eviction.copied(key, stack, expert, stack.group == self.layers.current)
 
     def evicted(self, key) -> None:
         self.eviction.evicted(key)

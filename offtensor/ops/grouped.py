@@ -42,15 +42,19 @@ def grouped_mm(func, types, args, kwargs):
     pool = serving_pool(weight, x.shape[0]) if bias is None else None
     if pool is not None:  # the device-side expert pool: no host read of offs (ops/expert_pool.py)
         return pooled_grouped_mm(func, pool, weight, x, offs, out_dtype)
-    groups, sizes, covered = _routed_groups(weight, offs, x.shape[0])
+    routed = _routed_groups(weight, offs, x.shape[0])
+    groups, sizes, covered = routed[:3]
     groups, on_host = split_groups(weight, groups)
-    _announce(weight, groups)
+    _announce(weight, groups, None if on_host else routed)
     # Host experts' activations go to the host before the device experts are issued (host_experts.py).
     host_run = host_grouped(func, x, weight, bias, out_dtype, offs.dtype, on_host) if on_host else None
-    recorder = weight._master.pager.recorder
+    master = weight.__dict__["_master"]  # (one dict read, not a lookup through torch.Tensor's type)
+    pager = master.pager
+    recorder = pager.recorder
     page, cached = _expert_pager(weight)
     done = {}
-    if bias is None and cached(groups):
+    slots = cached(groups) if bias is None else None
+    if slots is not None:
         # Every expert is a cache hit (or a copy the announce just issued): held together they take
         # no room, so one record holds them all and one release gives them back, one device mark for
         # the op instead of one per expert. Each expert still runs its own one-group kernel, recorded
@@ -58,8 +62,11 @@ def grouped_mm(func, types, args, kwargs):
         paged = Paged()
         try:
             if recorder is None:
-                for e, start, end in groups:
-                    done[e] = func(x[start:end], page(paged, e), sizes[e], None, out_dtype)
+                # ``page`` inlined, from the slots ``cached`` found (a call less per expert).
+                held, page_slot = paged.entries, pager.page
+                for (e, start, end), (host_slice, layout) in zip(groups, slots):
+                    expert = page_slot(host_slice, master, weight, False, layout, held)[0]
+                    done[e] = func(x[start:end], expert, sizes[e], None, out_dtype)
             else:
                 for e, start, end in groups:
                     expert = page(paged, e)
@@ -109,9 +116,10 @@ def grouped_mm_fallback(func, types, args, kwargs):
     pool = serving_pool(weight, x.shape[0])
     if pool is not None:
         return pooled_grouped_mm(func, pool, weight, x, offs, None, fallback=True)
-    groups, sizes, _ = _routed_groups(weight, offs, x.shape[0])
+    routed = _routed_groups(weight, offs, x.shape[0])
+    groups, sizes = routed[:2]
     groups, on_host = split_groups(weight, groups)
-    _announce(weight, groups)
+    _announce(weight, groups, None if on_host else routed)
     host_run = host_grouped(func, x, weight, None, False, offs.dtype, on_host) if on_host else None
     starts = {e: (start, end) for e, start, end in on_host}
     recorder = weight._master.pager.recorder
@@ -151,8 +159,9 @@ def grouped_mm_fallback_backward(func, types, args, kwargs):
         or weight.dim() != 3
     ):
         return run(func, args, kwargs)
-    groups, _, _ = _routed_groups(weight, offs, x.shape[0])
-    _announce(weight, groups)
+    routed = _routed_groups(weight, offs, x.shape[0])
+    groups = routed[0]
+    _announce(weight, groups, routed)
     grad_input = torch.zeros_like(x)
     # The weight's gradient is a plain device tensor, as any gradient of an offloaded weight is, in
     # the weight's layout, as the op's own zeros_like gives it (a compiled graph's fake kernel
@@ -174,7 +183,7 @@ def _routed_groups(weight: OffloadedTensor, offs: torch.Tensor, rows: int):
     with tokens, each expert's group size as a one-element device tensor (a slice of one
     ``diff``, so no host->device copy), and the rows the groups cover. Read once per ``offs``:
     the layer's second grouped GEMM (down after gate_up) reuses it (``_group_ends``)."""
-    return _group_ends(offs, weight._master.pager, rows, _unchanged_since(offs, weight))
+    return _group_ends(offs, weight.__dict__["_master"].pager, rows, _unchanged_since(offs, weight))
 
 
 def _unchanged_since(offs: torch.Tensor, weight: OffloadedTensor):
@@ -190,7 +199,8 @@ def _unchanged_since(offs: torch.Tensor, weight: OffloadedTensor):
 
 
 def _expert_pager(weight: OffloadedTensor):
-    """``(page, cached)``: ``cached(groups)`` says whether every group's expert is in the cache;
+    """``(page, cached)``: ``cached(groups)`` is each group's expert's (host slice, page_layout) where
+    every one of them is in the cache, else None;
     ``page(paged, e)``: expert ``e`` of ``weight`` paged into the op record ``paged``, through
     the pager directly with a host slice and layout memoized per (stack layout, expert), so that no
     wrapper is built per expert and a cache hit gets the device view it got last time
@@ -199,7 +209,7 @@ def _expert_pager(weight: OffloadedTensor):
     own = weight.__dict__
     host, master = own["_host"], own["_master"]
     if type(host) is not torch.Tensor:  # being traced by torch.compile: Paged.page's own path
-        return (lambda paged, e: paged.page(OffloadedTensor(host[e : e + 1], master))), lambda groups: False
+        return (lambda paged, e: paged.page(OffloadedTensor(host[e : e + 1], master))), lambda groups: None
     by_layout = _EXPERT_LAYOUTS.get(master)
     if by_layout is None or by_layout[0] is not master.flat:  # a new master storage: memo anew
         by_layout = _EXPERT_LAYOUTS[master] = (master.flat, {})
@@ -217,13 +227,13 @@ def _expert_pager(weight: OffloadedTensor):
         # weight's repr names the stack in a BudgetError
         return pager.page(slot[0], master, weight, False, slot[1], paged.entries)[0]
 
-    def cached(groups) -> bool:
+    def cached(groups):
         is_cached = pager.is_cached
-        for e, _, _ in groups:
-            slot = experts[e]
+        slots = [experts[e] for e, _, _ in groups]
+        for slot in slots:
             if slot is None or not is_cached(slot[1][5]):
-                return False
-        return True
+                return None
+        return slots
 
     return page, cached
 
@@ -232,13 +242,20 @@ def _expert_pager(weight: OffloadedTensor):
 _EXPERT_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _announce(weight: OffloadedTensor, groups: list) -> None:
+def _announce(weight: OffloadedTensor, groups: list, routed=None) -> None:
     """The experts the device computes are announced to the expert cache, which issues the missing
-    ones at once and may evict the layer's others for them."""
-    pager = weight._master.pager
+    ones at once and may evict the layer's others for them. ``routed``: ``_group_ends``' answer
+    where ``groups`` are all of its groups, whose lists of experts and tokens it made once for the
+    layer's grouped GEMMs (the same lists also let the second GEMM's announce see a repeat at once)."""
+    master = weight.__dict__["_master"]
+    pager = master.pager
     if pager.experts is not None:
+        if routed is not None:
+            experts, tokens = routed[3], routed[4]
+        else:
+            experts, tokens = [e for e, _, _ in groups], [b - a for _, a, b in groups]
         with pager.lock:  # the expert cache is pager state
-            pager.experts.announce(pager, weight._master.id, [e for e, _, _ in groups], [b - a for _, a, b in groups])
+            pager.experts.announce(pager, master.id, experts, tokens)
 
 
 def _group_ends(offs: torch.Tensor, pager, rows: int = 0, version=None) -> tuple:
@@ -258,6 +275,7 @@ def _group_ends(offs: torch.Tensor, pager, rows: int = 0, version=None) -> tuple
     groups = [(e, starts[e], ends[e]) for e in range(len(ends)) if ends[e] > starts[e]]
     diff = torch.diff(offs, prepend=offs.new_zeros(1))
     sizes = {e: diff[e : e + 1] for e, _, _ in groups}
-    routed = (groups, sizes, ends[-1] if ends else 0)
-    pager.routing_read = (weakref.ref(offs), version, routed)
+    routed = (groups, sizes, ends[-1] if ends else 0, [e for e, _, _ in groups], [b - a for _, a, b in groups])
+    # (Past the Pager's __setattr__, which acts only on its observer roles: a call less per layer.)
+    object.__setattr__(pager, "routing_read", (weakref.ref(offs), version, routed))
     return routed
