@@ -189,37 +189,8 @@ PyObject* cached_experts(PyObject*, PyObject* args) {
 // ExpertEviction.decay), in one pass over the dict: the values are replaced in place, each key's
 // slot found again by the key (the set of keys does not change while the dict is walked), and the
 // keys dropped after the walk.
-PyObject* decay_counts(PyObject*, PyObject* args) {
-  PyObject* counts;
-  double factor, floor;
-  if (!PyArg_ParseTuple(args, "O!dd", &PyDict_Type, &counts, &factor, &floor)) return nullptr;
-  PyRef dropped(PyList_New(0));
-  if (!dropped.p) return nullptr;
-  Py_ssize_t pos = 0;
-  PyObject *key, *value;
-  while (PyDict_Next(counts, &pos, &key, &value)) {
-    const double old = PyFloat_AsDouble(value);
-    if (old == -1.0 && PyErr_Occurred()) return nullptr;
-    const double now = old * factor;
-    if (now < floor) {
-      if (PyList_Append(dropped.p, key) < 0) return nullptr;
-      continue;
-    }
-    PyRef updated(PyFloat_FromDouble(now));
-    if (!updated.p || PyDict_SetItem(counts, key, updated.p) < 0) return nullptr;
-  }
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(dropped.p); ++i)
-    if (PyDict_DelItem(counts, PyList_GET_ITEM(dropped.p, i)) < 0) return nullptr;
-  Py_RETURN_NONE;
-}
-
-// decay_counts without a new float or a dict store per count: a count's float that only the dict
-// holds (the usual case: ExpertEviction.used stores the sum it made) is changed in place, as the
-// interpreter's own float arithmetic reuses an operand only it holds; any other value is replaced
-// through the dict as decay_counts does. The same values, bit for bit, in the same order; no key's
-// hash is computed again. (Free-threaded builds, whose reference counts another thread may change
-// under the walk, always replace.)
-PyObject* decay_counts_in_place(PyObject*, PyObject* args) {
+// With `in_place`, a float only the dict holds is changed where it lies instead (see below).
+PyObject* decay_walk(PyObject* args, bool in_place) {
   PyObject* counts;
   double factor, floor;
   if (!PyArg_ParseTuple(args, "O!dd", &PyDict_Type, &counts, &factor, &floor)) return nullptr;
@@ -241,7 +212,7 @@ PyObject* decay_counts_in_place(PyObject*, PyObject* args) {
       continue;
     }
 #ifndef Py_GIL_DISABLED
-    if (PyFloat_CheckExact(value) && Py_REFCNT(value) == 1) {
+    if (in_place && PyFloat_CheckExact(value) && Py_REFCNT(value) == 1) {
       reinterpret_cast<PyFloatObject*>(value)->ob_fval = now;  // (no one else can see it change)
       continue;
     }
@@ -253,6 +224,16 @@ PyObject* decay_counts_in_place(PyObject*, PyObject* args) {
     if (PyDict_DelItem(counts, PyList_GET_ITEM(dropped.p, i)) < 0) return nullptr;
   Py_RETURN_NONE;
 }
+
+PyObject* decay_counts(PyObject*, PyObject* args) { return decay_walk(args, false); }
+
+// decay_counts without a new float or a dict store per count: a count's float that only the dict
+// holds (the usual case: ExpertEviction.used stores the sum it made) is changed in place, as the
+// interpreter's own float arithmetic reuses an operand only it holds; any other value is replaced
+// through the dict as decay_counts does. The same values, bit for bit, in the same order; no key's
+// hash is computed again. (Free-threaded builds, whose reference counts another thread may change
+// under the walk, always replace.)
+PyObject* decay_counts_in_place(PyObject*, PyObject* args) { return decay_walk(args, true); }
 
 PyMethodDef kMethods[] = {
     {"guess_rows", guess_rows, METH_VARARGS,
