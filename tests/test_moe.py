@@ -451,17 +451,27 @@ def test_a_router_whose_own_record_says_its_look_ahead_does_not_pay_is_guessed_f
     assert not all(ot_speculation._guessed_now(router, after, pool) for _ in range(8))
 
 
+def _ranked_then_binned(pairs) -> dict:
+    """A guess's ranking, then its bins, as two plain steps (what ``ranked_bins`` does in one pass)."""
+    from bisect import bisect_left
+
+    confidence = {}
+    for e, p in sorted(pairs, key=lambda pair: pair[1], reverse=True):
+        confidence.setdefault(e, p)
+    last = len(ot_guesses.CONFIDENCE_BINS) - 1
+    return {e: min(bisect_left(ot_guesses.CONFIDENCE_BINS, p), last) for e, p in confidence.items()}
+
+
 def test_a_guess_is_binned_by_the_first_upper_edge_at_least_its_confidence_and_ranked_ties_in_order():
-    bins = ot_guesses.confidence_bins({0: 0.05, 1: 0.1, 2: 0.1000001, 3: 0.7, 4: 1.0, 5: 1.5, 6: float("nan"), 7: 0.0})
+    bins = ot_guesses.ranked_bins([(0, 0.05), (1, 0.1), (2, 0.1000001), (3, 0.7), (4, 1.0), (5, 1.5), (6, float("nan")), (7, 0.0)])
     assert bins == {0: 0, 1: 0, 2: 1, 3: 6, 4: 9, 5: 9, 6: 0, 7: 0}
     # The most confident first; an expert's highest confidence; equal confidences in the order given.
-    got = ot_guesses.ranked([(3, 0.2), (1, 0.5), (4, 0.2), (1, 0.1), (2, 0.5)])
-    assert list(got.items()) == [(1, 0.5), (2, 0.5), (3, 0.2), (4, 0.2)]
-    # A guess's ranking and bins in one pass: the same experts in the same order in the same bins.
+    got = ot_guesses.ranked_bins([(3, 0.2), (1, 0.5), (4, 0.2), (1, 0.1), (2, 0.5)])
+    assert list(got.items()) == [(1, 4), (2, 4), (3, 1), (4, 1)]
+    # In one pass: the same experts in the same order in the same bins as the two plain steps.
     for pairs in ([(3, 0.2), (1, 0.5), (4, 0.2), (1, 0.1), (2, 0.5)], [(0, 1.5), (5, float("nan")), (6, 0.1000001),
                                                                         (7, 0.1), (8, 0.95), (0, 0.05)]):
-        want = ot_guesses.confidence_bins(ot_guesses.ranked(pairs))
-        assert list(ot_guesses.ranked_bins(pairs).items()) == list(want.items())
+        assert list(ot_guesses.ranked_bins(pairs).items()) == list(_ranked_then_binned(pairs).items())
 
 
 # ------------------------------------------------------------------------------------ placement

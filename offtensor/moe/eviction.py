@@ -123,10 +123,11 @@ class ExpertEviction:
         self._groups: dict = {}  # stack group -> its stacks (made from by_master as it grows)
         self._grouped = 0  # len(by_master) when _groups was made
 
-    def touch(self, key) -> None:
-        """``key`` was used or copied: its tick in the LRU order."""
-        self._clock += 1
-        self._last[key] = self._clock
+    def touch(self, key) -> int:
+        """``key`` was used or copied: its tick in the LRU order (returned)."""
+        tick = self._clock = self._clock + 1
+        self._last[key] = tick
+        return tick
 
     def used(self, key, share: float, stack: "Stack", expert: int, current: bool) -> None:
         """An op paged ``expert`` of ``stack`` (``key``), ``share`` of its layer's tokens routed to it
@@ -144,10 +145,7 @@ class ExpertEviction:
 
     def copied(self, key, stack: "Stack", expert: int, current: bool) -> None:
         """``expert`` of ``stack`` (``key``) was copied: ``touch`` and ``push`` in one call."""
-        tick = self._clock + 1
-        self._clock = tick
-        self._last[key] = tick
-        self.push(key, stack, expert, self.frequency.get(key, 0.0), tick, current)
+        self.push(key, stack, expert, self.frequency.get(key, 0.0), self.touch(key), current)
 
     def push(self, key, stack: "Stack", expert: int, value: float, tick: int, current: bool) -> None:
         """``key`` (``expert`` of ``stack``) was used or copied: its record in the coldness index, with
@@ -219,8 +217,7 @@ class ExpertEviction:
             return plain
         position, count, here = self.layers.cycle()
         kept = self._kept
-        if self._grouped != len(self.by_master):
-            self.stack_groups()  # (tracked by kept)
+        self.stack_groups()  # (tracked by kept)
         if count != kept.count:
             kept.count = count
             kept.renew()

@@ -46,7 +46,6 @@ SPECULATE_PRECISION_IDLE = 0.7
 # Upper edges of the confidence bins (a guess's look-ahead probability; top-k of a softmax over
 # E experts: 1 / E is chance).
 CONFIDENCE_BINS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-_LAST_BIN = len(CONFIDENCE_BINS) - 1
 _EDGES = CONFIDENCE_BINS[:-1]  # (ranked_bins: a bisection over these needs no cap at the last bin)
 _NO_RECORD = ((0.0,) * len(CONFIDENCE_BINS),) * 2  # (a bin's record where no pool is given)
 # A bin's precision is correct / guessed over its recent uncached guesses: both counts decay by
@@ -136,19 +135,9 @@ class Router:
         own record once it has SPECULATE_EVIDENCE guesses, until then by ``pool`` (every router's
         record of that bin, (correct, guessed) lists), so a router need not wait for evidence of
         its own before its first copy (on the trained test models a bin took 20-40 decode steps)."""
-        if SPECULATE_WASTE is None:  # (``_record`` inlined: asked of each uncached guess, every layer)
-            if ahead == 1:
-                correct, guessed, gate = self.bin_correct[confidence_bin], self.bin_guessed[confidence_bin], SPECULATE_PRECISION
-            else:
-                correct, guessed = self.bin2_correct[confidence_bin], self.bin2_guessed[confidence_bin]
-                gate = SPECULATE_PRECISION_IDLE
-            if guessed < self.evidence and pool is not None:
-                shared = pool if ahead == 1 else pool[2:]
-                correct, guessed = shared[0][confidence_bin], shared[1][confidence_bin]
-            return guessed >= self.evidence and correct >= gate * guessed
         correct, guessed = self._evidenced(confidence_bin, pool, ahead)
         gate = SPECULATE_PRECISION if ahead == 1 else SPECULATE_PRECISION_IDLE
-        if ahead == 1:
+        if SPECULATE_WASTE is not None and ahead == 1:
             gate = SPECULATE_PRECISION_FLOOR  # the waste budget decides (RoutingSpeculator._issue)
         return guessed >= self.evidence and correct >= gate * guessed
 
@@ -363,27 +352,12 @@ def host_chances(scores) -> list:
     return [1.0 - v for v in out]
 
 
-def ranked(pairs) -> dict:
-    """(expert, confidence) pairs -> expert: its highest confidence, the most confident first (ties
-    in the order given: a reversed sort keeps equal keys in order)."""
-    confidence = {}
-    for e, p in sorted(pairs, key=itemgetter(1), reverse=True):
-        confidence.setdefault(e, p)
-    return confidence
-
-
-def confidence_bins(confidence: dict) -> dict:
-    """expert -> the bin of its confidence: the first bin whose upper edge is at least it (the
-    last above them all; a NaN, which compares with nothing, the first), by bisection."""
-    last = _LAST_BIN
-    return {e: min(bisect_left(CONFIDENCE_BINS, p), last) for e, p in confidence.items()}
-
-
 def ranked_bins(pairs) -> dict:
-    """``confidence_bins(ranked(pairs))`` in one pass (each guess's: no dict of confidences between).
-    The bin is ``bisect_left`` over every upper edge but the last, the same as the bisection over
-    all of them capped at the last bin (a confidence above the last-but-one edge counts that edge
-    and no other either way; a NaN none)."""
+    """(expert, confidence) pairs -> expert: the bin of its highest confidence, the most confident
+    first (ties in the order given: a reversed sort keeps equal keys in order). A confidence's bin
+    is the first whose upper edge is at least it (the last above them all; a NaN, which compares
+    with nothing, the first): ``bisect_left`` over every upper edge but the last, which is the
+    bisection over all of them capped at the last bin."""
     edges, bins = _EDGES, {}
     for e, p in sorted(pairs, key=itemgetter(1), reverse=True):
         if e not in bins:  # (an expert's highest confidence: the first of its pairs in this order)

@@ -169,10 +169,7 @@ class ExpertStacks:
         stack.bytes_h2d += nbytes
         if prefetch and not self.issuer.issuing:
             stack.prefetched_bytes += nbytes
-        expert = stack.experts.get(key)
-        if expert is None:
-            expert = stack.expert_of(key)
-        self.eviction.copied(key, stack, expert, stack.group == self.layers.current)
+        self.eviction.copied(key, stack, stack.expert_of(key), stack.group == self.layers.current)
 
     def evicted(self, key) -> None:
         self.eviction.evicted(key)

@@ -250,10 +250,7 @@ def _announce(weight: OffloadedTensor, groups: list, routed=None) -> None:
     master = weight.__dict__["_master"]
     pager = master.pager
     if pager.experts is not None:
-        if routed is not None:
-            experts, tokens = routed[3], routed[4]
-        else:
-            experts, tokens = [e for e, _, _ in groups], [b - a for _, a, b in groups]
+        experts, tokens = routed[3:5] if routed is not None else _experts_and_tokens(groups)
         with pager.lock:  # the expert cache is pager state
             pager.experts.announce(pager, master.id, experts, tokens)
 
@@ -275,7 +272,11 @@ def _group_ends(offs: torch.Tensor, pager, rows: int = 0, version=None) -> tuple
     groups = [(e, starts[e], ends[e]) for e in range(len(ends)) if ends[e] > starts[e]]
     diff = torch.diff(offs, prepend=offs.new_zeros(1))
     sizes = {e: diff[e : e + 1] for e, _, _ in groups}
-    routed = (groups, sizes, ends[-1] if ends else 0, [e for e, _, _ in groups], [b - a for _, a, b in groups])
-    # (Past the Pager's __setattr__, which acts only on its observer roles: a call less per layer.)
-    object.__setattr__(pager, "routing_read", (weakref.ref(offs), version, routed))
+    routed = (groups, sizes, ends[-1] if ends else 0, *_experts_and_tokens(groups))
+    pager.routing_read = (weakref.ref(offs), version, routed)
     return routed
+
+
+def _experts_and_tokens(groups: list) -> tuple:
+    """The experts of ``groups`` and their token counts, as the expert cache's announce takes them."""
+    return [e for e, _, _ in groups], [b - a for _, a, b in groups]
