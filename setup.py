@@ -9,6 +9,9 @@
   torch.cuda.is_available(): a GPU-less build machine must not silently drop the CUDA code.
   An nvcc without a usable libcudart.so beside it builds without the CUDA part, with a warning.
 - OFFTENSOR_NO_CUDA=1 builds without the CUDA part; OFFTENSOR_NO_NATIVE=1 installs pure Python.
+- OFFTENSOR_UNOPTIMISED_BUILD=1 compiles the C++ part without optimisation or debug information, in
+  under half the time: for a throwaway build whose speed does not matter (benchmarks/native_errors.py's
+  second build, which only checks that a refusal reaches Python), never for one that runs models.
 """
 
 import os
@@ -86,7 +89,8 @@ def native_build():
     extension = CppExtension(
         "offtensor._C",
         [os.path.join("csrc", "offtensor.cpp"), os.path.join("csrc", "policy.cpp"), os.path.join("csrc", "eviction.cpp")],
-        extra_compile_args=["-O2"],
+        # Last on the command line, so these win over Python's own "-g -O3".
+        extra_compile_args=["-O0", "-g0"] if env_flag("OFFTENSOR_UNOPTIMISED_BUILD") else ["-O2"],
         **kwargs,
     )
 
