@@ -105,14 +105,16 @@ def device() -> str:
 
 
 
-# The slowest files first (seconds on the 2-core CI machine, quiet: OpInfo ~120, compile, the GPU
-# suite's dry run and the timeline replays ~45 each). With two xdist workers, `--dist loadfile`
-# hands out whole files in collection order, so a long file collected late (OpInfo, 17th of 32)
-# became one worker's tail while the other idled: longest first is the classic fix. A stable sort,
-# so the order within and between the other files stays as collected.
-SLOWEST_FIRST = ("test_opinfo.py", "test_compile.py", "test_gpu_suite.py", "test_timeline.py",
-                 "test_moe_trained.py", "test_ext.py", "test_sweep.py", "test_memory_and_errors.py",
-                 "test_distributed.py")
+# The slowest files first (seconds on the 2-core CI machine beside the other worker: the interrupt
+# walks of test_interrupts_more ~130, OpInfo ~50, the native-errors check's builds ~40, the GPU
+# suite's dry run ~40, the expert-placement walk ~35). With two xdist workers, `--dist loadfile`
+# hands out whole files in collection order, so a long file collected late became one worker's
+# tail while the other idled: longest first is the classic fix. A stable sort, so the order within
+# and between the other files stays as collected. (No test compares wall clocks any more, so what
+# runs beside what does not change a verdict.)
+SLOWEST_FIRST = ("test_interrupts_more.py", "test_opinfo.py", "test_native_errors.py", "test_interrupts_regions.py",
+                 "test_compile.py", "test_gpu_suite.py", "test_timeline.py", "test_moe_trained.py", "test_ext.py",
+                 "test_sweep.py", "test_memory_and_errors.py", "test_distributed.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
