@@ -263,6 +263,26 @@ def test_a_model_loaded_onto_one_device_by_a_device_map_wraps(how, device, tmp_p
     _assert_unwraps_whole(loaded, reference)
 
 
+# ---------------------------------------------------------------------------- moves
+
+
+@pytest.mark.parametrize("target", ["meta", "cuda:1", "cpu"])
+def test_moving_a_wrapped_model_to_another_device_is_refused_before_anything_moves(target, device):
+    """torch's own path would turn every offloaded weight into a plain tensor on the target device
+    (for ``.cpu()`` of a model wrapped for a GPU: the whole model, its host masters dropped) while
+    the model stays wrapped for its device. To its own device it stays a no-op."""
+    model, reference = _llama(device)
+    params = _params(model)
+    if torch.device(target) == torch.device(device):
+        model.to(target)  # the emulated device's .cpu(): nothing to move
+    else:
+        with pytest.raises(RuntimeError, match=rf"moving a wrapped model to the {target} device is not supported "
+                                               r"\(\d+ of its weights are offloaded for .*ot\.unwrap_model\(model\).*"
+                                               r"Nothing was moved"):
+            model.to(target)
+    _assert_untouched(model, reference, params, device)
+
+
 # ---------------------------------------------------------------------------- diffusers
 
 
