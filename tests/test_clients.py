@@ -8,9 +8,11 @@ Covered elsewhere, so not repeated here: greedy ``generate`` (tests/test_transfo
 static-cache ``generate`` of a compiled model (tests/test_compile.py), ``save_pretrained`` of an
 unwrapped model -> ``ot.from_pretrained`` (tests/test_loading_files.py).
 
-accelerate's utilities over a wrapped model (``set_module_tensor_to_device``, ``cpu_offload``,
-``init_empty_weights``) re-create parameters through their class, as nn.Parameter's constructor
+accelerate's utilities over a wrapped model (``set_module_tensor_to_device``, ``init_empty_weights``)
+re-create parameters through their class, as nn.Parameter's constructor
 (``type(p)(data, requires_grad=...)``): an offloaded parameter's class makes what nn.Parameter makes.
+accelerate's and diffusers' offloaders over a wrapped model, in both orders, are in
+tests/test_other_offloaders.py.
 """
 
 from __future__ import annotations
@@ -556,18 +558,6 @@ def test_accelerate_set_module_tensor_to_device_to_meta_and_back_keeps_the_logit
     assert linear.weight.is_meta and type(linear.weight) is torch.nn.Parameter
     set_module_tensor_to_device(linear, "weight", device, value=weight)
     assert isinstance(linear.weight, ot.OffloadedTensor) and linear.weight._master is weight._master
-    ids, mask = _prompt(device)
-    with torch.no_grad():
-        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits,
-                           reference(input_ids=ids, attention_mask=mask).logits)
-
-
-def test_accelerate_cpu_offload_over_a_wrapped_model_gives_the_unwrapped_logits(device):
-    pytest.importorskip("accelerate")
-    from accelerate import cpu_offload
-
-    model, reference = _tiny_llama(device)
-    cpu_offload(model, execution_device=torch.device(device))
     ids, mask = _prompt(device)
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids, attention_mask=mask).logits,

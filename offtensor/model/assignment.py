@@ -16,6 +16,7 @@ from torch import nn
 
 from .casts import apply_to_wrapped
 from .dtensor import asked_by_distribute_module, refuse_distribute, refuse_sharding_an_offloaded_weight
+from .engines import asked_for_hooks
 from .loads import after_load, portable_state_dict
 from .moves import Undo, resident_bytes
 from .place import place, place_attribute
@@ -238,6 +239,34 @@ def _wrapping_class(user_class: type) -> type:
     return cls
 
 
+# accelerate's add_hook_to_module, and diffusers' group offloading, ask a module for its
+# accelerate hook before they move its weights: a module without one answers through
+# asked_for_hooks, which refuses what would offload or move its offloaded weights. A module
+# with a hook reads it from its __dict__ (accelerate reads it at every hooked forward).
+def _get_hf_hook(self):
+    try:
+        return self.__dict__["_hf_hook"]
+    except KeyError:
+        pass
+    if not torch.compiler.is_compiling():
+        asked_for_hooks(self, sys._getframe(1))
+    raise AttributeError("_hf_hook")
+
+
+def _set_hf_hook(self, value):
+    self.__dict__["_hf_hook"] = value
+
+
+def _del_hf_hook(self):
+    try:
+        del self.__dict__["_hf_hook"]
+    except KeyError:
+        raise AttributeError("_hf_hook") from None
+
+
+_HF_HOOK = property(_get_hf_hook, _set_hf_hook, _del_hf_hook)
+
+
 def _make_wrapping_class(user_class: type) -> type:
     def __setattr__(self, name, value):
         _set_attribute(super(cls, self).__setattr__, self, name, value)
@@ -293,6 +322,7 @@ def _make_wrapping_class(user_class: type) -> type:
         "_offtensor_user_class": user_class, "__setattr__": __setattr__, "__delattr__": __delattr__,
         "register_parameter": register_parameter, "register_buffer": register_buffer, "add_module": add_module,
         "_apply": _apply, "_load_from_state_dict": _load_from_state_dict, "_distribute_module_applied": property(_get_distributed, _set_distributed),
+        "_hf_hook": _HF_HOOK,
         "__reduce_ex__": __reduce_ex__,
     }
     cls = type(user_class)(user_class.__name__, (user_class,), namespace)

@@ -35,28 +35,46 @@ def apply_to_wrapped(apply, module: nn.Module, fn, recurse: bool = True):
     if state is None or state.model_ref() is None:
         return apply(fn, recurse)
     with state.pager.lock:  # another thread's op finishes first; the next one sees the new dtype
-        _refuse_meta(state, module, fn)
+        _refuse_move(state, module, fn)
         return _apply_locked(state, apply, module, fn, recurse)
 
 
-def _refuse_meta(state: State, module: nn.Module, fn) -> None:
-    """``module.to("meta")`` of a wrapped model with offloaded weights: torch's path would page each
-    one whole onto the device to make its meta copy (a BudgetError for one larger than the room,
-    which names the budget as the problem). Refused before anything moves, saying what to do."""
+def _refuse_move(state: State, module: nn.Module, fn) -> None:
+    """``module.to(another device)`` of a wrapped model with offloaded weights: ``.cpu()`` of a
+    model wrapped for a GPU (accelerate's model offloading, a pipeline's ``.to("cpu")``), ``.to("meta")``,
+    ``.to("cuda:1")``. torch's path would turn each offloaded weight into a plain tensor on that
+    device, made from a whole copy and no longer counted by the budget (for meta, each paged whole
+    onto the device first: a BudgetError for one larger than the room, which names the budget as
+    the problem), while the model stays wrapped for its device. Refused before anything moves."""
     offloaded = [name for name, t in (*module.named_parameters(), *module.named_buffers())
                  if any(isinstance(leaf, OffloadedTensor) for leaf in leaves.leaf_tensors(t))]
     if not offloaded:
         return
+    device = _moved_to(state.pager.device, fn)
+    if device is None or device == state.pager.device:
+        return
+    raise RuntimeError(
+        f"offtensor: moving a wrapped model to the {device} device is not supported ({len(offloaded)} of its weights "
+        f"are offloaded for {state.pager.device}, such as '{state.qualified_name(module, offloaded[0])}'): unwrap it "
+        f"first with ot.unwrap_model(model), then move it with .to('{device}'). Nothing was moved.")
+
+
+def _moved_to(device: torch.device, fn):
+    """The device ``fn`` (the function ``module._apply`` is given) puts a tensor on ``device`` on,
+    or None where it raises or makes no tensor. A move that cannot run here (off meta; to cuda
+    on a machine without one) is read off a fake tensor, which holds no memory."""
     try:
         with torch.no_grad():
-            probe = fn(torch.empty(2, device=state.pager.device))
+            probe = fn(torch.empty(2, device=device))
     except Exception:  # noqa: BLE001 - whatever fn does, the casts below do it (or raise)
-        return
-    if isinstance(probe, torch.Tensor) and probe.is_meta:
-        raise RuntimeError(
-            f"offtensor: moving a wrapped model to the meta device is not supported ({len(offloaded)} of its weights "
-            f"are offloaded, such as '{state.qualified_name(module, offloaded[0])}'): unwrap it first with "
-            f"ot.unwrap_model(model), then call .to('meta'). Nothing was moved.")
+        from torch._subclasses.fake_tensor import FakeTensorMode  # (a move that cannot run for real)
+
+        try:
+            with FakeTensorMode(), torch.no_grad():
+                probe = fn(torch.empty(2, device=device))
+        except Exception:  # noqa: BLE001 - as above
+            return None
+    return probe.device if isinstance(probe, torch.Tensor) else None
 
 
 def _apply_locked(state: State, apply, module: nn.Module, fn, recurse: bool):
@@ -82,7 +100,8 @@ def _cast_offloaded(state: State, module: nn.Module, fn) -> list:
     """Convert ``module``'s own offloaded tensors as ``fn`` asks, in place; returns the
     (table, attribute, tensor) of those done (converted, or left as they are because ``fn`` leaves
     them so). What ``fn`` does is read off a tiny stand-in of each tensor's dtype on its device: a
-    cast is done here; a move to another device or memory format is left to torch."""
+    cast is done here; a move to another memory format is left to torch (one to another device was
+    refused before anything moved)."""
     handled = []
     for table in (module._parameters, module._buffers):
         for attr, t in table.items():

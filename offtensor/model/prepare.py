@@ -19,6 +19,7 @@ from ..prefetch import Prefetcher
 from ..tensor import OffloadedTensor, check_offloadable
 from .copies import StepHook, model_state, register_wrapped, unregister_wrapped
 from .dtensor import refuse_offloading_what_fsdp2_manages
+from .engines import refuse_dispatched_elsewhere, refuse_other_offloaders
 from .groups import collect_groups
 from .moves import Undo, as_param_like, make_resident, offload_group, refit_wrappers, resident_bytes, swap
 from .state import State, refuse_wrapped_elsewhere, withdraw, wrapped_state
@@ -56,6 +57,8 @@ def prepare(model: nn.Module, config: OffloadConfig, device: torch.device, *,
     grad = torch.is_grad_enabled()
     try:
         with torch.inference_mode(False):  # (outside inference mode, a no-op)
+            if device.type != "meta":  # (a plan runs on meta whatever the model was dispatched to)
+                refuse_dispatched_elsewhere(model, device)
             groups = collect_groups(model)
             if check is not None:
                 check(groups)
@@ -75,7 +78,7 @@ def prepare(model: nn.Module, config: OffloadConfig, device: torch.device, *,
 
 def check_wrappable(model) -> None:
     """Refuse what ``wrap_model`` and ``load_safetensors`` cannot take: not a module, wrapped already,
-    or offloaded by accelerate's hooks."""
+    or moved by another offloader's hooks (accelerate's, diffusers' group offloading)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"offtensor: expected an nn.Module, got {type(model).__name__}")
     state = wrapped_state(model)
@@ -97,47 +100,7 @@ def check_wrappable(model) -> None:
             f"and shares its modules, weights and wrap (budget {state.pager.budget_bytes} bytes on "
             f"{state.pager.device}); call ot.unwrap_model on either of them before wrapping it again")
     refuse_wrapped_elsewhere(model, f"wrapping this {type(model).__name__} around it")
-    _refuse_accelerate_offload(model)
-    _refuse_diffusers_group_offload(model)
-
-
-def _refuse_accelerate_offload(model: nn.Module) -> None:
-    """A model whose weights accelerate's hooks offload (``from_pretrained(..., device_map=...)`` with
-    "cpu" or "disk" entries, ``cpu_offload``, ``disk_offload``): its offloaded weights are meta
-    tensors between forwards, filled from accelerate's own copies at each one. Two offloaders of the
-    same weights cannot both be right, so it is refused before anything moves, naming the module."""
-    for name, module in model.named_modules():
-        hook = getattr(module, "_hf_hook", None)
-        hooks = getattr(hook, "hooks", None) or ([hook] if hook is not None else [])
-        if any(getattr(h, "offload", False) is True for h in hooks):
-            device_map = getattr(model, "hf_device_map", None)
-            raise ValueError(
-                f"offtensor: {type(module).__name__} '{name}' of {type(model).__name__} has its weights offloaded by "
-                f"accelerate's hooks{f' (hf_device_map {device_map})' if device_map else ''}: they are meta tensors "
-                f"that accelerate fills at each forward, and offtensor would offload the same weights. Load the "
-                f"model without offloading in its device_map (device_map=None or {{'': 'cpu'}}) and wrap it, or "
-                f"load it with ot.from_pretrained(path, budget_gb=...). Nothing was changed.")
-
-
-# The names diffusers registers its group offloading hooks under (diffusers.hooks.group_offloading).
-_GROUP_OFFLOAD_HOOKS = ("group_offloading", "lazy_prefetch_group_offloading")
-
-
-def _refuse_diffusers_group_offload(model: nn.Module) -> None:
-    """A model whose weights diffusers' group offloading moves (``enable_group_offload``,
-    ``apply_group_offloading``, a pipeline's ``enable_group_offload``): its hooks move each group's
-    weights to the onload device before the group's forward and back after it, so offtensor would
-    offload weights that diffusers moves as well, each offloader under its own count of the device's
-    bytes. Refused before anything moves, naming the module, as accelerate's offloading is."""
-    for name, module in model.named_modules():
-        hooks = getattr(getattr(module, "_diffusers_hook", None), "hooks", None)
-        if isinstance(hooks, dict) and any(h in hooks for h in _GROUP_OFFLOAD_HOOKS):
-            raise ValueError(
-                f"offtensor: {type(module).__name__} '{name}' of {type(model).__name__} has its weights offloaded by "
-                f"diffusers' group offloading (enable_group_offload / apply_group_offloading), which moves them to "
-                f"the onload device at each forward, and offtensor would offload the same weights. Build the model "
-                f"without group offloading and wrap it: the budget bounds what its weights hold on the device. "
-                f"Nothing was changed.")
+    refuse_other_offloaders(model)
 
 
 def apply_placement(model: nn.Module, placed: placement.ModelPlacement, pager: Pager, config: OffloadConfig,
