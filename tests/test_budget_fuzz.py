@@ -315,9 +315,10 @@ def test_a_module_multiplying_two_of_its_weights_runs_at_every_budget_wrap_accep
 # ---------------------------------------------------------------------------- a model's own tensors read by convolutions
 # A model's own module may read its tensors by ops other than a product: a convolution of any form
 # (F.conv1d on a bare 3-D Parameter, grouped, depthwise, dilated, strided, transposed), an einsum
-# that permutes a stacked weight, an index_select. Placement counted a bare tensor of three or more
+# that permutes a stacked weight, an index op. Placement counted a bare tensor of three or more
 # dims at a slice of one matrix of the stack, as bmm reads it, and convolution paged at least one
-# whole output channel (grouped and transposed ones the whole weight): every budget near the smallest
+# whole output channel (grouped and transposed ones the whole weight), an index op at least one
+# whole row (a matrix of the stack), embedding_bag the whole table: every budget near the smallest
 # accepted raised BudgetError in forward.
 
 
@@ -341,7 +342,16 @@ READERS = {
     "einsum by heads": ((8, 32, 48), None, lambda m, x: torch.einsum("bhi,hio->bho", x, m.w), (5, 8, 32)),
     "einsum permuted": ((32, 8, 48), None, lambda m, x: torch.einsum("bhi,iho->bho", x, m.w), (5, 8, 32)),
     "index_select": ((200, 32), None, lambda m, x: m.w.index_select(0, x), _index_input),
+    "index_select of a stack": ((200, 16, 24), None, lambda m, x: m.w.index_select(0, x), _index_input),
+    "indexing a stack": ((200, 24, 20), None, lambda m, x: m.w[x] * 2, _index_input),
+    "embedding_bag": ((200, 32), None, lambda m, x: F.embedding_bag(x, m.w, _offsets(x), padding_idx=int(x[1])),
+                      _index_input),
+    "embedding_bag max": ((200, 32), None, lambda m, x: F.embedding_bag(x, m.w, _offsets(x), mode="max"), _index_input),
 }
+
+
+def _offsets(x):
+    return torch.tensor([0, 3, 3], device=x.device)  # three bags, one of them empty
 
 
 class _OwnReader(nn.Module):
@@ -374,7 +384,7 @@ def _same(got, want, exact: bool, what):
 
 
 @pytest.mark.parametrize("case", list(READERS))
-def test_a_model_tensor_read_by_a_convolution_or_einsum_runs_at_every_budget_wrap_accepts(case, device):
+def test_a_model_tensor_read_by_a_convolution_einsum_or_index_op_runs_at_every_budget_wrap_accepts(case, device):
     def build():
         torch.manual_seed(0)
         return _OwnReader(case)
