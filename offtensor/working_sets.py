@@ -49,7 +49,10 @@ def weight_tile(w, slices: int = TILE_ALIGN) -> int:
     """``tile_working_set`` of the Weight ``w``. A model's own module's tensor of three or more dims
     (a bmm operand, an einsum's stacked weight) is a stack of matrices over its last two dims: bmm,
     baddbmm and cdist tile it a batch at a time and, where one matrix does not fit, in columns or
-    rows of that matrix, so its tile is ``slices`` slices of one matrix. A torch.nn module's (a
+    rows of that matrix, so its tile is ``slices`` slices of one matrix; but no less than one kernel
+    over its dims past the first two, the least a convolution reading it pages (ops cut a
+    convolution's weight down to one input channel of one output channel, not within the kernel).
+    For a stack of three dims that is never more than a slice of one matrix. A torch.nn module's (a
     ``Conv1d`` weight: convolution cuts only output channels), routed experts (``_grouped_mm``
     pages each expert whole) and tables read in slices (a crop is no matrix product; they are
     counted at a slice instead, ``slice_working_set``) keep the rule of the first two dims, and so
@@ -61,7 +64,8 @@ def weight_tile(w, slices: int = TILE_ALIGN) -> int:
     if len(w.shape) < 3 or w.fused or w.sliced or is_routed_stack(w.name, w.shape) or matrices <= 1:
         return tile_working_set(w.shape, w.nbytes, w.working_set, slices)
     one = w.nbytes // matrices
-    return min(w.working_set, tile_working_set(w.shape[-2:], one, one, slices))
+    kernel = w.nbytes // (w.shape[0] * w.shape[1]) if w.shape[0] * w.shape[1] else 0
+    return min(w.working_set, max(tile_working_set(w.shape[-2:], one, one, slices), kernel))
 
 
 def slice_working_set(w) -> int:

@@ -89,6 +89,20 @@ def test_a_stacked_weight_is_counted_at_a_tile_of_one_matrix_not_of_its_batches(
     assert weight_tile(experts, 1) == 16384
 
 
+def test_a_stacked_weight_of_four_or_five_dims_is_counted_at_no_less_than_one_convolution_kernel():
+    # F.conv2d / F.conv3d may read a model's own 4-D or 5-D tensor: convolution cuts its weight down
+    # to one input channel's kernel of one output channel, not within the kernel, so a tile of one
+    # 3 x 3 matrix's rows (12 bytes) was accepted and the convolution raised BudgetError.
+    from offtensor.placement import Weight, weight_tile
+
+    conv2d = Weight(["m.w"], 32 * 8 * 9 * 4, (32, 8, 3, 3), 32 * 8 * 9 * 4, fused=False)
+    assert weight_tile(conv2d, 1) == weight_tile(conv2d) == 9 * 4
+    conv3d = Weight(["m.w"], 16 * 4 * 27 * 4, (16, 4, 3, 3, 3), 16 * 4 * 27 * 4, fused=False)
+    assert weight_tile(conv3d, 1) == weight_tile(conv3d) == 27 * 4
+    stack = Weight(["m.w"], 65536, (4, 64, 64), 65536, fused=False)  # three dims: a slice of a matrix, as before
+    assert weight_tile(stack, 1) == COLUMN
+
+
 TIGHT = 16 * 64 * 4 + 64 * 4  # a tile of 16 rows of a 64 x 64 linear weight, beside its whole bias
 
 

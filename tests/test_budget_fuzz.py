@@ -312,6 +312,112 @@ def test_a_module_multiplying_two_of_its_weights_runs_at_every_budget_wrap_accep
         assert s.peak_device_bytes <= s.budget_bytes, budget
 
 
+# ---------------------------------------------------------------------------- a model's own tensors read by convolutions
+# A model's own module may read its tensors by ops other than a product: a convolution of any form
+# (F.conv1d on a bare 3-D Parameter, grouped, depthwise, dilated, strided, transposed), an einsum
+# that permutes a stacked weight, an index op. Placement counted a bare tensor of three or more
+# dims at a slice of one matrix of the stack, as bmm reads it, and convolution paged at least one
+# whole output channel (grouped and transposed ones the whole weight), an index op at least one
+# whole row (a matrix of the stack), embedding_bag the whole table: every budget near the smallest
+# accepted raised BudgetError in forward.
+
+
+def _index_input(device):
+    return torch.randint(0, 200, (7,), generator=torch.Generator().manual_seed(3)).to(device)
+
+
+READERS = {
+    # name: (weight shape, bias size or None, forward(module, x), input shape, or a function of the device)
+    "conv1d": ((32, 16, 5), 32, lambda m, x: F.conv1d(x, m.w, m.b, stride=2, padding=1, dilation=2), (2, 16, 24)),
+    "conv1d grouped": ((32, 4, 5), 32, lambda m, x: F.conv1d(x, m.w, m.b, padding=2, groups=4), (2, 16, 24)),
+    "conv1d depthwise": ((16, 1, 4), None, lambda m, x: F.conv1d(x, m.w, padding=3, groups=16), (2, 16, 24)),
+    "conv2d": ((32, 8, 3, 3), 32, lambda m, x: F.conv2d(x, m.w, m.b, padding=1), (2, 8, 9, 9)),
+    "conv2d grouped": ((32, 2, 3, 3), None, lambda m, x: F.conv2d(x, m.w, stride=2, groups=4), (2, 8, 9, 9)),
+    "conv3d": ((16, 4, 3, 3, 3), 16, lambda m, x: F.conv3d(x, m.w, m.b, padding=1, dilation=(1, 2, 1)), (2, 4, 5, 6, 5)),
+    "conv_transpose1d": ((16, 32, 5), 32, lambda m, x: F.conv_transpose1d(x, m.w, m.b, stride=2, output_padding=1),
+                         (2, 16, 12)),
+    "conv_transpose2d": ((8, 32, 3, 3), None, lambda m, x: F.conv_transpose2d(x, m.w, stride=2, padding=1), (2, 8, 6, 6)),
+    "conv_transpose2d grouped": ((8, 8, 3, 3), 16, lambda m, x: F.conv_transpose2d(x, m.w, m.b, groups=2), (2, 8, 6, 6)),
+    "conv_transpose3d": ((4, 16, 3, 3, 3), None, lambda m, x: F.conv_transpose3d(x, m.w, dilation=2), (2, 4, 4, 4, 4)),
+    "einsum by heads": ((8, 32, 48), None, lambda m, x: torch.einsum("bhi,hio->bho", x, m.w), (5, 8, 32)),
+    "einsum permuted": ((32, 8, 48), None, lambda m, x: torch.einsum("bhi,iho->bho", x, m.w), (5, 8, 32)),
+    "index_select": ((200, 32), None, lambda m, x: m.w.index_select(0, x), _index_input),
+    "index_select of a stack": ((200, 16, 24), None, lambda m, x: m.w.index_select(0, x), _index_input),
+    "indexing a stack": ((200, 24, 20), None, lambda m, x: m.w[x] * 2, _index_input),
+    "embedding_bag": ((200, 32), None, lambda m, x: F.embedding_bag(x, m.w, _offsets(x), padding_idx=int(x[1])),
+                      _index_input),
+    "embedding_bag max": ((200, 32), None, lambda m, x: F.embedding_bag(x, m.w, _offsets(x), mode="max"), _index_input),
+}
+
+
+def _offsets(x):
+    return torch.tensor([0, 3, 3], device=x.device)  # three bags, one of them empty
+
+
+class _OwnReader(nn.Module):
+    """A model's own module holding a bare weight (and bias) that its forward reads by ``READERS[case]``."""
+
+    def __init__(self, case: str):
+        super().__init__()
+        shape, bias, self.read, _ = READERS[case]
+        self.w = nn.Parameter(torch.randn(*shape) / 8)
+        self.b = nn.Parameter(torch.randn(bias) / 8) if bias else None
+
+    def forward(self, x):
+        return self.read(self, x)
+
+
+def _reader_input(case: str, device, seed: int = 2):
+    shape = READERS[case][3]
+    if callable(shape):
+        return shape(device)
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def _same(got, want, exact: bool, what):
+    if got is None and want is None:  # no gradient on either side (an index input)
+        return
+    if exact:
+        assert torch.equal(got, want), what
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", list(READERS))
+def test_a_model_tensor_read_by_a_convolution_einsum_or_index_op_runs_at_every_budget_wrap_accepts(case, device):
+    def build():
+        torch.manual_seed(0)
+        return _OwnReader(case)
+
+    smallest = _smallest_accepted(build, 10**7, device)
+    with pytest.raises(ot.BudgetError, match=rf"paging '[wb]'.* \({smallest} bytes\) in all"):
+        ot.wrap_model(build(), budget_gb=(smallest - 1) / GiB, device=device, policy={"offload": ["*"]})
+    whole = sum(p.numel() * 4 for p in build().parameters())
+    for budget in sorted({smallest, smallest + 700, 3 * smallest, whole // 3, whole // 2 + 4096, whole}):
+        model, reference = build(), build().to(device)
+        x = _reader_input(case, device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ot.wrap_model(model, budget_gb=budget / GiB, device=device, policy={"offload": ["*"]})
+            with torch.no_grad():
+                _same(model(x), reference(x), not any("last bits" in str(w.message) for w in caught), budget)
+            if x.is_floating_point():
+                x.requires_grad_()  # the input's gradient too: the backward's other half
+            out = model(x)
+            out.square().sum().backward()
+        exact = not any("last bits" in str(w.message) for w in caught)
+        grad = x.grad if x.is_floating_point() else None
+        x.grad = None
+        expected = reference(x)
+        expected.square().sum().backward()
+        _same(out, expected, exact, budget)
+        for got, want in ((model.w.grad, reference.w.grad), (grad, x.grad),
+                          *(((model.b.grad, reference.b.grad),) if model.b is not None else ())):
+            _same(got, want, exact, budget)
+        s = ot.stats(model)
+        assert s.peak_device_bytes <= s.budget_bytes, budget
+
+
 # ---------------------------------------------------------------------------- assigned after wrapping
 # A weight assigned into a wrapped model later (``module.weight = ...``, ``load_state_dict(assign=True)``,
 # a submodule swapped in) was checked on its own, not with its module's other offloaded weights: an
@@ -395,6 +501,9 @@ ASSIGNED = {
                            lambda: _tensor(3, 48, seed=3)),
     "product loaded as float64": (lambda: _OwnProduct("mm"), [_load_as(torch.float64)],
                                   lambda: _tensor(3, 48, dtype=torch.float64, seed=3)),
+    "own conv3d": (lambda: _OwnReader("conv3d"),
+                   [_setter("w", lambda: _tensor(32, 4, 3, 3, 3)), _setter("b", lambda: _tensor(32, seed=2))],
+                   lambda: _tensor(2, 4, 5, 6, 5, seed=3)),
 }
 
 

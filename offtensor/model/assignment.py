@@ -7,6 +7,7 @@ torch's global hooks are left alone, and ``leave`` gives a module its own class 
 
 from __future__ import annotations
 
+import copy
 import copyreg
 import sys
 from typing import Optional
@@ -21,34 +22,40 @@ from .loads import after_load, portable_state_dict
 from .moves import Undo, resident_bytes
 from .place import place, place_attribute
 from .room import check_assigned_load
-from .state import State, enrol, offloaded_weights, placing_state, refuse_wrapped_elsewhere, withdraw, wrapped_state
+from .state import (
+    State, enrol, member_module, offloaded_weights, placing_target, refuse_wrapped_elsewhere, withdraw, wrapped_state,
+)
 
 
 def _set_attribute(set_attribute, module: nn.Module, name: str, value) -> None:
     """``module.name = value`` through the module class's own ``set_attribute``, plus what a wrapped
     model needs: a submodule's tensors placed, a plain tensor attribute placed (no registration
-    method sees those) and a recount when a weight or submodule is set to None."""
-    state = placing_state(module)
+    method sees those) and a recount when a weight or submodule is set to None. ``module`` may be a
+    shallow copy of a wrapped module (``state.placing_target``): its weights and submodules are the
+    original's, placed as through it."""
+    state, owner = placing_target(module)
     if state is None:
         return set_attribute(name, value)
     with state.pager.lock:  # re-placement waits for another thread's op, which then sees the result
-        _set_placed(state, set_attribute, module, name, value)
+        _set_placed(state, set_attribute, owner, name, value, module)
 
 
-def _set_placed(state: State, set_attribute, module: nn.Module, name: str, value) -> None:
+def _set_placed(state: State, set_attribute, module: nn.Module, name: str, value, holder: nn.Module) -> None:
+    """``_set_attribute`` for ``module`` of ``state``'s model, set through ``holder`` (``module`` or a
+    shallow copy of it, whose ``__dict__`` is its own: a plain attribute set there is the copy's)."""
     # Only a weight, submodule or tensor attribute set to None releases bytes (forwards set other
     # attributes to None often; a recount walks the model).
     releases = value is None and (
         module._modules.get(name) is not None
         or module._parameters.get(name) is not None
         or module._buffers.get(name) is not None
-        or isinstance(module.__dict__.get(name), torch.Tensor)
+        or isinstance(holder.__dict__.get(name), torch.Tensor)
     )
     old = module._modules.get(name) if releases else None
     if isinstance(value, nn.Module):
         _attach_submodule(state, module, name, value)
     set_attribute(name, value)  # a Parameter or buffer goes through register_parameter / register_buffer
-    if isinstance(value, torch.Tensor) and module.__dict__.get(name) is value:
+    if isinstance(value, torch.Tensor) and holder is module and module.__dict__.get(name) is value:
         place_attribute(state, module, name, value)
     elif releases:
         _released(state, old)
@@ -57,11 +64,11 @@ def _set_placed(state: State, set_attribute, module: nn.Module, name: str, value
 def _delete_attribute(delete_attribute, module: nn.Module, name: str) -> None:
     """``del module.name``, plus releasing a deleted submodule's or weight's bytes at once:
     resident bytes are recounted, and the submodule no longer places what is assigned into it."""
-    state = placing_state(module)
+    state, owner = placing_target(module)
     if state is None:
         return delete_attribute(name)
     with state.pager.lock:
-        old = module._modules.get(name)
+        old = owner._modules.get(name)
         delete_attribute(name)
         _released(state, old)
 
@@ -91,15 +98,15 @@ def _register_tensor(register, module: nn.Module, table: dict, name: str, t, is_
     """``register(name, t)``, the module class's own ``register_parameter`` / ``register_buffer``
     (which checks the name and the tensor), then the placement of ``t`` into the wrapped model. If
     placing fails (over budget), the slot goes back to what it held."""
-    state = placing_state(module)
+    state, owner = placing_target(module)
     if state is None or t is None:
         return register(name, t)
     with state.pager.lock:
         before = table.get(name, _ABSENT)
-        refuse_sharding_an_offloaded_weight(state, module, name, before, t)
+        refuse_sharding_an_offloaded_weight(state, owner, name, before, t)
         register(name, t)
         try:
-            new = place(state, module, name, t, is_buffer)
+            new = place(state, owner, name, t, is_buffer)
         except BaseException:
             if before is _ABSENT:
                 table.pop(name, None)
@@ -112,11 +119,11 @@ def _register_tensor(register, module: nn.Module, table: dict, name: str, t, is_
 
 def _add_submodule(add_module, module: nn.Module, name: str, submodule) -> None:
     """``module.add_module(name, submodule)``, its tensors placed first when ``module`` is wrapped."""
-    state = placing_state(module)
+    state, owner = placing_target(module)
     if state is None or not isinstance(submodule, nn.Module):
         return add_module(name, submodule)
     with state.pager.lock:
-        _attach_submodule(state, module, name, submodule)
+        _attach_submodule(state, owner, name, submodule)
         add_module(name, submodule)
 
 
@@ -189,12 +196,12 @@ def _load_into(load, module: nn.Module, state_dict, prefix: str, local_metadata,
     was called on (``prefix`` empty; it loads its own keys before its submodules'), the whole
     incoming state dict is checked against the room first (``check_assigned_load``): refused whole,
     nothing is assigned, and each key is then placed beside its module's other incoming tensors."""
-    state = placing_state(module)
+    state, owner = placing_target(module)
     if state is not None and not prefix and local_metadata.get("assign_to_params_buffers"):
         with state.pager.lock:
             state.loading, state.loading_root = {}, None
-            state.loading = check_assigned_load(state, module, state_dict)
-            state.loading_root = module
+            state.loading = check_assigned_load(state, owner, state_dict)
+            state.loading_root = owner
     load(state_dict, prefix, local_metadata, *rest)
 
 
@@ -207,9 +214,14 @@ def join(module: nn.Module, state: State) -> None:
 
 
 def leave(module: nn.Module) -> None:
-    """``module`` is no longer part of a wrapped model: its own class back, no placement. The class
-    first: cut short between the two, the module is still found as wrapped and left again."""
+    """``module`` is no longer part of a wrapped model: its own class back, no placement, and so do
+    its shallow copies. The classes first: cut short before the last step, the module is still found
+    as wrapped and left again."""
     give_user_class(module)
+    state = wrapped_state(module)
+    for twin in list(state.shallow_copies) if state is not None else ():
+        if member_module(twin) is module:
+            give_user_class(twin)
     withdraw(module)
 
 
@@ -317,6 +329,9 @@ def _make_wrapping_class(user_class: type) -> type:
             reduced = (copyreg._reconstructor, (user_class, object, None), *reduced[2:])
         return reduced
 
+    def __copy__(self):
+        return _shallow_copy(self, super(cls, self).__reduce_ex__(4), user_class, cls)
+
     namespace = {
         "__module__": user_class.__module__, "__qualname__": user_class.__qualname__, "__slots__": (),
         "_offtensor_user_class": user_class, "__setattr__": __setattr__, "__delattr__": __delattr__,
@@ -325,8 +340,28 @@ def _make_wrapping_class(user_class: type) -> type:
         "_hf_hook": _HF_HOOK,
         "__reduce_ex__": __reduce_ex__,
     }
+    if getattr(user_class, "__copy__", None) is None:  # a class's own __copy__ is left to make its copies
+        namespace["__copy__"] = __copy__
     cls = type(user_class)(user_class.__name__, (user_class,), namespace)
     return cls
+
+
+def _shallow_copy(module: nn.Module, reduced: tuple, user_class: type, cls: type) -> nn.Module:
+    """``copy.copy(module)`` of a module of a wrapped model: what copy.copy makes of it (the same
+    reconstruction from the same reduction, so its ``__dict__`` is copied entry by entry and its
+    parameter, buffer and module tables are the original's) but of the wrapping class, so that a
+    weight assigned, registered or loaded through it is placed as through the original. Recorded with
+    the original's model, whose unwrap gives it its own class back; of a module no longer placing
+    anything, it has its own class at once."""
+    twin = copy._reconstruct(module, None, *reduced)
+    if type(twin) is user_class:  # a reduction of the class's own naming the user's class
+        twin.__class__ = cls
+    state, _ = placing_target(module)
+    if state is None:
+        give_user_class(twin)
+    elif type(twin) is cls:
+        state.shallow_copies.add(twin)
+    return twin
 
 
 def give_wrapping_class(module: nn.Module) -> None:

@@ -15,7 +15,7 @@ from .groups import Member, StorageGroup
 from .moves import check_offloadable_quietly, offload_group, resident_storages_of, storage_bytes
 from .room import replan_paging_room, reserve_paging_room
 from .standins import has_offloaded_leaves
-from .state import State, placing_state
+from .state import State, placing_target
 from .wrapper_casts import cast_wrapper
 
 
@@ -31,12 +31,13 @@ def apply_to_wrapped(apply, module: nn.Module, fn, recurse: bool = True):
     at it (``.data =``); one ``fn`` leaves as it is is left untouched. Plain tensors take torch's
     own path. Then the room is re-planned for what changed size: offloaded weights' working sets
     at the new dtype, and resident weights that grew past the budget are offloaded."""
-    state = placing_state(module)
+    state, owner = placing_target(module)  # a shallow copy's tables are its original's
     if state is None or state.model_ref() is None:
         return apply(fn, recurse)
     with state.pager.lock:  # another thread's op finishes first; the next one sees the new dtype
-        _refuse_move(state, module, fn)
-        return _apply_locked(state, apply, module, fn, recurse)
+        _refuse_move(state, owner, fn)
+        _apply_locked(state, apply, owner, fn, recurse)
+        return module
 
 
 def _refuse_move(state: State, module: nn.Module, fn) -> None:

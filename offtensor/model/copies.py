@@ -23,7 +23,7 @@ from .assignment import give_user_class, join, leave
 from .groups import collect_groups
 from .loads import after_load, portable_state_dict
 from .moves import Undo, resident_bytes, weight_tensors
-from .state import WRAPPED, State, enrol, member_module, wrapped_state
+from .state import WRAPPED, State, enrol, member_module, shares_tables, wrapped_state
 
 
 def register_wrapped(model: nn.Module, pager: Pager, choice: placement.Placement, config: OffloadConfig) -> None:
@@ -240,13 +240,6 @@ def _put_back_hooks(tables: list, members: list) -> None:
             enrol(module, state)
 
 
-def shares_modules(model: nn.Module, original: nn.Module) -> bool:
-    """``model`` is ``original`` or a shallow copy of it (``copy.copy``): the very same module,
-    parameter and buffer tables, so the same modules and weights under a second name."""
-    return model is original or (model._modules is original._modules and model._parameters is original._parameters
-                                 and model._buffers is original._buffers)
-
-
 def model_state(model: nn.Module) -> Optional[State]:
     """The state of the wrapped model that ``model`` is, or is a shallow copy of; None for anything
     else (a deep copy still to be adopted, a module of a wrapped model, a plain model). Only a
@@ -268,7 +261,7 @@ def model_state(model: nn.Module) -> Optional[State]:
                    if isinstance(hook, StepHook) and hook.room is not None]
     for state in candidates:
         original = state.model_ref() if state is not None else None
-        if original is not None and wrapped_state(original) is state and shares_modules(model, original):
+        if original is not None and wrapped_state(original) is state and shares_tables(model, original):
             return state
     return None
 

@@ -10,14 +10,14 @@ from .. import leaves
 from ..tensor import OffloadedTensor
 from .moves import resident_bytes
 from .place import place
-from .state import State, placing_state
+from .state import State, placing_target
 
 
 def after_load(module, incompatible_keys):
     """load_state_dict post-hook. With ``torch.__future__.set_swap_module_params_on_conversion``
     load_state_dict swaps loaded values into the existing Parameter objects, so no registration
     hook sees them; place what this module now holds unless it is on the device within budget."""
-    state = placing_state(module)
+    state, module = placing_target(module)  # a shallow copy's tables are its original's
     model = state.model_ref() if state is not None else None
     if model is None:
         return

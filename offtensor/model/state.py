@@ -154,6 +154,10 @@ class State:
         # called on, whose load post-hook ends it.
         self.loading: dict = {}
         self.loading_root = None
+        # Shallow copies (``copy.copy``) of its modules, which take the wrapping class too so that
+        # what is assigned through them is placed; each gets its own class back when its original
+        # leaves the model (``assignment.leave``).
+        self.shallow_copies: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         # (module, attribute) slots that ``on_host`` lent a host stand-in: not resident weights.
         self.lent_slots: frozenset = frozenset()
         # The ``on_host`` loans not given back yet (``host.HostLoan``), innermost last.
@@ -269,6 +273,29 @@ def offloaded_weights(module: nn.Module) -> list:
         return []
     return [(n, t) for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
             if any(isinstance(leaf, OffloadedTensor) for leaf in leaves.leaf_tensors(t))]
+
+
+def shares_tables(module: nn.Module, original: nn.Module) -> bool:
+    """``module`` is ``original`` or a shallow copy of it (``copy.copy``): the very same module,
+    parameter and buffer tables, so the same modules and weights under a second name."""
+    return module is original or (module._modules is original._modules and module._parameters is original._parameters
+                                  and module._buffers is original._buffers)
+
+
+def placing_target(module: nn.Module) -> tuple:
+    """(``placing_state``, the module to place into) for what is assigned into, loaded into or cast in
+    ``module``: ``module`` itself, or, for a shallow copy of a module of a wrapped model (it carries
+    the original's member and shares its tables), the original: a weight registered through the copy
+    lands in the original's tables, so it is placed, named and counted as through the original.
+    (None, ``module``) where nothing is to be placed."""
+    state = placing_state(module)
+    if state is not None:
+        return state, module
+    original = member_module(module)
+    if original is None or original is module or not shares_tables(module, original):
+        return None, module
+    state = placing_state(original)
+    return (state, original) if state is not None else (None, module)
 
 
 def placing_state(module: nn.Module) -> Optional[State]:

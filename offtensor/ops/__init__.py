@@ -15,8 +15,8 @@ The ops that address their argument's whole storage (``as_strided_copy``, ``as_s
 take the same schema-chosen handler here, on a page of the whole master.
 
 The modules beside this one name the ops that need more, by family: ``views``, ``reads``,
-``writes``, ``tiling`` (ops computed in pieces when the budget's free room is short) and
-``distances`` (``cdist`` in tiles the same way), ``rows``
+``writes``, ``tiling`` (ops computed in pieces when the budget's free room is short),
+``convolutions`` (every form of convolution in tiles the same way) and ``distances`` (``cdist``), ``rows``
 (index ops that page only the rows selected), ``grouped`` (grouped GEMMs of routed experts),
 ``collectives``, ``functions`` (whole ops intercepted at ``__torch_function__``: ``F.linear``,
 ``matmul``...), ``compile`` (the same paging inside torch.compile graphs) and ``forward_ad`` (a
@@ -44,7 +44,8 @@ from .paging import Paged, decomposes, native_kernel, reclaim, run, with_math_bi
 from .planned import planned_routing
 from .rows import CACHED_SLICE_BYTES, HOST_SYNCS, embedding, index, index_select
 from .table import OP_TABLE, implements
-from .tiling import TILE_ALIGN, ForeachInPieces, bmm, convolution, convolution_backward, mm, mv, cutting, pointwise_in_pieces
+from .convolutions import convolution, convolution_backward
+from .tiling import TILE_ALIGN, ForeachInPieces, bmm, mm, mv, cutting, pointwise_in_pieces
 from .views import inplace_view, view
 from .writes import Mutation, batch_norm, copy_, resize_, set_
 

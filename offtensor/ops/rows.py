@@ -1,5 +1,6 @@
-"""Index ops on dim 0 (``embedding``, ``index_select``, ``index.Tensor``) that page only the rows or
-experts their index selects, and the device->host reads (host syncs) that tell them which."""
+"""Index ops on dim 0 (``embedding``, ``index_select``, ``index.Tensor``; ``embedding_bag`` over a table
+larger than the room) that page only the rows or experts their index selects, and the device->host
+reads (host syncs) that tell them which."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from ..pager import upload_small
 from ..tensor import OffloadedTensor
 from .paging import Paged, describe, layout_of, run
 from .table import implements
+from .tiling import _page_slice, _slice_bytes, needs_tiling
 
 aten = torch.ops.aten
 
@@ -30,10 +32,19 @@ def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: Paged) -> torch.
     need = rows.numel() * row_bytes
     # Scanning the cache for evictable bytes (free_bytes) only when the unclaimed room falls short.
     room = None
-    if rows.numel() > 1 and pager.budget_bytes is not None:
-        if need > pager.budget_bytes - pager.budget.resident_bytes - pager.budget.paged_bytes:
+    if rows.numel() and pager.budget_bytes is not None:
+        budget = pager.budget
+        if need > pager.budget_bytes - budget.resident_bytes - budget.paged_bytes and (
+                rows.numel() > 1 or row_bytes > pager.budget_bytes - budget.resident_bytes):  # (a decode's one row: no scan)
             room = pager.free_bytes()
-    if room is not None and need > room:
+    if room is not None and row_bytes > room and host.dim() > 1:
+        # Not even one row fits (a row of a model's own stack of matrices, planned as bmm reads it,
+        # a slice of one matrix at a time): each row is copied into the result in slices that fit.
+        out = torch.empty((rows.numel(),) + tuple(host.shape[1:]), dtype=host.dtype, device=pager.device)
+        for k, i in enumerate(rows.tolist()):
+            _copy_in_slices(OffloadedTensor(host[i], t._master), out[k], room)
+        return out
+    if room is not None and need > room and rows.numel() > 1:
         per_chunk = max(1, room // max(row_bytes, 1))
         out = torch.empty((rows.numel(),) + tuple(host.shape[1:]), dtype=host.dtype, device=pager.device)
         for start in range(0, rows.numel(), per_chunk):
@@ -59,6 +70,24 @@ def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: Paged) -> torch.
         return paged.page(OffloadedTensor(host[int(rows[0])], t._master)).unsqueeze(0)
     gathered = pager.device_ops.gather_rows(host, rows)  # into pinned memory on a GPU: an async upload
     return pager.upload(gathered, describe(t), paged.entries)[0]
+
+
+def _copy_in_slices(t: OffloadedTensor, out: torch.Tensor, room: int) -> None:
+    """Copy ``t`` into the device tensor ``out`` in slices along its first dim that fit ``room``
+    bytes (each slice of them in slices again where one does not)."""
+    per_slice = _slice_bytes(t, 0)
+    if per_slice > room and t.dim() > 1:
+        for i in range(t.shape[0]):
+            _copy_in_slices(OffloadedTensor(t._host[i], t._master), out[i], room)
+        return
+    step = max(1, room // max(per_slice, 1))
+    for start in range(0, t.shape[0], step):
+        stop = min(t.shape[0], start + step)
+        paged = Paged()
+        try:
+            out[start:stop].copy_(_page_slice(t, 0, start, stop, paged))
+        finally:
+            paged.release()
 
 
 # Device->host reads made by the index ops below and by grouped.py's read of the routing. On a GPU
@@ -179,3 +208,39 @@ def index(func, types, args, kwargs):
         return func(selected, [inverse.to(selected.device)])
     finally:
         paged.release()
+
+
+_BAG_ARGUMENTS = ("weight", "indices", "offsets", "scale_grad_by_freq", "mode", "sparse", "per_sample_weights",
+                  "include_last_offset", "padding_idx")
+
+
+@implements(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+def embedding_bag(func, types, args, kwargs):
+    """``F.embedding_bag`` over a table larger than the room (a model's own tensor, planned in slices):
+    run on a table of the rows its indices select, paged as ``embedding`` pages them, so every bag
+    reduces the same rows in the same order. Its padding index and the rows a max bag picked are
+    translated between the two tables."""
+    call = dict(zip(_BAG_ARGUMENTS, args), **kwargs)
+    weight, indices = call["weight"], call["indices"]
+    rest = [v for k, v in call.items() if k != "weight"]
+    if (not isinstance(weight, OffloadedTensor) or any(isinstance(v, OffloadedTensor) for v in rest)
+            or type(weight._host) is not torch.Tensor  # traced by torch.compile: paged whole in its graph, as before
+            or not needs_tiling(weight, []) or _whole_copy_cached(weight)):
+        return run(func, args, kwargs)
+    rows, inverse = _unique_rows(indices, weight.shape[0], weight._master.pager)
+    padding = call.get("padding_idx", -1)
+    if padding is not None and padding >= 0:
+        found = (rows == padding).nonzero()
+        call["padding_idx"] = int(found[0]) if found.numel() else -1
+    call["indices"] = inverse.to(indices.dtype)
+    paged = Paged()
+    try:
+        table = _gather_rows(weight, rows, paged)
+        out = func(table, **{k: v for k, v in call.items() if k != "weight"})
+    finally:
+        paged.release()
+    if call.get("mode", 0) == 2:  # max: the row each output element came from, in the whole table's ids
+        picked = out[3]
+        ids = rows.to(picked.device)[picked.clamp(min=0)]
+        out = (*out[:3], torch.where(picked >= 0, ids, picked))
+    return out

@@ -1,11 +1,11 @@
 """Ops computed in pieces when the budget's free room is short: lists of offloaded inputs paged one at a
 time (``cat``, ``stack``, ``_foreach_*``), and weights larger than the room computed in output tiles
-(``linear``, ``mm``/``addmm``, ``mv``/``addmv``, ``bmm``/``baddbmm``, ``convolution``), ``TILE_ALIGN`` wide where the room allows."""
+(``linear``, ``mm``/``addmm``, ``mv``/``addmv``, ``bmm``/``baddbmm``; ``convolution`` in ``convolutions``
+with the tiles cut here), ``TILE_ALIGN`` wide where the room allows."""
 
 from __future__ import annotations
 
 import threading
-import warnings
 
 import torch
 
@@ -381,56 +381,6 @@ def mv(func, types, args, kwargs):
         return func(part, rows, paged.arg(v), *args[3:], **kwargs)
 
     return _tiled(a, 0, others, str(func), compute, 0, [(bias, 0)] if cut else [])
-
-
-@implements(aten.convolution.default)
-def convolution(func, types, args, kwargs):
-    call = dict(zip(("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups"), args), **kwargs)
-    weight, bias, x = call["weight"], call.get("bias"), call["input"]
-    if call.get("transposed") or call.get("groups", 1) != 1 or not needs_tiling(weight, [x, bias]):
-        return run(func, args, kwargs)
-    _, others = _offloaded_bytes([x])
-    rest = {k: v for k, v in call.items() if k not in ("input", "weight", "bias")}
-
-    def compute(start, stop, paged):
-        b = None if bias is None else _page_slice(bias, 0, start, stop, paged)
-        return func(paged.arg(x), _page_slice(weight, 0, start, stop, paged), b, **rest)
-
-    return _tiled(weight, 0, others, "convolution", compute, 1, [(bias, 0)])
-
-
-@implements(aten.convolution_backward.default)
-def convolution_backward(func, types, args, kwargs):
-    """The backward of a convolution whose weight is larger than the room: output channels in tiles.
-    The weight's and bias's gradients are concatenated tiles, as the forward's outputs are; the
-    input's gradient sums over every output channel, so it is the sum of the tiles' and may differ
-    from the whole op's in the last bits (warned, naming the weight)."""
-    grad, x, weight = args[0], args[1], args[2]
-    rest = list(args[3:]) + [kwargs[k] for k in list(kwargs)]
-    bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = rest
-    if transposed or groups != 1 or not needs_tiling(weight, [grad, x]):
-        return run(func, args, kwargs)
-    _, others = _offloaded_bytes([grad, x])
-    warnings.warn(f"offtensor: the backward of a convolution with {describe(weight)}, larger than the budget's room, "
-                  "runs in output-channel tiles: its input gradient is the sum of the tiles' and may differ from the "
-                  "unwrapped model's in the last bits. Raise budget_gb for bit-identical gradients.", stacklevel=2)
-    grads = []
-
-    def compute(start, stop, paged):
-        part = _page_slice(weight, 0, start, stop, paged)
-        sizes = None if bias_sizes is None else [stop - start]
-        grads.append(func(paged.arg(grad).narrow(1, start, stop - start), paged.arg(x), part, sizes, stride, padding,
-                          dilation, transposed, output_padding, groups, mask))
-        return torch.empty(0)
-
-    _tiled(weight, 0, others, "convolution_backward", compute, 0)
-    grad_input = None
-    if mask[0]:
-        grad_input = grads[0][0]
-        for g in grads[1:]:
-            grad_input = grad_input + g[0]
-    cat = lambda i: torch.cat([g[i] for g in grads]) if mask[i] else None  # noqa: E731
-    return grad_input, cat(1), cat(2)
 
 
 def as_linear_weight(x, weight: OffloadedTensor, device_weight: torch.Tensor) -> torch.Tensor:
