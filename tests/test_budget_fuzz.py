@@ -614,3 +614,74 @@ def test_a_submodule_refused_part_way_through_its_tensors_is_left_as_it_was(devi
     assert all("_offtensor_user_class" not in type(m).__dict__ for m in fresh.modules())
     x = _tensor(5, 2, 8, seed=3)
     assert torch.equal(fresh(x)[0], build(12)(x)[0])  # the refused submodule still runs as it did
+
+
+# ---------------------------------------------------------------------------- a model's own tensors read whole
+# Ops that read their argument whole, on a model's own tensor that placement counts at one slice:
+# gather, a layer norm's weight and bias, bilinear, reductions. Each raised BudgetError in forward
+# at budgets near the smallest wrap accepted; now they run on slices that fit, bit for bit unless a
+# warning says the slices are summed in another order.
+
+
+def _gather_input(shape, dim):
+    def make(device):
+        size = list(shape)
+        size[dim] = 7
+        return torch.randint(0, shape[dim], size, generator=torch.Generator().manual_seed(3)).to(device)
+    return make
+
+
+WHOLE_READERS = {
+    # name: (weight shape, bias size or None, forward(module, x), input shape, or a function of the device)
+    "gather": ((200, 32), None, lambda m, x: m.w.gather(0, x), _gather_input((200, 32), 0)),
+    "gather along columns": ((200, 32), None, lambda m, x: torch.gather(m.w, 1, x), _gather_input((200, 32), 1)),
+    "gather of a stack": ((40, 16, 24), None, lambda m, x: m.w.gather(0, x), _gather_input((40, 16, 24), 0)),
+    "gather of a narrower index": ((200, 32), None, lambda m, x: m.w.gather(0, x[:, :5]), _gather_input((200, 32), 0)),
+    "layer_norm 2-D weight": ((16, 32), None, lambda m, x: F.layer_norm(x, (16, 32), m.w), (3, 16, 32)),
+    "layer_norm 2-D weight and bias": ((16, 32), (16, 32), lambda m, x: F.layer_norm(x, (16, 32), m.w, m.b), (3, 16, 32)),
+    "layer_norm of a stack": ((4, 8, 16), None, lambda m, x: F.layer_norm(x, (4, 8, 16), m.w, eps=1e-3), (2, 4, 8, 16)),
+    "rms_norm 2-D weight": ((16, 32), None, lambda m, x: F.rms_norm(x, (16, 32), m.w), (3, 16, 32)),
+    "bilinear": ((32, 16, 24), 32, lambda m, x: F.bilinear(x[:, :16], x[:, 16:40], m.w, m.b), (5, 40)),
+    "sum": ((200, 32), None, lambda m, x: x * m.w.sum(), (3,)),
+    "sum of rows": ((200, 32), None, lambda m, x: x * m.w.sum(1).sum(), (3,)),
+    "mean over the first dim": ((200, 32), None, lambda m, x: x * m.w.mean(0), (3, 32)),
+    "norm": ((200, 32), None, lambda m, x: x * m.w.norm(), (3,)),
+    "norm inf of a stack": ((40, 16, 24), None, lambda m, x: x * torch.linalg.vector_norm(m.w, float("inf")), (3,)),
+    "max of abs": ((200, 32), None, lambda m, x: x * m.w.abs().max(), (3,)),
+    "max and min": ((200, 32), None, lambda m, x: x * (m.w.max() - m.w.min()), (3,)),
+    "amax of a stack": ((40, 16, 24), None, lambda m, x: x * m.w.amax((0, 2), keepdim=True), (3, 1, 16, 1)),
+    "any and all": ((200, 32), None, lambda m, x: x * ((m.w > 0).any() & (m.w < 9).all()), (3,)),
+}
+
+
+class _WholeReader(_OwnReader):
+    def __init__(self, case: str):
+        nn.Module.__init__(self)
+        shape, bias, self.read, _ = WHOLE_READERS[case]
+        self.w = nn.Parameter(torch.randn(*shape) / 8)
+        self.b = None if bias is None else nn.Parameter(torch.randn(bias) / 8)
+
+
+@pytest.mark.parametrize("case", list(WHOLE_READERS))
+def test_a_model_tensor_read_whole_by_gather_a_norm_bilinear_or_a_reduction_runs_at_every_budget_wrap_accepts(case, device):
+    def build():
+        torch.manual_seed(0)
+        return _WholeReader(case)
+
+    smallest = _smallest_accepted(build, 10**7, device)
+    with pytest.raises(ot.BudgetError, match=rf"paging '[wb]'.* \({smallest} bytes\) in all"):
+        ot.wrap_model(build(), budget_gb=(smallest - 1) / GiB, device=device, policy={"offload": ["*"]})
+    shape = WHOLE_READERS[case][3]
+    x = shape(device) if callable(shape) else torch.randn(*shape, generator=torch.Generator().manual_seed(2)).to(device)
+    whole = sum(p.numel() * 4 for p in build().parameters())
+    for budget in sorted({smallest, smallest + 700, 3 * smallest, whole // 3, whole // 2 + 4096, whole}):
+        model, reference = build(), build().to(device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ot.wrap_model(model, budget_gb=budget / GiB, device=device, policy={"offload": ["*"]})
+            with torch.no_grad():
+                out = model(x)
+        _same(out, reference(x), not any("last bits" in str(w.message) for w in caught), (case, budget))
+        s = ot.stats(model)
+        assert s.peak_device_bytes <= s.budget_bytes, budget
+
