@@ -685,3 +685,47 @@ def test_a_model_tensor_read_whole_by_gather_a_norm_bilinear_or_a_reduction_runs
         s = ot.stats(model)
         assert s.peak_device_bytes <= s.budget_bytes, budget
 
+
+class _AttendToOwn(nn.Module):
+    """Attention over a model's own key and value (learned memory slots, prefix tuning's keys)."""
+
+    def __init__(self, shared: bool):
+        super().__init__()
+        self.k = nn.Parameter(torch.randn(2, 32, 16) / 4)
+        self.v = self.k if shared else nn.Parameter(torch.randn(2, 32, 16) / 4)
+
+    def forward(self, q):
+        return F.scaled_dot_product_attention(q, self.k, self.v)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_attention_over_a_model_tensor_larger_than_the_room_is_refused_naming_the_budget_that_runs_it(shared, device):
+    # Placement counts a model's own 3-D tensor at a slice of one matrix, but attention's math path
+    # reads one matrix of its key at least (k.transpose(-2, -1) * scale): the forward raised a
+    # paging error naming no budget that would run it. Now the op names the tensor, its bytes and
+    # that budget, and runs there bit for bit.
+    def build():
+        torch.manual_seed(0)
+        return _AttendToOwn(shared)
+
+    smallest = _smallest_accepted(build, 10**7, device)
+    q = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(2)).to(device)
+    model = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ot.wrap_model(model, budget_gb=smallest / GiB, device=device, policy={"offload": ["*"]})
+    roles = "key and value" if shared else "key"
+    with pytest.raises(ot.BudgetError, match=rf"'k'.* \(4096 bytes\) as its {roles}, .* one matrix of it \(2048 bytes\) fits, from a budget of (\d+) bytes") as refused:
+        with torch.no_grad():
+            model(q)
+    runs = int(re.search(r"from a budget of (\d+) bytes", str(refused.value)).group(1))
+    for budget in (runs, runs + 700, 4 * runs):
+        model, reference = build(), build().to(device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ot.wrap_model(model, budget_gb=budget / GiB, device=device, policy={"offload": ["*"]})
+            with torch.no_grad():
+                out = model(q)
+        _same(out, reference(q), not any("last bits" in str(w.message) for w in caught), budget)
+        s = ot.stats(model)
+        assert s.peak_device_bytes <= s.budget_bytes, budget

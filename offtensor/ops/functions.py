@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..pager import pins_host_memory
+from ..pager import BudgetError, pins_host_memory
 from ..tensor import OffloadedTensor, check_offloadable, new_host_master, wrap_host
 from .expert_pool import pooled_grouped_mm, serving_pool
 from .host_experts import expert_on_host, host_linear
@@ -275,7 +275,36 @@ def _host_read_argument(function, position: int, name: str):
     return {function: handler}
 
 
+def _attention(args, kwargs):
+    """``F.scaled_dot_product_attention`` as it runs unwrapped; a query, key or value of the model's
+    own larger than the free room is refused with the budget that runs it. Its math path reads each
+    argument by ops that cut a batch of matrices (``k.transpose(-2, -1) * scale`` one matrix at a
+    time), so one matrix must fit; below that no slice is exact, so the op is refused, not cut."""
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch._C._nn.scaled_dot_product_attention(*args, **kwargs)
+    except BudgetError as error:
+        call = dict(zip(("query", "key", "value"), args), **kwargs)
+        named = {}
+        for role in ("query", "key", "value"):
+            t = call.get(role)
+            if isinstance(t, OffloadedTensor):
+                named.setdefault(id(t._master), [t, []])[1].append(role)
+        if not named:
+            raise
+        t, roles = max(named.values(), key=lambda pair: pair[0].numel())
+        pager = t._master.pager
+        matrix = t.shape[-2] * t.shape[-1] * t.element_size() if t.dim() > 1 else t.numel() * t.element_size()
+        room = pager.free_bytes()
+        raise BudgetError(
+            f"offtensor: scaled_dot_product_attention reads {describe(t)} ({t.numel() * t.element_size()} bytes) as "
+            f"its {' and '.join(roles)}, larger than the budget's free room of {room} bytes; attention over it runs "
+            f"where one matrix of it ({matrix} bytes) fits, from a budget of {pager.budget_bytes - room + matrix} "
+            f"bytes. Raise budget_gb, or keep it resident (policy={{'keep': [...]}}).") from error
+
+
 FUNCTION_TABLE = {
+    F.scaled_dot_product_attention: _attention,
     F.linear: _linear,
     torch._C._nn.linear: _linear,
     torch.matmul: _matrix_product(torch.matmul),
