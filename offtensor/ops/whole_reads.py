@@ -41,9 +41,9 @@ def _nbytes(t: OffloadedTensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _warn_inexact(t: OffloadedTensor, op: str) -> None:
+def _warn_inexact(t: OffloadedTensor, op: str, how: str = "is summed over slices of it") -> None:
     warnings.warn(
-        f"offtensor: {op} of {describe(t)}, larger than the budget's room, is summed over slices of it: "
+        f"offtensor: {op} of {describe(t)}, larger than the budget's room, {how}: "
         f"its result may differ from the unwrapped model's in the last bits. Raise budget_gb for bit-identical results.",
         stacklevel=4)
 
@@ -105,37 +105,67 @@ def layer_norm(func, args, kwargs, error):
         raise error
     if weight is not None and weight.dtype != x.dtype:
         raise error  # the mixed-dtype kernel applies its weight in float: not sliced here
-    # The kernel computes (x * rstd - mean * rstd) * weight + bias; without weight and bias it
-    # stops at the first term (times 1, plus 0): the same values, then the weight's slices.
+    # The kernel computes fma(x * rstd - mean * rstd, weight, bias); without weight and bias it
+    # stops at the first term: the same values, then the weight's slices. Without a weight, its
+    # bias is added in another rounding.
+    if weight is None:
+        _warn_inexact(big, "a layer norm's bias", "is added after the normalisation")
     normalised, mean, rstd = func(x, call["normalized_shape"], None, None, call["eps"])
     out = torch.empty_like(normalised)
     _affine(out, normalised, weight, bias, x.dim() - big.dim(), _room(big))
     return out, mean, rstd
 
 
-def _affine(out, normalised, weight, bias, lead: int, room: int) -> None:
+def group_norm(func, args, kwargs, error):
+    names = ("input", "weight", "bias", "N", "C", "HxW", "group", "eps")
+    call = dict(zip(names, args), **kwargs)
+    x, weight, bias = call["input"], call.get("weight"), call.get("bias")
+    big = weight if isinstance(weight, OffloadedTensor) else bias
+    if isinstance(x, OffloadedTensor) or not isinstance(big, OffloadedTensor) or big.dim() != 1:
+        raise error
+    # Its kernel folds rstd and the weight into one scale per channel: applied after, they round
+    # in another order.
+    _warn_inexact(big, "a group norm's weight", "applied after the normalisation")
+    normalised, mean, rstd = func(x, None, None, *(call[n] for n in names[3:]))
+    out = torch.empty_like(normalised)
+    _affine(out, normalised, weight, bias, 1, _room(big), trailing=x.dim() - 2)
+    return out, mean, rstd
+
+
+def _affine(out, normalised, weight, bias, lead: int, room: int, trailing: int = 0) -> None:
     """``out = normalised * weight + bias`` (either may be None) in slices of weight and bias along
-    their dim 0, which is ``lead`` of ``normalised``; each slice in slices again where one does not fit."""
+    their dim 0, which is ``lead`` of ``normalised`` (``trailing`` more dims of it follow theirs);
+    each slice in slices again where one does not fit."""
     big = weight if weight is not None else bias
     per = sum(_slice_bytes(t, 0) for t in (weight, bias) if isinstance(t, OffloadedTensor))
     if per > room and big.dim() > 1:
         for i in range(big.shape[0]):
             _affine(out.select(lead, i), normalised.select(lead, i), None if weight is None else weight[i],
-                    None if bias is None else bias[i], lead, room)
+                    None if bias is None else bias[i], lead, room, trailing)
         return
-    step = max(1, room // max(per, 1))
-    for s in range(0, big.shape[0], step):
+    step, s = max(1, room // max(per, 1)), 0
+    while s < big.shape[0]:  # (a loop, not a range: ``s = e`` below)
         e = min(big.shape[0], s + step)
         paged = Paged()
         try:
             y = normalised.narrow(lead, s, e - s)
-            if weight is not None:
-                y = y * _page_slice(weight, 0, s, e, paged)
-            if bias is not None:
-                y = y + _page_slice(bias, 0, s, e, paged)
+            w, b = (None if t is None else _upload_slice(t, s, e, paged) for t in (weight, bias))
+            w, b = (None if t is None else t.reshape(t.shape + (1,) * trailing) for t in (w, b))
+            # The kernel's last step is one fused multiply-add: addcmul rounds as it does.
+            y = y * w if b is None else y + b if w is None else torch.addcmul(b, y, w)
             out.narrow(lead, s, e - s).copy_(y)
         finally:
             paged.release()
+        s = e
+
+
+def _upload_slice(t, start: int, stop: int, paged: Paged) -> torch.Tensor:
+    """Rows ``start:stop`` of ``t`` on the device, an offloaded one copied for this op alone: a
+    cached copy of all of it (its page before this op fell short) would serve the slice and be held
+    whole beside the other tensor's slice."""
+    if not isinstance(t, OffloadedTensor):
+        return t.narrow(0, start, stop - start)
+    return t._master.pager.upload(t._host.narrow(0, start, stop - start), describe(t), paged.entries)[0]
 
 
 # ---------------------------------------------------------------------------- bilinear
@@ -293,6 +323,7 @@ def _reduced(kind: str, t: OffloadedTensor, dims: list, call: dict, room: int) -
 SHORT_OF_ROOM = {
     aten.gather.default: gather,
     aten.native_layer_norm.default: layer_norm,
+    aten.native_group_norm.default: group_norm,
     aten._trilinear.default: trilinear,
     **{op: reduction for op in _REDUCTIONS},
 }
