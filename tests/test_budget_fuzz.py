@@ -666,7 +666,7 @@ class _WholeReader(_OwnReader):
 
 
 @pytest.mark.parametrize("case", list(WHOLE_READERS))
-def test_a_model_tensor_read_whole_by_gather_a_norm_bilinear_or_a_reduction_runs_at_every_budget_wrap_accepts(case, device):
+def test_a_model_tensor_read_whole_by_gather_a_norm_bilinear_or_a_reduction_runs_forward_and_backward_at_every_budget_wrap_accepts(case, device):
     def build():
         torch.manual_seed(0)
         return _WholeReader(case)
@@ -684,7 +684,18 @@ def test_a_model_tensor_read_whole_by_gather_a_norm_bilinear_or_a_reduction_runs
             ot.wrap_model(model, budget_gb=budget / GiB, device=device, policy={"offload": ["*"]})
             with torch.no_grad():
                 out = model(x)
-        _same(out, reference(x), not any("last bits" in str(w.message) for w in caught), (case, budget))
+            _same(out, reference(x), not any("last bits" in str(w.message) for w in caught), (case, budget))
+            if x.is_floating_point():
+                x.requires_grad_()  # the input's gradient too: the backward's other half
+            model(x).square().sum().backward()
+        exact = not any("last bits" in str(w.message) for w in caught)
+        grad = x.grad if x.is_floating_point() else None
+        x.grad = None
+        reference(x).square().sum().backward()
+        for got, want in ((model.w.grad, reference.w.grad), (grad, x.grad),
+                          *(((model.b.grad, reference.b.grad),) if model.b is not None else ())):
+            _same(got, want, exact, (case, budget))
+        x = x.detach()
         s = ot.stats(model)
         assert s.peak_device_bytes <= s.budget_bytes, budget
 

@@ -276,31 +276,28 @@ def _host_read_argument(function, position: int, name: str):
 
 
 def _attention(args, kwargs):
-    """``F.scaled_dot_product_attention`` as it runs unwrapped; a query, key or value of the model's
-    own larger than the free room is refused with the budget that runs it. Its math path reads each
-    argument by ops that cut a batch of matrices (``k.transpose(-2, -1) * scale`` one matrix at a
-    time), so one matrix must fit; below that no slice is exact, so the op is refused, not cut."""
-    try:
-        with torch._C.DisableTorchFunctionSubclass():
-            return torch._C._nn.scaled_dot_product_attention(*args, **kwargs)
-    except BudgetError as error:
-        call = dict(zip(("query", "key", "value"), args), **kwargs)
-        named = {}
-        for role in ("query", "key", "value"):
-            t = call.get(role)
-            if isinstance(t, OffloadedTensor):
-                named.setdefault(id(t._master), [t, []])[1].append(role)
-        if not named:
-            raise
-        t, roles = max(named.values(), key=lambda pair: pair[0].numel())
+    """``F.scaled_dot_product_attention`` with a query, key or value of the model's own larger than
+    the free room. Its math path reads each by ops that cut a batch of matrices
+    (``k.transpose(-2, -1) * scale`` one matrix at a time, then bmm's tiles); narrower cuts of one
+    matrix sum in another order, so below one matrix the op is refused, naming the budget that
+    runs it. Arguments that fit the room whole pass with one bound check each."""
+    call = dict(zip(("query", "key", "value"), args), **kwargs)
+    named = {}
+    for role in ("query", "key", "value"):
+        t = call.get(role)
+        if isinstance(t, OffloadedTensor) and t.dim() > 1 and needs_tiling(t, ()):
+            named.setdefault(id(t._master), [t, []])[1].append(role)
+    for t, roles in named.values():
         pager = t._master.pager
-        matrix = t.shape[-2] * t.shape[-1] * t.element_size() if t.dim() > 1 else t.numel() * t.element_size()
+        matrix = t.shape[-2] * t.shape[-1] * t.element_size()
         room = pager.free_bytes()
-        raise BudgetError(
-            f"offtensor: scaled_dot_product_attention reads {describe(t)} ({t.numel() * t.element_size()} bytes) as "
-            f"its {' and '.join(roles)}, larger than the budget's free room of {room} bytes; attention over it runs "
-            f"where one matrix of it ({matrix} bytes) fits, from a budget of {pager.budget_bytes - room + matrix} "
-            f"bytes. Raise budget_gb, or keep it resident (policy={{'keep': [...]}}).") from error
+        if matrix > room:
+            raise BudgetError(
+                f"offtensor: scaled_dot_product_attention reads {describe(t)} ({t.numel() * t.element_size()} bytes) "
+                f"as its {' and '.join(roles)}, larger than the budget's free room of {room} bytes; attention over it "
+                f"runs where one matrix of it ({matrix} bytes) fits, from a budget of "
+                f"{pager.budget_bytes - room + matrix} bytes. Raise budget_gb, or keep it resident (policy={{'keep': [...]}}).")
+    return NotImplemented
 
 
 FUNCTION_TABLE = {

@@ -466,6 +466,11 @@ def _cut_dim(shape: torch.Tensor, offloaded: list, free: int):
                 per_slice += _slice_bytes(t, d)
         if free - fixed >= per_slice:
             return dim, free - fixed, per_slice
+    # None fits: one slice at a time along the first dim every offloaded argument is cut along,
+    # each slice cut again (pointwise_in_pieces).
+    for dim in (d for d in range(n) if shape.shape[d] > 1):
+        if all(_aligned(t, dim, n, shape.shape[dim]) is not None for t in offloaded):
+            return dim, 0, 1
     return None
 
 
@@ -514,11 +519,16 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
                 piece = func(*(cut(a, start, stop) for a in args), **{k: cut(v, start, stop) for k, v in kwargs.items()})
             except BudgetError:
                 # Paging failed before the piece computed anything (a cached copy of a whole
-                # argument covers its slice and stays in use beside the other): halve and retry.
-                if step == 1:
+                # argument covers its slice and stays in use beside the other, or one slice's
+                # covering range is larger than its elements): halve and retry, and cut one
+                # slice again along another dim.
+                if step > 1:
+                    step //= 2
+                    continue
+                if out is None:
                     raise error from None
-                step //= 2
-                continue
+                piece = pointwise_in_pieces(func, handler, [cut(a, start, stop) for a in args],
+                                            {k: cut(v, start, stop) for k, v in kwargs.items()}, error)
             if equal and not piece:
                 return False
             if out is not None:

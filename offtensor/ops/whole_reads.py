@@ -1,7 +1,7 @@
 """Ops that read an offloaded tensor whole, run in slices of it when it does not fit the budget's
-free room: ``gather``, a layer norm's elementwise weight and bias, ``_trilinear`` (``F.bilinear``)
-and reductions (``sum``, ``mean``, ``linalg_vector_norm``, ``max``, ``min``, ``amax``, ``amin``,
-``any``, ``all``).
+free room: ``gather``, a layer or group norm's elementwise weight and bias (and the layer norm's
+backward), ``_trilinear`` (``F.bilinear`` and its backward) and reductions (``sum``, ``mean``,
+``linalg_vector_norm``, ``max``, ``min``, ``amax``, ``amin``, ``any``, ``all``).
 
 Placement counts a model's own tensor at the tile its usual consumers read (a matrix slice, one
 kernel), so a budget wrap accepted may hold less than these ops' whole argument. They reach this
@@ -116,6 +116,32 @@ def layer_norm(func, args, kwargs, error):
     return out, mean, rstd
 
 
+def layer_norm_backward(func, args, kwargs, error):
+    names = ("grad_out", "input", "normalized_shape", "mean", "rstd", "weight", "bias", "output_mask")
+    call = dict(zip(names, args), **kwargs)
+    weight, bias, mask = call["weight"], call["bias"], list(call["output_mask"])
+    big = weight if isinstance(weight, OffloadedTensor) else bias
+    if not isinstance(big, OffloadedTensor) or any(isinstance(call[n], OffloadedTensor) for n in names[:5]):
+        raise error
+    grad_out, shape = call["grad_out"], call["normalized_shape"]
+    # The weight's and bias's gradients do not read their values: the kernel with plain stand-ins
+    # sums them as it does with the weight.
+    ones = torch.ones(big.shape, dtype=big.dtype, device=grad_out.device)
+    zeros = torch.zeros_like(ones)
+    rest = (call["input"], shape, call["mean"], call["rstd"])
+    _, grad_weight, grad_bias = func(grad_out, *rest, ones, zeros, [False, mask[1], mask[2]])
+    grad_input = None
+    if mask[0]:
+        if weight is not None:
+            # The kernel multiplies by the weight inside its sums: the product first rounds apart.
+            _warn_inexact(big, "a layer norm's input gradient", "is multiplied by slices of it apart from its sums")
+            scaled = torch.empty_like(grad_out)
+            _affine(scaled, grad_out, weight, None, grad_out.dim() - big.dim(), _room(big))
+            grad_out = scaled
+        grad_input = func(grad_out, *rest, ones, zeros, [True, False, False])[0]
+    return grad_input, grad_weight if weight is not None else None, grad_bias if bias is not None else None
+
+
 def group_norm(func, args, kwargs, error):
     names = ("input", "weight", "bias", "N", "C", "HxW", "group", "eps")
     call = dict(zip(names, args), **kwargs)
@@ -205,28 +231,48 @@ def trilinear(func, args, kwargs, error):
         finally:
             paged.release()
 
-    first = where[0]
-    out_dim = first - sum(1 for p in sumdim if p < first)
-    if first in sumdim or any(first not in e for i, e in enumerate(expands) if i != k):
+    pieces = _pieces(w, room)
+    if pieces is None:
         raise error
-    chunks = _chunks(w, 0, room)
-    if chunks is not None:
-        return torch.cat([run({first: c}) for c in chunks], dim=out_dim)
-    # Not one output feature fits: its summed dims in slices, their partial results added.
-    inner = next((p for p in where[1:] if p in sumdim and w.shape[where.index(p)] > 1), None)
-    one = _narrow(w, 0, 0, 1)
-    inner_chunks = None if inner is None else _chunks(one, where.index(inner), room)
-    if inner_chunks is None:
-        raise error
-    _warn_inexact(w, "a bilinear product")
-    outs = []
-    for o in range(w.shape[0]):
-        total = None
-        for c in inner_chunks:
-            part = run({first: (o, o + 1), inner: c})
-            total = part if total is None else total + part
-        outs.append(total)
-    return torch.cat(outs, dim=out_dim)
+    summed = [p for d, p in enumerate(where) if p in sumdim and any(c[d] != (0, w.shape[d]) for c in pieces)]
+    if summed:
+        # A summed dim of the tensor is cut (one output feature does not fit, or a backward sums
+        # over the features): partial results added in another order.
+        _warn_inexact(w, "a bilinear product")
+    meta = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in inputs]
+    shape = func(*meta, *(call[n] for n in names[3:])).shape
+    out = torch.zeros(shape, dtype=w.dtype, device=w._master.pager.device)
+    for cut in pieces:
+        cuts = {p: cut[d] for d, p in enumerate(where) if cut[d] != (0, w.shape[d])}
+        target = out
+        for p, (a, b) in cuts.items():
+            if p not in sumdim:
+                target = target.narrow(p - sum(1 for q in sumdim if q < p), a, b - a)
+        target.add_(run(cuts))
+    return out
+
+
+def _pieces(t: OffloadedTensor, room: int, dim: int = 0, prefix=()):
+    """Cuts of ``t`` that fit ``room`` bytes, each a (start, stop) per dim: chunks along dim 0, and
+    where one slice does not fit, one index of it at a time, cut along the next dim; None if not
+    even one element fits."""
+    rest = [(0, n) for n in t.shape[dim + 1:]]
+    view = t
+    for d, (a, b) in enumerate(prefix):
+        view = _narrow(view, d, a, b - a)
+    per = _slice_bytes(view, dim) if view.shape[dim] else 0
+    if per <= room:
+        step = max(1, room // max(per, 1))
+        return [(*prefix, (s, min(view.shape[dim], s + step)), *rest) for s in range(0, view.shape[dim], step)]
+    if dim + 1 >= t.dim():
+        return None
+    out = []
+    for i in range(view.shape[dim]):
+        more = _pieces(t, room, dim + 1, (*prefix, (i, i + 1)))
+        if more is None:
+            return None
+        out += more
+    return out
 
 
 # ---------------------------------------------------------------------------- reductions
@@ -324,6 +370,7 @@ SHORT_OF_ROOM = {
     aten.gather.default: gather,
     aten.native_layer_norm.default: layer_norm,
     aten.native_group_norm.default: group_norm,
+    aten.native_layer_norm_backward.default: layer_norm_backward,
     aten._trilinear.default: trilinear,
     **{op: reduction for op in _REDUCTIONS},
 }
