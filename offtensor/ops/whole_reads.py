@@ -22,13 +22,13 @@ import torch
 
 from ..tensor import OffloadedTensor
 from .paging import Paged, describe
-from .tiling import _offloaded_bytes, _page_slice, _slice_bytes
+from .tiling import _page_slice, _slice_bytes
 
 aten = torch.ops.aten
 
 
-def _room(t: OffloadedTensor, others=()) -> int:
-    return t._master.pager.free_bytes() - _offloaded_bytes(list(others))[1]
+def _room(t: OffloadedTensor) -> int:
+    return t._master.pager.free_bytes()
 
 
 def _narrow(t, dim: int, start: int, length: int):
@@ -71,7 +71,7 @@ def _paged_call(compute, t: OffloadedTensor, dim: int, start: int, stop: int):
 def gather(func, args, kwargs, error):
     call = dict(zip(("self", "dim", "index"), args), **kwargs)
     w, index = call["self"], call["index"]
-    if not isinstance(w, OffloadedTensor) or isinstance(index, OffloadedTensor) or w.dim() == 0:
+    if not isinstance(w, OffloadedTensor) or isinstance(index, OffloadedTensor) or w.dim() == 0 or index.dim() != w.dim():
         raise error
     dim = call["dim"] % w.dim()
     rest = {k: v for k, v in call.items() if k not in ("self", "dim", "index")}
