@@ -16,7 +16,8 @@ take the same schema-chosen handler here, on a page of the whole master.
 
 The modules beside this one name the ops that need more, by family: ``views``, ``reads``,
 ``writes``, ``tiling`` (ops computed in pieces when the budget's free room is short),
-``convolutions`` (every form of convolution in tiles the same way) and ``distances`` (``cdist``), ``rows``
+``convolutions`` (every form of convolution in tiles the same way), ``distances`` (``cdist``),
+``whole_reads`` (ops reading a tensor whole, in slices once their page fell short), ``rows``
 (index ops that page only the rows selected), ``grouped`` (grouped GEMMs of routed experts),
 ``collectives``, ``functions`` (whole ops intercepted at ``__torch_function__``: ``F.linear``,
 ``matmul``...), ``compile`` (the same paging inside torch.compile graphs) and ``forward_ad`` (a
@@ -47,6 +48,7 @@ from .table import OP_TABLE, implements
 from .convolutions import convolution, convolution_backward
 from .tiling import TILE_ALIGN, ForeachInPieces, bmm, mm, mv, cutting, pointwise_in_pieces
 from .views import inplace_view, view
+from .whole_reads import SHORT_OF_ROOM
 from .writes import Mutation, batch_norm, copy_, resize_, set_
 
 __all__ = [
@@ -83,6 +85,9 @@ def torch_dispatch(func, types, args, kwargs):
         # An exception that struck on the way into a handler's ``paged.release()`` left its record
         # holding the pager: release it here (pager/__init__.py, "Exceptions").
         reclaim(error)
+        if type(error) is BudgetError and handler in _PLAIN_COMPUTE and func in SHORT_OF_ROOM and not cutting():
+            # An op that reads a tensor whole, larger than the free room: slices of it (whole_reads.py).
+            return SHORT_OF_ROOM[func](func, args, kwargs or {}, error)
         if type(error) is BudgetError and (handler in _PLAIN_COMPUTE or type(handler) is Mutation) and _POINTWISE in func.tags and not cutting():
             # Its arguments do not fit the free room together: slices of them do (tiling.py).
             return pointwise_in_pieces(func, handler, args, kwargs or {}, error)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..pager import pins_host_memory
+from ..pager import BudgetError, pins_host_memory
 from ..tensor import OffloadedTensor, check_offloadable, new_host_master, wrap_host
 from .expert_pool import pooled_grouped_mm, serving_pool
 from .host_experts import expert_on_host, host_linear
@@ -275,7 +275,33 @@ def _host_read_argument(function, position: int, name: str):
     return {function: handler}
 
 
+def _attention(args, kwargs):
+    """``F.scaled_dot_product_attention`` with a query, key or value of the model's own larger than
+    the free room. Its math path reads each by ops that cut a batch of matrices
+    (``k.transpose(-2, -1) * scale`` one matrix at a time, then bmm's tiles); narrower cuts of one
+    matrix sum in another order, so below one matrix the op is refused, naming the budget that
+    runs it. Arguments that fit the room whole pass with one bound check each."""
+    call = dict(zip(("query", "key", "value"), args), **kwargs)
+    named = {}
+    for role in ("query", "key", "value"):
+        t = call.get(role)
+        if isinstance(t, OffloadedTensor) and t.dim() > 1 and needs_tiling(t, ()):
+            named.setdefault(id(t._master), [t, []])[1].append(role)
+    for t, roles in named.values():
+        pager = t._master.pager
+        matrix = t.shape[-2] * t.shape[-1] * t.element_size()
+        room = pager.free_bytes()
+        if matrix > room:
+            raise BudgetError(
+                f"offtensor: scaled_dot_product_attention reads {describe(t)} ({t.numel() * t.element_size()} bytes) "
+                f"as its {' and '.join(roles)}, larger than the budget's free room of {room} bytes; attention over it "
+                f"runs where one matrix of it ({matrix} bytes) fits, from a budget of "
+                f"{pager.budget_bytes - room + matrix} bytes. Raise budget_gb, or keep it resident (policy={{'keep': [...]}}).")
+    return NotImplemented
+
+
 FUNCTION_TABLE = {
+    F.scaled_dot_product_attention: _attention,
     F.linear: _linear,
     torch._C._nn.linear: _linear,
     torch.matmul: _matrix_product(torch.matmul),

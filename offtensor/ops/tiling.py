@@ -440,9 +440,43 @@ def _result_shape(func, args, kwargs, listed: bool, in_place: bool, equal: bool,
     return shape[0] if listed else shape
 
 
+def _aligned(v, dim: int, n: int, length: int):
+    """``v``'s dim that broadcasts along dim ``dim`` of an ``n``-dim output ``length`` long, or None
+    if ``v`` is not cut along it."""
+    if isinstance(v, torch.Tensor) and v.dim() > 0:
+        d = dim - (n - v.dim())
+        if d >= 0 and v.shape[d] == length:
+            return d
+    return None
+
+
+def _cut_dim(shape: torch.Tensor, offloaded: list, free: int):
+    """(dim, room, bytes a slice pages) for the first output dim longer than 1 whose slices fit
+    ``free`` bytes beside the arguments not cut along it; None if none does. An argument broadcast
+    along the first (a norm's 2-D weight times its input) is read whole beside each slice of it,
+    so a later dim along which that argument is cut too may fit where the first does not."""
+    n = shape.dim()
+    for dim in (d for d in range(n) if shape.shape[d] > 1):
+        per_slice = fixed = 0
+        for t in offloaded:
+            d = _aligned(t, dim, n, shape.shape[dim])
+            if d is None:
+                fixed += t.numel() * t.element_size()
+            else:
+                per_slice += _slice_bytes(t, d)
+        if free - fixed >= per_slice:
+            return dim, free - fixed, per_slice
+    # None fits: one slice at a time along the first dim every offloaded argument is cut along,
+    # each slice cut again (pointwise_in_pieces).
+    for dim in (d for d in range(n) if shape.shape[d] > 1):
+        if all(_aligned(t, dim, n, shape.shape[dim]) is not None for t in offloaded):
+            return dim, 0, 1
+    return None
+
+
 def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
-    """Run pointwise ``func`` (or a ``_foreach_*`` op of one element) in slices along the output's
-    first dimension longer than 1 that fit the free room; re-raise ``error`` where no slicing helps
+    """Run pointwise ``func`` (or a ``_foreach_*`` op of one element) in slices along the first
+    output dimension longer than 1 whose slices fit the free room (``_cut_dim``); re-raise ``error`` where no slicing helps
     (one slice does not fit, a multi-output op, a write whose returns are not its arguments)."""
     listed = isinstance(args[0], (list, tuple))  # a _foreach_* op of one element (ForeachInPieces)
     in_place = listed and func._schema.name.endswith("_")
@@ -456,29 +490,16 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
             or (mutation is not None and not listed and (not mutation or None in mutation))):
         raise error
     n = shape.dim()
-    dim = next((d for d in range(n) if shape.shape[d] > 1), None)
-    if dim is None:
+    pager = offloaded[0]._master.pager
+    chosen = _cut_dim(shape, offloaded, pager.free_bytes() or 0)
+    if chosen is None:
         raise error
+    dim, room, per_slice = chosen
     length = shape.shape[dim]
 
-    def aligned(v):  # v's dim that broadcasts along the output's ``dim``, or None if v is not cut
-        if isinstance(v, torch.Tensor) and v.dim() > 0:
-            d = dim - (n - v.dim())
-            if d >= 0 and v.shape[d] == length:
-                return d
-        return None
+    def aligned(v):
+        return _aligned(v, dim, n, length)
 
-    per_slice = fixed = 0
-    for t in offloaded:
-        d = aligned(t)
-        if d is None:
-            fixed += t.numel() * t.element_size()
-        else:
-            per_slice += _slice_bytes(t, d)
-    pager = offloaded[0]._master.pager
-    room = (pager.free_bytes() or 0) - fixed
-    if room < per_slice:
-        raise error
     step = max(1, room // max(per_slice, 1))
 
     def cut(v, start, stop):
@@ -498,11 +519,16 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
                 piece = func(*(cut(a, start, stop) for a in args), **{k: cut(v, start, stop) for k, v in kwargs.items()})
             except BudgetError:
                 # Paging failed before the piece computed anything (a cached copy of a whole
-                # argument covers its slice and stays in use beside the other): halve and retry.
-                if step == 1:
+                # argument covers its slice and stays in use beside the other, or one slice's
+                # covering range is larger than its elements): halve and retry, and cut one
+                # slice again along another dim.
+                if step > 1:
+                    step //= 2
+                    continue
+                if out is None:
                     raise error from None
-                step //= 2
-                continue
+                piece = pointwise_in_pieces(func, handler, [cut(a, start, stop) for a in args],
+                                            {k: cut(v, start, stop) for k, v in kwargs.items()}, error)
             if equal and not piece:
                 return False
             if out is not None:
