@@ -286,17 +286,7 @@ def test_moving_a_wrapped_model_to_another_device_is_refused_before_anything_mov
 # ---------------------------------------------------------------------------- diffusers
 
 
-def _diffusers():
-    return pytest.importorskip("diffusers")
-
-
-def _unet():
-    torch.manual_seed(0)
-    return _diffusers().UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8,
-    ).eval()
+from test_clients import _diffusers, _unet  # noqa: E402  (the tiny UNet the clients tests use)
 
 
 def _noise(unet, device):
