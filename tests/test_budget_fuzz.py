@@ -552,14 +552,21 @@ def _assign_then_run(build, steps, make_x, budget: int, device, policy=None) -> 
     return "ran"
 
 
-@pytest.mark.parametrize("case", list(ASSIGNED))
-def test_a_weight_assigned_after_wrapping_runs_or_is_refused_at_every_budget_wrap_accepts(case, device):
-    build, steps, make_x = ASSIGNED[case]
+def _assigned_budgets(case: str, device) -> tuple:
+    """(the smallest budget wrap accepts, the bytes of the whole model after the steps) of an
+    ASSIGNED case, in bytes."""
+    build, steps, _ = ASSIGNED[case]
     smallest = _smallest_accepted(build, 10**7, device)
     changed = build()
     for step in steps:
         step(changed, "cpu")
-    whole = sum(t.numel() * t.element_size() for t in (*changed.parameters(), *changed.buffers()))
+    return smallest, sum(t.numel() * t.element_size() for t in (*changed.parameters(), *changed.buffers()))
+
+
+@pytest.mark.parametrize("case", list(ASSIGNED))
+def test_a_weight_assigned_after_wrapping_runs_or_is_refused_at_every_budget_wrap_accepts(case, device):
+    build, steps, make_x = ASSIGNED[case]
+    smallest, whole = _assigned_budgets(case, device)
     outcomes = {}
     evenly = range(smallest, whole + 1, max(1, (whole - smallest) // 12))
     doubling = (smallest << k for k in range(16) if smallest << k < whole)

@@ -16,7 +16,7 @@ from torch import nn
 
 import offtensor as ot
 from offtensor.model.copies import state_of
-from test_budget_fuzz import ASSIGNED, _assign_then_run, _smallest_accepted
+from test_budget_fuzz import ASSIGNED, _assign_then_run, _assigned_budgets
 
 GiB = 1 << 30
 
@@ -51,11 +51,7 @@ def test_weights_assigned_through_a_shallow_copy_are_placed_as_through_the_origi
     # __setattr__: a weight larger than the room stayed resident, uncounted, where the original
     # offloads it or refuses it naming the bytes (the product cases: w1 and w2 of the model itself).
     build, steps, make_x = ASSIGNED[case]
-    smallest = _smallest_accepted(build, 10**7, device)
-    changed = build()
-    for step in steps:
-        step(changed, "cpu")
-    whole = sum(t.numel() * t.element_size() for t in (*changed.parameters(), *changed.buffers()))
+    smallest, whole = _assigned_budgets(case, device)
     # The smallest budget, one between and the whole model: test_budget_fuzz walks the budgets in
     # between for the original; here each is taken twice (original and copy), so three stand for them.
     for budget in sorted({smallest, (smallest + whole) // 2, whole}):
