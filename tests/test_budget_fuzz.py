@@ -383,17 +383,25 @@ def _same(got, want, exact: bool, what):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _refused_below_then_budgets(build, device) -> tuple:
+    """The smallest budget wrap accepts for ``build()`` (every weight offloaded), after checking that
+    one byte less is refused naming the weight and those bytes; and the budgets to run it at, from
+    there to the whole model."""
+    smallest = _smallest_accepted(build, 10**7, device)
+    with pytest.raises(ot.BudgetError, match=rf"paging '[wb]'.* \({smallest} bytes\) in all"):
+        ot.wrap_model(build(), budget_gb=(smallest - 1) / GiB, device=device, policy={"offload": ["*"]})
+    whole = sum(p.numel() * 4 for p in build().parameters())
+    return smallest, {smallest, smallest + 700, 3 * smallest, whole // 3, whole // 2 + 4096, whole}
+
+
 @pytest.mark.parametrize("case", list(READERS))
 def test_a_model_tensor_read_by_a_convolution_einsum_or_index_op_runs_at_every_budget_wrap_accepts(case, device):
     def build():
         torch.manual_seed(0)
         return _OwnReader(case)
 
-    smallest = _smallest_accepted(build, 10**7, device)
-    with pytest.raises(ot.BudgetError, match=rf"paging '[wb]'.* \({smallest} bytes\) in all"):
-        ot.wrap_model(build(), budget_gb=(smallest - 1) / GiB, device=device, policy={"offload": ["*"]})
-    whole = sum(p.numel() * 4 for p in build().parameters())
-    for budget in sorted({smallest, smallest + 700, 3 * smallest, whole // 3, whole // 2 + 4096, whole}):
+    smallest, budgets = _refused_below_then_budgets(build, device)
+    for budget in sorted(budgets):
         model, reference = build(), build().to(device)
         x = _reader_input(case, device)
         with warnings.catch_warnings(record=True) as caught:
@@ -678,13 +686,10 @@ def test_a_model_tensor_read_whole_by_gather_a_norm_bilinear_or_a_reduction_runs
         torch.manual_seed(0)
         return _WholeReader(case)
 
-    smallest = _smallest_accepted(build, 10**7, device)
-    with pytest.raises(ot.BudgetError, match=rf"paging '[wb]'.* \({smallest} bytes\) in all"):
-        ot.wrap_model(build(), budget_gb=(smallest - 1) / GiB, device=device, policy={"offload": ["*"]})
+    smallest, budgets = _refused_below_then_budgets(build, device)
     shape = WHOLE_READERS[case][3]
     x = shape(device) if callable(shape) else torch.randn(*shape, generator=torch.Generator().manual_seed(2)).to(device)
-    whole = sum(p.numel() * 4 for p in build().parameters())
-    for budget in sorted(b for b in {smallest, smallest + 700, 3 * smallest, whole // 3, whole // 2 + 4096, whole} if b >= smallest):
+    for budget in sorted(b for b in budgets if b >= smallest):
         model, reference = build(), build().to(device)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
