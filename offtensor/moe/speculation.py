@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from .. import _ext
 from . import routing
 from .predictor import hidden_layer
-from .guesses import (CONFIDENCE_BINS, Router, WasteBudget, copy_order, host_chances, host_guess, host_rows, ranked_bins,
+from .guesses import (CONFIDENCE_BINS, Router, WasteBudget, close_step, guess_bins, host_chances, host_scores, ranked_bins,
                       routers_report, score)
 
 if TYPE_CHECKING:
@@ -150,7 +150,8 @@ def _copy_ahead(pager, router: Router, expert: int, ahead: int) -> bool:
 
 # The native extension's pass over a layer's cached copies (csrc/policy.cpp), where built: an expert
 # found from its copy's range rather than by looking its key up (at 256 experts a quarter cached,
-# a look-up per copy was 70 us of a guess's 110).
+# a look-up per copy was 70 us of a guess's 110), each stack's copies read from the pager's mapping
+# in the same call (a list of their keys made per stack and guess was most of the rest).
 _NATIVE_CACHED = _ext.native_function("cached_experts")
 
 
@@ -159,12 +160,13 @@ def _cached_experts(pager, router: Router) -> frozenset:
     stacks = router.stacks
     if pager is None or not stacks:
         return frozenset()
+    copies = pager.cached_copies()  # master id -> its cached copies
     if _NATIVE_CACHED is not None:
-        return _NATIVE_CACHED([pager.cached_keys_of(stack.master_id) for stack in stacks], stacks)
+        return _NATIVE_CACHED(copies, stacks)
     experts = None
     for stack in stacks:  # (every guess: one pass over each stack's cached copies)
         expert_of = stack.experts.get  # (whole experts only: a copy of part of one is no expert cached)
-        cached = {expert_of(k) for k in pager.cached_keys_of(stack.master_id)}
+        cached = {expert_of(c.key) for c in copies.get(stack.master_id, ())}
         cached.discard(None)
         experts = cached if experts is None else experts & cached
     return frozenset(experts)
@@ -177,7 +179,7 @@ def _guessed_now(router: Router, after, pool) -> bool:
     have been guessed for)."""
     period = SPECULATE_SAMPLE
     if SPECULATE_COPY:
-        pays = router.pays_any(pool) or (after is not None and after.pays_any(pool, 2))
+        pays = router.paying(pool) or (after is not None and after.paying(pool, 2))  # (bit masks: any bin)
         if not pays and max(router.bin_guessed) >= router.evidence:
             period = SPECULATE_SAMPLE_UNPAID  # its own record says its look-ahead does not pay
         elif pays or router.missed or (after is not None and after.missed):
@@ -363,8 +365,8 @@ class RoutingSpeculator:
             packed, event, owner, own = item[1], item[2], item[7], item[8]
             if owner is None or (event is not None and not event.query()):
                 continue
-            rows = host_rows(packed)  # (read once: the guesses of the same scores take their columns)
-            self._stacks.eviction.next_turn.predict(owner.stacks, host_chances([r[own:] for r in rows]), owner.top_k)
+            rows = host_scores(packed)  # (read once: the guesses of the same scores take their columns)
+            self._stacks.eviction.next_turn.predict(owner.stacks, host_chances(rows, own), owner.top_k)
             self._pending[n] = item[:1] + (rows,) + item[2:7] + (None, own)  # delivered
 
     def issue_ready(self) -> None:
@@ -383,19 +385,18 @@ class RoutingSpeculator:
                 continue  # only a next-token prediction (predictions_ready)
             if isinstance(packed, tuple):
                 ids, conf = packed
-                pairs = zip(ids.reshape(-1).tolist(), conf.reshape(-1).tolist())
+                bins = ranked_bins(zip(ids.reshape(-1).tolist(), conf.reshape(-1).tolist()))
             else:
-                end = split if split is not None else own
-                packed = host_rows(packed)
-                pairs = host_guess([r[:end] for r in packed], router.top_k)
-            self._issue(pager, router, ranked_bins(pairs), tokens)
+                packed = host_scores(packed)  # (as predictions_ready read them, where it did)
+                bins = guess_bins(packed, None, split if split is not None else own, router.top_k)
+            self._issue(pager, router, bins, tokens)
             router.next_pass = wrap
             if after is not None:
                 # Two layers ahead: copied only into copy time the next layer is expected to leave
                 # idle (every expert it is guessed to route is cached or being copied), so that
                 # such a copy never queues ahead of a miss of the next layer.
                 idle = all(e in router.cached or e in router.copied for e in router.guess)
-                self._issue(pager, after, ranked_bins(host_guess([r[split:own] for r in packed], after.top_k)), tokens, 2, idle)
+                self._issue(pager, after, guess_bins(packed, split, own, after.top_k), tokens, 2, idle)
         self._pending = keep
 
     def _issue(self, pager, router: Router, bins: dict, tokens: int, ahead: int = 1, idle: bool = True) -> None:
@@ -420,10 +421,7 @@ class RoutingSpeculator:
             self._stacks.guard(router.stacks, bins)
         if not idle or not SPECULATE_COPY:
             return
-        pays, pool, copied = router.pays, self.pool, router.copied
-        worth = copy_order(router, [e for e, b in bins.items() if e not in cached and e not in copied and pays(b, pool, ahead)],
-                           bins, pool, ahead)
-        for expert in worth[:SPECULATE_EXPERTS]:
+        for expert in router.worth(bins, cached, self.pool, ahead)[:SPECULATE_EXPERTS]:
             # It may take only the room of copies expected to be used later than itself.
             chance = router.precision(bins[expert], self.pool, ahead)
             if not self.waste.spend(chance):
@@ -454,18 +452,9 @@ class RoutingSpeculator:
         if self.recorder is not None:
             self.recorder.step()
         for router in self.routers:
-            used = set()  # (its layer's experts paged this pass: read once, for top_k and the score)
-            for stack in router.stacks:
-                used |= stack.used
-            if router.tokens == 1 and used:
-                router.top_k = len(used)  # one token picks exactly top_k experts
-            if router.next_pass:
-                router.next_pass = False  # made for the pass to come: scored once that has run
-            else:
-                self._score(router, used)
-            misses = sum(s.misses for s in router.stacks)
-            router.missed = misses != router.misses_seen  # (a reset of the counters reads as a miss)
-            router.misses_seen = misses
+            wrong = close_step(router, self.pool)  # (its guesses scored, whether it missed)
+            if wrong:
+                _drop_holds(self.pager_ref(), router, wrong)
         for router, stacks in self._learned.items():
             if stacks:
                 router.stacks = stacks
