@@ -5,7 +5,9 @@ from its ``tolist()`` rows, bit for bit, for every dtype and layout; (expert, co
 ranked and binned, and a layer's likeliest experts picked, alike; the gate, the copy candidates, the
 scoring of open guesses and a step's close leave every record of a router and the shared pool the
 same, bit for bit; a guess guards the same keys; and a decode with guesses reads none of its scores
-through ``tolist()``, with the interpreter's logits and statistics."""
+through ``tolist()``, with the interpreter's logits and statistics. Besides, the speculator's per-page
+and per-step bookkeeping does only what changed: each expert paged is a call into C, and the maps
+made from a pass's firing order are made again only when it changes."""
 
 from __future__ import annotations
 
@@ -245,3 +247,34 @@ def test_a_decode_with_guesses_reads_no_score_through_tolist_and_decides_as_the_
     assert all(torch.equal(a, b) for a, b in zip(logits, want[0]))
     assert (guessed, experts) == want[1:]
     assert read  # (the interpreter's steps read them through tolist())
+
+
+def test_a_decode_learns_its_routers_stacks_through_c_calls_and_keeps_its_maps_while_the_order_holds(monkeypatch):
+    """Every expert paged tells the speculator which stacks follow the router that fired last: a call
+    into C (a dict's setdefault), not an interpreter frame; and the firing cycle and the stack
+    groups' routers, the same step after step, are made again only when the pass changes them."""
+    pytest.importorskip("transformers")
+    import inspect
+
+    from offtensor.moe.stacks import ExpertStacks
+    from offtensor.model.state import pager_of
+    from test_moe_predictor import _decode, _qwen3, _wrap_quarter
+
+    told, real = [], ExpertStacks.accessed
+
+    def accessed(self, key, hit):
+        if self.speculator is not None:
+            told.append(self.speculator.used)
+        return real(self, key, hit)
+
+    monkeypatch.setattr(ExpertStacks, "accessed", accessed)
+    model = _wrap_quarter(_qwen3())
+    _decode(model, 4)
+    speculator = pager_of(model).experts.speculator
+    cycle, groups = speculator._next, speculator._by_group
+    assert len(cycle) == 4 and len(groups) == 4
+    _decode(model, 3)
+    assert speculator._next is cycle and speculator._by_group is groups
+    assert told and all(inspect.isbuiltin(used) for used in told)
+    assert [[s.name for s in r.stacks] for r in speculator.routers] == [
+        [f"model.layers.{i}.mlp.experts.gate_up_proj", f"model.layers.{i}.mlp.experts.down_proj"] for i in range(4)]
