@@ -5,9 +5,11 @@
 // OFFTENSOR_WITH_CUDA is defined), so this file needs no CUDA headers and builds against a CPU
 // torch. Fake kernels live in offtensor/_ext.py. One file for everything that includes ATen: each
 // such translation unit costs about a minute on a 2-core build machine. The expert policy's inner
-// loops, which need only Python's headers, are csrc/policy.cpp.
+// loops, which need only Python's headers, are csrc/policy.cpp and the files it names; the one of
+// their reads that needs a tensor's own memory (score_rows, below) is here.
 #include <ATen/ATen.h>
 #include <Python.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
 #include <pthread.h>
@@ -34,6 +36,7 @@
 
 #ifdef OFFTENSOR_WITH_CUDA
 #include "cuda/runtime.h"
+#include "score_view.h"
 #endif
 
 namespace offtensor {
@@ -716,6 +719,54 @@ at::Tensor pool_grouped_mm_cpu(const at::Tensor& x, const at::Tensor& pool, cons
 bool cuda_compiled() { return kCudaCompiled; }
 
 }  // namespace
+
+// A routing guess's few rows of look-ahead scores read on the host (csrc/guesses.cpp), from the
+// tensor's memory: each value as tolist() gives it (a float, half or bfloat16 widened to a double,
+// exactly), without a Python float made per value and freed after (a tolist() of a decode step's
+// scores and its list's release were a sixth of the guess path's host work), and only the columns
+// a read asks for. ``score_view``: 1 with a 1- or 2-D strided CPU tensor of float, double, half or
+// bfloat16 (its layout in ``view``; the caller holds the tensor while it reads), 0, no exception
+// set, for anything else (the caller reads it through tolist()). Nothing here throws: every ATen
+// call it makes is a plain read of the tensor's metadata.
+int score_view(PyObject* obj, ScoreView* view) {
+  if (!THPVariable_Check(obj)) return 0;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (!t.defined() || t.layout() != at::kStrided || !t.device().is_cpu() || t.is_neg() || t.is_conj() ||
+      (t.dim() != 1 && t.dim() != 2) || !t.has_storage())
+    return 0;
+  const at::ScalarType type = t.scalar_type();
+  if (type != at::kFloat && type != at::kDouble && type != at::kHalf && type != at::kBFloat16) return 0;
+  view->rows = t.dim() == 2 ? t.size(0) : 1;
+  view->cols = t.size(-1);
+  view->row_stride = t.dim() == 2 ? t.stride(0) : 0;
+  view->col_stride = t.stride(-1);
+  view->type = type == at::kFloat ? 0 : type == at::kDouble ? 1 : type == at::kHalf ? 2 : 3;
+  view->data = view->rows * view->cols != 0 ? t.const_data_ptr() : nullptr;
+  return 1;
+}
+
+namespace {
+template <typename T>
+void widen(const ScoreView& view, int64_t row, int64_t lo, int64_t count, double* out) {
+  const T* first = static_cast<const T*>(view.data) + row * view.row_stride + lo * view.col_stride;
+  for (int64_t c = 0; c < count; ++c) out[c] = static_cast<float>(first[c * view.col_stride]);
+}
+}  // namespace
+
+// Columns [lo, lo + count) of row ``row`` of a view score_view made, as doubles (double: as they are).
+void score_values(const ScoreView& view, int64_t row, int64_t lo, int64_t count, double* out) {
+  switch (view.type) {
+    case 0: return widen<float>(view, row, lo, count, out);
+    case 1: {
+      const double* first = static_cast<const double*>(view.data) + row * view.row_stride + lo * view.col_stride;
+      for (int64_t c = 0; c < count; ++c) out[c] = first[c * view.col_stride];
+      return;
+    }
+    case 2: return widen<c10::Half>(view, row, lo, count, out);
+    default: return widen<c10::BFloat16>(view, row, lo, count, out);
+  }
+}
+
 }  // namespace offtensor
 
 TORCH_LIBRARY(offtensor, m) {

@@ -10,165 +10,99 @@
 #include <vector>
 
 #include "pyref.h"
+#include "slots.h"
 
 namespace offtensor {
 
 // The expert eviction's victim search (csrc/eviction.cpp).
 PyObject* stack_best(PyObject*, PyObject* args);
 PyObject* victim_search(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+// The host side of a routing guess (csrc/guesses.cpp) and the guesses' records (csrc/guess_records.cpp).
+PyMethodDef* guess_methods();
+PyMethodDef* record_methods();
 
 namespace {
 
-// The host side of a routing guess (offtensor/moe/guesses.py: host_guess, host_chances), on the few
-// rows of look-ahead scores read back to the host, as Python lists of floats (``tolist()``): what the
-// interpreter's loops compute, in the same double arithmetic in the same order (libm's exp, a
-// sequential sum), so that the guesses are the same with or without this extension; without the
-// interpreter's per-element cost (at DeepSeek-V3's 256 experts some 40 us a row). Plain functions of
-// the module, not ops: an op call costs more than the loop at a few dozen experts.
-
-// The doubles of one row (a list of Python numbers); false with an exception set.
-bool row_values(PyObject* row, std::vector<double>* out) {
-  if (!PyList_Check(row)) {
-    PyErr_SetString(PyExc_TypeError, "offtensor: a guess's rows are lists of scores");
-    return false;
-  }
-  const Py_ssize_t width = PyList_GET_SIZE(row);
-  out->resize(width);
-  for (Py_ssize_t e = 0; e < width; ++e) {
-    (*out)[e] = PyFloat_AsDouble(PyList_GET_ITEM(row, e));
-    if ((*out)[e] == -1.0 && PyErr_Occurred()) return false;
-  }
-  return true;
-}
-
-// [(expert, softmax probability)] of each row's top_k highest scores (None: all), the highest first
-// (ties: the lower expert first), row after row.
-PyObject* guess_rows(PyObject*, PyObject* args) {
-  PyObject *rows, *top_k_obj;
-  if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &rows, &top_k_obj)) return nullptr;
-  Py_ssize_t top_k = -1;
-  if (top_k_obj != Py_None) {
-    top_k = PyNumber_AsSsize_t(top_k_obj, PyExc_OverflowError);
-    if (top_k == -1 && PyErr_Occurred()) return nullptr;
-  }
-  PyRef out(PyList_New(0));
-  if (!out.p) return nullptr;
-  std::vector<double> row;
-  std::vector<Py_ssize_t> order;
-  for (Py_ssize_t r = 0; r < PyList_GET_SIZE(rows); ++r) {
-    if (!row_values(PyList_GET_ITEM(rows, r), &row)) return nullptr;
-    const Py_ssize_t width = static_cast<Py_ssize_t>(row.size());
-    if (width == 0) {
-      PyErr_SetString(PyExc_ValueError, "max() arg is an empty sequence");  // (as the interpreter's)
-      return nullptr;
-    }
-    double top = row[0];
-    for (Py_ssize_t e = 1; e < width; ++e) top = row[e] > top ? row[e] : top;  // Python's max
-    double sum = 0.0;
-    for (Py_ssize_t e = 0; e < width; ++e) sum += std::exp(row[e] - top);
-    const double scale = 1.0 / sum;
-    const Py_ssize_t k = top_k < 0 ? width : std::min(top_k, width);
-    order.resize(width);
-    for (Py_ssize_t e = 0; e < width; ++e) order[e] = e;
-    std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                      [&row](Py_ssize_t a, Py_ssize_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
-    for (Py_ssize_t i = 0; i < k; ++i) {
-      PyRef pair(Py_BuildValue("(nd)", order[i], std::exp(row[order[i]] - top) * scale));
-      if (!pair.p || PyList_Append(out.p, pair.p) < 0) return nullptr;
-    }
-  }
-  return out.release();
-}
-
-// Per expert, 1 - prod over the rows of (1 - sigmoid(score)): its chance of use at a layer's next
-// turn from a next-token map's logits, one row a token of the turn.
-PyObject* chance_rows(PyObject*, PyObject* args) {
-  PyObject* rows;
-  if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &rows)) return nullptr;
-  if (PyList_GET_SIZE(rows) == 0) {
-    PyErr_SetString(PyExc_IndexError, "list index out of range");  // (as the interpreter's)
-    return nullptr;
-  }
-  std::vector<double> row, miss;
-  for (Py_ssize_t r = 0; r < PyList_GET_SIZE(rows); ++r) {
-    if (!row_values(PyList_GET_ITEM(rows, r), &row)) return nullptr;
-    if (r == 0) miss.assign(row.size(), 1.0);
-    if (row.size() > miss.size()) {
-      PyErr_SetString(PyExc_IndexError, "list index out of range");
-      return nullptr;
-    }
-    for (size_t e = 0; e < row.size(); ++e) miss[e] *= 1.0 - (row[e] > -60.0 ? 1.0 / (1.0 + std::exp(-row[e])) : 0.0);
-  }
-  PyRef out(PyList_New(static_cast<Py_ssize_t>(miss.size())));
-  if (!out.p) return nullptr;
-  for (size_t e = 0; e < miss.size(); ++e) {
-    PyObject* chance = PyFloat_FromDouble(1.0 - miss[e]);
-    if (chance == nullptr) return nullptr;
-    PyList_SET_ITEM(out.p, static_cast<Py_ssize_t>(e), chance);
-  }
-  return out.release();
-}
-
 // ---------------------------------------------------------------------------------------------
 // The experts of a layer with a whole copy cached in every one of its stacks (offtensor/moe/
-// speculation.py: _cached_experts), read at every guess. Per stack, the keys of its cached copies
-// (CacheKey: master, dtype, lo, hi, all of that stack's master); a key is expert e's where it equals
-// the key the stack made for it, (master, dtype, base + e * step, base + (e + 1) * step): found by
-// arithmetic rather than a look-up of the key (hashing a 4-tuple per cached copy was most of a
-// guess's time at 256 experts). A copy of part of an expert, or of another dtype, is none.
+// speculation.py: _cached_experts), read at every guess. Per stack, its cached copies, read from
+// the pager's copies by master (a read-only mapping: master id -> that master's cached copies, each
+// with its key, CacheKey: master, dtype, lo, hi), without a list of their keys made first; a key
+// is expert e's where it equals the key the stack made for it (Stack.keys[e]: master, dtype,
+// base + e * step, base + (e + 1) * step, all read off its first key): found by arithmetic rather
+// than a look-up of the key (hashing a 4-tuple per cached copy was most of a guess's time at 256
+// experts). A copy of part of an expert, or of another dtype, is none.
 
-// A stack's attribute (an interned name) as a C integer; false with an exception set.
-bool long_attr(PyObject* obj, PyObject* name, long long* out) {
-  PyRef value(PyObject_GetAttr(obj, name));
-  if (!value.p) return false;
-  *out = PyLong_AsLongLong(value.p);
+// The dict a read-only view shows (types.MappingProxyType, the pager's copies by master: its one
+// referent, found through its traverse slot, as csrc/policy_objects.h finds it), the mapping itself
+// where it is a dict, or nullptr (borrowed).
+int take_referent(PyObject* referent, void* out) {
+  *static_cast<PyObject**>(out) = referent;
+  return 1;  // (the first is the only one)
+}
+
+PyObject* dict_of(PyObject* mapping) {
+  if (PyDict_Check(mapping)) return mapping;
+  if (!Py_IS_TYPE(mapping, &PyDictProxy_Type)) return nullptr;
+  PyObject* shown = nullptr;
+  Py_TYPE(mapping)->tp_traverse(mapping, take_referent, &shown);
+  return shown != nullptr && PyDict_Check(shown) ? shown : nullptr;
+}
+
+// ``mapping.get(key)``: a new reference (None where missing), or nullptr with an exception set.
+PyObject* get_or_none(PyObject* mapping, PyObject* key) {
+  if (PyObject* dict = dict_of(mapping)) {
+    PyObject* value = PyDict_GetItemWithError(dict, key);
+    return value != nullptr ? Py_NewRef(value) : PyErr_Occurred() ? nullptr : Py_NewRef(Py_None);
+  }
+  PyObject* value = PyObject_GetItem(mapping, key);
+  if (value != nullptr || !PyErr_ExceptionMatches(PyExc_KeyError)) return value;
+  PyErr_Clear();
+  return Py_NewRef(Py_None);
+}
+
+// A key's int field as a C integer (false with an exception set).
+bool key_long(PyObject* key, Py_ssize_t i, long long* out) {
+  *out = PyLong_AsLongLong(PyTuple_GET_ITEM(key, i));
   return !(*out == -1 && PyErr_Occurred());
 }
 
 PyObject* cached_experts(PyObject*, PyObject* args) {
-  PyObject *keys_of, *stacks;
-  if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &keys_of, &PyList_Type, &stacks)) return nullptr;
+  PyObject *by_master, *stacks;
+  if (!PyArg_ParseTuple(args, "OO!", &by_master, &PyList_Type, &stacks)) return nullptr;
+  static Slot* keys_of = new Slot("keys");  // (Stack.keys: every expert's key)
+  static Slot* key_of = new Slot("key");  // (a cached copy's key)
   const Py_ssize_t n_stacks = PyList_GET_SIZE(stacks);
-  if (PyList_GET_SIZE(keys_of) != n_stacks) {
-    PyErr_SetString(PyExc_ValueError, "offtensor: cached_experts takes one list of keys per stack");
-    return nullptr;
-  }
-  static PyObject* master_name = PyUnicode_InternFromString("master_id");
-  static PyObject* base_name = PyUnicode_InternFromString("base");
-  static PyObject* bytes_name = PyUnicode_InternFromString("expert_bytes");
-  static PyObject* experts_name = PyUnicode_InternFromString("num_experts");
-  static PyObject* dtype_name = PyUnicode_InternFromString("dtype");
-  static PyObject* itemsize_name = PyUnicode_InternFromString("itemsize");
   std::vector<Py_ssize_t> seen;  // per expert: how many stacks so far have it cached (each counts once)
   for (Py_ssize_t s = 0; s < n_stacks; ++s) {
-    PyObject* stack = PyList_GET_ITEM(stacks, s);
-    long long master, base, expert_bytes, experts;
-    if (!long_attr(stack, master_name, &master) || !long_attr(stack, base_name, &base) ||
-        !long_attr(stack, bytes_name, &expert_bytes) || !long_attr(stack, experts_name, &experts))
-      return nullptr;
-    PyRef dtype(PyObject_GetAttr(stack, dtype_name));
-    if (!dtype.p) return nullptr;
-    PyRef itemsize_obj(PyObject_GetAttr(dtype.p, itemsize_name));
-    if (!itemsize_obj.p) return nullptr;
-    const long long itemsize = PyLong_AsLongLong(itemsize_obj.p);
-    if (itemsize == -1 && PyErr_Occurred()) return nullptr;
-    const long long step = itemsize > 0 ? expert_bytes / itemsize : 0;  // (Stack.__init__'s)
-    if (s == 0) seen.assign(static_cast<size_t>(experts > 0 ? experts : 0), 0);
-    PyObject* keys = PyList_GET_ITEM(keys_of, s);
-    if (!PyList_Check(keys)) {
-      PyErr_SetString(PyExc_TypeError, "offtensor: cached_experts takes lists of cache keys");
+    PyRef keys((*keys_of)(PyList_GET_ITEM(stacks, s)));
+    if (!keys.p) return nullptr;
+    if (!PyTuple_Check(keys.p) || PyTuple_GET_SIZE(keys.p) == 0 || !PyTuple_Check(PyTuple_GET_ITEM(keys.p, 0)) ||
+        PyTuple_GET_SIZE(PyTuple_GET_ITEM(keys.p, 0)) != 4) {
+      PyErr_SetString(PyExc_TypeError, "offtensor: cached_experts takes stacks with their experts' cache keys");
       return nullptr;
     }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); ++i) {
-      PyObject* key = PyList_GET_ITEM(keys, i);
+    PyObject* first = PyTuple_GET_ITEM(keys.p, 0);  // expert 0's: (master, dtype, base, base + step)
+    PyObject* dtype = PyTuple_GET_ITEM(first, 1);
+    long long master, base, end;
+    if (!key_long(first, 0, &master) || !key_long(first, 2, &base) || !key_long(first, 3, &end)) return nullptr;
+    const long long step = end - base, experts = PyTuple_GET_SIZE(keys.p);
+    if (s == 0) seen.assign(static_cast<size_t>(experts), 0);
+    PyRef copies(get_or_none(by_master, PyTuple_GET_ITEM(first, 0)));
+    if (!copies.p) return nullptr;
+    if (copies.p == Py_None) continue;
+    PyRef fast(PySequence_Fast(copies.p, "offtensor: cached_experts takes a mapping of master id -> cached copies"));
+    if (!fast.p) return nullptr;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.p); ++i) {
+      PyRef owned((*key_of)(PySequence_Fast_GET_ITEM(fast.p, i)));
+      if (!owned.p) return nullptr;
+      PyObject* key = owned.p;
       if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 4) continue;  // (no CacheKey: no expert's)
-      const int same_dtype = PyObject_RichCompareBool(PyTuple_GET_ITEM(key, 1), dtype.p, Py_EQ);
+      const int same_dtype = PyObject_RichCompareBool(PyTuple_GET_ITEM(key, 1), dtype, Py_EQ);
       if (same_dtype < 0) return nullptr;
       if (!same_dtype || step <= 0) continue;
-      const long long of = PyLong_AsLongLong(PyTuple_GET_ITEM(key, 0));
-      const long long lo = PyLong_AsLongLong(PyTuple_GET_ITEM(key, 2));
-      const long long hi = PyLong_AsLongLong(PyTuple_GET_ITEM(key, 3));
-      if (PyErr_Occurred()) return nullptr;
+      long long of, lo, hi;
+      if (!key_long(key, 0, &of) || !key_long(key, 2, &lo) || !key_long(key, 3, &hi)) return nullptr;
       if (of != master || lo < base || (lo - base) % step != 0 || hi - lo != step) continue;
       const long long e = (lo - base) / step;
       if (e >= experts || e >= static_cast<long long>(seen.size())) continue;
@@ -181,6 +115,30 @@ PyObject* cached_experts(PyObject*, PyObject* args) {
     if (n_stacks == 0 || seen[e] != n_stacks) continue;
     PyRef expert(PyLong_FromSize_t(e));
     if (!expert.p || PySet_Add(out.p, expert.p) < 0) return nullptr;
+  }
+  return out.release();
+}
+
+// ``{stack.keys[e] for stack in stacks for e in experts}`` (offtensor/moe/eviction.py:
+// ExpertEviction.guard): the cache keys of a guess's experts in every stack of its layer, at every
+// layer of every decode step; a new set.
+PyObject* expert_keys(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyList_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "offtensor: expert_keys(stacks, experts)");
+    return nullptr;
+  }
+  static Slot* keys_of = new Slot("keys");
+  PyRef stacks(PyList_GetSlice(args[0], 0, PY_SSIZE_T_MAX));  // (held while set insertions hash keys)
+  PyRef experts(PySequence_List(args[1]));  // (a guess's experts, in its order: a dict's keys)
+  PyRef out(stacks.p && experts.p ? PySet_New(nullptr) : nullptr);
+  if (!out.p) return nullptr;
+  for (Py_ssize_t s = 0; s < PyList_GET_SIZE(stacks.p); ++s) {
+    PyRef keys((*keys_of)(PyList_GET_ITEM(stacks.p, s)));
+    if (!keys.p) return nullptr;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(experts.p); ++i) {
+      PyRef key(PyObject_GetItem(keys.p, PyList_GET_ITEM(experts.p, i)));  // (keys[e], as the interpreter indexes)
+      if (!key.p || PySet_Add(out.p, key.p) < 0) return nullptr;
+    }
   }
   return out.release();
 }
@@ -236,16 +194,14 @@ PyObject* decay_counts(PyObject*, PyObject* args) { return decay_walk(args, fals
 PyObject* decay_counts_in_place(PyObject*, PyObject* args) { return decay_walk(args, true); }
 
 PyMethodDef kMethods[] = {
-    {"guess_rows", guess_rows, METH_VARARGS,
-     "The host side of a routing guess on rows of scores (offtensor/moe/guesses.py: host_guess)."},
-    {"chance_rows", chance_rows, METH_VARARGS,
-     "A next-token map's chances on rows of logits (offtensor/moe/guesses.py: host_chances)."},
     {"stack_best", stack_best, METH_VARARGS,
      "The expert eviction's ranking of one stack (offtensor/moe/eviction.py: ExpertEviction._stack_best)."},
     {"victim_search", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(victim_search)), METH_FASTCALL,
      "The victim search's loop over the layers (offtensor/moe/eviction.py: ExpertEviction.victim)."},
     {"cached_experts", cached_experts, METH_VARARGS,
      "A layer's experts cached whole in every stack (offtensor/moe/speculation.py: _cached_experts)."},
+    {"expert_keys", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(expert_keys)), METH_FASTCALL,
+     "The cache keys of experts in every stack of a layer (offtensor/moe/eviction.py: ExpertEviction.guard)."},
     {"decay_counts", decay_counts, METH_VARARGS,
      "Use counts decayed and the smallest dropped (offtensor/moe/eviction.py: ExpertEviction.decay)."},
     {"decay_counts_in_place", decay_counts_in_place, METH_VARARGS,
@@ -254,7 +210,16 @@ PyMethodDef kMethods[] = {
 
 }  // namespace
 
-// The module's method table (PyInit__C in offtensor.cpp).
-PyMethodDef* policy_methods() { return kMethods; }
+// The module's method table (PyInit__C in offtensor.cpp): this file's functions, then the guesses'.
+PyMethodDef* policy_methods() {
+  static std::vector<PyMethodDef> table = [] {
+    std::vector<PyMethodDef> all;
+    for (PyMethodDef* part : {kMethods, guess_methods(), record_methods()})
+      for (PyMethodDef* method = part; method->ml_name != nullptr; ++method) all.push_back(*method);
+    all.push_back({nullptr, nullptr, 0, nullptr});
+    return all;
+  }();
+  return table.data();
+}
 
 }  // namespace offtensor

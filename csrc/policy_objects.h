@@ -1,5 +1,6 @@
 // The victim search's reads of the interpreter's objects (csrc/eviction.cpp): a read-only view's
-// dict, slot attributes at their offsets, dict look-ups with one hash per key, and heapq's own
+// dict, slot attributes at their offsets (csrc/slots.h, which the guesses' loops read and write
+// through too), dict look-ups with one hash per key, and heapq's own
 // steps on a list of records, each the same read the interpreter makes, without its generic path
 // (an attribute through its class, a method call, tuples compared through the interpreter: 150 to
 // 2,000 instructions each). Included by eviction.cpp alone: its functions are that file's own.
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "pyref.h"
+#include "slots.h"
 
 namespace offtensor {
 namespace {
@@ -61,64 +63,6 @@ struct Lookup {
     if (value != nullptr) return Py_NewRef(value);
     return PyErr_Occurred() ? nullptr : Py_NewRef(Py_None);
   }
-};
-
-// `obj.name` for objects whose class keeps `name` in a slot (__slots__: a cached copy's users, a
-// stack's keys, KeptBest's lists): read at the slot's offset, as its member descriptor reads it,
-// once the class is known to keep it there (the look-up through the class cost more than the rest
-// of the read); any other object through PyObject_GetAttr. The class is remembered with its version
-// tag, which the interpreter renews whenever an attribute of the class or of a base is set: a class
-// changed since is looked at again. A new reference, or nullptr with an exception set.
-class Slot {
- public:
-  explicit Slot(const char* name) : name_(PyUnicode_InternFromString(name)) {}
-
-  PyObject* operator()(PyObject* obj) {
-    PyTypeObject* type = Py_TYPE(obj);
-    if (reinterpret_cast<PyObject*>(type) != type_.p || !current(type)) learn(type);
-    if (offset_ >= 0) {
-      PyObject* value = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + offset_);
-      if (value != nullptr) return Py_NewRef(value);  // (unset: the attribute read raises, below)
-    }
-    return name_ ? PyObject_GetAttr(obj, name_) : nullptr;
-  }
-
- private:
-  bool current(PyTypeObject* type) const {
-#if PY_VERSION_HEX < 0x030C0000
-    if (!(type->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG)) return false;
-#endif
-    return type->tp_version_tag != 0 && type->tp_version_tag == version_;
-  }
-
-  void learn(PyTypeObject* type) {
-    PyObject* old = type_.release();
-    type_.p = Py_NewRef(reinterpret_cast<PyObject*>(type));  // (held: no other class reuses its address)
-    Py_XDECREF(old);
-    offset_ = -1;
-    version_ = 0;
-    if (name_ == nullptr || type->tp_getattro != PyObject_GenericGetAttr) return;
-    // The class's own attribute: a slot's member descriptor (a data descriptor: it wins over an
-    // instance dict, as the attribute read's own look-up finds).
-    PyRef found(PyObject_GetAttr(reinterpret_cast<PyObject*>(type), name_));
-    if (!found.p) {
-      PyErr_Clear();
-      return;
-    }
-    if (!Py_IS_TYPE(found.p, &PyMemberDescr_Type)) return;
-    auto* descr = reinterpret_cast<PyMemberDescrObject*>(found.p);
-    const PyMemberDef* member = descr->d_member;
-    if (!PyType_IsSubtype(type, PyDescr_TYPE(descr)) || (member->type != T_OBJECT_EX && member->type != T_OBJECT) ||
-        (member->flags & READ_RESTRICTED))
-      return;
-    version_ = type->tp_version_tag;  // (the look-up above gave the class one)
-    if (current(type)) offset_ = member->offset;
-  }
-
-  PyObject* name_;
-  PyRef type_;  // the class last seen
-  unsigned int version_ = 0;
-  Py_ssize_t offset_ = -1;  // its slot's offset for `name`, or -1: read through PyObject_GetAttr
 };
 
 // `obj.name` is truthy: 1, 0, or -1 with an exception set.

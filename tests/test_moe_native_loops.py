@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import struct
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -29,11 +30,13 @@ def _stack(master_id: int, dtype: torch.dtype, base: int, step: int, experts: in
 
 
 class _Copies:
-    def __init__(self, by_master: dict):
-        self.by_master = by_master
+    """A pager's cached copies as the guesses read them: master id -> its copies, each with its key."""
 
-    def cached_keys_of(self, master_id: int) -> list:
-        return list(self.by_master.get(master_id, ()))
+    def __init__(self, by_master: dict):
+        self.by_master = types.MappingProxyType({m: [SimpleNamespace(key=k) for k in keys] for m, keys in by_master.items()})
+
+    def cached_copies(self):
+        return self.by_master
 
 
 def test_the_native_pass_over_cached_copies_finds_the_interpreters_experts(monkeypatch):

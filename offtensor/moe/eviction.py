@@ -48,6 +48,9 @@ FREQUENCY_FLOOR = 0.01
 _NATIVE_STACK_BEST = _ext.native_function("stack_best")
 _NATIVE_DECAY = _ext.native_function("decay_counts_in_place") or _ext.native_function("decay_counts")
 _NATIVE_VICTIM = _ext.native_function("victim_search")
+# A guess's experts' cache keys in every stack of its layer (csrc/policy.cpp), every layer of every
+# decode step: one call where the interpreter took a step per key.
+_NATIVE_KEYS = _ext.native_function("expert_keys")
 # Probability of use given to an expert with no recorded use, so the cyclic distance still orders them.
 UNSEEN_USE = 0.02
 # A guess's copy may evict only a copy whose next use is expected at least this many cycles of
@@ -182,7 +185,10 @@ class ExpertEviction:
         that layer pages may evict them (on the trained test models a guessed expert is routed
         0.72-0.77 of the time, one ranked in the next k 0.16-0.18, any other under 0.06)."""
         if stacks:
-            self._guarded[stacks[0].group] = {s.key_of(int(e)) for s in stacks for e in experts}
+            if _NATIVE_KEYS is not None and type(stacks) is list:
+                self._guarded[stacks[0].group] = _NATIVE_KEYS(stacks, experts)
+            else:
+                self._guarded[stacks[0].group] = {s.key_of(int(e)) for s in stacks for e in experts}
             self._kept.changed(stacks[0].group)
 
     def victim(self, view, room: int, candidates):

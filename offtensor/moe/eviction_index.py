@@ -10,12 +10,17 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
+from .. import _ext
+
 if TYPE_CHECKING:
     from .stack import Stack
 
 # A layer with a predicted next turn keeps this many times its top-k of its likeliest experts out
 # of the frequency index: they are ranked one by one (few), the rest by frequency off the heap.
 LIKELY_PER_TOP_K = 2
+# The native extension's pick of a layer's likeliest experts (csrc/guesses.cpp: the sort below in one
+# call, at every MoE layer of every decode step), where it is built.
+_NATIVE_LIKELIEST = _ext.native_function("likeliest")
 
 
 class NextTurn:
@@ -36,7 +41,10 @@ class NextTurn:
             group = stacks[0].group
             self._chances[group] = chances
             count = min(len(chances), LIKELY_PER_TOP_K * (top_k or 1))
-            self._likely[group] = frozenset(sorted(range(len(chances)), key=chances.__getitem__)[-count:])
+            native = _NATIVE_LIKELIEST is not None and type(chances) is list
+            likely = _NATIVE_LIKELIEST(chances, count) if native else None  # (None: NaN chances, below)
+            self._likely[group] = likely if likely is not None else \
+                frozenset(sorted(range(len(chances)), key=chances.__getitem__)[-count:])
             self._kept.changed(group)
 
     def forget(self, stacks: list) -> None:

@@ -48,6 +48,7 @@ SPECULATE_PRECISION_IDLE = 0.7
 CONFIDENCE_BINS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 _EDGES = CONFIDENCE_BINS[:-1]  # (ranked_bins: a bisection over these needs no cap at the last bin)
 _NO_RECORD = ((0.0,) * len(CONFIDENCE_BINS),) * 2  # (a bin's record where no pool is given)
+_NO_POOL = _NO_RECORD * 2  # (the same, one and two ahead: the native extension's pool where none is given)
 # A bin's precision is correct / guessed over its recent uncached guesses: both counts decay by
 # this factor per scored guess, and at least SPECULATE_EVIDENCE guesses must stand behind it.
 PRECISION_DECAY = 0.98
@@ -183,19 +184,40 @@ class Router:
         pool_guessed[b] = PRECISION_DECAY * pool_guessed[b] + 1.0
 
     def pays_any(self, pool=None, ahead: int = 1) -> bool:
-        """Whether any of its bins (of the guesses made ``ahead`` layers ahead) pays: ``pays`` of
-        each, in one pass where the gate is fixed (asked of every router at every decode step)."""
+        """Whether any of its bins (of the guesses made ``ahead`` layers ahead) pays (asked of every
+        router at every decode step)."""
+        return self.paying(pool, ahead) != 0
+
+    def paying(self, pool=None, ahead: int = 1) -> int:
+        """The bins (of the guesses made ``ahead`` layers ahead) that pay, as a bit mask (bin b: bit
+        b): ``pays`` of each, in one pass where the gate is fixed (in the native extension's loop
+        where it is built), asked once for a guess's every expert rather than a call per expert."""
         if SPECULATE_WASTE is not None:
-            return any(self.pays(b, pool, ahead) for b in range(len(CONFIDENCE_BINS)))
+            return sum(1 << b for b in range(len(CONFIDENCE_BINS)) if self.pays(b, pool, ahead))
+        gate = SPECULATE_PRECISION if ahead == 1 else SPECULATE_PRECISION_IDLE
+        if _NATIVE_PAYING is not None:
+            return _NATIVE_PAYING(self, _NO_POOL if pool is None else pool, ahead, gate)
         own = (self.bin_correct, self.bin_guessed) if ahead == 1 else (self.bin2_correct, self.bin2_guessed)
-        gate, evidence = (SPECULATE_PRECISION if ahead == 1 else SPECULATE_PRECISION_IDLE), self.evidence
-        shared = _NO_RECORD if pool is None else (pool[:2] if ahead == 1 else pool[2:])
-        for correct, guessed, pool_correct, pool_guessed in zip(*own, *shared):
+        shared, evidence = _NO_RECORD if pool is None else (pool[:2] if ahead == 1 else pool[2:]), self.evidence
+        mask = 0
+        for b, (correct, guessed, pool_correct, pool_guessed) in enumerate(zip(*own, *shared)):
             if guessed < evidence:
                 correct, guessed = pool_correct, pool_guessed  # (_record: the pool's until it has evidence)
             if guessed >= evidence and correct >= gate * guessed:
-                return True
-        return False
+                mask |= 1 << b
+        return mask
+
+    def worth(self, bins: dict, cached, pool, ahead: int = 1) -> list:
+        """The experts of a guess made ``ahead`` layers ahead (``bins``: expert -> its confidence bin,
+        the most confident first) worth a copy, in the order they are copied (``copy_order``): not
+        ``cached``, not copied by its open guesses yet, and in a bin that ``pays`` (one native call
+        where the gate is fixed)."""
+        if SPECULATE_WASTE is None and _NATIVE_WORTH is not None:
+            return _NATIVE_WORTH(self, _NO_POOL if pool is None else pool, ahead,
+                                 SPECULATE_PRECISION if ahead == 1 else SPECULATE_PRECISION_IDLE, bins, cached)
+        paying, copied = self.paying(pool, ahead), self.copied
+        return copy_order(self, [e for e, b in bins.items() if paying >> b & 1 and e not in cached and e not in copied],
+                          bins, pool, ahead)
 
     def report(self, pool=None) -> dict:
         return guess_report(self.guessed, self.correct, self.routed, self.uncached_guessed, self.uncached_correct,
@@ -212,11 +234,15 @@ def score(router: Router, pool, used=None) -> list:
     guess, guess2 = router.guess, router.guess2
     if guess is None and guess2 is None:
         return []
-    router.guess = router.guess2 = None
     if used is None:
         used = set()
         for stack in router.stacks:
             used |= stack.used
+    if _NATIVE_SCORE is not None:
+        # (the steps below in one call: every router every decode step; a Ctrl-C lands before or
+        # after the whole scoring)
+        return _NATIVE_SCORE(router, pool, used, PRECISION_DECAY)
+    router.guess = router.guess2 = None
     if not used:
         return []  # its layer has not run yet (a forward cut short): nothing to score against
     # The misses a guess could cover: routed experts not cached when the first guess was made
@@ -243,6 +269,29 @@ def score(router: Router, pool, used=None) -> list:
     router.copied = {}
     if router.guess_tokens == 1 and len(used) and router.top_k is None:
         router.top_k = len(used)
+    return wrong
+
+
+def close_step(router: Router, pool) -> list:
+    """A pass ended, for ``router``: the experts its stacks paged (one token picks exactly top_k of
+    them), its open guesses scored (``score``) unless made for the pass to come, and whether its
+    stacks missed since the last pass's end. Returns the experts its guesses copied that its layer
+    did not page (wrong copies). In one native call where built (every router every decode step)."""
+    if _NATIVE_CLOSE is not None:
+        return _NATIVE_CLOSE(router, pool, PRECISION_DECAY)
+    used = set()  # (its layer's experts paged this pass: read once, for top_k and the score)
+    for stack in router.stacks:
+        used |= stack.used
+    if router.tokens == 1 and used:
+        router.top_k = len(used)  # one token picks exactly top_k experts
+    wrong = []
+    if router.next_pass:
+        router.next_pass = False  # made for the pass to come: scored once that has run
+    else:
+        wrong = score(router, pool, used)
+    misses = sum(s.misses for s in router.stacks)
+    router.missed = misses != router.misses_seen  # (a reset of the counters reads as a miss)
+    router.misses_seen = misses
     return wrong
 
 
@@ -305,10 +354,15 @@ def routers_report(routers: list, pool, copying: bool) -> dict:
                                 for r in routers if r.stacks}}
 
 
-# The native extension's loops for the host side of a guess (csrc/policy.cpp), on the rows as
-# Python lists, where it is built with them; without it, the interpreter's loops below. A row of 32
-# experts: some 3 us against 8; of 256: 9 against 44.
+# The native extension's loops for the host side of a guess (csrc/guesses.cpp: on the scores'
+# tensor itself, or its rows as Python lists) and the guesses' records (csrc/guess_records.cpp),
+# where it is built with them; without it, the interpreter's steps here. A row of 32 experts: some
+# 3 us against 8; of 256: 9 against 44. Every MoE layer of every decode step runs them, each in one
+# call rather than dozens of interpreter steps.
 _NATIVE_GUESS, _NATIVE_CHANCES = _ext.native_function("guess_rows"), _ext.native_function("chance_rows")
+_NATIVE_BINS, _NATIVE_RANKED = _ext.native_function("guess_bins"), _ext.native_function("rank_bins")
+_NATIVE_PAYING, _NATIVE_WORTH = _ext.native_function("paying_bins"), _ext.native_function("worth_copies")
+_NATIVE_SCORE, _NATIVE_CLOSE = _ext.native_function("score_guess"), _ext.native_function("close_step")
 
 
 def host_rows(scores) -> list:
@@ -339,12 +393,23 @@ def host_guess(scores, top_k) -> list:
     return out
 
 
-def host_chances(scores) -> list:
+def host_scores(scores):
+    """A guess's scores (a tensor of a few rows) as the host side reads them, once for all of its
+    reads: the tensor itself where the native extension reads its memory (``guess_bins``,
+    ``host_chances``: no Python float made per score), else ``host_rows``."""
+    return scores if _NATIVE_BINS is not None else host_rows(scores)
+
+
+def host_chances(scores, lo: int = 0) -> list:
     """Per expert, its chance of use at a layer's next turn from the next-token map's logits of a
-    few rows (one a token of the turn): 1 - prod(1 - sigmoid), on the host like ``host_guess``."""
-    rows = host_rows(scores)
+    few rows (one a token of the turn; its columns from ``lo`` on): 1 - prod(1 - sigmoid), on the
+    host like ``host_guess``."""
     if _NATIVE_CHANCES is not None:
-        return _NATIVE_CHANCES(rows)
+        chances = _NATIVE_CHANCES(scores, lo)  # (None: a tensor it does not read, read as rows below)
+        return chances if chances is not None else _NATIVE_CHANCES(host_rows(scores), lo)
+    rows = host_rows(scores)
+    if lo:
+        rows = [r[lo:] for r in rows]
     out = [1.0] * len(rows[0])
     for row in rows:
         for e, v in enumerate(row):
@@ -358,8 +423,26 @@ def ranked_bins(pairs) -> dict:
     is the first whose upper edge is at least it (the last above them all; a NaN, which compares
     with nothing, the first): ``bisect_left`` over every upper edge but the last, which is the
     bisection over all of them capped at the last bin."""
+    if _NATIVE_RANKED is not None and type(pairs) is list:
+        bins = _NATIVE_RANKED(pairs, _EDGES)  # (None: pairs it leaves to the steps below)
+        if bins is not None:
+            return bins
     edges, bins = _EDGES, {}
     for e, p in sorted(pairs, key=itemgetter(1), reverse=True):
         if e not in bins:  # (an expert's highest confidence: the first of its pairs in this order)
             bins[e] = bisect_left(edges, p)
     return bins
+
+
+def guess_bins(scores, lo, hi, top_k) -> dict:
+    """``ranked_bins(host_guess([r[lo:hi] for r in host_rows(scores)], top_k))``: a guess's experts,
+    the most confident first, and their confidence bins, from the columns [lo, hi) of a few rows of
+    look-ahead scores (``host_scores``; None: from the first, to the last). In one native pass where
+    it is built (the same pairs, sorted stably as ``ranked_bins`` sorts them: the same bins in the
+    same order), which leaves a row with a NaN probability, or a tensor it does not read, to the
+    steps here."""
+    if _NATIVE_BINS is not None:
+        bins = _NATIVE_BINS(scores, lo, hi, top_k, _EDGES)
+        if bins is not None:
+            return bins
+    return ranked_bins(host_guess([r[lo:hi] for r in host_rows(scores)], top_k))

@@ -37,7 +37,7 @@ buffers and events, and are used once the event has completed.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from math import prod
 
 import torch
 import torch.nn.functional as F
@@ -45,11 +45,8 @@ import torch.nn.functional as F
 from .. import _ext
 from . import routing
 from .predictor import hidden_layer
-from .guesses import (CONFIDENCE_BINS, Router, WasteBudget, copy_order, host_chances, host_guess, host_rows, ranked_bins,
+from .guesses import (CONFIDENCE_BINS, Router, WasteBudget, close_step, guess_bins, host_chances, host_scores, ranked_bins,
                       routers_report, score)
-
-if TYPE_CHECKING:
-    from .stack import Stack
 
 # At most this many guessed experts per layer are copied ahead, the most confident first. The copy
 # stream is idle only between a layer's last expert copy and the next layer's routing read (its
@@ -135,9 +132,9 @@ def _copy_ahead(pager, router: Router, expert: int, ahead: int) -> bool:
         master = stack.master_ref()
         if master is None or master.flat is None:
             continue
-        key = stack.key_of(expert)
+        key = stack.keys[expert]  # (Stack.key_of)
         cached_now = pager.is_cached(key)
-        if not pager.prefetch(master, *key[1:], key=key):
+        if not pager.prefetch(master, key[1], key[2], key[3], key):  # (master, dtype, lo, hi, key)
             return False
         if not cached_now:
             nbytes = stack.expert_bytes
@@ -150,7 +147,8 @@ def _copy_ahead(pager, router: Router, expert: int, ahead: int) -> bool:
 
 # The native extension's pass over a layer's cached copies (csrc/policy.cpp), where built: an expert
 # found from its copy's range rather than by looking its key up (at 256 experts a quarter cached,
-# a look-up per copy was 70 us of a guess's 110).
+# a look-up per copy was 70 us of a guess's 110), each stack's copies read from the pager's mapping
+# in the same call (a list of their keys made per stack and guess was most of the rest).
 _NATIVE_CACHED = _ext.native_function("cached_experts")
 
 
@@ -159,15 +157,34 @@ def _cached_experts(pager, router: Router) -> frozenset:
     stacks = router.stacks
     if pager is None or not stacks:
         return frozenset()
+    copies = pager.cached_copies()  # master id -> its cached copies
     if _NATIVE_CACHED is not None:
-        return _NATIVE_CACHED([pager.cached_keys_of(stack.master_id) for stack in stacks], stacks)
+        return _NATIVE_CACHED(copies, stacks)
     experts = None
     for stack in stacks:  # (every guess: one pass over each stack's cached copies)
         expert_of = stack.experts.get  # (whole experts only: a copy of part of one is no expert cached)
-        cached = {expert_of(k) for k in pager.cached_keys_of(stack.master_id)}
+        cached = {expert_of(c.key) for c in copies.get(stack.master_id, ())}
         cached.discard(None)
         experts = cached if experts is None else experts & cached
     return frozenset(experts)
+
+
+def _before_any_router(stack, expert) -> None:
+    """``RoutingSpeculator.used`` before any router fired in a pass: nothing learned from a page.
+
+    After a router fired, ``used`` is the ``setdefault`` of its dict of the stacks paged (``_learned``:
+    a dict used as an ordered set, first paged first): the expert cache calls it for every expert
+    paged (some 50 a decode step), and that is a call into C rather than an interpreter frame."""
+
+
+def _firing_cycle(order: list) -> tuple:
+    """(router -> the router that fired after it, the last one the first; the last, or None where one
+    fired) of a pass's routers in firing order: the cycle the next pass's guesses follow."""
+    after = dict(zip(order, order[1:]))
+    last = order[-1] if len(order) > 1 else None
+    if last is not None:
+        after[last] = order[0]
+    return after, last
 
 
 def _guessed_now(router: Router, after, pool) -> bool:
@@ -177,7 +194,7 @@ def _guessed_now(router: Router, after, pool) -> bool:
     have been guessed for)."""
     period = SPECULATE_SAMPLE
     if SPECULATE_COPY:
-        pays = router.pays_any(pool) or (after is not None and after.pays_any(pool, 2))
+        pays = router.paying(pool) or (after is not None and after.paying(pool, 2))  # (bit masks: any bin)
         if not pays and max(router.bin_guessed) >= router.evidence:
             period = SPECULATE_SAMPLE_UNPAID  # its own record says its look-ahead does not pay
         elif pays or router.missed or (after is not None and after.missed):
@@ -200,12 +217,13 @@ class RoutingSpeculator:
         self._next = {}  # router -> the router that ran after it in the last pass (the last: the first)
         self._wrap_from = None  # the router that ran last in the last pass: it guesses the next pass's first
         self._order = []  # routers in firing order, this pass
-        self._current = None  # the stacks paged after the router that fired last (its list in _learned)
-        self._learned = {}  # router -> stacks paged after it this pass
-        # (router or None, scores or (ids, confidences), event or None, tokens, the layer after it, its
+        self._learned = {}  # router -> the stacks paged after it this pass (first paged first: dict keys)
+        self.used = _before_any_router  # (stack, expert) paged: learned for the router that fired last
+        # [router or None, scores or (ids, confidences), event or None, tokens, the layer after it, its
         # column, wrap, the router whose next-token prediction it holds (None once delivered), that
-        # prediction's column): guesses and predictions not yet used
+        # prediction's column]: guesses and predictions not yet used
         self._pending = []
+        self._predicting = False  # whether _pending may hold a prediction not yet delivered (set before it)
         self._expected = []  # GPU: (router, pinned ids, event) of router outputs read back without a sync
         self.hooks = []
         self.recorder = None  # moe.refit.OnlineRefit, when one records the routing
@@ -215,14 +233,16 @@ class RoutingSpeculator:
         self.pool = tuple([0.0] * len(CONFIDENCE_BINS) for _ in range(4))
         self.waste = WasteBudget()  # the expected waste of the recent copies (guesses.SPECULATE_WASTE)
         self._by_group = {r.stacks[0].group: r for r in routers if r.stacks}  # stack group -> its router
+        self._ran_order, self._groups_changed = None, False  # what _next and _by_group were made from (step)
 
     # -------------------------------------------------------------- hooks
 
     def router_ran(self, router: Router, x: torch.Tensor) -> None:
         self._order.append(router)
-        self._current = self._learned.setdefault(router, [])  # (one store: ``used`` appends to it)
-        width = x.shape[-1]
-        router.tokens = x.numel() // max(width, 1)
+        self.used = self._learned.setdefault(router, {}).setdefault  # (one store: the stacks paged from now on)
+        shape = x.shape  # (its width, rank and size from one read of the tensor's shape: each read is a torch call)
+        width = shape[-1]
+        tokens = router.tokens = prod(shape) // max(width, 1)  # (x.numel())
         if self.recorder is not None:
             self.recorder.input(router, x)
         nxt = self._next.get(router)
@@ -232,7 +252,7 @@ class RoutingSpeculator:
         # Where the learned map also predicts this layer's experts at the next token (rows from
         # ``own`` on), the matmul runs every decode step, for eviction, guess or not.
         learned = router.lookahead  # (the input's width: the hidden layer's, where it has one, else the map's)
-        if learned is not None and (learned[0].device != x.device or learned[len(learned) - 2].shape[-1] != width):
+        if learned is not None and (learned[0].device != x.device or learned[-2].shape[-1] != width):
             learned = None
         own = learned is not None and router.own is not None
         if own and wrap and not router.missed:
@@ -242,38 +262,38 @@ class RoutingSpeculator:
             # replay 0.5% slower there, benchmarks/moe_sim.py).
             own = False
             self._stacks.eviction.next_turn.forget(router.stacks)  # (stale: made for an earlier turn)
-        guess = not wrap or (SPECULATE_NEXT_STEP and learned is not None and router.tokens <= GUESS_ON_HOST_TOKENS
+        guess = not wrap or (SPECULATE_NEXT_STEP and learned is not None and tokens <= GUESS_ON_HOST_TOKENS
                              and self.token_table is None)  # (with a token table, the step's tokens guess it)
         after = self._next.get(nxt) if router.split is not None and not wrap else None
         guess = guess and _guessed_now(nxt, after, self.pool)
-        if not guess and not (own and router.tokens <= GUESS_ON_HOST_TOKENS):
+        if not guess and not (own and tokens <= GUESS_ON_HOST_TOKENS):
             if own:
                 self._stacks.eviction.next_turn.forget(router.stacks)  # a prefill: its next turn is not predicted
             return  # (the next pass's first layer is guessed by a learned map only, at decode)
         module = nxt.module_ref()
-        bias, after, first = None, None, None
+        bias, first = None, None
         if learned is not None:
             # The learned look-ahead (moe.predictor): logits of nxt's experts, maybe from a hidden layer.
             weight, bias, first = learned[0], learned[1], learned[2:] or None
-            after = self._next.get(nxt) if router.split is not None and not wrap else None
-            if after is None or not after.stacks or after.top_k is None:
+            if after is not None and (not after.stacks or after.top_k is None):
                 after = None  # (and the weight's two-ahead rows, if any, are not read)
         else:
+            after = None
             weight = getattr(module, "weight", None)  # (a module's attribute look-up: only where it guesses)
             if module is None or not isinstance(weight, torch.Tensor) or hasattr(weight, "_master") \
                     or weight.device != x.device or weight.shape[-1] != width:
                 return  # an offloaded router would be paged for a guess: not worth it
-        x = x if x.dim() == 2 else x.reshape(-1, width)  # (a dispatched op; autograd is off: the hook runs under no_grad)
+        x = x if len(shape) == 2 else x.reshape(-1, width)  # (a dispatched op; autograd is off: the hook runs under no_grad)
         x = x if x.dtype is weight.dtype else x.to(weight.dtype)
         scores = lookahead_scores(x, weight, bias, first)
         biased = bias is None and routing.correction_bias(module, scores.shape[-1]) is not None
-        if router.tokens <= GUESS_ON_HOST_TOKENS and not biased:
+        if tokens <= GUESS_ON_HOST_TOKENS and not biased:
             # A decode step: the router matmul is the guess's one kernel (on a GPU, plus the
             # read-back copy). Its softmax and top-k over a few rows of E scores are done on the
             # host (_host_guess): each kernel is a launch on the compute stream ahead of the
             # layer's routing read, paid every layer of every step (3 kernels a layer cost the
             # trained test models' H200 replay 0.08 ms a decode step, 5% of it).
-            self._queue(nxt if guess else None, scores, router.tokens, after, router.split, wrap,
+            self._queue(nxt if guess else None, scores, tokens, after, router.split, wrap,
                         router if own else None, router.own if learned is not None else None)
             return
         if own:
@@ -292,7 +312,7 @@ class RoutingSpeculator:
             confidence, top = scores.softmax(-1, dtype=torch.float32).topk(k, dim=-1)
         # The guessed ids and each one's confidence, token-major, each token's experts by
         # descending score.
-        self._queue(nxt, (top, confidence), router.tokens)
+        self._queue(nxt, (top, confidence), tokens)
         # Issued from the pager once this layer's own experts are (ExpertStacks.announce), so the
         # guesses queue behind them on the copy stream.
 
@@ -306,8 +326,10 @@ class RoutingSpeculator:
         back without a host sync (``_read_back``); the copies are issued from the pager's next call
         once the event has completed (by then the layer's own routing read has waited for the
         router anyway)."""
-        packed, event = _read_back(packed)
-        self._pending.append((router, packed, event, tokens, after, split, wrap, owner, own))
+        on_host = type(packed) is not tuple and not packed.is_cuda  # (the read-back's own test, without its call)
+        packed, event = (packed, None) if on_host else _read_back(packed)
+        self._predicting = self._predicting or owner is not None  # (before the item: cut short between, none found)
+        self._pending.append([router, packed, event, tokens, after, split, wrap, owner, own])
 
     def guess_first(self, tokens) -> None:
         """A decode step's input token ids, on the host (None: not read), as its embedding is about
@@ -349,23 +371,23 @@ class RoutingSpeculator:
                 keep.append((router, host, event))
         self._expected = keep
 
-    def used(self, stack: Stack, expert: int) -> None:
-        learned = self._current
-        if learned is not None and stack not in learned:
-            learned.append(stack)
-
     # -------------------------------------------------------------- issuing and scoring
 
     def predictions_ready(self) -> None:
         """Hand eviction the next-token predictions whose scores have reached the host (before the
         current layer's copies take their room: ``ExpertStacks.announce``)."""
-        for n, item in enumerate(self._pending):
-            packed, event, owner, own = item[1], item[2], item[7], item[8]
+        if not self._predicting:
+            return  # (asked at every layer's entry and announce: mostly delivered already)
+        waiting = False
+        for item in self._pending:
+            owner, event = item[7], item[2]
             if owner is None or (event is not None and not event.query()):
+                waiting = waiting or owner is not None  # (not yet on the host)
                 continue
-            rows = host_rows(packed)  # (read once: the guesses of the same scores take their columns)
-            self._stacks.eviction.next_turn.predict(owner.stacks, host_chances([r[own:] for r in rows]), owner.top_k)
-            self._pending[n] = item[:1] + (rows,) + item[2:7] + (None, own)  # delivered
+            item[1] = rows = host_scores(item[1])  # (read once: the guesses of the same scores take their columns)
+            self._stacks.eviction.next_turn.predict(owner.stacks, host_chances(rows, item[8]), owner.top_k)
+            item[7] = None  # delivered (cut short before, it is delivered again, the same)
+        self._predicting = waiting
 
     def issue_ready(self) -> None:
         """Start the copies of every guess whose ids have reached the host."""
@@ -383,19 +405,18 @@ class RoutingSpeculator:
                 continue  # only a next-token prediction (predictions_ready)
             if isinstance(packed, tuple):
                 ids, conf = packed
-                pairs = zip(ids.reshape(-1).tolist(), conf.reshape(-1).tolist())
+                bins = ranked_bins(zip(ids.reshape(-1).tolist(), conf.reshape(-1).tolist()))
             else:
-                end = split if split is not None else own
-                packed = host_rows(packed)
-                pairs = host_guess([r[:end] for r in packed], router.top_k)
-            self._issue(pager, router, ranked_bins(pairs), tokens)
+                packed = host_scores(packed)  # (as predictions_ready read them, where it did)
+                bins = guess_bins(packed, None, split if split is not None else own, router.top_k)
+            self._issue(pager, router, bins, tokens)
             router.next_pass = wrap
             if after is not None:
                 # Two layers ahead: copied only into copy time the next layer is expected to leave
                 # idle (every expert it is guessed to route is cached or being copied), so that
                 # such a copy never queues ahead of a miss of the next layer.
-                idle = all(e in router.cached or e in router.copied for e in router.guess)
-                self._issue(pager, after, ranked_bins(host_guess([r[split:own] for r in packed], after.top_k)), tokens, 2, idle)
+                idle = not (router.guess.keys() - router.cached - router.copied.keys())
+                self._issue(pager, after, guess_bins(packed, split, own, after.top_k), tokens, 2, idle)
         self._pending = keep
 
     def _issue(self, pager, router: Router, bins: dict, tokens: int, ahead: int = 1, idle: bool = True) -> None:
@@ -416,20 +437,18 @@ class RoutingSpeculator:
             router.guess2, router.cached2, router.copied, router.copied2 = bins, cached, {}, set()
         if pager is None:
             return
+        pool, eviction = self.pool, self._stacks.eviction
         if ahead == 1:
-            self._stacks.guard(router.stacks, bins)
+            eviction.guard(router.stacks, bins)
         if not idle or not SPECULATE_COPY:
             return
-        pays, pool, copied = router.pays, self.pool, router.copied
-        worth = copy_order(router, [e for e, b in bins.items() if e not in cached and e not in copied and pays(b, pool, ahead)],
-                           bins, pool, ahead)
-        for expert in worth[:SPECULATE_EXPERTS]:
+        for expert in router.worth(bins, cached, pool, ahead)[:SPECULATE_EXPERTS]:
             # It may take only the room of copies expected to be used later than itself.
-            chance = router.precision(bins[expert], self.pool, ahead)
+            chance = router.precision(bins[expert], pool, ahead)
             if not self.waste.spend(chance):
                 return  # over the waste budget (guesses.SPECULATE_WASTE); the rest are less precise
-            next_use = self._stacks.expected_next_use(router.stacks[0], expert, chance)
-            if not self._stacks.in_spare_room_only(next_use).run(_copy_ahead, pager, router, expert, ahead):
+            next_use = eviction.expected_next_use(router.stacks[0], expert, chance)
+            if not eviction.in_spare_room_only(next_use).run(_copy_ahead, pager, router, expert, ahead):
                 return  # no room without evicting copies used sooner than the guess
 
     def routing_known(self, group, keys) -> None:
@@ -437,8 +456,8 @@ class RoutingSpeculator:
         its router's output said so): its guesses' copies of other experts are wrong (``_drop_holds``)."""
         router = self._by_group.get(group)
         if router is not None and router.copied:
-            first = router.stacks[0]
-            _drop_holds(self.pager_ref(), router, [e for e in router.copied if first.key_of(e) not in keys])
+            first = router.stacks[0].keys  # (Stack.key_of)
+            _drop_holds(self.pager_ref(), router, [e for e in router.copied if first[e] not in keys])
 
     def _score(self, router: Router, used=None) -> None:
         """Close ``router``'s open guesses against the experts its stacks actually paged (``used``,
@@ -453,29 +472,28 @@ class RoutingSpeculator:
         self.issue_ready()
         if self.recorder is not None:
             self.recorder.step()
+        pool = self.pool
         for router in self.routers:
-            used = set()  # (its layer's experts paged this pass: read once, for top_k and the score)
-            for stack in router.stacks:
-                used |= stack.used
-            if router.tokens == 1 and used:
-                router.top_k = len(used)  # one token picks exactly top_k experts
-            if router.next_pass:
-                router.next_pass = False  # made for the pass to come: scored once that has run
-            else:
-                self._score(router, used)
-            misses = sum(s.misses for s in router.stacks)
-            router.missed = misses != router.misses_seen  # (a reset of the counters reads as a miss)
-            router.misses_seen = misses
-        for router, stacks in self._learned.items():
-            if stacks:
+            wrong = close_step(router, pool)  # (its guesses scored, whether it missed)
+            if wrong:
+                _drop_holds(self.pager_ref(), router, wrong)
+        # Which stacks each router selects and the order they fire in, as this pass ran: the maps made
+        # from them only where they changed (flagged first: a pass cut short between leaves them to the next).
+        self.used = _before_any_router
+        for router, paged in self._learned.items():
+            stacks = list(paged)
+            if stacks and stacks != router.stacks:
+                self._groups_changed = True
                 router.stacks = stacks
-        self._by_group = {r.stacks[0].group: r for r in self.routers if r.stacks}
-        if self._order:
-            self._next = {a: b for a, b in zip(self._order, self._order[1:])}
-            self._wrap_from = self._order[-1] if len(self._order) > 1 else None
-            if self._wrap_from is not None:
-                self._next[self._wrap_from] = self._order[0]
-        self._order, self._learned, self._current = [], {}, None
+        if self._groups_changed:
+            self._by_group = {r.stacks[0].group: r for r in self.routers if r.stacks}
+            self._groups_changed = False
+        order = self._order
+        if order and order != self._ran_order:
+            self._ran_order = None
+            self._next, self._wrap_from = _firing_cycle(order)
+            self._ran_order = order
+        self._order, self._learned = [], {}
 
     def reset(self) -> None:
         for r in self.routers:

@@ -325,10 +325,11 @@ class RoomCalls:
         if self.expert_pool is not None:
             self.expert_pool.invalidate(master.id)
 
-    def cached_keys_of(self, master_id: int) -> list:
-        """The keys of ``master_id``'s cached copies: its few cached, without a look-up per key of
-        it (a stack of 256 experts with a quarter of them cached)."""
-        return [entry.key for entry in self.cache.by_master.get(master_id, ())]
+    def cached_copies(self):
+        """Master id -> its cached copies (a read-only, live mapping, as an eviction policy sees
+        them): a master's few cached, without a look-up per key of it (a stack of 256 experts with
+        a quarter of them cached), nor a list of them made per call."""
+        return self.cache.view.by_master
 
     def drop_prefetch_hold(self, key) -> None:
         """``key``'s copy was made ahead of a use that is no longer coming (a wrong guess): until

@@ -23,12 +23,14 @@ from ..moe.speculation import RoutingSpeculator
 from ..moe.stacks import ExpertStacks
 from ..pager.pager import Pager
 
-# The policy's entry points, every call from the pager, the router hooks or a step, by part.
+# The policy's entry points, every call from the pager, the router hooks or a step, by part. (The
+# speculator's ``used``, which ``accessed`` calls for every expert paged, is a dict's setdefault, a
+# call into C: its time is ``accessed``'s.)
 POLICY = (
     (ExpertStacks, ("victim", "order"), "victim"),
     (ExpertStacks, ("accessed", "paging", "announce", "copied", "evicted", "step", "expect"), "bookkeeping"),
     (RoutingSpeculator, ("guess_first", "router_ran", "router_output", "issue_ready", "predictions_ready",
-                         "expected_ready", "routing_known", "used", "step"), "guesses"),
+                         "expected_ready", "routing_known", "step"), "guesses"),
 )
 # Device work the policy issues, charged elsewhere: the look-ahead's kernels (on a GPU launches on
 # the compute stream; where the host runs them, as on the emulated device, their run is no host
