@@ -34,9 +34,10 @@
 #include <utility>
 #include <vector>
 
+#include "score_view.h"
+
 #ifdef OFFTENSOR_WITH_CUDA
 #include "cuda/runtime.h"
-#include "score_view.h"
 #endif
 
 namespace offtensor {
