@@ -175,7 +175,10 @@ if "$PY" -c "import pytest_timeout" 2>/dev/null; then PYTEST+=(--timeout 90); fi
 
 # The core files and the paths one GPU can run of other tensor subclasses: casts, quantised
 # (torchao) and wrapper-subclass weights.
-CORE=(tests/test_ext.py tests/test_pager.py tests/test_semantics.py tests/test_wrap.py tests/test_models.py)
+SEMANTICS=(tests/test_semantics.py tests/test_semantics_writes.py tests/test_semantics_copies.py tests/test_semantics_saving.py
+           tests/test_semantics_autograd.py tests/test_semantics_torch_function.py)
+WRAP=(tests/test_wrap.py tests/test_wrap_budget.py tests/test_wrap_unwrap.py tests/test_wrap_experts.py)
+CORE=(tests/test_ext.py tests/test_pager.py "${SEMANTICS[@]}" "${WRAP[@]}" tests/test_models.py)
 SUBCLASS=(tests/test_casts.py tests/test_quantized.py tests/test_working_sets.py tests/test_subclass_leaves.py)
 step core_tests 200 "${PYTEST[@]}" "${CORE[@]}" "${SUBCLASS[@]}"
 

@@ -1,6 +1,6 @@
 // A tensor of a routing guess's look-ahead scores as the host side of the guess reads it: its
-// memory's layout (csrc/offtensor.cpp, the one file with ATen, makes it and converts its values;
-// csrc/guesses.cpp reads the rows it needs through it, with Python's headers alone).
+// memory's layout (csrc/offtensor.cpp, the one translation unit with ATen, makes it and converts
+// its values; csrc/guesses.cpp reads the rows it needs through it, with Python's headers alone).
 #pragma once
 
 #include <Python.h>

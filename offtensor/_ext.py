@@ -445,7 +445,7 @@ _strict_worker = _StrictWorker()
 
 def _renew_after_fork() -> None:
     """A forked child (``offtensor.forking``): the process-wide locks free, the strict worker
-    renewed. The native worker renews itself (``pthread_atfork`` in csrc/offtensor.cpp)."""
+    renewed. The native worker renews itself (``pthread_atfork`` in csrc/copy_engine.h)."""
     for lock in (_fallback_lock, _ticket_lock):
         forking.renew_lock(lock)
     _strict_worker.after_fork_in_child()

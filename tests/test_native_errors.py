@@ -27,8 +27,10 @@ def test_every_native_refusal_reaches_python_as_an_exception(tmp_path):
     native_errors.run(str(tmp_path), timeout=240)
     results = json.loads((tmp_path / "native_errors.json").read_text())
     assert results["build_rc"] == 0, results.get("build_error")
+    # The build without the CUDA part is the one a machine without nvcc makes: it must compile.
+    assert "nocuda_build_error" not in results, results["nocuda_build_error"]
     scenarios = results["scenarios"]
-    assert {"ours_before_cuda", "torch_before_cuda", "inline_before_cuda"} <= set(scenarios)
+    assert {"ours_before_cuda", "torch_before_cuda", "inline_before_cuda", "nocuda_before_cuda"} <= set(scenarios)
     for name, entry in scenarios.items():
         assert entry["rc"] == 0 and entry["outcome"].startswith("RAISED RuntimeError"), (name, entry)
     assert "slot 5 of 2" in scenarios["ours_before_cuda"]["outcome"]

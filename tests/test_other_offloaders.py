@@ -286,7 +286,7 @@ def test_moving_a_wrapped_model_to_another_device_is_refused_before_anything_mov
 # ---------------------------------------------------------------------------- diffusers
 
 
-from test_clients import _diffusers, _unet  # noqa: E402  (the tiny UNet the clients tests use)
+from test_clients_diffusers import _diffusers, _unet  # noqa: E402  (the tiny UNet the clients tests use)
 
 
 def _noise(unet, device):

@@ -16,7 +16,7 @@ from torch import nn
 
 import offtensor as ot
 from offtensor.model.copies import state_of
-from test_budget_fuzz import ASSIGNED, _assign_then_run, _assigned_budgets
+from test_budget_fuzz_assigned import ASSIGNED, _assign_then_run, _assigned_budgets
 
 GiB = 1 << 30
 
@@ -52,7 +52,7 @@ def test_weights_assigned_through_a_shallow_copy_are_placed_as_through_the_origi
     # offloads it or refuses it naming the bytes (the product cases: w1 and w2 of the model itself).
     build, steps, make_x = ASSIGNED[case]
     smallest, whole = _assigned_budgets(case, device)
-    # The smallest budget, one between and the whole model: test_budget_fuzz walks the budgets in
+    # The smallest budget, one between and the whole model: test_budget_fuzz_assigned walks the budgets in
     # between for the original; here each is taken twice (original and copy), so three stand for them.
     for budget in sorted({smallest, (smallest + whole) // 2, whole}):
         outcomes = []
