@@ -99,6 +99,10 @@ class Weight:
     # forward skips for an offloaded weight (``warn_fast_paths``).
     fast_path: Optional[tuple] = None
     dtype: Optional[torch.dtype] = None
+    # The output channels of the torch.nn convolution (any form: grouped, depthwise, transposed)
+    # whose weight it is: dispatch cuts such a weight by output channels alone, each ``nbytes //
+    # conv_outputs`` bytes wherever its dims keep them (``working_sets.weight_tile``).
+    conv_outputs: Optional[int] = None
 
     @property
     def name(self) -> str:
