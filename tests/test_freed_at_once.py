@@ -83,3 +83,22 @@ def test_a_deleted_wrapped_models_masters_are_freed_without_a_garbage_collection
         refs = [weakref.ref(model)] + [weakref.ref(p._master) for p in model.parameters()]
         del model
         assert all(r() is None for r in refs), fraction
+
+
+@pytest.mark.parametrize("fraction", BUDGETS)
+def test_a_model_loaded_from_safetensors_frees_its_masters_without_a_garbage_collection(fraction, device, tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    path = tmp_path / "model.safetensors"
+    safetensors.save_file({k: v.contiguous() for k, v in plain.state_dict().items()}, str(path))
+    total = sum(p.numel() * p.element_size() for p in plain.parameters())
+    with _no_cyclic_collection():
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ot.load_safetensors(model, path, budget_gb=total * fraction / GiB, device=device, policy={"offload": ["*"]})
+        refs = [weakref.ref(p._master) for p in model.parameters()]
+        del model
+        assert all(r() is None for r in refs), fraction
