@@ -54,21 +54,33 @@ def raise_torch_error(func, args, kwargs, device) -> None:
             return
     except TypeError:  # an unhashable argument: checked every time
         key = None
+    if not _meta_refuses(func, args, kwargs):
+        _passed(key)
+        return
+    stand_in = lambda v: _stand_in(v, device)  # noqa: E731
+    func(*tree_map(stand_in, args), **tree_map(stand_in, kwargs))  # raises torch's own error, as a rule
+    _passed(key)  # the kernel accepted what its meta function refused: once is enough
+
+
+def _meta_refuses(func, args, kwargs) -> bool:
     try:
         func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
-    except Exception:  # noqa: BLE001  (any refusal: the kernel's own call below words it)
-        pass
-    else:
-        if key is not None:
-            if len(_PASSED) >= _PASSED_MAX:
-                _PASSED.clear()
-            _PASSED[key] = True
+    except Exception:  # noqa: BLE001  (any refusal: the kernel's own call words it)
+        return True
+    return False
+
+
+def _stand_in(v, device):
+    """An offloaded argument as one element of its dtype on ``device``, expanded to its shape."""
+    if isinstance(v, OffloadedTensor):
+        host = v.__dict__["_host"]
+        return torch.zeros((), dtype=host.dtype, device=device).expand(host.shape)
+    return v
+
+
+def _passed(key) -> None:
+    if key is None:
         return
-
-    def stand_in(v):
-        if isinstance(v, OffloadedTensor):
-            host = v.__dict__["_host"]
-            return torch.zeros((), dtype=host.dtype, device=device).expand(host.shape)
-        return v
-
-    func(*tree_map(stand_in, args), **tree_map(stand_in, kwargs))
+    if len(_PASSED) >= _PASSED_MAX:
+        _PASSED.clear()
+    _PASSED[key] = True
