@@ -99,6 +99,10 @@ class Weight:
     # forward skips for an offloaded weight (``warn_fast_paths``).
     fast_path: Optional[tuple] = None
     dtype: Optional[torch.dtype] = None
+    # The output channels of the torch.nn convolution (any form: grouped, depthwise, transposed)
+    # whose weight it is: dispatch cuts such a weight by output channels alone, each ``nbytes //
+    # conv_outputs`` bytes wherever its dims keep them (``working_sets.weight_tile``).
+    conv_outputs: Optional[int] = None
 
     @property
     def name(self) -> str:
@@ -278,17 +282,15 @@ def choose_placement(weights: Sequence[Weight], budget_bytes: Optional[int], off
     is too small even so, because of a table forward may read in slices (``Weight.sliced``), is
     chosen again with such tables counted at the least a read of them pages (``slice_working_set``).
     """
-    try:
-        return _choose_whole_or_tiled(weights, budget_bytes, offload_bytes, policy, prefetch)
-    except BudgetError as e:
-        error = e
+    first, error = _attempt(_choose_whole_or_tiled, weights, budget_bytes, offload_bytes, policy, prefetch)
+    if first is not None:
+        return first
     trial = [dataclasses.replace(w, working_set=slice_working_set(w)) if w.sliced else w for w in weights]
     if all(t.working_set == w.working_set for t, w in zip(trial, weights)):
         raise error
-    try:
-        chosen = _choose_whole_or_tiled(trial, budget_bytes, offload_bytes, policy, prefetch)
-    except BudgetError:
-        raise error from None  # the error about whole tables: slicing them did not help
+    chosen, _ = _attempt(_choose_whole_or_tiled, trial, budget_bytes, offload_bytes, policy, prefetch)
+    if chosen is None:
+        raise error  # the error about whole tables: slicing them did not help
     original = {id(t): w for t, w in zip(trial, weights)}
     chosen.offload = [original[id(t)] for t in chosen.offload]
     chosen.resident = [original[id(t)] for t in chosen.resident]
@@ -307,15 +309,13 @@ def choose_placement(weights: Sequence[Weight], budget_bytes: Optional[int], off
 def _choose_whole_or_tiled(weights: Sequence[Weight], budget_bytes: Optional[int], offload_bytes: Optional[int],
                            policy: Policy, prefetch: bool) -> Placement:
     """``choose_placement`` with whole working sets, else tiled ones (``TILE_ALIGN``, then 1 slice)."""
-    try:
-        return _choose_untiled(weights, budget_bytes, offload_bytes, policy, prefetch)
-    except BudgetError as whole_error:
-        error = whole_error
+    whole, error = _attempt(_choose_untiled, weights, budget_bytes, offload_bytes, policy, prefetch)
+    if whole is not None:
+        return whole
     for slices in (TILE_ALIGN, 1):
-        try:
-            tiled = _choose_tiled(weights, budget_bytes, offload_bytes, policy, prefetch, slices)
-        except BudgetError as e:
-            error = e
+        tiled, tiled_error = _attempt(_choose_tiled, weights, budget_bytes, offload_bytes, policy, prefetch, slices)
+        if tiled_error is not None:
+            error = tiled_error
             continue
         if tiled is None:
             continue  # nothing can be tiled: the error about whole working sets says what is needed
@@ -342,10 +342,8 @@ def _choose_tiled(weights: Sequence[Weight], budget_bytes, offload_bytes, policy
         count = min(count, len(tileable))
         tiled_ids = {id(w) for w in tileable[:count]}
         trial = [in_tiles(w, slices) if id(w) in tiled_ids else w for w in weights]
-        try:
-            tiled = _choose_untiled(trial, budget_bytes, offload_bytes, policy, prefetch)
-        except BudgetError as e:
-            error = e
+        tiled, error = _attempt(_choose_untiled, trial, budget_bytes, offload_bytes, policy, prefetch)
+        if tiled is None:
             if count == len(tileable):
                 break
             count *= 2
@@ -356,6 +354,18 @@ def _choose_tiled(weights: Sequence[Weight], budget_bytes, offload_bytes, policy
         tiled.resident = [original[id(t)] for t in tiled.resident]
         return tiled
     raise error
+
+
+def _attempt(choose, *args) -> tuple:
+    """``(choose(*args), None)``, or ``(None, the BudgetError it raised)`` with the error's traceback
+    dropped. The choosers try several plans and raise the first plan's error only when none fits; an
+    error kept in a local of a frame that its own traceback holds is a reference cycle, and it kept
+    that frame's callers (wrap's model, its groups, the tensors they name, a replaced weight's host
+    master) alive after a successful wrap until Python's cyclic collector ran."""
+    try:
+        return choose(*args), None
+    except BudgetError as e:
+        return None, e.with_traceback(None)
 
 
 class _Offloading:

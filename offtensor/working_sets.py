@@ -52,12 +52,15 @@ def weight_tile(w, slices: int = TILE_ALIGN) -> int:
     rows of that matrix, so its tile is ``slices`` slices of one matrix; but no less than one kernel
     over its dims past the first two, the least a convolution reading it pages (ops cut a
     convolution's weight down to one input channel of one output channel, not within the kernel).
-    For a stack of three dims that is never more than a slice of one matrix. A torch.nn module's (a
-    ``Conv1d`` weight: convolution cuts only output channels), routed experts (``_grouped_mm``
+    For a stack of three dims that is never more than a slice of one matrix. A torch.nn
+    convolution's weight is cut by output channels alone (``conv_tile``); another torch.nn module's
+    tensor, routed experts (``_grouped_mm``
     pages each expert whole) and tables read in slices (a crop is no matrix product; they are
     counted at a slice instead, ``slice_working_set``) keep the rule of the first two dims, and so
     does a stack of one matrix (ViT's ``pos_embed`` of shape (1, tokens, width), read whole by
     ``x + pos_embed`` as often as by a product)."""
+    if w.conv_outputs:
+        return conv_tile(w, slices)
     matrices = 1
     for n in w.shape[:-2]:
         matrices *= n
@@ -66,6 +69,18 @@ def weight_tile(w, slices: int = TILE_ALIGN) -> int:
     one = w.nbytes // matrices
     kernel = w.nbytes // (w.shape[0] * w.shape[1]) if w.shape[0] * w.shape[1] else 0
     return min(w.working_set, max(tile_working_set(w.shape[-2:], one, one, slices), kernel))
+
+
+def conv_tile(w, slices: int = TILE_ALIGN) -> int:
+    """The tile of a torch.nn convolution's weight: ``slices`` of its output channels. Dispatch
+    (``ops.convolutions``) cuts every form by output channels: along dim 0, or dim 1 when
+    transposed; whole groups of a grouped one, or one group's channels at a time. One output
+    channel is ``nbytes // conv_outputs`` bytes in every form (a transposed grouped weight holds a
+    group's share of it in each of the group's rows), so these are the bytes one tile pages at
+    most. Not the shorter of its first two dims, as for a matrix: a depthwise weight (C, 1, k)
+    would count whole."""
+    outputs = w.conv_outputs
+    return min(w.working_set, w.nbytes // outputs * min(slices, outputs))
 
 
 def slice_working_set(w) -> int:

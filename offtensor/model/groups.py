@@ -4,6 +4,8 @@ storage, placed together), with the ``placement.Weight`` each group is."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -132,17 +134,17 @@ class StorageGroup(list):
         fast_path = next((m.fast_path for m in self if m.fast_path is not None), None)
         ws = max([working_set(names[0], shape, nbytes, indexed)] + [m.read_whole for m in self])
         return Weight(names, nbytes, shape, ws, fused, indexed, sliced, tileable, self.device_bytes, fast_path,
-                      self[0].tensor.dtype)
+                      self[0].tensor.dtype, _conv_outputs(slots, shape))
 
 
-# torch.nn's modules whose weights dispatch computes in output tiles (ops.tiling: linear, mm, and a
-# convolution that is neither transposed nor grouped). Every other torch.nn module reads its
-# weights in a kernel dispatch cannot cut (an RNN's _cudnn_rnn, ConvTranspose, Bilinear's
-# _trilinear, a norm's multi-dim weight), so they are paged whole. A model's own module is taken to
-# read its weights by linear, mm, bmm or convolution (GPT-2's Conv1D: addmm), which tile.
-# (RNN cells and attention's composite path read theirs by linear too.)
+# torch.nn's modules whose weights dispatch computes in output tiles (ops.tiling: linear, mm; and
+# ops.convolutions: every convolution, grouped, depthwise and transposed ones too). Every other
+# torch.nn module reads its weights in a kernel dispatch cannot cut (an RNN's _cudnn_rnn,
+# Bilinear's _trilinear, a norm's multi-dim weight), so they are paged whole. A model's own module
+# is taken to read its weights by linear, mm, bmm or convolution (GPT-2's Conv1D: addmm), which
+# tile. (RNN cells and attention's composite path read theirs by linear too.)
 _TILED_MODULES = (nn.Linear, nn.Embedding, nn.RNNCellBase, nn.MultiheadAttention)
-_TILED_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_CONVS = nn.modules.conv._ConvNd  # Conv1d-3d and ConvTranspose1d-3d (and their lazy forms)
 # torch.nn modules with a fused fast path that their forward takes only when no argument has a
 # __torch_function__: with an offloaded weight they run the composite path, which sums in
 # another order.
@@ -182,11 +184,28 @@ def read_in_tiles(module: nn.Module, attr: str) -> bool:
     """Whether dispatch may compute the ops reading ``module.attr`` in output tiles."""
     if not type(module).__module__.startswith("torch.nn"):
         return True
-    if isinstance(module, _TILED_CONVS):
-        return module.groups == 1
+    if isinstance(module, _CONVS):
+        return True
     if isinstance(module, nn.Embedding) and module.max_norm is not None:
         return False  # embedding_renorm_ rewrites the rows it looks up in one op over the whole table
     return isinstance(module, _TILED_MODULES)
+
+
+def _conv_outputs(slots, shape: tuple) -> Optional[int]:
+    """``Weight.conv_outputs``: the output channels of the torch.nn convolution(s) whose whole
+    weight, of ``shape``, fills every one of ``slots``; else None (a shard of one, a DTensor's
+    local tensor, keeps the rule of its first two dims)."""
+    counts = set()
+    for module, attr in slots:
+        if not isinstance(module, _CONVS) or attr != "weight":
+            return None
+        kernel = tuple(module.kernel_size)
+        rows, per_group = ((module.in_channels, module.out_channels) if module.transposed
+                           else (module.out_channels, module.in_channels))
+        if tuple(shape) != (rows, per_group // module.groups, *kernel):
+            return None
+        counts.add(module.out_channels)
+    return counts.pop() if len(counts) == 1 and min(counts) > 0 else None
 
 
 def compact_layout(t: torch.Tensor) -> torch.Tensor:

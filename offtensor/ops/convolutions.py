@@ -20,6 +20,7 @@ import warnings
 import torch
 
 from ..tensor import OffloadedTensor
+from .arguments import raise_torch_error
 from .paging import Paged, describe, run
 from .table import implements
 from .tiling import TILE_ALIGN, _offloaded_bytes, _page_slice, _slice_bytes, _tile_size, _tiled, needs_tiling
@@ -76,6 +77,7 @@ def convolution(func, types, args, kwargs):
     weight, bias, x = call["weight"], call.get("bias"), call["input"]
     if not needs_tiling(weight, [x, bias]):
         return run(func, args, kwargs)
+    raise_torch_error(func, args, kwargs, weight._master.pager.device)
     shape = _Shape(weight, call.get("groups", 1), bool(call.get("transposed", False)))
     rest = {k: v for k, v in call.items() if k not in ("input", "weight", "bias", "groups")}
     _, others = _offloaded_bytes([x])

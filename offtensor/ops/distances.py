@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..tensor import OffloadedTensor
+from .arguments import raise_torch_error
 from .paging import run
 from .table import implements
 from .tiling import _batch, _offloaded_bytes, _page_slice, _slice_bytes, _tiled, needs_tiling
@@ -23,6 +24,7 @@ def cdist(func, types, args, kwargs):
     big = x2 if needs_tiling(x2, [x1]) else x1 if needs_tiling(x1, [x2]) else None
     if big is None or big.dim() < 2:
         return run(func, args, kwargs)
+    raise_torch_error(func, args, kwargs, big._master.pager.device)
     other = x1 if big is x2 else x2
     dim = big.dim() - 2  # its rows
     _, others = _offloaded_bytes([other])

@@ -11,6 +11,7 @@ import torch
 
 from ..pager import BudgetError, host_layout
 from ..tensor import OffloadedTensor
+from .arguments import raise_torch_error
 from .paging import Paged, describe, layout_of, run
 from .table import implements
 
@@ -238,6 +239,7 @@ def needs_tiling(big, rest) -> bool:
 
 def linear_tiled(x, weight, bias):
     """F.linear with a weight larger than the free room: output features in tiles."""
+    raise_torch_error(torch._C._nn.linear, (x, weight, bias), {}, weight._master.pager.device)
     _, others = _offloaded_bytes([x])
 
     def compute(start, stop, paged):
@@ -269,6 +271,7 @@ def mm(func, types, args, kwargs):
         columns = False  # rows of a -> rows of the output
     else:
         return run(func, args, kwargs)
+    raise_torch_error(func, args, kwargs, (b if columns else a)._master.pager.device)
     return _product_tiled(func, a, b, columns, (bias, *args[3:]) if addmm else (), kwargs)
 
 
@@ -339,6 +342,7 @@ def bmm(func, types, args, kwargs):
         big = bias  # peft's LoRA on a stacked expert weight: baddbmm(W, A, B) over the whole stack
     if big is None:
         return run(func, args, kwargs)
+    raise_torch_error(func, args, kwargs, big._master.pager.device)
     batch = sum(_slice_bytes(t, 0) for t in (a, b, bias if cut else None) if isinstance(t, OffloadedTensor))
     if batch > big._master.pager.free_bytes() and big.shape[0] > 0 and big is not bias:
         # Not even one batch of the offloaded operands fits (einsum of weights runs bmm on a batch
@@ -370,6 +374,7 @@ def mv(func, types, args, kwargs):
     bias, a, v = (args[0], args[1], args[2]) if addmv else (None, args[0], args[1])
     if not needs_tiling(a, [v, bias]):
         return run(func, args, kwargs)
+    raise_torch_error(func, args, kwargs, a._master.pager.device)
     cut = isinstance(bias, torch.Tensor) and bias.dim() == 1 and bias.shape[0] == a.shape[0] and a.shape[0] > 1
     _, others = _offloaded_bytes([v] + ([] if cut else [bias]))
 

@@ -9,8 +9,9 @@ module only after their ordinary page raised ``BudgetError`` (``SHORT_OF_ROOM``,
 ``torch_dispatch`` in its except clause): an op whose arguments fit pays nothing for it.
 
 Where the op's math allows, the slices give the whole op's result bit for bit: a gather, max, min,
-any and all read each element once; a layer norm's weight and bias are applied elementwise to the
-normalised input, as its kernel applies them; a bilinear's output features are independent. Sums
+any and all read each element once; a layer or group norm's weight and bias are applied elementwise
+to the normalised input, in the steps and the precision its kernel takes (in float for a
+half-precision input with float weights); a bilinear's output features are independent. Sums
 over slices (a reduction's partial sums, a bilinear output feature whose inputs are cut) are added
 in another order than the whole op adds them: a warning names the tensor, as convolutions' do."""
 
@@ -103,8 +104,8 @@ def layer_norm(func, args, kwargs, error):
     big = weight if isinstance(weight, OffloadedTensor) else bias
     if isinstance(x, OffloadedTensor) or not isinstance(big, OffloadedTensor) or big.dim() == 0:
         raise error
-    if weight is not None and weight.dtype != x.dtype:
-        raise error  # the mixed-dtype kernel applies its weight in float: not sliced here
+    if big.dtype != x.dtype:
+        return _layer_norm_mixed(func, x, call["normalized_shape"], weight, bias, call["eps"])
     # The kernel computes fma(x * rstd - mean * rstd, weight, bias); without weight and bias it
     # stops at the first term: the same values, then the weight's slices. Without a weight, its
     # bias is added in another rounding.
@@ -112,6 +113,24 @@ def layer_norm(func, args, kwargs, error):
         _warn_inexact(big, "a layer norm's bias", "is added after the normalisation")
     normalised, mean, rstd = func(x, call["normalized_shape"], None, None, call["eps"])
     out = torch.empty_like(normalised)
+    _affine(out, normalised, weight, bias, x.dim() - big.dim(), _room(big))
+    return out, mean, rstd
+
+
+def _layer_norm_mixed(func, x, shape, weight, bias, eps):
+    """A layer norm of a reduced-precision input (bfloat16, float16) with float weight and bias, as
+    the mixed-dtype kernel computes it: mean and rstd in float, ``fma(fma(x, rstd, -mean * rstd),
+    weight, bias)`` in float, rounded to the input's dtype once at the end. Normalising apart in
+    the input's dtype would round twice. The statistics come from the kernel itself, given a
+    plain weight of ones (it reads the input alone for them); the rest, in slices of weight and
+    bias, with ``addcmul`` (one rounding, as the kernel's fused multiply-add): bit for bit with the
+    kernel on the CPU, with a weight and bias, either alone, and multi-dim ones."""
+    big = weight if weight is not None else bias
+    ones = torch.ones(big.shape, dtype=big.dtype, device=x.device)
+    _, mean, rstd = func(x, shape, ones, None, eps)
+    del ones
+    normalised = torch.addcmul(-(mean * rstd), x.to(mean.dtype), rstd)
+    out = torch.empty_like(x)
     _affine(out, normalised, weight, bias, x.dim() - big.dim(), _room(big))
     return out, mean, rstd
 
@@ -129,6 +148,10 @@ def layer_norm_backward(func, args, kwargs, error):
     ones = torch.ones(big.shape, dtype=big.dtype, device=grad_out.device)
     zeros = torch.zeros_like(ones)
     rest = (call["input"], shape, call["mean"], call["rstd"])
+    if weight is None and bias.dtype != call["input"].dtype:
+        # torch's kernel refuses a float bias without a weight beside a half-precision input, which
+        # the stand-in weight would hide: its own error, as the unwrapped model raises it.
+        func(grad_out, *rest, None, zeros, mask)
     _, grad_weight, grad_bias = func(grad_out, *rest, ones, zeros, [False, mask[1], mask[2]])
     grad_input = None
     if mask[0]:
@@ -149,13 +172,36 @@ def group_norm(func, args, kwargs, error):
     big = weight if isinstance(weight, OffloadedTensor) else bias
     if isinstance(x, OffloadedTensor) or not isinstance(big, OffloadedTensor) or big.dim() != 1:
         raise error
-    # Its kernel folds rstd and the weight into one scale per channel: applied after, they round
-    # in another order.
-    _warn_inexact(big, "a group norm's weight", "applied after the normalisation")
-    normalised, mean, rstd = func(x, None, None, *(call[n] for n in names[3:]))
-    out = torch.empty_like(normalised)
-    _affine(out, normalised, weight, bias, 1, _room(big), trailing=x.dim() - 2)
+    # Its kernel folds rstd and the weight into one scale and one shift per channel and applies them
+    # in one fused multiply-add each: per channel, scale = rstd * weight, shift = fma(-scale, mean,
+    # bias), y = fma(x, scale, shift), in float for a half-precision input (rounded once at the
+    # end). The same steps on slices of the channels give its result bit for bit. Its statistics
+    # come from the kernel itself, given a plain weight of ones (it reads the input alone for them).
+    n, channels, group = call["N"], call["C"], call["group"]
+    ones = torch.ones(channels, dtype=big.dtype, device=x.device)
+    _, mean, rstd = func(x, ones, None, n, channels, call["HxW"], group, call["eps"])
+    del ones
+    per_group = channels // group
+    means, rstds = (t.repeat_interleave(per_group, 1) for t in (mean, rstd))  # (N, C): one per channel
+    out = torch.empty_like(x)
+    per = sum(_slice_bytes(t, 0) for t in (weight, bias) if isinstance(t, OffloadedTensor))
+    for start, stop in _chunks_of(channels, max(1, _room(big) // max(per, 1))):
+        paged = Paged()
+        try:
+            w, b = (None if t is None else _upload_slice(t, start, stop, paged) for t in (weight, bias))
+            scale = rstds[:, start:stop] * w if w is not None else rstds[:, start:stop]
+            shift = torch.addcmul(b if b is not None else torch.zeros_like(scale), -scale, means[:, start:stop])
+            x_part = x.narrow(1, start, stop - start)
+            trailing = (1,) * (x.dim() - 2)
+            y = torch.addcmul(shift.view(n, -1, *trailing), x_part.to(scale.dtype), scale.view(n, -1, *trailing))
+            out.narrow(1, start, stop - start).copy_(y)
+        finally:
+            paged.release()
     return out, mean, rstd
+
+
+def _chunks_of(n: int, step: int):
+    return [(s, min(n, s + step)) for s in range(0, n, step)]
 
 
 def _affine(out, normalised, weight, bias, lead: int, room: int, trailing: int = 0) -> None:
