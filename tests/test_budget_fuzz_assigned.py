@@ -23,7 +23,8 @@ GiB = 1 << 30
 # ---------------------------------------------------------------------------- assigned after wrapping
 # A weight assigned into a wrapped model later (``module.weight = ...``, ``load_state_dict(assign=True)``,
 # a submodule swapped in) was checked on its own, not with its module's other offloaded weights: an
-# LSTM's or a grouped convolution's weights (read whole, all in one kernel), or w1 and w2 of a module
+# LSTM's weights (read whole, all in one kernel), a grouped convolution's tile of its weight with its
+# bias, or w1 and w2 of a module
 # that multiplies them, were each accepted where together they did not fit, and the next forward
 # raised BudgetError. Each budget below must either refuse an assignment, naming it and its bytes and
 # changing nothing, or run the changed model bit for bit within the budget.
@@ -181,7 +182,7 @@ def test_a_weight_assigned_after_wrapping_runs_or_is_refused_at_every_budget_wra
 def test_a_kept_weight_assigned_after_wrapping_leaves_room_for_each_modules_weights_together(case, device):
     # A weight the policy keeps resident shrinks the room, and the room was planned again for each
     # offloaded weight alone: an LSTM's four weights (one kernel reads them all), a grouped
-    # convolution's weight and bias, or a tile of each of w1 and w2 of ``w1 @ w2`` then did not fit
+    # convolution's tile of its weight and its bias, or a tile of each of w1 and w2 of ``w1 @ w2`` then did not fit
     # together, and forward raised BudgetError.
     inner = {"lstm": lambda: _lstm(8, 16), "grouped conv": lambda: nn.Conv2d(4, 32, 3, groups=2),
              "product": lambda: _wide_product("mm", 1024)}[case]
