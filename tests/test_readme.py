@@ -105,6 +105,16 @@ def test_docs_exist():
         assert name in names, f"docs/{name} is missing"
 
 
+def test_the_testing_page_names_every_test_file_and_no_file_that_is_gone():
+    """docs/testing.md is where a reader finds which file proves what: a test file left out of it,
+    or a name kept after its file was split or removed, sends the reader nowhere."""
+    text = (ROOT / "docs" / "testing.md").read_text(encoding="utf-8")
+    files = {p.name for p in (ROOT / "tests").glob("test_*.py")}
+    named = set(re.findall(r"`(test_\w+\.py)`", text))
+    assert not files - named, f"docs/testing.md does not name {sorted(files - named)}"
+    assert not named - files, f"docs/testing.md names test files that do not exist: {sorted(named - files)}"
+
+
 @pytest.mark.parametrize("page", [README] + DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_user_pages_carry_no_development_journal(page):
     """Users read facts: no issue numbers, dates of work or pointers outside the repository."""
