@@ -87,15 +87,24 @@ def one_rank_mesh(tmp_path):
 @pytest.fixture
 def young_heap():
     """Inside the test, ``gc.collect()`` walks only the objects made since it began: everything alive
-    before is frozen (``gc.freeze``) until it ends. The interrupt walks collect after every point
-    (a traceback's frames hold what the point made); a full collection walks the whole process's
-    ~370,000 tracked objects (torch's, transformers'), 0.15 s each, most of such a test's time."""
+    before is frozen (``gc.freeze``). The interrupt walks collect after every point (a traceback's
+    frames hold what the point made). What was alive at the test's start stays frozen afterwards,
+    as the imports are (``pytest_collection_finish``)."""
     gc.collect()
     gc.freeze()
+    yield
+
+
+@pytest.fixture
+def thawed_heap():
+    """No object frozen inside the test (a benchmark that freezes the heap and thaws it, as a
+    standalone process would), the suite's freeze put back after it."""
+    gc.unfreeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
 
 
 @pytest.fixture
@@ -120,3 +129,13 @@ SLOWEST_FIRST = ("test_interrupts_more.py", "test_opinfo.py", "test_native_error
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+def pytest_collection_finish(session):
+    """Every module the tests import is loaded now: some 370,000 objects Python's cyclic collector
+    tracks (torch's, transformers', diffusers'), which every full collection walked again, 0.15 s
+    each, while a test's own objects are a few thousand. Frozen (``gc.freeze``, as a serving
+    process does after start-up), they stay out of every later collection; what tests make is
+    collected as before."""
+    gc.collect()
+    gc.freeze()

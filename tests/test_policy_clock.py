@@ -211,7 +211,7 @@ def test_the_clocks_own_wrapping_is_charged_to_no_call(monkeypatch):
     assert run(clock) == (pytest.approx(0.01e-3), pytest.approx(50 * 0.01e-6))
 
 
-def test_the_depth_benchmark_times_each_setting_with_the_heap_frozen_too_and_unfreezes_it():
+def test_the_depth_benchmark_times_each_setting_with_the_heap_frozen_too_and_unfreezes_it(thawed_heap):
     """``benchmarks/moe_policy_scale.py --freeze-gc``: every setting also run with ``gc.freeze()``
     once its model is wrapped, deciding the same (the same hit rate), and the heap given back to
     the collector after each run."""
