@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import offtensor as ot
+from test_budget_fuzz import _smallest_accepted
 
 GiB = 1 << 30
 
@@ -44,21 +45,6 @@ class _Norm(nn.Module):
         return self.read(self, x)
 
 
-def _smallest_accepted(build, device) -> int:
-    low, high = 0, 10**7
-    while low + 1 < high:
-        middle = (low + high) // 2
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                ot.wrap_model(build(), budget_gb=middle / GiB, device=device, policy={"offload": ["*"]})
-        except ot.BudgetError:
-            low = middle
-        else:
-            high = middle
-    return high
-
-
 def _raised(call):
     try:
         call()
@@ -81,7 +67,7 @@ def test_a_norm_of_a_half_precision_input_with_a_float_weight_runs_at_every_budg
         torch.manual_seed(0)
         return _Norm(case)
 
-    smallest = _smallest_accepted(build, device)
+    smallest = _smallest_accepted(build, 10**7, device)
     whole = sum(p.numel() * 4 for p in build().parameters())
     shape = READERS[case][3]
     for budget in sorted({smallest, smallest + 700, 3 * smallest, whole // 3, whole // 2 + 4096, whole}):
