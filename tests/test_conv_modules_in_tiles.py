@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import offtensor as ot
+from test_budget_fuzz import _smallest_accepted
 
 GiB = 1 << 30
 
@@ -43,21 +44,6 @@ def _wrap(model: nn.Module, budget: int, device) -> None:
     ot.wrap_model(model, budget_gb=budget / GiB, device=device, policy={"offload": ["*"]})
 
 
-def _smallest_accepted(case: str, device) -> int:
-    low, high = 0, 10**7
-    while low + 1 < high:
-        middle = (low + high) // 2
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                _wrap(_build(case), middle, device)
-        except ot.BudgetError:
-            low = middle
-        else:
-            high = middle
-    return high
-
-
 def _same(got, want, exact: bool, what):
     if exact:
         assert torch.equal(got, want), what
@@ -71,7 +57,7 @@ def test_a_transposed_or_grouped_conv_module_runs_in_tiles_at_every_budget_wrap_
     one_output = conv.weight.numel() * 4 // conv.out_channels
     bias = 0 if conv.bias is None else conv.bias.numel() * 4
     whole = sum(p.numel() * 4 for p in conv.parameters())
-    smallest = _smallest_accepted(case, device)
+    smallest = _smallest_accepted(lambda: _build(case), 10**7, device)
     # Counted at one output channel beside its bias, not whole (as they were).
     assert smallest == one_output + bias < whole
     with pytest.raises(ot.BudgetError, match=rf"paging '0\.(weight|bias)'.* \({smallest} bytes\) in all"):
