@@ -54,8 +54,12 @@ def _chunks(t: OffloadedTensor, dim: int, room: int):
     per = _slice_bytes(t, dim)
     if per > room:
         return None
-    step = max(1, room // max(per, 1))
-    return [(s, min(t.shape[dim], s + step)) for s in range(0, t.shape[dim], step)]
+    return _chunks_of(t.shape[dim], max(1, room // max(per, 1)))
+
+
+def _chunks_of(n: int, step: int):
+    """(start, stop) slices of ``n`` items, ``step`` at a time."""
+    return [(s, min(n, s + step)) for s in range(0, n, step)]
 
 
 def _paged_call(compute, t: OffloadedTensor, dim: int, start: int, stop: int):
@@ -198,10 +202,6 @@ def group_norm(func, args, kwargs, error):
         finally:
             paged.release()
     return out, mean, rstd
-
-
-def _chunks_of(n: int, step: int):
-    return [(s, min(n, s + step)) for s in range(0, n, step)]
 
 
 def _affine(out, normalised, weight, bias, lead: int, room: int, trailing: int = 0) -> None:
