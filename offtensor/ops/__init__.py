@@ -30,6 +30,8 @@ so tensor.py imports nothing of this package (the import graph runs ops -> tenso
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..pager import BudgetError
@@ -41,7 +43,7 @@ from .distances import cdist
 from .collectives import COLLECTIVE_NAMESPACES, Collective
 from .functions import FUNCTION_TABLE
 from .grouped import grouped_mm, grouped_mm_fallback, grouped_mm_fallback_backward
-from .paging import Paged, decomposes, native_kernel, reclaim, run, with_math_bits
+from .paging import Paged, decomposes, describe, native_kernel, reclaim, run, with_math_bits
 from .planned import planned_routing
 from .rows import CACHED_SLICE_BYTES, HOST_SYNCS, embedding, index, index_select
 from .table import OP_TABLE, implements
@@ -88,13 +90,36 @@ def torch_dispatch(func, types, args, kwargs):
         if type(error) is BudgetError and handler in _PLAIN_COMPUTE and func in SHORT_OF_ROOM and not cutting():
             # An op that reads a tensor whole, larger than the free room: slices of it (whole_reads.py).
             return SHORT_OF_ROOM[func](func, args, kwargs or {}, error)
-        if type(error) is BudgetError and (handler in _PLAIN_COMPUTE or type(handler) is Mutation) and _POINTWISE in func.tags and not cutting():
+        if type(error) is BudgetError and (handler in _PLAIN_COMPUTE or type(handler) is Mutation or func in _ELEMENTWISE) \
+                and (_POINTWISE in func.tags or func in _ELEMENTWISE) and not cutting():
             # Its arguments do not fit the free room together: slices of them do (tiling.py).
+            if func in _RANDOM_FILLS:
+                _warn_random_in_slices(func, args[0])
             return pointwise_in_pieces(func, handler, args, kwargs or {}, error)
         raise
 
 
 _POINTWISE = torch.Tag.pointwise
+# Ops that compute each element from the same element of their arguments, as pointwise ones do,
+# without torch's pointwise tag: fills (``zero_``, ``fill_``: ``nn.init.zeros_``, a head reset), a
+# masked fill in place, a cast (``.to(dtype)``, ``.half()``) and the random fills ``nn.init`` runs
+# (``uniform_``, ``normal_``...). A weight larger than the free room is written or read in slices.
+_RANDOM_FILLS = frozenset({aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float, aten.exponential_.default,
+                           aten.log_normal_.default, aten.cauchy_.default, aten.geometric_.default,
+                           aten.random_.default, aten.random_.to, getattr(aten.random_, "from")})
+_ELEMENTWISE = frozenset({aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, aten.masked_fill_.Scalar,
+                          aten.masked_fill_.Tensor, aten._to_copy.default}) | _RANDOM_FILLS
+
+
+def _warn_random_in_slices(func, t) -> None:
+    """A random fill drawn slice by slice: the distribution of one draw of the whole tensor, and on
+    the CPU's generator (each element in turn) its values; a GPU's generator gives each launch its
+    own stream, so there the values differ from one draw's for the same seed."""
+    warnings.warn(f"offtensor: {func.__name__.split('.')[0]} of {describe(t)}, larger than the budget's room, "
+                  f"draws its values slice by slice: on a GPU they are not the values one draw of the whole tensor "
+                  f"gives for the same seed (the same distribution). Raise budget_gb for the same values.", stacklevel=4)
+
+
 _get_dispatch_mode = torch._C._get_dispatch_mode
 _FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE
 

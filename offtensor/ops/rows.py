@@ -10,7 +10,7 @@ from ..pager import upload_small
 from ..tensor import OffloadedTensor
 from .paging import Paged, describe, layout_of, run
 from .table import implements
-from .tiling import _page_slice, _slice_bytes, needs_tiling
+from .tiling import _copy_in_slices, _page_slice, _slice_bytes, needs_tiling
 
 aten = torch.ops.aten
 
@@ -70,24 +70,6 @@ def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: Paged) -> torch.
         return paged.page(OffloadedTensor(host[int(rows[0])], t._master)).unsqueeze(0)
     gathered = pager.device_ops.gather_rows(host, rows)  # into pinned memory on a GPU: an async upload
     return pager.upload(gathered, describe(t), paged.entries)[0]
-
-
-def _copy_in_slices(t: OffloadedTensor, out: torch.Tensor, room: int) -> None:
-    """Copy ``t`` into the device tensor ``out`` in slices along its first dim that fit ``room``
-    bytes (each slice of them in slices again where one does not)."""
-    per_slice = _slice_bytes(t, 0)
-    if per_slice > room and t.dim() > 1:
-        for i in range(t.shape[0]):
-            _copy_in_slices(OffloadedTensor(t._host[i], t._master), out[i], room)
-        return
-    step = max(1, room // max(per_slice, 1))
-    for start in range(0, t.shape[0], step):
-        stop = min(t.shape[0], start + step)
-        paged = Paged()
-        try:
-            out[start:stop].copy_(_page_slice(t, 0, start, stop, paged))
-        finally:
-            paged.release()
 
 
 # Device->host reads made by the index ops below and by grouped.py's read of the routing. On a GPU

@@ -75,12 +75,36 @@ def _cat_or_stack(func, types, args, kwargs):
         if not isinstance(t, OffloadedTensor):
             target.copy_(t)
             continue
+        room = pager.free_bytes() or 0
+        if t.dim() and _offloaded_bytes([t])[1] > room:
+            # Larger than the free room (a weight placed in tiles; ``parameters_to_vector``'s flat
+            # view of one): copied in slices of it.
+            _copy_in_slices(t, target, room)
+            continue
         paged = Paged()
         try:
             target.copy_(paged.page(t))  # one input on the device at a time
         finally:
             paged.release()
     return out
+
+
+def _copy_in_slices(t: OffloadedTensor, out: torch.Tensor, room: int) -> None:
+    """Copy ``t`` into the device tensor ``out`` in slices along its first dim that fit ``room``
+    bytes (each slice of them in slices again where one does not)."""
+    per_slice = _slice_bytes(t, 0)
+    if per_slice > room and t.dim() > 1:
+        for i in range(t.shape[0]):
+            _copy_in_slices(OffloadedTensor(t._host[i], t._master), out[i], room)
+        return
+    step = max(1, room // max(per_slice, 1))
+    for start in range(0, t.shape[0], step):
+        stop = min(t.shape[0], start + step)
+        paged = Paged()
+        try:
+            out[start:stop].copy_(_page_slice(t, 0, start, stop, paged))
+        finally:
+            paged.release()
 
 
 def _offloaded(args, kwargs) -> list:
