@@ -157,6 +157,9 @@ class OffloadConfig:
             raise ValueError(f"offtensor: routing_warmup must be a number of routed tokens >= 0, got "
                              f"{self.routing_warmup!r}")
 
+        if not isinstance(self.prefetch, bool):
+            raise ValueError(f"offtensor: prefetch must be True or False, got {self.prefetch!r}")
+        _check_policy(self.policy)
         if not isinstance(self.expert_pool, bool):
             raise ValueError(f"offtensor: expert_pool must be True or False, got {self.expert_pool!r}")
         if self.expert_compute not in EXPERT_COMPUTE:
@@ -182,3 +185,19 @@ class OffloadConfig:
 
     def replace(self, **changes) -> "OffloadConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _check_policy(policy) -> None:
+    """A policy is None, a callable (weight name -> "offload", "keep" or None), glob patterns of
+    the weights to offload (a string or a list of them), or {"offload": patterns, "keep": patterns}:
+    anything else is refused here, naming what was given, rather than failing inside placement."""
+    if policy is None or callable(policy):
+        return
+    rules = policy.items() if isinstance(policy, dict) else (("patterns", policy),)
+    for key, patterns in rules:
+        if patterns is None or isinstance(patterns, str):
+            continue
+        if not isinstance(patterns, (list, tuple, set, frozenset)) or not all(isinstance(p, str) for p in patterns):
+            where = "policy" if key == "patterns" else f"policy[{key!r}]"
+            raise ValueError(f"offtensor: {where} must be a glob pattern of weight names or a list of them "
+                             f"(such as ['model.layers.*.mlp.*']), got {patterns!r}")

@@ -180,6 +180,23 @@ def test_a_budget_given_as_any_real_number_is_taken_in_gib(device):
             ot.wrap_model(nn.Linear(8, 8), budget_gb=bad, device=device)
 
 
+@pytest.mark.parametrize("arguments, words", [
+    ({"prefetch": "yes"}, "prefetch must be True or False, got 'yes'"),
+    ({"prefetch": None}, "prefetch must be True or False, got None"),
+    ({"policy": {"offload": 3}}, "policy\\['offload'\\] must be a glob pattern of weight names or a list of them"),
+    ({"policy": {"keep": [0]}}, "policy\\['keep'\\] must be a glob pattern"),
+    ({"policy": 3}, "policy must be a glob pattern of weight names or a list of them .*got 3"),
+])
+def test_a_wrong_argument_is_refused_naming_it_before_anything_moves(arguments, words, device):
+    # A policy of the wrong type raised "'int' object is not iterable" from inside placement; a
+    # prefetch of "yes" (or None) was taken for its truth value, without a word.
+    model = nn.Linear(8, 8)
+    before = model.weight.detach().clone()
+    with pytest.raises(ValueError, match=words):
+        ot.wrap_model(model, budget_gb=1e-3, device=device, **arguments)
+    assert type(model.weight) is nn.Parameter and torch.equal(model.weight.detach(), before)
+
+
 def test_a_forward_under_inference_mode_leaves_pages_that_later_forwards_can_use(device):
     # The arena's ranges keep their typed views for the next copy; made under inference_mode those
     # were inference tensors, so a later no_grad forward raised on F.linear of a 3-D input that does
