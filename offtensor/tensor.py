@@ -32,6 +32,10 @@ _Tensor = torch.Tensor
 # table, installed by set_op_handlers. A module global: __torch_function__ reads it on every call.
 _FUNCTION_TABLE: dict = {}
 
+# ``cast_views.resolve``, installed by that module: a lazy cast (``_cast`` in its ``__dict__``) is made
+# an ordinary OffloadedTensor of its cast values before a method here reads its host bytes.
+RESOLVE_CAST = [None]
+
 # OffloadedTensors rebuilt for tracing (``__tensor_unflatten__`` with a fake host view) still alive:
 # only while there are any does ops.torch_dispatch ask whether a trace is running.
 TRACED_ALIVE = [0]
@@ -112,6 +116,8 @@ class OffloadedTensor(torch.Tensor):
 
     def materialize(self) -> torch.Tensor:
         """A plain tensor on ``self.device`` with this tensor's values (a copy, never cached)."""
+        if "_cast" in self.__dict__:
+            RESOLVE_CAST[0](self)
         host = self._host
         if _is_conj(host) or _is_neg(host):  # a view with lazy bits: the copy holds the values
             host = host.resolve_conj().resolve_neg()
@@ -121,6 +127,8 @@ class OffloadedTensor(torch.Tensor):
         # On the emulated device the host master *is* the tensor's memory. On a GPU, pinned
         # (registered) host memory is mapped into the device's unified address space, so its
         # address is one a kernel may read, over PCIe; pageable memory has no device address.
+        if "_cast" in self.__dict__:
+            RESOLVE_CAST[0](self)
         if self.device.type == "cpu" or self._host.is_pinned():
             return self._host.data_ptr()
         raise RuntimeError(
@@ -137,6 +145,8 @@ class OffloadedTensor(torch.Tensor):
         # find the inner host view's storage twice and try to give the device wrapper a host
         # storage (non-strict export fakes parameters outside any tracing context: its converter,
         # meta_utils, is the caller).
+        if "_cast" in self.__dict__:
+            RESOLVE_CAST[0](self)
         if torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None \
                 or _sys._getframe(1).f_globals.get("__name__") == "torch._subclasses.meta_utils":
             # (torch 2.11 reports is_compiling() only inside traced code, not while faking inputs)
@@ -160,6 +170,8 @@ class OffloadedTensor(torch.Tensor):
 
     def __format__(self, format_spec: str) -> str:
         # torch.Tensor formats a 0-d value (f"{loss:.3f}") only for exact torch.Tensor objects.
+        if "_cast" in self.__dict__:
+            RESOLVE_CAST[0](self)
         if self.dim() == 0 and format_spec:
             return self._host.item().__format__(format_spec)
         return super().__format__(format_spec)
@@ -167,6 +179,8 @@ class OffloadedTensor(torch.Tensor):
     # ------------------------------------------------------------------ flatten / pickling
 
     def __tensor_flatten__(self):
+        if "_cast" in self.__dict__:
+            RESOLVE_CAST[0](self)
         return ["_host"], (self._master.id, self.requires_grad)
 
     @staticmethod
@@ -184,6 +198,8 @@ class OffloadedTensor(torch.Tensor):
     def __reduce_ex__(self, protocol):
         # Pickle the host view: torch.save then stores each host storage once, so tied tensors and
         # aliases are saved once and come back as aliases of one master.
+        if "_cast" in self.__dict__:
+            RESOLVE_CAST[0](self)
         if self.__dict__.get("_portable"):
             # A value of a wrapped model's state_dict() (model/loads.py marks them): saved as the plain CPU
             # tensor it holds, which any process loads, with or without offtensor, weights_only or
@@ -196,6 +212,8 @@ class OffloadedTensor(torch.Tensor):
         return (_rebuild_offloaded, rebuilt + (attrs,) if attrs else rebuilt)
 
     def __deepcopy__(self, memo):
+        if "_cast" in self.__dict__:
+            RESOLVE_CAST[0](self)
         if id(self) in memo:
             return memo[id(self)]
         # Like torch.Tensor.__deepcopy__: each host master is copied once per deepcopy, so aliases
@@ -287,7 +305,7 @@ del _name
 
 # What an OffloadedTensor keeps in its own ``__dict__``; everything else there is the user's
 # (vLLM's ``weight_loader``, ``output_dim``...), carried across wrap, re-placement and unwrap.
-OWN_ATTRS = frozenset({"_host", "_master", "_layout", "_views", "_is_param", "_portable"})
+OWN_ATTRS = frozenset({"_host", "_master", "_layout", "_views", "_is_param", "_portable", "_cast"})
 
 # User subclass of nn.Parameter -> the OffloadedTensor class whose instances are also instances of it.
 _OFFLOADED_CLASSES: dict = {}
@@ -335,14 +353,15 @@ def user_attrs(t: torch.Tensor) -> dict:
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 
 
-def _wrapper(cls, host: torch.Tensor, master: Master, requires_grad: bool = False):
-    """The wrapper tensor: ``host``'s metadata on the pager's device, no storage of its own."""
+def _wrapper(cls, host: torch.Tensor, master: Master, requires_grad: bool = False, dtype=None):
+    """The wrapper tensor: ``host``'s metadata on the pager's device, no storage of its own (of
+    ``dtype`` for a lazy cast of ``host``: ``cast_views``)."""
     t = _make_wrapper_subclass(
         cls,
         host.shape,
         strides=host.stride(),
         storage_offset=host.storage_offset(),
-        dtype=host.dtype,
+        dtype=host.dtype if dtype is None else dtype,
         device=master.pager.device,
         requires_grad=requires_grad,
     )
@@ -375,13 +394,16 @@ def tracing_now() -> bool:
     return TRACED_ALIVE[0] > 0
 
 
-def new_view(host: torch.Tensor, master: Master, requires_grad: bool = False) -> OffloadedTensor:
+def new_view(host: torch.Tensor, master: Master, requires_grad: bool = False, cast=None) -> OffloadedTensor:
     """``OffloadedTensor(host, master)`` without the Python ``__new__`` and ``__init__`` calls: view
-    ops make one per call, and the two calls cost about 0.5 µs of a view op's 12."""
-    t = _wrapper(OffloadedTensor, host, master, requires_grad)
+    ops make one per call, and the two calls cost about 0.5 µs of a view op's 12. With ``cast`` (a
+    ``cast_views.CastSource``), a view of a lazy cast: of the cast's dtype, ``host`` in the master's."""
+    t = _wrapper(OffloadedTensor, host, master, requires_grad, None if cast is None else cast.dtype)
     own = t.__dict__
     own["_host"] = host
     own["_master"] = master
+    if cast is not None:
+        own["_cast"] = cast
     return t
 
 

@@ -18,6 +18,7 @@ LAYERS = [
     {"_ext", "_optional", "config", "leaves", "prefetch", "models"},
     {"pager"},
     {"tensor", "moe"},
+    {"cast_views"},
     {"ops"},
     {"exactness", "working_sets"},
     {"placement"},

@@ -34,6 +34,7 @@ import warnings
 
 import torch
 
+from .. import cast_views
 from ..pager import BudgetError
 from ..tensor import TRACED_ALIVE, OffloadedTensor
 from . import compile as _compile
@@ -81,6 +82,10 @@ def torch_dispatch(func, types, args, kwargs):
         traced = _compile.traced_compute(func, args, kwargs)
         if traced is not None:
             return traced
+    if _CASTS[0] and handler not in _CAST_AWARE:
+        # A lazy cast (cast_views) is paged and cast by the handlers that page; any other reads its
+        # host bytes as they are, or writes it: a master of its own holds its values first.
+        cast_views.resolve_args(args, kwargs or {})
     try:
         return handler(func, types, args, kwargs or {})
     except BaseException as error:
@@ -254,6 +259,12 @@ def _in_pieces_when_short(func, handler):
 # torch.compile they run inside one opaque offtensor::compute op, which calls them at run time.
 _COMPUTE_HANDLERS = {_compute, _compute_composite, mm, mv, bmm, cdist, convolution, convolution_backward, grouped_mm_fallback,
                      grouped_mm_fallback_backward}
+
+# Handlers that page a lazy cast (cast_views) and cast what they page, or view it as such.
+_CAST_AWARE = {_compute, _compute_composite, _decomposed, view, inplace_view, mm, mv, bmm, cdist, convolution,
+               convolution_backward, grouped_mm, grouped_mm_fallback, grouped_mm_fallback_backward, embedding,
+               index_select, index, reads._to_copy, OP_TABLE[aten.cat.default]}
+_CASTS = cast_views.ALIVE
 
 # Handlers that write host masters or page rows chosen by index values: a graph break under
 # torch.compile (see torch_dispatch).

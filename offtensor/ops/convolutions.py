@@ -19,6 +19,7 @@ import warnings
 
 import torch
 
+from .. import cast_views
 from ..tensor import OffloadedTensor
 from .arguments import raise_torch_error
 from .paging import Paged, describe, run
@@ -36,7 +37,7 @@ def _narrow(t, dim: int, start: int, length: int):
     if t is None:
         return None
     if isinstance(t, OffloadedTensor):
-        return OffloadedTensor(t._host.narrow(dim, start, length), t._master)
+        return cast_views.derived(t, t._host.narrow(dim, start, length))
     return t.narrow(dim, start, length)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import cast_views
 from ..pager import BudgetError, pins_host_memory
 from ..tensor import OffloadedTensor, check_offloadable, new_host_master, wrap_host
 from .expert_pool import pooled_grouped_mm, serving_pool
@@ -146,7 +147,10 @@ def _cpu(args, kwargs):
 
 def _tolist(args, kwargs):
     # Tensor.tolist refuses every subclass; the values are all in the host master.
-    return args[0]._host.tolist() if isinstance(args[0], OffloadedTensor) else NotImplemented
+    if not isinstance(args[0], OffloadedTensor):
+        return NotImplemented
+    cast_views.resolve_args(args, kwargs)
+    return args[0]._host.tolist()
 
 
 def _named(t: OffloadedTensor) -> str:
@@ -162,6 +166,7 @@ def _numpy(args, kwargs):
     self = args[0]
     if not isinstance(self, OffloadedTensor):
         return NotImplemented
+    cast_views.resolve_args(args, kwargs)
     force = kwargs.get("force", False)
     if self.device.type != "cpu":
         if force:
@@ -198,6 +203,7 @@ def _python_elementwise(method):
                                 f"to change a wrapped model's weights on the host, use `with ot.on_host(model):`")
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
             raise RuntimeError(f"Can't call {name}() on Variable that requires grad. Use var.detach().{name}() instead.")
+        cast_views.resolve_args(tensors, {})
         self = tensors[0]
         if isinstance(self, OffloadedTensor):
             self._master.pager.before_write(self._master)
@@ -244,6 +250,7 @@ def _set_data(args, kwargs):
     self, value = args
     if not isinstance(self, OffloadedTensor) or not isinstance(value, torch.Tensor):
         return NotImplemented
+    cast_views.resolve_args(args, kwargs)
     if not isinstance(value, OffloadedTensor):
         check_offloadable(value)
         pager = self._master.pager
@@ -266,6 +273,7 @@ def _host_read_argument(function, position: int, name: str):
         value = args[position] if len(args) > position else kwargs.get(name)
         if not isinstance(value, OffloadedTensor) or value.device.type != "cpu":
             return NotImplemented
+        cast_views.resolve_args((value,), {})
         if len(args) > position:
             args = args[:position] + (value._host,) + args[position + 1 :]
         else:

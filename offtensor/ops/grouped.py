@@ -9,6 +9,7 @@ import weakref
 
 import torch
 
+from .. import cast_views
 from ..pager import page_layout
 from ..tensor import OffloadedTensor
 from .expert_pool import pooled_grouped_mm, serving_pool
@@ -208,8 +209,8 @@ def _expert_pager(weight: OffloadedTensor):
     passes a fresh ``weight.transpose(-2, -1)`` to every call."""
     own = weight.__dict__
     host, master = own["_host"], own["_master"]
-    if type(host) is not torch.Tensor:  # being traced by torch.compile: Paged.page's own path
-        return (lambda paged, e: paged.page(OffloadedTensor(host[e : e + 1], master))), lambda groups: None
+    if type(host) is not torch.Tensor or "_cast" in own:  # traced by torch.compile, or a lazy cast: Paged.page's own path
+        return (lambda paged, e: paged.page(cast_views.derived(weight, host[e : e + 1]))), lambda groups: None
     by_layout = _EXPERT_LAYOUTS.get(master)
     if by_layout is None or by_layout[0] is not master.flat:  # a new master storage: memo anew
         by_layout = _EXPERT_LAYOUTS[master] = (master.flat, {})

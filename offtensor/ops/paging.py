@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch.utils._mode_utils import no_dispatch
 
+from .. import cast_views
 from ..pager import page_layout
 from ..tensor import OffloadedTensor
 from . import compile as _compile
@@ -38,6 +39,9 @@ class Paged:
             # opaque op (compile.py) and owns its result, so there is no entry to release.
             return _compile.page(host, master.id, pager.device)
         if out:
+            if "_cast" in own:
+                cast_views.resolve(t)
+                host, master = own["_host"], own["_master"]
             # An out= argument may be resized by its op. A range of the arena would grow in place,
             # over other weights' cached copies (the arena's storage is large enough); a device
             # copy of its own is reallocated instead, and write_back sees the new shape. Outside
@@ -49,6 +53,12 @@ class Paged:
         if layout is None:
             if _is_conj(host) or _is_neg(host):
                 return self._page_with_bits(t, host, private)
+            cast = own.get("_cast")
+            if cast is not None:  # a lazy cast (cast_views): never memoized, so every page comes here
+                if private:
+                    cast_views.resolve(t)  # written: a master of its own first
+                    return self.page(t, private)
+                return cast_views.paged(pager.page(host, master, t, False, page_layout(host, master.id), self.entries)[0], cast)
             layout = own["_layout"] = page_layout(host, master.id)
         view = pager.page(host, master, t, private, layout, self.entries)[0]  # t's repr names it in a BudgetError
         if private:
@@ -179,7 +189,7 @@ def layout_of(t: OffloadedTensor):
     if layout is None:
         host = own["_host"]
         layout = page_layout(host, own["_master"].id)
-        if not (_is_conj(host) or _is_neg(host)):
+        if not (_is_conj(host) or _is_neg(host) or "_cast" in own):
             own["_layout"] = layout
     return layout
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import cast_views
 from ..pager import pins_host_memory
 from ..tensor import OffloadedTensor, new_host_master, wrap_host
 from .paging import run
@@ -30,10 +31,16 @@ def _clone(func, types, args, kwargs):
 
 @implements(aten._to_copy.default)
 def _to_copy(func, types, args, kwargs):
+    self = args[0]
     device = kwargs.get("device")
     if device is not None and torch.device(device).type == "cpu":
-        # .cpu() / .to("cpu"): read the host master, no device round trip.
-        return func(args[0]._host, *args[1:], **kwargs)
+        # .cpu() / .to("cpu"): read the host master, no device round trip (a lazy cast's values
+        # are its master's, cast).
+        cast = self.__dict__.get("_cast")
+        return func(self._host if cast is None else self._host.to(cast.dtype), *args[1:], **kwargs)
+    if cast_views.lazily(self, kwargs):
+        # Autocast's cast of a weight it keeps (cache, autograd): a lazy cast, paged and cast per op.
+        return cast_views.cast_view(self, kwargs["dtype"])
     return run(func, args, kwargs)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import cast_views
 from ..pager import upload_small
 from ..tensor import OffloadedTensor
 from .paging import Paged, describe, layout_of, run
@@ -40,13 +41,13 @@ def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: Paged) -> torch.
     if room is not None and row_bytes > room and host.dim() > 1:
         # Not even one row fits (a row of a model's own stack of matrices, planned as bmm reads it,
         # a slice of one matrix at a time): each row is copied into the result in slices that fit.
-        out = torch.empty((rows.numel(),) + tuple(host.shape[1:]), dtype=host.dtype, device=pager.device)
+        out = torch.empty((rows.numel(),) + tuple(host.shape[1:]), dtype=t.dtype, device=pager.device)
         for k, i in enumerate(rows.tolist()):
-            _copy_in_slices(OffloadedTensor(host[i], t._master), out[k], room)
+            _copy_in_slices(cast_views.derived(t, host[i]), out[k], room)
         return out
     if room is not None and need > room and rows.numel() > 1:
         per_chunk = max(1, room // max(row_bytes, 1))
-        out = torch.empty((rows.numel(),) + tuple(host.shape[1:]), dtype=host.dtype, device=pager.device)
+        out = torch.empty((rows.numel(),) + tuple(host.shape[1:]), dtype=t.dtype, device=pager.device)
         for start in range(0, rows.numel(), per_chunk):
             chunk = Paged()
             try:
@@ -64,12 +65,12 @@ def _gather_rows(t: OffloadedTensor, rows: torch.Tensor, paged: Paged) -> torch.
         if per_expert:
             with pager.lock:  # the expert cache is pager state
                 pager.experts.announce(pager, t._master.id, rows)
-        parts = [paged.page(OffloadedTensor(host[i], t._master)) for i in rows]
+        parts = [paged.page(cast_views.derived(t, host[i])) for i in rows]
         return torch.stack(parts)
     if rows.numel() == 1 and (row_bytes >= CACHED_SLICE_BYTES or per_expert):
-        return paged.page(OffloadedTensor(host[int(rows[0])], t._master)).unsqueeze(0)
+        return paged.page(cast_views.derived(t, host[int(rows[0])])).unsqueeze(0)
     gathered = pager.device_ops.gather_rows(host, rows)  # into pinned memory on a GPU: an async upload
-    return pager.upload(gathered, describe(t), paged.entries)[0]
+    return cast_views.cast_of(t, pager.upload(gathered, describe(t), paged.entries)[0])
 
 
 # Device->host reads made by the index ops below and by grouped.py's read of the routing. On a GPU

@@ -9,6 +9,7 @@ import threading
 
 import torch
 
+from .. import cast_views
 from ..pager import BudgetError, host_layout
 from ..tensor import OffloadedTensor
 from .arguments import raise_torch_error
@@ -95,7 +96,7 @@ def _copy_in_slices(t: OffloadedTensor, out: torch.Tensor, room: int) -> None:
     per_slice = _slice_bytes(t, 0)
     if per_slice > room and t.dim() > 1:
         for i in range(t.shape[0]):
-            _copy_in_slices(OffloadedTensor(t._host[i], t._master), out[i], room)
+            _copy_in_slices(cast_views.derived(t, t._host[i]), out[i], room)
         return
     step = max(1, room // max(per_slice, 1))
     for start in range(0, t.shape[0], step):
@@ -173,7 +174,8 @@ TILE_ALIGN = 16
 
 
 def _slice_bytes(t: OffloadedTensor, dim: int) -> int:
-    return t.numel() // max(t.shape[dim], 1) * t.element_size()
+    # The host view's element size: a lazy cast (cast_views) pages its master's dtype.
+    return t.numel() // max(t.shape[dim], 1) * t.__dict__["_host"].element_size()
 
 
 def _page_slice(t, dim: int, start: int, stop: int, paged: Paged):
@@ -188,9 +190,9 @@ def _page_slice(t, dim: int, start: int, stop: int, paged: Paged):
     host = t._host.narrow(dim, start, stop - start)
     lo, hi = host_layout(host)[:2]
     if (hi - lo) <= host.numel():
-        return paged.page(OffloadedTensor(host, t._master))
+        return paged.page(cast_views.derived(t, host))
     order = sorted(range(host.dim()), key=lambda d: -host.stride(d))  # outermost first
-    gathered = t._master.pager.upload(host.permute(order).contiguous(), describe(t), paged.entries)[0]
+    gathered = cast_views.cast_of(t, t._master.pager.upload(host.permute(order).contiguous(), describe(t), paged.entries)[0])
     return gathered.permute(sorted(range(host.dim()), key=order.__getitem__))
 
 
@@ -386,7 +388,7 @@ def bmm(func, types, args, kwargs):
 def _batch(t, i: int):
     """Batch ``i`` of a bmm operand, as a batch of one: an OffloadedTensor view of its host master."""
     if isinstance(t, OffloadedTensor):
-        return OffloadedTensor(t._host.narrow(0, i, 1), t._master)
+        return cast_views.derived(t, t._host.narrow(0, i, 1))
     return t.narrow(0, i, 1)
 
 
@@ -490,7 +492,7 @@ def _cut_dim(shape: torch.Tensor, offloaded: list, free: int):
         for t in offloaded:
             d = _aligned(t, dim, n, shape.shape[dim])
             if d is None:
-                fixed += t.numel() * t.element_size()
+                fixed += t.numel() * t.__dict__["_host"].element_size()
             else:
                 per_slice += _slice_bytes(t, d)
         if free - fixed >= per_slice:

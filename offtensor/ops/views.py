@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch.utils._mode_utils import no_dispatch
 
+from .. import cast_views
 from ..tensor import OffloadedTensor, new_view
 from .table import implements
 
@@ -16,6 +17,7 @@ aten = torch.ops.aten
 _functionalize_unsafe_set = torch._functionalize_unsafe_set
 _inference = torch.is_inference_mode_enabled
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+_CASTS = cast_views.ALIVE
 
 
 def view(func, types, args, kwargs):
@@ -26,6 +28,11 @@ def view(func, types, args, kwargs):
         # the weight lends only its sizes; its decomposition is what a plain tensor runs.
         return func._op_dk(_COMPOSITE, *args, **kwargs)
     out = func(self._host, *args[1:], **kwargs)
+    if _CASTS[0] and "_cast" in self.__dict__ and (out if isinstance(out, torch.Tensor) else out[0]).dtype != self._host.dtype:
+        # A view that reinterprets a lazy cast's bytes (``view(dtype)``, ``view_as_real``): of
+        # the cast values, which a master of its own holds first.
+        cast_views.resolve(self)
+        return view(func, types, args, kwargs)
     if _inference() and not (out if isinstance(out, torch.Tensor) else out[0]).is_inference():
         # In inference mode, most views of a normal tensor are normal tensors (autograd's view
         # kernel then gives them the base's version counter, which an inference tensor has none
@@ -38,6 +45,10 @@ def view(func, types, args, kwargs):
 def _wrappers(self: OffloadedTensor, out):
     """OffloadedTensor views of ``self``'s master over the host view(s) ``out``."""
     master = self._master
+    if _CASTS[0] and "_cast" in self.__dict__:  # a view of a lazy cast is one too (cast_views)
+        if isinstance(out, torch.Tensor):
+            return _alias_of(self, cast_views.derived(self, out))
+        return type(out)(_alias_of(self, cast_views.derived(self, o)) for o in out)
     if isinstance(out, torch.Tensor):
         return _alias_of(self, new_view(out, master))
     return type(out)(_alias_of(self, new_view(o, master)) for o in out)
@@ -137,7 +148,7 @@ def memoized_view(function):
                 or _function_modes() or _under_transform()):
             return NotImplemented
         own = self.__dict__
-        if type(own["_host"]) is not _Tensor:
+        if type(own["_host"]) is not _Tensor or (_CASTS[0] and "_cast" in own):
             return NotImplemented
         key = (function, args[1:])
         memo = own.get("_views")

@@ -21,6 +21,7 @@ import warnings
 
 import torch
 
+from .. import cast_views
 from ..tensor import OffloadedTensor
 from .paging import Paged, describe
 from .tiling import _page_slice, _slice_bytes
@@ -34,12 +35,12 @@ def _room(t: OffloadedTensor) -> int:
 
 def _narrow(t, dim: int, start: int, length: int):
     if isinstance(t, OffloadedTensor):
-        return OffloadedTensor(t._host.narrow(dim, start, length), t._master)
+        return cast_views.derived(t, t._host.narrow(dim, start, length))
     return t.narrow(dim, start, length)
 
 
 def _nbytes(t: OffloadedTensor) -> int:
-    return t.numel() * t.element_size()
+    return t.numel() * t.__dict__["_host"].element_size()
 
 
 def _warn_inexact(t: OffloadedTensor, op: str, how: str = "is summed over slices of it") -> None:
@@ -92,7 +93,7 @@ def _gather(func, w: OffloadedTensor, dim: int, index: torch.Tensor, rest: dict,
     cut = next((d for d in range(w.dim()) if d != dim and w.shape[d] > 1), None)
     if cut is None:
         # One line along ``dim`` larger than the room: its selected elements are index rows.
-        line = OffloadedTensor(w._host.reshape(-1), w._master)
+        line = cast_views.derived(w, w._host.reshape(-1))
         return aten.index_select.default(line, 0, index.reshape(-1)).reshape(index.shape)
     chunks = _chunks(w, cut, room) or [(i, i + 1) for i in range(w.shape[cut])]
     outs = [_gather(func, _narrow(w, cut, s, e - s), dim, index.narrow(cut, s, e - s), rest, room) for s, e in chunks]
@@ -237,7 +238,7 @@ def _upload_slice(t, start: int, stop: int, paged: Paged) -> torch.Tensor:
     whole beside the other tensor's slice."""
     if not isinstance(t, OffloadedTensor):
         return t.narrow(0, start, stop - start)
-    return t._master.pager.upload(t._host.narrow(0, start, stop - start), describe(t), paged.entries)[0]
+    return cast_views.cast_of(t, t._master.pager.upload(t._host.narrow(0, start, stop - start), describe(t), paged.entries)[0])
 
 
 # ---------------------------------------------------------------------------- bilinear

@@ -133,6 +133,23 @@ def master_for(host: torch.Tensor, pager) -> Master:
     return master
 
 
+# Called with a master about to be written (``Pager.before_write``), before anything changes: the
+# lazy casts of it (``offtensor.cast_views``) take a copy of its bytes then, as a cast made by torch
+# would have them. Set once, by the module that keeps them; the pager knows nothing of tensors.
+_BEFORE_WRITE = [None]
+
+
+def observe_writes(observer) -> None:
+    """``observer(master)`` runs before each write of a master."""
+    _BEFORE_WRITE[0] = observer
+
+
+def notify_write(master: Master) -> None:
+    observer = _BEFORE_WRITE[0]
+    if observer is not None:
+        observer(master)
+
+
 def registered_master(master_id: int) -> Optional[Master]:
     """The live master with this id, or None once it has died (or was never registered)."""
     return _BY_ID.get(master_id)

@@ -17,6 +17,7 @@ from typing import Optional
 
 from .cache import LeastRecentlyUsed
 from .lifetimes import storage_ptr
+from .masters import notify_write
 
 
 class Room:
@@ -320,7 +321,9 @@ class RoomCalls:
 
     def before_write(self, master) -> None:
         """``master`` is about to change: wait for its copies' reads and drop its cached copies (and,
-        for a pooled expert stack, empty its pool: ``moe.pool``)."""
+        for a pooled expert stack, empty its pool: ``moe.pool``); lazy casts of it keep its bytes
+        as they are now (``masters.observe_writes``)."""
+        notify_write(master)
         self._room(self.room.before_write, master)
         if self.expert_pool is not None:
             self.expert_pool.invalidate(master.id)
