@@ -146,3 +146,12 @@ def test_no_lazy_cast_is_left_once_a_step_ends(device):
     del y
     gc.collect()
     assert cast_views.ALIVE[0] == 0
+
+
+def test_factories_shaped_like_a_lazy_cast_take_its_dtype_without_casting_the_weight(device):
+    _, model = _pair(device)
+    cast = model[0].weight.to(torch.float16)
+    master = cast._master
+    for like in (torch.zeros_like(cast), torch.empty_like(cast), cast.new_zeros(3), torch.ones_like(cast)):
+        assert type(like) is torch.Tensor and like.dtype == torch.float16
+    assert "_cast" in cast.__dict__ and cast._master is master  # (not made a tensor of its own)

@@ -263,7 +263,7 @@ _COMPUTE_HANDLERS = {_compute, _compute_composite, mm, mv, bmm, cdist, convoluti
 # Handlers that page a lazy cast (cast_views) and cast what they page, or view it as such.
 _CAST_AWARE = {_compute, _compute_composite, _decomposed, view, inplace_view, mm, mv, bmm, cdist, convolution,
                convolution_backward, grouped_mm, grouped_mm_fallback, grouped_mm_fallback_backward, embedding,
-               index_select, index, reads._to_copy, OP_TABLE[aten.cat.default]}
+               index_select, index, reads._to_copy, reads._factory, OP_TABLE[aten.cat.default]}
 _CASTS = cast_views.ALIVE
 
 # Handlers that write host masters or page rows chosen by index values: a graph break under

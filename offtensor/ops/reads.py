@@ -75,10 +75,11 @@ def _factory(func, types, args, kwargs):
     if not isinstance(self, OffloadedTensor) or any(isinstance(a, OffloadedTensor) for a in args[1:]):
         return run(func, args, kwargs)
     host = self._host
+    # (the wrapper's dtype: a lazy cast's host view holds its weight's)
     if func in _NEW_SET:
-        stand_in = torch.empty(0, dtype=host.dtype, device=self.device)
+        stand_in = torch.empty(0, dtype=self.dtype, device=self.device)
     else:
-        stand_in = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
+        stand_in = torch.empty_strided(host.shape, host.stride(), dtype=self.dtype, device=self.device)
     return func(stand_in, *args[1:], **kwargs)
 
 
