@@ -155,3 +155,38 @@ def test_factories_shaped_like_a_lazy_cast_take_its_dtype_without_casting_the_we
     for like in (torch.zeros_like(cast), torch.empty_like(cast), cast.new_zeros(3), torch.ones_like(cast)):
         assert type(like) is torch.Tensor and like.dtype == torch.float16
     assert "_cast" in cast.__dict__ and cast._master is master  # (not made a tensor of its own)
+
+
+def test_a_transformers_model_trains_under_autocast_as_unwrapped(device):
+    # A tied-embedding Llama, float32 weights, a third of them within the budget: two AdamW steps
+    # under autocast(bfloat16), losses and weights bit for bit with the unwrapped model's.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+
+    def build():
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(config).to(device)
+
+    reference, model = build(), build()
+    total = sum(p.numel() * p.element_size() for p in reference.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ot.wrap_model(model, budget_gb=total / 3 / GiB, device=device)
+    ids = torch.randint(0, 300, (2, 9), device=device)
+    kind = torch.device(device).type
+    runs = []
+    for m in (reference, model):
+        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(2):
+            with torch.autocast(kind, dtype=torch.bfloat16):
+                loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, [p.detach().cpu() for p in m.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert ot.stats(model).peak_device_bytes <= ot.stats(model).budget_bytes
