@@ -109,29 +109,35 @@ def cast_of(t: OffloadedTensor, device: torch.Tensor) -> torch.Tensor:
 
 
 def _before_write(master) -> None:
-    """``master`` is about to be written: the cast views reading it move to a copy of its bytes."""
-    sources = _BY_MASTER.pop(master.id, None)
+    """``master`` is about to be written: the cast views reading it move to a copy of its bytes.
+
+    Cut short (a Ctrl-C) it raises out of ``Pager.before_write``, so the write does not happen:
+    each view reads either bytes (the same), and the ones not moved yet are still registered, to be
+    moved at the next write. Each view moves in one call (its host view and master together)."""
+    sources = _BY_MASTER.get(master.id)
     if not sources:
         return
-    live = [(s, s.live_views()) for s in sources]
-    live = [(s, views) for s, views in live if views]
-    if not live:
-        return
-    pin = pins_host_memory(master.pager.device)
-    raw = _ext.alloc_host(master.nbytes, pin=pin)
-    with torch.no_grad():
-        raw.copy_(master.flat)
-    copy = master_for(raw, master.pager)
-    storage = raw.untyped_storage()
-    for source, views in live:
-        source.master = copy
-        for view in views:
-            own = view.__dict__
-            host = own["_host"]
-            own["_host"] = torch.empty(0, dtype=host.dtype).set_(storage, host.storage_offset(), host.shape, host.stride())
-            own["_master"] = copy
-            own.pop("_layout", None)
-        _BY_MASTER.setdefault(copy.id, weakref.WeakSet()).add(source)
+    live = []
+    for source in list(sources):
+        views = [v for v in source.live_views() if v.__dict__["_master"] is master]
+        if views:
+            live.append((source, views))
+    if live:
+        raw = _ext.alloc_host(master.nbytes, pin=pins_host_memory(master.pager.device))
+        with torch.no_grad():
+            raw.copy_(master.flat)
+        copy = master_for(raw, master.pager)
+        storage = raw.untyped_storage()
+        for source, views in live:
+            _BY_MASTER.setdefault(copy.id, weakref.WeakSet()).add(source)
+            for view in views:
+                own = view.__dict__
+                host = own["_host"]
+                own.pop("_layout", None)
+                own.update(_host=torch.empty(0, dtype=host.dtype).set_(storage, host.storage_offset(), host.shape,
+                                                                        host.stride()), _master=copy)
+            source.master = copy
+    _BY_MASTER.pop(master.id, None)
 
 
 observe_writes(_before_write)
@@ -142,16 +148,19 @@ def resolve(t: OffloadedTensor) -> None:
     values (its whole master cast on the host, so that ``t``'s offset and strides stay its host
     view's): before an op reads its host bytes as they are, or writes it."""
     own = t.__dict__
-    cast = own.pop("_cast", None)
+    cast = own.get("_cast")
     if cast is None:
         return
     master, host = own["_master"], own["_host"]
     whole = master.flat.view(host.dtype)
     values = new_host_master(whole, pin=pins_host_memory(master.pager.device), dtype=cast.dtype)
-    own["_host"] = values.as_strided(host.shape, host.stride(), host.storage_offset())
-    own["_master"] = master_for(values, master.pager)
     own.pop("_layout", None)
     own.pop("_views", None)
+    # Host view and master in one call; then the cast goes (cut short between, a page of it casts
+    # to the dtype it already has: the same values).
+    own.update(_host=values.as_strided(host.shape, host.stride(), host.storage_offset()),
+               _master=master_for(values, master.pager))
+    own.pop("_cast", None)
     cast.views.pop(id(t), None)
 
 

@@ -190,3 +190,47 @@ def test_a_transformers_model_trains_under_autocast_as_unwrapped(device):
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
     assert ot.stats(model).peak_device_bytes <= ot.stats(model).budget_bytes
+
+
+def _cast_views_frames(code) -> bool:
+    return code.co_filename.endswith(f"offtensor{__import__('os').sep}cast_views.py")
+
+
+@pytest.mark.parametrize("what", ["a write of the weight", "a read of the cast's host bytes"])
+def test_an_interrupt_at_any_bytecode_of_a_lazy_casts_copy_loses_nothing(what, device):
+    # A KeyboardInterrupt raised at each opcode of cast_views' frames while a write of the weight
+    # moves its lazy casts to a copy (or a host read makes one a tensor of its own): the op is cut
+    # short or done, and done again it leaves the weight written and the cast with torch's values.
+    import sys
+
+    from test_interrupts_atomic import _InterruptAt
+
+    def attempt(tracer):
+        _, model = _pair(device)
+        w = model[0].weight
+        before = w.detach().cpu().clone()
+        cast = w.to(torch.float16)
+        sys.settrace(tracer)
+        try:
+            if what == "a write of the weight":
+                with torch.no_grad():
+                    w.add_(1.0)
+            else:
+                cast.tolist()
+        except KeyboardInterrupt:
+            sys.settrace(None)
+            if what == "a write of the weight":
+                with torch.no_grad():
+                    w.add_(1.0)
+        finally:
+            sys.settrace(None)
+        written = before + 1.0 if what == "a write of the weight" else before
+        assert torch.equal(w.detach().cpu(), written)
+        assert torch.equal(cast.detach().cpu(), before.to(torch.float16))
+        assert cast.tolist() == before.to(torch.float16).tolist()
+
+    counter = _InterruptAt(-1, _cast_views_frames)
+    attempt(counter)
+    assert counter.count > 10
+    for n in range(1, counter.count + 1):
+        attempt(_InterruptAt(n, _cast_views_frames))
