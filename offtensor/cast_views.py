@@ -144,24 +144,33 @@ observe_writes(_before_write)
 
 
 def resolve(t: OffloadedTensor) -> None:
-    """Make the cast view ``t`` an ordinary OffloadedTensor of a master of its own holding the cast
-    values (its whole master cast on the host, so that ``t``'s offset and strides stay its host
-    view's): before an op reads its host bytes as they are, or writes it."""
-    own = t.__dict__
-    cast = own.get("_cast")
+    """Make the cast view ``t``, and every view of the same cast with it, ordinary OffloadedTensors
+    of one master of their own holding the cast values: before an op reads ``t``'s host bytes as
+    they are, or writes it. The whole master is cast on the host, so each view keeps its offset
+    and strides, and views of one cast stay aliases of each other (a write through one is seen
+    through the others, as for views of a plain tensor)."""
+    cast = t.__dict__.get("_cast")
     if cast is None:
         return
-    master, host = own["_master"], own["_host"]
-    whole = master.flat.view(host.dtype)
+    views = [v for v in cast.live_views() if v.__dict__.get("_cast") is cast]
+    if not any(v is t for v in views):  # (by identity: ``in`` would compare tensors with ==)
+        views.append(t)
+    master = t.__dict__["_master"]
+    whole = master.flat.view(t.__dict__["_host"].dtype)
     values = new_host_master(whole, pin=pins_host_memory(master.pager.device), dtype=cast.dtype)
-    own.pop("_layout", None)
-    own.pop("_views", None)
-    # Host view and master in one call; then the cast goes (cut short between, a page of it casts
-    # to the dtype it already has: the same values).
-    own.update(_host=values.as_strided(host.shape, host.stride(), host.storage_offset()),
-               _master=master_for(values, master.pager))
-    own.pop("_cast", None)
-    cast.views.pop(id(t), None)
+    own_master = master_for(values, master.pager)
+    storage = values.untyped_storage()
+    for view in views:
+        own = view.__dict__
+        host = own["_host"]
+        own.pop("_layout", None)
+        own.pop("_views", None)
+        # Host view and master in one call; then the cast goes (cut short between, a page of it
+        # casts to the dtype it already has: the same values).
+        own.update(_host=torch.empty(0, dtype=cast.dtype).set_(storage, host.storage_offset(), host.shape,
+                                                               host.stride()), _master=own_master)
+        own.pop("_cast", None)
+        cast.views.pop(id(view), None)
 
 
 RESOLVE_CAST[0] = resolve

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import offtensor
-from offtensor import OffloadedTensor
+from offtensor import OffloadedTensor, cast_views
 from offtensor.pager import Pager, resolve_device
 
 
@@ -117,11 +117,17 @@ def _clone(t: torch.Tensor, style: str) -> torch.Tensor:
     t = t.detach()
     if style == "view":
         return _strided_copy(t, Offloader.PAD)[0]
+    if style == "cast" and t.dtype in _CAST_FROM:
+        return t.contiguous().clone()  # what a lazy cast of offload()'s master of a cast copy has
     return t.clone()  # what offload() makes: dense layouts kept, others contiguous
 
 
+# The wider dtype a ``cast`` style master holds a sample tensor's values in (every value exact).
+_CAST_FROM = {torch.float32: torch.float64, torch.bfloat16: torch.float32, torch.float16: torch.float32}
+
+
 class Offloader:
-    """Offloads sample tensors in one of two styles:
+    """Offloads sample tensors in one of three styles:
 
     - ``whole``: ``offtensor.offload(t)``, the tensor is its own master in the standalone
       (uncached) pager; gapped or overlapping strides become contiguous there;
@@ -130,7 +136,9 @@ class Offloader:
       masters belong to a pager with a budget, so paged copies stay cached between ops and a
       write that forgets to invalidate them shows up when the inputs are read back through the
       device. After the op, ``check_untouched`` verifies the padding and gaps of every master are
-      still zero (writes went exactly where they belong)."""
+      still zero (writes went exactly where they belong);
+    - ``cast``: a floating tensor as a lazy cast (``offtensor.cast_views``) of a master holding its
+      values in a wider dtype (others as ``whole``), so every op meets the handlers' casts."""
 
     PAD = 2
     _cached_pagers: dict = {}
@@ -147,7 +155,11 @@ class Offloader:
 
     def __call__(self, t: torch.Tensor) -> OffloadedTensor:
         t = t.detach()
-        if self.style == "whole":
+        if self.style == "cast" and t.dtype in _CAST_FROM:
+            # A lazy cast (cast_views, what autocast makes of a weight with grad on) of a master
+            # holding the values in a wider dtype, exactly: its values are t's.
+            return cast_views.cast_view(offtensor.offload(t.to(_CAST_FROM[t.dtype]), self.device), t.dtype)
+        if self.style in ("whole", "cast"):
             return offtensor.offload(t, self.device)
         _, buffer, index = _strided_copy(t, self.PAD)
         master = offtensor.offload(buffer, self.device, pager=self.pager)

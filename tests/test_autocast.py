@@ -234,3 +234,21 @@ def test_an_interrupt_at_any_bytecode_of_a_lazy_casts_copy_loses_nothing(what, d
     assert counter.count > 10
     for n in range(1, counter.count + 1):
         attempt(_InterruptAt(n, _cast_views_frames))
+
+
+def test_a_write_through_a_view_of_a_lazy_cast_is_seen_through_the_cast(device):
+    # Views of one cast alias each other as views of a plain tensor do: a write through a row of
+    # ``cast.detach()`` (F.embedding's max_norm renormalises its weight so) is read through ``cast``;
+    # the weight it was cast from is untouched.
+    _, model = _pair(device)
+    w = model[0].weight
+    before = w.detach().cpu().clone()
+    cast = w.to(torch.float16)
+    rows = cast.detach()[1:3]
+    with torch.no_grad():
+        rows.fill_(3.0)
+    expected = before.to(torch.float16)
+    expected[1:3] = 3.0
+    assert torch.equal(cast.detach().cpu(), expected)
+    assert torch.equal(rows.cpu(), expected[1:3])
+    assert torch.equal(w.detach().cpu(), before)

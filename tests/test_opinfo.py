@@ -14,9 +14,9 @@ what they give on plain tensors:
   outputs against fixed random cotangents, are equal. Two splits per sample: the sample's input
   plain and its other tensors offloaded, and the reverse.
 
-Each sample is offloaded in one of two styles (``Offloader``): each tensor as its own master, or
+Each sample is offloaded in one of three styles (``Offloader``): each tensor as its own master;
 as a strided view at an offset into a larger, zero-padded master of a pager with a budget (cached
-device copies). Mutated tensors are read back both from the host master and through the pager,
+device copies); or, for a floating tensor, as a lazy cast of a master holding it in a wider dtype. Mutated tensors are read back both from the host master and through the pager,
 and the padding must stay untouched.
 
 Samples whose reference raises or is not a function of its inputs (run twice under one seed) are
@@ -25,8 +25,8 @@ compared too. The sample plumbing, the comparison and the four variants are in
 tests/opinfo_variants.py; the sweep over the database and its verdict are here.
 
 By default the first ``OFFTENSOR_OPINFO_SAMPLES`` (8) samples per op and dtype run, alternating
-the two styles, which keeps this test under a minute on two cores;
-``OFFTENSOR_OPINFO_FULL=1`` runs every sample in both styles (about 7 minutes). ``OFFTENSOR_OPINFO_REPORT=1`` (or a path ending in
+the three styles, which keeps this test under a minute and a half on two cores;
+``OFFTENSOR_OPINFO_FULL=1`` runs every sample in every style (about 10 minutes). ``OFFTENSOR_OPINFO_REPORT=1`` (or a path ending in
 .json) writes a JSON summary to ``benchmarks/results/opinfo_sweep.json``;
 ``OFFTENSOR_OPINFO_OPS=add,mm`` restricts the sweep to ops whose name starts with one of the
 prefixes (for debugging).
@@ -61,7 +61,7 @@ REPORT_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "resu
 DTYPES = (torch.float32, torch.int64, torch.bfloat16)
 # How sample tensors are offloaded (see Offloader): as their own masters, and as strided views
 # into a larger master.
-STYLES = ("whole", "view")
+STYLES = ("whole", "view", "cast")
 
 # Ops whose result is not a function of their inputs even under a fixed seed: they return
 # uninitialised memory, so any comparison is meaningless.
