@@ -117,9 +117,7 @@ def _clone(t: torch.Tensor, style: str) -> torch.Tensor:
     t = t.detach()
     if style == "view":
         return _strided_copy(t, Offloader.PAD)[0]
-    if style == "cast" and t.dtype in _CAST_FROM:
-        return t.contiguous().clone()  # what a lazy cast of offload()'s master of a cast copy has
-    return t.clone()  # what offload() makes: dense layouts kept, others contiguous
+    return t.clone()  # what offload() makes (of a cast copy too): dense layouts kept, others contiguous
 
 
 # The wider dtype a ``cast`` style master holds a sample tensor's values in (every value exact).

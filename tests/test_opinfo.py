@@ -25,8 +25,8 @@ compared too. The sample plumbing, the comparison and the four variants are in
 tests/opinfo_variants.py; the sweep over the database and its verdict are here.
 
 By default the first ``OFFTENSOR_OPINFO_SAMPLES`` (8) samples per op and dtype run, alternating
-the three styles, which keeps this test under a minute and a half on two cores;
-``OFFTENSOR_OPINFO_FULL=1`` runs every sample in every style (about 10 minutes). ``OFFTENSOR_OPINFO_REPORT=1`` (or a path ending in
+the three styles, which keeps this test about a minute on two cores;
+``OFFTENSOR_OPINFO_FULL=1`` runs every sample in every style (about 8 minutes). ``OFFTENSOR_OPINFO_REPORT=1`` (or a path ending in
 .json) writes a JSON summary to ``benchmarks/results/opinfo_sweep.json``;
 ``OFFTENSOR_OPINFO_OPS=add,mm`` restricts the sweep to ops whose name starts with one of the
 prefixes (for debugging).
