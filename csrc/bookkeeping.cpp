@@ -57,6 +57,7 @@ Slot& kMisses = slot_of("misses");
 Slot& kExperts = slot_of("experts");
 Slot& kGroup = slot_of("group");
 Slot& kUsed = slot_of("used");
+Slot& kLastUsed = slot_of("last_used");
 Slot& kMasterId = slot_of("master_id");
 Slot& kKeys = slot_of("keys");
 Slot& kNumExperts = slot_of("num_experts");
@@ -453,6 +454,87 @@ PyObject* expert_evicted(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
+// How many of `used`'s items `last` holds: `len(used & last)` (two sets of experts: the smaller walked,
+// as the interpreter's intersection walks it), or -1 with an exception set.
+Py_ssize_t common(PyObject* used, PyObject* last) {
+  if (!PyAnySet_CheckExact(used) || !PyAnySet_CheckExact(last)) {
+    PyRef both(PyNumber_And(used, last));
+    return both.p ? PyObject_Size(both.p) : -1;
+  }
+  PyObject *walked = PySet_GET_SIZE(used) <= PySet_GET_SIZE(last) ? used : last, *other = walked == used ? last : used;
+  Py_ssize_t pos = 0, count = 0;
+  PyObject* item;
+  Py_hash_t hash;
+  while (_PySet_NextEntry(walked, &pos, &item, &hash)) {
+    const int found = PySet_Contains(other, item);
+    if (found < 0) return -1;
+    count += found;
+  }
+  return count;
+}
+
+// The reuse rate of `stack`'s layer after the step (ExpertEviction.measure_reuse: the share of its
+// last step's experts it routed again, into the average), or None where this stack does not measure
+// it (none used, its layer measured by an earlier stack, a step that routed more or fewer); nullptr
+// on failure. Its group is added to `seen` where it measures.
+PyObject* reuse_after(PyObject* stack, PyObject* reuse, PyObject* seen, double decay, PyObject* prior) {
+  PyRef used(kUsed(stack)), group(used.p ? kGroup(stack) : nullptr), last(group.p ? kLastUsed(stack) : nullptr);
+  if (!last.p) return nullptr;
+  const int any = PyObject_IsTrue(used.p);
+  const int measured = any > 0 ? PySet_Contains(seen, group.p) : any;
+  if (measured < 0) return nullptr;
+  if (!any || measured) return Py_NewRef(Py_None);
+  const Py_ssize_t count = PyObject_Size(used.p), before = PyObject_Size(last.p);
+  if (count < 0 || before < 0) return nullptr;
+  if (count != before) return Py_NewRef(Py_None);
+  const Py_ssize_t again = PySet_Add(seen, group.p) < 0 ? -1 : common(used.p, last.p);
+  PyRef old(again < 0 ? nullptr : get(reuse, group.p, prior));
+  const double rate = old.p ? PyFloat_AsDouble(old.p) : -1.0;
+  if (!old.p || (rate == -1.0 && PyErr_Occurred())) return nullptr;
+  // `decay * rate + (1 - decay) * share`, each product rounded apart as the interpreter's are (no
+  // fused multiply-add, which would round once).
+  const double share = static_cast<double>(again) / static_cast<double>(count);
+  volatile double kept = decay * rate, added = (1.0 - decay) * share;
+  return PyFloat_FromDouble(kept + added);
+}
+
+// ExpertEviction.measure_reuse(turn) over `by_master`'s stacks: every layer's reuse rate found, then
+// stored; with `turn`, then every stack's experts used this step become its last step's
+// (`stack.last_used, stack.used = stack.used, set()`, ExpertStacks.step), the new sets made first.
+PyObject* measure_reuse(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 5 || !PyDict_Check(args[0]) || !PyFloat_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "offtensor: measure_reuse(by_master, reuse, decay, prior, turn)");
+    return nullptr;
+  }
+  PyObject *reuse = args[1], *prior = args[3];
+  const double decay = PyFloat_AS_DOUBLE(args[2]);
+  const int turn = PyObject_IsTrue(args[4]);
+  PyRef stacks(turn >= 0 ? PyDict_Values(args[0]) : nullptr), seen(stacks.p ? PySet_New(nullptr) : nullptr);
+  PyRef rates(seen.p ? PyList_New(0) : nullptr), fresh(rates.p ? PyList_New(0) : nullptr);  // (group, rate) pairs; new sets
+  if (!fresh.p) return nullptr;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(stacks.p); ++i) {
+    PyObject* stack = PyList_GET_ITEM(stacks.p, i);
+    PyRef rate(reuse_after(stack, reuse, seen.p, decay, prior));
+    if (!rate.p) return nullptr;
+    if (rate.p != Py_None) {
+      PyRef group(kGroup(stack)), pair(group.p ? PyTuple_Pack(2, group.p, rate.p) : nullptr);
+      if (!pair.p || PyList_Append(rates.p, pair.p) < 0) return nullptr;
+    }
+    PyRef empty(turn ? PySet_New(nullptr) : nullptr);
+    if (turn && (!empty.p || PyList_Append(fresh.p, empty.p) < 0)) return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(rates.p); ++i) {
+    PyObject* pair = PyList_GET_ITEM(rates.p, i);
+    if (PyObject_SetItem(reuse, PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1)) < 0) return nullptr;
+  }
+  for (Py_ssize_t i = 0; turn && i < PyList_GET_SIZE(stacks.p); ++i) {
+    PyObject* stack = PyList_GET_ITEM(stacks.p, i);
+    PyRef used(kUsed(stack));
+    if (!used.p || !kLastUsed.set(stack, used.p) || !kUsed.set(stack, PyList_GET_ITEM(fresh.p, i))) return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
 PyMethodDef kMethods[] = {
     {"expert_accessed", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(expert_accessed)), METH_FASTCALL,
      "An op paged an expert (offtensor/moe/stacks.py: ExpertStacks.accessed)."},
@@ -460,6 +542,8 @@ PyMethodDef kMethods[] = {
      "The pager copied an expert (offtensor/moe/stacks.py: ExpertStacks.copied)."},
     {"expert_evicted", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(expert_evicted)), METH_FASTCALL,
      "The pager evicted a cached copy (offtensor/moe/stacks.py: ExpertStacks.evicted)."},
+    {"measure_reuse", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(measure_reuse)), METH_FASTCALL,
+     "Each layer's reuse rate after a step, and every stack's turn (offtensor/moe/eviction.py: ExpertEviction.measure_reuse)."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from offtensor import _ext
+from offtensor.moe import eviction as eviction_module
 from offtensor.moe import stacks as stacks_module
 from offtensor.moe.stack import Stack
 from offtensor.moe.stacks import ExpertStacks
 from offtensor.pager import cache_key
 
-NATIVES = ("_NATIVE_ACCESSED", "_NATIVE_COPIED", "_NATIVE_EVICTED")
+NATIVES = ("_NATIVE_ACCESSED", "_NATIVE_COPIED", "_NATIVE_EVICTED")  # (and eviction's _NATIVE_REUSE)
 STEP = 8  # elements per expert
 
 
@@ -106,6 +107,9 @@ def _events(seed: int, stacks: ExpertStacks) -> None:
         elif roll < 0.96:
             stacks.eviction.decay()
         elif roll < 0.98:
+            for stack in stacks.by_master.values():  # (a step that routed as many experts as the last: measured)
+                if rng.random() < 0.5 and len(stack.last_used) <= stack.num_experts // 2:
+                    stack.used = set(rng.sample(range(stack.num_experts), len(stack.last_used)))
             stacks.step()
         elif stacks.speculator is not None:
             stacks.speculator.used = rng.choice([stacks.speculator.learned.setdefault, lambda stack, expert: None])
@@ -126,6 +130,7 @@ def _state(stacks: ExpertStacks) -> dict:
         "heaps": {m: [tuple(exact(x) for x in r) for r in heap] for m, heap in eviction._coldest.heaps.items()},
         "stale": list(kept.stale), "dirty": sorted(s.name for s in kept.dirty),
         "issued": sorted(map(repr, stacks.issuer.issued_for_op)),
+        "reuse": [(g, exact(v)) for g, v in eviction._reuse.items()],
         "learned": None if stacks.speculator is None else [(s.name, e) for s, e in stacks.speculator.learned.items()],
     }
 
@@ -134,6 +139,7 @@ def _interpreted(monkeypatch, fn, *args):
     with monkeypatch.context() as m:
         for name in NATIVES:
             m.setattr(stacks_module, name, None)
+        m.setattr(eviction_module, "_NATIVE_REUSE", None)
         return fn(*args)
 
 
@@ -199,3 +205,34 @@ def test_each_expert_paged_copied_or_evicted_is_one_call_into_c():
         sys.setprofile(None)
     assert frames == ["copied", "accessed", "evicted"] * 4
     assert (stack.hits, stack.misses, stack.evictions, stack.bytes_h2d) == (1, 3, 4, 4 * STEP * 2)
+
+
+def test_the_native_step_end_measures_each_layers_reuse_and_turns_every_stack_as_the_interpreter(monkeypatch):
+    """A step's end (``ExpertEviction.measure_reuse``, with ``turn`` as ``ExpertStacks.step`` calls it):
+    each layer's reuse rate from its first stack that routed as many experts as at its last turn,
+    the same floats in the same order, and every stack's experts used this step its last step's
+    (the same set), a new empty set its used ones."""
+    if not _ext.NATIVE or eviction_module._NATIVE_REUSE is None:
+        pytest.skip("the native extension is not built with the step's end")
+    for seed in range(60):
+        def build() -> ExpertStacks:
+            rng = random.Random(seed)
+            stacks = _expert_stacks(4, 16, False)
+            for stack in stacks.by_master.values():
+                k = rng.choice([0, 2, 5])
+                stack.used = set(rng.sample(range(16), k))
+                stack.last_used = set(rng.sample(range(16), rng.choice([k, k, 3])))
+            groups = list(stacks.eviction.stack_groups())
+            stacks.eviction._reuse = {group: rng.random() for group in rng.sample(groups, 2)}
+            return stacks
+
+        native, interpreted = build(), build()
+        turn = seed % 3 != 0
+        used = [stack.used for stack in native.by_master.values()]
+        native.eviction.measure_reuse(turn=turn)
+        _interpreted(monkeypatch, interpreted.eviction.measure_reuse, turn)
+        assert _state(native) == _state(interpreted), seed
+        if turn:
+            assert [stack.last_used for stack in native.by_master.values()] == used
+            assert all(a.last_used is b for a, b in zip(native.by_master.values(), used))
+            assert all(stack.used == set() for stack in native.by_master.values())

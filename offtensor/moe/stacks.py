@@ -204,9 +204,7 @@ class ExpertStacks:
         self.eviction.decay()
         if self.speculator is not None:
             self.speculator.step()
-        self.eviction.measure_reuse()
-        for stack in self.by_master.values():
-            stack.last_used, stack.used = stack.used, set()
+        self.eviction.measure_reuse(turn=True)  # (and every stack's experts used this step become its last step's)
         self.layers.step()
         self.issuer.step()
         self.eviction.step()
