@@ -4,7 +4,7 @@
                                                # an isolated build env (which would fetch another one)
 
 - The C++ part (csrc/offtensor.cpp, csrc/policy.cpp, csrc/eviction.cpp, csrc/guesses.cpp,
-  csrc/guess_records.cpp) is always built.
+  csrc/guess_records.cpp, csrc/bookkeeping.cpp) is always built.
 - csrc/cuda/runtime.cu is compiled with nvcc and linked in (with -lcudart) when nvcc is found via
   CUDA_HOME, CUDA_PATH, PATH or /usr/local/cuda. That is decided from the toolkit, never from
   torch.cuda.is_available(): a GPU-less build machine must not silently drop the CUDA code.
@@ -89,7 +89,7 @@ def native_build():
         )
     extension = CppExtension(
         "offtensor._C",
-        [os.path.join("csrc", name) for name in ("offtensor.cpp", "policy.cpp", "eviction.cpp", "guesses.cpp", "guess_records.cpp")],
+        [os.path.join("csrc", name) for name in ("offtensor.cpp", "policy.cpp", "eviction.cpp", "guesses.cpp", "guess_records.cpp", "bookkeeping.cpp")],
         # Last on the command line, so these win over Python's own "-g -O3".
         extra_compile_args=["-O0", "-g0"] if env_flag("OFFTENSOR_UNOPTIMISED_BUILD") else ["-O2"],
         **kwargs,

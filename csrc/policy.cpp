@@ -20,6 +20,7 @@ PyObject* victim_search(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 // The host side of a routing guess (csrc/guesses.cpp) and the guesses' records (csrc/guess_records.cpp).
 PyMethodDef* guess_methods();
 PyMethodDef* record_methods();
+PyMethodDef* bookkeeping_methods();  // The bookkeeping of every expert paged, copied or evicted (csrc/bookkeeping.cpp).
 
 namespace {
 
@@ -214,7 +215,7 @@ PyMethodDef kMethods[] = {
 PyMethodDef* policy_methods() {
   static std::vector<PyMethodDef> table = [] {
     std::vector<PyMethodDef> all;
-    for (PyMethodDef* part : {kMethods, guess_methods(), record_methods()})
+    for (PyMethodDef* part : {kMethods, guess_methods(), record_methods(), bookkeeping_methods()})
       for (PyMethodDef* method = part; method->ml_name != nullptr; ++method) all.push_back(*method);
     all.push_back({nullptr, nullptr, 0, nullptr});
     return all;

@@ -51,6 +51,9 @@ _NATIVE_VICTIM = _ext.native_function("victim_search")
 # A guess's experts' cache keys in every stack of its layer (csrc/policy.cpp), every layer of every
 # decode step: one call where the interpreter took a step per key.
 _NATIVE_KEYS = _ext.native_function("expert_keys")
+# The step's end in one walk of the stacks (csrc/bookkeeping.cpp): each layer's reuse rate measured,
+# and every stack's experts used this step made its last step's.
+_NATIVE_REUSE = _ext.native_function("measure_reuse")
 # Probability of use given to an expert with no recorded use, so the cyclic distance still orders them.
 UNSEEN_USE = 0.02
 # A guess's copy may evict only a copy whose next use is expected at least this many cycles of
@@ -363,10 +366,15 @@ class ExpertEviction:
         (_NATIVE_DECAY or _decay_counts)(self.frequency, FREQUENCY_DECAY, FREQUENCY_FLOOR)
         self._coldest.decay(FREQUENCY_DECAY, self.frequency, self.by_master)
 
-    def measure_reuse(self) -> None:
+    def measure_reuse(self, turn: bool = False) -> None:
         """Update each layer's token-to-token locality from the step that ended: the share of its
         last step's experts that it routed again. Only steps that routed as many experts as the one
-        before count (one-token decode steps; a prefill routes to most experts of a layer)."""
+        before count (one-token decode steps; a prefill routes to most experts of a layer). With
+        ``turn`` (``ExpertStacks.step``), every stack's experts used this step then become its last
+        step's, in the same walk (the native extension's where built: the same rates, bit for bit)."""
+        if _NATIVE_REUSE is not None:
+            _NATIVE_REUSE(self.by_master, self._reuse, REUSE_DECAY, REUSE_PRIOR, turn)
+            return
         seen = set()
         for stack in self.by_master.values():
             if stack.group in seen or not stack.used or len(stack.used) != len(stack.last_used):
@@ -374,6 +382,9 @@ class ExpertEviction:
             seen.add(stack.group)
             share = len(stack.used & stack.last_used) / len(stack.used)
             self._reuse[stack.group] = REUSE_DECAY * self._reuse.get(stack.group, REUSE_PRIOR) + (1 - REUSE_DECAY) * share
+        if turn:
+            for stack in self.by_master.values():
+                stack.last_used, stack.used = stack.used, set()
 
     def step(self) -> None:
         """A step ended: the guards of its guesses lapse with it (and every stack's candidates)."""
