@@ -78,7 +78,11 @@ PyObject* heapq_function(const char* name) {
 PyObject* get(PyObject* mapping, PyObject* key, PyObject* fallback = nullptr, Py_hash_t hash = -1) {
   if (fallback == nullptr) fallback = Py_None;
   if (PyDict_CheckExact(mapping)) {
+#if PY_VERSION_HEX < 0x030D0000
     PyObject* value = hash != -1 ? _PyDict_GetItem_KnownHash(mapping, key, hash) : PyDict_GetItemWithError(mapping, key);
+#else  // (CPython 3.13 made the known-hash probe internal)
+    PyObject* value = PyDict_GetItemWithError(mapping, key);
+#endif
     return value != nullptr ? Py_NewRef(value) : PyErr_Occurred() ? nullptr : Py_NewRef(fallback);
   }
   static PyObject* get_name = PyUnicode_InternFromString("get");

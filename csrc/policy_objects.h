@@ -3,7 +3,7 @@
 // through too), dict look-ups with one hash per key, and heapq's own
 // steps on a list of records, each the same read the interpreter makes, without its generic path
 // (an attribute through its class, a method call, tuples compared through the interpreter: 150 to
-// 2,000 instructions each). Included by eviction.cpp alone: its functions are that file's own.
+// 2,000 instructions each). Included by eviction.cpp and bookkeeping.cpp (its heap push): each gets its own copy.
 #pragma once
 
 #include <Python.h>
