@@ -183,23 +183,17 @@ PyObject* paying_bins(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyLong_FromUnsignedLongLong(mask);
 }
 
-// worth_copies(router, pool, ahead, gate, bins, cached): the experts of a guess (bins: expert -> its
-// bin, the most confident first) worth a copy, in that order: not ``cached``, not copied by the
-// router's open guesses yet (router.copied), and in a bin that pays (guesses.Router.worth).
-PyObject* worth_copies(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 6 || !PyDict_Check(args[4])) {
-    PyErr_SetString(PyExc_TypeError, "offtensor: worth_copies(router, pool, ahead, gate, bins, cached)");
-    return nullptr;
-  }
-  int ahead;
-  double gate;
+// The experts of a guess (``bins``: a dict of expert -> its bin, the most confident first) worth a
+// copy, in that order: not ``cached``, not copied by the router's open guesses yet (router.copied),
+// and in a bin that pays (guesses.Router.worth); a new list, or nullptr with an exception set.
+PyObject* worth_list(PyObject* router, PyObject* pool, int ahead, double gate, PyObject* bins_dict, PyObject* cached) {
   uint64_t mask;
-  if (!gate_args(args, &ahead, &gate) || !paying_mask(args[0], args[1], ahead, gate, &mask)) return nullptr;
+  if (!paying_mask(router, pool, ahead, gate, &mask)) return nullptr;
   PyRef out(PyList_New(0));
   if (!out.p || mask == 0) return out.release();
-  PyRef copied(slots().copied(args[0]));
+  PyRef copied(slots().copied(router));
   if (!copied.p) return nullptr;
-  PyRef bins(Py_NewRef(args[4]));
+  PyRef bins(Py_NewRef(bins_dict));
   Py_ssize_t pos = 0;
   PyObject *expert, *bin;
   while (PyDict_Next(bins.p, &pos, &expert, &bin)) {
@@ -210,7 +204,7 @@ PyObject* worth_copies(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       return nullptr;
     }
     if (b >= 64 || !(mask >> b & 1)) continue;
-    const int is_cached = contains(args[5], expert);
+    const int is_cached = contains(cached, expert);
     if (is_cached < 0) return nullptr;
     if (is_cached) continue;
     const int is_copied = contains(copied.p, expert);
@@ -218,6 +212,58 @@ PyObject* worth_copies(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!is_copied && PyList_Append(out.p, expert) < 0) return nullptr;
   }
   return out.release();
+}
+
+// worth_copies(router, pool, ahead, gate, bins, cached): worth_list (guesses.Router.worth).
+PyObject* worth_copies(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 6 || !PyDict_Check(args[4])) {
+    PyErr_SetString(PyExc_TypeError, "offtensor: worth_copies(router, pool, ahead, gate, bins, cached)");
+    return nullptr;
+  }
+  int ahead;
+  double gate;
+  if (!gate_args(args, &ahead, &gate)) return nullptr;
+  return worth_list(args[0], args[1], ahead, gate, args[4], args[5]);
+}
+
+// open_guess(router, bins, cached, tokens, ahead, pool, gate): guesses.open_guess, a guess of
+// ``router``'s layer made ``ahead`` layers before it opened on its records (bins, the experts
+// ``cached`` then, and with it the copies it may make), and the experts worth a copy (worth_list;
+// an empty list with ``gate`` None: nothing is copied). None, with nothing changed, where an open
+// guess must be scored first (one left open by a pass that did not end). Everything that can fail
+// (the new dict and set) is made before the first store; the stores cannot.
+PyObject* open_guess(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 7 || !PyDict_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "offtensor: open_guess(router, bins, cached, tokens, ahead, pool, gate)");
+    return nullptr;
+  }
+  PyObject *router = args[0], *bins = args[1], *cached = args[2], *tokens = args[3], *pool = args[5];
+  const long ahead_value = PyLong_AsLong(args[4]);
+  if (ahead_value == -1 && PyErr_Occurred()) return nullptr;
+  const int ahead = ahead_value == 1 ? 1 : 2;
+  double gate = 0.0;
+  if (args[6] != Py_None) {
+    gate = PyFloat_AsDouble(args[6]);
+    if (gate == -1.0 && PyErr_Occurred()) return nullptr;
+  }
+  Slots& at = slots();
+  PyRef first(at.guess(router));
+  PyRef second(first.p ? at.guess2(router) : nullptr);
+  if (!second.p) return nullptr;
+  if (first.p != Py_None || (ahead == 2 && second.p != Py_None)) Py_RETURN_NONE;  // (scored first)
+  PyRef fresh(ahead == 2 || second.p == Py_None ? PyDict_New() : Py_NewRef(Py_None));
+  PyRef fresh2(ahead == 2 ? PySet_New(nullptr) : Py_NewRef(Py_None));
+  if (!fresh.p || !fresh2.p) return nullptr;
+  if (ahead == 1) {
+    if (!at.guess.set(router, bins) || !at.cached.set(router, cached) || !at.guess_tokens.set(router, tokens))
+      return nullptr;
+    if (second.p == Py_None && !at.copied.set(router, fresh.p)) return nullptr;
+  } else if (!at.guess2.set(router, bins) || !at.cached2.set(router, cached) || !at.copied.set(router, fresh.p) ||
+             !at.copied2.set(router, fresh2.p)) {
+    return nullptr;
+  }
+  if (args[6] == Py_None) return PyList_New(0);
+  return worth_list(router, pool, ahead, gate, bins, cached);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -435,6 +481,8 @@ PyMethodDef kMethods[] = {
      "The confidence bins that pay for a copy (offtensor/moe/guesses.py: Router.paying)."},
     {"worth_copies", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(worth_copies)), METH_FASTCALL,
      "A guess's experts worth a copy (offtensor/moe/guesses.py: Router.worth)."},
+    {"open_guess", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(open_guess)), METH_FASTCALL,
+     "A guess opened on its router's records, and its experts worth a copy (offtensor/moe/guesses.py: open_guess)."},
     {"score_guess", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(score_guess)), METH_FASTCALL,
      "A router's open guesses scored against its layer's experts (offtensor/moe/guesses.py: score)."},
     {"close_step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(close_step)), METH_FASTCALL,

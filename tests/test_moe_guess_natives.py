@@ -21,11 +21,12 @@ import torch
 from torch import nn
 
 from offtensor import _ext
-from offtensor.moe import eviction, eviction_index, guesses, speculation
+from offtensor.moe import eviction, eviction_index, guesses, prefetch, speculation
 
 NATIVES = ((guesses, "_NATIVE_GUESS"), (guesses, "_NATIVE_CHANCES"), (guesses, "_NATIVE_BINS"), (guesses, "_NATIVE_RANKED"),
            (guesses, "_NATIVE_PAYING"), (guesses, "_NATIVE_WORTH"), (guesses, "_NATIVE_SCORE"), (guesses, "_NATIVE_CLOSE"),
-           (speculation, "_NATIVE_CACHED"), (eviction, "_NATIVE_KEYS"), (eviction_index, "_NATIVE_LIKELIEST"))
+           (speculation, "_NATIVE_CACHED"), (eviction, "_NATIVE_KEYS"), (eviction_index, "_NATIVE_LIKELIEST"),
+           (guesses, "_NATIVE_OPEN"), (prefetch, "_NATIVE_KEYS"))
 
 
 def _native_or_skip():
@@ -198,6 +199,55 @@ def test_the_native_scoring_and_a_steps_close_leave_the_interpreters_records_bit
             got = guesses.score(router, pool, used)
             want = _interpreted(monkeypatch, guesses.score, twin, twin_pool, used)
         assert got == want and _state(router, pool) == _state(twin, twin_pool), trial
+
+
+def test_opening_a_guess_in_one_native_call_leaves_the_interpreters_records_and_copy_candidates(monkeypatch):
+    """A guess opened one or two layers ahead, copying or not: the router's open guesses, the
+    experts cached then, its copies and the experts worth a copy, bit for bit as the interpreter's
+    stores and ``Router.worth``; and where a guess is still open (one left by a pass that did not
+    end), nothing changed and None back, so that it is scored first."""
+    _native_or_skip()
+    assert guesses._NATIVE_OPEN is not None
+    rng = random.Random(6)
+    for trial in range(400):
+        router, pool, ahead = _router(rng), rng.choice([None, _pool(rng)]), rng.choice([1, 2])
+        twin, twin_pool = copy.deepcopy(router), copy.deepcopy(pool)
+        bins = {e: rng.randrange(len(guesses.CONFIDENCE_BINS)) for e in rng.sample(range(16), rng.randrange(8))}
+        cached, tokens, copying = frozenset(rng.sample(range(16), rng.randrange(6))), rng.choice([1, 3]), rng.random() < 0.7
+        got = guesses.open_guess(router, bins, cached, tokens, ahead, pool, copying)
+        want = _interpreted(monkeypatch, guesses.open_guess, twin, bins, cached, tokens, ahead, twin_pool, copying)
+        assert got == want and _state(router, pool or ()) == _state(twin, twin_pool or ()), trial
+
+
+def test_an_announce_issues_the_same_copies_with_its_key_set_made_natively(monkeypatch):
+    """A layer's announce: the key set it hands on, the copies it issues in order (cached keys
+    skipped, a stack given up at the first copy the budget refuses) and the keys it marks as issued
+    for its op, native as interpreted; the layer's second stack with the same experts issues nothing."""
+    _native_or_skip()
+    rng = random.Random(7)
+
+    def announce(group, experts, cached, refuse):
+        issued = []
+        pager = SimpleNamespace(is_cached=lambda key: key in cached,
+                                prefetch=lambda master, dtype, lo, hi, key: issued.append(key) or key not in refuse)
+        issuer = prefetch.ExpertIssuer(SimpleNamespace(needed=None))
+        known = []
+        first = issuer.announce(pager, group[0], group, experts, None, lambda g, keys: known.append(set(keys)))
+        second = issuer.announce(pager, group[-1], group, experts, None)
+        return first, second, known, issued, set(issuer.issued_for_op), issuer.layers.needed
+
+    for trial in range(100):
+        group = []
+        for s in range(rng.choice([1, 2, 3])):
+            keys = tuple((10 + s, torch.float32, 8 * e, 8 * (e + 1)) for e in range(16))
+            master = SimpleNamespace(flat=object())
+            group.append(SimpleNamespace(group="layer", keys=keys, key_of=keys.__getitem__, master_ref=lambda m=master: m))
+        experts = rng.sample(range(16), rng.randrange(1, 9))
+        every = [key for stack in group for key in stack.keys]
+        cached, refuse = set(rng.sample(every, rng.randrange(8))), set(rng.sample(every, rng.randrange(3)))
+        got = announce(group, experts, cached, refuse)
+        assert got == _interpreted(monkeypatch, announce, group, experts, cached, refuse), trial
+        assert got[0] and not got[1]
 
 
 def test_a_guess_guards_the_same_keys_through_the_native_builder(monkeypatch):

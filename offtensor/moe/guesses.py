@@ -295,6 +295,29 @@ def close_step(router: Router, pool) -> list:
     return wrong
 
 
+def open_guess(router: Router, bins: dict, cached, tokens: int, ahead: int, pool, copy: bool):
+    """Open ``router``'s guess made ``ahead`` layers before it (``bins``: expert -> its confidence
+    bin, the most confident first; ``cached``: the experts cached as it is made), to be scored at
+    the step's end, and return its experts worth a copy (``Router.worth``; none unless ``copy``).
+    None, with nothing changed, where a guess left open by a pass that did not end must be scored
+    first (``score``). In one native call where the gate is fixed (every guess of every decode step:
+    the records' stores and the worth in one step rather than a dozen)."""
+    if SPECULATE_WASTE is None and _NATIVE_OPEN is not None:
+        gate = (SPECULATE_PRECISION if ahead == 1 else SPECULATE_PRECISION_IDLE) if copy else None
+        return _NATIVE_OPEN(router, bins, cached, tokens, ahead, _NO_POOL if pool is None else pool, gate)
+    if ahead == 1:
+        if router.guess is not None:
+            return None
+        router.guess, router.cached, router.guess_tokens = bins, cached, tokens
+        if router.guess2 is None:
+            router.copied = {}
+    else:
+        if router.guess is not None or router.guess2 is not None:
+            return None
+        router.guess2, router.cached2, router.copied, router.copied2 = bins, cached, {}, set()
+    return router.worth(bins, cached, pool, ahead) if copy else []
+
+
 def copy_order(router: Router, experts: list, bins: dict, pool, ahead: int) -> list:
     """The uncached guesses worth a copy in the order they are copied: by confidence (as ranked),
     or with the waste budget (SPECULATE_WASTE) by their bins' measured precision."""
@@ -363,6 +386,7 @@ _NATIVE_GUESS, _NATIVE_CHANCES = _ext.native_function("guess_rows"), _ext.native
 _NATIVE_BINS, _NATIVE_RANKED = _ext.native_function("guess_bins"), _ext.native_function("rank_bins")
 _NATIVE_PAYING, _NATIVE_WORTH = _ext.native_function("paying_bins"), _ext.native_function("worth_copies")
 _NATIVE_SCORE, _NATIVE_CLOSE = _ext.native_function("score_guess"), _ext.native_function("close_step")
+_NATIVE_OPEN = _ext.native_function("open_guess")
 
 
 def host_rows(scores) -> list:

@@ -11,8 +11,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .. import _ext
+
 if TYPE_CHECKING:
     from .stack import LayerOrder, Stack
+
+# The native extension's key set of a layer's experts (csrc/policy.cpp, the same as eviction's
+# guard uses), where built: one call at every MoE layer's announce rather than a loop per stack.
+_NATIVE_KEYS = _ext.native_function("expert_keys")
 
 
 class ExpertIssuer:
@@ -62,11 +68,13 @@ class ExpertIssuer:
         experts = list(map(int, experts))
         most = max(tokens, default=0) if tokens is not None and len(tokens) == len(experts) else 0
         self.shares = {e: n / most for e, n in zip(experts, tokens)} if most > 0 else {}
-        # Each stack's keys of the experts, looked up once: the key set and the copies below use them.
-        keys_of = [(s, [s.keys[e] for e in experts]) for s in group]
-        needed = set()
-        for _, keys in keys_of:
-            needed.update(keys)
+        # The layer's key set in one native pass where built (every stack's keys of the experts, in
+        # the order the interpreter's loop adds them); the copies below index each stack's keys again
+        # only where they issue (the layer's second stack, whose set is the same, issues nothing).
+        if _NATIVE_KEYS is not None and type(group) is list:
+            needed = _NATIVE_KEYS(group, experts)
+        else:
+            needed = {s.keys[e] for s in group for e in experts}
         if needed == self.announced:
             self._last = (stack.group, experts, tokens, self.announced)
             return False  # the layer's second stack (down after gate_up): already issued
@@ -80,11 +88,13 @@ class ExpertIssuer:
         is_cached, prefetch, issued = pager.is_cached, pager.prefetch, self.issued_for_op
         self.issuing = True
         try:
-            for s, keys in keys_of:
+            for s in group:
                 master = s.master_ref()
                 if master is None or master.flat is None:
                     continue
-                for key in keys:
+                keys = s.keys
+                for e in experts:
+                    key = keys[e]
                     if is_cached(key):
                         continue
                     if not prefetch(master, key[1], key[2], key[3], key):

@@ -45,8 +45,8 @@ import torch.nn.functional as F
 from .. import _ext
 from . import routing
 from .predictor import hidden_layer
-from .guesses import (CONFIDENCE_BINS, Router, WasteBudget, close_step, guess_bins, host_chances, host_scores, ranked_bins,
-                      routers_report, score)
+from .guesses import (CONFIDENCE_BINS, Router, WasteBudget, close_step, guess_bins, host_chances, host_scores, open_guess,
+                      ranked_bins, routers_report, score)
 
 # At most this many guessed experts per layer are copied ahead, the most confident first. The copy
 # stream is idle only between a layer's last expert copy and the next layer's routing read (its
@@ -363,6 +363,8 @@ class RoutingSpeculator:
 
     def expected_ready(self) -> None:
         """GPU: hand the router outputs that have reached the host to the expert cache."""
+        if not self._expected:
+            return  # (every layer's entry asks: no list made where none waits)
         keep = []
         for router, host, event in self._expected:
             if event.query():
@@ -391,19 +393,21 @@ class RoutingSpeculator:
 
     def issue_ready(self) -> None:
         """Start the copies of every guess whose ids have reached the host."""
-        if not self._pending:
+        pending = self._pending
+        if not pending:
             return
-        self.predictions_ready()
+        if self._predicting:
+            self.predictions_ready()  # (it returns at once otherwise: not called, every layer)
         pager = self.pager_ref()
         keep = []
-        for item in self._pending:
+        for item in pending:
             router, packed, event, tokens, after, split, wrap, _, own = item
             if event is not None and not event.query():
                 keep.append(item)
                 continue
             if router is None:
                 continue  # only a next-token prediction (predictions_ready)
-            if isinstance(packed, tuple):
+            if type(packed) is tuple:
                 ids, conf = packed
                 bins = ranked_bins(zip(ids.reshape(-1).tolist(), conf.reshape(-1).tolist()))
             else:
@@ -424,25 +428,18 @@ class RoutingSpeculator:
         with ``idle``, copy the guessed experts that are not cached and whose confidence bin has
         paid (``Router.pays``), the most confident first, at most SPECULATE_EXPERTS. ``bins``:
         expert -> its confidence bin, the most confident first (``guesses.ranked_bins``)."""
-        cached = _cached_experts(pager, router)
-        if ahead == 1:
-            if router.guess is not None:
-                self._score(router)  # one left open by a pass that did not end (no step)
-            router.guess, router.cached, router.guess_tokens = bins, cached, tokens
-            if router.guess2 is None:
-                router.copied = {}
-        else:
-            if router.guess is not None or router.guess2 is not None:
-                self._score(router)
-            router.guess2, router.cached2, router.copied, router.copied2 = bins, cached, {}, set()
+        cached, pool = _cached_experts(pager, router), self.pool
+        copy = pager is not None and idle and SPECULATE_COPY
+        worth = open_guess(router, bins, cached, tokens, ahead, pool, copy)  # (the experts worth a copy)
+        if worth is None:
+            self._score(router)  # one left open by a pass that did not end (no step)
+            worth = open_guess(router, bins, cached, tokens, ahead, pool, copy)
         if pager is None:
             return
-        pool, eviction = self.pool, self._stacks.eviction
+        eviction = self._stacks.eviction
         if ahead == 1:
             eviction.guard(router.stacks, bins)
-        if not idle or not SPECULATE_COPY:
-            return
-        for expert in router.worth(bins, cached, pool, ahead)[:SPECULATE_EXPERTS]:
+        for expert in worth[:SPECULATE_EXPERTS]:
             # It may take only the room of copies expected to be used later than itself.
             chance = router.precision(bins[expert], pool, ahead)
             if not self.waste.spend(chance):
