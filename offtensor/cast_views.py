@@ -13,8 +13,9 @@ written (``Pager.before_write``) the cast views of it move to a copy of its byte
 (``_before_write``), so they keep the values torch's cast would have kept (also across an optimizer
 step inside one autocast region, where torch's cache keeps the cast made before the step). Where
 an op would read a cast view's host bytes as they are, or write it (anything but paging, views and
-casts: ``ops.torch_dispatch`` asks ``resolve_args`` while any cast view is alive), the view first
-becomes an ordinary OffloadedTensor of its own master, holding the cast values (``resolve``).
+casts: ``ops.torch_dispatch`` asks ``resolve_args`` while any cast view is alive), the cast and
+every view of it first become ordinary OffloadedTensors of one master of their own, holding the
+cast values (``resolve``).
 
 Casts made with grad on, of a weight that requires grad, are made lazily (``lazily``): autocast's,
 and a model's own ``weight.half()`` in a forward, which autograd would keep just the same. Under
