@@ -98,11 +98,6 @@ def _died(views: dict, key: int) -> None:
     views.pop(key, None)
 
 
-def paged(view: torch.Tensor, cast: CastSource) -> torch.Tensor:
-    """The device copy of a cast view's bytes (``view``, paged as the weight's) cast: the op's own."""
-    return view.to(cast.dtype)
-
-
 def cast_of(t: OffloadedTensor, device: torch.Tensor) -> torch.Tensor:
     """``device`` (``t``'s host values, uploaded by a handler itself), cast where ``t`` is a cast view."""
     cast = t.__dict__.get("_cast")
@@ -128,15 +123,10 @@ def _before_write(master) -> None:
         with torch.no_grad():
             raw.copy_(master.flat)
         copy = master_for(raw, master.pager)
-        storage = raw.untyped_storage()
         for source, views in live:
             _BY_MASTER.setdefault(copy.id, weakref.WeakSet()).add(source)
             for view in views:
-                own = view.__dict__
-                host = own["_host"]
-                own.pop("_layout", None)
-                own.update(_host=torch.empty(0, dtype=host.dtype).set_(storage, host.storage_offset(), host.shape,
-                                                                        host.stride()), _master=copy)
+                _move(view, raw, copy)
             source.master = copy
     _BY_MASTER.pop(master.id, None)
 
@@ -160,18 +150,24 @@ def resolve(t: OffloadedTensor) -> None:
     whole = master.flat.view(t.__dict__["_host"].dtype)
     values = new_host_master(whole, pin=pins_host_memory(master.pager.device), dtype=cast.dtype)
     own_master = master_for(values, master.pager)
-    storage = values.untyped_storage()
     for view in views:
-        own = view.__dict__
-        host = own["_host"]
-        own.pop("_layout", None)
-        own.pop("_views", None)
-        # Host view and master in one call; then the cast goes (cut short between, a page of it
-        # casts to the dtype it already has: the same values).
-        own.update(_host=torch.empty(0, dtype=cast.dtype).set_(storage, host.storage_offset(), host.shape,
-                                                               host.stride()), _master=own_master)
-        own.pop("_cast", None)
+        _move(view, values, own_master, cast.dtype)
+        # (then the cast goes: cut short between, a page of it casts to the dtype it already has)
+        view.__dict__.pop("_cast", None)
         cast.views.pop(id(view), None)
+
+
+def _move(view: OffloadedTensor, memory: torch.Tensor, master, dtype=None) -> None:
+    """Point ``view`` at ``memory``'s storage (``master``'s), at its host view's offset and strides,
+    in ``dtype`` (None: its host view's). Its host view and master change in one call: cut short,
+    never one without the other."""
+    own = view.__dict__
+    host = own["_host"]
+    own.pop("_layout", None)
+    own.pop("_views", None)
+    moved = torch.empty(0, dtype=host.dtype if dtype is None else dtype).set_(
+        memory.untyped_storage(), host.storage_offset(), host.shape, host.stride())
+    own.update(_host=moved, _master=master)
 
 
 RESOLVE_CAST[0] = resolve

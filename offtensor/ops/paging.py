@@ -58,7 +58,7 @@ class Paged:
                 if private:
                     cast_views.resolve(t)  # written: a master of its own first
                     return self.page(t, private)
-                return cast_views.paged(pager.page(host, master, t, False, page_layout(host, master.id), self.entries)[0], cast)
+                return pager.page(host, master, t, False, page_layout(host, master.id), self.entries)[0].to(cast.dtype)
             layout = own["_layout"] = page_layout(host, master.id)
         view = pager.page(host, master, t, private, layout, self.entries)[0]  # t's repr names it in a BudgetError
         if private:
