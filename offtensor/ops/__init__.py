@@ -17,7 +17,8 @@ take the same schema-chosen handler here, on a page of the whole master.
 The modules beside this one name the ops that need more, by family: ``views``, ``reads``,
 ``writes``, ``tiling`` (ops computed in pieces when the budget's free room is short),
 ``convolutions`` (every form of convolution in tiles the same way), ``distances`` (``cdist``),
-``whole_reads`` (ops reading a tensor whole, in slices once their page fell short), ``rows``
+``whole_reads`` (ops reading a tensor whole, in slices once their page fell short), ``lines``
+(ops along a dim, in slices across it likewise), ``rows``
 (index ops that page only the rows selected), ``grouped`` (grouped GEMMs of routed experts),
 ``collectives``, ``functions`` (whole ops intercepted at ``__torch_function__``: ``F.linear``,
 ``matmul``...), ``compile`` (the same paging inside torch.compile graphs) and ``forward_ad`` (a
@@ -51,6 +52,7 @@ from .table import OP_TABLE, implements
 from .convolutions import convolution, convolution_backward
 from .tiling import TILE_ALIGN, ForeachInPieces, bmm, mm, mv, cutting, pointwise_in_pieces
 from .views import inplace_view, view
+from .lines import ALONG_LINES
 from .whole_reads import SHORT_OF_ROOM
 from .writes import Mutation, batch_norm, copy_, resize_, set_
 
@@ -92,18 +94,24 @@ def torch_dispatch(func, types, args, kwargs):
         # An exception that struck on the way into a handler's ``paged.release()`` left its record
         # holding the pager: release it here (pager/__init__.py, "Exceptions").
         reclaim(error)
-        if type(error) is BudgetError and handler in _PLAIN_COMPUTE and func in SHORT_OF_ROOM and not cutting():
-            # An op that reads a tensor whole, larger than the free room: slices of it (whole_reads.py).
-            return SHORT_OF_ROOM[func](func, args, kwargs or {}, error)
+        if type(error) is BudgetError and handler in _PLAIN_COMPUTE and func in _SHORT_OF_ROOM and not cutting():
+            # An op that reads a tensor whole, larger than the free room: slices of it (whole_reads.py,
+            # lines.py).
+            return _SHORT_OF_ROOM[func](func, args, kwargs or {}, error)
         if type(error) is BudgetError and (handler in _PLAIN_COMPUTE or type(handler) is Mutation or func in _ELEMENTWISE) \
                 and (_POINTWISE in func.tags or func in _ELEMENTWISE) and not cutting():
             # Its arguments do not fit the free room together: slices of them do (tiling.py).
             if func in _RANDOM_FILLS:
                 _warn_random_in_slices(func, args[0])
             return pointwise_in_pieces(func, handler, args, kwargs or {}, error)
+        if type(error) is BudgetError and handler is _compute_composite and not cutting():
+            # A composite of other ops (``allclose``) whose arguments do not fit whole: its parts,
+            # each of which runs in slices where it can, as for a plain tensor.
+            return _decompose(func, args, kwargs or {}, error)
         raise
 
 
+_SHORT_OF_ROOM = {**SHORT_OF_ROOM, **ALONG_LINES}
 _POINTWISE = torch.Tag.pointwise
 # Ops that compute each element from the same element of their arguments, as pointwise ones do,
 # without torch's pointwise tag: fills (``zero_``, ``fill_``: ``nn.init.zeros_``, a head reset), a
@@ -162,6 +170,16 @@ def _compute_composite(func, types, args, kwargs):
 _PLAIN_COMPUTE = (_compute, _compute_composite)
 
 
+def _decompose(func, args, kwargs, error):
+    """``func``'s C++ composite kernel on the offloaded arguments themselves, so that its parts
+    meet their handlers (a pointwise part in slices, a reduction in slices) instead of one page of
+    every argument whole; ``error`` where it has none."""
+    key = next((k for k in _COMPOSITE_KEYS if native_kernel(func, k)), None)
+    if key is None:
+        raise error
+    return with_math_bits(func._op_dk, (key, *args), kwargs)
+
+
 def _classify(func):
     if func.name() == "transformers::grouped_mm_fallback":
         return grouped_mm_fallback
@@ -207,6 +225,8 @@ def _decomposed(func, types, args, kwargs):
 
 
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+_COMPOSITE_KEYS = (_COMPOSITE, torch._C.DispatchKey.CompositeExplicitAutograd,
+                   torch._C.DispatchKey.CompositeExplicitAutogradNonFunctional)
 _BACKENDS = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
 _AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
 _inference = torch.is_inference_mode_enabled

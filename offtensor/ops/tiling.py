@@ -481,13 +481,28 @@ def _aligned(v, dim: int, n: int, length: int):
     return None
 
 
-def _cut_dim(shape: torch.Tensor, offloaded: list, free: int):
-    """(dim, room, bytes a slice pages) for the first output dim longer than 1 whose slices fit
-    ``free`` bytes beside the arguments not cut along it; None if none does. An argument broadcast
-    along the first (a norm's 2-D weight times its input) is read whole beside each slice of it,
-    so a later dim along which that argument is cut too may fit where the first does not."""
+def _outermost_first(shape: torch.Tensor, offloaded: list) -> list:
+    """The output dims longer than 1, outermost in the offloaded arguments' memory first (ties in
+    index order): a slice along the outermost dim is one contiguous range of each master, where a
+    row of a transposed weight spans nearly all of it. Slices in memory order also draw a random
+    fill's values in the order one draw does."""
     n = shape.dim()
-    for dim in (d for d in range(n) if shape.shape[d] > 1):
+
+    def stride(dim):
+        length = shape.shape[dim]
+        return max((t.stride(d) for t in offloaded if (d := _aligned(t, dim, n, length)) is not None), default=0)
+
+    return sorted((d for d in range(n) if shape.shape[d] > 1), key=lambda d: -stride(d))
+
+
+def _cut_dim(shape: torch.Tensor, offloaded: list, free: int):
+    """(dim, room, bytes a slice pages) for the outermost output dim longer than 1 whose slices
+    fit ``free`` bytes beside the arguments not cut along it; None if none does. An argument
+    broadcast along that dim (a norm's 2-D weight times its input) is read whole beside each slice
+    of it, so a dim along which that argument is cut too may fit where the first does not."""
+    n = shape.dim()
+    dims = _outermost_first(shape, offloaded)
+    for dim in dims:
         per_slice = fixed = 0
         for t in offloaded:
             d = _aligned(t, dim, n, shape.shape[dim])
@@ -499,14 +514,14 @@ def _cut_dim(shape: torch.Tensor, offloaded: list, free: int):
             return dim, free - fixed, per_slice
     # None fits: one slice at a time along the first dim every offloaded argument is cut along,
     # each slice cut again (pointwise_in_pieces).
-    for dim in (d for d in range(n) if shape.shape[d] > 1):
+    for dim in dims:
         if all(_aligned(t, dim, n, shape.shape[dim]) is not None for t in offloaded):
             return dim, 0, 1
     return None
 
 
 def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
-    """Run pointwise ``func`` (or a ``_foreach_*`` op of one element) in slices along the first
+    """Run pointwise ``func`` (or a ``_foreach_*`` op of one element) in slices along the outermost
     output dimension longer than 1 whose slices fit the free room (``_cut_dim``); re-raise ``error`` where no slicing helps
     (one slice does not fit, a multi-output op, a write whose returns are not its arguments)."""
     listed = isinstance(args[0], (list, tuple))  # a _foreach_* op of one element (ForeachInPieces)
@@ -520,6 +535,13 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
     if (not isinstance(shape, torch.Tensor) or not offloaded
             or (mutation is not None and not listed and (not mutation or None in mutation))):
         raise error
+    if mutation and not listed:
+        for i, name in mutation:
+            written = args[i] if i < len(args) else kwargs[name]
+            if written.shape != shape.shape:
+                if written.numel() or isinstance(written, OffloadedTensor):
+                    raise error  # an out= tensor of another shape: the op's own resize and warning
+                written.resize_(shape.shape)  # an empty out= (a composite's result), sized as the op would
     n = shape.dim()
     pager = offloaded[0]._master.pager
     chosen = _cut_dim(shape, offloaded, pager.free_bytes() or 0)
