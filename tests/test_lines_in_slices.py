@@ -6,6 +6,7 @@ wrap had accepted: a weight stored transposed could not even take its optimizer'
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -190,3 +191,37 @@ def test_an_empty_out_tensor_of_a_pointwise_op_on_a_weight_larger_than_the_room_
         torch.abs(model.w, out=out)
         assert torch.equal(out, weight.to(device).abs())
         assert torch.equal(model.w.abs(), weight.to(device).abs())
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the points are 3.11's bytecodes")
+@pytest.mark.parametrize("name", ["sort(0, descending)", "softmax(0)", "sum(1)", "abs()"])
+def test_an_interrupt_at_any_point_of_an_op_in_slices_leaves_the_pager_free_for_the_next(name, device):
+    """Ctrl-C anywhere in the slicing (its loop, a slice's page and release, the copy into the
+    result), here and in the reductions and pointwise ops cut the same way: each slice's copy is
+    released, so the same op run again pages within the budget and gives the result."""
+    from test_interrupts_more import _Points, _points
+
+    op = {**SELECTIONS, **ELSEWHERE, "sum(1)": lambda w: w.sum(1), "abs()": lambda w: w.abs()}[name]
+    weight = _weights()["row-major"]
+    model = _wrapped(weight, device)
+    expected = _outputs(op(_plain(weight, device)))
+    pager = model.w._master.pager
+
+    def run():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (softmax(0)'s and sum's: results may differ in the last bits)
+            return _outputs(op(model.w))
+
+    def ours(code) -> bool:
+        return "offtensor" in code.co_filename and "ops" in code.co_filename
+
+    points = _points(run, ours)
+    assert points > 20
+    struck = 0
+    for n in range(1, points + 1):
+        # (a run after the first finds copies cached and may pass fewer points: the last ones miss)
+        struck += _Points(n, ours).run(run) is not None
+        for got, e in zip(run(), expected):
+            torch.testing.assert_close(got, e, rtol=1e-5, atol=1e-6)
+        assert pager.stats.peak_device_bytes <= pager.budget_bytes
+    assert struck > points // 2

@@ -94,21 +94,42 @@ def torch_dispatch(func, types, args, kwargs):
         # An exception that struck on the way into a handler's ``paged.release()`` left its record
         # holding the pager: release it here (pager/__init__.py, "Exceptions").
         reclaim(error)
-        if type(error) is BudgetError and handler in _PLAIN_COMPUTE and func in _SHORT_OF_ROOM and not cutting():
-            # An op that reads a tensor whole, larger than the free room: slices of it (whole_reads.py,
-            # lines.py).
-            return _SHORT_OF_ROOM[func](func, args, kwargs or {}, error)
-        if type(error) is BudgetError and (handler in _PLAIN_COMPUTE or type(handler) is Mutation or func in _ELEMENTWISE) \
-                and (_POINTWISE in func.tags or func in _ELEMENTWISE) and not cutting():
-            # Its arguments do not fit the free room together: slices of them do (tiling.py).
-            if func in _RANDOM_FILLS:
-                _warn_random_in_slices(func, args[0])
-            return pointwise_in_pieces(func, handler, args, kwargs or {}, error)
-        if type(error) is BudgetError and handler is _compute_composite and not cutting():
-            # A composite of other ops (``allclose``) whose arguments do not fit whole: its parts,
-            # each of which runs in slices where it can, as for a plain tensor.
-            return _decompose(func, args, kwargs or {}, error)
-        raise
+        if type(error) is not BudgetError or cutting():
+            raise
+        in_slices = _in_slices(func, handler)
+        if in_slices is None:
+            raise
+        try:
+            return in_slices(func, handler, args, kwargs or {}, error)
+        except BaseException as late:
+            reclaim(late)  # the slices' own records, as for the handler's
+            raise
+
+
+def _in_slices(func, handler):
+    """How ``func`` runs in slices when its page raised ``BudgetError``, or None."""
+    if handler in _PLAIN_COMPUTE and func in _SHORT_OF_ROOM:
+        # An op that reads a tensor whole, larger than the free room: slices of it (whole_reads.py, lines.py).
+        return _short_of_room
+    if (handler in _PLAIN_COMPUTE or type(handler) is Mutation or func in _ELEMENTWISE) \
+            and (_POINTWISE in func.tags or func in _ELEMENTWISE):
+        # Its arguments do not fit the free room together: slices of them do (tiling.py).
+        return _pointwise
+    if handler is _compute_composite:
+        # A composite of other ops (``allclose``) whose arguments do not fit whole: its parts, each
+        # of which runs in slices where it can, as for a plain tensor.
+        return _decompose
+    return None
+
+
+def _short_of_room(func, handler, args, kwargs, error):
+    return _SHORT_OF_ROOM[func](func, args, kwargs, error)
+
+
+def _pointwise(func, handler, args, kwargs, error):
+    if func in _RANDOM_FILLS:
+        _warn_random_in_slices(func, args[0])
+    return pointwise_in_pieces(func, handler, args, kwargs, error)
 
 
 _SHORT_OF_ROOM = {**SHORT_OF_ROOM, **ALONG_LINES}
@@ -130,7 +151,7 @@ def _warn_random_in_slices(func, t) -> None:
     own stream, so there the values differ from one draw's for the same seed."""
     warnings.warn(f"offtensor: {func.__name__.split('.')[0]} of {describe(t)}, larger than the budget's room, "
                   f"draws its values slice by slice: on a GPU they are not the values one draw of the whole tensor "
-                  f"gives for the same seed (the same distribution). Raise budget_gb for the same values.", stacklevel=4)
+                  f"gives for the same seed (the same distribution). Raise budget_gb for the same values.", stacklevel=5)
 
 
 _get_dispatch_mode = torch._C._get_dispatch_mode
@@ -170,7 +191,7 @@ def _compute_composite(func, types, args, kwargs):
 _PLAIN_COMPUTE = (_compute, _compute_composite)
 
 
-def _decompose(func, args, kwargs, error):
+def _decompose(func, handler, args, kwargs, error):
     """``func``'s C++ composite kernel on the offloaded arguments themselves, so that its parts
     meet their handlers (a pointwise part in slices, a reduction in slices) instead of one page of
     every argument whole; ``error`` where it has none."""

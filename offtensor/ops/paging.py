@@ -205,7 +205,8 @@ def reclaim(error: BaseException) -> None:
     tb = error.__traceback__.tb_next if error.__traceback__ is not None else None
     while tb is not None:
         for value in tb.tb_frame.f_locals.values():
-            if type(value) is Paged and value.entries:
+            # (getattr: an interrupt inside ``Paged.__init__`` leaves a record with no slot set)
+            if type(value) is Paged and getattr(value, "entries", None):
                 value.release()
         tb = tb.tb_next
 

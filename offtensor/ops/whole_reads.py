@@ -47,7 +47,7 @@ def _warn_inexact(t: OffloadedTensor, op: str, how: str = "is summed over slices
     warnings.warn(
         f"offtensor: {op} of {describe(t)}, larger than the budget's room, {how}: "
         f"its result may differ from the unwrapped model's in the last bits. Raise budget_gb for bit-identical results.",
-        stacklevel=4)
+        stacklevel=5)
 
 
 def _chunks(t: OffloadedTensor, dim: int, room: int):
