@@ -15,7 +15,8 @@ The ops that address their argument's whole storage (``as_strided_copy``, ``as_s
 take the same schema-chosen handler here, on a page of the whole master.
 
 The modules beside this one name the ops that need more, by family: ``views``, ``reads``,
-``writes``, ``tiling`` (ops computed in pieces when the budget's free room is short),
+``writes``, ``tiling`` (products computed in tiles when the budget's free room is short),
+``pieces`` (elementwise ops and ``_foreach_*`` elements in slices likewise),
 ``convolutions`` (every form of convolution in tiles the same way), ``distances`` (``cdist``),
 ``whole_reads`` (ops reading a tensor whole, in slices once their page fell short), ``lines``
 (ops along a dim, in slices across it likewise), ``rows``
@@ -50,7 +51,8 @@ from .planned import planned_routing
 from .rows import CACHED_SLICE_BYTES, HOST_SYNCS, embedding, index, index_select
 from .table import OP_TABLE, implements
 from .convolutions import convolution, convolution_backward
-from .tiling import TILE_ALIGN, ForeachInPieces, bmm, mm, mv, cutting, pointwise_in_pieces
+from .pieces import ForeachInPieces, cutting, pointwise_in_pieces
+from .tiling import TILE_ALIGN, bmm, mm, mv
 from .views import inplace_view, view
 from .lines import ALONG_LINES
 from .whole_reads import SHORT_OF_ROOM
@@ -113,7 +115,7 @@ def _in_slices(func, handler):
         return _short_of_room
     if (handler in _PLAIN_COMPUTE or type(handler) is Mutation or func in _ELEMENTWISE) \
             and (_POINTWISE in func.tags or func in _ELEMENTWISE):
-        # Its arguments do not fit the free room together: slices of them do (tiling.py).
+        # Its arguments do not fit the free room together: slices of them do (pieces.py).
         return _pointwise
     if handler is _compute_composite:
         # A composite of other ops (``allclose``) whose arguments do not fit whole: its parts, each
