@@ -179,13 +179,23 @@ class OffloadedTensor(torch.Tensor):
     # ------------------------------------------------------------------ flatten / pickling
 
     def __tensor_flatten__(self):
-        if "_cast" in self.__dict__:
+        own = self.__dict__
+        if "_cast" in own:
             RESOLVE_CAST[0](self)
-        return ["_host"], (self._master.id, self.requires_grad)
+        # The room a page may take (the budget less the resident weights) decides what a traced
+        # graph pages whole and what it cuts in slices (ops/compile.py), so it is part of the
+        # metadata that torch.compile guards on and keys its caches by: a graph traced at another
+        # budget, in this process or in an earlier one, is not reused. (Dynamo's guards call this
+        # for every offloaded weight at every call of a compiled function: plain reads only.)
+        master = own["_master"]
+        pager = master.pager
+        budget = None if pager is None else pager.budget
+        room = None if budget is None or budget.budget_bytes is None else budget.budget_bytes - budget.resident_bytes
+        return ["_host"], (master.id, self.requires_grad, room)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
-        master_id, requires_grad = meta
+        master_id, requires_grad = meta[:2]
         master = registered_master(master_id)
         if master is None:
             raise KeyError(master_id)

@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from ..pager import registered_master
+from ..pager import host_layout, registered_master
 from ..tensor import OffloadedTensor
 
 # The extension's namespace: these ops sit beside offtensor::alloc_host and copy_async.
@@ -56,7 +56,10 @@ def _output_strides(host: torch.Tensor):
 
 @torch.library.custom_op(f"{_LIB_NS}::page", mutates_args=())
 def page(host: torch.Tensor, master_id: int, device: torch.device) -> torch.Tensor:
-    """A device tensor with ``host``'s values, paged through its master's pager."""
+    """A device tensor with ``host``'s values, paged through its master's pager. A view whose
+    storage range holds more elements than it has (a column slice of a row-major weight: the
+    slices an op cut in pieces reads) is gathered on the host and uploaded compact, as eager's
+    slices are, so it needs the room its own elements take."""
     master = _live_master(master_id, host)
     pager = master.pager
     out = torch.empty_strided(host.shape, _output_strides(host), dtype=host.dtype, device=pager.device)
@@ -71,13 +74,34 @@ def page(host: torch.Tensor, master_id: int, device: torch.device) -> torch.Tens
         return out
     held = []  # the record the pager commits its hold to (pager/__init__.py, "Exceptions")
     try:
-        out.copy_(pager.page(host, master, "a compiled graph's weight", held=held)[0])
+        lo, hi = host_layout(host)[:2]
+        if hi - lo > host.numel():
+            order = sorted(range(host.dim()), key=lambda d: -host.stride(d))  # outermost first
+            gathered = pager.upload(host.permute(order).contiguous(), "a compiled graph's weight", held)[0]
+            out.copy_(gathered.permute(sorted(range(host.dim()), key=order.__getitem__)))
+        else:
+            out.copy_(pager.page(host, master, "a compiled graph's weight", held=held)[0])
     finally:
         if held:
             # On a GPU the release event is recorded after the copy above, so the cached block is
             # evicted only once the copy has read it.
             pager.release([held[0][1]])
     return out
+
+
+def page_traced(t: OffloadedTensor, host: torch.Tensor, master, pager) -> torch.Tensor:
+    """The graph's ``page`` of ``t``, refused at trace time with the BudgetError eager raises
+    where its bytes can never fit (more than the budget less the resident weights): the op's
+    handler then cuts it in slices, each a ``page`` of its own in the graph, as eager does (a
+    softmax, a sum or ``w * 2`` of a weight larger than the room). A page that fits when nothing
+    else is held is left to run time, whose pager makes room for it."""
+    budget = pager.budget_bytes
+    if budget is not None and host.numel():
+        lo, hi = host_layout(host)[:2]
+        need = min(hi - lo, host.numel()) * host.element_size()  # a strided view is gathered compact (page)
+        if isinstance(need, int) and need > budget - pager.budget.resident_bytes:
+            raise pager.budget.shortfall_error(repr(t), need, 0, pager.device)
+    return page(host, master.id, pager.device)
 
 
 def _live_master(master_id: int, host: torch.Tensor):

@@ -37,7 +37,7 @@ class Paged:
         if type(host) is not torch.Tensor:  # compile.is_traced, inlined
             # Being traced by torch.compile: the graph calls the pager at run time through an
             # opaque op (compile.py) and owns its result, so there is no entry to release.
-            return _compile.page(host, master.id, pager.device)
+            return _compile.page_traced(t, host, master, pager)
         if out:
             if "_cast" in own:
                 cast_views.resolve(t)

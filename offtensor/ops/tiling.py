@@ -144,7 +144,8 @@ def _page_slice(t, dim: int, start: int, stop: int, paged: Paged):
         return t.narrow(dim, start, stop - start)
     host = t._host.narrow(dim, start, stop - start)
     lo, hi = host_layout(host)[:2]
-    if (hi - lo) <= host.numel():
+    if (hi - lo) <= host.numel() or type(host) is not torch.Tensor:
+        # (traced by torch.compile: the graph's page gathers a strided slice at run time)
         return paged.page(cast_views.derived(t, host))
     order = sorted(range(host.dim()), key=lambda d: -host.stride(d))  # outermost first
     gathered = cast_views.cast_of(t, t._master.pager.upload(host.permute(order).contiguous(), describe(t), paged.entries)[0])
