@@ -11,10 +11,10 @@ import threading
 
 import torch
 
-from ..pager import BudgetError
+from ..pager import BudgetError, host_layout
 from ..tensor import OffloadedTensor
 from .paging import describe
-from .tiling import _meta, _offloaded, _offloaded_bytes, _short_of_room, _slice_bytes
+from .tiling import _meta, _offloaded, _offloaded_bytes, _short_of_room
 
 
 class ForeachInPieces:
@@ -118,6 +118,15 @@ def _outermost_first(shape: torch.Tensor, offloaded: list) -> list:
     return sorted((d for d in range(n) if shape.shape[d] > 1), key=lambda d: -stride(d))
 
 
+def _covering_bytes(t, dim: int) -> int:
+    """Bytes a page of one slice of ``t`` along ``dim`` takes: the storage range it covers, which
+    for a slice along an inner dim (a column of a row-major matrix, a row of a stack's matrices)
+    spans nearly all of ``t``, where a slice along the outermost dim is its own elements."""
+    host = t.__dict__["_host"]
+    lo, hi = host_layout(host.narrow(dim, 0, 1))[:2]
+    return max(hi - lo, 0) * host.element_size()
+
+
 def _cut_dim(shape: torch.Tensor, offloaded: list, free: int):
     """(dim, room, bytes a slice pages) for the outermost output dim longer than 1 whose slices
     fit ``free`` bytes beside the arguments not cut along it; None if none does. An argument
@@ -132,7 +141,7 @@ def _cut_dim(shape: torch.Tensor, offloaded: list, free: int):
             if d is None:
                 fixed += t.numel() * t.__dict__["_host"].element_size()
             else:
-                per_slice += _slice_bytes(t, d)
+                per_slice += _covering_bytes(t, d)
         if free - fixed >= per_slice:
             return dim, free - fixed, per_slice
     # None fits: one slice at a time along the first dim every offloaded argument is cut along,
@@ -201,8 +210,7 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
                 if step > 1:
                     step //= 2
                     continue
-                if out is None:
-                    raise error from None
+                # (a write too: nothing of this slice was written, and its sub-slices write it all)
                 piece = pointwise_in_pieces(func, handler, [cut(a, start, stop) for a in args],
                                             {k: cut(v, start, stop) for k, v in kwargs.items()}, error)
             if equal and not piece:

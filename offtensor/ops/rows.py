@@ -141,10 +141,21 @@ def _whole_copy_cached(t: OffloadedTensor) -> bool:
     return pager.is_cached(layout[5])
 
 
+def _host_index(index):
+    """An index that is itself offloaded (a model's ``position_ids`` buffer, offloaded at a tight
+    budget) read from its host view, whose values are the tensor's: the rows it selects are found on
+    the host anyway, and paging it would hold room beside the rows. Anything else as it is; None for
+    one being traced by torch.compile (its values are not known until the graph runs)."""
+    if not isinstance(index, OffloadedTensor):
+        return index
+    host = index.__dict__["_host"]
+    return host if type(host) is torch.Tensor and "_cast" not in index.__dict__ else None
+
+
 @implements(aten.embedding.default)
 def embedding(func, types, args, kwargs):
-    weight, indices = args[0], args[1]
-    if not isinstance(weight, OffloadedTensor) or isinstance(indices, OffloadedTensor) or _whole_copy_cached(weight):
+    weight, indices = args[0], _host_index(args[1])
+    if not isinstance(weight, OffloadedTensor) or indices is None or _whole_copy_cached(weight):
         return run(func, args, kwargs)
     rows, inverse = _unique_rows(indices, weight.shape[0], weight._master.pager)
     paged = Paged()
@@ -157,8 +168,8 @@ def embedding(func, types, args, kwargs):
 
 @implements(aten.index_select.default)
 def index_select(func, types, args, kwargs):
-    self, dim, index = args[0], args[1], args[2]
-    if (not isinstance(self, OffloadedTensor) or isinstance(index, OffloadedTensor) or dim % max(self.dim(), 1) != 0
+    self, dim, index = args[0], args[1], _host_index(args[2])
+    if (not isinstance(self, OffloadedTensor) or index is None or dim % max(self.dim(), 1) != 0
             or self.dim() == 0 or _whole_copy_cached(self)):
         return run(func, args, kwargs)
     rows, inverse = _unique_rows(index, self.shape[0], self._master.pager)
@@ -173,12 +184,11 @@ def index_select(func, types, args, kwargs):
 @implements(aten.index.Tensor)
 def index(func, types, args, kwargs):
     self, indices = args[0], args[1]
-    first = indices[0] if len(indices) else None
+    first = _host_index(indices[0]) if len(indices) else None
     if (
         not isinstance(self, OffloadedTensor)
         or self.dim() == 0
         or first is None
-        or isinstance(first, OffloadedTensor)
         or first.dtype not in (torch.int64, torch.int32)
         or any(i is not None for i in indices[1:])
         or _whole_copy_cached(self)
