@@ -1,0 +1,113 @@
+"""Flows users run on a wrapped model that broke, each against the same model unwrapped, bit for
+bit (``torch.equal``), within the budget: a channels-last move of a model with 1x1
+convolutions. Tiny models built offline."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import offtensor as ot
+
+GiB = 1 << 30
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    return sum({id(t): t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())}.values())
+
+
+def _wrap(model: nn.Module, device, fraction=0.3, everything=False) -> None:
+    """Wrapped at ``fraction`` of its bytes; ``everything``: every weight offloaded, so the
+    budget is below the largest weight and ops run in tiles and slices."""
+    policy = {"offload": ["*"]} if everything else None
+    ot.wrap_model(model, budget_gb=fraction * _weight_bytes(model) / GiB, device=device, policy=policy)
+    assert ot.stats(model).offloaded_bytes > 0
+
+
+def _within_budget(model: nn.Module) -> None:
+    s = ot.stats(model)
+    assert s.bytes_h2d > 0, "nothing was paged"
+    assert s.peak_device_bytes <= s.budget_bytes, s
+
+
+def _llama(vocab=128):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )).eval()
+
+
+def _ids(device, batch=2, length=6, vocab=128, seed=1):
+    ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed)).to(device)
+    return ids, torch.ones_like(ids)
+
+
+def _logits(model, device):
+    ids, mask = _ids(device)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+def _same_steps(model, reference, device, steps=2, optimizer=torch.optim.AdamW):
+    """``steps`` optimizer steps of each model's trainable weights: equal losses at every step."""
+    optimizers = [optimizer([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (model, reference)]
+    for step in range(steps):
+        ids, _ = _ids(device, length=8, seed=10 + step)
+        losses = []
+        for m, opt in zip((model, reference), optimizers):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss)
+        assert torch.equal(*losses), (step, losses)
+
+
+# ---------------------------------------------------------------------------- memory format
+
+
+def test_a_channels_last_move_keeps_a_1x1_convolution_weight_channels_last_so_outputs_stay_bit_identical(device):
+    """A 1x1 convolution weight in channels-last (strides (C, 1, C, C)) is also contiguous by
+    ``is_contiguous()``, so its new host master got contiguous strides, (C, 1, 1, 1). A
+    convolution reads its output's memory format off its weight's strides: the wrapped one
+    returned a contiguous output where the unwrapped one returned a channels-last one, and the
+    group norm after it summed in another order (a diffusers UNet moved to channels-last, as its
+    docs advise, differed in the last bits). Masters keep a dense tensor's own strides now."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 32, 1), nn.GroupNorm(4, 32), nn.Conv2d(32, 8, 3)).eval()
+    reference = copy.deepcopy(model).to(device)
+    _wrap(model, device, 0.5, everything=True)
+    for m in (model, reference):
+        m.to(memory_format=torch.channels_last)
+    assert model[0].weight.stride() == reference[0].weight.stride() == (8, 1, 8, 8)
+    assert isinstance(model[0].weight, ot.OffloadedTensor)
+    x = torch.randn(2, 8, 16, 16, generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        assert model[0](x).stride() == reference[0](x).stride()
+        assert torch.equal(model(x), reference(x))
+    _within_budget(model)
+
+
+def test_a_diffusers_unet_moved_to_channels_last_after_wrapping_gives_the_unwrapped_noise_prediction(device):
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    unet = diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8,
+    ).eval()
+    reference = copy.deepcopy(unet).to(device)
+    _wrap(unet, device, everything=True)
+    for m in (unet, reference):
+        m.to(memory_format=torch.channels_last)
+    g = torch.Generator().manual_seed(0)
+    sample, text = torch.randn(2, 4, 8, 8, generator=g).to(device), torch.randn(2, 7, 32, generator=g).to(device)
+    timesteps = torch.tensor([10, 500], device=device)
+    with torch.no_grad():
+        assert torch.equal(unet(sample, timesteps, text).sample, reference(sample, timesteps, text).sample)
+    _within_budget(unet)
