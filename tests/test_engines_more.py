@@ -1,6 +1,6 @@
 """Flows users run on a wrapped model that broke, each against the same model unwrapped, bit for
 bit (``torch.equal``), within the budget: a channels-last move of a model with 1x1
-convolutions. Tiny models built offline."""
+convolutions, ``torch.nn.utils.prune`` trained and removed. Tiny models built offline."""
 
 from __future__ import annotations
 
@@ -111,3 +111,32 @@ def test_a_diffusers_unet_moved_to_channels_last_after_wrapping_gives_the_unwrap
     with torch.no_grad():
         assert torch.equal(unet(sample, timesteps, text).sample, reference(sample, timesteps, text).sample)
     _within_budget(unet)
+
+
+# ---------------------------------------------------------------------------- torch.nn.utils.prune
+
+
+def test_torch_prune_on_a_wrapped_model_trains_like_the_unwrapped_one_and_prune_remove_keeps_it(device):
+    """prune's forward pre-hook sets ``module.weight = weight_orig * weight_mask`` before every
+    forward: with grad on, a tensor autograd computed (it cannot be offloaded), held as a plain
+    attribute. It was counted as a resident weight, which left the budget short of the room its
+    largest op pages, so pruning the next weight was refused (a BudgetError claiming 8192 bytes
+    did not fit in 117024). Such a tensor is counted as activations are now."""
+    import torch.nn.utils.prune as prune
+
+    model = _llama()
+    reference = copy.deepcopy(model).to(device)
+    _wrap(model, device)
+    for m in (model, reference):
+        attention = m.model.layers[0].self_attn
+        for name in ("q_proj", "v_proj"):
+            prune.l1_unstructured(getattr(attention, name), "weight", amount=0.3)
+        mlp = m.model.layers[1].mlp
+        prune.global_unstructured([(mlp.up_proj, "weight"), (mlp.down_proj, "weight")],
+                                  pruning_method=prune.L1Unstructured, amount=0.2)
+    _same_steps(model, reference, device, optimizer=torch.optim.SGD)
+    for m in (model, reference):
+        for name in ("q_proj", "v_proj"):
+            prune.remove(getattr(m.model.layers[0].self_attn, name), "weight")
+    assert torch.equal(_logits(model, device), _logits(reference, device))
+    _within_budget(model)
