@@ -1,6 +1,7 @@
 """Flows users run on a wrapped model that broke, each against the same model unwrapped, bit for
 bit (``torch.equal``), within the budget: a channels-last move of a model with 1x1
-convolutions, ``torch.nn.utils.prune`` trained and removed. Tiny models built offline."""
+convolutions, ``torch.nn.utils.prune`` trained and removed, and the error for a weight refused
+for the room the model's largest op pages. Tiny models built offline."""
 
 from __future__ import annotations
 
@@ -140,3 +141,18 @@ def test_torch_prune_on_a_wrapped_model_trains_like_the_unwrapped_one_and_prune_
             prune.remove(getattr(m.model.layers[0].self_attn, name), "weight")
     assert torch.equal(_logits(model, device), _logits(reference, device))
     _within_budget(model)
+
+
+def test_a_weight_refused_for_the_room_the_largest_op_needs_says_so(device):
+    """Where a weight assigned after wrapping would fit the free room by itself but not beside
+    the bytes the model's largest op pages at once, the BudgetError named only the weight's own
+    need (256 bytes) and a larger free room, which read as a contradiction. It names the largest
+    op's bytes too now."""
+    model = _llama()
+    _wrap(model, device)
+    s = ot.stats(model)
+    model.model.layers[0].scratch = torch.zeros(3000, device=device)  # a small attribute, counted as resident
+    with pytest.raises(ot.BudgetError, match=r"needs \d+ bytes .*the room must still hold the \d+ bytes the model's "
+                                             r"largest op pages, but only \d+ of the budget's"):
+        model.model.layers[1].mlp.extra = nn.Parameter(torch.randn(64, 64, device=device))
+    assert ot.stats(model).resident_bytes == s.resident_bytes + 12000
