@@ -1,7 +1,8 @@
 """Flows users run on a wrapped model that broke, each against the same model unwrapped, bit for
 bit (``torch.equal``), within the budget: a channels-last move of a model with 1x1
-convolutions, ``torch.nn.utils.prune`` trained and removed, and the error for a weight refused
-for the room the model's largest op pages. Tiny models built offline."""
+convolutions, ``torch.nn.utils.prune`` trained and removed, the error for a weight refused for
+the room the model's largest op pages, and a boolean row mask of an offloaded table. Tiny models
+built offline."""
 
 from __future__ import annotations
 
@@ -156,3 +157,29 @@ def test_a_weight_refused_for_the_room_the_largest_op_needs_says_so(device):
                                              r"largest op pages, but only \d+ of the budget's"):
         model.model.layers[1].mlp.extra = nn.Parameter(torch.randn(64, 64, device=device))
     assert ot.stats(model).resident_bytes == s.resident_bytes + 12000
+
+
+# ---------------------------------------------------------------------------- boolean masks
+
+
+def test_a_boolean_row_mask_of_an_offloaded_table_larger_than_the_room_pages_only_the_rows_it_selects(device):
+    """Textual inversion keeps a copy of the embedding table and, after every step, puts back the
+    rows it does not train: ``weight[keep] = orig[keep]``. ``orig[keep]``, a boolean mask over
+    dim 0 of an offloaded table larger than the room, paged the whole table and raised
+    BudgetError; integer indices paged only their rows. A mask now selects its rows as they do."""
+    model = _llama(vocab=512)
+    reference = copy.deepcopy(model).to(device)
+    ot.wrap_model(model, budget_gb=0.06 * _weight_bytes(model) / GiB, device=device)
+    table, expected_table = model.model.embed_tokens.weight, reference.model.embed_tokens.weight
+    assert isinstance(table, ot.OffloadedTensor) and table.nbytes > ot.stats(model).budget_bytes
+    keep = torch.ones(512, dtype=torch.bool, device=device)
+    keep[500:] = False
+    with torch.no_grad():
+        assert torch.equal(table[keep], expected_table[keep])
+        for weight in (table, expected_table):
+            original = weight.detach().clone()
+            weight.add_(1.0)  # a step that moved every row
+            weight[keep] = original[keep]
+    assert torch.equal(table, expected_table)
+    assert torch.equal(_logits(model, device), _logits(reference, device))
+    _within_budget(model)
