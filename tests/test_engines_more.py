@@ -115,6 +115,35 @@ def test_a_diffusers_unet_moved_to_channels_last_after_wrapping_gives_the_unwrap
     _within_budget(unet)
 
 
+@pytest.mark.parametrize("dims", [2, 3])
+def test_depthwise_and_pointwise_convolutions_moved_to_channels_last_train_like_the_unwrapped_ones(dims, device):
+    """A depthwise weight (C, 1, k, k) has a size-1 dim too: in channels-last its strides are
+    (k*k, 1, k, 1), and its master kept contiguous ones. So do channels_last_3d weights."""
+    conv, norm = (nn.Conv2d, nn.BatchNorm2d) if dims == 2 else (nn.Conv3d, nn.BatchNorm3d)
+    memory_format = torch.channels_last if dims == 2 else torch.channels_last_3d
+    torch.manual_seed(0)
+    model = nn.Sequential(conv(4, 16, 1), norm(16), nn.GELU(), conv(16, 16, 3, padding=1, groups=16),
+                          nn.GroupNorm(4, 16), conv(16, 8, 1), nn.GroupNorm(2, 8))
+    reference = copy.deepcopy(model).to(device)
+    _wrap(model, device, 0.9, everything=True)  # room for every weight whole: no tiles
+    for m in (model, reference):
+        m.to(memory_format=memory_format)
+    x = torch.randn(2, 4, *(6,) * dims, generator=torch.Generator().manual_seed(1)).to(device)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference)]
+    for step in range(2):
+        outputs = []
+        for m, optimizer in zip((model, reference), optimizers):
+            out = m(x)
+            out.square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            outputs.append(out)
+        assert torch.equal(*outputs), step
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.stride() == q.stride() and torch.equal(p, q), name
+    _within_budget(model)
+
+
 # ---------------------------------------------------------------------------- torch.nn.utils.prune
 
 
