@@ -436,20 +436,24 @@ def guard_data_ptr(t: torch.Tensor) -> torch.Tensor:
 _throw_on_data_ptr = torch._C._set_throw_on_mutable_data_ptr
 
 
+def _is_dense(t: torch.Tensor) -> bool:
+    """``t``'s elements fill exactly numel slots of its storage: no gaps, no overlap."""
+    order = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for st, n in order:
+        if st != expected:
+            return False
+        expected *= n
+    return True
+
+
 def _dense_strides(t: torch.Tensor):
     """Strides that keep ``t``'s memory order in a buffer of exactly numel elements, or None if
-    ``t`` overlaps itself or has gaps (then the master is contiguous)."""
-    if t.is_contiguous():
-        return None
-    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), -t.shape[d]), reverse=True)
-    strides = [0] * t.dim()
-    expected = 1
-    for d in reversed(order):
-        if t.shape[d] != 1 and t.stride(d) != expected:
-            return None
-        strides[d] = expected
-        expected *= t.shape[d]
-    return strides
+    ``t`` overlaps itself or has gaps (then the master is contiguous). A dense ``t`` keeps its own
+    strides, those of its size-1 dims too, as torch's ``clone`` keeps them: kernels read a memory
+    format off them (a 1x1 convolution weight in channels-last is also contiguous by
+    ``is_contiguous()``, and a convolution given it returns a channels-last output)."""
+    return list(t.stride()) if t.numel() > 1 and _is_dense(t) else None
 
 
 def new_host_master(t: torch.Tensor, pin: bool, dtype: torch.dtype | None = None, strides=None) -> torch.Tensor:

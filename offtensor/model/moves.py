@@ -394,7 +394,7 @@ def _attribute_tensors(model: nn.Module):
         if module in functions:
             continue
         for name, t in module.__dict__.items():
-            if isinstance(t, torch.Tensor) and not t.is_meta and t.layout == torch.strided:
+            if isinstance(t, torch.Tensor) and not t.is_meta and t.layout == torch.strided and not is_computed(t):
                 yield module, name, t
 
 
@@ -407,6 +407,16 @@ def _parametrization_functions(parametrizations: parametrize.ParametrizationList
     adapters active, built from the adapters at every forward and dropped after it. Such a tensor is
     what ops compute during a forward, counted as activations are (not in the weight budget)."""
     return {m for function in parametrizations for m in function.modules()}
+
+
+def is_computed(t: torch.Tensor) -> bool:
+    """``t`` is what autograd computed from weights during a forward (it has a ``grad_fn``), held as
+    a plain attribute: ``torch.nn.utils.prune``'s ``weight = weight_orig * weight_mask``, which its
+    forward pre-hook sets again before every forward (the hook-based ``weight_norm`` and
+    ``spectral_norm`` likewise). It cannot be offloaded (the graph holds it) and is no weight:
+    counted as activations are, not in the weight budget. Counted there, one would leave the
+    budget short of the room paging needs, and the next weight placed would be refused."""
+    return t.grad_fn is not None
 
 
 def untracked_bytes(model: nn.Module, device: torch.device) -> int:

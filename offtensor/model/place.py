@@ -13,8 +13,8 @@ from ..pager import BudgetError
 from ..tensor import OffloadedTensor
 from .groups import Member, StorageGroup, leaf_is_tileable
 from .moves import (
-    Undo, as_param_like, check_offloadable_quietly, offload_group, refit, resident_bytes, resident_storages,
-    resident_storages_of, storage_bytes, swap, weight_tensors,
+    Undo, as_param_like, check_offloadable_quietly, is_computed, offload_group, refit, resident_bytes,
+    resident_storages, resident_storages_of, storage_bytes, swap, weight_tensors,
 )
 from .dtensor import refuse_offloading_an_fsdp2_parameter
 from .room import replan_paging_room, reserve_paging_room, reserve_whole_read, warn_view_of_a_bigger_master
@@ -140,7 +140,8 @@ def place_attribute(state: State, module: nn.Module, name: str, t: torch.Tensor)
     loading): counted as resident when it is on the device and fits beside the resident weights and
     the room paging needs, else offloaded in place (the object stays; its device memory is freed)
     like a parameter that does not fit. Tensors elsewhere (a CPU mask on a GPU run) hold no device
-    bytes and are left alone."""
+    bytes and are left alone; one autograd computed (``moves.is_computed``: prune's masked weight)
+    is counted as activations are."""
     pager = state.pager
     model = state.model_ref()
     if model is None:
@@ -149,7 +150,7 @@ def place_attribute(state: State, module: nn.Module, name: str, t: torch.Tensor)
         t._master.move_to(pager)
         return
     nbytes = t.numel() * t.element_size()
-    if t.device != pager.device or nbytes < placement.SMALL_BYTES:
+    if t.device != pager.device or nbytes < placement.SMALL_BYTES or is_computed(t):
         # Small attributes (often set during forward) are counted by the next recount (ot.stats,
         # a registration) rather than walking the model on every assignment.
         return

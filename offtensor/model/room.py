@@ -56,6 +56,8 @@ def reserve_paging_room(state: State, full_name: str, t: torch.Tensor, slot: tup
         if whole:
             together += (f", read whole ({whole} bytes with the other offloaded tensors of '{state.prefixes.get(parent)}')"
                          f" by the one kernel of the {type(parent).__name__} around it")
+        if state.working_set_bytes > plan.need:  # the room the model's largest op needs is what does not fit
+            together += f", and the room must still hold the {state.working_set_bytes} bytes the model's largest op pages"
         raise BudgetError(
             f"offtensor: {kind}{full_name} ({nbytes} bytes) needs {plan.need} bytes on the device to be paged"
             f"{together}, but only {pager.budget_bytes - resident} of the budget's {pager.budget_bytes} bytes are "

@@ -185,6 +185,10 @@ def index_select(func, types, args, kwargs):
 def index(func, types, args, kwargs):
     self, indices = args[0], args[1]
     first = _host_index(indices[0]) if len(indices) else None
+    if _row_mask(self, first, indices):
+        # ``t[mask]`` with a boolean mask over dim 0 (textual inversion's ``orig[keep]``) selects the
+        # rows its true entries name, in order: the same rows as ``t[mask.nonzero()]``.
+        first = first.nonzero().reshape(-1)
     if (
         not isinstance(self, OffloadedTensor)
         or self.dim() == 0
@@ -201,6 +205,13 @@ def index(func, types, args, kwargs):
         return func(selected, [inverse.to(selected.device)])
     finally:
         paged.release()
+
+
+def _row_mask(self, first, indices) -> bool:
+    """``first`` is a plain boolean mask over all of ``self``'s dim 0 and the only index."""
+    return (isinstance(self, OffloadedTensor) and isinstance(first, torch.Tensor) and not isinstance(first, OffloadedTensor)
+            and first.dtype == torch.bool and first.dim() == 1 and self.dim() > 0 and first.shape[0] == self.shape[0]
+            and not any(i is not None for i in indices[1:]))
 
 
 _BAG_ARGUMENTS = ("weight", "indices", "offsets", "scale_grad_by_freq", "mode", "sparse", "per_sample_weights",

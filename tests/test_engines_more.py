@@ -1,0 +1,214 @@
+"""Flows users run on a wrapped model that broke, each against the same model unwrapped, bit for
+bit (``torch.equal``), within the budget: a channels-last move of a model with 1x1
+convolutions, ``torch.nn.utils.prune`` trained and removed, the error for a weight refused for
+the room the model's largest op pages, and a boolean row mask of an offloaded table. Tiny models
+built offline."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import offtensor as ot
+
+GiB = 1 << 30
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    return sum({id(t): t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())}.values())
+
+
+def _wrap(model: nn.Module, device, fraction=0.3, everything=False) -> None:
+    """Wrapped at ``fraction`` of its bytes; ``everything``: every weight offloaded, so the
+    budget is below the largest weight and ops run in tiles and slices."""
+    policy = {"offload": ["*"]} if everything else None
+    ot.wrap_model(model, budget_gb=fraction * _weight_bytes(model) / GiB, device=device, policy=policy)
+    assert ot.stats(model).offloaded_bytes > 0
+
+
+def _within_budget(model: nn.Module) -> None:
+    s = ot.stats(model)
+    assert s.bytes_h2d > 0, "nothing was paged"
+    assert s.peak_device_bytes <= s.budget_bytes, s
+
+
+def _llama(vocab=128):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )).eval()
+
+
+def _ids(device, batch=2, length=6, vocab=128, seed=1):
+    ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed)).to(device)
+    return ids, torch.ones_like(ids)
+
+
+def _logits(model, device):
+    ids, mask = _ids(device)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+def _same_steps(model, reference, device, steps=2, optimizer=torch.optim.AdamW):
+    """``steps`` optimizer steps of each model's trainable weights: equal losses at every step."""
+    optimizers = [optimizer([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (model, reference)]
+    for step in range(steps):
+        ids, _ = _ids(device, length=8, seed=10 + step)
+        losses = []
+        for m, opt in zip((model, reference), optimizers):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss)
+        assert torch.equal(*losses), (step, losses)
+
+
+# ---------------------------------------------------------------------------- memory format
+
+
+def test_a_channels_last_move_keeps_a_1x1_convolution_weight_channels_last_so_outputs_stay_bit_identical(device):
+    """A 1x1 convolution weight in channels-last (strides (C, 1, C, C)) is also contiguous by
+    ``is_contiguous()``, so its new host master got contiguous strides, (C, 1, 1, 1). A
+    convolution reads its output's memory format off its weight's strides: the wrapped one
+    returned a contiguous output where the unwrapped one returned a channels-last one, and the
+    group norm after it summed in another order (a diffusers UNet moved to channels-last, as its
+    docs advise, differed in the last bits). Masters keep a dense tensor's own strides now."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 32, 1), nn.GroupNorm(4, 32), nn.Conv2d(32, 8, 3)).eval()
+    reference = copy.deepcopy(model).to(device)
+    _wrap(model, device, 0.5, everything=True)
+    for m in (model, reference):
+        m.to(memory_format=torch.channels_last)
+    assert model[0].weight.stride() == reference[0].weight.stride() == (8, 1, 8, 8)
+    assert isinstance(model[0].weight, ot.OffloadedTensor)
+    x = torch.randn(2, 8, 16, 16, generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        assert model[0](x).stride() == reference[0](x).stride()
+        assert torch.equal(model(x), reference(x))
+    _within_budget(model)
+
+
+def test_a_diffusers_unet_moved_to_channels_last_after_wrapping_gives_the_unwrapped_noise_prediction(device):
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    unet = diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8,
+    ).eval()
+    reference = copy.deepcopy(unet).to(device)
+    _wrap(unet, device, everything=True)
+    for m in (unet, reference):
+        m.to(memory_format=torch.channels_last)
+    g = torch.Generator().manual_seed(0)
+    sample, text = torch.randn(2, 4, 8, 8, generator=g).to(device), torch.randn(2, 7, 32, generator=g).to(device)
+    timesteps = torch.tensor([10, 500], device=device)
+    with torch.no_grad():
+        assert torch.equal(unet(sample, timesteps, text).sample, reference(sample, timesteps, text).sample)
+    _within_budget(unet)
+
+
+@pytest.mark.parametrize("dims", [2, 3])
+def test_depthwise_and_pointwise_convolutions_moved_to_channels_last_train_like_the_unwrapped_ones(dims, device):
+    """A depthwise weight (C, 1, k, k) has a size-1 dim too: in channels-last its strides are
+    (k*k, 1, k, 1), and its master kept contiguous ones. So do channels_last_3d weights."""
+    conv, norm = (nn.Conv2d, nn.BatchNorm2d) if dims == 2 else (nn.Conv3d, nn.BatchNorm3d)
+    memory_format = torch.channels_last if dims == 2 else torch.channels_last_3d
+    torch.manual_seed(0)
+    model = nn.Sequential(conv(4, 16, 1), norm(16), nn.GELU(), conv(16, 16, 3, padding=1, groups=16),
+                          nn.GroupNorm(4, 16), conv(16, 8, 1), nn.GroupNorm(2, 8))
+    reference = copy.deepcopy(model).to(device)
+    _wrap(model, device, 0.9, everything=True)  # room for every weight whole: no tiles
+    for m in (model, reference):
+        m.to(memory_format=memory_format)
+    x = torch.randn(2, 4, *(6,) * dims, generator=torch.Generator().manual_seed(1)).to(device)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference)]
+    for step in range(2):
+        outputs = []
+        for m, optimizer in zip((model, reference), optimizers):
+            out = m(x)
+            out.square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            outputs.append(out)
+        assert torch.equal(*outputs), step
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.stride() == q.stride() and torch.equal(p, q), name
+    _within_budget(model)
+
+
+# ---------------------------------------------------------------------------- torch.nn.utils.prune
+
+
+def test_torch_prune_on_a_wrapped_model_trains_like_the_unwrapped_one_and_prune_remove_keeps_it(device):
+    """prune's forward pre-hook sets ``module.weight = weight_orig * weight_mask`` before every
+    forward: with grad on, a tensor autograd computed (it cannot be offloaded), held as a plain
+    attribute. It was counted as a resident weight, which left the budget short of the room its
+    largest op pages, so pruning the next weight was refused (a BudgetError claiming 8192 bytes
+    did not fit in 117024). Such a tensor is counted as activations are now."""
+    import torch.nn.utils.prune as prune
+
+    model = _llama()
+    reference = copy.deepcopy(model).to(device)
+    _wrap(model, device)
+    for m in (model, reference):
+        attention = m.model.layers[0].self_attn
+        for name in ("q_proj", "v_proj"):
+            prune.l1_unstructured(getattr(attention, name), "weight", amount=0.3)
+        mlp = m.model.layers[1].mlp
+        prune.global_unstructured([(mlp.up_proj, "weight"), (mlp.down_proj, "weight")],
+                                  pruning_method=prune.L1Unstructured, amount=0.2)
+    _same_steps(model, reference, device, optimizer=torch.optim.SGD)
+    for m in (model, reference):
+        for name in ("q_proj", "v_proj"):
+            prune.remove(getattr(m.model.layers[0].self_attn, name), "weight")
+    assert torch.equal(_logits(model, device), _logits(reference, device))
+    _within_budget(model)
+
+
+def test_a_weight_refused_for_the_room_the_largest_op_needs_says_so(device):
+    """Where a weight assigned after wrapping would fit the free room by itself but not beside
+    the bytes the model's largest op pages at once, the BudgetError named only the weight's own
+    need (256 bytes) and a larger free room, which read as a contradiction. It names the largest
+    op's bytes too now."""
+    model = _llama()
+    _wrap(model, device)
+    s = ot.stats(model)
+    model.model.layers[0].scratch = torch.zeros(3000, device=device)  # a small attribute, counted as resident
+    with pytest.raises(ot.BudgetError, match=r"needs \d+ bytes .*the room must still hold the \d+ bytes the model's "
+                                             r"largest op pages, but only \d+ of the budget's"):
+        model.model.layers[1].mlp.extra = nn.Parameter(torch.randn(64, 64, device=device))
+    assert ot.stats(model).resident_bytes == s.resident_bytes + 12000
+
+
+# ---------------------------------------------------------------------------- boolean masks
+
+
+def test_a_boolean_row_mask_of_an_offloaded_table_larger_than_the_room_pages_only_the_rows_it_selects(device):
+    """Textual inversion keeps a copy of the embedding table and, after every step, puts back the
+    rows it does not train: ``weight[keep] = orig[keep]``. ``orig[keep]``, a boolean mask over
+    dim 0 of an offloaded table larger than the room, paged the whole table and raised
+    BudgetError; integer indices paged only their rows. A mask now selects its rows as they do."""
+    model = _llama(vocab=512)
+    reference = copy.deepcopy(model).to(device)
+    ot.wrap_model(model, budget_gb=0.06 * _weight_bytes(model) / GiB, device=device)
+    table, expected_table = model.model.embed_tokens.weight, reference.model.embed_tokens.weight
+    assert isinstance(table, ot.OffloadedTensor) and table.nbytes > ot.stats(model).budget_bytes
+    keep = torch.ones(512, dtype=torch.bool, device=device)
+    keep[500:] = False
+    with torch.no_grad():
+        assert torch.equal(table[keep], expected_table[keep])
+        for weight in (table, expected_table):
+            original = weight.detach().clone()
+            weight.add_(1.0)  # a step that moved every row
+            weight[keep] = original[keep]
+    assert torch.equal(table, expected_table)
+    assert torch.equal(_logits(model, device), _logits(reference, device))
+    _within_budget(model)
