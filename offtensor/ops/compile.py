@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from ..pager import host_layout, registered_master
+from ..pager import host_layout, registered_master, upload_compact
 from ..tensor import OffloadedTensor
 
 # The extension's namespace: these ops sit beside offtensor::alloc_host and copy_async.
@@ -76,9 +76,7 @@ def page(host: torch.Tensor, master_id: int, device: torch.device) -> torch.Tens
     try:
         lo, hi = host_layout(host)[:2]
         if hi - lo > host.numel():
-            order = sorted(range(host.dim()), key=lambda d: -host.stride(d))  # outermost first
-            gathered = pager.upload(host.permute(order).contiguous(), "a compiled graph's weight", held)[0]
-            out.copy_(gathered.permute(sorted(range(host.dim()), key=order.__getitem__)))
+            out.copy_(upload_compact(pager, host, "a compiled graph's weight", held))
         else:
             out.copy_(pager.page(host, master, "a compiled graph's weight", held=held)[0])
     finally:

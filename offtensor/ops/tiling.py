@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .. import cast_views
-from ..pager import BudgetError, host_layout
+from ..pager import BudgetError, host_layout, upload_compact
 from ..tensor import OffloadedTensor
 from .arguments import raise_torch_error
 from .paging import Paged, describe, layout_of, run
@@ -147,9 +147,7 @@ def _page_slice(t, dim: int, start: int, stop: int, paged: Paged):
     if (hi - lo) <= host.numel() or type(host) is not torch.Tensor:
         # (traced by torch.compile: the graph's page gathers a strided slice at run time)
         return paged.page(cast_views.derived(t, host))
-    order = sorted(range(host.dim()), key=lambda d: -host.stride(d))  # outermost first
-    gathered = cast_views.cast_of(t, t._master.pager.upload(host.permute(order).contiguous(), describe(t), paged.entries)[0])
-    return gathered.permute(sorted(range(host.dim()), key=order.__getitem__))
+    return cast_views.cast_of(t, upload_compact(t._master.pager, host, describe(t), paged.entries))
 
 
 def _tile_size(weight: OffloadedTensor, dim: int, others: int, what: str, sliced=()) -> int:

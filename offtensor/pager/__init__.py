@@ -68,11 +68,11 @@ from .cache import (
 )
 from .device import device_total_bytes, free_device_bytes, pins_host_memory, resolve_device, strict_from_env, upload_small
 from .masters import Master, master_for, observe_writes, registered_master
-from .pager import Pager
+from .pager import Pager, upload_compact
 from .stats import OffloadStats, format_bytes
 
 __all__ = [
     "GiB", "Budget", "BudgetError", "CacheKey", "CachedCopy", "CacheView", "LeastRecentlyUsed", "cache_key",
-    "covering_range", "host_layout", "page_layout", "device_total_bytes", "free_device_bytes", "pins_host_memory", "resolve_device", "strict_from_env", "upload_small",
+    "covering_range", "host_layout", "page_layout", "device_total_bytes", "free_device_bytes", "pins_host_memory", "resolve_device", "strict_from_env", "upload_small", "upload_compact",
     "Master", "master_for", "observe_writes", "registered_master", "Pager", "OffloadStats", "format_bytes",
 ]

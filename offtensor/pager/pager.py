@@ -360,3 +360,13 @@ def _prefetch(pager: Pager, master: Master, dtype: torch.dtype, lo: int, hi: int
 
 
 forking.at_fork_in_child(lambda: forking.renew_lock(Pager._defaults_lock))
+
+
+def upload_compact(pager, host: torch.Tensor, what="tensor", held=None) -> torch.Tensor:
+    """``host`` gathered on the host into its own elements, in its memory order (outermost dim
+    first), uploaded by ``pager.upload`` and viewed in ``host``'s shape: a view whose storage range
+    holds more than its elements (a column tile of a row-major weight) takes only the room its
+    elements take, and rows of a transposed weight stay column-major."""
+    order = sorted(range(host.dim()), key=lambda d: -host.stride(d))
+    view = pager.upload(host.permute(order).contiguous(), what, held)[0]
+    return view.permute(sorted(range(host.dim()), key=order.__getitem__))
