@@ -13,12 +13,7 @@ import torch
 from torch import nn
 
 import offtensor as ot
-
-GiB = 1 << 30
-
-
-def _weight_bytes(model: nn.Module) -> int:
-    return sum({id(t): t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())}.values())
+from test_engines_clients import GiB, _llama, _weight_bytes, _within_budget
 
 
 def _wrap(model: nn.Module, device, fraction=0.3, everything=False) -> None:
@@ -27,21 +22,6 @@ def _wrap(model: nn.Module, device, fraction=0.3, everything=False) -> None:
     policy = {"offload": ["*"]} if everything else None
     ot.wrap_model(model, budget_gb=fraction * _weight_bytes(model) / GiB, device=device, policy=policy)
     assert ot.stats(model).offloaded_bytes > 0
-
-
-def _within_budget(model: nn.Module) -> None:
-    s = ot.stats(model)
-    assert s.bytes_h2d > 0, "nothing was paged"
-    assert s.peak_device_bytes <= s.budget_bytes, s
-
-
-def _llama(vocab=128):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )).eval()
 
 
 def _ids(device, batch=2, length=6, vocab=128, seed=1):
