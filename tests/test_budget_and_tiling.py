@@ -100,9 +100,9 @@ def test_foreach_op_over_offloaded_tensors_larger_than_the_free_room_runs_per_el
 
 def test_an_op_that_needs_more_than_the_budget_at_once_still_raises_budget_error(device):
     pager = Pager(torch.device(device), 1500)
-    a, b = torch.randn(256), torch.randn(256)
-    with pytest.raises(BudgetError, match="needs 1024 bytes"):  # a reduction cannot be cut into slices
-        torch.dot(_offload_under(pager, a), _offload_under(pager, b))
+    a, b = torch.randn(3, 86), torch.randn(3, 86)
+    with pytest.raises(BudgetError, match="needs 1032 bytes"):  # a cross product along dim 0 is not cut into slices
+        torch.linalg.cross(_offload_under(pager, a), _offload_under(pager, b), dim=0)
 
 
 def test_a_pointwise_op_whose_arguments_exceed_the_budget_together_runs_in_slices(device):

@@ -54,6 +54,7 @@ from .convolutions import convolution, convolution_backward
 from .pieces import ForeachInPieces, cutting, pointwise_in_pieces
 from .tiling import TILE_ALIGN, bmm, mm, mv
 from .views import inplace_view, view
+from .host_reads import ON_HOST, on_host
 from .lines import ALONG_LINES
 from .whole_reads import SHORT_OF_ROOM
 from .writes import Mutation, batch_norm, copy_, resize_, set_
@@ -121,11 +122,24 @@ def _in_slices(func, handler):
         # A composite of other ops (``allclose``) whose arguments do not fit whole: its parts, each
         # of which runs in slices where it can, as for a plain tensor.
         return _decompose
+    if func in ON_HOST:
+        # Reads the whole tensor with no slices to cut (``unique``, ``nonzero``): on its host master (host_reads.py).
+        return _on_host
     return None
 
 
 def _short_of_room(func, handler, args, kwargs, error):
-    return _SHORT_OF_ROOM[func](func, args, kwargs, error)
+    try:
+        return _SHORT_OF_ROOM[func](func, args, kwargs, error)
+    except BudgetError as short:
+        if func not in ON_HOST:
+            raise
+        # No slice fits (an op over the whole tensor, a line larger than the room): its host master.
+        return on_host(func, args, kwargs, short)
+
+
+def _on_host(func, handler, args, kwargs, error):
+    return on_host(func, args, kwargs, error)
 
 
 def _pointwise(func, handler, args, kwargs, error):

@@ -1,0 +1,124 @@
+"""Ops over the whole of an offloaded tensor larger than the budget's free room, computed from its
+host master: ``argmax()`` / ``argmin()`` / ``aminmax()`` / ``median()`` / ``var()`` / ``std()`` /
+``prod()`` / ``count_nonzero()`` over every dim; ``sort``, ``topk``, ``cumsum``... of a flattened
+weight; and ops whose result depends on every element at once (``unique``, ``histc``,
+``histogram``, ``nonzero``, ``masked_select``, ``dot``, indexing that reads more than the room).
+
+Such an op has no dim to cut across (``lines.py``) and no partial results that add up to the whole
+op's bit for bit (``whole_reads.py`` sums in slices, and warns). But the host master holds the
+tensor's values (every write reaches it before the op that wrote returns), and the op has a CPU
+kernel: it runs there on the master's own bytes, with its other tensor arguments brought to the
+host, and its results go to the device. No weight byte is copied to the device, so the op needs no
+room; the device holds its results, as it would for the unwrapped tensor.
+
+On the emulated device (``cpu``) that is the op's own kernel over the same bytes: bit for bit. On a
+GPU it is the CPU's kernel, not the device's: ops that select or count (``argmax``, ``median()``,
+``unique``, ``nonzero``, a stable sort...) give the device's result; ops that compute may round in
+another order, and ops that pick among equal elements (``topk``, ``mode``, an unstable sort's
+indices) may pick another. Those warn there, naming the tensor.
+
+The cost is the host's CPU time over the tensor's bytes (a second or so for gigabytes, where paging
+slices would take PCIe time). Such ops are rare on weights (a statistic logged, a histogram drawn),
+and what they replace is a ``BudgetError``. Like the slices, this runs only after the op's own page
+raised ``BudgetError`` (``torch_dispatch``'s except clause): an op whose arguments fit pays nothing.
+Under torch.compile the values are not known at trace time, and the ``BudgetError`` stands."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..tensor import OffloadedTensor
+from .lines import ALONG_LINES
+from .arguments import raise_torch_error
+from .paging import describe
+
+aten = torch.ops.aten
+
+
+def on_host(func, args, kwargs, error):
+    """``func`` on the host masters of its offloaded arguments; ``error`` where one is being traced."""
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    first, masters = None, set()
+    for i, a in enumerate(flat):
+        if isinstance(a, OffloadedTensor):
+            own = a.__dict__
+            host = own["_host"]
+            if type(host) is not torch.Tensor:  # a torch.compile stand-in: no values until the graph runs
+                raise error
+            cast = own.get("_cast")  # a lazy cast (cast_views) reads its weight's bytes in the cast's dtype
+            flat[i] = host.to(cast.dtype) if cast is not None else host
+            masters.add(host.untyped_storage().data_ptr())
+            first = a if first is None else first
+        elif isinstance(a, torch.Tensor) and a.device.type != "cpu":
+            flat[i] = a.cpu()
+    if first is None:
+        raise error
+    device = first._master.pager.device
+    host_args, host_kwargs = pytree.tree_unflatten(flat, spec)
+    if device.type == "cpu":  # the emulated device: the host's kernel is the device's, errors and all
+        return pytree.tree_map_only(torch.Tensor, lambda t: _apart(t, masters), func(*host_args, **host_kwargs))
+    raise_torch_error(func, args, kwargs, device)  # wrong arguments: torch's own error, as the device gives it
+    try:
+        out = func(*host_args, **host_kwargs)
+    except (RuntimeError, NotImplementedError) as host_error:
+        raise error from host_error  # no CPU kernel for it (a dtype only the GPU computes): the room's error stands
+    if not _exact_anywhere(func, args, kwargs):
+        warnings.warn(
+            f"offtensor: {func.__name__} of {describe(first)}, larger than the budget's room, is computed on the host "
+            f"from its master: the CPU's kernel may round in another order than the device's, or pick another of "
+            f"equal elements. Raise budget_gb for bit-identical results.", stacklevel=5)
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), out)
+
+
+def _exact_anywhere(func, args, kwargs) -> bool:
+    if func is aten.sort.stable:
+        return bool(kwargs.get("stable"))  # (keyword-only) equal elements keep their order on every device
+    if func is aten._unique2.default:
+        # A GPU sorts the unique elements whatever ``sorted`` says; the CPU keeps them unsorted if asked.
+        return bool(kwargs.get("sorted", args[1] if len(args) > 1 else True))
+    return func in _EXACT_ANYWHERE
+
+
+def _apart(t: torch.Tensor, masters: set) -> torch.Tensor:
+    """A result never shares a master's memory: a write to it would change the weight unseen."""
+    return t.clone() if t.untyped_storage().data_ptr() in masters else t
+
+
+# Ops that read their arguments only, with a CPU kernel. Those along a dim (ALONG_LINES) come here
+# where no slice across their dim fits: over the whole tensor, or one line larger than the room.
+_OPS = (
+    *ALONG_LINES,
+    aten.median.default, aten.nanmedian.default, aten.prod.default, aten.count_nonzero.default,
+    aten.histc.default, aten.histogram.bin_ct, aten.histogram.bins_tensor,
+    aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
+    aten.nonzero.default, aten.masked_select.default, aten.take.default,
+    aten.gather.default, aten.index.Tensor, aten.index_select.default, aten.embedding.default,
+    aten.dot.default, aten.vdot.default, aten.bincount.default,
+    aten.searchsorted.Tensor, aten.bucketize.Tensor, aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar,
+    aten.isin.Scalar_Tensor, aten.equal.default,
+    # Out-of-place copies and updates of a whole tensor (a ``torch.cat`` of a weight's slices, as
+    # ``prod``'s backward makes; peft's ``index_copy`` of a trainable token's rows into the table):
+    # their result is the size of the tensor, so the device receives what a page would have carried.
+    aten.cat.default, aten.flip.default, aten.roll.default, aten.repeat.default, aten.tril.default,
+    aten.triu.default, aten.constant_pad_nd.default, aten.narrow_copy.default, aten.index_copy.default,
+    aten.index_put.default, aten.index_add.default, aten.scatter.src, aten.scatter.value,
+    aten.scatter_add.default, aten.scatter_reduce.two, aten.masked_scatter.default,
+)
+ON_HOST = frozenset(_OPS)
+# Those whose result on a GPU is the CPU's, bit for bit: they select, count or compare, and where
+# elements are equal torch defines which one they give (the first maximum, the lower median).
+_EXACT_ANYWHERE = frozenset({
+    aten.argmax.default, aten.argmin.default, aten.aminmax.default, aten.count_nonzero.default,
+    aten.count_nonzero.dim_IntList, aten.median.default, aten.nanmedian.default, aten.cummax.default,
+    aten.cummin.default, aten._unique2.default, aten.unique_dim.default,
+    aten.unique_consecutive.default, aten.nonzero.default, aten.masked_select.default, aten.take.default,
+    aten.gather.default, aten.index.Tensor, aten.index_select.default, aten.embedding.default,
+    aten.searchsorted.Tensor, aten.bucketize.Tensor, aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar,
+    aten.isin.Scalar_Tensor, aten.equal.default, aten.cat.default, aten.flip.default, aten.roll.default,
+    aten.repeat.default, aten.tril.default, aten.triu.default, aten.constant_pad_nd.default, aten.narrow_copy.default,
+    # (where an index repeats, which write lands is undefined on every device)
+    aten.index_copy.default, aten.scatter.src, aten.scatter.value, aten.masked_scatter.default,
+})
