@@ -56,7 +56,10 @@ def on_host(func, args, kwargs, error):
             flat[i] = a.cpu()
     if first is None:
         raise error
-    device = first._master.pager.device
+    pager = first._master.pager
+    device = pager.device
+    if pager.capturing():
+        raise error  # a CUDA graph replays device work only: a host kernel would not rerun
     host_args, host_kwargs = pytree.tree_unflatten(flat, spec)
     if device.type == "cpu":  # the emulated device: the host's kernel is the device's, errors and all
         return pytree.tree_map_only(torch.Tensor, lambda t: _apart(t, masters), func(*host_args, **host_kwargs))
