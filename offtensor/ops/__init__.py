@@ -106,7 +106,10 @@ def torch_dispatch(func, types, args, kwargs):
             return in_slices(func, handler, args, kwargs or {}, error)
         except BaseException as late:
             reclaim(late)  # the slices' own records, as for the handler's
-            raise
+            if type(late) is not BudgetError or func not in ON_HOST:
+                raise
+            # No slice fits (an op over the whole tensor, a line larger than the room): its host master.
+            return on_host(func, args, kwargs or {}, late)
 
 
 def _in_slices(func, handler):
@@ -129,13 +132,7 @@ def _in_slices(func, handler):
 
 
 def _short_of_room(func, handler, args, kwargs, error):
-    try:
-        return _SHORT_OF_ROOM[func](func, args, kwargs, error)
-    except BudgetError as short:
-        if func not in ON_HOST:
-            raise
-        # No slice fits (an op over the whole tensor, a line larger than the room): its host master.
-        return on_host(func, args, kwargs, short)
+    return _SHORT_OF_ROOM[func](func, args, kwargs, error)
 
 
 def _on_host(func, handler, args, kwargs, error):
@@ -152,22 +149,27 @@ _SHORT_OF_ROOM = {**SHORT_OF_ROOM, **ALONG_LINES}
 _POINTWISE = torch.Tag.pointwise
 # Ops that compute each element from the same element of their arguments, as pointwise ones do,
 # without torch's pointwise tag: fills (``zero_``, ``fill_``: ``nn.init.zeros_``, a head reset), a
-# masked fill in place, a cast (``.to(dtype)``, ``.half()``) and the random fills ``nn.init`` runs
-# (``uniform_``, ``normal_``...). A weight larger than the free room is written or read in slices.
+# masked fill in place, a cast (``.to(dtype)``, ``.half()``), the random fills ``nn.init`` runs
+# (``uniform_``, ``normal_``...), and ``1 - w`` (rsub), ``floor_divide``, ``torch.complex`` and
+# ``torch.polar``. A weight larger than the free room is written or read in slices.
 _RANDOM_FILLS = frozenset({aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float, aten.exponential_.default,
                            aten.log_normal_.default, aten.cauchy_.default, aten.geometric_.default,
                            aten.random_.default, aten.random_.to, getattr(aten.random_, "from")})
 _ELEMENTWISE = frozenset({aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, aten.masked_fill_.Scalar,
-                          aten.masked_fill_.Tensor, aten._to_copy.default}) | _RANDOM_FILLS
+                          aten.masked_fill_.Tensor, aten._to_copy.default, aten.rsub.Tensor, aten.rsub.Scalar,
+                          aten.floor_divide.default, aten.floor_divide.Scalar, aten.polar.default,
+                          aten.complex.default}) | _RANDOM_FILLS
 
 
 def _warn_random_in_slices(func, t) -> None:
     """A random fill drawn slice by slice: the distribution of one draw of the whole tensor, and on
-    the CPU's generator (each element in turn) its values; a GPU's generator gives each launch its
-    own stream, so there the values differ from one draw's for the same seed."""
+    the CPU's generator (each element in turn) its values, but for ``normal_``, which the CPU draws
+    in blocks of 16 values (a slice's last block is drawn apart); a GPU's generator gives each
+    launch its own stream, so there the values differ from one draw's for the same seed."""
     warnings.warn(f"offtensor: {func.__name__.split('.')[0]} of {describe(t)}, larger than the budget's room, "
-                  f"draws its values slice by slice: on a GPU they are not the values one draw of the whole tensor "
-                  f"gives for the same seed (the same distribution). Raise budget_gb for the same values.", stacklevel=5)
+                  f"draws its values slice by slice: on a GPU (and for normal_ on the CPU) they are not the values "
+                  f"one draw of the whole tensor gives for the same seed (the same distribution). Raise budget_gb "
+                  f"for the same values.", stacklevel=5)
 
 
 _get_dispatch_mode = torch._C._get_dispatch_mode

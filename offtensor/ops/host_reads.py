@@ -63,10 +63,10 @@ def on_host(func, args, kwargs, error):
     host_args, host_kwargs = pytree.tree_unflatten(flat, spec)
     if device.type == "cpu":  # the emulated device: the host's kernel is the device's, errors and all
         return pytree.tree_map_only(torch.Tensor, lambda t: _apart(t, masters), func(*host_args, **host_kwargs))
-    raise_torch_error(func, args, kwargs, device)  # wrong arguments: torch's own error, as the device gives it
     try:
         out = func(*host_args, **host_kwargs)
     except (RuntimeError, NotImplementedError) as host_error:
+        raise_torch_error(func, args, kwargs, device)  # wrong arguments: torch's own error, as the device gives it
         raise error from host_error  # no CPU kernel for it (a dtype only the GPU computes): the room's error stands
     if not _exact_anywhere(func, args, kwargs):
         warnings.warn(
@@ -110,7 +110,30 @@ _OPS = (
     aten.index_put.default, aten.index_add.default, aten.scatter.src, aten.scatter.value,
     aten.scatter_add.default, aten.scatter_reduce.two, aten.masked_scatter.default,
 )
-ON_HOST = frozenset(_OPS)
+# Linear algebra, FFTs and the rest whose result every element of the tensor feeds (a weight's
+# singular values, its spectral norm, ``torch.trace``); named so that an op a torch version lacks is left out.
+_NAMED = (
+    "sum.default", "sum.dim_IntList", "mean.default", "mean.dim", "linalg_vector_norm.default", "nansum.default",
+    "trace.default", "renorm.default", "frexp.Tensor", "addr.default", "linalg_cross.default", "as_strided_copy.default",
+    "multinomial.default", "_pdist_forward.default", "_linalg_svd.default", "linalg_qr.default",
+    "_linalg_eigh.default", "linalg_eig.default", "_linalg_eigvals.default", "_linalg_det.default",
+    "_linalg_slogdet.default", "linalg_inv_ex.default", "linalg_cholesky_ex.default", "cholesky.default",
+    "linalg_lu_factor_ex.default", "linalg_lu.default", "lu_unpack.default", "linalg_householder_product.default",
+    "_linalg_solve_ex.default", "linalg_solve_triangular.default", "triangular_solve.default",
+    "linalg_ldl_factor_ex.default", "linalg_ldl_solve.default", "geqrf.default", "ormqr.default",
+    "cholesky_solve.default", "cholesky_inverse.default", "linalg_matrix_exp.default",
+    "_fft_r2c.default", "_fft_c2c.default", "_fft_c2r.default", "_histogramdd_bin_edges.default",
+    "_histogramdd_from_bin_cts.default", "_histogramdd_from_bin_tensors.default",
+    "_foreach_norm.Scalar", "_foreach_max.default", "_foreach_mm.default", "_foreach_powsum.Scalar",
+)
+
+
+def _named(name: str):
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(aten, packet, None), overload, None)
+
+
+ON_HOST = frozenset(_OPS) | frozenset(op for op in map(_named, _NAMED) if op is not None)
 # Those whose result on a GPU is the CPU's, bit for bit: they select, count or compare, and where
 # elements are equal torch defines which one they give (the first maximum, the lower median).
 _EXACT_ANYWHERE = frozenset({

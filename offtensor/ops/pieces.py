@@ -17,6 +17,11 @@ from .paging import describe
 from .tiling import _meta, _offloaded, _offloaded_bytes, _short_of_room
 
 
+# ``_foreach_*`` ops whose element is not computed elementwise (a norm, a product of matrices):
+# their one element is not cut into slices.
+_NOT_ELEMENTWISE = frozenset({"aten::_foreach_norm", "aten::_foreach_max", "aten::_foreach_mm", "aten::_foreach_powsum"})
+
+
 class ForeachInPieces:
     """A ``_foreach_*`` op (or a fused optimizer step) whose offloaded list elements do not fit the
     free room together: run it once per element (each call pages one element's tensors), which is
@@ -31,6 +36,10 @@ class ForeachInPieces:
         if not _short_of_room(pager, need):
             return self.handler(func, types, args, kwargs)
         n = len(args[0])
+        if n == 1 and func.name() in _NOT_ELEMENTWISE:  # (its element whole: on the host, host_reads)
+            raise BudgetError(f"offtensor: {func} cannot run within the budget: its one element needs {need} bytes of "
+                              f"offloaded copies ({', '.join(describe(t) for t in _offloaded(args, kwargs))}), but "
+                              f"the budget holds {pager.budget_bytes} bytes. Raise budget_gb.")
         if n == 1:  # one element that does not fit: slices of it may (pointwise_in_pieces)
             error = BudgetError(
                 f"offtensor: {func} cannot run within the budget: its one element needs {need} bytes of "

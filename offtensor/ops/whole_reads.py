@@ -9,7 +9,8 @@ module only after their ordinary page raised ``BudgetError`` (``SHORT_OF_ROOM``,
 ``torch_dispatch`` in its except clause): an op whose arguments fit pays nothing for it.
 
 Where the op's math allows, the slices give the whole op's result bit for bit: a gather, max, min,
-any and all read each element once; a layer or group norm's weight and bias are applied elementwise
+any and all read each element once (a sum, mean or norm of every element runs on the host master
+instead: ``host_reads``); a layer or group norm's weight and bias are applied elementwise
 to the normalised input, in the steps and the precision its kernel takes (in float for a
 half-precision input with float weights); a bilinear's output features are independent. Sums
 over slices (a reduction's partial sums, a bilinear output feature whose inputs are cut) are added
@@ -377,9 +378,13 @@ def reduction(func, args, kwargs, error):
     dims = list(range(t.dim())) if given is None or len(given) == 0 else sorted({d % t.dim() for d in given})
     keep = bool(call.get("keepdim", False))
     room = _room(t)
+    free = next((d for d in range(t.dim()) if d not in dims and t.shape[d] > 1), None)
+    if free is None and kind not in _EXACT:
+        # A sum over every element: partial sums would add in another order (and round to a half
+        # precision result once per slice), where the host's kernel sums them as the op does.
+        raise error
     if kind not in _EXACT:  # a sum over a narrower slice may vectorise, so add, in another order
         _warn_inexact(t, f"a reduction ({func.__name__})")
-    free = next((d for d in range(t.dim()) if d not in dims and t.shape[d] > 1), None)
     if free is not None:
         # Every output reads its own slice of the tensor: the op itself on slices along a dim it keeps.
         at = free if keep else free - sum(1 for d in dims if d < free)
