@@ -122,7 +122,7 @@ def device() -> str:
 # and between the other files stays as collected. (No test compares wall clocks any more, so what
 # runs beside what does not change a verdict.)
 SLOWEST_FIRST = ("test_interrupts_more.py", "test_opinfo.py", "test_native_errors.py", "test_interrupts_regions.py",
-                 "test_opinfo_tight.py", "test_compile.py", "test_gpu_suite.py", "test_timeline.py", "test_moe_trained.py", "test_ext.py",
+                 "test_compile.py", "test_gpu_suite.py", "test_timeline.py", "test_moe_trained.py", "test_ext.py",
                  "test_sweep.py", "test_memory_and_errors.py", "test_distributed.py")
 
 

@@ -289,3 +289,20 @@ def test_a_foreach_product_of_one_weight_larger_than_the_room_is_not_cut_as_elem
         pytest.skip("no _foreach_mm in this torch")
     other = torch.randn(128, 8, device=device)
     _check(lambda w: torch._foreach_mm([w], [other]), device, exact=False)
+
+
+def test_distances_to_a_codebook_larger_than_the_room_train_the_queries(device):
+    """A vector quantiser's ``torch.cdist(z, codebook)`` with the codebook frozen and offloaded: the
+    forward runs in tiles of its rows, and the backward, which reads the codebook whole, on the host."""
+    torch.manual_seed(0)
+    codebook = torch.randn(96, 96)  # 36 KiB
+    model = _Holder(codebook.clone().requires_grad_(False))
+    ot.wrap_model(model, budget_gb=12 * 1024 / GiB, device=device)
+    assert model.w.host_nbytes > model.w._master.pager.free_bytes()
+    z = torch.randn(5, 96, device=device)
+    got, want = z.clone().requires_grad_(), z.clone().requires_grad_()
+    torch.cdist(got, model.w).min(1).values.sum().backward()
+    torch.cdist(want, codebook.to(device)).min(1).values.sum().backward()
+    torch.testing.assert_close(got.grad, want.grad)
+    if device == "cpu":
+        assert torch.equal(got.grad, want.grad)

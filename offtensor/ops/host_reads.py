@@ -111,9 +111,12 @@ _OPS = (
     aten.scatter_add.default, aten.scatter_reduce.two, aten.masked_scatter.default,
 )
 # Linear algebra, FFTs and the rest whose result every element of the tensor feeds (a weight's
-# singular values, its spectral norm, ``torch.trace``); named so that an op a torch version lacks is left out.
+# singular values, its spectral norm, ``torch.trace``), and products whose tiles cannot be cut any
+# narrower (a ``cdist`` row, a bilinear's one output feature) or whose backward reads the weight
+# whole (``cdist``'s); named so that an op a torch version lacks is left out.
 _NAMED = (
     "sum.default", "sum.dim_IntList", "mean.default", "mean.dim", "linalg_vector_norm.default", "nansum.default",
+    "_cdist_forward.default", "_cdist_backward.default", "_trilinear.default", "addbmm.default",
     "trace.default", "renorm.default", "frexp.Tensor", "addr.default", "linalg_cross.default", "as_strided_copy.default",
     "multinomial.default", "_pdist_forward.default", "_linalg_svd.default", "linalg_qr.default",
     "_linalg_eigh.default", "linalg_eig.default", "_linalg_eigvals.default", "_linalg_det.default",
