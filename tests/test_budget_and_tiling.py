@@ -297,7 +297,7 @@ def test_a_pointwise_read_of_a_weight_larger_than_the_room_runs_in_slices(device
     with pytest.warns(UserWarning, match="summed over slices.*last bits"):  # a narrower slice may vectorise otherwise
         rows = weight.sum(1)
     torch.testing.assert_close(rows.cpu(), values.sum(1))
-    if device == "cpu":  # the sum of every element runs on the host master (host_reads): the op itself
+    if device == "cpu":  # the sum of every element runs on the host master (on_host): the op itself
         assert torch.equal(weight.sum(), values.sum())
     assert torch.equal(weight.max().cpu(), values.max())  # each element read once: exact, no warning
     assert pager.stats.peak_device_bytes <= 16 * 1024

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import offtensor as ot
-from offtensor.ops import host_reads
+from offtensor.ops import host_compute
 
 GiB = 1024**3
 BUDGET = 12 * 1024  # room for a quarter of the 32 KiB weight, never the whole
@@ -173,7 +173,7 @@ def test_a_lazy_cast_of_a_weight_larger_than_the_room_is_read_on_the_host_in_its
 def test_only_ops_that_compute_or_pick_among_equals_warn_on_a_gpu():
     """Which ops a GPU's kernel gives bit for bit from the CPU's (this machine has no GPU to run
     them): selections, counts and copies do; sums, and picks among equal elements, may not."""
-    exact = host_reads._exact_anywhere
+    exact = host_compute._exact_anywhere
     w = torch.zeros(2)
     for func in (aten.argmax.default, aten.median.default, aten.nonzero.default, aten.cat.default,
                  aten.index_copy.default, aten.count_nonzero.default):
@@ -306,3 +306,66 @@ def test_distances_to_a_codebook_larger_than_the_room_train_the_queries(device):
     torch.testing.assert_close(got.grad, want.grad)
     if device == "cpu":
         assert torch.equal(got.grad, want.grad)
+
+
+# In-place ops on a weight larger than the room: those that write by index, by mask or by position
+# run their out-of-place form on the host and write the result back; the in-place forms of
+# pointwise ops that torch leaves untagged (``abs_``, ``eq_``...) run in slices.
+IN_PLACE = {
+    "index_copy_": lambda w: w.index_copy_(0, torch.tensor([3, 9], device=w.device), torch.ones(2, 128, device=w.device)),
+    "index_fill_": lambda w: w.index_fill_(1, torch.tensor([0, 5], device=w.device), -2.0),
+    "index_add_": lambda w: w.index_add_(0, torch.tensor([1, 1], device=w.device), torch.ones(2, 128, device=w.device)),
+    "masked_scatter_": lambda w: w.masked_scatter_(w > 1, torch.zeros(64, 128, device=w.device)),
+    "scatter_": lambda w: w.scatter_(0, torch.zeros(1, 128, dtype=torch.long, device=w.device), 5.0),
+    "scatter_add_": lambda w: w.scatter_add_(1, torch.zeros(64, 1, dtype=torch.long, device=w.device),
+                                             torch.ones(64, 1, device=w.device)),
+    "tril_": lambda w: w.tril_(-3),
+    "cumsum_": lambda w: w.cumsum_(0),
+    "renorm_": lambda w: w.renorm_(2, 0, 1.0),
+    "abs_": lambda w: w.abs_(),
+    "eq_": lambda w: w.eq_(0.5),
+    "threshold_": lambda w: torch.nn.functional.threshold_(w, 0.1, -1.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(IN_PLACE))
+def test_an_in_place_op_on_a_weight_larger_than_the_room_writes_what_the_unwrapped_op_writes(name, device):
+    model = _wrapped(device)
+    pager = model.w._master.pager
+    model.w.detach().abs().max()  # (a read first: a cached copy the write must drop)
+    plain = _weight().to(device)
+    with torch.no_grad():
+        IN_PLACE[name](plain)
+        returned = IN_PLACE[name](model.w)
+    assert returned is model.w
+    assert torch.equal(model.w.materialize(), plain)
+    with torch.no_grad():
+        assert torch.equal(model.w * 1, plain)  # through the device: no stale cached copy
+    assert pager.stats.peak_device_bytes <= pager.budget_bytes
+
+
+def test_an_interrupt_at_any_point_of_an_in_place_op_on_the_host_leaves_the_weight_whole_or_written(device):
+    """The result is written back in one copy: a Ctrl-C leaves the weight as it was or as written."""
+    from test_interrupts_more import _Points, _points
+
+    model = _wrapped(device)
+    before = _weight().to(device)
+    after = before.clone().tril_(-3)
+
+    def run():
+        with torch.no_grad():
+            model.w.tril_(-3)
+
+    def ours(code) -> bool:
+        return "offtensor" in code.co_filename and "ops" in code.co_filename
+
+    points = _points(run, ours)
+    assert points > 5
+    for n in range(1, points + 1):
+        with torch.no_grad():
+            model.w.copy_(before)
+        _Points(n, ours).run(run)
+        now = model.w.materialize()
+        assert torch.equal(now, before) or torch.equal(now, after), f"torn at point {n}"
+        run()
+        assert torch.equal(model.w.materialize(), after)

@@ -54,7 +54,7 @@ from .convolutions import convolution, convolution_backward
 from .pieces import ForeachInPieces, cutting, pointwise_in_pieces
 from .tiling import TILE_ALIGN, bmm, mm, mv
 from .views import inplace_view, view
-from .host_reads import ON_HOST, on_host
+from .host_compute import ON_HOST, WRITTEN_ON_HOST, on_host, written_on_host
 from .lines import ALONG_LINES
 from .whole_reads import SHORT_OF_ROOM
 from .writes import Mutation, batch_norm, copy_, resize_, set_
@@ -118,7 +118,7 @@ def _in_slices(func, handler):
         # An op that reads a tensor whole, larger than the free room: slices of it (whole_reads.py, lines.py).
         return _short_of_room
     if (handler in _PLAIN_COMPUTE or type(handler) is Mutation or func in _ELEMENTWISE) \
-            and (_POINTWISE in func.tags or func in _ELEMENTWISE):
+            and (func in _ELEMENTWISE or _pointwise_op(func)):
         # Its arguments do not fit the free room together: slices of them do (pieces.py).
         return _pointwise
     if handler is _compute_composite:
@@ -126,8 +126,11 @@ def _in_slices(func, handler):
         # of which runs in slices where it can, as for a plain tensor.
         return _decompose
     if func in ON_HOST:
-        # Reads the whole tensor with no slices to cut (``unique``, ``nonzero``): on its host master (host_reads.py).
+        # Reads the whole tensor with no slices to cut (``unique``, ``nonzero``): on its host master (host_compute.py).
         return _on_host
+    if type(handler) is Mutation and func in WRITTEN_ON_HOST:
+        # Writes it by index or mask (``index_copy_``, ``tril_``): its out-of-place form there, written back.
+        return _written_on_host
     return None
 
 
@@ -139,6 +142,10 @@ def _on_host(func, handler, args, kwargs, error):
     return on_host(func, args, kwargs, error)
 
 
+def _written_on_host(func, handler, args, kwargs, error):
+    return written_on_host(func, args, kwargs, error)
+
+
 def _pointwise(func, handler, args, kwargs, error):
     if func in _RANDOM_FILLS:
         _warn_random_in_slices(func, args[0])
@@ -147,6 +154,20 @@ def _pointwise(func, handler, args, kwargs, error):
 
 _SHORT_OF_ROOM = {**SHORT_OF_ROOM, **ALONG_LINES}
 _POINTWISE = torch.Tag.pointwise
+
+
+def _pointwise_op(func) -> bool:
+    """Whether ``func`` is tagged pointwise, or is the in-place form of an op that is: torch tags
+    ``add_`` but not ``abs_``, ``eq_``, ``threshold_`` or ``copysign_``, which compute each element
+    as their out-of-place forms do."""
+    if _POINTWISE in func.tags:
+        return True
+    name = func._schema.name.split("::")[-1]
+    if not name.endswith("_") or torch.Tag.inplace not in func.tags:
+        return False
+    packet = getattr(aten, name[:-1], None)
+    functional = getattr(packet, func._overloadname, None) if packet is not None else None
+    return functional is not None and _POINTWISE in functional.tags
 # Ops that compute each element from the same element of their arguments, as pointwise ones do,
 # without torch's pointwise tag: fills (``zero_``, ``fill_``: ``nn.init.zeros_``, a head reset), a
 # masked fill in place, a cast (``.to(dtype)``, ``.half()``), the random fills ``nn.init`` runs
@@ -157,7 +178,8 @@ _RANDOM_FILLS = frozenset({aten.uniform_.default, aten.normal_.default, aten.ber
                            aten.random_.default, aten.random_.to, getattr(aten.random_, "from")})
 _ELEMENTWISE = frozenset({aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, aten.masked_fill_.Scalar,
                           aten.masked_fill_.Tensor, aten._to_copy.default, aten.rsub.Tensor, aten.rsub.Scalar,
-                          aten.floor_divide.default, aten.floor_divide.Scalar, aten.polar.default,
+                          aten.floor_divide.default, aten.floor_divide.Scalar, aten.floor_divide_.Tensor,
+                          aten.floor_divide_.Scalar, aten.polar.default,
                           aten.complex.default}) | _RANDOM_FILLS
 
 

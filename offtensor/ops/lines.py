@@ -16,7 +16,7 @@ range of the master, and where one slice does not fit it is cut again along the 
 Like ``whole_reads``, these run only after the op's own page raised ``BudgetError``
 (``torch_dispatch``'s except clause): an op whose argument fits pays nothing. An op over the whole
 tensor (``sort`` of a flattened weight, ``argmax()`` without a dim) has no line to cut across: it
-runs on the host master instead (``host_reads.py``)."""
+runs on the host master instead (``host_compute.py``)."""
 
 from __future__ import annotations
 

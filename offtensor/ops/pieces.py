@@ -36,7 +36,7 @@ class ForeachInPieces:
         if not _short_of_room(pager, need):
             return self.handler(func, types, args, kwargs)
         n = len(args[0])
-        if n == 1 and func.name() in _NOT_ELEMENTWISE:  # (its element whole: on the host, host_reads)
+        if n == 1 and func.name() in _NOT_ELEMENTWISE:  # (its element whole: on the host, host_compute)
             raise BudgetError(f"offtensor: {func} cannot run within the budget: its one element needs {need} bytes of "
                               f"offloaded copies ({', '.join(describe(t) for t in _offloaded(args, kwargs))}), but "
                               f"the budget holds {pager.budget_bytes} bytes. Raise budget_gb.")

@@ -10,7 +10,7 @@ module only after their ordinary page raised ``BudgetError`` (``SHORT_OF_ROOM``,
 
 Where the op's math allows, the slices give the whole op's result bit for bit: a gather, max, min,
 any and all read each element once (a sum, mean or norm of every element runs on the host master
-instead: ``host_reads``); a layer or group norm's weight and bias are applied elementwise
+instead: ``host_compute``); a layer or group norm's weight and bias are applied elementwise
 to the normalised input, in the steps and the precision its kernel takes (in float for a
 half-precision input with float weights); a bilinear's output features are independent. Sums
 over slices (a reduction's partial sums, a bilinear output feature whose inputs are cut) are added

@@ -17,6 +17,11 @@ GPU it is the CPU's kernel, not the device's: ops that select or count (``argmax
 another order, and ops that pick among equal elements (``topk``, ``mode``, an unstable sort's
 indices) may pick another. Those warn there, naming the tensor.
 
+An in-place op that writes such a tensor by index, mask or position (``index_copy_``,
+``masked_scatter_``, ``tril_``, ``cumsum_``) has no slices either: its out-of-place form runs on the
+host and the result is written back into the master in one copy (``paging.write_back``, as every
+write of a paged copy is), so an interrupt leaves the tensor as it was or as written.
+
 The cost is the host's CPU time over the tensor's bytes (a second or so for gigabytes, where paging
 slices would take PCIe time). Such ops are rare on weights (a statistic logged, a histogram drawn),
 and what they replace is a ``BudgetError``. Like the slices, this runs only after the op's own page
@@ -33,13 +38,38 @@ from torch.utils import _pytree as pytree
 from ..tensor import OffloadedTensor
 from .lines import ALONG_LINES
 from .arguments import raise_torch_error
-from .paging import describe
+from .paging import describe, write_back
 
 aten = torch.ops.aten
 
 
 def on_host(func, args, kwargs, error):
-    """``func`` on the host masters of its offloaded arguments; ``error`` where one is being traced."""
+    """``func`` on the host masters of its offloaded arguments, its results on the device; ``error``
+    where it cannot run there."""
+    out, first, masters = _host_call(func, args, kwargs, error)
+    device = first._master.pager.device
+    if device.type == "cpu":
+        return pytree.tree_map_only(torch.Tensor, lambda t: _apart(t, masters), out)
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), out)
+
+
+def written_on_host(func, args, kwargs, error):
+    """An in-place op on an offloaded tensor larger than the room (``w.index_copy_``, ``w.tril_``):
+    its out-of-place form on the host masters, written back into the tensor's master as any write
+    of a paged copy is (``paging.write_back``: one copy, every alias sees it, cached copies
+    dropped). Returns the tensor itself, as the in-place op does."""
+    t = args[0]
+    if not isinstance(t, OffloadedTensor) or any(
+            isinstance(a, OffloadedTensor) and a._master is t._master
+            for a in pytree.tree_leaves((args[1:], kwargs))):
+        raise error  # (an argument that shares the written master: torch's rules for overlap apply)
+    values, _, _ = _host_call(_FUNCTIONAL[func], args, kwargs, error)
+    write_back(t, values)
+    return t
+
+
+def _host_call(func, args, kwargs, error):
+    """(``func``'s result on the host, the first offloaded argument, the host masters' storages)."""
     flat, spec = pytree.tree_flatten((args, kwargs))
     first, masters = None, set()
     for i, a in enumerate(flat):
@@ -57,23 +87,22 @@ def on_host(func, args, kwargs, error):
     if first is None:
         raise error
     pager = first._master.pager
-    device = pager.device
     if pager.capturing():
         raise error  # a CUDA graph replays device work only: a host kernel would not rerun
     host_args, host_kwargs = pytree.tree_unflatten(flat, spec)
-    if device.type == "cpu":  # the emulated device: the host's kernel is the device's, errors and all
-        return pytree.tree_map_only(torch.Tensor, lambda t: _apart(t, masters), func(*host_args, **host_kwargs))
+    if pager.device.type == "cpu":  # the emulated device: the host's kernel is the device's, errors and all
+        return func(*host_args, **host_kwargs), first, masters
     try:
         out = func(*host_args, **host_kwargs)
     except (RuntimeError, NotImplementedError) as host_error:
-        raise_torch_error(func, args, kwargs, device)  # wrong arguments: torch's own error, as the device gives it
+        raise_torch_error(func, args, kwargs, pager.device)  # wrong arguments: torch's own error, as the device gives it
         raise error from host_error  # no CPU kernel for it (a dtype only the GPU computes): the room's error stands
     if not _exact_anywhere(func, args, kwargs):
         warnings.warn(
             f"offtensor: {func.__name__} of {describe(first)}, larger than the budget's room, is computed on the host "
             f"from its master: the CPU's kernel may round in another order than the device's, or pick another of "
-            f"equal elements. Raise budget_gb for bit-identical results.", stacklevel=5)
-    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), out)
+            f"equal elements. Raise budget_gb for bit-identical results.", stacklevel=6)
+    return out, first, masters
 
 
 def _exact_anywhere(func, args, kwargs) -> bool:
@@ -137,6 +166,22 @@ def _named(name: str):
 
 
 ON_HOST = frozenset(_OPS) | frozenset(op for op in map(_named, _NAMED) if op is not None)
+
+# In-place ops whose out-of-place form runs on the host (``written_on_host``): the index and mask
+# writes a model makes into a weight (``index_copy_``, ``index_put_``, ``masked_scatter_``,
+# ``scatter_``), and in-place forms of ops above (``tril_``, ``cumsum_``, ``renorm_``).
+_IN_PLACE = (
+    "index_copy_.default", "index_put_.default", "index_add_.default", "index_fill_.int_Scalar",
+    "index_fill_.int_Tensor", "masked_scatter_.default", "scatter_.src", "scatter_.value", "scatter_.reduce",
+    "scatter_.value_reduce", "scatter_add_.default", "scatter_reduce_.two", "put_.default", "tril_.default",
+    "triu_.default", "cumsum_.default", "cumprod_.default", "renorm_.default", "addr_.default",
+)
+_FUNCTIONAL = {}
+for _name in _IN_PLACE:
+    _op, _functional = _named(_name), _named(_name.replace("_.", ".", 1))
+    if _op is not None and _functional is not None:
+        _FUNCTIONAL[_op] = _functional
+WRITTEN_ON_HOST = frozenset(_FUNCTIONAL)
 # Those whose result on a GPU is the CPU's, bit for bit: they select, count or compare, and where
 # elements are equal torch defines which one they give (the first maximum, the lower median).
 _EXACT_ANYWHERE = frozenset({
@@ -150,4 +195,5 @@ _EXACT_ANYWHERE = frozenset({
     aten.repeat.default, aten.tril.default, aten.triu.default, aten.constant_pad_nd.default, aten.narrow_copy.default,
     # (where an index repeats, which write lands is undefined on every device)
     aten.index_copy.default, aten.scatter.src, aten.scatter.value, aten.masked_scatter.default,
+    aten.index_fill.int_Scalar, aten.index_fill.int_Tensor,
 })
