@@ -147,3 +147,29 @@ def test_autocast_with_grad_on_runs_a_weight_larger_than_the_room(device):
     assert torch.equal(outs[0], outs[1])
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p.grad.cpu(), q.grad.cpu()), name
+
+
+@pytest.mark.parametrize("n", [64, 100, 20])
+def test_a_half_precision_step_in_slices_is_the_whole_ops_or_warns(n, device):
+    """The CPU adds a bfloat16 ``alpha * grad`` in a vectorised loop over 64-element blocks and a
+    scalar loop over the rest, and the two round otherwise (one element in a few hundred): slices of
+    whole blocks give the whole op's result (a 100 x 100 weight: 16-row slices, not 75-row ones);
+    where the room holds no whole block of rows (20 x 20), a warning names the weight."""
+    from offtensor.pager import Pager
+
+    torch.manual_seed(0)
+    weight, grad = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16().to(device)
+    pager = Pager(torch.device(device), budget_bytes=weight.numel() * 2 * 3 // 4)
+    offloaded = ot.offload(weight.clone(), device, pager=pager)
+    plain = weight.clone().to(device)
+    aligned = n * 16 * 2 <= pager.free_bytes()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        offloaded.add_(grad, alpha=-0.7)
+    plain.add_(grad, alpha=-0.7)
+    ours = [w for w in caught if "offtensor" in str(w.message)]
+    if aligned or device != "cpu":
+        assert not ours and torch.equal(offloaded.materialize(), plain)
+    else:
+        assert "vector blocks" in str(ours[0].message)
+        torch.testing.assert_close(offloaded.materialize(), plain)

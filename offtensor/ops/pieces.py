@@ -7,7 +7,10 @@ so ops that fit pay nothing for it."""
 
 from __future__ import annotations
 
+import math
+
 import threading
+import warnings
 
 import torch
 
@@ -161,6 +164,29 @@ def _cut_dim(shape: torch.Tensor, offloaded: list, free: int):
     return None
 
 
+# CPU kernels run an elementwise op as a vectorised loop over blocks of up to 64 elements (two
+# AVX-512 vectors of a half-precision type) and a scalar loop over the rest, and the two can round
+# otherwise (a bfloat16 ``add`` with ``alpha``: one element in a few hundred). Slices of whole blocks,
+# each starting where a block of the whole tensor starts, meet the loops the whole op meets
+# (single-threaded: more threads split the whole op's range where they please).
+_VECTOR_BLOCK = 64
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _whole_blocks(shape: torch.Tensor, dim: int) -> int:
+    """The fewest indices along ``dim`` whose slice of ``shape`` holds whole vector blocks."""
+    inner = 1
+    for size in shape.shape[dim + 1:]:
+        inner *= size
+    return _VECTOR_BLOCK // math.gcd(inner, _VECTOR_BLOCK)
+
+
+def _warn_blocks_cut(func, t: OffloadedTensor) -> None:
+    warnings.warn(f"offtensor: {func.__name__} of {describe(t)}, larger than the budget's room, runs in slices "
+                  f"narrower than the CPU kernel's vector blocks: a half-precision result may differ from the "
+                  f"unwrapped op's in the last bit. Raise budget_gb for bit-identical results.", stacklevel=6)
+
+
 def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
     """Run pointwise ``func`` (or a ``_foreach_*`` op of one element) in slices along the outermost
     output dimension longer than 1 whose slices fit the free room (``_cut_dim``); re-raise ``error`` where no slicing helps
@@ -195,6 +221,9 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
         return _aligned(v, dim, n, length)
 
     step = max(1, room // max(per_slice, 1))
+    block = _whole_blocks(shape, dim)
+    if step < min(block, length) and shape.dtype in _HALF and pager.device.type == "cpu":
+        _warn_blocks_cut(func, offloaded[0])
 
     def cut(v, start, stop):
         if isinstance(v, (list, tuple)):
@@ -208,6 +237,8 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
     _cutting.depth = getattr(_cutting, "depth", 0) + 1
     try:
         while start < length:
+            if step > block:
+                step -= step % block
             stop = min(length, start + step)
             try:
                 piece = func(*(cut(a, start, stop) for a in args), **{k: cut(v, start, stop) for k, v in kwargs.items()})
