@@ -237,8 +237,7 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
     _cutting.depth = getattr(_cutting, "depth", 0) + 1
     try:
         while start < length:
-            if step > block:
-                step -= step % block
+            step = step - step % block if step > block else step
             stop = min(length, start + step)
             try:
                 piece = func(*(cut(a, start, stop) for a in args), **{k: cut(v, start, stop) for k, v in kwargs.items()})
