@@ -9,6 +9,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from ..tensor import OffloadedTensor
 from .paging import decomposes, describe, run
+from .sparse_rows import SPARSE_ROW_OPS, sparse_rows_update, update_rows
 from .table import implements
 from .views import resize_within_master
 
@@ -40,8 +41,12 @@ class Mutation:
         # A composite (``fft_hfft2.out`` under inference mode, ``linalg_pinv.out``) is decomposed
         # inside the handler: with the lazy-bit fallbacks on (paging.with_math_bits).
         self.composite = decomposes(func)
+        # ``param.add_(sparse_grad)``: only the rows the sparse tensor names change (sparse_rows.py).
+        self.sparse_rows = func in SPARSE_ROW_OPS
 
     def __call__(self, func, types, args, kwargs, also_written=()):
+        if self.sparse_rows and sparse_rows_update(args):
+            return update_rows(func, args, kwargs)
         # also_written: arguments the op writes although its schema does not say so.
         written = set(also_written)
         outs = set()
