@@ -145,6 +145,8 @@ class StorageGroup(list):
 # tile. (RNN cells and attention's composite path read theirs by linear too.)
 _TILED_MODULES = (nn.Linear, nn.Embedding, nn.RNNCellBase, nn.MultiheadAttention)
 _CONVS = nn.modules.conv._ConvNd  # Conv1d-3d and ConvTranspose1d-3d (and their lazy forms)
+_PARAMETRIZATIONS = nn.utils.parametrize.ParametrizationList
+_WEIGHT_NORM = nn.utils.parametrizations._WeightNorm
 # torch.nn modules with a fused fast path that their forward takes only when no argument has a
 # __torch_function__: with an offloaded weight they run the composite path, which sums in
 # another order.
@@ -188,6 +190,11 @@ def read_in_tiles(module: nn.Module, attr: str) -> bool:
         return True
     if isinstance(module, nn.Embedding) and module.max_norm is not None:
         return False  # embedding_renorm_ rewrites the rows it looks up in one op over the whole table
+    if isinstance(module, _PARAMETRIZATIONS):
+        # weight_norm's g and v: dispatch normalises a weight in slices of its dim (ops.weight_norms),
+        # rows for the default dim 0, as a linear's tiles are cut. Any other parametrization (or
+        # dim) may read its original whole (orthogonal's matrix exponential, a custom function).
+        return len(module) > 0 and all(type(p) is _WEIGHT_NORM and p.dim == 0 for p in module)
     return isinstance(module, _TILED_MODULES)
 
 

@@ -55,6 +55,7 @@ from .pieces import ForeachInPieces, cutting, pointwise_in_pieces
 from .tiling import TILE_ALIGN, bmm, mm, mv
 from .views import inplace_view, view
 from .lines import ALONG_LINES
+from .weight_norms import WEIGHT_NORMS
 from .whole_reads import SHORT_OF_ROOM
 from .writes import Mutation, batch_norm, copy_, resize_, set_
 
@@ -134,7 +135,7 @@ def _pointwise(func, handler, args, kwargs, error):
     return pointwise_in_pieces(func, handler, args, kwargs, error)
 
 
-_SHORT_OF_ROOM = {**SHORT_OF_ROOM, **ALONG_LINES}
+_SHORT_OF_ROOM = {**SHORT_OF_ROOM, **ALONG_LINES, **WEIGHT_NORMS}
 _POINTWISE = torch.Tag.pointwise
 # Ops that compute each element from the same element of their arguments, as pointwise ones do,
 # without torch's pointwise tag: fills (``zero_``, ``fill_``: ``nn.init.zeros_``, a head reset), a
