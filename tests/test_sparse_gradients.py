@@ -13,6 +13,8 @@ from torch import nn
 import offtensor as ot
 
 GiB = 2**30
+# torch's own note when Adagrad makes a sparse tensor without checking it
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning")
 
 
 class _Bag(nn.Module):
