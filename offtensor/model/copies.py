@@ -116,10 +116,11 @@ class StepHook:
     when copied (``working_set``): planned again from the copy's weights, it would be whole working
     sets where the original had planned tiles, and refuse assignments the original accepts."""
 
-    __slots__ = ("config", "budget_bytes", "pager_ref", "pager_key", "copy_pager", "room", "working_set")
+    __slots__ = ("config", "budget_bytes", "pager_ref", "pager_key", "copy_pager", "room", "working_set",
+                 "copied_offloaded")
 
     def __init__(self, config: OffloadConfig, budget_bytes: int, pager=None, copy_pager=None, state=None,
-                 working_set=None):
+                 working_set=None, copied_offloaded=False):
         self.config, self.budget_bytes = config, budget_bytes  # config.device: the device resolved
         self.room = weakref.ref(state) if state is not None else None  # the wrapped model's State
         self.working_set = working_set  # a copy's: the original's working_set_bytes when copied
@@ -129,6 +130,7 @@ class StepHook:
         # entries, which change as models come and go (compile.step_hook).
         self.pager_key = _compile.register_pager(pager) if pager is not None else None
         self.copy_pager = copy_pager  # a deepcopy's pager, until adopt_copy registers it
+        self.copied_offloaded = copied_offloaded  # a deepcopy's: the original had offloaded weights
 
     def __call__(self, model, args):
         if torch.compiler.is_compiling() and self.pager_key is not None:
@@ -158,11 +160,13 @@ class StepHook:
 
     def __deepcopy__(self, memo):
         pager = self.new_pager()
-        original = self.pager_ref() if self.pager_ref is not None else None
+        # (a copy not yet adopted: the pager its own deep copy charged its masters to)
+        original = self.pager_ref() if self.pager_ref is not None else self.copy_pager
         if original is not None:
             # OffloadedTensor.__deepcopy__ charges the new host masters to this pager, not the original's.
             memo[("offtensor.pager", id(original))] = pager
-        return StepHook(self.config, self.budget_bytes, copy_pager=pager, working_set=self._room_now())
+        return StepHook(self.config, self.budget_bytes, copy_pager=pager, working_set=self._room_now(),
+                        copied_offloaded=original is not None and original.budget.offloaded_bytes > 0)
 
     def _room_now(self):
         """The original's working_set_bytes now (a copy's: the one it was given), None if unknown."""
@@ -181,8 +185,35 @@ def adopt_copy(model: nn.Module) -> Optional[State]:
     hooks = [(key, h) for key, h in model._forward_pre_hooks.items() if isinstance(h, StepHook)]
     if not hooks:
         return None
+    if _copied_weights_gone(model, hooks[0][1]):
+        _drop_copied_hooks(model, hooks)
+        return None
     Undo.run(_adopt, model, hooks)
     return wrapped_state(model)
+
+
+def _copied_weights_gone(model: nn.Module, hook: StepHook) -> bool:
+    """Every offloaded weight a deep copy was made with died before its first use, and it holds no
+    offloaded tensor: the copy was moved to another device (``copy.deepcopy(model).to("meta")``,
+    the skeleton ``torch.func``'s ``functional_call`` runs over stacked weights) or its weights were
+    replaced. It is a plain model now; adopting it then would place whatever its tables hold at that
+    moment, which inside ``functional_call`` are the caller's tensors (under ``vmap``, batched ones
+    with no storage)."""
+    pager = hook.copy_pager
+    return (pager is not None and hook.copied_offloaded and pager.budget.offloaded_bytes == 0
+            and not any(isinstance(t, OffloadedTensor) for t in weight_tensors(model)))
+
+
+def _drop_copied_hooks(model: nn.Module, hooks: list) -> None:
+    """The hooks a deep copy carries from its wrapped original, taken off a copy that is not adopted
+    (its step hook last: cut short, the next use drops the rest)."""
+    for module in model.modules():
+        for key in [k for k, h in module._load_state_dict_post_hooks.items() if h is after_load]:
+            del module._load_state_dict_post_hooks[key]
+        for key in [k for k, h in module._state_dict_hooks.items() if h is portable_state_dict]:
+            del module._state_dict_hooks[key]
+    for key, _ in hooks:
+        del model._forward_pre_hooks[key]
 
 
 def _adopt(model: nn.Module, hooks: list) -> None:
@@ -195,15 +226,10 @@ def _adopt(model: nn.Module, hooks: list) -> None:
     Undo.note("call", _put_back_hooks, [(t, dict(t)) for t in tables], members)
     Undo.note("call", setattr, hook, "copy_pager", hook.copy_pager)
     for module in modules:
-        # The copy's modules carry copies of the original's hooks; register_wrapped adds its own.
-        for key in [k for k, h in module._load_state_dict_post_hooks.items() if h is after_load]:
-            del module._load_state_dict_post_hooks[key]
-        for key in [k for k, h in module._state_dict_hooks.items() if h is portable_state_dict]:
-            del module._state_dict_hooks[key]
         if module in WRAPPED:
             leave(module)
-    for key, _ in hooks:
-        del model._forward_pre_hooks[key]
+    # The copy's modules carry copies of the original's hooks; register_wrapped adds its own.
+    _drop_copied_hooks(model, hooks)
     pager = hook.copy_pager or hook.new_pager()
     hook.copy_pager = None
     offloaded = 0

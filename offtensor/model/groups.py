@@ -118,12 +118,10 @@ class StorageGroup(list):
         slots = [(module, attr) for m in self for module, attr, _ in m.slots]
         # torch.nn's own modules (Linear, LSTM, MultiheadAttention...) may read all their tensors in one op.
         fused = any(type(module).__module__.startswith("torch.nn") for module, _ in slots)
-        # An embedding table nothing else reads (a tied LM head registers it under a Linear too) is
-        # only ever paged by rows. max_norm would renormalise the looked-up rows in place; rare, and
-        # kept on the ordinary path.
-        indexed = bool(slots) and all(
-            isinstance(module, nn.Embedding) and attr == "weight" and module.max_norm is None for module, attr in slots
-        )
+        # An embedding table (or bag's) nothing else reads (a tied LM head registers it under a
+        # Linear too) is only ever paged by rows; with max_norm, the rows it looks up are
+        # renormalised in place first, and only they are paged and written back (ops.row_writes).
+        indexed = bool(slots) and all(isinstance(module, _TABLES) and attr == "weight" for module, attr in slots)
         shape = tuple(self[0].tensor.shape)
         sliced = (not fused and len(shape) >= 2 and all(is_buffer for m in self for *_, is_buffer in m.slots)
                   and bool(slots))
@@ -143,8 +141,13 @@ class StorageGroup(list):
 # Bilinear's _trilinear, a norm's multi-dim weight), so they are paged whole. A model's own module
 # is taken to read its weights by linear, mm, bmm or convolution (GPT-2's Conv1D: addmm), which
 # tile. (RNN cells and attention's composite path read theirs by linear too.)
-_TILED_MODULES = (nn.Linear, nn.Embedding, nn.RNNCellBase, nn.MultiheadAttention)
+_TILED_MODULES = (nn.Linear, nn.Embedding, nn.EmbeddingBag, nn.RNNCellBase, nn.MultiheadAttention)
+# Tables read by rows: embedding and embedding_bag (and the per-sample weights' gradient of a bag,
+# and a max_norm's renormalisation) page only the rows their indices select (ops.rows, ops.row_writes).
+_TABLES = (nn.Embedding, nn.EmbeddingBag)
 _CONVS = nn.modules.conv._ConvNd  # Conv1d-3d and ConvTranspose1d-3d (and their lazy forms)
+_PARAMETRIZATIONS = nn.utils.parametrize.ParametrizationList
+_WEIGHT_NORM = nn.utils.parametrizations._WeightNorm
 # torch.nn modules with a fused fast path that their forward takes only when no argument has a
 # __torch_function__: with an offloaded weight they run the composite path, which sums in
 # another order.
@@ -186,8 +189,11 @@ def read_in_tiles(module: nn.Module, attr: str) -> bool:
         return True
     if isinstance(module, _CONVS):
         return True
-    if isinstance(module, nn.Embedding) and module.max_norm is not None:
-        return False  # embedding_renorm_ rewrites the rows it looks up in one op over the whole table
+    if isinstance(module, _PARAMETRIZATIONS):
+        # weight_norm's g and v: dispatch normalises a weight in slices of its dim (ops.weight_norms),
+        # rows for the default dim 0, as a linear's tiles are cut. Any other parametrization (or
+        # dim) may read its original whole (orthogonal's matrix exponential, a custom function).
+        return len(module) > 0 and all(type(p) is _WEIGHT_NORM and p.dim == 0 for p in module)
     return isinstance(module, _TILED_MODULES)
 
 

@@ -56,6 +56,7 @@ from .tiling import TILE_ALIGN, bmm, mm, mv
 from .views import inplace_view, view
 from .host_compute import ON_HOST, WRITTEN_ON_HOST, on_host, written_on_host
 from .lines import ALONG_LINES
+from .weight_norms import WEIGHT_NORMS
 from .whole_reads import SHORT_OF_ROOM
 from .writes import Mutation, batch_norm, copy_, resize_, set_
 
@@ -152,7 +153,7 @@ def _pointwise(func, handler, args, kwargs, error):
     return pointwise_in_pieces(func, handler, args, kwargs, error)
 
 
-_SHORT_OF_ROOM = {**SHORT_OF_ROOM, **ALONG_LINES}
+_SHORT_OF_ROOM = {**SHORT_OF_ROOM, **ALONG_LINES, **WEIGHT_NORMS}
 _POINTWISE = torch.Tag.pointwise
 
 

@@ -229,7 +229,11 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
         if isinstance(v, (list, tuple)):
             return [cut(x, start, stop) for x in v]
         d = aligned(v)
-        return v if d is None else v.narrow(d, start, stop - start)
+        if d is None:
+            return v
+        # A sparse COO argument (an embedding's sparse gradient added to its table) has no strided
+        # views: its entries in the slice, in their order.
+        return v.narrow_copy(d, start, stop - start) if v.layout is torch.sparse_coo else v.narrow(d, start, stop - start)
 
     writes = mutation is not None or in_place
     out = None if writes or equal else torch.empty_strided(shape.shape, shape.stride(), dtype=shape.dtype, device=pager.device)

@@ -38,6 +38,11 @@ def _to_copy(func, types, args, kwargs):
         # are its master's, cast).
         cast = self.__dict__.get("_cast")
         return func(self._host if cast is None else self._host.to(cast.dtype), *args[1:], **kwargs)
+    if device is not None and torch.device(device).type == "meta":
+        # .to("meta") (a module skeleton for torch.func's functional_call): metadata only, nothing
+        # paged, as for a plain tensor.
+        stand_in = torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device="meta")
+        return func(stand_in, *args[1:], **kwargs)
     if cast_views.lazily(self, kwargs):
         # Autocast's cast of a weight it keeps (cache, autograd): a lazy cast, paged and cast per op.
         return cast_views.cast_view(self, kwargs["dtype"])

@@ -248,3 +248,29 @@ def embedding_bag(func, types, args, kwargs):
         ids = rows.to(picked.device)[picked.clamp(min=0)]
         out = (*out[:3], torch.where(picked >= 0, ids, picked))
     return out
+
+
+@implements(aten._embedding_bag_per_sample_weights_backward.default)
+def embedding_bag_per_sample_weights_backward(func, types, args, kwargs):
+    """The gradient of ``embedding_bag``'s per-sample weights reads the table's rows its indices
+    select (each weight's gradient is its bag's output gradient times its row): run on a table of
+    those rows, as the forward is, over a table larger than the room."""
+    names = ("grad", "weight", "indices", "offsets", "offset2bag", "mode", "padding_idx")
+    call = dict(zip(names, args), **kwargs)
+    weight, indices = call["weight"], call["indices"]
+    rest = [v for k, v in call.items() if k != "weight"]
+    if (not isinstance(weight, OffloadedTensor) or any(isinstance(v, OffloadedTensor) for v in rest)
+            or type(weight._host) is not torch.Tensor or not needs_tiling(weight, []) or _whole_copy_cached(weight)):
+        return run(func, args, kwargs)
+    rows, inverse = _unique_rows(indices, weight.shape[0], weight._master.pager)
+    padding = call.get("padding_idx", -1)
+    if padding is not None and padding >= 0:
+        found = (rows == padding).nonzero()
+        call["padding_idx"] = int(found[0]) if found.numel() else -1
+    call["indices"] = inverse.to(indices.dtype)
+    paged = Paged()
+    try:
+        call["weight"] = _gather_rows(weight, rows, paged)
+        return func(**call)
+    finally:
+        paged.release()

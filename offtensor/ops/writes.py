@@ -9,6 +9,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from ..tensor import OffloadedTensor
 from .paging import decomposes, describe, run
+from .row_writes import ROW_WRITES
 from .table import implements
 from .views import resize_within_master
 
@@ -40,8 +41,13 @@ class Mutation:
         # A composite (``fft_hfft2.out`` under inference mode, ``linalg_pinv.out``) is decomposed
         # inside the handler: with the lazy-bit fallbacks on (paging.with_math_bits).
         self.composite = decomposes(func)
+        # ``param.add_(sparse_grad)``, ``embedding_renorm_``: only the rows another argument names
+        # change (row_writes.py).
+        self.rows = ROW_WRITES.get(func)
 
     def __call__(self, func, types, args, kwargs, also_written=()):
+        if self.rows is not None and self.rows[0](args):
+            return self.rows[1](func, args, kwargs)
         # also_written: arguments the op writes although its schema does not say so.
         written = set(also_written)
         outs = set()
