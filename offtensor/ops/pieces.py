@@ -187,6 +187,19 @@ def _warn_blocks_cut(func, t: OffloadedTensor) -> None:
                   f"unwrapped op's in the last bit. Raise budget_gb for bit-identical results.", stacklevel=6)
 
 
+def _slice_of(v, dim: int, n: int, length: int, start: int, stop: int):
+    """``v``'s part of the result's slice ``start:stop`` along ``dim`` (of ``n`` dims, ``length``
+    long): a view of its aligned dim, the argument itself where it broadcasts, lists element-wise."""
+    if isinstance(v, (list, tuple)):
+        return [_slice_of(x, dim, n, length, start, stop) for x in v]
+    d = _aligned(v, dim, n, length)
+    if d is None:
+        return v
+    # A sparse COO argument (an embedding's sparse gradient added to its table) has no strided
+    # views: its entries in the slice, in their order.
+    return v.narrow_copy(d, start, stop - start) if v.layout is torch.sparse_coo else v.narrow(d, start, stop - start)
+
+
 def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
     """Run pointwise ``func`` (or a ``_foreach_*`` op of one element) in slices along the outermost
     output dimension longer than 1 whose slices fit the free room (``_cut_dim``); re-raise ``error`` where no slicing helps
@@ -217,23 +230,13 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
     dim, room, per_slice = chosen
     length = shape.shape[dim]
 
-    def aligned(v):
-        return _aligned(v, dim, n, length)
-
     step = max(1, room // max(per_slice, 1))
     block = _whole_blocks(shape, dim)
     if step < min(block, length) and shape.dtype in _HALF and pager.device.type == "cpu":
         _warn_blocks_cut(func, offloaded[0])
 
     def cut(v, start, stop):
-        if isinstance(v, (list, tuple)):
-            return [cut(x, start, stop) for x in v]
-        d = aligned(v)
-        if d is None:
-            return v
-        # A sparse COO argument (an embedding's sparse gradient added to its table) has no strided
-        # views: its entries in the slice, in their order.
-        return v.narrow_copy(d, start, stop - start) if v.layout is torch.sparse_coo else v.narrow(d, start, stop - start)
+        return _slice_of(v, dim, n, length, start, stop)
 
     writes = mutation is not None or in_place
     out = None if writes or equal else torch.empty_strided(shape.shape, shape.stride(), dtype=shape.dtype, device=pager.device)
