@@ -294,10 +294,7 @@ def test_a_pointwise_read_of_a_weight_larger_than_the_room_runs_in_slices(device
     other[-1, -1] += 1
     assert not torch.equal(weight, other.to(device)) and not torch.equal(weight, values[:32].to(device))
     assert pager.stats.peak_device_bytes <= 16 * 1024
-    with pytest.warns(UserWarning, match="summed over slices.*last bits"):  # a narrower slice may vectorise otherwise
-        rows = weight.sum(1)
-    torch.testing.assert_close(rows.cpu(), values.sum(1))
-    if device == "cpu":  # the sum of every element runs on the host master (on_host): the op itself
-        assert torch.equal(weight.sum(), values.sum())
+    if device == "cpu":  # a sum runs on the host master (host_compute): the op itself, in one kernel
+        assert torch.equal(weight.sum(), values.sum()) and torch.equal(weight.sum(1), values.sum(1))
     assert torch.equal(weight.max().cpu(), values.max())  # each element read once: exact, no warning
     assert pager.stats.peak_device_bytes <= 16 * 1024

@@ -51,7 +51,9 @@ OPS = {
     "w * 2": (lambda w: w * 2, False, True),
     "softmax(-1)": (lambda w: w.softmax(-1), False, True),
     "sort(0) of a transposed weight": (lambda w: w.sort(0).values, True, True),
-    "sum(0) broadcast": (lambda w: w.sum(0, keepdim=True).expand_as(w), False, False),  # partial sums: close
+    "amax(0) broadcast": (lambda w: w.amax(0, keepdim=True).expand_as(w), False, True),
+    # A sum of the weight runs on its host master, which a graph cannot: a graph break, eagerly there.
+    "w * w.sum(0) (on the host)": (lambda w: w * w.sum(0, keepdim=True), False, True),
 }
 
 

@@ -26,7 +26,8 @@ The cost is the host's CPU time over the tensor's bytes (a second or so for giga
 slices would take PCIe time). Such ops are rare on weights (a statistic logged, a histogram drawn),
 and what they replace is a ``BudgetError``. Like the slices, this runs only after the op's own page
 raised ``BudgetError`` (``torch_dispatch``'s except clause): an op whose arguments fit pays nothing.
-Under torch.compile the values are not known at trace time, and the ``BudgetError`` stands."""
+Under torch.compile the values are not known at trace time: Dynamo breaks the graph there and runs
+the op eagerly (``compile.graph_break``)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from torch.utils import _pytree as pytree
 from ..tensor import OffloadedTensor
 from .lines import ALONG_LINES
 from .arguments import raise_torch_error
+from .compile import graph_break
 from .paging import describe, write_back
 
 aten = torch.ops.aten
@@ -45,7 +47,7 @@ aten = torch.ops.aten
 
 def on_host(func, args, kwargs, error):
     """``func`` on the host masters of its offloaded arguments, its results on the device; ``error``
-    where it cannot run there."""
+    where it cannot run there (a graph break where it is being traced)."""
     out, first, masters = _host_call(func, args, kwargs, error)
     device = first._master.pager.device
     if device.type == "cpu":
@@ -76,8 +78,8 @@ def _host_call(func, args, kwargs, error):
         if isinstance(a, OffloadedTensor):
             own = a.__dict__
             host = own["_host"]
-            if type(host) is not torch.Tensor:  # a torch.compile stand-in: no values until the graph runs
-                raise error
+            if type(host) is not torch.Tensor:  # a torch.compile stand-in: no values until the graph runs,
+                graph_break(f"{func} of {describe(a)}, larger than the room, computed on the host")  # so eagerly
             cast = own.get("_cast")  # a lazy cast (cast_views) reads its weight's bytes in the cast's dtype
             flat[i] = host.to(cast.dtype) if cast is not None else host
             masters.add(host.untyped_storage().data_ptr())

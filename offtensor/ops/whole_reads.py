@@ -1,7 +1,7 @@
 """Ops that read an offloaded tensor whole, run in slices of it when it does not fit the budget's
 free room: ``gather``, a layer or group norm's elementwise weight and bias (and the layer norm's
-backward), ``_trilinear`` (``F.bilinear`` and its backward) and reductions (``sum``, ``mean``,
-``linalg_vector_norm``, ``max``, ``min``, ``amax``, ``amin``, ``any``, ``all``).
+backward), ``_trilinear`` (``F.bilinear`` and its backward) and the reductions that read each element once
+(``max``, ``min``, ``amax``, ``amin``, ``any``, ``all``).
 
 Placement counts a model's own tensor at the tile its usual consumers read (a matrix slice, one
 kernel), so a budget wrap accepted may hold less than these ops' whole argument. They reach this
@@ -9,12 +9,12 @@ module only after their ordinary page raised ``BudgetError`` (``SHORT_OF_ROOM``,
 ``torch_dispatch`` in its except clause): an op whose arguments fit pays nothing for it.
 
 Where the op's math allows, the slices give the whole op's result bit for bit: a gather, max, min,
-any and all read each element once (a sum, mean or norm of every element runs on the host master
-instead: ``host_compute``); a layer or group norm's weight and bias are applied elementwise
+any and all read each element once (a sum, mean or norm runs on the host master instead:
+``host_compute``); a layer or group norm's weight and bias are applied elementwise
 to the normalised input, in the steps and the precision its kernel takes (in float for a
 half-precision input with float weights); a bilinear's output features are independent. Sums
-over slices (a reduction's partial sums, a bilinear output feature whose inputs are cut) are added
-in another order than the whole op adds them: a warning names the tensor, as convolutions' do."""
+over slices (a bilinear output feature whose inputs are cut) are added in another order than the
+whole op adds them: a warning names the tensor, as convolutions' do."""
 
 from __future__ import annotations
 
@@ -325,13 +325,11 @@ def _pieces(t: OffloadedTensor, room: int, dim: int = 0, prefix=()):
 
 # ---------------------------------------------------------------------------- reductions
 
-# op: (kind, names of its arguments after self). ``kind`` says how partial results combine.
+# op: (kind, names of its arguments after self). Each reads every element once, so slices give the
+# whole op's result bit for bit. The sums (``sum``, ``mean``, ``linalg.vector_norm``) would add
+# partial sums in another order, and round a half-precision result once per slice: they run on the
+# host master, in one kernel, instead (host_compute).
 _REDUCTIONS = {
-    aten.sum.default: ("sum", ("dtype",)),
-    aten.sum.dim_IntList: ("sum", ("dim", "keepdim", "dtype")),
-    aten.mean.default: ("mean", ("dtype",)),
-    aten.mean.dim: ("mean", ("dim", "keepdim", "dtype")),
-    aten.linalg_vector_norm.default: ("norm", ("ord", "dim", "keepdim", "dtype")),
     aten.max.default: ("amax", ()),
     aten.min.default: ("amin", ()),
     aten.amax.default: ("amax", ("dim", "keepdim")),
@@ -341,31 +339,6 @@ _REDUCTIONS = {
     aten.any.dims: ("any", ("dim", "keepdim")),
     aten.all.dims: ("all", ("dim", "keepdim")),
 }
-_EXACT = ("amax", "amin", "any", "all")
-
-
-def _partial(kind: str, x: torch.Tensor, dims: list, call: dict) -> torch.Tensor:
-    """``x`` reduced over ``dims`` (kept), as a partial result that ``_combine`` can add up."""
-    if kind in ("sum", "mean"):
-        return torch.sum(x, dims, keepdim=True, dtype=call.get("dtype"))
-    if kind == "norm":
-        return torch.linalg.vector_norm(x, call.get("ord", 2), dims, keepdim=True, dtype=call.get("dtype"))
-    return getattr(torch, kind)(x, dim=tuple(dims), keepdim=True)
-
-
-def _combine(kind: str, parts: torch.Tensor, dim: int, call: dict) -> torch.Tensor:
-    if kind == "norm":
-        order = float(call.get("ord", 2))
-        if order == float("inf"):
-            return parts.amax(dim, keepdim=True)
-        if order == float("-inf"):
-            return parts.amin(dim, keepdim=True)
-        if order == 0:
-            return parts.sum(dim, keepdim=True)
-        return parts.pow(order).sum(dim, keepdim=True).pow(1 / order)
-    if kind in ("sum", "mean"):
-        return parts.sum(dim, keepdim=True)
-    return getattr(torch, kind)(parts, dim=dim, keepdim=True)
 
 
 def reduction(func, args, kwargs, error):
@@ -379,12 +352,6 @@ def reduction(func, args, kwargs, error):
     keep = bool(call.get("keepdim", False))
     room = _room(t)
     free = next((d for d in range(t.dim()) if d not in dims and t.shape[d] > 1), None)
-    if free is None and kind not in _EXACT:
-        # A sum over every element: partial sums would add in another order (and round to a half
-        # precision result once per slice), where the host's kernel sums them as the op does.
-        raise error
-    if kind not in _EXACT:  # a sum over a narrower slice may vectorise, so add, in another order
-        _warn_inexact(t, f"a reduction ({func.__name__})")
     if free is not None:
         # Every output reads its own slice of the tensor: the op itself on slices along a dim it keeps.
         at = free if keep else free - sum(1 for d in dims if d < free)
@@ -397,25 +364,21 @@ def reduction(func, args, kwargs, error):
             else:
                 outs.append(func(part, *args[1:], **kwargs))  # dispatched again: cut further
         return torch.cat(outs, dim=at)
-    total = _reduced(kind, t, dims, call, room)
-    if kind == "mean":
-        count = 1
-        for d in dims:
-            count *= t.shape[d]
-        total = total / count
+    total = _reduced(kind, t, dims, room)
     if not keep:
         total = total.reshape([n for d, n in enumerate(t.shape) if d not in dims])
     return total
 
 
-def _reduced(kind: str, t: OffloadedTensor, dims: list, call: dict, room: int) -> torch.Tensor:
+def _reduced(kind: str, t: OffloadedTensor, dims: list, room: int) -> torch.Tensor:
     """``t`` reduced over every one of its ``dims`` (kept), in slices that fit ``room``."""
+    op = getattr(torch, kind)
     if _nbytes(t) <= room:
-        return _paged_call(lambda p: _partial(kind, p, dims, call), t, 0, 0, t.shape[0])
+        return _paged_call(lambda p: op(p, dim=tuple(dims), keepdim=True), t, 0, 0, t.shape[0])
     cut = next(d for d in dims if t.shape[d] > 1)
     chunks = _chunks(t, cut, room) or [(i, i + 1) for i in range(t.shape[cut])]
-    parts = [_reduced(kind, _narrow(t, cut, s, e - s), dims, call, room) for s, e in chunks]
-    return _combine(kind, torch.cat(parts, dim=cut), cut, call)
+    parts = [_reduced(kind, _narrow(t, cut, s, e - s), dims, room) for s, e in chunks]
+    return op(torch.cat(parts, dim=cut), dim=cut, keepdim=True)
 
 
 SHORT_OF_ROOM = {
