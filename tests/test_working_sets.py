@@ -60,13 +60,18 @@ def test_a_table_read_whole_beyond_the_room_raises_naming_it_and_a_parameter_is_
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
     assert ot.stats(model).peak_device_bytes <= BUDGET
-    # Read whole by a reduction, it runs in slices too, with a warning naming it (partial sums).
+    # Read whole by a sum, it runs on the host master: the op itself on the emulated device; on a GPU
+    # the CPU's kernel, with a warning naming it.
     model = _Cropped(whole="reduced").eval()
     reference = copy.deepcopy(model).to(device)
     with pytest.warns(UserWarning, match="cannot be paged whole"):
         ot.wrap_model(model, budget_gb=BUDGET / GiB, device=device)
-    with torch.no_grad(), pytest.warns(UserWarning, match=r"'table'.*last bits"):
-        torch.testing.assert_close(model(x), reference(x))
+    if device == "cpu":
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))
+    else:
+        with torch.no_grad(), pytest.warns(UserWarning, match=r"'table'.*on the host"):
+            torch.testing.assert_close(model(x), reference(x))
     assert ot.stats(model).peak_device_bytes <= BUDGET
     assert torch.equal(model.table.cpu(), _Cropped().table)  # nothing lost
     # A Parameter is read whole by a model's own code as often as not (ViT's ``x + pos_embed``):
