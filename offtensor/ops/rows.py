@@ -225,18 +225,10 @@ def embedding_bag(func, types, args, kwargs):
     reduces the same rows in the same order. Its padding index and the rows a max bag picked are
     translated between the two tables."""
     call = dict(zip(_BAG_ARGUMENTS, args), **kwargs)
-    weight, indices = call["weight"], call["indices"]
-    rest = [v for k, v in call.items() if k != "weight"]
-    if (not isinstance(weight, OffloadedTensor) or any(isinstance(v, OffloadedTensor) for v in rest)
-            or type(weight._host) is not torch.Tensor  # traced by torch.compile: paged whole in its graph, as before
-            or not needs_tiling(weight, []) or _whole_copy_cached(weight)):
+    weight = call["weight"]
+    if not _by_rows(weight, call):
         return run(func, args, kwargs)
-    rows, inverse = _unique_rows(indices, weight.shape[0], weight._master.pager)
-    padding = call.get("padding_idx", -1)
-    if padding is not None and padding >= 0:
-        found = (rows == padding).nonzero()
-        call["padding_idx"] = int(found[0]) if found.numel() else -1
-    call["indices"] = inverse.to(indices.dtype)
+    rows = _select_rows(weight, call)
     paged = Paged()
     try:
         table = _gather_rows(weight, rows, paged)
@@ -257,20 +249,35 @@ def embedding_bag_per_sample_weights_backward(func, types, args, kwargs):
     those rows, as the forward is, over a table larger than the room."""
     names = ("grad", "weight", "indices", "offsets", "offset2bag", "mode", "padding_idx")
     call = dict(zip(names, args), **kwargs)
-    weight, indices = call["weight"], call["indices"]
-    rest = [v for k, v in call.items() if k != "weight"]
-    if (not isinstance(weight, OffloadedTensor) or any(isinstance(v, OffloadedTensor) for v in rest)
-            or type(weight._host) is not torch.Tensor or not needs_tiling(weight, []) or _whole_copy_cached(weight)):
+    weight = call["weight"]
+    if not _by_rows(weight, call):
         return run(func, args, kwargs)
-    rows, inverse = _unique_rows(indices, weight.shape[0], weight._master.pager)
-    padding = call.get("padding_idx", -1)
-    if padding is not None and padding >= 0:
-        found = (rows == padding).nonzero()
-        call["padding_idx"] = int(found[0]) if found.numel() else -1
-    call["indices"] = inverse.to(indices.dtype)
+    rows = _select_rows(weight, call)
     paged = Paged()
     try:
         call["weight"] = _gather_rows(weight, rows, paged)
         return func(**call)
     finally:
         paged.release()
+
+
+def _by_rows(weight, call: dict) -> bool:
+    """Whether a bag op over ``weight`` runs on a table of the rows it selects: the table offloaded
+    and larger than its tile (not cached whole), nothing else of the call offloaded, not traced by
+    torch.compile (paged whole in its graph, as before)."""
+    return (isinstance(weight, OffloadedTensor) and type(weight._host) is torch.Tensor
+            and not any(isinstance(v, OffloadedTensor) for k, v in call.items() if k != "weight")
+            and needs_tiling(weight, []) and not _whole_copy_cached(weight))
+
+
+def _select_rows(weight: OffloadedTensor, call: dict) -> torch.Tensor:
+    """The rows of ``weight`` that ``call``'s indices select, in order; ``call``'s indices and padding
+    index become positions in a table of those rows."""
+    indices = call["indices"]
+    rows, inverse = _unique_rows(indices, weight.shape[0], weight._master.pager)
+    padding = call.get("padding_idx", -1)
+    if padding is not None and padding >= 0:
+        found = (rows == padding).nonzero()
+        call["padding_idx"] = int(found[0]) if found.numel() else -1
+    call["indices"] = inverse.to(indices.dtype)
+    return rows
