@@ -17,18 +17,9 @@ from torch import nn
 import offtensor as ot
 from offtensor.ops import host_compute
 
-GiB = 1024**3
-BUDGET = 12 * 1024  # room for a quarter of the 32 KiB weight, never the whole
+from test_lines_in_slices import BUDGET, GiB, _Holder
+
 aten = torch.ops.aten
-
-
-class _Holder(nn.Module):
-    def __init__(self, weight):
-        super().__init__()
-        self.w = nn.Parameter(weight)
-
-    def forward(self, x):
-        return x @ self.w
 
 
 def _weight():

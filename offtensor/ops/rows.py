@@ -228,13 +228,7 @@ def embedding_bag(func, types, args, kwargs):
     weight = call["weight"]
     if not _by_rows(weight, call):
         return run(func, args, kwargs)
-    rows = _select_rows(weight, call)
-    paged = Paged()
-    try:
-        table = _gather_rows(weight, rows, paged)
-        out = func(table, **{k: v for k, v in call.items() if k != "weight"})
-    finally:
-        paged.release()
+    out, rows = _on_selected_rows(func, call)
     if call.get("mode", 0) == 2:  # max: the row each output element came from, in the whole table's ids
         picked = out[3]
         ids = rows.to(picked.device)[picked.clamp(min=0)]
@@ -252,13 +246,7 @@ def embedding_bag_per_sample_weights_backward(func, types, args, kwargs):
     weight = call["weight"]
     if not _by_rows(weight, call):
         return run(func, args, kwargs)
-    rows = _select_rows(weight, call)
-    paged = Paged()
-    try:
-        call["weight"] = _gather_rows(weight, rows, paged)
-        return func(**call)
-    finally:
-        paged.release()
+    return _on_selected_rows(func, call)[0]
 
 
 def _by_rows(weight, call: dict) -> bool:
@@ -268,6 +256,17 @@ def _by_rows(weight, call: dict) -> bool:
     return (isinstance(weight, OffloadedTensor) and type(weight._host) is torch.Tensor
             and not any(isinstance(v, OffloadedTensor) for k, v in call.items() if k != "weight")
             and needs_tiling(weight, []) and not _whole_copy_cached(weight))
+
+
+def _on_selected_rows(func, call: dict):
+    """(``func`` of ``call`` on a table of the rows of its weight that its indices select, those rows)."""
+    weight = call["weight"]
+    rows = _select_rows(weight, call)
+    paged = Paged()
+    try:
+        return func(**{**call, "weight": _gather_rows(weight, rows, paged)}), rows
+    finally:
+        paged.release()
 
 
 def _select_rows(weight: OffloadedTensor, call: dict) -> torch.Tensor:
