@@ -37,9 +37,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..tensor import OffloadedTensor
-from .lines import ALONG_LINES
 from .arguments import raise_torch_error
 from .compile import graph_break
+from .lines import ALONG_LINES
 from .paging import describe, write_back
 
 aten = torch.ops.aten
