@@ -211,7 +211,7 @@ if [ "$DRY" = 0 ]; then
   step bench_load 240 "$PY" benchmarks/load_bench.py --device "$DEVICE" --out "$RESULTS" --layers 16 --hidden 2048 --repeats 2
   step demo 150 "$PY" -m offtensor demo --device "$DEVICE"
   step bench_wrap 150 "$PY" benchmarks/wrap_overhead.py --device "$DEVICE" --out "$RESULTS"
-  step opinfo 240 "${PYTEST[@]}" -m opinfo tests/test_opinfo.py
+  step opinfo 240 "${PYTEST[@]}" -m opinfo tests/test_opinfo.py tests/test_opinfo_tight.py
 fi
 
 echo
