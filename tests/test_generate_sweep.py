@@ -17,8 +17,11 @@ an expert stack larger than the room reached the tiled ``bmm`` whose check of it
 weight's own dtype, not the cast's: llama4's experts raised "expected m1 and m2 to have the same
 dtype". The check reads the cast's dtype now.
 
-``OFFTENSOR_GENERATE_SWEEP=1`` runs the whole sweep (about 150 architectures, 29 modes, two budgets:
-about 15 minutes on two cores); a handful of targeted cases always run."""
+The bfloat16 sweep found a second cause: a beam-search decode step's product with an LM head paged
+in tiles ran another CPU kernel in its narrower tile (test_tiles_same_kernel.py).
+
+``OFFTENSOR_GENERATE_SWEEP=1`` runs the whole sweep (about 150 architectures, 26 modes, two budgets,
+float32 and bfloat16: about 26 minutes of one core per dtype); a handful of targeted cases always run."""
 
 from __future__ import annotations
 
