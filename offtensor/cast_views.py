@@ -19,7 +19,9 @@ cast values (``resolve``).
 
 Casts made with grad on, of a weight that requires grad, are made lazily (``lazily``): autocast's,
 and a model's own ``weight.half()`` in a forward, which autograd would keep just the same. Under
-``torch.no_grad()`` a cast is the plain device tensor it always was."""
+``torch.no_grad()`` a cast is the plain device tensor it always was, except autocast's of a weight
+that requires grad: torch makes that cast with grad on even inside ``no_grad`` (``generate``'s), to
+cache it, so it is lazy there too."""
 
 from __future__ import annotations
 

@@ -22,9 +22,19 @@ _PASSED: dict = {}
 _PASSED_MAX = 4096
 
 
+def _dtype(v: OffloadedTensor) -> torch.dtype:
+    """The wrapper's dtype, read without a trip through __torch_function__. A lazy cast's host view
+    holds its weight's bytes, in the weight's dtype: the op reads the cast's (autocast's bmm of a
+    float32 stack larger than the room was refused as float32 against a bfloat16 input)."""
+    own = v.__dict__
+    cast = own.get("_cast")
+    return own["_host"].dtype if cast is None else cast.dtype
+
+
 def _meta(v):
     if isinstance(v, OffloadedTensor):
-        v = v.__dict__["_host"]  # the wrapper's own metadata, without a trip through __torch_function__
+        host = v.__dict__["_host"]  # the wrapper's own metadata, without a trip through __torch_function__
+        return torch.empty_strided(host.shape, host.stride(), dtype=_dtype(v), device="meta")
     if isinstance(v, torch.Tensor):
         return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
     return v
@@ -32,7 +42,8 @@ def _meta(v):
 
 def _signature(v):
     if isinstance(v, OffloadedTensor):
-        v = v.__dict__["_host"]
+        host = v.__dict__["_host"]
+        return host.shape, host.stride(), _dtype(v)
     if isinstance(v, torch.Tensor):
         return v.shape, v.stride(), v.dtype
     if isinstance(v, (list, tuple)):
@@ -73,8 +84,7 @@ def _meta_refuses(func, args, kwargs) -> bool:
 def _stand_in(v, device):
     """An offloaded argument as one element of its dtype on ``device``, expanded to its shape."""
     if isinstance(v, OffloadedTensor):
-        host = v.__dict__["_host"]
-        return torch.zeros((), dtype=host.dtype, device=device).expand(host.shape)
+        return torch.zeros((), dtype=_dtype(v), device=device).expand(v.__dict__["_host"].shape)
     return v
 
 

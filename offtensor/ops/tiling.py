@@ -167,14 +167,19 @@ def _tile_size(weight: OffloadedTensor, dim: int, others: int, what: str, sliced
     return max(1, room // per_slice)
 
 
-def _tiled(weight, dim, others, what, compute, out_dim, sliced=()):
+def _tiled(weight, dim, others, what, compute, out_dim, sliced=(), work: int = 0):
     """``compute(start, stop, paged)`` for tiles of ``weight`` along ``dim``, concatenated along
     ``out_dim`` of the outputs. Each tile's pages are released before the next is paged. Where the
-    room allows, tiles are cut at multiples of ``TILE_ALIGN`` and are at least that wide."""
+    room allows, tiles are cut at multiples of ``TILE_ALIGN`` and are at least that wide, and at
+    least as wide as keeps the whole product's CPU kernel (``work``: the product's multiply-adds per
+    slice along ``dim``, 0 where no such kernel choice applies)."""
     n = weight.shape[dim]
     fits = _tile_size(weight, dim, others, what, sliced)
     step = fits - fits % TILE_ALIGN if TILE_ALIGN <= fits < n else fits
     bounds = list(range(0, n, step)) + [n]
+    least = _same_kernel_width(weight, work, n)
+    if least and min(b - a for a, b in zip(bounds, bounds[1:])) < least:
+        bounds = _even_bounds(n, len(bounds) - 1, fits, least) or bounds
     if len(bounds) > 2 and bounds[-1] - bounds[-2] < TILE_ALIGN and step % TILE_ALIGN == 0:
         # A 1- or 2-wide output makes BLAS pick a matrix-vector kernel that sums in another order,
         # so the last tile takes TILE_ALIGN more outputs from the one before, where the room allows.
@@ -192,6 +197,42 @@ def _tiled(weight, dim, others, what, compute, out_dim, sliced=()):
         finally:
             paged.release()
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=out_dim)
+
+
+# torch's CPU matmul of bfloat16 or float16 operands runs oneDNN's GEMM only where the product has
+# 16**3 multiply-adds or more (its ``checksize``), and another kernel below that, which rounds some
+# sums otherwise (one product in a few hundred, in the last bit). A tile of a product above that
+# size must stay above it too, or it differs from the whole op: a 3-beam decode step's (3, 32)
+# input against a (96, 32) LM head in tiles of 64 and 32 rows did.
+_ONEDNN_MIN_WORK = 16 ** 3
+_ONEDNN_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _same_kernel_width(weight, work: int, n: int) -> int:
+    """The narrowest tile (slices along the tiled dim) that runs the whole product's CPU kernel, or
+    0 where tiles of any width do."""
+    if not work or work * n < _ONEDNN_MIN_WORK or weight.dtype not in _ONEDNN_DTYPES \
+            or weight._master.pager.device.type != "cpu":
+        return 0
+    return _ONEDNN_MIN_WORK // work + 1
+
+
+def _even_bounds(n: int, tiles: int, fits: int, least: int):
+    """Cuts of ``n`` slices into ``tiles`` tiles at multiples of ``TILE_ALIGN``, as even as they
+    go (the last takes the odd slices), each at least ``least`` and at most ``fits`` wide; None
+    where no such cuts exist."""
+    units, odd = divmod(n, TILE_ALIGN)
+    if units < tiles:
+        return None
+    per, extra = divmod(units, tiles)
+    widths = [(per + (i < extra)) * TILE_ALIGN for i in range(tiles)]
+    widths[-1] += odd
+    if min(widths) < least or max(widths) > fits:
+        return None
+    bounds = [0]
+    for width in widths:
+        bounds.append(bounds[-1] + width)
+    return bounds
 
 
 def needs_tiling(big, rest) -> bool:
@@ -227,7 +268,8 @@ def linear_tiled(x, weight, bias):
         b = None if bias is None else _page_slice(bias, 0, start, stop, paged)
         return torch._C._nn.linear(paged.arg(x), w, b)
 
-    return _tiled(weight, 0, others, "linear", compute, -1, [(bias, 0)])
+    rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 1
+    return _tiled(weight, 0, others, "linear", compute, -1, [(bias, 0)], work=rows * x.shape[-1] if x.dim() else 0)
 
 
 def _bias_slice(bias, out_dim, start, stop, size, paged, lead: int = 0):
@@ -279,7 +321,11 @@ def _product_tiled(func, a, b, columns: bool, before: tuple, kwargs, lead: int =
             return _rows_tiled(func, left, right, rest, kwargs, lead)
         return func(*rest[:1], left, right, *rest[1:], **kwargs)
 
-    return _tiled(big, dim, others, str(func), compute, dim, [] if bias_dim is None else [(bias, bias_dim)])
+    # (multiply-adds per slice: a's rows times the inner size for a column of b; the inner size
+    # times b's columns for a row of a)
+    work = a.shape[lead] * a.shape[lead + 1] if columns else a.shape[lead + 1] * b.shape[lead + 1]
+    return _tiled(big, dim, others, str(func), compute, dim, [] if bias_dim is None else [(bias, bias_dim)],
+                  work=0 if inner is not None else work)
 
 
 def _inner_tiles(big, dim: int, other, bias, others: int, lead: int = 0):
@@ -336,7 +382,8 @@ def bmm(func, types, args, kwargs):
         part = () if bias is None else (_page_slice(bias, 0, start, stop, paged) if cut else paged.arg(bias),)
         return func(*part, _page_slice(a, 0, start, stop, paged), _page_slice(b, 0, start, stop, paged), **kwargs)
 
-    return _tiled(big, 0, 0, str(func), compute, 0, [(t, 0) for t in (a, b, bias if cut else None) if t is not big])
+    return _tiled(big, 0, 0, str(func), compute, 0, [(t, 0) for t in (a, b, bias if cut else None) if t is not big],
+                  work=a.shape[1] * a.shape[2] * b.shape[2])
 
 
 def _batch(t, i: int):

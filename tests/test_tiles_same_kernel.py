@@ -1,0 +1,71 @@
+"""Output tiles of a bfloat16 product keep the whole product's CPU kernel. torch's CPU matmul runs
+oneDNN's bf16 GEMM only for products of 16**3 multiply-adds or more and another kernel below, and
+the two round some sums otherwise (about one product in a few hundred, in the last bit). A tile of
+a product above that size cut below it differed from the whole op without a warning: beam search
+on a bfloat16 granite model at 12 % of its bytes, whose 3-beam decode step multiplies a (3, 32)
+input by a (96, 32) LM head, paged in tiles of 64 and 32 rows. Tiles are cut evenly now, each
+above that size where the room allows (48 and 48 rows there)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import offtensor as ot
+
+
+@pytest.fixture
+def one_thread():
+    """One compute thread, as the tests run on two cores (two threads showed the same)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class _Head(nn.Module):
+    """A (96, 32) LM head, read by F.linear, or as a row-major (32, 96) weight by mm."""
+
+    def __init__(self, weight: torch.Tensor, op: str):
+        super().__init__()
+        self.weight, self.op = nn.Parameter(weight), op
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight) if self.op == "linear" else torch.mm(x, self.weight)
+
+
+@pytest.mark.parametrize("op, seed", [("linear", 356), ("mm", 1254)])
+def test_bfloat16_tiles_of_a_product_large_enough_for_onednn_give_the_whole_ops_bits(op, seed, device, one_thread):
+    if device != "cpu":
+        pytest.skip("the kernel choice is torch's CPU matmul's")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 32, generator=g).bfloat16()  # (seeds at which the two kernels differ for these values)
+    weight = torch.randn(*((96, 32) if op == "linear" else (32, 96)), generator=g).bfloat16()
+    model = _Head(weight, op)
+    reference = copy.deepcopy(model)
+    # Room for 64 of the 96 rows (or columns) of 64 bytes: tiles of 64 and 32 before, 48 and 48 now.
+    ot.wrap_model(model, budget_gb=5000 / 2**30, device=device, policy={"offload": ["*"]})
+    with torch.no_grad():
+        got, expected = model(x), reference(x)
+    assert torch.equal(got, expected)
+    stats = ot.stats(model)
+    assert 0 < stats.peak_device_bytes <= stats.budget_bytes
+
+
+def test_tiles_below_onednn_size_and_float32_tiles_are_cut_as_before(device):
+    """Cuts change only where the whole product is large enough and its dtype is bfloat16 or
+    float16: a float32 head, and a single decode row (3 x 32 x 96 / 3 multiply-adds), keep their
+    tiles of 64 and 32."""
+    from offtensor.ops import tiling
+
+    weight = ot.offload(torch.randn(96, 32))
+    assert tiling._same_kernel_width(weight, 3 * 32, 96) == 0
+    half = ot.offload(torch.randn(96, 32).bfloat16())
+    assert tiling._same_kernel_width(half, 1 * 32, 96) == 0  # 3072 multiply-adds: no oneDNN for the whole op
+    assert tiling._same_kernel_width(half, 3 * 32, 96) == (43 if half._master.pager.device.type == "cpu" else 0)
+    assert tiling._even_bounds(96, 2, 64, 43) == [0, 48, 96]
+    assert tiling._even_bounds(200, 4, 64, 43) == [0, 48, 96, 144, 200]
+    assert tiling._even_bounds(96, 2, 40, 43) is None  # no room for such tiles: cut as before
