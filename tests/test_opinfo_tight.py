@@ -15,7 +15,7 @@ it does not understand raised torch's own error for a valid call (``_foreach_mm`
 as if elementwise: "shapes cannot be multiplied"). Most samples must run: the share that does is
 held above a floor, so a path that stops serving ops shows here.
 
-The first ``OFFTENSOR_OPINFO_TIGHT_SAMPLES`` (4) float32 samples of each op whose largest tensor is
+The first ``OFFTENSOR_OPINFO_TIGHT_SAMPLES`` (2; 4 runs twice as many) float32 samples of each op whose largest tensor is
 at least 64 bytes; about ten seconds."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from test_opinfo import _op_db, _quick_sample_inputs
 
 pytestmark = pytest.mark.opinfo
 
-SAMPLES = int(os.environ.get("OFFTENSOR_OPINFO_TIGHT_SAMPLES", "4"))
+SAMPLES = int(os.environ.get("OFFTENSOR_OPINFO_TIGHT_SAMPLES", "2"))
 
 
 class _Tight:
@@ -89,8 +89,9 @@ def _verdict(variant: str, op, sample, device: str, frozen, monkeypatch) -> str:
     return "ran"
 
 
-# The floor under the share of samples that run (the reference runs them all): 0.83 of the ops,
-# 0.78 of the gradients and 0.97 of the in-place ops ran on the CPU when written. The rest are
+# The floor under the share of samples that run (the reference runs them all): 0.85 of the ops,
+# 0.82 of the gradients and 0.97 of the in-place ops ran on the CPU when written (0.83, 0.79 and
+# 0.97 of 4 samples an op). The rest are
 # activation ops with every argument offloaded: pools, convolutions of an offloaded input,
 # interpolation, batch norm.
 @pytest.mark.parametrize("variant, floor", [("fn", 0.8), ("grad", 0.75), ("inplace", 0.9)])
@@ -117,4 +118,4 @@ def test_every_op_with_tensors_beyond_the_budget_runs_right_or_raises_budget_err
                                  f"{type(error).__name__}: {str(error)[:300]}")
     assert not wrong, "\n".join(wrong)
     total = sum(counts.values())
-    assert total > 300 and (counts["ran"] + counts["warned"]) / total >= floor, counts
+    assert total > 200 and (counts["ran"] + counts["warned"]) / total >= floor, counts
