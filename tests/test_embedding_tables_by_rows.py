@@ -48,8 +48,11 @@ def _pair(table, device):
     return model, reference
 
 
-def _train_alike(model, reference, inputs, steps=3):
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (model, reference)]
+def _train_alike(model, reference, inputs, steps=3, make=None):
+    """``steps`` steps of each model on ``inputs(step)`` (SGD with momentum, or ``make(model)``'s
+    optimizer): equal losses at every step, equal parameters after, within the budget."""
+    make = make or (lambda m: torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9))
+    optimizers = [make(m) for m in (model, reference)]
     for step in range(steps):
         losses = []
         for m, opt in zip((model, reference), optimizers):

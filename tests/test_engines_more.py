@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import offtensor as ot
-from test_engines_clients import GiB, _llama, _weight_bytes, _within_budget
+from test_engines_clients import GiB, _ids, _llama, _logits, _weight_bytes, _within_budget
 
 
 def _wrap(model: nn.Module, device, fraction=0.3, everything=False) -> None:
@@ -22,17 +22,6 @@ def _wrap(model: nn.Module, device, fraction=0.3, everything=False) -> None:
     policy = {"offload": ["*"]} if everything else None
     ot.wrap_model(model, budget_gb=fraction * _weight_bytes(model) / GiB, device=device, policy=policy)
     assert ot.stats(model).offloaded_bytes > 0
-
-
-def _ids(device, batch=2, length=6, vocab=128, seed=1):
-    ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed)).to(device)
-    return ids, torch.ones_like(ids)
-
-
-def _logits(model, device):
-    ids, mask = _ids(device)
-    with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask).logits
 
 
 def _same_steps(model, reference, device, steps=2, optimizer=torch.optim.AdamW):

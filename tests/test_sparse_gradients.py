@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import offtensor as ot
+from test_embedding_tables_by_rows import _train_alike
 
 GiB = 2**30
 # torch's own note when Adagrad makes a sparse tensor without checking it
@@ -74,20 +75,7 @@ def test_a_sparse_embedding_larger_than_the_room_trains_as_unwrapped_paging_only
     written back, in the gradient's own order of entries."""
     model, reference = _pair(device, 2048)  # the 51,200-byte table, 16 of its rows at a time
     assert isinstance(model.embed.weight, ot.OffloadedTensor)
-    optimizers = [make(m) for m in (model, reference)]
-    for step in range(3):
-        losses = []
-        for m, opt in zip((model, reference), optimizers):
-            opt.zero_grad()
-            loss = m(_ids(step).to(device))
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        assert torch.equal(*losses), step
-    for p, q in zip(model.parameters(), reference.parameters()):
-        assert torch.equal(p.detach().cpu(), q.detach().cpu())
-    stats = ot.stats(model)
-    assert stats.peak_device_bytes <= stats.budget_bytes
+    _train_alike(model, reference, lambda step: (_ids(step).to(device),), make=make)
 
 
 def test_a_sparse_update_pages_and_writes_back_only_the_rows_it_names(device):
