@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..tensor import OffloadedTensor
-from .lines import along_lines
+from .lines import _bind, along_lines
 from .paging import Paged
 from .tiling import _meta, _page_slice, _slice_bytes
 
@@ -27,8 +27,7 @@ aten = torch.ops.aten
 def weight_norm_in_slices(func, args, kwargs, error):
     """``func`` (the forward or its backward) over slices of ``dim`` that fit the free room together."""
     names = [a.name for a in func._schema.arguments]
-    call = {a.name: a.default_value for a in func._schema.arguments if a.has_default_value()}
-    call.update(zip(names, args), **kwargs)
+    call = _bind(func, args, kwargs)
     tensors = [call[n] for n in names if isinstance(call.get(n), torch.Tensor)]
     offloaded = [t for t in tensors if isinstance(t, OffloadedTensor)]
     if not offloaded:
@@ -71,5 +70,5 @@ WEIGHT_NORMS = {
     # weight_norm's registration splits the weight with ``norm_except_dim(w, 2, dim)``, which
     # reaches dispatch as the norm of each slice of ``dim`` (``w.view(n, -1).norm(2, 1)`` for
     # dim 0): an op along lines, cut across them as ``lines`` cuts its ops.
-    aten.norm.ScalarOpt_dim: lambda func, args, kwargs, error: along_lines(func, args, kwargs, error),
+    aten.norm.ScalarOpt_dim: along_lines,
 }
