@@ -105,3 +105,9 @@ class Observers:
             setattr(self, event, tuple(found))
         recorder = self._by_role.get("recorder")
         self.quiet = recorder.quietly if recorder is not None else None
+
+
+def _quietly(quiet, fn, *args):
+    """``fn(*args)``, through the recorder's ``quietly`` while a timeline records (``Observers.quiet``):
+    called on the paths that copy, allocate or wait, never on a hit on a completed copy."""
+    return fn(*args) if quiet is None else quiet(fn, *args)

@@ -24,7 +24,7 @@ from .budget import Budget
 from .device import _NOTHING_AFTER
 from .cache import LRU, CacheKey, page_layout
 from .masters import Master
-from .observers import Observers
+from .observers import Observers, _quietly
 from .room import RoomCalls
 from .safety import Recovering, lock_depth
 from .state import PagingState
@@ -36,12 +36,6 @@ _new_key = tuple.__new__  # cache_key() without its call
 class _NoObservers:
     paging = accessed = reading = ()
     quiet = None
-
-
-def _quietly(quiet, fn, *args):
-    """``fn(*args)``, through the recorder's ``quietly`` while a timeline records (``Observers.quiet``):
-    called on the paths that copy, allocate or wait, never on a hit on a completed copy."""
-    return fn(*args) if quiet is None else quiet(fn, *args)
 
 
 _NO_OBSERVERS = _NoObservers()  # what the hot path loops over when no observer is set
@@ -229,7 +223,11 @@ class Pager(RoomCalls, Recovering, PagingState):
             return view, entry
         except BaseException:
             if item is None or not (held is None or (held and held[-1] is item)):
-                self.cut_short(depth, taken, users)
+                try:  # (a BudgetError is routine here: slices and tiles answer it)
+                    self.cut_short(depth, taken, users)
+                except BaseException:  # a Ctrl-C on the way in: once more, or the thread keeps the lock
+                    self.cut_short(depth, taken, users)
+                    raise
             raise
 
     def upload(self, src: torch.Tensor, what="tensor", held=None):
@@ -260,22 +258,12 @@ class Pager(RoomCalls, Recovering, PagingState):
             return view, entry
         except BaseException:
             if item is None or not (held is None or (held and held[-1] is item)):
-                self.cut_short(depth, taken, 0)
+                try:
+                    self.cut_short(depth, taken, 0)
+                except BaseException:  # as in ``page``
+                    self.cut_short(depth, taken, 0)
+                    raise
             raise
-
-    def copy_out(self, host: torch.Tensor) -> torch.Tensor:
-        """A device copy owned by the caller: never cached, outside the budget (``Copies.copy_out``)."""
-        if host.numel() == 0:
-            return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
-        return _quietly(self.observers.quiet, self.copies.copy_out, host, self.lock)
-
-    def copy_into_graph(self, out: torch.Tensor, host: torch.Tensor) -> None:
-        """Under CUDA graph capture: record a copy of ``host`` straight into ``out``, counted like a page."""
-        self.copies.copy_into_graph(out, host, self.lock)
-
-    def capturing(self) -> bool:
-        """Whether the op is being recorded into a CUDA graph on this pager's device."""
-        return self.device_ops.capturing()
 
     def new_step(self) -> None:
         """A forward of the wrapped model begins: one pass of the prefetch schedule and of the
@@ -337,13 +325,6 @@ class Pager(RoomCalls, Recovering, PagingState):
         release = self.lock.release
         for _ in entries:
             release()
-
-    def wait_copies(self) -> None:
-        """Block until every copy this pager started has completed (and release their sources)."""
-        with self.lock:
-            self.lifetimes.wait_for(None)
-
-
 
 def _prefetch(pager: Pager, master: Master, dtype: torch.dtype, lo: int, hi: int, key) -> bool:
     """``Pager.prefetch``'s copy (its caller holds the lock and recounts after an exception): room

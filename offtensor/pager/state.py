@@ -1,17 +1,21 @@
 """What a pager pages with, built new: its cache, slot pool and host lifetimes and the
 collaborators over them (``new_paging_state``), the same state renewed in a forked child
 (``after_fork_in_child``, called by ``offtensor.forking``), and the teardown a dead pager's
-finalizer runs. A base of ``Pager``, so the façade keeps to the calls the layers above make."""
+finalizer runs; and the copies made outside its cache. A base of ``Pager``, so the façade keeps to
+the calls the layers above make."""
 
 from __future__ import annotations
 
 import warnings
 import weakref
 
+import torch
+
 from .. import forking
 from .cache import LRU, DeviceCache
 from .copies import Copies
 from .lifetimes import HostLifetimes
+from .observers import _quietly
 from .room import Room
 from .slots import SlotPool
 
@@ -59,6 +63,26 @@ class PagingState:
             for entry in [e for e in self.cache.entries.values() if e.ready is not None]:
                 self.room.remove(entry)
 
+    # Copies outside the cache, and waits on its copies.
+
+    def copy_out(self, host: torch.Tensor) -> torch.Tensor:
+        """A device copy owned by the caller: never cached, outside the budget (``Copies.copy_out``)."""
+        if host.numel() == 0:
+            return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
+        return _quietly(self.observers.quiet, self.copies.copy_out, host, self.lock)
+
+    def copy_into_graph(self, out: torch.Tensor, host: torch.Tensor) -> None:
+        """Under CUDA graph capture: record a copy of ``host`` straight into ``out``, counted like a page."""
+        self.copies.copy_into_graph(out, host, self.lock)
+
+    def capturing(self) -> bool:
+        """Whether the op is being recorded into a CUDA graph on this pager's device."""
+        return self.device_ops.capturing()
+
+    def wait_copies(self) -> None:
+        """Block until every copy this pager started has completed (and release their sources)."""
+        with self.lock:
+            self.lifetimes.wait_for(None)
 
 def _teardown(cache: DeviceCache, pool, lifetimes: HostLifetimes, ops) -> None:
     """A pager died: wait for the last use of each cached copy and slot and for each copy still
