@@ -14,9 +14,11 @@ import warnings
 
 import torch
 
+from torch.utils._mode_utils import no_dispatch
+
 from ..pager import BudgetError, host_layout
 from ..tensor import OffloadedTensor
-from .paging import describe
+from .paging import describe, write_back
 from .tiling import _meta, _offloaded, _offloaded_bytes, _short_of_room
 
 
@@ -216,12 +218,7 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
             or (mutation is not None and not listed and (not mutation or None in mutation))):
         raise error
     if mutation and not listed:
-        for i, name in mutation:
-            written = args[i] if i < len(args) else kwargs[name]
-            if written.shape != shape.shape:
-                if written.numel() or isinstance(written, OffloadedTensor):
-                    raise error  # an out= tensor of another shape: the op's own resize and warning
-                written.resize_(shape.shape)  # an empty out= (a composite's result), sized as the op would
+        _size_outs(args, kwargs, mutation, shape, error)
     n = shape.dim()
     pager = offloaded[0]._master.pager
     chosen = _cut_dim(shape, offloaded, pager.free_bytes() or 0)
@@ -240,6 +237,9 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
 
     writes = mutation is not None or in_place
     out = None if writes or equal else torch.empty_strided(shape.shape, shape.stride(), dtype=shape.dtype, device=pager.device)
+    # Each slice is written back as it is computed: an exception between two (a Ctrl-C) puts the
+    # written tensors back as they were, all or nothing like one kernel (a slice cut again below: once).
+    saved = _saved(args, kwargs, mutation, in_place) if writes and not cutting() else ()
     start = 0
     _cutting.depth = getattr(_cutting, "depth", 0) + 1
     try:
@@ -264,6 +264,14 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
             if out is not None:
                 out.narrow(dim, start, stop - start).copy_(piece[0] if listed else piece)
             start = stop
+    except BaseException:
+        if saved:
+            try:
+                _put_back(saved)
+            except BaseException:
+                _put_back(saved)  # a second exception on the way in (a Ctrl-C): once more, whole
+                raise
+        raise
     finally:
         _cutting.depth -= 1
     if out is not None:
@@ -274,3 +282,33 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
         return None  # in-place _foreach ops return nothing
     results = [args[i] if i < len(args) else kwargs[name] for i, name in mutation]
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def _size_outs(args, kwargs, mutation, shape: torch.Tensor, error: BudgetError) -> None:
+    for i, name in mutation:
+        written = args[i] if i < len(args) else kwargs[name]
+        if written.shape != shape.shape:
+            if written.numel() or isinstance(written, OffloadedTensor):
+                raise error  # an out= tensor of another shape: the op's own resize and warning
+            written.resize_(shape.shape)  # an empty out= (a composite's result), sized as the op would
+
+
+def _saved(args, kwargs, mutation, in_place: bool) -> list:
+    """The offloaded tensors the op writes, each with a host copy of its values before the op."""
+    if in_place:  # a _foreach_*_ op of one element
+        written = [args[0][0]]
+    else:
+        written = [args[i] if i < len(args) else kwargs[name] for i, name in mutation]
+    saved = []
+    with no_dispatch():
+        for t in written:
+            if isinstance(t, OffloadedTensor):
+                saved.append((t, t._host.clone()))
+    return saved
+
+
+def _put_back(saved: list) -> None:
+    """Write each saved tensor's values back (``write_back``: one copy each, cached copies dropped);
+    idempotent, so a put-back cut short is finished by running it again."""
+    for t, values in reversed(saved):
+        write_back(t, values)

@@ -1,0 +1,109 @@
+"""Ctrl-C inside an in-place op run in slices (a weight larger than the budget's free room).
+
+- An interrupt at any point of ``w.mul_(2)`` or ``torch._foreach_add_([w], ...)`` in slices leaves
+  the weight as it was or as written, never half written: each slice is written back as it is
+  computed, and an exception between two puts the weight's saved values back (``pieces.py``).
+- The pager's lock is free afterwards and the next op runs. Before, a Ctrl-C on the way into the
+  undo of the whole op's page (whose ``BudgetError`` is routine there: it is what sends the op to
+  slices) left the thread holding the lock, and every later page of the weight was refused.
+- A second interrupt inside the put-back is survived: it is finished once more.
+
+Interrupts are raised where CPython raises a signal handler's exception (``_Points``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from offtensor.ops import pieces
+
+from test_interrupts_more import _Points, _points
+from test_whole_on_host import _weight, _wrapped
+
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # a generator closed by the interrupt
+needs_311 = pytest.mark.skipif(sys.version_info < (3, 11), reason="the points are 3.11's bytecodes")
+
+IN_PLACE = {
+    "mul_": lambda w: w.mul_(2),
+    "_foreach_add_": lambda w: torch._foreach_add_([w], [torch.full((64, 128), 0.25, device=w.device)], alpha=0.5),
+}
+
+
+def _ours(code) -> bool:
+    return "offtensor" in code.co_filename
+
+
+def _case(name):
+    model = _wrapped("cpu")
+    before = _weight()
+    after = before.clone()
+    IN_PLACE[name](after)
+
+    def run():
+        with torch.no_grad():
+            IN_PLACE[name](model.w)
+
+    return model, before, after, run
+
+
+def _reset(model, before):
+    with torch.no_grad():
+        model.w.copy_(before)
+
+
+@needs_311
+@pytest.mark.parametrize("name", sorted(IN_PLACE))
+def test_an_interrupt_at_any_point_of_an_in_place_op_in_slices_leaves_the_weight_whole_or_written(name):
+    model, before, after, run = _case(name)
+    pager = model.w._master.pager
+    points = _points(run, _ours)
+    assert points > 200  # the slices' loop, each slice's page and write-back
+    torn = []
+    for n in range(1, points + 1, 1 if name == "mul_" else 3):
+        _reset(model, before)
+        _Points(n, _ours).run(run)
+        assert pager._depth() == 0, f"the lock is still held after an interrupt at point {n}"
+        now = model.w.materialize()
+        if not (torch.equal(now, before) or torch.equal(now, after)):
+            torn.append(n)
+    assert not torn, f"half written after interrupts at points {torn[:10]}..."
+    _reset(model, before)
+    run()
+    assert torch.equal(model.w.materialize(), after)
+    assert pager.stats.peak_device_bytes <= pager.budget_bytes
+
+
+@needs_311
+def test_a_second_interrupt_inside_the_put_back_is_survived(monkeypatch):
+    """An interrupt late in the slices' loop, then a second one at each of the put-back's first
+    points: the weight is as it was, and the next op runs."""
+    model, before, after, run = _case("mul_")
+    points = _points(run, _ours)
+    original = pieces._put_back
+    second = {"n": 0, "calls": 0, "hit": 0}
+
+    def interrupted_put_back(saved):
+        second["calls"] += 1
+        if second["calls"] > 1:  # the retry runs whole
+            return original(saved)
+        # Counted in the writes the put-back calls, not in its own loop.
+        tracer = _Points(second["n"], lambda code: code is not original.__code__ and _ours(code))
+        if tracer.run(lambda: original(saved)) is not None:
+            second["hit"] += 1
+            raise KeyboardInterrupt("the second")
+
+    monkeypatch.setattr(pieces, "_put_back", interrupted_put_back)
+    for m in range(1, 40, 3):
+        second["n"], second["calls"] = m, 0
+        _reset(model, before)
+        _Points(int(points * 0.7), _ours).run(run)
+        assert model.w._master.pager._depth() == 0
+        assert torch.equal(model.w.materialize(), before), m
+    assert second["hit"] > 3  # (what the test is about: the put-back was cut short)
+    monkeypatch.setattr(pieces, "_put_back", original)
+    _reset(model, before)
+    run()
+    assert torch.equal(model.w.materialize(), after)
