@@ -31,6 +31,8 @@ _Tensor = torch.Tensor
 # The whole ops that __torch_function__ intercepts (torch function -> handler(args, kwargs)): ops.functions'
 # table, installed by set_op_handlers. A module global: __torch_function__ reads it on every call.
 _FUNCTION_TABLE: dict = {}
+# What an exception that crossed a handler left behind (ops.paging.reclaim), set with the table.
+_RECLAIM = None
 
 # ``cast_views.resolve``, installed by that module: a lazy cast (``_cast`` in its ``__dict__``) is made
 # an ordinary OffloadedTensor of its cast values before a method here reads its host bytes.
@@ -84,7 +86,13 @@ class OffloadedTensor(torch.Tensor):
                 return func(*args, **(kwargs or {}))
         handler = _FUNCTION_TABLE.get(func)
         if handler is not None:
-            result = handler(args, kwargs or {})
+            try:
+                result = handler(args, kwargs or {})
+            except BaseException as error:
+                # A Ctrl-C on the very call into a tile's ``release`` leaves its record holding the
+                # pager's lock: released here, as ``torch_dispatch`` does for an aten op.
+                _RECLAIM(error)
+                raise
             if result is not NotImplemented:
                 return result
         return _disabled_torch_function_impl(func, types, args, kwargs or {})
@@ -94,14 +102,15 @@ class OffloadedTensor(torch.Tensor):
         return cls._op_dispatch(func, types, args, kwargs)
 
     @staticmethod
-    def set_op_handlers(torch_dispatch, function_table: dict) -> None:
+    def set_op_handlers(torch_dispatch, function_table: dict, reclaim) -> None:
         """Install what ops do: ``torch_dispatch(func, types, args, kwargs)`` for every aten op and
         the whole functions ``__torch_function__`` intercepts. Called once, by ops/__init__.py."""
-        global _FUNCTION_TABLE
+        global _FUNCTION_TABLE, _RECLAIM
         if OffloadedTensor._op_dispatch is not None:
             raise RuntimeError("offtensor: OffloadedTensor's op handlers are already set")
         OffloadedTensor._op_dispatch = staticmethod(torch_dispatch)
         _FUNCTION_TABLE = function_table  # ops.functions' own table: one dict, read here on every call
+        _RECLAIM = reclaim
 
     # ------------------------------------------------------------------ public methods
 

@@ -7,6 +7,9 @@
   undo of the whole op's page (whose ``BudgetError`` is routine there: it is what sends the op to
   slices) left the thread holding the lock, and every later page of the weight was refused.
 - A second interrupt inside the put-back is survived: it is finished once more.
+- An interrupt at any point of a linear run in tiles of such a weight (``__torch_function__``'s
+  path, not an aten op's) leaves the lock free: one on the very call into a tile's ``release``
+  left the record holding it, where ``torch_dispatch`` would have released it.
 
 Interrupts are raised where CPython raises a signal handler's exception (``_Points``).
 """
@@ -17,6 +20,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from offtensor.ops import pieces
 
@@ -62,7 +66,7 @@ def test_an_interrupt_at_any_point_of_an_in_place_op_in_slices_leaves_the_weight
     points = _points(run, _ours)
     assert points > 200  # the slices' loop, each slice's page and write-back
     torn = []
-    for n in range(1, points + 1, 1 if name == "mul_" else 3):
+    for n in range(1, points + 1, 2 if name == "mul_" else 5):
         _reset(model, before)
         _Points(n, _ours).run(run)
         assert pager._depth() == 0, f"the lock is still held after an interrupt at point {n}"
@@ -107,3 +111,22 @@ def test_a_second_interrupt_inside_the_put_back_is_survived(monkeypatch):
     _reset(model, before)
     run()
     assert torch.equal(model.w.materialize(), after)
+
+
+@needs_311
+def test_an_interrupt_at_any_point_of_a_linear_in_tiles_leaves_the_lock_free_and_the_next_forward_right():
+    model = _wrapped("cpu")
+    pager = model.w._master.pager
+    x = torch.randn(3, 128)
+    want = F.linear(x, _weight())
+
+    def run():
+        with torch.no_grad():
+            return F.linear(x, model.w)
+
+    points = _points(run, _ours)
+    for n in range(1, points + 1, 2):
+        _Points(n, _ours).run(run)
+        assert pager._depth() == 0, f"the lock is still held after an interrupt at point {n}"
+    assert torch.equal(run(), want)
+    assert pager.stats.peak_device_bytes <= pager.budget_bytes

@@ -26,8 +26,8 @@ The modules beside this one name the ops that need more, by family: ``views``, `
 forward-mode tangent for an offloaded weight, refused).
 
 Registration: ``OffloadedTensor.set_op_handlers`` is the class's one entry point for what ops do;
-the last line of this module calls it, once, with ``torch_dispatch`` and the ``functions`` table,
-so tensor.py imports nothing of this package (the import graph runs ops -> tensor -> pager).
+the last line of this module calls it, once, with ``torch_dispatch``, the ``functions`` table and
+``paging.reclaim``, so tensor.py imports nothing of this package (the import graph runs ops -> tensor -> pager).
 """
 
 from __future__ import annotations
@@ -355,4 +355,4 @@ _UNTRACEABLE = {
 }
 
 
-OffloadedTensor.set_op_handlers(torch_dispatch, FUNCTION_TABLE)
+OffloadedTensor.set_op_handlers(torch_dispatch, FUNCTION_TABLE, reclaim)
