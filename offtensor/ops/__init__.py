@@ -54,7 +54,7 @@ from .convolutions import convolution, convolution_backward
 from .pieces import ForeachInPieces, cutting, pointwise_in_pieces
 from .tiling import TILE_ALIGN, bmm, mm, mv
 from .views import inplace_view, view
-from .host_compute import ON_HOST, WRITTEN_ON_HOST, on_host, written_on_host
+from .host_compute import ON_HOST, OUT_ON_HOST, WRITTEN_ON_HOST, on_host, out_on_host, written_on_host
 from .lines import ALONG_LINES
 from .weight_norms import WEIGHT_NORMS
 from .whole_reads import SHORT_OF_ROOM
@@ -132,6 +132,9 @@ def _in_slices(func, handler):
     if type(handler) is Mutation and func in WRITTEN_ON_HOST:
         # Writes it by index or mask (``index_copy_``, ``tril_``): its out-of-place form there, written back.
         return _written_on_host
+    if type(handler) is Mutation and func in OUT_ON_HOST:
+        # Its out= form (``torch.cumsum(w, 0, out=o)``): the op there, each out= given its values.
+        return _out_on_host
     return None
 
 
@@ -145,6 +148,10 @@ def _on_host(func, handler, args, kwargs, error):
 
 def _written_on_host(func, handler, args, kwargs, error):
     return written_on_host(func, args, kwargs, error)
+
+
+def _out_on_host(func, handler, args, kwargs, error):
+    return out_on_host(func, args, kwargs, error)
 
 
 def _pointwise(func, handler, args, kwargs, error):

@@ -20,17 +20,24 @@ indices) may pick another. Those warn there, naming the tensor.
 An in-place op that writes such a tensor by index, mask or position (``index_copy_``,
 ``masked_scatter_``, ``tril_``, ``cumsum_``) has no slices either: its out-of-place form runs on the
 host and the result is written back into the master in one copy (``paging.write_back``, as every
-write of a paged copy is), so an interrupt leaves the tensor as it was or as written.
+write of a paged copy is), so an interrupt leaves the tensor as it was or as written. The ``out=``
+forms of the ops above (``torch.cumsum(w, 0, out=o)``) run there as themselves, into host tensors
+of their out= arguments' shapes, so torch's resize rules hold; an offloaded out= is written back so.
 
 The cost is the host's CPU time over the tensor's bytes (a second or so for gigabytes, where paging
 slices would take PCIe time). Such ops are rare on weights (a statistic logged, a histogram drawn),
-and what they replace is a ``BudgetError``. Like the slices, this runs only after the op's own page
-raised ``BudgetError`` (``torch_dispatch``'s except clause): an op whose arguments fit pays nothing.
+and what they replace is a ``BudgetError``. That cost is not hidden: each op is counted in its
+pager's stats (``host_ops``, the master bytes read, the bytes written back, the result bytes, the
+measured seconds) and, while a timeline records, recorded on its host lane at its measured time.
+Like the slices, this runs only after the op's own page raised ``BudgetError`` (``torch_dispatch``'s
+except clause): an op whose arguments fit pays nothing.
 Under torch.compile the values are not known at trace time: Dynamo breaks the graph there and runs
 the op eagerly (``compile.graph_break``)."""
 
 from __future__ import annotations
 
+import math
+import time
 import warnings
 
 import torch
@@ -40,7 +47,7 @@ from ..tensor import OffloadedTensor
 from .arguments import raise_torch_error
 from .compile import graph_break
 from .lines import ALONG_LINES
-from .paging import describe, write_back
+from .paging import describe, resize_error, write_back
 
 aten = torch.ops.aten
 
@@ -48,11 +55,15 @@ aten = torch.ops.aten
 def on_host(func, args, kwargs, error):
     """``func`` on the host masters of its offloaded arguments, its results on the device; ``error``
     where it cannot run there (a graph break where it is being traced)."""
-    out, first, masters = _host_call(func, args, kwargs, error)
+    call = _host_call(func, args, kwargs, error)
+    out, first = call.out, call.first
     device = first._master.pager.device
     if device.type == "cpu":
-        return pytree.tree_map_only(torch.Tensor, lambda t: _apart(t, masters), out)
-    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), out)
+        out = pytree.tree_map_only(torch.Tensor, lambda t: _apart(t, call.masters), out)
+    else:
+        out = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), out)
+    call.counted(func, 0, _nbytes(out))
+    return out
 
 
 def written_on_host(func, args, kwargs, error):
@@ -65,15 +76,112 @@ def written_on_host(func, args, kwargs, error):
             isinstance(a, OffloadedTensor) and a._master is t._master
             for a in pytree.tree_leaves((args[1:], kwargs))):
         raise error  # (an argument that shares the written master: torch's rules for overlap apply)
-    values, _, _ = _host_call(_FUNCTIONAL[func], args, kwargs, error)
-    write_back(t, values)
+    call = _host_call(_FUNCTIONAL[func], args, kwargs, error)
+    call.write_back(t, call.out)
+    call.counted(func, _nbytes(t), 0)
     return t
 
 
-def _host_call(func, args, kwargs, error):
-    """(``func``'s result on the host, the first offloaded argument, the host masters' storages)."""
+def out_on_host(func, args, kwargs, error):
+    """An ``out=`` op that host computation runs (``torch.cumsum(w, 0, out=o)``,
+    ``torch.index_select(t, 0, i, out=o)``) whose arguments do not fit the room: the op itself on
+    the host, into host tensors of its out= arguments' shapes and strides, so torch's own resize
+    rules apply (its warning or error for an out= of the wrong shape); then each offloaded out= is
+    written back in one copy (``paging.write_back``: an interrupt leaves it as it was or as written;
+    never resized past its host master, checked for every one before any is written), and each
+    other one receives its values as torch's kernel would give them."""
+    functional, names = _OUT_FORMS[func]
+    outs = [kwargs[name] for name in names]
+    inputs = pytree.tree_leaves((args, {k: v for k, v in kwargs.items() if k not in names}))
+    # (Loops, not generators: an interrupt inside one would close it, reported as "ignored".)
+    offloaded = [o for o in outs if isinstance(o, OffloadedTensor)]
+    written = {id(o._master) for o in offloaded}
+    read = [a for a in inputs if isinstance(a, OffloadedTensor)]
+    if len(written) < len(offloaded) or [a for a in read if id(a._master) in written]:
+        raise error  # (an out= sharing a master with another argument: torch's rules for overlap apply)
+    if not read and not offloaded:
+        raise error
+    first = read[0] if read else offloaded[0]
+    device_type = first._master.pager.device.type
+    temps = [_host_out(o, device_type) for o in outs]
+    call = _host_call(func, args, {**kwargs, **dict(zip(names, temps))}, error, first, functional)
+    pairs = list(zip(outs, temps))
+    for o, temp in pairs:
+        if isinstance(o, OffloadedTensor) and temp.shape != o.shape and not _within_master(o, temp.shape):
+            raise resize_error(o, temp.shape)  # before any out= is written: none is left half done
+    written = result = 0
+    for o, temp in pairs:
+        if isinstance(o, OffloadedTensor):
+            call.write_back(o, temp)
+            written += _nbytes(o)
+            continue
+        if temp is not o:  # a device tensor: the host's values, as the device's kernel would resize and write
+            if o.shape != temp.shape:
+                o.resize_(temp.shape)
+            o.copy_(temp)
+        result += _nbytes(o)
+    call.counted(func, written, result)
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _host_out(o: torch.Tensor, device_type: str) -> torch.Tensor:
+    """The host tensor an out= argument ``o`` is computed into: ``o`` itself where it is a plain
+    tensor of the host (the emulated device's), else a new one of its shape, strides and dtype."""
+    if not isinstance(o, OffloadedTensor) and o.device.type == "cpu" and device_type == "cpu":
+        return o
+    return torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device="cpu")
+
+
+def _within_master(t: OffloadedTensor, shape) -> bool:
+    """Whether ``t`` resized to ``shape`` stays within its host master (``views.resize_within_master``'s test)."""
+    host = t._host
+    return (host.storage_offset() + math.prod(shape)) * host.element_size() <= host.untyped_storage().nbytes()
+
+
+def _nbytes(out) -> int:
+    total = 0
+    for t in pytree.tree_leaves(out):
+        if isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+    return total
+
+
+class _HostCall:
+    """One op computed on the host: its result, its first offloaded argument, the masters' storages,
+    the bytes of the masters it read, the host's seconds for it (its kernel, its write-backs) and
+    whether it read tensors of the device's (brought to the host: a wait for the device's ops)."""
+
+    __slots__ = ("out", "first", "masters", "read", "seconds", "synced")
+
+    def __init__(self, out, first, masters, read, seconds, synced):
+        self.out, self.first, self.masters, self.read, self.seconds = out, first, masters, read, seconds
+        self.synced = synced
+
+    def write_back(self, t: OffloadedTensor, values: torch.Tensor) -> None:
+        start = time.perf_counter()
+        write_back(t, values, from_host=True)
+        self.seconds += time.perf_counter() - start
+
+    def counted(self, func, written: int, result: int) -> None:
+        """Counted in the pager's stats (``host_ops``...) and, while a timeline records, recorded
+        on its host lane at the time measured here (none on meta, where a plan computes nothing)."""
+        pager = self.first._master.pager
+        with pager.lock:  # (as every counter of the pager changes)
+            pager.stats.count_host_op(self.read, written, result, self.seconds)
+        recorder = pager.recorder
+        if recorder is not None:
+            measured = None if pager.device.type == "meta" else self.seconds * 1e3
+            recorder.host_op(f"host {func.overloadpacket.__name__}", self.read + written, self.first.dtype, measured,
+                             result, self.synced)
+
+
+def _host_call(func, args, kwargs, error, first=None, exact=None) -> _HostCall:
+    """``func`` run on the host: its offloaded arguments' host masters, its other tensors brought
+    to the host; ``first``: the offloaded tensor whose pager runs it where no argument is offloaded
+    (an out= one, set apart by the caller); ``exact``: the op whose exactness on a GPU it has
+    (``func``'s out-of-place form)."""
     flat, spec = pytree.tree_flatten((args, kwargs))
-    first, masters = None, set()
+    masters, read, synced = set(), 0, False
     for i, a in enumerate(flat):
         if isinstance(a, OffloadedTensor):
             own = a.__dict__
@@ -83,28 +191,34 @@ def _host_call(func, args, kwargs, error):
             cast = own.get("_cast")  # a lazy cast (cast_views) reads its weight's bytes in the cast's dtype
             flat[i] = host.to(cast.dtype) if cast is not None else host
             masters.add(host.untyped_storage().data_ptr())
+            read += host.numel() * host.element_size()
             first = a if first is None else first
-        elif isinstance(a, torch.Tensor) and a.device.type != "cpu":
-            flat[i] = a.cpu()
+        elif isinstance(a, torch.Tensor):
+            synced = True  # (the emulated device's tensors are the host's: recorded as a GPU's would be)
+            if a.device.type != "cpu":
+                flat[i] = a.cpu()
     if first is None:
         raise error
     pager = first._master.pager
     if pager.capturing():
         raise error  # a CUDA graph replays device work only: a host kernel would not rerun
     host_args, host_kwargs = pytree.tree_unflatten(flat, spec)
+    start = time.perf_counter()
     if pager.device.type == "cpu":  # the emulated device: the host's kernel is the device's, errors and all
-        return func(*host_args, **host_kwargs), first, masters
+        out = func(*host_args, **host_kwargs)
+        return _HostCall(out, first, masters, read, time.perf_counter() - start, synced)
     try:
         out = func(*host_args, **host_kwargs)
     except (RuntimeError, NotImplementedError) as host_error:
         raise_torch_error(func, args, kwargs, pager.device)  # wrong arguments: torch's own error, as the device gives it
         raise error from host_error  # no CPU kernel for it (a dtype only the GPU computes): the room's error stands
-    if not _exact_anywhere(func, args, kwargs):
+    seconds = time.perf_counter() - start
+    if not _exact_anywhere(exact or func, args, kwargs):
         warnings.warn(
             f"offtensor: {func.__name__} of {describe(first)}, larger than the budget's room, is computed on the host "
             f"from its master: the CPU's kernel may round in another order than the device's, or pick another of "
             f"equal elements. Raise budget_gb for bit-identical results.", stacklevel=6)
-    return out, first, masters
+    return _HostCall(out, first, masters, read, seconds, synced)
 
 
 def _exact_anywhere(func, args, kwargs) -> bool:
@@ -199,3 +313,24 @@ _EXACT_ANYWHERE = frozenset({
     aten.index_copy.default, aten.scatter.src, aten.scatter.value, aten.masked_scatter.default,
     aten.index_fill.int_Scalar, aten.index_fill.int_Tensor,
 })
+
+
+def _out_forms() -> dict:
+    """out= overload -> (its out-of-place form among ``ON_HOST``, the names of its out= arguments):
+    the overloads of each op's packet whose other arguments are the form's own (``cumsum.out`` of
+    ``cumsum.default``, ``sort.values_stable`` of ``sort.stable``), with Tensor out= arguments."""
+    forms = {}
+    for op in ON_HOST:
+        own = [(a.name, str(a.type)) for a in op._schema.arguments]
+        for name in op.overloadpacket.overloads():
+            overload = getattr(op.overloadpacket, name)
+            arguments = overload._schema.arguments
+            outs = [a for a in arguments if a.is_out]
+            if outs and all(str(a.type) == "Tensor" for a in outs) \
+                    and [(a.name, str(a.type)) for a in arguments if not a.is_out] == own:
+                forms[overload] = (op, tuple(a.name for a in outs))
+    return forms
+
+
+_OUT_FORMS = _out_forms()
+OUT_ON_HOST = frozenset(_OUT_FORMS)

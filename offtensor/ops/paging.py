@@ -314,15 +314,12 @@ def _page_together(paged: Paged, group) -> dict:
     return views
 
 
-def write_back(t: OffloadedTensor, values: torch.Tensor) -> None:
+def write_back(t: OffloadedTensor, values: torch.Tensor, from_host: bool = False) -> None:
     """Write ``values`` into ``t``'s bytes of its host master; every alias sees them and every
-    cached device copy of the master is dropped."""
+    cached device copy of the master is dropped. ``from_host``: values the host computed
+    (host_compute.py, which counts its own bytes): no device->host copy to count."""
     if values.shape != t.shape and not resize_within_master(t, values.shape):
-        # An out= op resized its output beyond what the fixed-size host master holds.
-        raise RuntimeError(
-            f"offtensor: an op would resize {describe(t)} to {tuple(values.shape)}: its host master is exactly "
-            f"{t.host_nbytes} bytes. Pass an out= tensor of the result's shape, or assign a new tensor instead."
-        )
+        raise resize_error(t, values.shape)
     host = t._host
     if 0 in host.stride() and host.numel() > 1:
         # An expanded view that its op may write (fill_, zero_, masked_fill_ allow it, as on a
@@ -335,4 +332,12 @@ def write_back(t: OffloadedTensor, values: torch.Tensor) -> None:
         pager.before_write(t._master)
         with no_dispatch():
             host.copy_(values)
-        pager.count_write_back(host.numel() * host.element_size())
+        if not from_host:
+            pager.count_write_back(host.numel() * host.element_size())
+
+
+def resize_error(t: OffloadedTensor, shape) -> RuntimeError:
+    """An out= op resized its output beyond what the fixed-size host master holds."""
+    return RuntimeError(
+        f"offtensor: an op would resize {describe(t)} to {tuple(shape)}: its host master is exactly "
+        f"{t.host_nbytes} bytes. Pass an out= tensor of the result's shape, or assign a new tensor instead.")

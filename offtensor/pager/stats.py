@@ -58,11 +58,32 @@ class OffloadStats:
     # byte of theirs is copied.
     host_experts: int = 0
     host_activation_bytes: int = 0
+    # Ops over an offloaded tensor larger than the free room computed from its host master
+    # (ops/host_compute.py: ``argmax()``, ``unique``, ``w.tril_()``, an ``out=`` of them): how many,
+    # the host bytes they read (their offloaded arguments' bytes of the masters), the bytes they
+    # wrote back into masters (a host copy: not in bytes_d2h), the bytes of their results sent to
+    # the device, and the host's time for them, measured (its kernels and write-backs). No weight
+    # byte of theirs is copied: none of this is in bytes_h2d or page_ins.
+    host_ops: int = 0
+    host_read_bytes: int = 0
+    host_written_bytes: int = 0
+    host_result_bytes: int = 0
+    host_seconds: float = 0.0
     # The device-side expert pool of a model wrapped with expert_pool=True (None without one): its
     # fetches (experts copied into a slot), hits (experts a call found in a slot), bytes_h2d (the
     # fetches' bytes, also counted in the top-level bytes_h2d), slots and bytes, summed over its
     # pools, and each pool's own figures under "pools". Its fetches are not page_ins.
     expert_pool: Optional[dict] = None
+
+    def count_host_op(self, read: int, written: int, result: int, seconds: float) -> None:
+        """An op computed from host masters (``ops/host_compute.py``): ``read`` bytes of them read,
+        ``written`` bytes written back into them, ``result`` bytes sent to the device, in ``seconds``
+        of the host's time. (Here, not on the pager: its counters are this object's.)"""
+        self.host_ops += 1
+        self.host_read_bytes += read
+        self.host_written_bytes += written
+        self.host_result_bytes += result
+        self.host_seconds += seconds
 
     def __str__(self) -> str:
         # Each figure under its field's name (stats.bytes_h2d prints as bytes_h2d=...), byte counts
@@ -77,6 +98,9 @@ class OffloadStats:
             + (f", pool_bytes={size(self.pool_bytes)}" if self.pool_bytes is not None else "")
             + (f", arena_overflows={self.arena_overflows} ({size(self.arena_overflow_bytes)})"
                if self.arena_overflows else "")
+            + (f", host_ops={self.host_ops}, host_read_bytes={size(self.host_read_bytes)}, "
+               f"host_written_bytes={size(self.host_written_bytes)}, host_result_bytes={size(self.host_result_bytes)}, "
+               f"host_seconds={self.host_seconds:.3g}" if self.host_ops else "")
             + (f", expert_pool_fetches={self.expert_pool['fetches']}, expert_pool_hits={self.expert_pool['hits']}"
                if self.expert_pool is not None else "")
             + (f", max_memory_allocated={size(self.max_memory_allocated)}, "

@@ -252,6 +252,20 @@ class Recorder(TorchDispatchMode):
         back = self.tl.add_copy(moved, waits=[rid], name="host result")
         self._pending_waits.append(back)
 
+    def host_op(self, name: str, nbytes: int, dtype, measured_ms, result_bytes: int, synced: bool) -> None:
+        """An op over an offloaded tensor larger than the room, computed from its host master
+        (ops.host_compute): an op on the host lane taking ``measured_ms`` (None: the profile's host
+        figures), after the device op that made its other arguments where it read any (``synced``),
+        then its results' copy to the device, which the op dispatched now waits for. That op is
+        recorded without a device cost of its own, as an op split into kernels is: the device reads
+        none of the tensor."""
+        waits = [self._last_op] if synced and self._last_op is not None else []
+        rid = self.tl.add_op(0, nbytes, dtype, waits=waits, name=name, stream="host", measured_host_ms=measured_ms)
+        if result_bytes:
+            self._pending_waits.append(self.tl.add_copy(result_bytes, waits=[rid], name="host result"))
+        if self._open_ops:
+            self._split.add(self._open_ops[-1])
+
     def pool_called(self) -> None:
         """The op running now is a grouped GEMM served from a device-side expert pool: its host work
         (the pool's lookup, admit and plan) is the profile's ``host_us["pool"]``, not a page."""

@@ -33,6 +33,9 @@ class Record:
     # guesses), by wall clock on the machine that recorded it (policy_clock): charged by a replay
     # with policy_host=True.
     policy_ms: float = 0.0
+    # op on the host lane: the host's time for it, measured where it ran (an op over an offloaded
+    # tensor computed from its host master); a replay takes it instead of the profile's host figures.
+    measured_host_ms: Optional[float] = None
 
 
 @dataclasses.dataclass
@@ -97,18 +100,20 @@ class Timeline:
 
     def add_op(self, flops: float, nbytes: int, dtype="bfloat16", waits: Sequence[int] = (), name: str = "op",
                id: Optional[int] = None, stream: str = "compute", pages: int = 0, pooled: int = 0,
-               releases: int = 0, policy_ms: float = 0.0) -> int:
+               releases: int = 0, policy_ms: float = 0.0, measured_host_ms: Optional[float] = None) -> int:
         """An op on the compute stream, or with ``stream="host"`` one the host computes itself (a
         routed expert from its host master: ``Profile.host_op_ms``), which the issuing thread waits
         for; ``pages``: the offloaded arguments it paged (offtensor's host work for it); ``releases``:
         the records of paged arguments given back as it ran (one per op that paged, or per expert
         where its handler pages them one at a time); ``pooled``: the expert calls it ran from a
-        device-side expert pool (their host work, with no page)."""
+        device-side expert pool (their host work, with no page); ``measured_host_ms``: a host op's
+        time as measured, which a replay takes instead of the profile's host figures."""
         rid = self.new_id() if id is None else id
         dtype = str(dtype).removeprefix("torch.") if dtype is not None else None
         self.records.append(Record(rid, "op", stream, name, int(nbytes), int(flops), dtype, self.step, list(waits),
                                    pages=int(pages), pooled=int(pooled), releases=int(releases),
-                                   policy_ms=float(policy_ms)))
+                                   policy_ms=float(policy_ms),
+                                   measured_host_ms=None if measured_host_ms is None else float(measured_host_ms)))
         return rid
 
     def add_sync(self, name: str = "host sync", id: Optional[int] = None) -> int:
@@ -168,7 +173,7 @@ class Timeline:
                 if end is None:
                     raise ValueError(f"offtensor: record {r.id} ({r.name}) waits for {w}, which was not issued before it")
                 ready = max(ready, end)
-            dur = (profile.copy_ms(r.nbytes) if r.kind == "copy" else profile.host_op_ms(r.flops, r.nbytes, r.dtype)
+            dur = (profile.copy_ms(r.nbytes) if r.kind == "copy" else _host_op_ms(profile, r)
                    if r.stream == "host" else profile.op_ms(r.flops, r.nbytes, r.dtype))
             starts[r.id], ends[r.id] = ready, ready + dur
             free[r.stream] = ready + dur
@@ -220,7 +225,7 @@ class Timeline:
                 host += 0.0 if r.device_side else profile.host_ms(r.kind, r.pages, r.pooled, r.releases)
                 host += r.policy_ms if policy_host else 0.0
                 if r.kind == "op" and r.stream == "host":  # an op the host computes itself
-                    host += profile.host_op_ms(r.flops, r.nbytes, r.dtype)
+                    host += _host_op_ms(profile, r)
                 elif r.kind == "op":
                     compute += profile.op_ms(r.flops, r.nbytes, r.dtype)
         if profile.host_blocking:
@@ -257,14 +262,17 @@ class Timeline:
             {"name": "thread_name", "ph": "M", "pid": pid, "tid": 1, "args": {"name": "compute"}},
             {"name": "thread_name", "ph": "M", "pid": pid, "tid": 2, "args": {"name": "copy"}},
         ]
-        if any(r.kind == "sync" for r in self.records):
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": 3, "args": {"name": "host syncs"}})
+        if any(r.stream == "host" for r in self.records):  # syncs, and ops the host computes itself
+            lane = "host" if any(r.kind != "sync" and r.stream == "host" for r in self.records) else "host syncs"
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": 3, "args": {"name": lane}})
         tids = {"compute": 1, "copy": 2, "host": 3}
         for r in self.records:
             if r.step < first:
                 continue
             args = {"id": r.id, "bytes": r.nbytes, "flops": r.flops, "step": r.step, "waits": list(r.waits),
                     "pages": r.pages, "releases": r.releases}
+            if r.measured_host_ms is not None:
+                args["measured_host_us"] = r.measured_host_ms * 1e3
             if r.measured_ms is not None:
                 args["measured_ts_us"] = r.measured_ms[0] * 1e3
                 args["measured_dur_us"] = (r.measured_ms[1] - r.measured_ms[0]) * 1e3
@@ -350,6 +358,11 @@ class Timeline:
 
     def _step_bound(self, profile: Profile, step: int) -> float:
         return max(self._step_parts(profile, step))
+
+
+def _host_op_ms(profile: Profile, r: Record) -> float:
+    """A host op's time: as measured where it ran, else the profile's host figures for its FLOPs and bytes."""
+    return r.measured_host_ms if r.measured_host_ms is not None else profile.host_op_ms(r.flops, r.nbytes, r.dtype)
 
 
 def _jsonable(info: dict) -> dict:
