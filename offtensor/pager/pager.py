@@ -265,6 +265,12 @@ class Pager(RoomCalls, Recovering, PagingState):
                     raise
             raise
 
+    def copy_out(self, host: torch.Tensor) -> torch.Tensor:
+        """A device copy owned by the caller: never cached, outside the budget (``Copies.copy_out``)."""
+        if host.numel() == 0:
+            return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
+        return _quietly(self.observers.quiet, self.copies.copy_out, host, self.lock)
+
     def new_step(self) -> None:
         """A forward of the wrapped model begins: one pass of the prefetch schedule and of the
         expert statistics ends."""

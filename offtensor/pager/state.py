@@ -1,7 +1,7 @@
 """What a pager pages with, built new: its cache, slot pool and host lifetimes and the
 collaborators over them (``new_paging_state``), the same state renewed in a forked child
 (``after_fork_in_child``, called by ``offtensor.forking``), and the teardown a dead pager's
-finalizer runs; and the copies made outside its cache. A base of ``Pager``, so the façade keeps to
+finalizer runs; and copies into a CUDA graph, and waits on copies. A base of ``Pager``, so the façade keeps to
 the calls the layers above make."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from .. import forking
 from .cache import LRU, DeviceCache
 from .copies import Copies
 from .lifetimes import HostLifetimes
-from .observers import _quietly
 from .room import Room
 from .slots import SlotPool
 
@@ -63,13 +62,7 @@ class PagingState:
             for entry in [e for e in self.cache.entries.values() if e.ready is not None]:
                 self.room.remove(entry)
 
-    # Copies outside the cache, and waits on its copies.
-
-    def copy_out(self, host: torch.Tensor) -> torch.Tensor:
-        """A device copy owned by the caller: never cached, outside the budget (``Copies.copy_out``)."""
-        if host.numel() == 0:
-            return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
-        return _quietly(self.observers.quiet, self.copies.copy_out, host, self.lock)
+    # Copies into a CUDA graph, and waits on the copies.
 
     def copy_into_graph(self, out: torch.Tensor, host: torch.Tensor) -> None:
         """Under CUDA graph capture: record a copy of ``host`` straight into ``out``, counted like a page."""
