@@ -1,8 +1,8 @@
 """What a pager pages with, built new: its cache, slot pool and host lifetimes and the
 collaborators over them (``new_paging_state``), the same state renewed in a forked child
 (``after_fork_in_child``, called by ``offtensor.forking``), and the teardown a dead pager's
-finalizer runs; and copies into a CUDA graph, and waits on copies. A base of ``Pager``, so the façade keeps to
-the calls the layers above make."""
+finalizer runs; and copies into a CUDA graph, and waits on copies. A base of ``Pager``, so the
+façade keeps to the calls the layers above make."""
 
 from __future__ import annotations
 
