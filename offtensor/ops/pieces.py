@@ -311,4 +311,4 @@ def _put_back(saved: list) -> None:
     """Write each saved tensor's values back (``write_back``: one copy each, cached copies dropped);
     idempotent, so a put-back cut short is finished by running it again."""
     for t, values in reversed(saved):
-        write_back(t, values, from_host=True)  # host values: no device->host copy to count
+        write_back(t, values, from_host=True)  # host values: no device->host copy (not counted)
