@@ -217,3 +217,15 @@ def test_an_interrupt_at_any_point_of_an_out_write_on_the_host_leaves_the_out_wh
         assert torch.equal(now, before) or torch.equal(now, after), f"torn at point {n}"
     run()
     assert torch.equal(model.w.materialize().cpu(), after)
+
+
+def test_a_plan_on_meta_replays_an_op_on_the_host_at_this_machines_host_figures():
+    """A plan on meta measures no time, and the built-in profiles have no host figures: the op is
+    replayed at this machine's (``measure_host``), a finite step, not an infinite one."""
+    with torch.device("meta"):
+        model = _Weights()
+    tl = ot.plan(model, budget_gb=BUDGET / GiB, example_inputs=(torch.ones(2, 128, device="meta"),), steps=1, warmup=0)
+    host = [r for r in tl.records if r.stream == "host"]
+    assert host and all(r.measured_host_ms is None for r in host)
+    replay = tl.replay("h200")
+    assert 0 < replay.host_ms < float("inf") and replay.step_ms < float("inf")

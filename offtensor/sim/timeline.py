@@ -8,7 +8,7 @@ import dataclasses
 import json
 from typing import Optional, Sequence
 
-from .profiles import GB, Profile, get_profile
+from .profiles import GB, Profile, get_profile, measure_host
 
 
 @dataclasses.dataclass
@@ -361,8 +361,15 @@ class Timeline:
 
 
 def _host_op_ms(profile: Profile, r: Record) -> float:
-    """A host op's time: as measured where it ran, else the profile's host figures for its FLOPs and bytes."""
-    return r.measured_host_ms if r.measured_host_ms is not None else profile.host_op_ms(r.flops, r.nbytes, r.dtype)
+    """A host op's time: as measured where it ran, else the profile's host figures for its FLOPs and
+    bytes. One recorded without a time (an ``ot.plan`` on meta measures nothing) under a profile
+    without host figures takes this machine's (``measure_host``), as the choice of
+    ``expert_compute`` does, rather than an infinite step."""
+    if r.measured_host_ms is not None:
+        return r.measured_host_ms
+    if not (profile.host_tflops and profile.host_gbps):
+        profile = profile.with_host(**measure_host())
+    return profile.host_op_ms(r.flops, r.nbytes, r.dtype)
 
 
 def _jsonable(info: dict) -> dict:
