@@ -130,3 +130,17 @@ def test_an_interrupt_at_any_point_of_a_linear_in_tiles_leaves_the_lock_free_and
         assert pager._depth() == 0, f"the lock is still held after an interrupt at point {n}"
     assert torch.equal(run(), want)
     assert pager.stats.peak_device_bytes <= pager.budget_bytes
+
+
+def test_an_in_place_op_in_slices_without_host_memory_for_its_copy_runs_and_warns_naming_the_weight(monkeypatch):
+    """The host copy is an allocation as large as the weight: where the host has no memory for it,
+    the op still runs, right, and warns that an interrupt could leave the weight part written."""
+    model, before, after, run = _case("mul_")
+
+    def out_of_memory(t):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(pieces, "_host_copy", out_of_memory)
+    with pytest.warns(RuntimeWarning, match=r"'w'.*32768 bytes.*without a host copy"):
+        run()
+    assert torch.equal(model.w.materialize(), after)

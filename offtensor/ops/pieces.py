@@ -300,11 +300,20 @@ def _saved(args, kwargs, mutation, in_place: bool) -> list:
     else:
         written = [args[i] if i < len(args) else kwargs[name] for i, name in mutation]
     saved = []
-    with no_dispatch():
-        for t in written:
-            if isinstance(t, OffloadedTensor):
-                saved.append((t, t._host.clone()))
+    for t in written:
+        if isinstance(t, OffloadedTensor):
+            try:
+                saved.append((t, _host_copy(t)))
+            except RuntimeError as error:  # the host is out of memory: the op runs, but is not undone
+                warnings.warn(f"offtensor: {describe(t)} ({t.numel() * t.element_size()} bytes) is written in slices "
+                              f"without a host copy to put back ({error}): an exception between two slices, such as "
+                              f"a Ctrl-C, would leave it part written.", RuntimeWarning, stacklevel=2)
     return saved
+
+
+def _host_copy(t: OffloadedTensor) -> torch.Tensor:
+    with no_dispatch():
+        return t._host.clone()
 
 
 def _put_back(saved: list) -> None:
