@@ -47,7 +47,10 @@ No step here is made atomic one by one; one rule keeps the pager consistent inst
    before is right wherever the exception struck, and harmless when repeated.
 2. The op gives back its record whatever happens: ``release`` in a ``finally``; if an exception cuts
    that short, the lock goes back to the depth the record kept; if one strikes on the very call
-   into it, the dispatch entry finds the record in the unwound frames and releases it.
+   into it, the dispatch entry (``torch_dispatch``, or ``__torch_function__`` for a whole function
+   run in tiles) finds the record in the unwound frames and releases it. A step's undo that an
+   interrupt cuts short at its call, after an exception that is routine there (a ``BudgetError``
+   that slices or tiles answer), is run once more.
 3. Counts are recounted, not repaired. Any exception that cuts a step short marks the pager; the
    next step that finds no op holding it (lock depth 0 on entry, or the cut-short op's own exit)
    recounts from the cache itself: ``users`` 0, paged bytes the cached copies', the arena's ranges
