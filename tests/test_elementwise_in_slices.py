@@ -173,3 +173,36 @@ def test_a_half_precision_step_in_slices_is_the_whole_ops_or_warns(n, device):
     else:
         assert "vector blocks" in str(ours[0].message)
         torch.testing.assert_close(offloaded.materialize(), plain)
+
+
+OVERLAPS = {
+    # name: (op, whether torch refuses it on the plain weight)
+    "add_(w.t())": (lambda w: w.add_(w.t()), True),
+    "addcmul_(w.t(), w)": (lambda w: w.addcmul_(w.t(), w), True),
+    "add_(w[0])": (lambda w: w.add_(w[0]), True),
+    "mul_(w)": (lambda w: w.mul_(w), False),
+    "add_(w[:])": (lambda w: w.add_(w[:]), False),
+    "w[:128].sub_(w[128:])": (lambda w: w[:128].sub_(w[128:]), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAPS))
+def test_an_in_place_op_in_slices_reading_the_written_weight_runs_or_is_refused_as_torch_does(name, device):
+    """Torch refuses an argument that covers part of the written tensor's bytes other than as the
+    same view (``w.add_(w.t())``). In slices, each would read elements already written: before,
+    such an op ran and wrote neither torch's refusal nor ``w + w.t()``. Now it is refused with
+    torch's message, the weight whole; the same view, or disjoint halves, run bit for bit."""
+    plain, model = _pair(device)
+    op, refused = OVERLAPS[name]
+    w, before = model[2].weight, plain[2].weight.detach().clone()
+    with torch.no_grad():
+        if refused:
+            with pytest.raises(RuntimeError, match="some elements of the input tensor and the written-to tensor"):
+                op(plain[2].weight)
+            with pytest.raises(RuntimeError, match="some elements of the input tensor and the written-to tensor"):
+                op(w)
+            assert torch.equal(w.materialize(), before)
+        else:
+            _quiet(op, w)
+            op(plain[2].weight)
+            assert torch.equal(w.materialize(), plain[2].weight)

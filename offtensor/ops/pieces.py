@@ -239,7 +239,7 @@ def pointwise_in_pieces(func, handler, args, kwargs, error: BudgetError):
     out = None if writes or equal else torch.empty_strided(shape.shape, shape.stride(), dtype=shape.dtype, device=pager.device)
     # Each slice is written back as it is computed: an exception between two (a Ctrl-C) puts the
     # written tensors back as they were, all or nothing like one kernel (a slice cut again below: once).
-    saved = _saved(args, kwargs, mutation, in_place) if writes and not cutting() else ()
+    saved = _before_writing(args, kwargs, mutation, in_place) if writes and not cutting() else ()
     start = 0
     _cutting.depth = getattr(_cutting, "depth", 0) + 1
     try:
@@ -293,12 +293,56 @@ def _size_outs(args, kwargs, mutation, shape: torch.Tensor, error: BudgetError) 
             written.resize_(shape.shape)  # an empty out= (a composite's result), sized as the op would
 
 
-def _saved(args, kwargs, mutation, in_place: bool) -> list:
-    """The offloaded tensors the op writes, each with a host copy of its values before the op."""
+def _before_writing(args, kwargs, mutation, in_place: bool) -> list:
+    """Check the offloaded tensors the op writes against its other arguments as torch would, then
+    keep a host copy of each (``_saved``)."""
     if in_place:  # a _foreach_*_ op of one element
         written = [args[0][0]]
     else:
         written = [args[i] if i < len(args) else kwargs[name] for i, name in mutation]
+    written = [t for t in written if isinstance(t, OffloadedTensor)]
+    _refuse_partial_overlap(written, args, kwargs)
+    return _saved(written)
+
+
+def _refuse_partial_overlap(written: list, args, kwargs) -> None:
+    """Torch's check before a kernel writes (``assert_no_partial_overlap``), over the host views:
+    an argument that covers some of the written tensor's bytes, but not as the same view
+    (``w.add_(w.t())``), is refused as torch refuses it. Whole, the op sees that itself (its
+    aliases view one device copy, ``paging._page_aliases``); slices of the two overlap otherwise,
+    and would read elements already written."""
+    for w in written:
+        for a in _offloaded(args, kwargs):
+            if a is not w and a._master is w._master and _partial_overlap(w._host, a._host):
+                raise RuntimeError(
+                    "unsupported operation: some elements of the input tensor and the written-to tensor refer to a "
+                    "single memory location. Please clone() the tensor before performing the operation.") from None
+
+
+def _partial_overlap(w: torch.Tensor, a: torch.Tensor) -> bool:
+    """``get_overlap_status(w, a) == Partial`` in torch (two views of one storage): dense views
+    whose byte ranges meet, but not as the same range with the same strides."""
+    if not w.numel() or not a.numel() or not (_dense(w) and _dense(a)):
+        return False  # (torch's "too hard": let through)
+    w0, a0 = w.data_ptr(), a.data_ptr()
+    w1, a1 = w0 + w.numel() * w.element_size(), a0 + a.numel() * a.element_size()
+    if w0 == a0 and w1 == a1:
+        return w.stride() != a.stride()
+    return w0 < a1 and a0 < w1
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Torch's ``is_non_overlapping_and_dense``: its elements fill one range, in some order of dims."""
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _saved(written: list) -> list:
+    """Each offloaded tensor the op writes, with a host copy of its values before the op."""
     saved = []
     for t in written:
         if isinstance(t, OffloadedTensor):
