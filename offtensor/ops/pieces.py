@@ -13,7 +13,6 @@ import threading
 import warnings
 
 import torch
-
 from torch.utils._mode_utils import no_dispatch
 
 from ..pager import BudgetError, host_layout
@@ -345,13 +344,12 @@ def _saved(written: list) -> list:
     """Each offloaded tensor the op writes, with a host copy of its values before the op."""
     saved = []
     for t in written:
-        if isinstance(t, OffloadedTensor):
-            try:
-                saved.append((t, _host_copy(t)))
-            except RuntimeError as error:  # the host is out of memory: the op runs, but is not undone
-                warnings.warn(f"offtensor: {describe(t)} ({t.numel() * t.element_size()} bytes) is written in slices "
-                              f"without a host copy to put back ({error}): an exception between two slices, such as "
-                              f"a Ctrl-C, would leave it part written.", RuntimeWarning, stacklevel=2)
+        try:
+            saved.append((t, _host_copy(t)))
+        except RuntimeError as error:  # the host is out of memory: the op runs, but is not undone
+            warnings.warn(f"offtensor: {describe(t)} ({t.numel() * t.element_size()} bytes) is written in slices "
+                          f"without a host copy to put back ({error}): an exception between two slices, such as "
+                          f"a Ctrl-C, would leave it part written.", RuntimeWarning, stacklevel=2)
     return saved
 
 

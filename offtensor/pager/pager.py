@@ -332,6 +332,7 @@ class Pager(RoomCalls, Recovering, PagingState):
         for _ in entries:
             release()
 
+
 def _prefetch(pager: Pager, master: Master, dtype: torch.dtype, lo: int, hi: int, key) -> bool:
     """``Pager.prefetch``'s copy (its caller holds the lock and recounts after an exception): room
     made without evicting what is in use, then the copy."""
