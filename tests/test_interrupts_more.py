@@ -101,6 +101,25 @@ def _points(fn, where) -> int:
     return counter.count
 
 
+def _whole_or_written(w, before, after, run, where, step=1, each=None) -> int:
+    """Interrupt ``run`` (which writes the OffloadedTensor ``w``) at every ``step``-th of its points,
+    ``w`` set to ``before`` first: each time it is ``before`` or ``after``, never part written;
+    ``each(n)`` checks more after point ``n``. Returns the points counted."""
+    points = _points(run, where)
+    torn = []
+    for n in range(1, points + 1, step):
+        with torch.no_grad():
+            w.copy_(before)
+        _Points(n, where).run(run)
+        now = w.materialize().to(before.device)
+        if not (torch.equal(now, before) or torch.equal(now, after)):
+            torn.append(n)
+        if each is not None:
+            each(n)
+    assert not torn, f"part written after interrupts at points {torn[:10]}"
+    return points
+
+
 def _moe(monkeypatch, fraction):
     """The reference MoE model of test_interrupts, wrapped at ``fraction`` of its bytes, with every
     routing guess copied ahead (the gate a guess must pass opened), warm."""

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from offtensor.ops import pieces
 
-from test_interrupts_more import _Points, _points
+from test_interrupts_more import _Points, _points, _whole_or_written
 from test_whole_on_host import _weight, _wrapped
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # a generator closed by the interrupt
@@ -63,17 +63,12 @@ def _reset(model, before):
 def test_an_interrupt_at_any_point_of_an_in_place_op_in_slices_leaves_the_weight_whole_or_written(name):
     model, before, after, run = _case(name)
     pager = model.w._master.pager
-    points = _points(run, _ours)
-    assert points > 200  # the slices' loop, each slice's page and write-back
-    torn = []
-    for n in range(1, points + 1, 2 if name == "mul_" else 5):
-        _reset(model, before)
-        _Points(n, _ours).run(run)
+
+    def lock_free(n):
         assert pager._depth() == 0, f"the lock is still held after an interrupt at point {n}"
-        now = model.w.materialize()
-        if not (torch.equal(now, before) or torch.equal(now, after)):
-            torn.append(n)
-    assert not torn, f"half written after interrupts at points {torn[:10]}..."
+
+    points = _whole_or_written(model.w, before, after, run, _ours, 2 if name == "mul_" else 5, lock_free)
+    assert points > 200  # the slices' loop, each slice's page and write-back
     _reset(model, before)
     run()
     assert torch.equal(model.w.materialize(), after)

@@ -337,7 +337,7 @@ def test_an_in_place_op_on_a_weight_larger_than_the_room_writes_what_the_unwrapp
 
 def test_an_interrupt_at_any_point_of_an_in_place_op_on_the_host_leaves_the_weight_whole_or_written(device):
     """The result is written back in one copy: a Ctrl-C leaves the weight as it was or as written."""
-    from test_interrupts_more import _Points, _points
+    from test_interrupts_more import _whole_or_written
 
     model = _wrapped(device)
     before = _weight().to(device)
@@ -350,13 +350,8 @@ def test_an_interrupt_at_any_point_of_an_in_place_op_on_the_host_leaves_the_weig
     def ours(code) -> bool:
         return "offtensor" in code.co_filename and "ops" in code.co_filename
 
-    points = _points(run, ours)
-    assert points > 5
-    for n in range(1, points + 1):
-        with torch.no_grad():
-            model.w.copy_(before)
-        _Points(n, ours).run(run)
-        now = model.w.materialize()
-        assert torch.equal(now, before) or torch.equal(now, after), f"torn at point {n}"
+    def next_runs(n):
         run()
         assert torch.equal(model.w.materialize(), after)
+
+    assert _whole_or_written(model.w, before, after, run, ours, each=next_runs) > 5
