@@ -355,3 +355,34 @@ def test_an_interrupt_at_any_point_of_an_in_place_op_on_the_host_leaves_the_weig
         assert torch.equal(model.w.materialize(), after)
 
     assert _whole_or_written(model.w, before, after, run, ours, each=next_runs) > 5
+
+
+SAME_MASTER = {
+    # name: (op, whether torch refuses it on the plain weight)
+    "w[:40].index_copy_(0, rows, w[40:42])": (lambda w, i: w[:40].index_copy_(0, i, w[40:42]), False),
+    "w[:40].index_add_(0, rows, w[40:42])": (lambda w, i: w[:40].index_add_(0, i, w[40:42], alpha=2), False),
+    "w[:40].masked_scatter_(mask, w[40:])": (lambda w, i: w[:40].masked_scatter_(w[:40] > 0, w[40:]), False),
+    "w.index_copy_(0, rows, w[:2])": (lambda w, i: w.index_copy_(0, i, w[:2]), True),
+    "w.scatter_(0, index, w[:2])": (lambda w, i: w.scatter_(0, torch.zeros_like(w[:2], dtype=torch.long), w[:2]), True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAME_MASTER))
+def test_an_in_place_write_on_the_host_reading_another_view_of_the_weight_runs_or_is_refused_as_torch_does(name, device):
+    """Its out-of-place form reads the source from the master before the write: right where the
+    source's bytes are disjoint from the written ones (before, ``BudgetError``); a source that
+    overlaps part of them gets torch's refusal (before, ``BudgetError`` too), the weight whole."""
+    model = _wrapped(device)
+    plain = _weight().to(device)
+    op, refused = SAME_MASTER[name]
+    rows = torch.tensor([3, 9], device=device)
+    with torch.no_grad():
+        if refused:
+            for w in (plain, model.w):
+                with pytest.raises(RuntimeError, match="some elements of the input tensor and the written-to tensor"):
+                    op(w, rows)
+            assert torch.equal(model.w.materialize(), _weight().to(device))
+        else:
+            op(plain, rows)
+            op(model.w, rows)
+            assert torch.equal(model.w.materialize(), plain)

@@ -47,6 +47,7 @@ from ..tensor import OffloadedTensor
 from .arguments import raise_torch_error
 from .compile import graph_break
 from .lines import ALONG_LINES
+from .overlaps import disjoint, refuse_partial_overlap
 from .paging import describe, resize_error, write_back
 
 aten = torch.ops.aten
@@ -72,10 +73,16 @@ def written_on_host(func, args, kwargs, error):
     of a paged copy is (``paging.write_back``: one copy, every alias sees it, cached copies
     dropped). Returns the tensor itself, as the in-place op does."""
     t = args[0]
-    if not isinstance(t, OffloadedTensor) or any(
-            isinstance(a, OffloadedTensor) and a._master is t._master
-            for a in pytree.tree_leaves((args[1:], kwargs))):
-        raise error  # (an argument that shares the written master: torch's rules for overlap apply)
+    if not isinstance(t, OffloadedTensor):
+        raise error
+    for a in pytree.tree_leaves((args[1:], kwargs)):
+        if isinstance(a, OffloadedTensor) and a._master is t._master:
+            # Another view of the written master: read before the write, which only disjoint
+            # bytes allow (``w[:48].index_copy_(0, i, w[48:50])``). One that overlaps part of it is
+            # refused as torch refuses it; the same bytes are left to the kernel's own order.
+            refuse_partial_overlap(t._host, a._host)
+            if not disjoint(t._host, a._host):
+                raise error
     call = _host_call(_FUNCTIONAL[func], args, kwargs, error)
     call.write_back(t, call.out)
     call.counted(func, _nbytes(t), 0)

@@ -17,6 +17,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from ..pager import BudgetError, host_layout
 from ..tensor import OffloadedTensor
+from .overlaps import refuse_partial_overlap
 from .paging import describe, write_back
 from .tiling import _meta, _offloaded, _offloaded_bytes, _short_of_room
 
@@ -305,39 +306,13 @@ def _before_writing(args, kwargs, mutation, in_place: bool) -> list:
 
 
 def _refuse_partial_overlap(written: list, args, kwargs) -> None:
-    """Torch's check before a kernel writes (``assert_no_partial_overlap``), over the host views:
-    an argument that covers some of the written tensor's bytes, but not as the same view
-    (``w.add_(w.t())``), is refused as torch refuses it. Whole, the op sees that itself (its
-    aliases view one device copy, ``paging._page_aliases``); slices of the two overlap otherwise,
-    and would read elements already written."""
+    """Torch's check before a kernel writes, over the host views: an argument that covers some of
+    the written tensor's bytes, but not as the same view (``w.add_(w.t())``), is refused as torch
+    refuses it. Slices of the two would read elements an earlier slice wrote (``overlaps.py``)."""
     for w in written:
         for a in _offloaded(args, kwargs):
-            if a is not w and a._master is w._master and _partial_overlap(w._host, a._host):
-                raise RuntimeError(
-                    "unsupported operation: some elements of the input tensor and the written-to tensor refer to a "
-                    "single memory location. Please clone() the tensor before performing the operation.") from None
-
-
-def _partial_overlap(w: torch.Tensor, a: torch.Tensor) -> bool:
-    """``get_overlap_status(w, a) == Partial`` in torch (two views of one storage): dense views
-    whose byte ranges meet, but not as the same range with the same strides."""
-    if not w.numel() or not a.numel() or not (_dense(w) and _dense(a)):
-        return False  # (torch's "too hard": let through)
-    w0, a0 = w.data_ptr(), a.data_ptr()
-    w1, a1 = w0 + w.numel() * w.element_size(), a0 + a.numel() * a.element_size()
-    if w0 == a0 and w1 == a1:
-        return w.stride() != a.stride()
-    return w0 < a1 and a0 < w1
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Torch's ``is_non_overlapping_and_dense``: its elements fill one range, in some order of dims."""
-    expected = 1
-    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
+            if a is not w and a._master is w._master:
+                refuse_partial_overlap(w._host, a._host)
 
 
 def _saved(written: list) -> list:
