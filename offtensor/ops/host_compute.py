@@ -146,7 +146,8 @@ _OPS = (
 # narrower (a ``cdist`` row, a bilinear's one output feature) or whose backward reads the weight
 # whole (``cdist``'s); named so that an op a torch version lacks is left out.
 _NAMED = (
-    "sum.default", "sum.dim_IntList", "mean.default", "mean.dim", "linalg_vector_norm.default", "nansum.default",
+    "sum.default", "sum.dim_IntList", "mean.default", "mean.dim", "linalg_vector_norm.default", "norm.Scalar",
+    "nansum.default",
     "_cdist_forward.default", "_cdist_backward.default", "_trilinear.default", "addbmm.default",
     "trace.default", "renorm.default", "frexp.Tensor", "addr.default", "linalg_cross.default", "as_strided_copy.default",
     "multinomial.default", "_pdist_forward.default", "_linalg_svd.default", "linalg_qr.default",
