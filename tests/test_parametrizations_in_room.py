@@ -3,7 +3,9 @@ room: torch's ``orthogonal`` (every map, with and without trivialization), ``spe
 ``weight_norm`` over any dim, registered before wrapping (planned in tiles) or after it; forward,
 backward and AdamW steps give the unwrapped model's losses, outputs and weights bit for bit, within
 the budget. A parametrization of the user's own, registered before wrapping, is counted whole and a
-budget below it refused at wrap time, naming the weight and the bytes. Tiny models built here."""
+budget below it refused at wrap time, naming the weight and the bytes. And torch.ao's dynamic
+quantisation of a wrapped model, which packs each weight once, as the unwrapped model's. Tiny
+models built here."""
 
 from __future__ import annotations
 
@@ -171,3 +173,33 @@ def test_a_parametrization_of_the_users_own_is_counted_whole_and_a_budget_below_
         _wrap(model, device)
     assert not any(isinstance(p, ot.OffloadedTensor) for p in model.parameters())
 
+
+def _quantize_dynamic(model, qconfig, dtype, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.ao.quantization's own deprecation
+        warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*deprecated")
+        return torch.ao.quantization.quantize_dynamic(model, {nn.Linear: qconfig}, dtype=dtype, **kwargs)
+
+
+@pytest.mark.parametrize("budget", [TIGHT, 20000], ids=["weights-larger-than-the-room", "weights-in-the-room"])
+@pytest.mark.parametrize("scheme", ["qint8", "qint8-per-channel", "float16"])
+def test_quantize_dynamic_of_a_wrapped_model_gives_the_unwrapped_quantised_model(scheme, budget):
+    """Dynamic quantisation (a CPU flow, so the emulated device only) of a wrapped model, without
+    ``ot.on_host``: ``quantize_per_tensor`` of a Linear's weight larger than the room raised
+    BudgetError; and ``linear_prepack`` kept its page of the bias, whose memory the pager gave to
+    the next copy, so a quantised layer added another weight's bytes as its bias."""
+    from torch.ao import quantization as q
+    qconfig, dtype = {"qint8": (q.default_dynamic_qconfig, torch.qint8),
+                      "qint8-per-channel": (q.per_channel_dynamic_qconfig, torch.qint8),
+                      "float16": (q.float16_dynamic_qconfig, torch.float16)}[scheme]
+    model = _mlp()
+    reference = _quantize_dynamic(copy.deepcopy(model), qconfig, dtype)
+    _wrap(model, "cpu", budget)
+    quantised = _quantize_dynamic(model, qconfig, dtype)
+    x = _x("cpu")
+    with torch.no_grad():
+        model(x)  # pages every weight again, into the memory the packing read from
+        assert torch.equal(quantised(x), reference(x))
+    for i in (0, 2, 4):
+        ours, theirs = (m[i]._packed_params._weight_bias() for m in (quantised, reference))
+        assert torch.equal(ours[1], theirs[1]), i

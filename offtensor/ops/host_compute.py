@@ -160,6 +160,9 @@ _NAMED = (
     "_fft_r2c.default", "_fft_c2c.default", "_fft_c2r.default", "_histogramdd_bin_edges.default",
     "_histogramdd_from_bin_cts.default", "_histogramdd_from_bin_tensors.default",
     "_foreach_norm.Scalar", "_foreach_max.default", "_foreach_mm.default", "_foreach_powsum.Scalar",
+    # A weight quantised whole (``quantize_dynamic``'s ``quantize_per_tensor`` of each Linear's weight):
+    # its result is a quantised tensor, which slices of the weight cannot be put together into.
+    "quantize_per_tensor.default", "quantize_per_channel.default",
 )
 
 
