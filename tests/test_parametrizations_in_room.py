@@ -134,6 +134,27 @@ def test_weight_norm_over_any_dim_of_a_weight_larger_than_the_room_trains_as_unw
     _train_alike(model, reference, _signal(device))
 
 
+def test_the_hook_based_spectral_norm_registered_before_wrapping_trains_as_unwrapped_and_unwraps(device):
+    """The hook form leaves ``weight = weight_orig.data`` on the module until its first forward:
+    a plain alias that kept the weight's old device storage once ``weight_orig`` was offloaded, so
+    the budget wrap accepted held 16 KiB of it and the first forward raised BudgetError (\"only
+    -12032 of the budget's 4352 bytes are free\"). It is offloaded with the storage it views now."""
+    def register(m):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecation of the hook form
+            torch.nn.utils.spectral_norm(m[2])
+
+    model, reference = _pair(_mlp, register, True, device)
+    assert isinstance(model[2].weight, ot.OffloadedTensor)
+    assert model[2].weight._master is model[2].weight_orig._master
+    assert ot.stats(model).resident_bytes == 0
+    _train_alike(model, reference, _x(device))
+    ot.unwrap_model(model)
+    assert not any(isinstance(t, ot.OffloadedTensor) for m in model.modules() for t in m.__dict__.values())
+    with torch.no_grad():
+        assert torch.equal(model(_x(device)), reference(_x(device)))
+
+
 class _Symmetric(nn.Module):
     def forward(self, x):
         return x.triu() + x.triu(1).transpose(-1, -2)

@@ -291,7 +291,24 @@ def collect_groups(model: nn.Module) -> list:
             whole.update((id(sub), together) for sub in module.modules())
         _add_members(members, module, lambda attr, prefix=prefix: f"{prefix}.{attr}" if prefix else attr,
                      fast.get(id(module)), whole.get(id(module), 0))
+    _add_aliases(members, model)
     return _grouped(members)
+
+
+def _add_aliases(members: dict, model: nn.Module) -> None:
+    """Plain tensor attributes that view a registered tensor's storage, as Members beside it: the
+    hook-based ``spectral_norm`` leaves ``module.weight = weight_orig.data`` until its first forward
+    sets it again. Placed with that storage, such an alias becomes a view of the same host master
+    where it is offloaded; left out, it kept the old device storage alive after the weight was
+    offloaded, outside the budget wrap had planned (the next page-in found less room than none)."""
+    keys = {_storage_key(m.tensor) for m in members.values() if not m.owners}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for attr, t in list(module.__dict__.items()):
+            if (type(t) is torch.Tensor and t.grad_fn is None and t.layout == torch.strided and not t.is_meta
+                    and id(t) not in members and _storage_key(t) in keys):
+                member = members[id(t)] = Member(t)
+                member.slots.append((module, attr, None))
+                member.names.append(f"{prefix}.{attr}" if prefix else attr)
 
 
 def module_groups(module: nn.Module, name_of, skip=frozenset()) -> list:
