@@ -59,19 +59,19 @@ def _pair(build, register, before, device, budget=TIGHT):
     return model, reference
 
 
-def _train_alike(model, reference, x, steps=2):
+def _train_alike(model, reference, x, steps=2, forward=lambda m, x: m(x)):
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
     for step in range(steps):
         losses = []
         for m, opt in zip((model, reference), optimizers):
             opt.zero_grad()
-            loss = m(x).square().mean()
+            loss = forward(m, x).square().mean()
             loss.backward()
             opt.step()
             losses.append(loss.detach())
         assert torch.equal(*losses), step
     with torch.no_grad():
-        assert torch.equal(model(x), reference(x))
+        assert torch.equal(forward(model, x), forward(reference, x))
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p.detach().cpu(), q.detach().cpu()), name
     for (name, b), c in zip(model.named_buffers(), reference.buffers()):
@@ -153,6 +153,28 @@ def test_the_hook_based_spectral_norm_registered_before_wrapping_trains_as_unwra
     assert not any(isinstance(t, ot.OffloadedTensor) for m in model.modules() for t in m.__dict__.values())
     with torch.no_grad():
         assert torch.equal(model(_x(device)), reference(_x(device)))
+
+
+def test_wav2vec2s_positional_convolution_larger_than_the_room_trains_as_unwrapped():
+    """transformers' Wav2Vec2 weight-norms its positional convolution over ``dim=2``: wrap counted
+    that weight whole (32 KiB here) and refused an 8 KiB budget."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
+        conv_kernel=(10, 3), conv_stride=(5, 2), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+        mask_time_prob=0.0, layerdrop=0.0)  # (SpecAugment's masks draw from numpy's generator)
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2Model(config)
+    reference = copy.deepcopy(model)
+    _wrap(model, "cpu", 8192)
+    v = model.encoder.pos_conv_embed.conv.parametrizations.weight.original1
+    assert isinstance(v, ot.OffloadedTensor) and v.numel() * 4 > 8192
+
+    def hidden(m, x):
+        torch.manual_seed(3)  # the same dropout masks for both
+        return m(x).last_hidden_state
+
+    _train_alike(model, reference, torch.randn(2, 400, generator=torch.Generator().manual_seed(1)), forward=hidden)
 
 
 class _Symmetric(nn.Module):
