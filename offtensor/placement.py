@@ -103,6 +103,10 @@ class Weight:
     # whose weight it is: dispatch cuts such a weight by output channels alone, each ``nbytes //
     # conv_outputs`` bytes wherever its dims keep them (``working_sets.weight_tile``).
     conv_outputs: Optional[int] = None
+    # The length of the dim weight_norm normalises it over, where that is not dim 0 (wav2vec2's
+    # ``dim=2``): dispatch normalises it in slices of that dim, each ``nbytes // norm_slices`` bytes,
+    # and any number of slices gives the whole op's results bit for bit, so it is planned at one.
+    norm_slices: Optional[int] = None
 
     @property
     def name(self) -> str:

@@ -155,6 +155,22 @@ def test_the_hook_based_spectral_norm_registered_before_wrapping_trains_as_unwra
         assert torch.equal(model(_x(device)), reference(_x(device)))
 
 
+@_WHEN
+def test_weight_norm_over_the_last_dim_is_planned_at_one_slice_without_a_warning_that_bits_may_differ(device, before):
+    """Any number of slices of that dim gives the whole op's results bit for bit; planned as a
+    convolution's output channels (16 slices, else 1) it warned that tiles narrower than 16 may
+    differ in the last bits."""
+    model = _conv()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if before:
+            parametrizations.weight_norm(model[2], dim=2)
+        ot.wrap_model(model, budget_gb=14464 / GiB, device=device, policy={"offload": ["*"]})
+        if not before:
+            parametrizations.weight_norm(model[2], dim=2)
+    assert isinstance(model[2].parametrizations.weight.original1, ot.OffloadedTensor)
+
+
 def test_wav2vec2s_positional_convolution_larger_than_the_room_trains_as_unwrapped():
     """transformers' Wav2Vec2 weight-norms its positional convolution over ``dim=2``: wrap counted
     that weight whole (32 KiB here) and refused an 8 KiB budget."""

@@ -132,7 +132,7 @@ class StorageGroup(list):
         fast_path = next((m.fast_path for m in self if m.fast_path is not None), None)
         ws = max([working_set(names[0], shape, nbytes, indexed)] + [m.read_whole for m in self])
         return Weight(names, nbytes, shape, ws, fused, indexed, sliced, tileable, self.device_bytes, fast_path,
-                      self[0].tensor.dtype, _conv_outputs(slots, shape) or weight_norm_slices(slots, shape))
+                      self[0].tensor.dtype, _conv_outputs(slots, shape), weight_norm_slices(slots, shape))
 
 
 # torch.nn's modules whose weights dispatch computes in output tiles (ops.tiling: linear, mm; and
@@ -209,11 +209,11 @@ def read_in_tiles(module: nn.Module, attr: str) -> bool:
 
 
 def weight_norm_slices(slots, shape: tuple) -> Optional[int]:
-    """For weight_norm's ``v`` (or ``g``) over a dim other than 0 and other than every dim
-    (wav2vec2's ``dim=2`` over kernel positions): the length of that dim, as ``Weight.conv_outputs``
-    counts a convolution's channels. Dispatch normalises it in slices of that dim
-    (ops.weight_norms), each ``nbytes // length`` bytes, not in tiles of its first two dims (one
-    row of its first dim may be less than one slice of that dim). None otherwise."""
+    """``Weight.norm_slices``: for weight_norm's ``v`` (or ``g``) over a dim other than 0 and other
+    than every dim (wav2vec2's ``dim=2`` over kernel positions), the length of that dim. Dispatch
+    normalises it in slices of that dim (ops.weight_norms), each ``nbytes // length`` bytes, not in
+    tiles of its first two dims (one row of its first dim may be less than one slice of that dim).
+    None otherwise."""
     counts = set()
     for module, attr in slots:
         if not isinstance(module, _PARAMETRIZATIONS) or not attr.startswith("original"):
