@@ -225,10 +225,11 @@ def test_a_parametrization_of_the_users_own_registered_after_wrapping_trains_as_
 def test_a_parametrization_of_the_users_own_is_counted_whole_and_a_budget_below_it_refused_naming_it(device):
     """Its forward is the user's code, which may read the original whole with an op that has
     neither slices nor a host kernel: wrap counts it whole, refuses the budget before moving
-    anything, and names the weight and the bytes."""
+    anything, and names the weight, the bytes and the parametrization (it named no parametrization)."""
     model = _mlp()
     parametrize.register_parametrization(model[2], "weight", _Symmetric())
-    with pytest.raises(ot.BudgetError, match=r"'2\.parametrizations\.weight\.original'.*16384 bytes"):
+    with pytest.raises(ot.BudgetError, match=r"'2\.parametrizations\.weight\.original'.*16384 bytes.*"
+                                             r"the original of the parametrization _Symmetric, the user's own"):
         _wrap(model, device)
     assert not any(isinstance(p, ot.OffloadedTensor) for p in model.parameters())
 

@@ -132,7 +132,9 @@ class StorageGroup(list):
         fast_path = next((m.fast_path for m in self if m.fast_path is not None), None)
         ws = max([working_set(names[0], shape, nbytes, indexed)] + [m.read_whole for m in self])
         return Weight(names, nbytes, shape, ws, fused, indexed, sliced, tileable, self.device_bytes, fast_path,
-                      self[0].tensor.dtype, _conv_outputs(slots, shape), weight_norm_slices(slots, shape))
+                      self[0].tensor.dtype, _conv_outputs(slots, shape), weight_norm_slices(slots, shape),
+                      next((type(m[0]).__name__ for m, a in slots
+                            if isinstance(m, _PARAMETRIZATIONS) and len(m) and not read_in_tiles(m, a)), None))
 
 
 # torch.nn's modules whose weights dispatch computes in output tiles (ops.tiling: linear, mm; and
