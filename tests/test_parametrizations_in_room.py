@@ -134,17 +134,20 @@ def test_weight_norm_over_any_dim_of_a_weight_larger_than_the_room_trains_as_unw
     _train_alike(model, reference, _signal(device))
 
 
-def test_the_hook_based_spectral_norm_registered_before_wrapping_trains_as_unwrapped_and_unwraps(device):
+@_WHEN
+def test_the_hook_based_spectral_norm_trains_as_unwrapped_and_unwraps(device, before):
     """The hook form leaves ``weight = weight_orig.data`` on the module until its first forward:
     a plain alias that kept the weight's old device storage once ``weight_orig`` was offloaded, so
     the budget wrap accepted held 16 KiB of it and the first forward raised BudgetError (\"only
-    -12032 of the budget's 4352 bytes are free\"). It is offloaded with the storage it views now."""
+    -12032 of the budget's 4352 bytes are free\"). It is offloaded with the storage it views now
+    (registered after wrapping, it is a view of the offloaded weight from the start)."""
     def register(m):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecation of the hook form
+            warnings.simplefilter("ignore", UserWarning)  # tiles narrower than 16 rows at this budget
             torch.nn.utils.spectral_norm(m[2])
 
-    model, reference = _pair(_mlp, register, True, device)
+    model, reference = _pair(_mlp, register, before, device)
     assert isinstance(model[2].weight, ot.OffloadedTensor)
     assert model[2].weight._master is model[2].weight_orig._master
     assert ot.stats(model).resident_bytes == 0
