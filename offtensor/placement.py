@@ -103,6 +103,13 @@ class Weight:
     # whose weight it is: dispatch cuts such a weight by output channels alone, each ``nbytes //
     # conv_outputs`` bytes wherever its dims keep them (``working_sets.weight_tile``).
     conv_outputs: Optional[int] = None
+    # The length of the dim weight_norm normalises it over, where that is not dim 0 (wav2vec2's
+    # ``dim=2``): dispatch normalises it in slices of that dim, each ``nbytes // norm_slices`` bytes,
+    # and any number of slices gives the whole op's results bit for bit, so it is planned at one.
+    norm_slices: Optional[int] = None
+    # The class of the parametrization of the user's own that computes a tensor from it (its
+    # original): its forward is the user's code, which may read it whole, so it is never tiled.
+    read_whole_by: Optional[str] = None
 
     @property
     def name(self) -> str:
@@ -478,12 +485,17 @@ def _budget_error(chosen: _Offloading, kept: list, budget_bytes: int) -> BudgetE
     and the smallest budget that holds it: those resident bytes plus the largest working set."""
     largest = max(chosen.weights, key=lambda w: w.working_set, default=None)
     resident, ws, widest = chosen.resident_bytes, chosen.working_set, chosen.widest
-    needs = []
+    needs, why = [], ""
     if kept:
         needs.append(f"the policy keeps {_bytes(resident)} resident ({len(kept)} tensors, e.g. '{kept[0].name}')")
     if largest is not None:
         of_widest = [w for w in chosen.weights if any(module_of(n) == widest for n in w.names)]
-        first = max(of_widest, key=lambda w: w.working_set).name if of_widest else largest.name
+        heaviest = max(of_widest, key=lambda w: w.working_set) if of_widest else largest
+        first = heaviest.name
+        if heaviest.read_whole_by:
+            why = (f" '{first}' is counted whole: it is the original of the parametrization "
+                   f"{heaviest.read_whole_by}, the user's own, whose forward may read it whole. Registered after "
+                   f"wrap_model instead, it runs where each of its ops runs in slices, tiles or on the host.")
         module = f"module '{widest}'" if widest else "the model itself"
         needs.append(
             f"paging '{first}'"
@@ -495,6 +507,7 @@ def _budget_error(chosen: _Offloading, kept: list, budget_bytes: int) -> BudgetE
         f"offloaded: {' and '.join(needs)}, {_bytes(resident + ws)} in all. The smallest budget that holds it is "
         f"budget_gb={smallest_budget_gb(resident + ws)}"
         + ("; raise budget_gb to that or let the policy offload more." if kept else ": raise budget_gb to that.")
+        + why
     )
 
 

@@ -61,6 +61,8 @@ def weight_tile(w, slices: int = TILE_ALIGN) -> int:
     ``x + pos_embed`` as often as by a product)."""
     if w.conv_outputs:
         return conv_tile(w, slices)
+    if w.norm_slices:  # weight_norm's v over another dim than 0: one slice of that dim, at any width
+        return min(w.working_set, w.nbytes // w.norm_slices)
     matrices = 1
     for n in w.shape[:-2]:
         matrices *= n

@@ -121,13 +121,15 @@ def test_spectral_norm_runs_at_the_smallest_budget_wrap_accepts(training, device
 
     def accepts(nbytes):
         try:
-            ot.wrap_model(build(), budget_gb=nbytes / GiB, device=device, policy={"offload": ["*"]})
-        except ot.BudgetError:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                ot.wrap_model(build(), budget_gb=nbytes / GiB, device=device, policy={"offload": ["*"]})
+        except (ot.BudgetError, UserWarning):
             return False
         return True
 
     low, high = 0, 256 * 64 * 4 * 2
-    while low + 1 < high:  # the smallest budget wrap accepts
+    while low + 1 < high:  # the smallest budget wrap accepts without warning that bits may differ (tiles of one row)
         middle = (low + high) // 2
         low, high = (low, middle) if accepts(middle) else (middle, high)
     model, reference = _wrapped_pair(build(), high, device)

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.nn.utils import parametrizations, parametrize
+from torch.nn.utils import parametrizations
 
 import offtensor as ot
 
@@ -111,13 +111,3 @@ def test_the_hook_based_weight_norm_registered_after_wrapping_trains_as_unwrappe
             torch.nn.utils.weight_norm(m[2])
     _train_alike(model, reference, _x(device))
 
-
-def test_weight_norm_over_another_dim_is_counted_whole_and_a_budget_below_it_refused_naming_it(device):
-    """Only dim 0 is planned in tiles: wav2vec2's ``dim=2`` normalises kernel positions across
-    every output channel, so wrap keeps counting such a weight whole."""
-    model = _conv()
-    parametrizations.weight_norm(model[2], dim=2)
-    with pytest.raises(ot.BudgetError, match="parametrizations.weight.original"):
-        _wrap(model, device, 14464)
-    assert not any(isinstance(p, ot.OffloadedTensor) for p in model.parameters())
-    parametrize.remove_parametrizations(model[2], "weight")

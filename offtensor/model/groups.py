@@ -132,7 +132,9 @@ class StorageGroup(list):
         fast_path = next((m.fast_path for m in self if m.fast_path is not None), None)
         ws = max([working_set(names[0], shape, nbytes, indexed)] + [m.read_whole for m in self])
         return Weight(names, nbytes, shape, ws, fused, indexed, sliced, tileable, self.device_bytes, fast_path,
-                      self[0].tensor.dtype, _conv_outputs(slots, shape))
+                      self[0].tensor.dtype, _conv_outputs(slots, shape), weight_norm_slices(slots, shape),
+                      next((type(m[0]).__name__ for m, a in slots
+                            if isinstance(m, _PARAMETRIZATIONS) and len(m) and not read_in_tiles(m, a)), None))
 
 
 # torch.nn's modules whose weights dispatch computes in output tiles (ops.tiling: linear, mm; and
@@ -148,6 +150,14 @@ _TABLES = (nn.Embedding, nn.EmbeddingBag)
 _CONVS = nn.modules.conv._ConvNd  # Conv1d-3d and ConvTranspose1d-3d (and their lazy forms)
 _PARAMETRIZATIONS = nn.utils.parametrize.ParametrizationList
 _WEIGHT_NORM = nn.utils.parametrizations._WeightNorm
+# torch's parametrizations whose ops on an offloaded original (and on their own tensors) all run
+# within the room: orthogonal reads its original only by ``tril`` / ``triu`` / ``diagonal`` (whole,
+# on the host: ops.host_compute) and multiplies its ``base`` into the result (mm, in tiles);
+# spectral_norm reads its original by ``mv`` (in tiles) and divides it by its norm (in slices:
+# ops.pieces), its ``_u`` and ``_v`` being vectors. Each computes the weight on the device as the
+# unwrapped model does, outside the weight budget like any activation.
+_IN_PIECES = tuple(c for c in (getattr(nn.utils.parametrizations, "_Orthogonal", None),
+                               getattr(nn.utils.parametrizations, "_SpectralNorm", None)) if c is not None)
 # torch.nn modules with a fused fast path that their forward takes only when no argument has a
 # __torch_function__: with an offloaded weight they run the composite path, which sums in
 # another order.
@@ -190,11 +200,31 @@ def read_in_tiles(module: nn.Module, attr: str) -> bool:
     if isinstance(module, _CONVS):
         return True
     if isinstance(module, _PARAMETRIZATIONS):
-        # weight_norm's g and v: dispatch normalises a weight in slices of its dim (ops.weight_norms),
-        # rows for the default dim 0, as a linear's tiles are cut. Any other parametrization (or
-        # dim) may read its original whole (orthogonal's matrix exponential, a custom function).
-        return len(module) > 0 and all(type(p) is _WEIGHT_NORM and p.dim == 0 for p in module)
-    return isinstance(module, _TILED_MODULES)
+        # The first parametrization alone reads the originals (each later one reads what the one
+        # before it returned, a plain tensor). weight_norm's g and v: dispatch normalises a weight in
+        # slices of its dim (ops.weight_norms): rows for the default dim 0, as a linear's tiles are
+        # cut; another dim is planned at slices of that dim (``weight_norm_slices``). A
+        # parametrization of the user's own may read its original whole (an FFT of it, an op with
+        # no slices and no host kernel): counted whole.
+        return len(module) > 0 and (type(module[0]) is _WEIGHT_NORM or isinstance(module[0], _IN_PIECES))
+    return isinstance(module, _TILED_MODULES + _IN_PIECES)
+
+
+def weight_norm_slices(slots, shape: tuple) -> Optional[int]:
+    """``Weight.norm_slices``: for weight_norm's ``v`` (or ``g``) over a dim other than 0 and other
+    than every dim (wav2vec2's ``dim=2`` over kernel positions), the length of that dim. Dispatch
+    normalises it in slices of that dim (ops.weight_norms), each ``nbytes // length`` bytes, not in
+    tiles of its first two dims (one row of its first dim may be less than one slice of that dim).
+    None otherwise."""
+    counts = set()
+    for module, attr in slots:
+        if not isinstance(module, _PARAMETRIZATIONS) or not attr.startswith("original"):
+            return None
+        first = module[0] if len(module) else None
+        if type(first) is not _WEIGHT_NORM or first.dim in (0, -1, None) or not shape:
+            return None
+        counts.add(shape[first.dim % len(shape)])
+    return counts.pop() if len(counts) == 1 and min(counts) > 1 else None
 
 
 def _conv_outputs(slots, shape: tuple) -> Optional[int]:
@@ -263,7 +293,24 @@ def collect_groups(model: nn.Module) -> list:
             whole.update((id(sub), together) for sub in module.modules())
         _add_members(members, module, lambda attr, prefix=prefix: f"{prefix}.{attr}" if prefix else attr,
                      fast.get(id(module)), whole.get(id(module), 0))
+    _add_aliases(members, model)
     return _grouped(members)
+
+
+def _add_aliases(members: dict, model: nn.Module) -> None:
+    """Plain tensor attributes that view a registered tensor's storage, as Members beside it: the
+    hook-based ``spectral_norm`` leaves ``module.weight = weight_orig.data`` until its first forward
+    sets it again. Placed with that storage, such an alias becomes a view of the same host master
+    where it is offloaded; left out, it kept the old device storage alive after the weight was
+    offloaded, outside the budget wrap had planned (the next page-in found less room than none)."""
+    keys = {_storage_key(m.tensor) for m in members.values() if not m.owners}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for attr, t in list(module.__dict__.items()):
+            if (type(t) is torch.Tensor and t.grad_fn is None and t.layout == torch.strided and not t.is_meta
+                    and id(t) not in members and _storage_key(t) in keys):
+                member = members[id(t)] = Member(t)
+                member.slots.append((module, attr, None))
+                member.names.append(f"{prefix}.{attr}" if prefix else attr)
 
 
 def module_groups(module: nn.Module, name_of, skip=frozenset()) -> list:

@@ -36,10 +36,18 @@ def reserve_paging_room(state: State, full_name: str, t: torch.Tensor, slot: tup
     name_of = lambda a: state.qualified_name(module, a)  # noqa: E731
     loading = {a: (new, b) for (m, a), (old, new, b) in state.loading.items()
                if m is module and a != attr and _slot_value(m, a) is old}  # neighbours a load replaces next
-    others = [g.weight() for g in module_groups(module, name_of, skip={attr, *loading}) if g.is_offloaded]
+    # A parametrization being registered (or a new original assigned): torch has taken the weight
+    # off its module before its originals are placed here, so a refusal would leave the module
+    # without it. One of the user's own (which wrap counts whole) is planned in tiles here, as
+    # torch's own are: an op it applies that runs neither in slices, in tiles nor on the host
+    # raises BudgetError naming the weight where it runs, the module whole.
+    tiles = isinstance(module, torch.nn.utils.parametrize.ParametrizationList)
+    others = [_tiled_if(g.weight(), tiles and all(leaf_is_tileable(m.tensor, m.owners) for m in g))
+              for g in module_groups(module, name_of, skip={attr, *loading}) if g.is_offloaded]
     others += [_weight(name_of(a), new, (module, a, b), True) for a, (new, b) in loading.items()]
     placing = [(t, tileable), *(_offloaded_beside(slot, t, full_name) if beside is None else beside)]
-    weights = others + [_weight(full_name, tensor, slot, can_tile) for tensor, can_tile in placing]
+    weights = others + [_tiled_if(_weight(full_name, tensor, slot, can_tile), tiles and can_tile)
+                        for tensor, can_tile in placing]
     # A fused parent's kernel (LinearCrossEntropyLoss) reads this module's tensors whole with its
     # own: as wrap-time placement counts them (groups.Member.read_whole), none is tiled and ``t``
     # needs the room for all of them at once. The parent may be attaching with ``module``, not
@@ -171,6 +179,10 @@ def _warn_tiles(plans, budget_bytes: int, what, stacklevel: int) -> None:
     tiled = [w for plan in plans for w in plan.tiled]
     if tiled:
         placement.warn_inexact_tiles(tiled, stacklevel=stacklevel + 1)
+
+
+def _tiled_if(w: placement.Weight, tiles: bool) -> placement.Weight:
+    return dataclasses.replace(w, tileable=True) if tiles and not w.tileable else w
 
 
 def _weight(full_name: str, t: torch.Tensor, slot: tuple, tileable: bool) -> placement.Weight:

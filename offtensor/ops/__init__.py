@@ -35,6 +35,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .. import cast_views
 from ..pager import BudgetError
@@ -236,6 +237,17 @@ def _compute_composite(func, types, args, kwargs):
     return run(func, args, kwargs, composite=True)
 
 
+def _compute_kept(func, types, args, kwargs):
+    """An op whose result is an object that keeps its tensor arguments (a custom class, such as
+    ``quantized::linear_prepack``'s packed weight, which holds its bias): each offloaded argument
+    goes in as a device copy of its own (``materialize``, outside the budget like the op's
+    result), never a page, whose memory the pager reuses for the next copy once the op is done,
+    which changed the kept bias under the packed weight. Such ops pack a weight once (quantising a
+    model), not per forward."""
+    args, kwargs = pytree.tree_map_only(OffloadedTensor, OffloadedTensor.materialize, (args, kwargs))
+    return func(*args, **kwargs)
+
+
 _PLAIN_COMPUTE = (_compute, _compute_composite)
 
 
@@ -263,6 +275,8 @@ def _classify(func):
         return Mutation(func)
     if schema.returns and all(r.alias_info is not None for r in schema.returns):
         return view
+    if any(isinstance(r.type, torch._C.ClassType) for r in schema.returns):
+        return _compute_kept
     if native_kernel(func, _COMPOSITE) and not any(native_kernel(func, k) for k in _BACKENDS):
         return _decomposed  # a composite a plain tensor decomposes too (one with a kernel of its own runs that)
     return _compute_composite if decomposes(func) else _compute

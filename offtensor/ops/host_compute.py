@@ -267,7 +267,8 @@ _OPS = (
 # narrower (a ``cdist`` row, a bilinear's one output feature) or whose backward reads the weight
 # whole (``cdist``'s); named so that an op a torch version lacks is left out.
 _NAMED = (
-    "sum.default", "sum.dim_IntList", "mean.default", "mean.dim", "linalg_vector_norm.default", "nansum.default",
+    "sum.default", "sum.dim_IntList", "mean.default", "mean.dim", "linalg_vector_norm.default", "norm.Scalar",
+    "nansum.default",
     "_cdist_forward.default", "_cdist_backward.default", "_trilinear.default", "addbmm.default",
     "trace.default", "renorm.default", "frexp.Tensor", "addr.default", "linalg_cross.default", "as_strided_copy.default",
     "multinomial.default", "_pdist_forward.default", "_linalg_svd.default", "linalg_qr.default",
@@ -280,6 +281,9 @@ _NAMED = (
     "_fft_r2c.default", "_fft_c2c.default", "_fft_c2r.default", "_histogramdd_bin_edges.default",
     "_histogramdd_from_bin_cts.default", "_histogramdd_from_bin_tensors.default",
     "_foreach_norm.Scalar", "_foreach_max.default", "_foreach_mm.default", "_foreach_powsum.Scalar",
+    # A weight quantised whole (``quantize_dynamic``'s ``quantize_per_tensor`` of each Linear's weight):
+    # its result is a quantised tensor, which slices of the weight cannot be put together into.
+    "quantize_per_tensor.default", "quantize_per_channel.default",
 )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..tensor import OffloadedTensor
+from .host_compute import on_host
 from .lines import _bind, along_lines
 from .paging import Paged
 from .tiling import _meta, _page_slice, _slice_bytes
@@ -45,7 +46,10 @@ def weight_norm_in_slices(func, args, kwargs, error):
         raise error
 
     def sliced(start, stop, paged):
-        return [_page_slice(v, dim, start, stop, paged) if isinstance(v, torch.Tensor) else v
+        # Contiguous, as torch hands them to these kernels (``_weight_norm`` and autograd call
+        # ``contiguous()`` first): the CPU kernel for the last dim reads its arguments' memory as
+        # if contiguous, so a slice of a gradient along that dim, a strided view, gave wrong values.
+        return [_page_slice(v, dim, start, stop, paged).contiguous() if isinstance(v, torch.Tensor) else v
                 for v in (call[n] for n in names)]
 
     results = func(*[_meta(v) for v in (call[n] for n in names)])
@@ -64,11 +68,27 @@ def weight_norm_in_slices(func, args, kwargs, error):
     return outs[0] if single else tuple(outs)
 
 
+def norms_except_dim(func, args, kwargs, error):
+    """The norms weight_norm's registration takes of each slice of its dim (``norm_except_dim``):
+    for dim 0, ``w.view(n, -1).norm(2, 1)``, whole contiguous rows, cut across them
+    (``lines.along_lines``), bit for bit; for the last dim (wav2vec2's ``dim=2``),
+    ``w.view(-1, n).norm(2, 0)``, where a slice of columns is a narrower tensor whose kernel sums
+    in another order than the whole one's: computed on the host master instead
+    (``host_compute.on_host``), the same kernel over the same bytes on the emulated device."""
+    call = _bind(func, args, kwargs)
+    t, given = call.get("self"), call.get("dim")
+    if isinstance(t, OffloadedTensor) and t.dim() and given is not None:
+        dims = {d % t.dim() for d in (given if isinstance(given, (list, tuple)) else (given,))}
+        if dims and not (t.is_contiguous() and min(dims) == t.dim() - len(dims)):
+            return on_host(func, args, kwargs, error)
+    return along_lines(func, args, kwargs, error)
+
+
 WEIGHT_NORMS = {
     aten._weight_norm_interface.default: weight_norm_in_slices,
     aten._weight_norm_interface_backward.default: weight_norm_in_slices,
     # weight_norm's registration splits the weight with ``norm_except_dim(w, 2, dim)``, which
     # reaches dispatch as the norm of each slice of ``dim`` (``w.view(n, -1).norm(2, 1)`` for
-    # dim 0): an op along lines, cut across them as ``lines`` cuts its ops.
-    aten.norm.ScalarOpt_dim: along_lines,
+    # dim 0): an op along lines, cut across them as ``lines`` cuts its ops where that is exact.
+    aten.norm.ScalarOpt_dim: norms_except_dim,
 }
