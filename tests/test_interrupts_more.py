@@ -102,7 +102,7 @@ def _points(fn, where) -> int:
 
 
 def _whole_or_written(w, before, after, run, where, step=1, each=None) -> int:
-    """Interrupt ``run`` (which writes the OffloadedTensor ``w``) at every ``step``-th of its points,
+    """Interrupt ``run`` (which writes ``w``, offloaded or plain) at every ``step``-th of its points,
     ``w`` set to ``before`` first: each time it is ``before`` or ``after``, never part written;
     ``each(n)`` checks more after point ``n``. Returns the points counted."""
     points = _points(run, where)
@@ -111,7 +111,7 @@ def _whole_or_written(w, before, after, run, where, step=1, each=None) -> int:
         with torch.no_grad():
             w.copy_(before)
         _Points(n, where).run(run)
-        now = w.materialize().to(before.device)
+        now = (w.materialize() if isinstance(w, OffloadedTensor) else w.detach().clone()).to(before.device)
         if not (torch.equal(now, before) or torch.equal(now, after)):
             torn.append(n)
         if each is not None:

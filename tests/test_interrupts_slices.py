@@ -139,3 +139,26 @@ def test_an_in_place_op_in_slices_without_host_memory_for_its_copy_runs_and_warn
     with pytest.warns(RuntimeWarning, match=r"'w'.*32768 bytes.*without a host copy"):
         run()
     assert torch.equal(model.w.materialize(), after)
+
+
+@needs_311
+def test_an_interrupt_at_any_point_of_a_plain_tensor_written_in_slices_leaves_it_whole_or_written():
+    """``ema.add_(w)``: the written tensor is a plain one on the device, the weight it reads larger
+    than the room. Its values before the op are copied to the host (no device memory) and put
+    back; before, an interrupt between two slices left the average part updated."""
+    model = _wrapped("cpu")
+    pager = model.w._master.pager
+    ema = torch.zeros(64, 128)
+    before, after = ema.clone(), ema.clone().add_(_weight(), alpha=0.5)
+
+    def run():
+        with torch.no_grad():
+            ema.add_(model.w, alpha=0.5)
+
+    def lock_free(n):
+        assert pager._depth() == 0, f"the lock is still held after an interrupt at point {n}"
+
+    assert _whole_or_written(ema, before, after, run, _ours, 3, lock_free) > 100
+    ema.copy_(before)
+    run()
+    assert torch.equal(ema, after)

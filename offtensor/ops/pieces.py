@@ -295,14 +295,13 @@ def _size_outs(args, kwargs, mutation, shape: torch.Tensor, error: BudgetError) 
 
 def _before_writing(args, kwargs, mutation, in_place: bool) -> list:
     """Check the offloaded tensors the op writes against its other arguments as torch would, then
-    keep a host copy of each (``_saved``)."""
+    keep a host copy of every tensor it writes (``_saved``)."""
     if in_place:  # a _foreach_*_ op of one element
         written = [args[0][0]]
     else:
         written = [args[i] if i < len(args) else kwargs[name] for i, name in mutation]
-    written = [t for t in written if isinstance(t, OffloadedTensor)]
-    _refuse_partial_overlap(written, args, kwargs)
-    return _saved(written)
+    _refuse_partial_overlap([t for t in written if isinstance(t, OffloadedTensor)], args, kwargs)
+    return _saved([t for t in written if isinstance(t, torch.Tensor)])
 
 
 def _refuse_partial_overlap(written: list, args, kwargs) -> None:
@@ -316,25 +315,33 @@ def _refuse_partial_overlap(written: list, args, kwargs) -> None:
 
 
 def _saved(written: list) -> list:
-    """Each offloaded tensor the op writes, with a host copy of its values before the op."""
+    """Each tensor the op writes, with a host copy of its values before the op: an offloaded one's
+    from its master, a plain one's (``ema.add_(w)``, an ``out=``) copied from the device, so that
+    neither takes device memory."""
     saved = []
     for t in written:
         try:
             saved.append((t, _host_copy(t)))
         except RuntimeError as error:  # the host is out of memory: the op runs, but is not undone
-            warnings.warn(f"offtensor: {describe(t)} ({t.numel() * t.element_size()} bytes) is written in slices "
+            what = describe(t) if isinstance(t, OffloadedTensor) else f"a {tuple(t.shape)} {t.dtype} tensor"
+            warnings.warn(f"offtensor: {what} ({t.numel() * t.element_size()} bytes) is written in slices "
                           f"without a host copy to put back ({error}): an exception between two slices, such as "
                           f"a Ctrl-C, would leave it part written.", RuntimeWarning, stacklevel=2)
     return saved
 
 
-def _host_copy(t: OffloadedTensor) -> torch.Tensor:
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, OffloadedTensor):
+        return t.detach().to("cpu", copy=True)
     with no_dispatch():
         return t._host.clone()
 
 
 def _put_back(saved: list) -> None:
-    """Write each saved tensor's values back (``write_back``: one copy each, cached copies dropped);
-    idempotent, so a put-back cut short is finished by running it again."""
+    """Write each saved tensor's values back (an offloaded one's with ``write_back``: one copy each,
+    cached copies dropped); idempotent, so a put-back cut short is finished by running it again."""
     for t, values in reversed(saved):
-        write_back(t, values, from_host=True)  # host values: no device->host copy (not counted)
+        if isinstance(t, OffloadedTensor):
+            write_back(t, values, from_host=True)  # host values: no device->host copy (not counted)
+        else:
+            t.copy_(values)
