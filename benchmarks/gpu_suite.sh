@@ -211,6 +211,9 @@ if [ "$DRY" = 0 ]; then
   step bench_load 240 "$PY" benchmarks/load_bench.py --device "$DEVICE" --out "$RESULTS" --layers 16 --hidden 2048 --repeats 2
   step demo 150 "$PY" -m offtensor demo --device "$DEVICE"
   step bench_wrap 150 "$PY" benchmarks/wrap_overhead.py --device "$DEVICE" --out "$RESULTS"
+  # An in-place step in slices of a weight larger than the room, with and without the host copy
+  # that makes it all or nothing: on a GPU the slices cross PCIe while the copy is the host's.
+  step bench_write_slices 60 "$PY" benchmarks/write_slices.py --device "$DEVICE" --out "$RESULTS" --mib 256
   step opinfo 240 "${PYTEST[@]}" -m opinfo tests/test_opinfo.py tests/test_opinfo_tight.py
 fi
 
