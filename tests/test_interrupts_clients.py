@@ -2,7 +2,7 @@
 walk: peft's LoRA training step and ``merge_and_unload``, diffusers' UNet2DConditionModel, torchao's
 int8 weight-only forward, MoE ``generate``, ``torch.compile(backend="aot_eager")``,
 ``ot.from_pretrained``, ``unwrap_model``, a DTensor-sharded forward and a cast of the model after
-wrapping were swept at sampled points; the one that lost something is tested here.
+wrapping were swept at sampled points; what lost something is tested here.
 
 - A cast of a wrapped model (``.float()``, ``.half()``) hides each module's offloaded tensors from
   torch's own ``_apply`` while it casts the plain ones. An interrupt between two of those hidings
@@ -13,6 +13,8 @@ wrapping were swept at sampled points; the one that lost something is tested her
   ``_apply``'s), after grad went off and before the ``with`` took hold, left grad off for the rest
   of the thread (a later training step: "does not require grad"). The cast now puts the caller's
   grad mode back when anything cuts it short, as wrap and load do.
+- ``copy.deepcopy`` of a wrapped model, cut short at the entry of a ``torch.no_grad()``'s exit
+  in an offloaded tensor's copy, left grad off too; it puts it back the same way.
 
 Interrupts are raised where CPython raises a signal handler's exception (``_Points``).
 """
@@ -86,3 +88,27 @@ def test_an_interrupt_at_any_point_of_a_cast_of_a_wrapped_model_loses_no_weight_
             s = ot.stats(model)
             assert s.peak_device_bytes <= s.budget_bytes, (n, s)
     assert not grad_off, f"grad mode left off after interrupts at points {grad_off}"
+
+
+@needs_311
+def test_an_interrupt_at_any_point_of_a_deepcopy_of_a_wrapped_model_leaves_grad_on():
+    """``copy.deepcopy`` of a wrapped model (a reference or EMA copy) copies each host master under
+    ``torch.no_grad()``: a Ctrl-C at the entry of its exit, before any of it ran, left grad off for
+    the rest of the thread. Then a deepcopy runs whole, and the copy gives the model's outputs."""
+    model = _wrapped()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        want = model(x)
+    in_deepcopy = lambda code: code is ot.OffloadedTensor.__deepcopy__.__code__  # noqa: E731
+    total = _points(lambda: copy.deepcopy(model), in_deepcopy)
+    assert total > 50
+    grad_off = []
+    for n in range(1, total + 1):
+        _Points(n, in_deepcopy).run(lambda: copy.deepcopy(model))
+        if not torch.is_grad_enabled():
+            grad_off.append(n)
+            torch.set_grad_enabled(True)
+    assert not grad_off, f"grad mode left off after interrupts at points {grad_off}"
+    with torch.no_grad():
+        assert torch.equal(copy.deepcopy(model)(x), want)
+        assert torch.equal(model(x), want)
