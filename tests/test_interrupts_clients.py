@@ -13,6 +13,11 @@ wrapping were swept at sampled points; what lost something is tested here.
   ``_apply``'s), after grad went off and before the ``with`` took hold, left grad off for the rest
   of the thread (a later training step: "does not require grad"). The cast now puts the caller's
   grad mode back when anything cuts it short, as wrap and load do.
+- The same cast, cut short after torch's ``_apply`` cast a module's plain tensors and before the
+  room was planned again for them, was never re-planned: a second cast found them at their new size
+  already. Resident weights that had grown past the room stayed resident, and the resident bytes
+  could pass the whole budget. The re-planning now runs however ``_apply`` ended, once more if it
+  was itself cut short (from the resident count read before it, so a second run counts nothing twice).
 - ``copy.deepcopy`` of a wrapped model, cut short at the entry of a ``torch.no_grad()``'s exit
   in an offloaded tensor's copy, left grad off too; it puts it back the same way.
 
@@ -59,13 +64,17 @@ def _wrapped():
 @needs_311
 def test_an_interrupt_at_any_point_of_a_cast_of_a_wrapped_model_loses_no_weight_and_leaves_grad_on():
     """A Ctrl-C at each point of ``model.float()`` in model/casts.py (and the functions it calls
-    directly), then ``.float()`` again: every weight is there, with the unwrapped cast's values,
+    directly), then ``.float()`` again: the weights an uninterrupted cast offloads are offloaded
+    (no more resident bytes than after it), every weight is there, with the unwrapped cast's values,
     the forward (of every 5th) is the unwrapped model's and within the budget, the lock free, and grad mode on as
     before (one in a ``torch.no_grad()``'s enter or exit there had left it off)."""
     reference = _bf16_stack().float()
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = reference(x)
+    whole = _wrapped().float()
+    placed = [isinstance(p, ot.OffloadedTensor) for p in whole.parameters()]
+    assert placed != [isinstance(p, ot.OffloadedTensor) for p in _wrapped().parameters()]  # the upcast offloads one
     total = _points(lambda: _wrapped().float(), _in_casts)
     assert total > 200
     grad_off = []
@@ -80,6 +89,8 @@ def test_an_interrupt_at_any_point_of_a_cast_of_a_wrapped_model_loses_no_weight_
         lost = [name for name, module in model.named_modules() for attr, t in module._parameters.items() if t is None]
         assert not lost, f"{lost} lost after an interrupt at point {n}"
         model.float()
+        assert [isinstance(p, ot.OffloadedTensor) for p in model.parameters()] == placed, n
+        assert ot.stats(model).resident_bytes <= ot.stats(whole).resident_bytes, n
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             assert p.dtype == torch.float32 and torch.equal(p.detach().cpu(), q.detach()), (n, name)
         if n % 5 == 0 or n == total:  # (the forward of every 5th: the test's time)

@@ -91,17 +91,26 @@ def _apply_locked(state: State, apply, module: nn.Module, fn, recurse: bool):
             child._apply(fn)
     handled = _cast_offloaded(state, module, fn)
     before = _own_resident_bytes(module, state.pager.device)
-    try:  # the hiding inside it: a Ctrl-C between two leaves no weight None
-        for table, attr, _ in handled:
-            table[attr] = None  # torch's _apply skips None: these are done
-        apply(fn, False)
+    counted = state.pager.budget.resident_bytes
+    try:
+        try:  # the hiding inside it: a Ctrl-C between two leaves no weight None
+            for table, attr, _ in handled:
+                table[attr] = None  # torch's _apply skips None: these are done
+            apply(fn, False)
+        finally:
+            try:
+                _unhide(module, handled)
+            except BaseException:
+                _unhide(module, handled)  # a Ctrl-C inside the first: once more, whole
+                raise
     finally:
+        # However torch's _apply ended, what it cast is counted and what grew past the room is
+        # offloaded now: a later cast finds these tensors at their new size and re-plans nothing.
         try:
-            _unhide(module, handled)
+            _replan_resident_after_cast(state, module, before, counted)
         except BaseException:
-            _unhide(module, handled)  # a Ctrl-C inside the first: once more, whole
+            _replan_resident_after_cast(state, module, before, counted)  # cut short: once more, whole
             raise
-    _replan_resident_after_cast(state, module, before)
     return module
 
 
@@ -173,15 +182,16 @@ def _own_resident_bytes(module: nn.Module, device: torch.device) -> int:
     return sum(resident_storages_of(tensors, device).values())
 
 
-def _replan_resident_after_cast(state: State, module: nn.Module, before: int) -> None:
-    """After torch's ``_apply`` cast ``module``'s plain device tensors from ``before`` bytes: count
-    the difference as resident, and offload the ones that grew past the budget's room, largest
-    first, as a weight assigned after wrapping that does not fit is offloaded."""
+def _replan_resident_after_cast(state: State, module: nn.Module, before: int, counted: int) -> None:
+    """After torch's ``_apply`` cast ``module``'s plain device tensors from ``before`` bytes, when
+    the pager counted ``counted`` resident bytes: count the difference as resident, and offload the
+    ones that grew past the budget's room, largest first, as a weight assigned after wrapping that
+    does not fit is offloaded. Run again after it was cut short, it finishes what is left."""
     pager = state.pager
     after = _own_resident_bytes(module, pager.device)
     if after == before:
         return
-    resident = max(0, pager.budget.resident_bytes + after - before)
+    resident = max(0, counted + after - before)
     for table in (module._parameters, module._buffers):
         for t in table.values():
             for leaf in leaves.leaf_tensors(t) if t is not None else ():  # a wrapper subclass: its leaves
