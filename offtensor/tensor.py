@@ -238,20 +238,25 @@ class OffloadedTensor(torch.Tensor):
         # Like torch.Tensor.__deepcopy__: each host master is copied once per deepcopy, so aliases
         # (tied weights held by separate Parameters, views) come back as aliases of one new master.
         master = self._master
-        new_flat = memo.get(id(master))
-        if new_flat is None:
-            new_flat = _ext.alloc_host(master.nbytes, pin=pins_host_memory(master.pager.device))
+        grad = torch.is_grad_enabled()
+        try:  # a Ctrl-C at a no_grad's exit, before it ran, would leave grad off for the thread
+            new_flat = memo.get(id(master))
+            if new_flat is None:
+                new_flat = _ext.alloc_host(master.nbytes, pin=pins_host_memory(master.pager.device))
+                with torch.no_grad():
+                    new_flat.copy_(master.flat)
+                memo[id(master)] = new_flat
             with torch.no_grad():
-                new_flat.copy_(master.flat)
-            memo[id(master)] = new_flat
-        with torch.no_grad():
-            host = torch.empty(0, dtype=self.dtype).set_(
-                new_flat.untyped_storage(), self._host.storage_offset(), self.shape, self.stride()
-            )
-            if _is_conj(self._host):  # the copied bytes are raw: the view keeps its lazy bits
-                host = host.conj()
-            if _is_neg(self._host):
-                host = torch._neg_view(host)
+                host = torch.empty(0, dtype=self.dtype).set_(
+                    new_flat.untyped_storage(), self._host.storage_offset(), self.shape, self.stride()
+                )
+                if _is_conj(self._host):  # the copied bytes are raw: the view keeps its lazy bits
+                    host = host.conj()
+                if _is_neg(self._host):
+                    host = torch._neg_view(host)
+        except BaseException:
+            torch.set_grad_enabled(grad)
+            raise
         # A deepcopy of a wrapped model charges its copies to the copy's own pager (model.copies.StepHook).
         copy = wrap_host(host, memo.get(("offtensor.pager", id(master.pager))) or master.pager)
         copy._master.name = master.name

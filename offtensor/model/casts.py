@@ -34,10 +34,17 @@ def apply_to_wrapped(apply, module: nn.Module, fn, recurse: bool = True):
     state, owner = placing_target(module)  # a shallow copy's tables are its original's
     if state is None or state.model_ref() is None:
         return apply(fn, recurse)
-    with state.pager.lock:  # another thread's op finishes first; the next one sees the new dtype
-        _refuse_move(state, owner, fn)
-        _apply_locked(state, apply, owner, fn, recurse)
-        return module
+    grad = torch.is_grad_enabled()
+    try:
+        with state.pager.lock:  # another thread's op finishes first; the next one sees the new dtype
+            _refuse_move(state, owner, fn)
+            _apply_locked(state, apply, owner, fn, recurse)
+            return module
+    except BaseException:
+        # A Ctrl-C inside a torch.no_grad()'s enter or exit here, or in torch's _apply, after grad
+        # went off and before the with took hold, would leave grad off for the rest of the thread.
+        torch.set_grad_enabled(grad)
+        raise
 
 
 def _refuse_move(state: State, module: nn.Module, fn) -> None:
@@ -84,17 +91,36 @@ def _apply_locked(state: State, apply, module: nn.Module, fn, recurse: bool):
             child._apply(fn)
     handled = _cast_offloaded(state, module, fn)
     before = _own_resident_bytes(module, state.pager.device)
-    for table, attr, _ in handled:
-        table[attr] = None  # torch's _apply skips None: these are done
+    counted = state.pager.budget.resident_bytes
     try:
-        apply(fn, False)
+        try:  # the hiding inside it: a Ctrl-C between two leaves no weight None
+            for table, attr, _ in handled:
+                table[attr] = None  # torch's _apply skips None: these are done
+            apply(fn, False)
+        finally:
+            try:
+                _unhide(module, handled)
+            except BaseException:
+                _unhide(module, handled)  # a Ctrl-C inside the first: once more, whole
+                raise
     finally:
-        for table, attr, t in handled:
-            table[attr] = t
-        if handled and isinstance(module, nn.RNNBase):
-            module._init_flat_weights()  # it re-read its weights while they were hidden
-    _replan_resident_after_cast(state, module, before)
+        # However torch's _apply ended, what it cast is counted and what grew past the room is
+        # offloaded now: a later cast finds these tensors at their new size and re-plans nothing.
+        try:
+            _replan_resident_after_cast(state, module, before, counted)
+        except BaseException:
+            _replan_resident_after_cast(state, module, before, counted)  # cut short: once more, whole
+            raise
     return module
+
+
+def _unhide(module: nn.Module, handled: list) -> None:
+    """Put back the tensors hidden from torch's ``_apply``; idempotent, so one cut short is
+    finished by running it again."""
+    for table, attr, t in handled:
+        table[attr] = t
+    if handled and isinstance(module, nn.RNNBase):
+        module._init_flat_weights()  # it re-read its weights while they were hidden
 
 
 def _cast_offloaded(state: State, module: nn.Module, fn) -> list:
@@ -156,15 +182,16 @@ def _own_resident_bytes(module: nn.Module, device: torch.device) -> int:
     return sum(resident_storages_of(tensors, device).values())
 
 
-def _replan_resident_after_cast(state: State, module: nn.Module, before: int) -> None:
-    """After torch's ``_apply`` cast ``module``'s plain device tensors from ``before`` bytes: count
-    the difference as resident, and offload the ones that grew past the budget's room, largest
-    first, as a weight assigned after wrapping that does not fit is offloaded."""
+def _replan_resident_after_cast(state: State, module: nn.Module, before: int, counted: int) -> None:
+    """After torch's ``_apply`` cast ``module``'s plain device tensors from ``before`` bytes, when
+    the pager counted ``counted`` resident bytes: count the difference as resident, and offload the
+    ones that grew past the budget's room, largest first, as a weight assigned after wrapping that
+    does not fit is offloaded. Run again after it was cut short, it finishes what is left."""
     pager = state.pager
     after = _own_resident_bytes(module, pager.device)
     if after == before:
         return
-    resident = max(0, pager.budget.resident_bytes + after - before)
+    resident = max(0, counted + after - before)
     for table in (module._parameters, module._buffers):
         for t in table.values():
             for leaf in leaves.leaf_tensors(t) if t is not None else ():  # a wrapper subclass: its leaves
