@@ -19,19 +19,10 @@ from torch.nn.utils import parametrizations, parametrize
 
 import offtensor as ot
 
+from test_weight_norm_in_slices import _conv, _mlp
+
 GiB = 2**30
 TIGHT = 4352  # one tile of 16 rows of a 64 x 64 weight, and 256 bytes: each weight is larger than that
-
-
-def _mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8))
-
-
-def _conv():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv1d(8, 32, 5, padding=2), nn.LeakyReLU(0.1), nn.Conv1d(32, 32, 7, padding=3),
-                         nn.LeakyReLU(0.1), nn.Conv1d(32, 4, 3))
 
 
 def _wrap(model, device, budget=TIGHT):

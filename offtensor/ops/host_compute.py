@@ -36,7 +36,6 @@ the op eagerly (``compile.graph_break``)."""
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 
@@ -49,6 +48,7 @@ from .compile import graph_break
 from .lines import ALONG_LINES
 from .overlaps import disjoint, refuse_partial_overlap
 from .paging import describe, resize_error, write_back
+from .views import fits_master
 
 aten = torch.ops.aten
 
@@ -114,7 +114,7 @@ def out_on_host(func, args, kwargs, error):
     call = _host_call(func, args, {**kwargs, **dict(zip(names, temps))}, error, first, functional)
     pairs = list(zip(outs, temps))
     for o, temp in pairs:
-        if isinstance(o, OffloadedTensor) and temp.shape != o.shape and not _within_master(o, temp.shape):
+        if isinstance(o, OffloadedTensor) and temp.shape != o.shape and not fits_master(o, temp.shape):
             raise resize_error(o, temp.shape)  # before any out= is written: none is left half done
     written = result = 0
     for o, temp in pairs:
@@ -137,12 +137,6 @@ def _host_out(o: torch.Tensor, device_type: str) -> torch.Tensor:
     if not isinstance(o, OffloadedTensor) and o.device.type == "cpu" and device_type == "cpu":
         return o
     return torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device="cpu")
-
-
-def _within_master(t: OffloadedTensor, shape) -> bool:
-    """Whether ``t`` resized to ``shape`` stays within its host master (``views.resize_within_master``'s test)."""
-    host = t._host
-    return (host.storage_offset() + math.prod(shape)) * host.element_size() <= host.untyped_storage().nbytes()
 
 
 def _nbytes(out) -> int:

@@ -6,6 +6,8 @@ changed, instead of a new wrapper through the dispatcher each call."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils._mode_utils import no_dispatch
 
@@ -85,13 +87,17 @@ def resize_within_master(t: OffloadedTensor, size, memory_format=torch.contiguou
     """What ``resize_`` does to a tensor whose storage is large enough (``mm_out`` resizing a 1-D
     out= to (1, n) and squeezing it back, say): give ``t`` the layout of ``size`` in place at its
     storage offset. False when that needs bytes past the end of its host master, which never grows."""
-    host = t._host
-    layout = torch.empty(tuple(size), dtype=host.dtype, device="meta", memory_format=memory_format)
-    offset = host.storage_offset()
-    if (offset + layout.numel()) * host.element_size() > host.untyped_storage().nbytes():
+    if not fits_master(t, size):
         return False
-    inplace_view(aten.as_strided_.default, (), (t, layout.shape, layout.stride(), offset), {})
+    layout = torch.empty(tuple(size), dtype=t._host.dtype, device="meta", memory_format=memory_format)
+    inplace_view(aten.as_strided_.default, (), (t, layout.shape, layout.stride(), t._host.storage_offset()), {})
     return True
+
+
+def fits_master(t: OffloadedTensor, size) -> bool:
+    """Whether ``t`` resized to ``size`` at its storage offset stays within its host master."""
+    host = t._host
+    return (host.storage_offset() + math.prod(size)) * host.element_size() <= host.untyped_storage().nbytes()
 
 
 # reshape() of a non-viewable tensor is clone + _unsafe_view; the clone is already a fresh
