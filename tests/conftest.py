@@ -114,16 +114,25 @@ def device() -> str:
 
 
 
-# The slowest files first (seconds on the 2-core CI machine beside the other worker: the interrupt
-# walks of test_interrupts_more ~130, OpInfo ~50, the native-errors check's builds ~40, the GPU
-# suite's dry run ~40, the expert-placement walk ~35). With two xdist workers, `--dist loadfile`
-# hands out whole files in collection order, so a long file collected late became one worker's
-# tail while the other idled: longest first is the classic fix. A stable sort, so the order within
-# and between the other files stays as collected. (No test compares wall clocks any more, so what
-# runs beside what does not change a verdict.)
-SLOWEST_FIRST = ("test_interrupts_more.py", "test_opinfo.py", "test_native_errors.py", "test_interrupts_regions.py",
-                 "test_compile.py", "test_gpu_suite.py", "test_timeline.py", "test_moe_trained.py", "test_ext.py",
-                 "test_sweep.py", "test_memory_and_errors.py", "test_distributed.py")
+# The slowest files first (seconds of one run on the 2-core machine, two workers: OpInfo ~75, the
+# interrupt walks of test_interrupts_more ~75, the native-errors check's builds ~50, the GPU suite's
+# dry run ~35, the tiny-architecture sweep ~35, the expert-placement and timeline walks ~30 each).
+# With two xdist workers, `--dist loadfile` hands out whole files in queue order, so a long file
+# queued late became one worker's tail while the other idled: longest first is the classic fix. A
+# stable sort, so the order within and between the other files stays as collected. xdist's own
+# reordering (by the number of tests in a file, on by default) is turned off below: it queued the
+# one-test files, OpInfo, the native-errors check and the dry run among them, last of all. (No test
+# compares wall clocks any more, so what runs beside what does not change a verdict.)
+SLOWEST_FIRST = ("test_opinfo.py", "test_interrupts_more.py", "test_native_errors.py", "test_gpu_suite.py",
+                 "test_sweep.py", "test_interrupts_regions.py", "test_interrupts_timeline.py", "test_setup.py",
+                 "test_moe_trained.py", "test_expert_pool.py", "test_moe_routing.py", "test_compile.py",
+                 "test_opinfo_tight.py", "test_interrupts.py", "test_hostile_files.py", "test_interrupts_atomic.py",
+                 "test_interrupts_clients.py", "test_autocast.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist 3.6 and later
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(session, config, items):
