@@ -364,6 +364,10 @@ SAME_MASTER = {
     "w[:40].masked_scatter_(mask, w[40:])": (lambda w, i: w[:40].masked_scatter_(w[:40] > 0, w[40:]), False),
     "w.index_copy_(0, rows, w[:2])": (lambda w, i: w.index_copy_(0, i, w[:2]), True),
     "w.scatter_(0, index, w[:2])": (lambda w, i: w.scatter_(0, torch.zeros_like(w[:2], dtype=torch.long), w[:2]), True),
+    "w[40:][rows] = w[:2]": (lambda w, i: w[40:].__setitem__(i, w[:2]), False),
+    "w[:40].index_put_((rows,), w[40:42], accumulate)": (lambda w, i: w[:40].index_put_((i,), w[40:42], True), False),
+    "w[rows] = w[:2]": (lambda w, i: w.__setitem__(i, w[:2]), True),
+    "w.index_put_((rows,), w[:2], accumulate)": (lambda w, i: w.index_put_((i,), w[:2], True), True),
 }
 
 
@@ -371,7 +375,8 @@ SAME_MASTER = {
 def test_an_in_place_write_on_the_host_reading_another_view_of_the_weight_runs_or_is_refused_as_torch_does(name, device):
     """Its out-of-place form reads the source from the master before the write: right where the
     source's bytes are disjoint from the written ones (before, ``BudgetError``); a source that
-    overlaps part of them gets torch's refusal (before, ``BudgetError`` too), the weight whole."""
+    overlaps part of them gets torch's refusal (before, ``BudgetError`` too), the weight whole.
+    ``w[rows] = v`` (``index_put_``) writes the master and reads an offloaded ``v`` from its own."""
     model = _wrapped(device)
     plain = _weight().to(device)
     op, refused = SAME_MASTER[name]

@@ -138,11 +138,14 @@ _INDEX_PUT_ON_DEVICE = Mutation(aten.index_put_.default)
 def _index_put_(func, types, args, kwargs):
     # ``param.data[rows] = w`` (weight loaders) writes straight into the host master, as copy_ does;
     # the generic path would page the whole tensor to scatter a few rows into a private copy.
-    self = args[0]
-    if not isinstance(self, OffloadedTensor) or any(_has_offloaded(a) for a in (*args[1:], *kwargs.values())):
+    # Offloaded values are read from their host views, as copy_ reads an offloaded source: nothing
+    # is paged, and ``w[idx] = w[:2]`` meets torch's own overlap check on the host views instead
+    # of a refusal to page ``w`` whole.
+    self, value = args[0], args[2]
+    if not isinstance(self, OffloadedTensor) or any(_has_offloaded(a) for a in (args[1], *args[3:], *kwargs.values())):
         return _INDEX_PUT_ON_DEVICE(func, types, args, kwargs)
     indices = [None if i is None else i.to("cpu") for i in args[1]]
-    values = args[2].to("cpu")
+    values = value._host if isinstance(value, OffloadedTensor) else value.to("cpu")
     pager = self._master.pager
     with pager.lock:  # as in paging.write_back
         pager.before_write(self._master)
@@ -150,7 +153,7 @@ def _index_put_(func, types, args, kwargs):
             # The aten op, not Tensor.index_put_, whose binding refuses the None that stands for
             # a whole dimension before an index (``w[:, cols] = v``).
             func(self._host, indices, values, *args[3:], **kwargs)
-        if args[2].device.type != "cpu":
+        if value.device.type != "cpu" and not isinstance(value, OffloadedTensor):
             pager.count_write_back(values.numel() * values.element_size())
     return self
 
