@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import offtensor as ot
@@ -391,3 +392,63 @@ def test_an_in_place_write_on_the_host_reading_another_view_of_the_weight_runs_o
             op(plain, rows)
             op(model.w, rows)
             assert torch.equal(model.w.materialize(), plain)
+
+
+class _OwnTensor(nn.Module):
+    """A model's own tensor read by an op placement does not plan for (``forward`` calls ``op``)."""
+
+    def __init__(self, shape, op):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(*shape, generator=torch.Generator().manual_seed(0)))
+        self.op = op
+
+    def forward(self, x):
+        return self.op(self.w, x)
+
+
+_IMAGE = (1, 4, 32, 32)
+ANY_OP = {
+    # name: (the tensor's shape, the op on it and an input)
+    "grid_sample": (_IMAGE, lambda w, x: F.grid_sample(w, x.reshape(1, 2, 3, 2).tanh(), align_corners=False)),
+    "interpolate(bilinear)": (_IMAGE, lambda w, x: F.interpolate(w, scale_factor=0.5, mode="bilinear") * x.sum()),
+    "interpolate(nearest)": (_IMAGE, lambda w, x: F.interpolate(w, scale_factor=2.0) * x.sum()),
+    "avg_pool2d": (_IMAGE, lambda w, x: F.avg_pool2d(w, 2) * x.sum()),
+    "max_pool2d": (_IMAGE, lambda w, x: F.max_pool2d(w, 2) * x.sum()),
+    "adaptive_avg_pool2d": (_IMAGE, lambda w, x: F.adaptive_avg_pool2d(w, 3) * x.sum()),
+    "pixel_shuffle": (_IMAGE, lambda w, x: F.pixel_shuffle(w, 2) * x.sum()),
+    "unfold": (_IMAGE, lambda w, x: F.unfold(w, 3) * x.sum()),
+    "conv2d of it as the input": (_IMAGE, lambda w, x: F.conv2d(w, x.reshape(3, 4, 1, 1))),
+    "instance_norm of it": (_IMAGE, lambda w, x: F.instance_norm(w) * x.sum()),
+    "batch_norm of it, no running stats": (_IMAGE, lambda w, x: F.batch_norm(w, None, None, training=True) * x.sum()),
+    "layer_norm of it": ((32, 128), lambda w, x: F.layer_norm(w, (128,)) * x.sum()),
+    "mse_loss": ((32, 128), lambda w, x: F.mse_loss(w, x.sum() * torch.ones(32, 128, device=x.device))),
+}
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("name", sorted(ANY_OP))
+def test_any_op_on_a_tensor_larger_than_the_room_that_no_slice_covers_runs_on_its_host_master(name, grad, device):
+    """wrap accepts a third of the tensor's bytes (placement plans products, convolutions of it as
+    a weight and index ops, not these), so the forward must run: before, each raised
+    ``BudgetError``. It runs on the host master, the unwrapped result and gradient on the emulated
+    device, counted as a host op, within the budget."""
+    shape, op = ANY_OP[name]
+    plain, model = _OwnTensor(shape, op).to(device), _OwnTensor(shape, op)
+    nbytes = model.w.numel() * model.w.element_size()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a GPU's warning that the CPU's kernel may round otherwise)
+        ot.wrap_model(model, budget_gb=nbytes / 3 / GiB, device=device)
+        assert isinstance(model.w, ot.OffloadedTensor)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)).to(device)
+        with torch.set_grad_enabled(grad):
+            want, got = plain(x), model(x)
+            if grad:
+                want.sum().backward()
+                got.sum().backward()
+    exact = device == "cpu"
+    assert torch.equal(got, want) if exact else torch.allclose(got, want, atol=1e-5)
+    if grad:
+        g = model.w.grad.materialize() if isinstance(model.w.grad, ot.OffloadedTensor) else model.w.grad
+        assert torch.equal(g, plain.w.grad) if exact else torch.allclose(g, plain.w.grad, atol=1e-5)
+    s = ot.stats(model)
+    assert s.host_ops >= 1 and s.peak_device_bytes <= s.budget_bytes

@@ -101,20 +101,20 @@ def torch_dispatch(func, types, args, kwargs):
         reclaim(error)
         if type(error) is not BudgetError or cutting():
             raise
-        in_slices = _in_slices(func, handler)
+        in_slices = _in_slices(func, handler, args, kwargs)
         if in_slices is None:
             raise
         try:
             return in_slices(func, handler, args, kwargs or {}, error)
         except BaseException as late:
             reclaim(late)  # the slices' own records, as for the handler's
-            if type(late) is not BudgetError or func not in ON_HOST:
+            if type(late) is not BudgetError or not (func in ON_HOST or _any_on_host(func, handler, args, kwargs)):
                 raise
             # No slice fits (an op over the whole tensor, a line larger than the room): its host master.
             return on_host(func, args, kwargs or {}, late)
 
 
-def _in_slices(func, handler):
+def _in_slices(func, handler, args, kwargs):
     """How ``func`` runs in slices when its page raised ``BudgetError``, or None."""
     if handler in _PLAIN_COMPUTE and func in _SHORT_OF_ROOM:
         # An op that reads a tensor whole, larger than the free room: slices of it (whole_reads.py, lines.py).
@@ -136,7 +136,33 @@ def _in_slices(func, handler):
     if type(handler) is Mutation and func in OUT_ON_HOST:
         # Its out= form (``torch.cumsum(w, 0, out=o)``): the op there, each out= given its values.
         return _out_on_host
+    if _any_on_host(func, handler, args, kwargs):
+        # Any other op that reads its arguments and computes a new result (``grid_sample``, a pooling,
+        # an interpolation, a loss or a convolution of a model's own tensor as its input), where no
+        # slice or tile fits: on its host masters too, where it has a CPU kernel. wrap accepted the
+        # budget, so it runs.
+        return _on_host
     return None
+
+
+def _any_on_host(func, handler, args, kwargs) -> bool:
+    """Whether ``func``, beyond the ops host_compute names, runs on the host masters as a last
+    resort: an op that reads its arguments and returns new tensors (a compute handler, or an op
+    whose written arguments are all absent: a batch norm without running statistics), but not one
+    that draws random numbers, whose host generator is not the device's."""
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        return False
+    if handler in _COMPUTE_HANDLERS:
+        return True
+    schema = func._schema
+    if handler is not batch_norm and type(handler) is not Mutation:
+        return False
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+            if value is not None:
+                return False
+    return True
 
 
 def _short_of_room(func, handler, args, kwargs, error):

@@ -45,7 +45,8 @@ def _signature(v):
         host = v.__dict__["_host"]
         return host.shape, host.stride(), _dtype(v)
     if isinstance(v, torch.Tensor):
-        return v.shape, v.stride(), v.dtype
+        # (a sparse tensor has no strides: its layout stands in)
+        return v.shape, v.stride() if v.layout is torch.strided else v.layout, v.dtype
     if isinstance(v, (list, tuple)):
         return type(v), tuple(map(_signature, v))
     return v

@@ -30,7 +30,11 @@ and what they replace is a ``BudgetError``. That cost is not hidden: each op is 
 pager's stats (``host_ops``, the master bytes read, the bytes written back, the result bytes, the
 measured seconds) and, while a timeline records, recorded on its host lane at its measured time.
 Like the slices, this runs only after the op's own page raised ``BudgetError`` (``torch_dispatch``'s
-except clause): an op whose arguments fit pays nothing.
+except clause): an op whose arguments fit pays nothing. Beyond the ops named here (``ON_HOST``),
+any op that reads its arguments and computes a new result comes here as a last resort, where no
+slice or tile of it fits (``grid_sample``, a pooling, a convolution of a model's own tensor as its
+input): a budget wrap accepted runs. Ops that draw random numbers do not (the host's generator is
+not the device's), and an op with no CPU kernel keeps the room's error.
 Under torch.compile the values are not known at trace time: Dynamo breaks the graph there and runs
 the op eagerly (``compile.graph_break``)."""
 
@@ -232,7 +236,10 @@ def _exact_anywhere(func, args, kwargs) -> bool:
 
 
 def _apart(t: torch.Tensor, masters: set) -> torch.Tensor:
-    """A result never shares a master's memory: a write to it would change the weight unseen."""
+    """A result never shares a master's memory: a write to it would change the weight unseen. (A
+    sparse result, ``to_sparse``'s, has no storage of its own to share: its values were copied.)"""
+    if t.layout is not torch.strided:
+        return t
     return t.clone() if t.untyped_storage().data_ptr() in masters else t
 
 
