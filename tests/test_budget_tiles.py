@@ -118,6 +118,17 @@ def test_a_product_whose_single_tile_exceeds_the_room_runs_on_the_host_masters(d
     assert pager.stats.host_ops == 1 and pager.stats.peak_device_bytes == 0
 
 
+def test_a_linear_whose_offloaded_input_leaves_no_room_for_a_weight_tile_runs(device):
+    """F.linear of an offloaded input of 96 bytes where the room holds 48: no tile of the weight
+    fits beside it (before, ``BudgetError``), so linear's aten ops run, cutting the input's rows;
+    rows narrower than 16 may round otherwise in the last bits, as narrow tiles do."""
+    pager = Pager(torch.device(device), 48)
+    x, w, b = torch.randn(8, 3), torch.randn(4, 3), torch.randn(4)
+    got = F.linear(*(_offload_under(pager, t) for t in (x, w, b)))
+    torch.testing.assert_close(got.cpu(), F.linear(x, w, b), rtol=1e-5, atol=1e-6)
+    assert pager.stats.peak_device_bytes <= 48
+
+
 def test_a_weight_larger_than_the_room_times_a_vector_runs_in_row_tiles(device):
     # weight @ v (matmul of a 2-D weight and a 1-D input) runs mv, which paged the weight whole:
     # BudgetError at a budget that placement accepted for tiles of its rows.

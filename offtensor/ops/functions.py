@@ -49,10 +49,10 @@ def _linear(args, kwargs):
             # host master when it is not cached (host_experts.py).
             if expert_on_host(weight, x.numel() // max(x.shape[-1], 1)) is not None:
                 return host_linear(x, weight, bias)
-        if weight._host.dim() == 2 and needs_tiling(weight, [x, bias]):
-            return linear_tiled(x, weight, bias)
-    paged = Paged()
     try:
+        if offloaded and weight._host.dim() == 2 and needs_tiling(weight, [x, bias]):
+            return linear_tiled(x, weight, bias)
+        paged = Paged()
         try:
             device_weight = paged.arg(weight)
             if offloaded:
@@ -62,6 +62,10 @@ def _linear(args, kwargs):
             paged.release()
     except BaseException as error:  # torch_dispatch's net, for the ops intercepted here
         reclaim(error)
+        if type(error) is BudgetError:
+            # No tile of the weight fits beside its other arguments (an input larger than the
+            # room): linear's aten ops, whose handlers run what does not fit on the host masters.
+            return NotImplemented
         raise
 
 
