@@ -336,6 +336,32 @@ def test_an_in_place_op_on_a_weight_larger_than_the_room_writes_what_the_unwrapp
     assert pager.stats.peak_device_bytes <= pager.budget_bytes
 
 
+IN_PLACE_PRODUCTS = {
+    "addmm_": lambda w, a: w.addmm_(a, a.t().repeat(1, 2), beta=0.5, alpha=2.0),
+    "addr_": lambda w, a: w.addr_(a[:, 0], a[0].repeat(8)),
+    "baddbmm_ of its 3-D view": lambda w, a: w.view(4, 16, 128).baddbmm_(a.view(4, 16, 16),
+                                                                          a.t().repeat(1, 2).expand(4, 16, 128)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(IN_PLACE_PRODUCTS))
+def test_an_in_place_product_into_a_weight_larger_than_the_room_runs_its_out_of_place_form_on_the_host(name, device):
+    """``w.addmm_(a, b)``: no tile rule writes a weight, so before this it raised ``BudgetError``;
+    now any in-place op that writes its first argument alone and has an out-of-place form of the
+    same name and arguments runs that form on the host and writes the result back in one copy."""
+    model = _wrapped(device)
+    plain = _weight().to(device)
+    a = torch.randn(64, 16, generator=torch.Generator().manual_seed(3)).to(device)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a GPU's warning that the CPU's kernel may round otherwise)
+        IN_PLACE_PRODUCTS[name](plain, a)
+        IN_PLACE_PRODUCTS[name](model.w, a)
+    got = model.w.materialize()
+    assert torch.equal(got, plain) if device == "cpu" else torch.allclose(got, plain, atol=1e-4)
+    pager = model.w._master.pager
+    assert pager.stats.host_ops >= 1 and pager.stats.peak_device_bytes <= pager.budget_bytes
+
+
 def test_an_interrupt_at_any_point_of_an_in_place_op_on_the_host_leaves_the_weight_whole_or_written(device):
     """The result is written back in one copy: a Ctrl-C leaves the weight as it was or as written."""
     from test_interrupts_more import _whole_or_written

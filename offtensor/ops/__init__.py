@@ -55,7 +55,7 @@ from .convolutions import convolution, convolution_backward
 from .pieces import ForeachInPieces, cutting, pointwise_in_pieces
 from .tiling import TILE_ALIGN, bmm, mm, mv
 from .views import inplace_view, view
-from .host_compute import ON_HOST, OUT_ON_HOST, WRITTEN_ON_HOST, on_host, out_on_host, written_on_host
+from .host_compute import ON_HOST, OUT_ON_HOST, functional_form, on_host, out_on_host, written_on_host
 from .lines import ALONG_LINES
 from .weight_norms import WEIGHT_NORMS
 from .whole_reads import SHORT_OF_ROOM
@@ -130,7 +130,7 @@ def _in_slices(func, handler, args, kwargs):
     if func in ON_HOST:
         # Reads the whole tensor with no slices to cut (``unique``, ``nonzero``): on its host master (host_compute.py).
         return _on_host
-    if type(handler) is Mutation and func in WRITTEN_ON_HOST:
+    if type(handler) is Mutation and functional_form(func) is not None:
         # Writes it by index or mask (``index_copy_``, ``tril_``): its out-of-place form there, written back.
         return _written_on_host
     if type(handler) is Mutation and func in OUT_ON_HOST:

@@ -87,7 +87,7 @@ def written_on_host(func, args, kwargs, error):
             refuse_partial_overlap(t._host, a._host)
             if not disjoint(t._host, a._host):
                 raise error
-    call = _host_call(_FUNCTIONAL[func], args, kwargs, error)
+    call = _host_call(functional_form(func), args, kwargs, error)
     call.write_back(t, call.out)
     call.counted(func, _nbytes(t), 0)
     return t
@@ -309,7 +309,33 @@ for _name in _IN_PLACE:
     _op, _functional = _named(_name), _named(_name.replace("_.", ".", 1))
     if _op is not None and _functional is not None:
         _FUNCTIONAL[_op] = _functional
-WRITTEN_ON_HOST = frozenset(_FUNCTIONAL)
+
+
+def functional_form(func):
+    """The out-of-place form ``written_on_host`` runs for the in-place ``func``: the table's above,
+    or, for any other in-place op that writes its first argument alone (``addmv_``, ``baddbmm_``),
+    torch's op of the same name without the underscore and the same arguments. None where there is
+    none, or where the op draws random numbers (the host's generator is not the device's)."""
+    form = _FUNCTIONAL.get(func, _UNKNOWN)
+    if form is _UNKNOWN:
+        form = _FUNCTIONAL[func] = _form_by_name(func)
+    return form
+
+
+_UNKNOWN = object()
+
+
+def _form_by_name(func):
+    name, schema = func.overloadpacket.__name__, func._schema
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if not name.endswith("_") or name.startswith(("_foreach", "_fused")) or len(written) != 1 \
+            or written[0] is not schema.arguments[0] or torch.Tag.nondeterministic_seeded in func.tags:
+        return None
+    form = getattr(getattr(aten, name[:-1], None), func._overloadname, None)
+    if form is None or len(form._schema.returns) != 1 or \
+            [(a.name, str(a.type)) for a in form._schema.arguments] != [(a.name, str(a.type)) for a in schema.arguments]:
+        return None
+    return form
 # Those whose result on a GPU is the CPU's, bit for bit: they select, count or compare, and where
 # elements are equal torch defines which one they give (the first maximum, the lower median).
 _EXACT_ANYWHERE = frozenset({
