@@ -478,3 +478,23 @@ def test_any_op_on_a_tensor_larger_than_the_room_that_no_slice_covers_runs_on_it
         assert torch.equal(g, plain.w.grad) if exact else torch.allclose(g, plain.w.grad, atol=1e-5)
     s = ot.stats(model)
     assert s.host_ops >= 1 and s.peak_device_bytes <= s.budget_bytes
+
+
+def test_a_bag_or_an_index_write_with_other_offloaded_arguments_runs_on_the_host_masters(device):
+    """``embedding_bag`` over a table larger than the room with its indices and per-sample weights
+    offloaded too (the by-rows path takes plain ones only), and ``index_put_`` with offloaded
+    indices: each raised ``BudgetError`` before; on the host masters, the plain results."""
+    from offtensor.pager import Pager
+
+    pager = Pager(torch.device(device), budget_bytes=100)
+    table, rows = torch.randn(10, 5), torch.tensor([1, 2, 4, 5, 4])
+    offsets, weights = torch.tensor([0, 2]), torch.randn(5)
+    offloaded = [ot.offload(t, device, pager=pager) for t in (table, rows, offsets, weights)]
+    got = F.embedding_bag(offloaded[1], offloaded[0], offloaded[2], mode="sum", per_sample_weights=offloaded[3])
+    want = F.embedding_bag(rows, table, offsets, mode="sum", per_sample_weights=weights)
+    assert torch.equal(got.cpu(), want) if device == "cpu" else torch.allclose(got.cpu(), want, atol=1e-6)
+    values = torch.randn(5, 5)
+    offloaded[0].index_put_((offloaded[1],), ot.offload(values, device, pager=pager), accumulate=True)
+    table.index_put_((rows,), values, accumulate=True)
+    assert torch.equal(offloaded[0].materialize().cpu(), table)
+    assert pager.stats.host_ops == 2 and pager.stats.peak_device_bytes <= 100

@@ -59,7 +59,7 @@ from .host_compute import ON_HOST, OUT_ON_HOST, functional_form, on_host, out_on
 from .lines import ALONG_LINES
 from .weight_norms import WEIGHT_NORMS
 from .whole_reads import SHORT_OF_ROOM
-from .writes import Mutation, batch_norm, copy_, resize_, set_
+from .writes import Mutation, batch_norm, copy_, index_put_, resize_, set_
 
 __all__ = [
     "implements",
@@ -130,7 +130,7 @@ def _in_slices(func, handler, args, kwargs):
     if func in ON_HOST:
         # Reads the whole tensor with no slices to cut (``unique``, ``nonzero``): on its host master (host_compute.py).
         return _on_host
-    if type(handler) is Mutation and functional_form(func) is not None:
+    if (type(handler) is Mutation or handler is index_put_) and functional_form(func) is not None:
         # Writes it by index or mask (``index_copy_``, ``tril_``): its out-of-place form there, written back.
         return _written_on_host
     if type(handler) is Mutation and func in OUT_ON_HOST:
@@ -147,15 +147,13 @@ def _in_slices(func, handler, args, kwargs):
 
 def _any_on_host(func, handler, args, kwargs) -> bool:
     """Whether ``func``, beyond the ops host_compute names, runs on the host masters as a last
-    resort: an op that reads its arguments and returns new tensors (a compute handler, or an op
-    whose written arguments are all absent: a batch norm without running statistics), but not one
-    that draws random numbers, whose host generator is not the device's."""
-    if torch.Tag.nondeterministic_seeded in func.tags:
+    resort: an op that reads its arguments and returns new tensors (no view, and any argument it
+    would write absent: a batch norm without running statistics), but not one that draws random
+    numbers (the host's generator is not the device's) or a collective (its peers wait on the device)."""
+    if torch.Tag.nondeterministic_seeded in func.tags or type(handler) is Collective:
         return False
-    if handler in _COMPUTE_HANDLERS:
-        return True
     schema = func._schema
-    if handler is not batch_norm and type(handler) is not Mutation:
+    if any(r.alias_info is not None for r in schema.returns):
         return False
     for i, a in enumerate(schema.arguments):
         if a.alias_info is not None and a.alias_info.is_write:

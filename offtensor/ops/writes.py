@@ -135,7 +135,7 @@ _INDEX_PUT_ON_DEVICE = Mutation(aten.index_put_.default)
 
 
 @implements(aten.index_put_.default)
-def _index_put_(func, types, args, kwargs):
+def index_put_(func, types, args, kwargs):
     # ``param.data[rows] = w`` (weight loaders) writes straight into the host master, as copy_ does;
     # the generic path would page the whole tensor to scatter a few rows into a private copy.
     # Offloaded values are read from their host views, as copy_ reads an offloaded source: nothing
