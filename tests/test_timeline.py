@@ -490,6 +490,26 @@ def test_routing_stats_from_a_trace_measure_skew_and_locality_and_scale_to_more_
         RoutingStats.from_trace([[[0, 9]]], num_experts=8)
 
 
+def test_a_plan_under_uniform_routing_is_the_same_whatever_was_planned_before_it():
+    """Uniform planned routing drew from one generator seeded once per process, so the same plan
+    gave 0.125, then 0.0, then 0.0 of expert hits in three calls (and a suite's test of it depended
+    on which tests its worker ran first). Each plan seeds it anew."""
+    from offtensor.sim.plan import EXPERTS_PAGED
+
+    model = _small_qwen3_moe(layers=1)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    x = torch.zeros(1, 1, dtype=torch.long)
+
+    def expert_copies():
+        tl = ot.plan(model, budget_gb=(total - experts + experts // 4) / GiB, example_inputs=(x,), steps=2, warmup=2,
+                     policy=EXPERTS_PAGED)
+        return [(e["hits"], e["misses"]) for e in tl.info["experts"].values()], tl.step_copy_bytes(tl.steps - 1)
+
+    first = expert_copies()
+    assert all(expert_copies() == first for _ in range(2))
+
+
 def test_a_plan_under_measured_routing_reuses_experts_that_a_uniform_plan_does_not():
     from offtensor.sim.plan import EXPERTS_PAGED, plan_expert_paging
     from offtensor import RoutingStats

@@ -11,6 +11,13 @@ import threading
 import torch
 
 _PLANNED_ROUTING = torch.Generator().manual_seed(0)
+
+
+def reseed() -> None:
+    """The uniform planned routing from its first draw again: each plan (``ot.plan``) starts here,
+    so two plans of one model draw the same routing (before, the draws went on from plan to plan:
+    the same call planned differently after other plans in the process)."""
+    _PLANNED_ROUTING.manual_seed(0)
 _planning = threading.local()  # .blocks: (ends, the frame that entered) of this thread's planned_routing blocks
 
 
@@ -69,8 +76,8 @@ def _measured():
 def _planned_ends(experts: int, rows: int) -> list:
     """Planning on meta (ot.plan): routing has no values, so ``rows`` routed rows go to
     min(experts, rows) distinct experts drawn uniformly at random (no locality: what an expert
-    cache gains from skewed routing is not assumed), as evenly as they divide. Seeded once per
-    process, so a plan is reproducible within it."""
+    cache gains from skewed routing is not assumed), as evenly as they divide. Drawn from one
+    generator that each plan seeds anew (``reseed``), so a plan is reproducible whatever ran before it."""
     chosen = sorted(torch.randperm(experts, generator=_PLANNED_ROUTING)[: min(experts, rows)].tolist())
     counts = [0] * experts
     for i, e in enumerate(chosen):

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..ops import planned as planned_draws
 from ..moe import RoutingStats, model_top_k
 from .. import placement
 from ..config import OffloadConfig
@@ -66,6 +67,7 @@ def _record_plan(model: nn.Module, placed: placement.ModelPlacement, pager, exam
         planned = _PlannedRouting(routing, model_top_k(model) or routing.top_k)
         hooks.append(model.register_forward_pre_hook(lambda m, a: planned.new_step()))
     inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    planned_draws.reseed()
     rec = timeline(model, profile)
     tl = rec.tl
     tl.warmup_steps = warmup
