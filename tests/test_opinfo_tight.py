@@ -118,5 +118,6 @@ def test_every_op_with_tensors_beyond_the_budget_runs_right_or_raises_budget_err
                     wrong.append(f"{_full_name(op)} sample {i} (frozen input: {frozen}): "
                                  f"{type(error).__name__}: {str(error)[:300]}")
     assert not wrong, "\n".join(wrong)
+    print(f"\n{variant}: {counts}")  # (shown with -s: ran, warned and refused samples)
     total = sum(counts.values())
     assert total > 200 and (counts["ran"] + counts["warned"]) / total >= floor, counts
