@@ -336,6 +336,8 @@ def _form_by_name(func):
             [(a.name, str(a.type)) for a in form._schema.arguments] != [(a.name, str(a.type)) for a in schema.arguments]:
         return None
     return form
+
+
 # Those whose result on a GPU is the CPU's, bit for bit: they select, count or compare, and where
 # elements are equal torch defines which one they give (the first maximum, the lower median).
 _EXACT_ANYWHERE = frozenset({

@@ -18,6 +18,8 @@ def reseed() -> None:
     so two plans of one model draw the same routing (before, the draws went on from plan to plan:
     the same call planned differently after other plans in the process)."""
     _PLANNED_ROUTING.manual_seed(0)
+
+
 _planning = threading.local()  # .blocks: (ends, the frame that entered) of this thread's planned_routing blocks
 
 
