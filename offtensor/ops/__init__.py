@@ -59,7 +59,7 @@ from .host_compute import ON_HOST, OUT_ON_HOST, functional_form, on_host, out_on
 from .lines import ALONG_LINES
 from .weight_norms import WEIGHT_NORMS
 from .whole_reads import SHORT_OF_ROOM
-from .writes import Mutation, batch_norm, copy_, index_put_, resize_, set_
+from .writes import Mutation, batch_norm, copy_, resize_, set_, written_arguments
 
 __all__ = [
     "implements",
@@ -130,8 +130,9 @@ def _in_slices(func, handler, args, kwargs):
     if func in ON_HOST:
         # Reads the whole tensor with no slices to cut (``unique``, ``nonzero``): on its host master (host_compute.py).
         return _on_host
-    if (type(handler) is Mutation or handler is index_put_) and functional_form(func) is not None:
-        # Writes it by index or mask (``index_copy_``, ``tril_``): its out-of-place form there, written back.
+    if functional_form(func) is not None:
+        # Writes it by index or mask (``index_copy_``, ``tril_``), or any in-place op with an
+        # out-of-place form (``addmm_``), whatever its handler: that form there, written back.
         return _written_on_host
     if type(handler) is Mutation and func in OUT_ON_HOST:
         # Its out= form (``torch.cumsum(w, 0, out=o)``): the op there, each out= given its values.
@@ -155,11 +156,9 @@ def _any_on_host(func, handler, args, kwargs) -> bool:
     schema = func._schema
     if any(r.alias_info is not None for r in schema.returns):
         return False
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
-            if value is not None:
-                return False
+    for i, name in written_arguments(schema).items():
+        if (args[i] if i < len(args) else kwargs.get(name)) is not None:
+            return False
     return True
 
 
@@ -295,7 +294,7 @@ def _classify(func):
     schema = func._schema
     if torch.Tag.inplace_view in func.tags:
         return inplace_view
-    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+    if written_arguments(schema):
         return Mutation(func)
     if schema.returns and all(r.alias_info is not None for r in schema.returns):
         return view

@@ -53,6 +53,7 @@ from .lines import ALONG_LINES
 from .overlaps import disjoint, refuse_partial_overlap
 from .paging import describe, resize_error, write_back
 from .views import fits_master
+from .writes import written_arguments
 
 aten = torch.ops.aten
 
@@ -327,15 +328,18 @@ _UNKNOWN = object()
 
 def _form_by_name(func):
     name, schema = func.overloadpacket.__name__, func._schema
-    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    if not name.endswith("_") or name.startswith(("_foreach", "_fused")) or len(written) != 1 \
-            or written[0] is not schema.arguments[0] or torch.Tag.nondeterministic_seeded in func.tags:
+    if not name.endswith("_") or name.startswith(("_foreach", "_fused")) or list(written_arguments(schema)) != [0] \
+            or torch.Tag.nondeterministic_seeded in func.tags:
         return None
     form = getattr(getattr(aten, name[:-1], None), func._overloadname, None)
-    if form is None or len(form._schema.returns) != 1 or \
-            [(a.name, str(a.type)) for a in form._schema.arguments] != [(a.name, str(a.type)) for a in schema.arguments]:
+    if form is None or len(form._schema.returns) != 1 or _signature(form._schema.arguments) != _signature(schema.arguments):
         return None
     return form
+
+
+def _signature(arguments) -> list:
+    """Arguments' names and types, without their alias annotations: an op's and another form's compare."""
+    return [(a.name, str(a.type)) for a in arguments]
 
 
 # Those whose result on a GPU is the CPU's, bit for bit: they select, count or compare, and where
@@ -361,13 +365,13 @@ def _out_forms() -> dict:
     ``cumsum.default``, ``sort.values_stable`` of ``sort.stable``), with Tensor out= arguments."""
     forms = {}
     for op in ON_HOST:
-        own = [(a.name, str(a.type)) for a in op._schema.arguments]
+        own = _signature(op._schema.arguments)
         for name in op.overloadpacket.overloads():
             overload = getattr(op.overloadpacket, name)
             arguments = overload._schema.arguments
             outs = [a for a in arguments if a.is_out]
             if outs and all(str(a.type) == "Tensor" for a in outs) \
-                    and [(a.name, str(a.type)) for a in arguments if not a.is_out] == own:
+                    and _signature(a for a in arguments if not a.is_out) == own:
                 forms[overload] = (op, tuple(a.name for a in outs))
     return forms
 

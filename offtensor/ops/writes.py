@@ -16,18 +16,18 @@ from .views import resize_within_master
 aten = torch.ops.aten
 
 
+def written_arguments(schema) -> dict:
+    """The arguments an op's schema says it writes: position -> name."""
+    return {i: a.name for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+
+
 class Mutation:
     """Handler for an op that writes some of its arguments (in-place and out= ops)."""
 
     def __init__(self, func):
         schema = func._schema
-        self.positions = {}
-        self.outs = set()  # positions of the out= arguments among them
-        for i, arg in enumerate(schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                self.positions[i] = arg.name
-                if arg.is_out:
-                    self.outs.add(i)
+        self.positions = written_arguments(schema)
+        self.outs = {i for i in self.positions if schema.arguments[i].is_out}  # the out= arguments among them
         # Which argument each return aliases (in-place ops return their input object).
         self.returns = []
         for ret in schema.returns:
@@ -135,7 +135,7 @@ _INDEX_PUT_ON_DEVICE = Mutation(aten.index_put_.default)
 
 
 @implements(aten.index_put_.default)
-def index_put_(func, types, args, kwargs):
+def _index_put_(func, types, args, kwargs):
     # ``param.data[rows] = w`` (weight loaders) writes straight into the host master, as copy_ does;
     # the generic path would page the whole tensor to scatter a few rows into a private copy.
     # Offloaded values are read from their host views, as copy_ reads an offloaded source: nothing

@@ -77,6 +77,7 @@ class PagingState:
         with self.lock:
             self.lifetimes.wait_for(None)
 
+
 def _teardown(cache: DeviceCache, pool, lifetimes: HostLifetimes, ops) -> None:
     """A pager died: wait for the last use of each cached copy and slot and for each copy still
     reading a host source, then let them go. Runs from a finalizer, so it must not raise."""
