@@ -258,3 +258,31 @@ def test_quantize_dynamic_of_a_wrapped_model_gives_the_unwrapped_quantised_model
     for i in (0, 2, 4):
         ours, theirs = (m[i]._packed_params._weight_bias() for m in (quantised, reference))
         assert torch.equal(ours[1], theirs[1]), i
+
+
+def test_quantisation_in_place_of_a_wrapped_model_is_refused_before_it_changes_a_module():
+    """torch.ao.quantization finds the modules to quantise by ``type(module)``, which for a module
+    of a wrapped model is wrap's subclass of its class: ``quantize_dynamic(inplace=True)`` quantised
+    nothing and raised nothing (the model stayed in floating point), and ``convert(inplace=True)``
+    of modules given a qconfig by hand swapped none. Both are refused now, naming the way that
+    works, before any module is quantised or given a qconfig; the model runs as before, and a
+    quantised copy is still the unwrapped model's."""
+    from torch.ao import quantization as q
+    model = _mlp()
+    reference = _quantize_dynamic(copy.deepcopy(model), q.default_dynamic_qconfig, torch.qint8)
+    _wrap(model, "cpu", TIGHT)
+    x = _x("cpu")
+    with torch.no_grad():
+        want = model(x)
+    with pytest.raises(TypeError, match=r"in place \(inplace=True\) on a wrapped model would quantise nothing.*"
+                                        r"torch\.nn\.modules\.container\.Sequential.*Quantise a copy"):
+        _quantize_dynamic(model, q.default_dynamic_qconfig, torch.qint8, inplace=True)
+    model[2].qconfig = q.default_dynamic_qconfig
+    with pytest.raises(TypeError, match="would quantise nothing.*torch.nn.modules.linear.Linear"):
+        q.convert(model, {nn.Linear: torch.ao.nn.quantized.dynamic.Linear}, inplace=True)
+    del model[2].qconfig
+    assert [type(m).__bases__[0] for m in model] == [type(m) for m in _mlp()]
+    assert not any("qconfig" in vars(m) for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+        assert torch.equal(_quantize_dynamic(model, q.default_dynamic_qconfig, torch.qint8)(x), reference(x))

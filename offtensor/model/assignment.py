@@ -17,6 +17,7 @@ from torch import nn
 
 from .casts import apply_to_wrapped
 from .dtensor import asked_by_distribute_module, refuse_distribute, refuse_sharding_an_offloaded_weight
+from .eager_quantization import QCONFIG
 from .engines import asked_for_hooks
 from .loads import after_load, portable_state_dict
 from .moves import Undo, resident_bytes
@@ -342,6 +343,8 @@ def _make_wrapping_class(user_class: type) -> type:
     }
     if getattr(user_class, "__copy__", None) is None:  # a class's own __copy__ is left to make its copies
         namespace["__copy__"] = __copy__
+    if not hasattr(user_class, "qconfig"):  # (a class's own qconfig is left to answer)
+        namespace["qconfig"] = QCONFIG
     cls = type(user_class)(user_class.__name__, (user_class,), namespace)
     return cls
 

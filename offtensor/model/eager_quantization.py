@@ -1,0 +1,60 @@
+"""torch.ao.quantization's eager mode (``quantize_dynamic``, ``prepare``, ``quantize``, ``convert``)
+in place on a wrapped model: refused before it sets anything.
+
+Those flows find the modules to quantise by ``type(module)`` in their mappings (``nn.Linear`` ->
+its dynamic quantised form), and every module of a wrapped model has wrap's subclass of its class
+(model/assignment.py). In place they would find none, and the model would stay in floating point
+without an error. Their copies (``inplace=False``, the default) are of torch's own classes and
+quantise as the unwrapped model does, so only the in-place flow is refused.
+
+Their first step, ``propagate_qconfig_``, reads each module's ``qconfig`` (``getattr(module,
+"qconfig", default)``) before it sets one, and ``convert``'s ``swap_module`` reads it before it
+looks the module's type up. A wrapped module's class answers those reads through a property: from
+the qconfig pass it refuses, and from the swap of a module that has a qconfig (set by hand, then
+``convert``); anywhere else a module without a qconfig has none, and one set is kept in the
+module's ``__dict__`` as before."""
+
+from __future__ import annotations
+
+import sys
+
+from torch import nn
+
+_ABSENT = object()
+
+
+def _get_qconfig(self):
+    qconfig = self.__dict__.get("qconfig", _ABSENT)
+    caller = sys._getframe(1)
+    if caller.f_globals.get("__name__", "").startswith("torch.ao.quantization"):
+        # The qconfig pass, before it sets any; convert's swap of a module given one (by hand).
+        if caller.f_code.co_name == "_propagate_qconfig_helper" or (
+                caller.f_code.co_name == "swap_module" and qconfig is not _ABSENT and qconfig is not None):
+            _refuse(self)
+    if qconfig is _ABSENT:
+        raise AttributeError("qconfig")
+    return qconfig
+
+
+def _set_qconfig(self, value):
+    self.__dict__["qconfig"] = value
+
+
+def _del_qconfig(self):
+    try:
+        del self.__dict__["qconfig"]
+    except KeyError:
+        raise AttributeError("qconfig") from None
+
+
+QCONFIG = property(_get_qconfig, _set_qconfig, _del_qconfig)
+
+
+def _refuse(module: nn.Module) -> None:
+    user_class = type(module).__dict__.get("_offtensor_user_class", type(module))
+    raise TypeError(
+        f"offtensor: torch.ao.quantization in place (inplace=True) on a wrapped model would quantise nothing: it "
+        f"finds the modules to quantise by type(module), and each module of a wrapped model has offtensor's "
+        f"subclass of its class (here of {user_class.__module__}.{user_class.__qualname__}). Quantise a copy "
+        f"(quantize_dynamic(model, ...) without inplace=True gives one with torch's own classes), or quantise "
+        f"before wrap_model. No module was quantised or given a qconfig.")
