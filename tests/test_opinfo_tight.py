@@ -89,13 +89,13 @@ def _verdict(variant: str, op, sample, device: str, frozen, monkeypatch) -> str:
     return "ran"
 
 
-# The floor under the share of samples that run (the reference runs them all): 0.99 of the ops,
-# 0.98 of the gradients and 0.99 of the in-place ops run on the CPU (0.993, 0.979 and 0.997 of 4
-# samples an op; 0.83, 0.79 and 0.97 before any op with a CPU kernel ran on the host masters where
-# no slice fits: pools, convolutions of an offloaded input, interpolation, in-place products). The
-# rest: random ops (``rrelu``, ``normal``, ``bernoulli``), batch norms writing offloaded running
-# statistics, ``linear_cross_entropy``'s gradient.
-@pytest.mark.parametrize("variant, floor", [("fn", 0.95), ("grad", 0.93), ("inplace", 0.95)])
+# The floor under the share of samples that run (the reference runs them all): 0.99 of the ops, of
+# the gradients and of the in-place ops run on the CPU (0.998, 0.996 and 0.997 of 4 samples an op;
+# 0.83, 0.79 and 0.97 before any op with a CPU kernel ran on the host masters where no slice fits:
+# pools, convolutions of an offloaded input, interpolation, in-place products, batch norms writing
+# offloaded running statistics, out= products). The rest: random ops (``rrelu``, ``normal``,
+# ``bernoulli``).
+@pytest.mark.parametrize("variant, floor", [("fn", 0.98), ("grad", 0.98), ("inplace", 0.98)])
 def test_every_op_with_tensors_beyond_the_budget_runs_right_or_raises_budget_error(variant, floor, device, monkeypatch):
     has, requires_grad, _, splits = VARIANTS[variant]
     counts = {"ran": 0, "warned": 0, "refused": 0}

@@ -55,7 +55,7 @@ from .convolutions import convolution, convolution_backward
 from .pieces import ForeachInPieces, cutting, pointwise_in_pieces
 from .tiling import TILE_ALIGN, bmm, mm, mv
 from .views import inplace_view, view
-from .host_compute import ON_HOST, OUT_ON_HOST, functional_form, on_host, out_on_host, written_on_host
+from .host_compute import ON_HOST, functional_form, mutated_on_host, on_host, out_form, out_on_host, written_on_host
 from .lines import ALONG_LINES
 from .weight_norms import WEIGHT_NORMS
 from .whole_reads import SHORT_OF_ROOM
@@ -134,8 +134,9 @@ def _in_slices(func, handler, args, kwargs):
         # Writes it by index or mask (``index_copy_``, ``tril_``), or any in-place op with an
         # out-of-place form (``addmm_``), whatever its handler: that form there, written back.
         return _written_on_host
-    if type(handler) is Mutation and func in OUT_ON_HOST:
-        # Its out= form (``torch.cumsum(w, 0, out=o)``): the op there, each out= given its values.
+    if type(handler) is Mutation and out_form(func) is not None:
+        # An out= form (``torch.cumsum(w, 0, out=o)``, ``torch.mm(a, w, out=o)``): the op there, each
+        # out= given its values.
         return _out_on_host
     if _any_on_host(func, handler, args, kwargs):
         # Any other op that reads its arguments and computes a new result (``grid_sample``, a pooling,
@@ -143,23 +144,29 @@ def _in_slices(func, handler, args, kwargs):
         # slice or tile fits: on its host masters too, where it has a CPU kernel. wrap accepted the
         # budget, so it runs.
         return _on_host
+    if _any_on_host(func, handler, args, kwargs, writes=True):
+        # One that also writes some of its arguments (a training batch norm's running statistics):
+        # there too, each written argument written back.
+        return _mutated_on_host
     return None
 
 
-def _any_on_host(func, handler, args, kwargs) -> bool:
+def _any_on_host(func, handler, args, kwargs, writes: bool = False) -> bool:
     """Whether ``func``, beyond the ops host_compute names, runs on the host masters as a last
-    resort: an op that reads its arguments and returns new tensors (no view, and any argument it
-    would write absent: a batch norm without running statistics), but not one that draws random
+    resort: an op that returns new tensors (no view) and, without ``writes``, writes none of its
+    arguments (any it would write absent: a batch norm without running statistics); with
+    ``writes``, one that writes at least one, each a tensor (not a list). Not one that draws random
     numbers (the host's generator is not the device's) or a collective (its peers wait on the device)."""
     if torch.Tag.nondeterministic_seeded in func.tags or type(handler) is Collective:
         return False
     schema = func._schema
     if any(r.alias_info is not None for r in schema.returns):
         return False
-    for i, name in written_arguments(schema).items():
-        if (args[i] if i < len(args) else kwargs.get(name)) is not None:
-            return False
-    return True
+    written = [args[i] if i < len(args) else kwargs.get(name) for i, name in written_arguments(schema).items()]
+    written = [t for t in written if t is not None]
+    if not writes:
+        return not written
+    return bool(written) and all(isinstance(t, torch.Tensor) for t in written)
 
 
 def _short_of_room(func, handler, args, kwargs, error):
@@ -176,6 +183,10 @@ def _written_on_host(func, handler, args, kwargs, error):
 
 def _out_on_host(func, handler, args, kwargs, error):
     return out_on_host(func, args, kwargs, error)
+
+
+def _mutated_on_host(func, handler, args, kwargs, error):
+    return mutated_on_host(func, args, kwargs, error)
 
 
 def _pointwise(func, handler, args, kwargs, error):

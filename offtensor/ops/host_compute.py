@@ -33,8 +33,10 @@ Like the slices, this runs only after the op's own page raised ``BudgetError`` (
 except clause): an op whose arguments fit pays nothing. Beyond the ops named here (``ON_HOST``),
 any op that reads its arguments and computes a new result comes here as a last resort, where no
 slice or tile of it fits (``grid_sample``, a pooling, a convolution of a model's own tensor as its
-input): a budget wrap accepted runs. Ops that draw random numbers do not (the host's generator is
-not the device's), and an op with no CPU kernel keeps the room's error.
+input): a budget wrap accepted runs. So does one that also writes some of its arguments (a training
+batch norm's offloaded running statistics), each written back in one copy, and any op whose only
+writes are its out= arguments (``torch.mm(x, w.T, out=logits)``). Ops that draw random numbers do
+not (the host's generator is not the device's), and an op with no CPU kernel keeps the room's error.
 Under torch.compile the values are not known at trace time: Dynamo breaks the graph there and runs
 the op eagerly (``compile.graph_break``)."""
 
@@ -102,7 +104,7 @@ def out_on_host(func, args, kwargs, error):
     written back in one copy (``paging.write_back``: an interrupt leaves it as it was or as written;
     never resized past its host master, checked for every one before any is written), and each
     other one receives its values as torch's kernel would give them."""
-    functional, names = _OUT_FORMS[func]
+    functional, names = out_form(func)
     outs = [kwargs[name] for name in names]
     inputs = pytree.tree_leaves((args, {k: v for k, v in kwargs.items() if k not in names}))
     # (Loops, not generators: an interrupt inside one would close it, reported as "ignored".)
@@ -134,6 +136,50 @@ def out_on_host(func, args, kwargs, error):
         result += _nbytes(o)
     call.counted(func, written, result)
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def mutated_on_host(func, args, kwargs, error):
+    """An op that writes some of its arguments and returns new tensors (a training batch norm's
+    running statistics: ``_native_batch_norm_legit``, ``_batch_norm_with_update``) whose arguments
+    do not fit the room: the op on the host masters, each written argument given as a host copy of
+    its own, then each offloaded one written back in one copy (an interrupt leaves each as it was or
+    as written) and each other one given its values; its results go to the device."""
+    positions = written_arguments(func._schema)
+    written = [(i, name, args[i] if i < len(args) else kwargs.get(name)) for i, name in positions.items()]
+    written = [(i, name, t) for i, name, t in written if t is not None]
+    masters = [id(t._master) for _, _, t in written if isinstance(t, OffloadedTensor)]
+    read = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, OffloadedTensor)]
+    if len(set(masters)) < len(masters) or sum(id(a._master) in masters for a in read) > len(masters):
+        raise error  # (a written argument sharing a master with another: the kernel's own order would decide)
+    first = read[0]
+    device_type = first._master.pager.device.type
+    args, kwargs, temps = list(args), dict(kwargs), []
+    for i, name, t in written:
+        if isinstance(t, OffloadedTensor):
+            if type(t.__dict__["_host"]) is not torch.Tensor or "_cast" in t.__dict__:
+                raise error  # (a torch.compile stand-in, or a lazy cast: neither holds the values written)
+            temp = t._host.clone()
+        else:
+            temp = _host_out(t, device_type)
+            if temp is not t:
+                temp.copy_(t)
+        temps.append(temp)
+        if i < len(args):
+            args[i] = temp
+        else:
+            kwargs[name] = temp
+    call = _host_call(func, tuple(args), kwargs, error, first)
+    out = pytree.tree_map_only(torch.Tensor, lambda o: _apart(o, call.masters) if device_type == "cpu"
+                               else o.to(first._master.pager.device), call.out)
+    nbytes = 0
+    for (_, _, t), temp in zip(written, temps):
+        if isinstance(t, OffloadedTensor):
+            call.write_back(t, temp)
+            nbytes += _nbytes(t)
+        elif temp is not t:
+            t.copy_(temp)
+    call.counted(func, nbytes, _nbytes(out))
+    return out
 
 
 def _host_out(o: torch.Tensor, device_type: str) -> torch.Tensor:
@@ -377,4 +423,30 @@ def _out_forms() -> dict:
 
 
 _OUT_FORMS = _out_forms()
-OUT_ON_HOST = frozenset(_OUT_FORMS)
+
+
+def out_form(func):
+    """``(the out-of-place form, the names of the out= arguments)`` of an out= overload that
+    ``out_on_host`` runs: the table's for the ops named here; for any other op whose only written
+    arguments are Tensor out= ones and that draws no random numbers (``mm.out``, as
+    ``linear_cross_entropy``'s backward calls it), the overload of its packet with its other
+    arguments, or itself where there is none. None for any other op."""
+    form = _OUT_FORMS.get(func, _UNKNOWN)
+    if form is _UNKNOWN:
+        form = _OUT_FORMS[func] = _out_form_by_schema(func)
+    return form
+
+
+def _out_form_by_schema(func):
+    schema = func._schema
+    outs = [i for i, a in enumerate(schema.arguments) if a.is_out]
+    if not outs or sorted(written_arguments(schema)) != outs or torch.Tag.nondeterministic_seeded in func.tags \
+            or any(str(schema.arguments[i].type) != "Tensor" for i in outs):
+        return None
+    names = tuple(schema.arguments[i].name for i in outs)
+    own = _signature(a for a in schema.arguments if not a.is_out)
+    for name in func.overloadpacket.overloads():
+        overload = getattr(func.overloadpacket, name)
+        if not any(a.is_out for a in overload._schema.arguments) and _signature(overload._schema.arguments) == own:
+            return overload, names
+    return func, names
