@@ -86,3 +86,48 @@ def test_a_deep_copy_still_holding_its_offloaded_weights_is_adopted_at_its_first
         assert torch.equal(c(x), reference(x))
     stats = ot.stats(c)
     assert stats.budget_bytes == 4352 and stats.offloaded_bytes == ot.stats(model).offloaded_bytes
+
+
+def test_an_ensemble_of_wrapped_models_whose_weights_all_fit_runs_through_a_meta_skeleton_under_vmap(device):
+    """The same ensemble where the budget holds every weight (none offloaded): the skeleton, no
+    offloaded weight of its own to lose, was adopted inside ``functional_call`` and read vmap's
+    batched weights (``Cannot access storage of BatchedTensorImpl``). A copy whose weights are all
+    on meta is a plain model too."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).to(device)
+    members = []
+    for k in range(3):
+        member = copy.deepcopy(reference)
+        with torch.no_grad():
+            for p in member.parameters():
+                p.mul_(1 + 0.1 * k)
+        members.append(member)
+    plain = copy.deepcopy(members)
+    for member in members:
+        ot.wrap_model(member, budget_gb=1 / 1024, device=device)
+        assert ot.stats(member).offloaded_bytes == 0
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(1)).to(device)
+    outputs = []
+    for made in (members, plain):
+        params, buffers = stack_module_state(made)
+        skeleton = copy.deepcopy(made[0]).to("meta")
+        outputs.append(torch.vmap(lambda p, b, x: functional_call(skeleton, (p, b), (x,)), in_dims=(0, 0, None))(
+            params, buffers, x))
+        assert all(p.is_meta for p in skeleton.parameters())
+    assert torch.equal(*outputs)
+
+
+def test_a_deep_copy_run_first_by_functional_call_is_adopted_at_its_own_first_forward_within_the_budget(device):
+    """``functional_call(copy, params, x)`` as a copy's first use: its tables hold the caller's
+    tensors during that call. Adopting it then counted the caller's 27,680 bytes as its resident
+    weights, past its 4,352-byte budget; now the call runs with the caller's tensors, and the copy is
+    adopted at its own first forward, its weights offloaded, within the budget."""
+    model, reference = _wrapped(device)
+    c = copy.deepcopy(model)
+    params = {name: p.detach().clone() * 2 for name, p in reference.named_parameters()}
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        assert torch.equal(functional_call(c, params, (x,)), functional_call(reference, params, (x,)))
+        assert torch.equal(c(x), reference(x))
+    stats = ot.stats(c)
+    assert stats.offloaded_bytes == ot.stats(model).offloaded_bytes and stats.peak_device_bytes <= stats.budget_bytes

@@ -5,11 +5,13 @@ and the copy is adopted on a pager of its own the first time it is used, while a
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Optional
 
 import torch
 from torch import nn
+from torch.nn.utils import stateless
 
 from ..ops import compile as _compile
 from .. import moe
@@ -188,6 +190,11 @@ def adopt_copy(model: nn.Module) -> Optional[State]:
     if _copied_weights_gone(model, hooks[0][1]):
         _drop_copied_hooks(model, hooks)
         return None
+    if _inside_functional_call() or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in weight_tensors(model)):
+        # torch.func's functional_call runs it, or vmap / grad over it: its tables hold the caller's
+        # tensors for this call (under vmap with no storage), not its own. Placed, they would be
+        # counted as its resident weights beyond the budget. Adopted at its next use outside.
+        return None
     Undo.run(_adopt, model, hooks)
     return wrapped_state(model)
 
@@ -200,8 +207,27 @@ def _copied_weights_gone(model: nn.Module, hook: StepHook) -> bool:
     moment, which inside ``functional_call`` are the caller's tensors (under ``vmap``, batched ones
     with no storage)."""
     pager = hook.copy_pager
-    return (pager is not None and hook.copied_offloaded and pager.budget.offloaded_bytes == 0
-            and not any(isinstance(t, OffloadedTensor) for t in weight_tensors(model)))
+    weights = list(weight_tensors(model))
+    if (pager is not None and hook.copied_offloaded and pager.budget.offloaded_bytes == 0
+            and not any(isinstance(t, OffloadedTensor) for t in weights)):
+        return True
+    # The same skeleton of a model whose weights all fitted the budget (none was offloaded): every
+    # weight on meta, the original's device another.
+    return hook.config.device.type != "meta" and bool(weights) and all(t.is_meta for t in weights)
+
+
+def _inside_functional_call() -> bool:
+    """Whether ``torch.func.functional_call`` (``stateless._functional_call``) is running a module
+    now: the caller of a not yet adopted copy's step hook, a few frames up."""
+    code = stateless._functional_call.__code__
+    frame = sys._getframe(2)
+    for _ in range(64):
+        if frame is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _drop_copied_hooks(model: nn.Module, hooks: list) -> None:
