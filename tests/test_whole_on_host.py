@@ -586,3 +586,23 @@ def test_an_interrupt_at_any_point_of_a_batch_norm_on_the_host_leaves_each_stati
 
     assert _whole_or_written(omean, mean.to(device), after.to(device), run, ours, each=next_runs) > 5
     assert pager.stats.peak_device_bytes <= 200
+
+
+def test_a_draw_from_an_offloaded_table_larger_than_the_room_runs_only_where_the_hosts_generator_is_the_devices(device):
+    """``torch.multinomial`` of a probability table larger than the room has no slices: on its host
+    master, the draw comes from the host's generator. On the emulated device that is the device's
+    own, so the draw is the unwrapped one under the same seed; on a GPU it would be another stream
+    than the device's, so it is refused (it was computed there without a word)."""
+    from offtensor.pager import Pager
+
+    probs = torch.rand(64, 128, generator=torch.Generator().manual_seed(0))
+    pager = Pager(torch.device(device), budget_bytes=8192)
+    offloaded = ot.offload(probs.clone(), device, pager=pager)
+    if device != "cpu":
+        with pytest.raises(ot.BudgetError, match="32768"):
+            torch.multinomial(offloaded, 3)
+        return
+    torch.manual_seed(7)
+    got = torch.multinomial(offloaded, 3)
+    torch.manual_seed(7)
+    assert torch.equal(got, torch.multinomial(probs, 3)) and pager.stats.host_ops == 1

@@ -254,6 +254,8 @@ def _host_call(func, args, kwargs, error, first=None, exact=None) -> _HostCall:
     pager = first._master.pager
     if pager.capturing():
         raise error  # a CUDA graph replays device work only: a host kernel would not rerun
+    if pager.device.type != "cpu" and torch.Tag.nondeterministic_seeded in func.tags:
+        raise error  # (``multinomial``) the host's generator is not the device's: another draw than the device's
     host_args, host_kwargs = pytree.tree_unflatten(flat, spec)
     start = time.perf_counter()
     if pager.device.type == "cpu":  # the emulated device: the host's kernel is the device's, errors and all
