@@ -118,7 +118,8 @@ def out_on_host(func, args, kwargs, error):
     first = read[0] if read else offloaded[0]
     device_type = first._master.pager.device.type
     temps = [_host_out(o, device_type) for o in outs]
-    call = _host_call(func, args, {**kwargs, **dict(zip(names, temps))}, error, first, functional)
+    call = _host_call(func, args, {**kwargs, **dict(zip(names, temps))}, error, first, functional,
+                      host_made={id(temp) for temp in temps})
     pairs = list(zip(outs, temps))
     for o, temp in pairs:
         if isinstance(o, OffloadedTensor) and temp.shape != o.shape and not fits_master(o, temp.shape):
@@ -168,7 +169,8 @@ def mutated_on_host(func, args, kwargs, error):
             args[i] = temp
         else:
             kwargs[name] = temp
-    call = _host_call(func, tuple(args), kwargs, error, first)
+    own = {id(temp) for (_, _, t), temp in zip(written, temps) if isinstance(t, OffloadedTensor)}
+    call = _host_call(func, tuple(args), kwargs, error, first, host_made=own)
     out = pytree.tree_map_only(torch.Tensor, lambda o: _apart(o, call.masters) if device_type == "cpu"
                                else o.to(first._master.pager.device), call.out)
     nbytes = 0
@@ -227,11 +229,12 @@ class _HostCall:
                              result, self.synced)
 
 
-def _host_call(func, args, kwargs, error, first=None, exact=None) -> _HostCall:
+def _host_call(func, args, kwargs, error, first=None, exact=None, host_made=()) -> _HostCall:
     """``func`` run on the host: its offloaded arguments' host masters, its other tensors brought
     to the host; ``first``: the offloaded tensor whose pager runs it where no argument is offloaded
     (an out= one, set apart by the caller); ``exact``: the op whose exactness on a GPU it has
-    (``func``'s out-of-place form)."""
+    (``func``'s out-of-place form); ``host_made``: the ids of tensors the caller gave it that are
+    not the device's to wait for (out= buffers, copies of offloaded values it writes)."""
     flat, spec = pytree.tree_flatten((args, kwargs))
     masters, read, synced = set(), 0, False
     for i, a in enumerate(flat):
@@ -245,7 +248,7 @@ def _host_call(func, args, kwargs, error, first=None, exact=None) -> _HostCall:
             masters.add(host.untyped_storage().data_ptr())
             read += host.numel() * host.element_size()
             first = a if first is None else first
-        elif isinstance(a, torch.Tensor):
+        elif isinstance(a, torch.Tensor) and id(a) not in host_made:
             synced = True  # (the emulated device's tensors are the host's: recorded as a GPU's would be)
             if a.device.type != "cpu":
                 flat[i] = a.cpu()
