@@ -108,7 +108,7 @@ def torch_dispatch(func, types, args, kwargs):
             return in_slices(func, handler, args, kwargs or {}, error)
         except BaseException as late:
             reclaim(late)  # the slices' own records, as for the handler's
-            if type(late) is not BudgetError or not (func in ON_HOST or _any_on_host(func, handler, args, kwargs)):
+            if type(late) is not BudgetError or not (func in ON_HOST or _last_resort(func, handler, args, kwargs) is _on_host):
                 raise
             # No slice fits (an op over the whole tensor, a line larger than the room): its host master.
             return on_host(func, args, kwargs or {}, late)
@@ -138,35 +138,30 @@ def _in_slices(func, handler, args, kwargs):
         # An out= form (``torch.cumsum(w, 0, out=o)``, ``torch.mm(a, w, out=o)``): the op there, each
         # out= given its values.
         return _out_on_host
-    if _any_on_host(func, handler, args, kwargs):
-        # Any other op that reads its arguments and computes a new result (``grid_sample``, a pooling,
-        # an interpolation, a loss or a convolution of a model's own tensor as its input), where no
-        # slice or tile fits: on its host masters too, where it has a CPU kernel. wrap accepted the
-        # budget, so it runs.
-        return _on_host
-    if _any_on_host(func, handler, args, kwargs, writes=True):
-        # One that also writes some of its arguments (a training batch norm's running statistics):
-        # there too, each written argument written back.
-        return _mutated_on_host
-    return None
+    # Any other op that computes a new result (``grid_sample``, a pooling, an interpolation, a loss
+    # or a convolution of a model's own tensor as its input; a training batch norm, which also
+    # writes its running statistics), where no slice or tile fits: on its host masters too, where
+    # it has a CPU kernel. wrap accepted the budget, so it runs.
+    return _last_resort(func, handler, args, kwargs)
 
 
-def _any_on_host(func, handler, args, kwargs, writes: bool = False) -> bool:
-    """Whether ``func``, beyond the ops host_compute names, runs on the host masters as a last
-    resort: an op that returns new tensors (no view) and, without ``writes``, writes none of its
-    arguments (any it would write absent: a batch norm without running statistics); with
-    ``writes``, one that writes at least one, each a tensor (not a list). Not one that draws random
-    numbers (the host's generator is not the device's) or a collective (its peers wait on the device)."""
+def _last_resort(func, handler, args, kwargs):
+    """How ``func``, beyond the ops host_compute names, runs on the host masters as a last resort,
+    or None: an op that returns new tensors (no view) and writes none of its arguments (any it
+    would write absent: a batch norm without running statistics) runs there as it is (``_on_host``);
+    one that also writes some, each a tensor (not a list), with each written back
+    (``_mutated_on_host``). Not one that draws random numbers (the host's generator is not the
+    device's) or a collective (its peers wait on the device)."""
     if torch.Tag.nondeterministic_seeded in func.tags or type(handler) is Collective:
-        return False
+        return None
     schema = func._schema
     if any(r.alias_info is not None for r in schema.returns):
-        return False
+        return None
     written = [args[i] if i < len(args) else kwargs.get(name) for i, name in written_arguments(schema).items()]
     written = [t for t in written if t is not None]
-    if not writes:
-        return not written
-    return bool(written) and all(isinstance(t, torch.Tensor) for t in written)
+    if not written:
+        return _on_host
+    return _mutated_on_host if all(isinstance(t, torch.Tensor) for t in written) else None
 
 
 def _short_of_room(func, handler, args, kwargs, error):

@@ -64,12 +64,7 @@ def on_host(func, args, kwargs, error):
     """``func`` on the host masters of its offloaded arguments, its results on the device; ``error``
     where it cannot run there (a graph break where it is being traced)."""
     call = _host_call(func, args, kwargs, error)
-    out, first = call.out, call.first
-    device = first._master.pager.device
-    if device.type == "cpu":
-        out = pytree.tree_map_only(torch.Tensor, lambda t: _apart(t, call.masters), out)
-    else:
-        out = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), out)
+    out = call.results()
     call.counted(func, 0, _nbytes(out))
     return out
 
@@ -171,8 +166,7 @@ def mutated_on_host(func, args, kwargs, error):
             kwargs[name] = temp
     own = {id(temp) for (_, _, t), temp in zip(written, temps) if isinstance(t, OffloadedTensor)}
     call = _host_call(func, tuple(args), kwargs, error, first, host_made=own)
-    out = pytree.tree_map_only(torch.Tensor, lambda o: _apart(o, call.masters) if device_type == "cpu"
-                               else o.to(first._master.pager.device), call.out)
+    out = call.results()
     nbytes = 0
     for (_, _, t), temp in zip(written, temps):
         if isinstance(t, OffloadedTensor):
@@ -210,6 +204,14 @@ class _HostCall:
     def __init__(self, out, first, masters, read, seconds, synced):
         self.out, self.first, self.masters, self.read, self.seconds = out, first, masters, read, seconds
         self.synced = synced
+
+    def results(self):
+        """The op's results on the device: on the emulated device the host's own, apart from
+        every master's memory; on a GPU, copied there."""
+        device = self.first._master.pager.device
+        if device.type == "cpu":
+            return pytree.tree_map_only(torch.Tensor, lambda t: _apart(t, self.masters), self.out)
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), self.out)
 
     def write_back(self, t: OffloadedTensor, values: torch.Tensor) -> None:
         start = time.perf_counter()
