@@ -302,3 +302,27 @@ def test_placement_prefers_room_for_a_layers_routed_experts_but_runs_with_one():
     assert total - roomy.offloaded_bytes + expert + 2 * 8 * expert <= roomy.budget_bytes
     tight = placement.choose_placement(stacks, budget_bytes=2 * expert)  # everything offloaded, one expert of room
     assert len(tight.offload) == len(stacks) and tight.working_set_bytes == expert
+
+
+def test_a_last_tile_narrower_than_tile_align_keeps_the_whole_ops_bits(device):
+    # 200 outputs in tiles of 16 left a last tile 8 wide, which MKL computes with another kernel on
+    # some CPUs (an AVX-512 EPYC's float32 product of 24 rows summed it in another order): the last
+    # tile is computed 16 wide, reaching back into the one before, and keeps its own 8 outputs.
+    torch.manual_seed(0)
+    budget = 16 * 64 * 4 + 256  # room for 16 rows (or columns) of 64 floats
+    pager = Pager(torch.device(device), budget)
+    x = torch.randn(24, 64, device=device)
+    w = torch.randn(200, 64)
+    ow = _offload_under(pager, w)
+    w = w.to(device)
+    assert torch.equal(F.linear(x, ow), F.linear(x, w))  # rows of a linear weight
+    assert torch.equal(x @ ow.t(), x @ w.t())  # columns of mm's second operand
+    assert torch.equal(ow @ x.t(), w @ x.t())  # rows of mm's first operand
+    conv = torch.randn(200, 64, 1)
+    oconv = _offload_under(pager, conv)
+    image = x.t().unsqueeze(0)
+    assert torch.equal(F.conv1d(image, oconv), F.conv1d(image, conv.to(device)))  # output channels
+    before = pager.stats.bytes_h2d
+    F.linear(x, ow)
+    assert pager.stats.bytes_h2d - before == (200 + 8) * 64 * 4  # the 8 rows paged again, no more
+    assert pager.stats.peak_device_bytes <= budget

@@ -123,7 +123,7 @@ def _one_group(func, x, weight, bias, shape: _Shape, rest: dict, others: int, na
             b = None if bias is None else _page_slice(bias, 0, start, stop, paged)
             return func(paged.arg(x), _page_slice(weight, shape.out_dim, start, stop, paged), b, groups=1, **rest)
 
-        return _tiled(weight, shape.out_dim, others, "convolution", compute, 1, [(bias, 0)])
+        return _tiled(weight, shape.out_dim, others, "convolution", compute, 1, [(bias, 0)], reach_back=True)
     _warn_inexact(named, "in tiles of its input channels, summed")
     outs = []
     for j in range(weight.shape[shape.out_dim]):

@@ -13,7 +13,7 @@ from ..tensor import OffloadedTensor
 from .arguments import raise_torch_error
 from .paging import run
 from .table import implements
-from .tiling import _batch, _offloaded_bytes, _page_slice, _slice_bytes, _tiled, needs_tiling
+from .tiling import TILE_ALIGN, _batch, _offloaded_bytes, _page_slice, _slice_bytes, _tiled, needs_tiling
 
 aten = torch.ops.aten
 
@@ -29,9 +29,11 @@ def cdist(func, types, args, kwargs):
     dim = big.dim() - 2  # its rows
     _, others = _offloaded_bytes([other])
     leading = big.dim() > 2 and big.shape[0] > 1 and other.dim() == big.dim() and other.shape[0] == big.shape[0]
-    if leading and others + _slice_bytes(big, dim) > big._master.pager.free_bytes():
-        # Not even one row of every batch fits: batch by batch, each again in tiles of its rows, so
-        # a stack of matrices needs room for rows of one of them, as bmm does.
+    rows = min(TILE_ALIGN, big.shape[dim])
+    if leading and others + rows * _slice_bytes(big, dim) > big._master.pager.free_bytes():
+        # Not TILE_ALIGN rows of every batch fit: batch by batch, each again in tiles of its rows, so
+        # a stack of matrices needs room for rows of one of them, as bmm does, and its tiles are
+        # TILE_ALIGN wide where rows of one batch fit (narrower ones may sum in another order).
         outs = [func(_batch(x1, i), _batch(x2, i), *rest, **kwargs) for i in range(big.shape[0])]
         return torch.cat(outs)
 
@@ -39,4 +41,4 @@ def cdist(func, types, args, kwargs):
         part = _page_slice(big, dim, start, stop, paged)
         return func(*((paged.arg(x1), part) if big is x2 else (part, paged.arg(x2))), *rest, **kwargs)
 
-    return _tiled(big, dim, others, str(func), compute, -1 if big is x2 else -2)
+    return _tiled(big, dim, others, str(func), compute, -1 if big is x2 else -2, reach_back=True)

@@ -122,7 +122,8 @@ def _offloaded(args, kwargs) -> list:
 # multiples of TILE_ALIGN in test_budget_and_tiling; tiles narrower than that (a budget with room for only a few rows) may
 # make BLAS pick a matrix-vector kernel, which differs in the last bits (tested to a tolerance).
 # Placement reserves room for tiles TILE_ALIGN wide (placement.tile_working_set), so a wrapped
-# model's tiles stay bit-identical; narrower ones are its fallback, with a warning.
+# model's tiles stay bit-identical (a last tile left narrower by the output's size is computed
+# TILE_ALIGN wide, reaching back into the one before); narrower ones are its fallback, with a warning.
 
 # Tiles are cut to multiples of this many outputs wide when the room allows (see _tiled).
 TILE_ALIGN = 16
@@ -167,12 +168,14 @@ def _tile_size(weight: OffloadedTensor, dim: int, others: int, what: str, sliced
     return max(1, room // per_slice)
 
 
-def _tiled(weight, dim, others, what, compute, out_dim, sliced=(), work: int = 0):
+def _tiled(weight, dim, others, what, compute, out_dim, sliced=(), work: int = 0, reach_back: bool = False):
     """``compute(start, stop, paged)`` for tiles of ``weight`` along ``dim``, concatenated along
     ``out_dim`` of the outputs. Each tile's pages are released before the next is paged. Where the
     room allows, tiles are cut at multiples of ``TILE_ALIGN`` and are at least that wide, and at
     least as wide as keeps the whole product's CPU kernel (``work``: the product's multiply-adds per
-    slice along ``dim``, 0 where no such kernel choice applies)."""
+    slice along ``dim``, 0 where no such kernel choice applies). ``reach_back``: each output depends
+    on its own slice only, so a last tile narrower than ``TILE_ALIGN`` is computed ``TILE_ALIGN``
+    wide, reaching back into the tile before, and keeps its own outputs."""
     n = weight.shape[dim]
     fits = _tile_size(weight, dim, others, what, sliced)
     step = fits - fits % TILE_ALIGN if TILE_ALIGN <= fits < n else fits
@@ -186,14 +189,24 @@ def _tiled(weight, dim, others, what, compute, out_dim, sliced=(), work: int = 0
         # The cut stays at a multiple of TILE_ALIGN: for one row of input (a decode step's token)
         # MKL computes the outputs in blocks of 16 from the first, and an output of a tile that
         # starts elsewhere, or of a block a tile's end splits, is summed in another order.
+        # Where tiles are only TILE_ALIGN wide, that empties the tile before: the last two merge.
         cut = bounds[-2] - TILE_ALIGN
-        if cut > bounds[-3] and n - cut <= fits:
-            bounds[-2] = cut
+        if n - cut <= fits:
+            if cut > bounds[-3]:
+                bounds[-2] = cut
+            else:
+                del bounds[-2]
+    # A product narrower than TILE_ALIGN (the 8 outputs left of 200 in tiles of 16) makes MKL pick
+    # another kernel for it, which sums in another order on some CPUs (an AVX-512 EPYC's float32 mm
+    # of 24 rows did): the same outputs taken from a tile TILE_ALIGN wide keep the whole op's.
+    widen = reach_back and len(bounds) > 2 and TILE_ALIGN <= min(fits, n)
     outs = []
     for start, stop in zip(bounds, bounds[1:]):
+        first = stop - TILE_ALIGN if widen and stop - start < TILE_ALIGN else start
         paged = Paged()
         try:
-            outs.append(compute(start, stop, paged))
+            out = compute(first, stop, paged)
+            outs.append(out if first == start else out.narrow(out_dim, start - first, stop - start))
         finally:
             paged.release()
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=out_dim)
@@ -269,7 +282,8 @@ def linear_tiled(x, weight, bias):
         return torch._C._nn.linear(paged.arg(x), w, b)
 
     rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 1
-    return _tiled(weight, 0, others, "linear", compute, -1, [(bias, 0)], work=rows * x.shape[-1] if x.dim() else 0)
+    return _tiled(weight, 0, others, "linear", compute, -1, [(bias, 0)], work=rows * x.shape[-1] if x.dim() else 0,
+                  reach_back=True)
 
 
 def _bias_slice(bias, out_dim, start, stop, size, paged, lead: int = 0):
@@ -325,7 +339,7 @@ def _product_tiled(func, a, b, columns: bool, before: tuple, kwargs, lead: int =
     # times b's columns for a row of a)
     work = a.shape[lead] * a.shape[lead + 1] if columns else a.shape[lead + 1] * b.shape[lead + 1]
     return _tiled(big, dim, others, str(func), compute, dim, [] if bias_dim is None else [(bias, bias_dim)],
-                  work=0 if inner is not None else work)
+                  work=0 if inner is not None else work, reach_back=True)
 
 
 def _inner_tiles(big, dim: int, other, bias, others: int, lead: int = 0):
@@ -354,7 +368,7 @@ def _rows_tiled(func, a: OffloadedTensor, right: torch.Tensor, before: tuple, kw
         rows = _page_slice(a, lead, start, stop, paged)
         return func(*before[:1], rows, right, *before[1:], **kwargs)
 
-    return _tiled(a, lead, 0, str(func), compute, lead)
+    return _tiled(a, lead, 0, str(func), compute, lead, reach_back=True)
 
 
 @implements(aten.bmm.default, aten.baddbmm.default)
@@ -412,7 +426,7 @@ def mv(func, types, args, kwargs):
         part = _page_slice(bias, 0, start, stop, paged) if cut else paged.arg(bias)
         return func(part, rows, paged.arg(v), *args[3:], **kwargs)
 
-    return _tiled(a, 0, others, str(func), compute, 0, [(bias, 0)] if cut else [])
+    return _tiled(a, 0, others, str(func), compute, 0, [(bias, 0)] if cut else [], reach_back=True)
 
 
 def as_linear_weight(x, weight: OffloadedTensor, device_weight: torch.Tensor) -> torch.Tensor:
