@@ -1,12 +1,13 @@
 """Flows users run on a wrapped model that broke, each against the same model unwrapped, bit for
 bit (``torch.equal``), within the budget: a channels-last move of a model with 1x1
 convolutions, ``torch.nn.utils.prune`` trained and removed, the error for a weight refused for
-the room the model's largest op pages, and a boolean row mask of an offloaded table. Tiny models
-built offline."""
+the room the model's largest op pages, a boolean row mask of an offloaded table, and the base
+model peft's ``merge_and_unload`` returns from a wrapped PeftModel. Tiny models built offline."""
 
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -181,3 +182,41 @@ def test_a_boolean_row_mask_of_an_offloaded_table_larger_than_the_room_pages_onl
     assert torch.equal(table, expected_table)
     assert torch.equal(_logits(model, device), _logits(reference, device))
     _within_budget(model)
+
+
+# ---------------------------------------------------------------------------- peft's merge_and_unload
+
+
+def test_the_base_model_merge_and_unload_returns_from_a_wrapped_peft_model_is_counted_unwrapped_and_wrapped_again(device):
+    """A wrapped PeftModel's ``merge_and_unload()`` returns its base model, whose weights stay
+    offloaded on the PeftModel's pager. While the PeftModel lived, ``ot.stats(base)`` said "not
+    wrapped; call ot.wrap_model first" and ``ot.wrap_model(base)`` said it was a module of a
+    wrapped PeftModel; once the caller dropped the PeftModel, stats and unwrap still said "not
+    wrapped" and wrap said "already wrapped; call ot.unwrap_model": the model ran offloaded, but
+    could be neither counted nor given back. Now the first error names the PeftModel, and the base
+    model takes the dropped PeftModel's wrap over: counted, unwrapped and wrapped again."""
+    peft = pytest.importorskip("peft")
+    model, reference = _llama(), _llama()
+    config = dict(r=4, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+    torch.manual_seed(1)
+    peft_model = peft.get_peft_model(model, peft.LoraConfig(**config))
+    torch.manual_seed(1)
+    reference = peft.get_peft_model(reference.to(device), peft.LoraConfig(**config)).merge_and_unload()
+    _wrap(peft_model, device, everything=True)
+    merged = peft_model.merge_and_unload()
+    with pytest.raises(ValueError, match="is a module of a wrapped PeftModel .* pass that PeftModel instead"):
+        ot.stats(merged)
+    del peft_model
+    gc.collect()
+    ids, _ = _ids(device)
+    with torch.no_grad():
+        assert torch.equal(merged.generate(ids, max_new_tokens=4, do_sample=False),
+                           reference.generate(ids, max_new_tokens=4, do_sample=False))
+    assert ot.stats(merged).offloaded_bytes == _weight_bytes(merged)
+    _within_budget(merged)
+    ot.unwrap_model(merged)
+    assert not any(isinstance(p, ot.OffloadedTensor) for p in merged.parameters())
+    assert torch.equal(_logits(merged, device), _logits(reference, device))
+    _wrap(merged, device)
+    assert torch.equal(_logits(merged, device), _logits(reference, device))
+    _within_budget(merged)
