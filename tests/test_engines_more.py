@@ -220,3 +220,18 @@ def test_the_base_model_merge_and_unload_returns_from_a_wrapped_peft_model_is_co
     _wrap(merged, device)
     assert torch.equal(_logits(merged, device), _logits(reference, device))
     _within_budget(merged)
+
+
+def test_stats_of_a_peft_model_made_around_a_wrapped_base_model_names_the_base_model_to_pass(device):
+    """``get_peft_model`` of a wrapped model makes a PeftModel around it; ``ot.stats`` and
+    ``ot.unwrap_model`` of the PeftModel said "not wrapped; call ot.wrap_model first", while
+    ``ot.wrap_model`` of it is refused, as the base model is wrapped. They name the base model now."""
+    peft = pytest.importorskip("peft")
+    model = _llama()
+    _wrap(model, device)
+    peft_model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    for call in (ot.stats, ot.unwrap_model):
+        with pytest.raises(ValueError, match=r"this PeftModel is not wrapped, but its LlamaForCausalLM 'base_model.model' "
+                                             r"is .*pass model.get_submodule\('base_model.model'\) instead"):
+            call(peft_model)
+    assert ot.stats(peft_model.get_submodule("base_model.model")).offloaded_bytes > 0

@@ -355,16 +355,28 @@ def is_wrapped(model: nn.Module) -> bool:
 def state_of(model: nn.Module) -> State:
     """The state of the wrapped ``model`` (or of the wrapped model it is a ``copy.copy`` of)."""
     if not is_wrapped(model):
-        state = wrapped_state(model)
-        owner = state.model_ref() if state is not None else None
-        if owner is not None:  # (wrap_model of it names that model too: prepare.check_wrappable)
-            raise ValueError(
-                f"offtensor: this {type(model).__name__} is a module of a wrapped {type(owner).__name__} (budget "
-                f"{state.pager.budget_bytes} bytes on {state.pager.device}), not a wrapped model itself: its weights "
-                f"are paged, counted and unwrapped with that {type(owner).__name__}'s; pass that "
-                f"{type(owner).__name__} instead")
-        raise ValueError(f"offtensor: this {type(model).__name__} is not wrapped; call ot.wrap_model(model, ...) first")
+        raise _not_wrapped(model)
     state = model_state(model)
     if state.loans:
         state.settle_loans()
     return state
+
+
+def _not_wrapped(model: nn.Module) -> ValueError:
+    """The error for ``model``, which is not a wrapped model, naming the wrapped model to pass instead
+    where there is one: the one ``model`` is a module of, or one inside ``model`` (a PeftModel made
+    around a wrapped base model). ``wrap_model`` of either names it too (``prepare.check_wrappable``)."""
+    state = wrapped_state(model)
+    owner = state.model_ref() if state is not None else None
+    if owner is not None:
+        return ValueError(
+            f"offtensor: this {type(model).__name__} is a module of a wrapped {type(owner).__name__} (budget "
+            f"{state.pager.budget_bytes} bytes on {state.pager.device}), not a wrapped model itself: its weights are "
+            f"paged, counted and unwrapped with that {type(owner).__name__}'s; pass that {type(owner).__name__} instead")
+    for name, sub in model.named_modules():
+        state = wrapped_state(sub)
+        if name and state is not None and state.model_ref() is sub:
+            return ValueError(
+                f"offtensor: this {type(model).__name__} is not wrapped, but its {type(sub).__name__} {name!r} is (budget "
+                f"{state.pager.budget_bytes} bytes on {state.pager.device}); pass model.get_submodule({name!r}) instead")
+    return ValueError(f"offtensor: this {type(model).__name__} is not wrapped; call ot.wrap_model(model, ...) first")
