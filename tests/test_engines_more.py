@@ -235,3 +235,43 @@ def test_stats_of_a_peft_model_made_around_a_wrapped_base_model_names_the_base_m
                                              r"is .*pass model.get_submodule\('base_model.model'\) instead"):
             call(peft_model)
     assert ot.stats(peft_model.get_submodule("base_model.model")).offloaded_bytes > 0
+
+
+# ---------------------------------------------------------------------------- accelerate's loaders
+
+
+@pytest.mark.parametrize("call", ["load_checkpoint_in_model", "load_checkpoint_and_dispatch"])
+def test_a_checkpoint_loaded_into_a_wrapped_model_by_accelerate_with_a_device_map_stays_offloaded(call, tmp_path, device):
+    """With a device map, accelerate loads each key with ``set_module_tensor_to_device``, which
+    re-creates the parameter as ``type(p)(value)`` and writes it into ``module._parameters`` itself,
+    past the wrapping class: every offloaded weight became a plain resident Parameter, the resident
+    bytes 3.3 times the budget, and nothing said so. The values now go into the host masters, as
+    ``load_state_dict`` puts them, and the same Parameter objects stay offloaded."""
+    accelerate = pytest.importorskip("accelerate")
+    reference = _llama().to(device)
+    reference.save_pretrained(tmp_path)
+    model = _llama()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    _wrap(model, device)
+    before = ot.stats(model)
+    offloaded = {n: p for n, p in model.named_parameters() if isinstance(p, ot.OffloadedTensor)}
+    loaded = getattr(accelerate, call)(model, str(tmp_path), device_map={"": device})
+    model = loaded if loaded is not None else model
+    after = ot.stats(model)
+    assert (after.offloaded_bytes, after.resident_bytes) == (before.offloaded_bytes, before.resident_bytes)
+    assert all(model.get_parameter(name) is p for name, p in offloaded.items())  # (resident ones are new, as unwrapped)
+    assert torch.equal(_logits(model, device), _logits(reference, device))
+    _within_budget(model)
+
+
+def test_accelerate_loading_another_dtype_into_an_offloaded_weight_is_refused_naming_it(tmp_path, device):
+    accelerate = pytest.importorskip("accelerate")
+    _llama().save_pretrained(tmp_path)
+    model = _llama()
+    _wrap(model, device, everything=True)
+    with pytest.raises(RuntimeError, match=r"set_module_tensor_to_device would replace '[\w.]+' \(\d+ bytes, "
+                                           r"torch.float32, offloaded .*torch.bfloat16 .*This weight was not changed"):
+        accelerate.load_checkpoint_in_model(model, str(tmp_path), device_map={"": device}, dtype=torch.bfloat16)
+    assert all(isinstance(p, ot.OffloadedTensor) for p in model.parameters())
