@@ -275,3 +275,32 @@ def test_accelerate_loading_another_dtype_into_an_offloaded_weight_is_refused_na
                                            r"torch.float32, offloaded .*torch.bfloat16 .*This weight was not changed"):
         accelerate.load_checkpoint_in_model(model, str(tmp_path), device_map={"": device}, dtype=torch.bfloat16)
     assert all(isinstance(p, ot.OffloadedTensor) for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------- writes under fullgraph=True
+
+
+def test_a_write_to_an_offloaded_weight_under_fullgraph_compile_says_it_cannot_run_eagerly_and_names_the_weight(device):
+    """A write to an offloaded weight breaks the graph and runs eagerly, but under
+    ``fullgraph=True`` the break is an error, which said "it runs eagerly" and named no weight."""
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64))
+    _wrap(model, device, everything=True)
+    step = torch.compile(lambda p, v: p.copy_(p * 0.5 + v), fullgraph=True, backend="eager")
+    with torch.no_grad(), pytest.raises(torch._dynamo.exc.Unsupported,
+                                        match=r"aten.copy_.default on an OffloadedTensor of '0.weight' .*\(24576 bytes\) "
+                                              r"cannot be traced, and this graph may not break .*cannot run eagerly either"):
+        step(model[0].weight, torch.ones(96, 64, device=device))
+
+
+def test_torchao_low_bit_adam_over_offloaded_trainable_weights_is_refused_with_what_to_do(device):
+    """torchao's AdamW8bit compiles each parameter's step with ``fullgraph=True``; its
+    ``p.copy_(...)`` into an offloaded weight cannot be traced nor run eagerly there."""
+    optim = pytest.importorskip("torchao.optim")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))
+    _wrap(model, device)
+    optimizer = optim.AdamW8bit(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 256, device=device)).square().mean().backward()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"fullgraph=True\), as torchao's low-bit optimizers .*"
+                                                             r"policy=\{'keep': \[\.\.\.\]\}"):
+        optimizer.step()
