@@ -329,7 +329,7 @@ def remade_by_accelerate(data: torch.Tensor, requires_grad: bool, caller):
     state = wrapped_state(module) if isinstance(weight, OffloadedTensor) else None
     if state is None or frame.get("value") is None or isinstance(data, OffloadedTensor) or data.is_meta:
         return None  # (a weight to meta and back: made as nn.Parameter makes it)
-    if data.device != weight.device or data.dtype != weight.dtype or data.shape != weight.shape:
+    if not _same_device(data.device, weight.device) or data.dtype != weight.dtype or data.shape != weight.shape:
         raise RuntimeError(
             f"offtensor: accelerate's set_module_tensor_to_device would replace "
             f"'{state.qualified_name(module, name)}' ({_nbytes(weight)} bytes, {weight.dtype}, offloaded for "
