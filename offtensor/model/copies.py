@@ -141,7 +141,7 @@ class StepHook:
             return
         state = model_state(model)
         if state is None:
-            state = adopt_copy(model)
+            state = adopt(model)
         if state is not None:
             if state.loans:
                 state.settle_loans()
@@ -347,9 +347,18 @@ def is_wrapped(model: nn.Module) -> bool:
     wrap over)."""
     if not isinstance(model, nn.Module):
         return False
-    if model_state(model) is None and adopt_copy(model) is None:
-        adopt_orphan(model)
+    if model_state(model) is None:
+        adopt(model)
     return model_state(model) is not None
+
+
+def adopt(model: nn.Module) -> Optional[State]:
+    """``model``, not a wrapped model itself, adopted as one where it is a module that outlived its
+    wrapped model, else where it is a deep copy of one; None when it is neither. The outlived module
+    first: one whose adoption was cut short carries a step hook already, and would be taken for a
+    deep copy (adopted on a new pager, its masters taken from the pager that pages them)."""
+    state = adopt_orphan(model)
+    return state if state is not None else adopt_copy(model)
 
 
 def state_of(model: nn.Module) -> State:
