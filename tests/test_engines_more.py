@@ -304,3 +304,41 @@ def test_torchao_low_bit_adam_over_offloaded_trainable_weights_is_refused_with_w
     with pytest.raises(torch._dynamo.exc.Unsupported, match=r"fullgraph=True\), as torchao's low-bit optimizers .*"
                                                              r"policy=\{'keep': \[\.\.\.\]\}"):
         optimizer.step()
+
+
+# ---------------------------------------------------------------------------- layers inserted
+
+
+def test_layers_inserted_into_a_wrapped_model_with_insert_are_placed_as_appended_ones_are(device):
+    """``ModuleList.insert`` (and ``Sequential.insert``) write the ``_modules`` table themselves,
+    past ``add_module``: two decoder layers inserted into a wrapped Llama (depth up-scaling) stayed
+    plain resident tensors, 3.3 times the budget, leaving no room to page, unsaid; what was assigned
+    into them later was not placed. Their tensors are placed now, as an appended layer's are, and
+    they join the wrapped model."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    model = _llama()
+    reference = copy.deepcopy(model).to(device)
+    _wrap(model, device)
+    for m in (model, reference):
+        for seed in (7, 8):
+            torch.manual_seed(seed)
+            m.model.layers.insert(1, LlamaDecoderLayer(m.config, layer_idx=1).to(device).eval())
+        for i, layer in enumerate(m.model.layers):
+            layer.self_attn.layer_idx = i
+        m.config.num_hidden_layers = len(m.model.layers)
+    s = ot.stats(model)
+    assert s.resident_bytes <= s.budget_bytes and isinstance(model.model.layers[1].mlp.down_proj.weight, ot.OffloadedTensor)
+    assert torch.equal(_logits(model, device), _logits(reference, device))
+    model.model.layers[2].mlp.extra = nn.Parameter(torch.randn(256, 128, device=device))  # larger than the room
+    assert isinstance(model.model.layers[2].mlp.extra, ot.OffloadedTensor)
+    _within_budget(model)
+    # An insert torch refuses (an index out of range) leaves the layer and the model as they were.
+    container = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64))
+    _wrap(container, device, 0.5, everything=True)
+    layer, s = nn.Linear(64, 64).to(device), ot.stats(container)
+    weight = layer.weight
+    with pytest.raises(IndexError, match="Index out of range"):
+        container.insert(9, layer)
+    assert type(layer) is nn.Linear and layer.weight is weight and type(weight) is nn.Parameter
+    assert len(container) == 3 and ot.stats(container).offloaded_bytes == s.offloaded_bytes
