@@ -6,6 +6,7 @@ model peft's ``merge_and_unload`` returns from a wrapped PeftModel. Tiny models 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 
@@ -342,3 +343,35 @@ def test_layers_inserted_into_a_wrapped_model_with_insert_are_placed_as_appended
         container.insert(9, layer)
     assert type(layer) is nn.Linear and layer.weight is weight and type(weight) is nn.Parameter
     assert len(container) == 3 and ot.stats(container).offloaded_bytes == s.offloaded_bytes
+
+
+# ---------------------------------------------------------------------------- ot.on_host
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_resize_token_embeddings_inside_on_host_keeps_the_resized_table(tied, device):
+    """transformers resizes an embedding in place (``weight.data = new_weight.data``, the module's
+    ``num_embeddings`` set to match). Inside ``ot.on_host`` that data went to the host stand-in,
+    and the block's end gave back the old weight: the module said 136 rows, its table held 128, and
+    the first new token raised IndexError (a ``weight.data = weight.data * 2`` there was lost the
+    same way). The weight given back takes the stand-in's new data, offloaded at its new size."""
+    model = _llama()
+    model.config.tie_word_embeddings = tied
+    model.tie_weights()
+    reference = copy.deepcopy(model).to(device)
+    _wrap(model, device)
+    ot.reset_stats(model)
+    for m in (model, reference):
+        torch.manual_seed(4)
+        with ot.on_host(model) if m is model else contextlib.nullcontext():
+            m.resize_token_embeddings(136)
+            down = m.model.layers[0].mlp.down_proj.weight
+            down.data = down.data * 2
+    assert ot.stats(model).bytes_h2d == 0  # read and written on the host
+    table = model.model.embed_tokens.weight
+    assert isinstance(table, ot.OffloadedTensor) and table.shape == (136, 64)
+    assert (model.lm_head.weight is table) == tied
+    ids = torch.tensor([[130, 131, 5, 135]], device=device)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    _within_budget(model)
