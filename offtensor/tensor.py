@@ -52,6 +52,9 @@ class OffloadedTensor(torch.Tensor):
     _OFFTENSOR_LEAF = True
     # What ops do (ops.torch_dispatch), set by the ops package: set_op_handlers.
     _op_dispatch = None
+    # (data, requires_grad, caller frame) -> what ``type(p)(data, ...)`` makes, None for a plain
+    # Parameter; set by the model package, which knows wrapped modules: set_remade.
+    _remade = None
 
     @staticmethod
     def __new__(cls, host: torch.Tensor, master: Master = None, requires_grad: bool = False, **attributes):
@@ -63,7 +66,9 @@ class OffloadedTensor(torch.Tensor):
             # ``data``: a plain Parameter, or of an OffloadedTensor a Parameter alias of it. The
             # ``attributes`` such callers pass are the old parameter's ``__dict__`` (its ``_host``
             # and ``_master`` among them): they describe the old tensor's storage, not ``data``'s.
-            return torch.nn.Parameter(host, requires_grad)
+            # Where the caller re-creates a wrapped module's offloaded weight, ``_remade`` decides.
+            made = OffloadedTensor._remade(host, requires_grad, _sys._getframe(1)) if OffloadedTensor._remade else None
+            return made if made is not None else torch.nn.Parameter(host, requires_grad)
         return _wrapper(cls, host, master, requires_grad)
 
     def __init__(self, host: torch.Tensor, master: Master = None, requires_grad: bool = False, **attributes):
@@ -111,6 +116,11 @@ class OffloadedTensor(torch.Tensor):
         OffloadedTensor._op_dispatch = staticmethod(torch_dispatch)
         _FUNCTION_TABLE = function_table  # ops.functions' own table: one dict, read here on every call
         _RECLAIM = reclaim
+
+    @staticmethod
+    def set_remade(remade) -> None:
+        """Install ``_remade``. Called once, by model/engines.py."""
+        OffloadedTensor._remade = staticmethod(remade)
 
     # ------------------------------------------------------------------ public methods
 

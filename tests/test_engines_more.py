@@ -1,12 +1,14 @@
 """Flows users run on a wrapped model that broke, each against the same model unwrapped, bit for
 bit (``torch.equal``), within the budget: a channels-last move of a model with 1x1
 convolutions, ``torch.nn.utils.prune`` trained and removed, the error for a weight refused for
-the room the model's largest op pages, and a boolean row mask of an offloaded table. Tiny models
-built offline."""
+the room the model's largest op pages, a boolean row mask of an offloaded table, and the base
+model peft's ``merge_and_unload`` returns from a wrapped PeftModel. Tiny models built offline."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 
 import pytest
 import torch
@@ -180,4 +182,196 @@ def test_a_boolean_row_mask_of_an_offloaded_table_larger_than_the_room_pages_onl
             weight[keep] = original[keep]
     assert torch.equal(table, expected_table)
     assert torch.equal(_logits(model, device), _logits(reference, device))
+    _within_budget(model)
+
+
+# ---------------------------------------------------------------------------- peft's merge_and_unload
+
+
+def test_the_base_model_merge_and_unload_returns_from_a_wrapped_peft_model_is_counted_unwrapped_and_wrapped_again(device):
+    """A wrapped PeftModel's ``merge_and_unload()`` returns its base model, whose weights stay
+    offloaded on the PeftModel's pager. While the PeftModel lived, ``ot.stats(base)`` said "not
+    wrapped; call ot.wrap_model first" and ``ot.wrap_model(base)`` said it was a module of a
+    wrapped PeftModel; once the caller dropped the PeftModel, stats and unwrap still said "not
+    wrapped" and wrap said "already wrapped; call ot.unwrap_model": the model ran offloaded, but
+    could be neither counted nor given back. Now the first error names the PeftModel, and the base
+    model takes the dropped PeftModel's wrap over: counted, unwrapped and wrapped again."""
+    peft = pytest.importorskip("peft")
+    model, reference = _llama(), _llama()
+    config = dict(r=4, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+    torch.manual_seed(1)
+    peft_model = peft.get_peft_model(model, peft.LoraConfig(**config))
+    torch.manual_seed(1)
+    reference = peft.get_peft_model(reference.to(device), peft.LoraConfig(**config)).merge_and_unload()
+    _wrap(peft_model, device, everything=True)
+    merged = peft_model.merge_and_unload()
+    with pytest.raises(ValueError, match="is a module of a wrapped PeftModel .* pass that PeftModel instead"):
+        ot.stats(merged)
+    del peft_model
+    gc.collect()
+    ids, _ = _ids(device)
+    with torch.no_grad():
+        assert torch.equal(merged.generate(ids, max_new_tokens=4, do_sample=False),
+                           reference.generate(ids, max_new_tokens=4, do_sample=False))
+    assert ot.stats(merged).offloaded_bytes == _weight_bytes(merged)
+    _within_budget(merged)
+    ot.unwrap_model(merged)
+    assert not any(isinstance(p, ot.OffloadedTensor) for p in merged.parameters())
+    assert torch.equal(_logits(merged, device), _logits(reference, device))
+    _wrap(merged, device)
+    assert torch.equal(_logits(merged, device), _logits(reference, device))
+    _within_budget(merged)
+
+
+def test_stats_of_a_peft_model_made_around_a_wrapped_base_model_names_the_base_model_to_pass(device):
+    """``get_peft_model`` of a wrapped model makes a PeftModel around it; ``ot.stats`` and
+    ``ot.unwrap_model`` of the PeftModel said "not wrapped; call ot.wrap_model first", while
+    ``ot.wrap_model`` of it is refused, as the base model is wrapped. They name the base model now."""
+    peft = pytest.importorskip("peft")
+    model = _llama()
+    _wrap(model, device)
+    peft_model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    for call in (ot.stats, ot.unwrap_model):
+        with pytest.raises(ValueError, match=r"this PeftModel is not wrapped, but its LlamaForCausalLM 'base_model.model' "
+                                             r"is .*pass model.get_submodule\('base_model.model'\) instead"):
+            call(peft_model)
+    assert ot.stats(peft_model.get_submodule("base_model.model")).offloaded_bytes > 0
+
+
+# ---------------------------------------------------------------------------- accelerate's loaders
+
+
+@pytest.mark.parametrize("call", ["load_checkpoint_in_model", "load_checkpoint_and_dispatch"])
+def test_a_checkpoint_loaded_into_a_wrapped_model_by_accelerate_with_a_device_map_stays_offloaded(call, tmp_path, device):
+    """With a device map, accelerate loads each key with ``set_module_tensor_to_device``, which
+    re-creates the parameter as ``type(p)(value)`` and writes it into ``module._parameters`` itself,
+    past the wrapping class: every offloaded weight became a plain resident Parameter, the resident
+    bytes 3.3 times the budget, and nothing said so. The values now go into the host masters, as
+    ``load_state_dict`` puts them, and the same Parameter objects stay offloaded."""
+    accelerate = pytest.importorskip("accelerate")
+    reference = _llama().to(device)
+    reference.save_pretrained(tmp_path)
+    model = _llama()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    _wrap(model, device)
+    before = ot.stats(model)
+    offloaded = {n: p for n, p in model.named_parameters() if isinstance(p, ot.OffloadedTensor)}
+    loaded = getattr(accelerate, call)(model, str(tmp_path), device_map={"": device})
+    model = loaded if loaded is not None else model
+    after = ot.stats(model)
+    assert (after.offloaded_bytes, after.resident_bytes) == (before.offloaded_bytes, before.resident_bytes)
+    assert all(model.get_parameter(name) is p for name, p in offloaded.items())  # (resident ones are new, as unwrapped)
+    assert torch.equal(_logits(model, device), _logits(reference, device))
+    _within_budget(model)
+
+
+def test_accelerate_loading_another_dtype_into_an_offloaded_weight_is_refused_naming_it(tmp_path, device):
+    accelerate = pytest.importorskip("accelerate")
+    _llama().save_pretrained(tmp_path)
+    model = _llama()
+    _wrap(model, device, everything=True)
+    with pytest.raises(RuntimeError, match=r"set_module_tensor_to_device would replace '[\w.]+' \(\d+ bytes, "
+                                           r"torch.float32, offloaded .*torch.bfloat16 .*This weight was not changed"):
+        accelerate.load_checkpoint_in_model(model, str(tmp_path), device_map={"": device}, dtype=torch.bfloat16)
+    assert all(isinstance(p, ot.OffloadedTensor) for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------- writes under fullgraph=True
+
+
+def test_a_write_to_an_offloaded_weight_under_fullgraph_compile_says_it_cannot_run_eagerly_and_names_the_weight(device):
+    """A write to an offloaded weight breaks the graph and runs eagerly, but under
+    ``fullgraph=True`` the break is an error, which said "it runs eagerly" and named no weight."""
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64))
+    _wrap(model, device, everything=True)
+    step = torch.compile(lambda p, v: p.copy_(p * 0.5 + v), fullgraph=True, backend="eager")
+    with torch.no_grad(), pytest.raises(torch._dynamo.exc.Unsupported,
+                                        match=r"aten.copy_.default on an OffloadedTensor of '0.weight' .*\(24576 bytes\) "
+                                              r"cannot be traced, and this graph may not break .*cannot run eagerly either"):
+        step(model[0].weight, torch.ones(96, 64, device=device))
+
+
+def test_torchao_low_bit_adam_over_offloaded_trainable_weights_is_refused_with_what_to_do(device):
+    """torchao's AdamW8bit compiles each parameter's step with ``fullgraph=True``; its
+    ``p.copy_(...)`` into an offloaded weight cannot be traced nor run eagerly there."""
+    optim = pytest.importorskip("torchao.optim")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))
+    _wrap(model, device)
+    optimizer = optim.AdamW8bit(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 256, device=device)).square().mean().backward()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"fullgraph=True\), as torchao's low-bit optimizers .*"
+                                                             r"policy=\{'keep': \[\.\.\.\]\}"):
+        optimizer.step()
+
+
+# ---------------------------------------------------------------------------- layers inserted
+
+
+def test_layers_inserted_into_a_wrapped_model_with_insert_are_placed_as_appended_ones_are(device):
+    """``ModuleList.insert`` (and ``Sequential.insert``) write the ``_modules`` table themselves,
+    past ``add_module``: two decoder layers inserted into a wrapped Llama (depth up-scaling) stayed
+    plain resident tensors, 3.3 times the budget, leaving no room to page, unsaid; what was assigned
+    into them later was not placed. Their tensors are placed now, as an appended layer's are, and
+    they join the wrapped model."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    model = _llama()
+    reference = copy.deepcopy(model).to(device)
+    _wrap(model, device)
+    for m in (model, reference):
+        for seed in (7, 8):
+            torch.manual_seed(seed)
+            m.model.layers.insert(1, LlamaDecoderLayer(m.config, layer_idx=1).to(device).eval())
+        for i, layer in enumerate(m.model.layers):
+            layer.self_attn.layer_idx = i
+        m.config.num_hidden_layers = len(m.model.layers)
+    s = ot.stats(model)
+    assert s.resident_bytes <= s.budget_bytes and isinstance(model.model.layers[1].mlp.down_proj.weight, ot.OffloadedTensor)
+    assert torch.equal(_logits(model, device), _logits(reference, device))
+    model.model.layers[2].mlp.extra = nn.Parameter(torch.randn(256, 128, device=device))  # larger than the room
+    assert isinstance(model.model.layers[2].mlp.extra, ot.OffloadedTensor)
+    _within_budget(model)
+    # An insert torch refuses (an index out of range) leaves the layer and the model as they were.
+    container = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64))
+    _wrap(container, device, 0.5, everything=True)
+    layer, s = nn.Linear(64, 64).to(device), ot.stats(container)
+    weight = layer.weight
+    with pytest.raises(IndexError, match="Index out of range"):
+        container.insert(9, layer)
+    assert type(layer) is nn.Linear and layer.weight is weight and type(weight) is nn.Parameter
+    assert len(container) == 3 and ot.stats(container).offloaded_bytes == s.offloaded_bytes
+
+
+# ---------------------------------------------------------------------------- ot.on_host
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_resize_token_embeddings_inside_on_host_keeps_the_resized_table(tied, device):
+    """transformers resizes an embedding in place (``weight.data = new_weight.data``, the module's
+    ``num_embeddings`` set to match). Inside ``ot.on_host`` that data went to the host stand-in,
+    and the block's end gave back the old weight: the module said 136 rows, its table held 128, and
+    the first new token raised IndexError (a ``weight.data = weight.data * 2`` there was lost the
+    same way). The weight given back takes the stand-in's new data, offloaded at its new size."""
+    model = _llama()
+    model.config.tie_word_embeddings = tied
+    model.tie_weights()
+    reference = copy.deepcopy(model).to(device)
+    _wrap(model, device)
+    ot.reset_stats(model)
+    for m in (model, reference):
+        torch.manual_seed(4)
+        with ot.on_host(model) if m is model else contextlib.nullcontext():
+            m.resize_token_embeddings(136)
+            down = m.model.layers[0].mlp.down_proj.weight
+            down.data = down.data * 2
+    assert ot.stats(model).bytes_h2d == 0  # read and written on the host
+    table = model.model.embed_tokens.weight
+    assert isinstance(table, ot.OffloadedTensor) and table.shape == (136, 64)
+    assert (model.lm_head.weight is table) == tied
+    ids = torch.tensor([[130, 131, 5, 135]], device=device)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
     _within_budget(model)

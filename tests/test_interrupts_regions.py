@@ -373,3 +373,46 @@ def test_a_deep_copy_adopted_anywhere_cut_short_is_adopted_whole_at_its_next_use
         assert _copies.state_of(original).pager is pager and pager.offloaded_bytes == counted, n
         with torch.no_grad():
             assert torch.equal(clone(x), want) and torch.equal(original(x), want), n
+
+
+@needs_311
+def test_a_module_outliving_its_wrapped_model_adopted_anywhere_cut_short_takes_the_wrap_over_whole():
+    """A module of a wrapped model that outlived it (the base model peft's ``merge_and_unload``
+    returns, the PeftModel dropped) takes that model's wrap over at its first use; a Ctrl-C at
+    every point of that adoption (model/copies.py, model/state.py), then a forward or ``ot.stats``
+    of it: it is wrapped, on the dropped model's pager, with exactly one step hook, and gives the
+    unwrapped outputs. (Cut short after its step hook was registered, it was taken for a deep copy
+    at its next use and adopted on a new pager.)"""
+    from offtensor.model import state as _state
+    from offtensor.model.copies import StepHook
+
+    where = lambda code: code.co_filename in (_copies.__file__, _state.__file__)  # noqa: E731
+    x = _inputs("cpu", 1)[0]
+    with torch.no_grad():
+        want = _reference()(x)
+
+    def orphan():
+        holder = torch.nn.Sequential(_reference())
+        ot.wrap_model(holder, budget_gb=int(_nbytes(holder) * 0.4) / GiB, device="cpu",
+                      policy={"offload": ["*layers.*"]})
+        pager = _copies.state_of(holder).pager
+        inner = holder[0]
+        del holder
+        gc.collect()
+        return inner, pager
+
+    inner, _ = orphan()
+    total = _points(lambda: _copies.is_wrapped(inner), where)
+    assert total > 10
+    for n in range(1, total + 1):
+        inner, pager = orphan()
+        _Points(n, where).run(lambda: _copies.is_wrapped(inner))
+        if n % 2:  # the next use a forward (its step hook, where the cut-short adoption left one)
+            with torch.no_grad():
+                inner(x)
+        assert ot.stats(inner).offloaded_bytes > 0, n
+        state = _copies.state_of(inner)
+        assert state.pager is pager and state.model_ref() is inner, n
+        assert sum(isinstance(h, StepHook) for h in inner._forward_pre_hooks.values()) == 1, n
+        with torch.no_grad():
+            assert torch.equal(inner(x), want), n

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import copyreg
 import sys
+import weakref
 from typing import Optional
 
 import torch
@@ -126,6 +127,31 @@ def _add_submodule(add_module, module: nn.Module, name: str, submodule) -> None:
     with state.pager.lock:
         _attach_submodule(state, owner, name, submodule)
         add_module(name, submodule)
+
+
+def _insert_submodule(insert, module: nn.Module, index, submodule):
+    """``ModuleList.insert`` / ``Sequential.insert`` (the container class's own ``insert``), which
+    write the ``_modules`` table themselves, past ``add_module``: an inserted layer stayed plain,
+    resident and unplaced, its modules outside the wrapped model. When ``module`` is wrapped its
+    tensors are placed first, as appending it would place them (in the slot an append takes, which
+    replaces nothing); an insert refused (an index out of range) undoes that. The modules after it
+    are renamed by the insert, so the names the wrap keeps are looked up again."""
+    state, owner = placing_target(module)
+    if state is None or not isinstance(submodule, nn.Module):
+        return insert(index, submodule)
+    with state.pager.lock:
+        try:
+            result = Undo.run(_attached_then_inserted, state, owner, insert, index, submodule)
+        except BaseException:
+            _released(state, submodule)  # its modules leave the wrapped model again
+            raise
+        state.prefixes = weakref.WeakKeyDictionary()
+        return result
+
+
+def _attached_then_inserted(state: State, module: nn.Module, insert, index, submodule: nn.Module):
+    _attach_submodule(state, module, str(len(module._modules)), submodule)
+    return insert(index, submodule)
 
 
 def _attach_submodule(state: State, module: nn.Module, name: str, submodule: nn.Module) -> None:
@@ -298,6 +324,9 @@ def _make_wrapping_class(user_class: type) -> type:
     def add_module(self, name, module):
         _add_submodule(super(cls, self).add_module, self, name, module)
 
+    def insert(self, index, module):
+        return _insert_submodule(super(cls, self).insert, self, index, module)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *rest):
         _load_into(super(cls, self)._load_from_state_dict, self, state_dict, prefix, local_metadata, *rest)
 
@@ -343,6 +372,8 @@ def _make_wrapping_class(user_class: type) -> type:
     }
     if getattr(user_class, "__copy__", None) is None:  # a class's own __copy__ is left to make its copies
         namespace["__copy__"] = __copy__
+    if issubclass(user_class, (nn.ModuleList, nn.Sequential)):  # containers whose insert writes _modules itself
+        namespace["insert"] = insert
     if not hasattr(user_class, "qconfig"):  # (a class's own qconfig is left to answer)
         namespace["qconfig"] = QCONFIG
     cls = type(user_class)(user_class.__name__, (user_class,), namespace)

@@ -141,7 +141,7 @@ class StepHook:
             return
         state = model_state(model)
         if state is None:
-            state = adopt_copy(model)
+            state = adopt(model)
         if state is not None:
             if state.loans:
                 state.settle_loans()
@@ -318,22 +318,74 @@ def model_state(model: nn.Module) -> Optional[State]:
     return None
 
 
+def adopt_orphan(model: nn.Module) -> Optional[State]:
+    """A module of a wrapped model that outlived that model takes its wrap over; None for any other
+    module. peft's ``merge_and_unload`` returns the base model of a wrapped PeftModel, and the caller
+    drops the PeftModel: the base model's weights are still offloaded on that wrap's pager and its
+    forwards still page them, but nothing could count or unwrap them any more (``ot.stats`` said it
+    was not wrapped, ``ot.wrap_model`` that it was). It keeps that pager and budget, and gets the
+    step hook a wrapped model carries.
+
+    Each step can run again: a step hook left by an adoption cut short is replaced, and the state
+    names ``model`` last, so until then the next use adopts it again."""
+    state = wrapped_state(model)
+    if state is None or state.model_ref() is not None:
+        return None
+    for key in [k for k, h in model._forward_pre_hooks.items()
+                if isinstance(h, StepHook) and h.pager_ref is not None and h.pager_ref() is state.pager]:
+        del model._forward_pre_hooks[key]
+    state.step_hook = model.register_forward_pre_hook(StepHook(state.config, state.choice.budget_bytes, state.pager,
+                                                               state=state))
+    state.take_over(model)
+    return state
+
+
 def is_wrapped(model: nn.Module) -> bool:
     """Whether ``model`` is currently wrapped (by wrap_model or load_safetensors, or is a
     ``copy.deepcopy`` of a wrapped model, which this registers on its own pager, or a ``copy.copy``
-    of one, which shares its wrap)."""
+    of one, which shares its wrap, or a module of a wrapped model that outlived it, which takes that
+    wrap over)."""
     if not isinstance(model, nn.Module):
         return False
     if model_state(model) is None:
-        adopt_copy(model)
+        adopt(model)
     return model_state(model) is not None
+
+
+def adopt(model: nn.Module) -> Optional[State]:
+    """``model``, not a wrapped model itself, adopted as one where it is a module that outlived its
+    wrapped model, else where it is a deep copy of one; None when it is neither. The outlived module
+    first: one whose adoption was cut short carries a step hook already, and would be taken for a
+    deep copy (adopted on a new pager, its masters taken from the pager that pages them)."""
+    state = adopt_orphan(model)
+    return state if state is not None else adopt_copy(model)
 
 
 def state_of(model: nn.Module) -> State:
     """The state of the wrapped ``model`` (or of the wrapped model it is a ``copy.copy`` of)."""
     if not is_wrapped(model):
-        raise ValueError(f"offtensor: this {type(model).__name__} is not wrapped; call ot.wrap_model(model, ...) first")
+        raise _not_wrapped(model)
     state = model_state(model)
     if state.loans:
         state.settle_loans()
     return state
+
+
+def _not_wrapped(model: nn.Module) -> ValueError:
+    """The error for ``model``, which is not a wrapped model, naming the wrapped model to pass instead
+    where there is one: the one ``model`` is a module of, or one inside ``model`` (a PeftModel made
+    around a wrapped base model). ``wrap_model`` of either names it too (``prepare.check_wrappable``)."""
+    state = wrapped_state(model)
+    owner = state.model_ref() if state is not None else None
+    if owner is not None:
+        return ValueError(
+            f"offtensor: this {type(model).__name__} is a module of a wrapped {type(owner).__name__} (budget "
+            f"{state.pager.budget_bytes} bytes on {state.pager.device}), not a wrapped model itself: its weights are "
+            f"paged, counted and unwrapped with that {type(owner).__name__}'s; pass that {type(owner).__name__} instead")
+    for name, sub in model.named_modules():
+        state = wrapped_state(sub)
+        if name and state is not None and state.model_ref() is sub:
+            return ValueError(
+                f"offtensor: this {type(model).__name__} is not wrapped, but its {type(sub).__name__} {name!r} is (budget "
+                f"{state.pager.budget_bytes} bytes on {state.pager.device}); pass model.get_submodule({name!r}) instead")
+    return ValueError(f"offtensor: this {type(model).__name__} is not wrapped; call ot.wrap_model(model, ...) first")

@@ -308,3 +308,38 @@ def refuse_dispatched_elsewhere(model: nn.Module, device: torch.device) -> None:
                 f"to {torch.device(execution)} (its hooks move the module's inputs there), and offtensor would "
                 f"place its weights for {device}. Dispatch the model to the one device it is wrapped for (or load "
                 f"it without a device_map), then wrap it. Nothing was changed.")
+
+
+def remade_by_accelerate(data: torch.Tensor, requires_grad: bool, caller):
+    """What ``type(p)(data, requires_grad=...)`` makes where accelerate's
+    ``set_module_tensor_to_device(module, name, device, value=...)`` re-creates an offloaded weight
+    of a wrapped module from new values (``load_checkpoint_in_model`` and
+    ``load_checkpoint_and_dispatch`` with a device map call it for every key), or None for what
+    nn.Parameter makes. accelerate writes what it makes into ``module._parameters`` itself, past the
+    wrapping class, so a plain Parameter there was a whole resident weight that nothing placed:
+    a checkpoint loaded so into a wrapped model left every weight resident, several times the
+    budget, without a word. The values are written into the weight's host master instead, as
+    ``load_state_dict`` writes them, and the weight itself is what accelerate puts back."""
+    modeling = sys.modules.get("accelerate.utils.modeling")
+    if caller.f_code is not getattr(getattr(modeling, "set_module_tensor_to_device", None), "__code__", None):
+        return None
+    frame = caller.f_locals
+    module, name = frame.get("module"), frame.get("tensor_name")
+    weight = module._parameters.get(name) if isinstance(module, nn.Module) else None
+    state = wrapped_state(module) if isinstance(weight, OffloadedTensor) else None
+    if state is None or frame.get("value") is None or isinstance(data, OffloadedTensor) or data.is_meta:
+        return None  # (a weight to meta and back: made as nn.Parameter makes it)
+    if not _same_device(data.device, weight.device) or data.dtype != weight.dtype or data.shape != weight.shape:
+        raise RuntimeError(
+            f"offtensor: accelerate's set_module_tensor_to_device would replace "
+            f"'{state.qualified_name(module, name)}' ({_nbytes(weight)} bytes, {weight.dtype}, offloaded for "
+            f"{weight.device}) with a plain {data.dtype} tensor of shape {tuple(data.shape)} on {data.device}, which "
+            f"would be resident, whole and outside the budget. Load values of the weight's dtype onto its device "
+            f"(device_map={{'': '{weight.device}'}}, no dtype=), cast the wrapped model first (model.to(dtype)), or "
+            f"use model.load_state_dict / ot.load_safetensors. This weight was not changed.")
+    with torch.no_grad():
+        weight.copy_(data)
+    return weight if weight.requires_grad == requires_grad else type(weight)(weight, requires_grad=requires_grad)
+
+
+OffloadedTensor.set_remade(remade_by_accelerate)

@@ -178,11 +178,29 @@ def _collect(state: State, model: nn.Module, lent: list, wrappers: list) -> None
 
 def _put_back(state: State, lent: list) -> None:
     """Each slot that still holds its stand-in gets its own tensor back (a slot the transform
-    replaced keeps the new one); a no-op for slots not lent yet or already given back."""
+    replaced keeps the new one); a no-op for slots not lent yet or already given back. Where the
+    transform gave the stand-in other data instead (``weight.data = new``, as transformers'
+    ``resize_token_embeddings`` resizes an embedding in place), the tensor given back takes that
+    data, placed at its size as ``weight.data = new`` of an offloaded weight is: given back as it
+    was, the resize was undone at the block's end (the module resized, its weight not)."""
     state.lent_slots = frozenset()
+    taken = set()  # tensors lent to two slots (a tie): their data taken once
     for _, table, attr, t, stand_in in lent:
         if table.get(attr) is stand_in:
+            if id(t) not in taken and isinstance(t, OffloadedTensor) and _data_replaced(t, stand_in):
+                t.data = stand_in.data
+            taken.add(id(t))
             table[attr] = t
+
+
+def _data_replaced(t: OffloadedTensor, stand_in) -> bool:
+    """Whether ``stand_in`` no longer views ``t``'s host master as it was lent (its ``.data`` was
+    set to another tensor). Asked again after ``t`` took that data, it answers True again (``t``
+    views a new master): taking the same data twice gives the same values."""
+    host = t._host
+    return (stand_in.untyped_storage().data_ptr() != host.untyped_storage().data_ptr() or stand_in.dtype != host.dtype
+            or stand_in.shape != host.shape or stand_in.stride() != host.stride()
+            or stand_in.storage_offset() != host.storage_offset())
 
 
 def _give_back(state: State, model: nn.Module, lent: list, wrappers: list) -> None:

@@ -167,6 +167,14 @@ class State:
         self.expert_placement: Optional[dict] = None
         self.watch = None
 
+    def take_over(self, model: nn.Module) -> None:
+        """``model``, a module of this wrapped model that outlived it, is the wrapped model from now on
+        (``copies.adopt_orphan``). Its names in the old model are forgotten, and its expert stacks are
+        registered again at the next step. The model last: until then ``model`` is still an orphan."""
+        self.prefixes = weakref.WeakKeyDictionary()
+        self.experts_stale = True
+        self.model_ref = weakref.ref(model)
+
     def settle_loans(self) -> None:
         """Give back each ``on_host`` loan whose block this thread left without its exit running (a
         Ctrl-C at the exit's entry); called where a model is touched, before its lock is taken."""

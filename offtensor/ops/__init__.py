@@ -84,7 +84,9 @@ def torch_dispatch(func, types, args, kwargs):
         traced = _compile.traced_index_op(func, args, kwargs or {})
         if traced is not None:
             return traced
-        _compile.graph_break(f"{func} on an OffloadedTensor")
+        t = next((t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, OffloadedTensor)), None)
+        _compile.graph_break(f"{func} on " + (f"{describe(t)} ({t.numel() * t.element_size()} bytes)" if t is not None
+                                              else "an OffloadedTensor"))
     if handler in _COMPUTE_HANDLERS and TRACED_ALIVE[0] and _tracing() and _traced(args, kwargs):
         traced = _compile.traced_compute(func, args, kwargs)
         if traced is not None:

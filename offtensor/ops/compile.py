@@ -468,7 +468,26 @@ def graph_break(what: str) -> None:
     from torch._dynamo.exc import Unsupported
 
     keep_dynamo_out_of_dispatch()
+    if _may_not_break():
+        raise Unsupported(
+            f"offtensor: {what} cannot be traced, and this graph may not break (torch.compile(..., fullgraph=True), as "
+            f"torchao's low-bit optimizers compile each parameter's step), so the op cannot run eagerly either. Keep "
+            f"the offloaded weights this code writes resident (ot.wrap_model(..., policy={{'keep': [...]}})), or run "
+            f"it uncompiled (torch.optim's optimizers step offloaded weights in slices)")
     raise Unsupported(
         f"offtensor: {what} cannot be traced; it runs eagerly. To avoid the break, keep offloaded weights out of "
         f"this op or wrap the code around it in torch.compiler.disable"
     )
+
+
+def _may_not_break() -> bool:
+    """Whether the frame Dynamo is tracing may not break its graph (``fullgraph=True``): there the
+    break ``graph_break`` asks for is an error, and "it runs eagerly" would not be true. Read from
+    Dynamo's own translator; where this Dynamo has none to read, False."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except (ImportError, AttributeError):
+        return False
+    return bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
