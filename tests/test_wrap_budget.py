@@ -221,3 +221,47 @@ def test_bad_policy_answer_raises(device):
         ot.wrap_model(_model(), budget_gb=1, device=device, policy=lambda name: "maybe")
     with pytest.raises(ValueError, match="policy"):
         ot.wrap_model(_model(), budget_gb=1, device=device, policy={"evict": ["*"]})
+
+
+class _WithTable(nn.Module):
+    """Two linear layers and a plain tensor attribute of 512 KiB computed at init (as diffusers'
+    QwenImage keeps its rope frequencies), read whole by forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(256, 256), nn.Linear(256, 256)
+        self.table = torch.randn(512, 256)
+
+    def forward(self, x):
+        return self.b(self.a(x)) + self.table.sum(0)
+
+
+def test_a_plain_tensor_attribute_present_at_wrap_is_counted_placed_and_given_back_at_unwrap(device):
+    # Only attributes assigned after wrapping were placed: one set at init stayed resident beside a
+    # placement that had not counted it, and a forward at a budget wrap accepted went past it.
+    model, reference = _WithTable(), _WithTable().to(device)
+    model.table, reference.table = model.table.to(device), reference.table.to(device)
+    budget = 600 * 1024  # the table and the paging room of one linear, not the table and a linear too
+    ot.wrap_model(model, budget_gb=budget / GiB, device=device)
+    x = torch.randn(4, 256, device=device)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert ot.stats(model).peak_device_bytes <= budget
+    ot.unwrap_model(model)
+    assert type(model.table) is torch.Tensor and torch.equal(model.table, reference.table)
+
+    # Read whole by forward, it needs room for all of it: a budget without that is refused at wrap.
+    with pytest.raises(ot.BudgetError, match=r"'table'.*524288 bytes"):
+        ot.wrap_model(_WithTable().to(device), budget_gb=400 * 1024 / GiB, device=device)
+
+
+def test_an_attribute_offloaded_after_wrapping_is_given_back_plain_at_unwrap(device):
+    model = _WithTable().to(device)
+    del model.table
+    ot.wrap_model(model, budget_gb=300 * 1024 / GiB, device=device)
+    model.a.extra = torch.randn(512, 256, device=device)  # does not fit beside the room: offloaded in place
+    assert isinstance(model.a.extra, ot.OffloadedTensor)
+    values = model.a.extra.materialize().cpu()
+    ot.unwrap_model(model)
+    assert type(model.a.extra) is torch.Tensor and torch.equal(model.a.extra.cpu(), values)

@@ -8,10 +8,11 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .. import leaves
 from ..pager import host_layout
-from ..placement import Weight
+from ..placement import SMALL_BYTES, Weight
 from ..working_sets import working_set
 from ..tensor import OffloadedTensor
 
@@ -278,8 +279,9 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def collect_groups(model: nn.Module) -> list:
-    """Every parameter and buffer of ``model`` once, grouped by storage: a list of StorageGroups."""
+def collect_groups(model: nn.Module, device: Optional[torch.device] = None) -> list:
+    """Every parameter and buffer of ``model`` once, grouped by storage: a list of StorageGroups;
+    with its plain tensor attributes that hold bytes on ``device`` or are offloaded (``_add_attributes``)."""
     members = {}
     fast = {}  # id(module) -> (path, class name) of the outermost module with a fused fast path holding it
     whole = {}  # id(module) -> bytes of every tensor of the _FUSED_PARENTS module holding it
@@ -294,6 +296,7 @@ def collect_groups(model: nn.Module) -> list:
         _add_members(members, module, lambda attr, prefix=prefix: f"{prefix}.{attr}" if prefix else attr,
                      fast.get(id(module)), whole.get(id(module), 0))
     _add_aliases(members, model)
+    _add_attributes(members, model, device)
     return _grouped(members)
 
 
@@ -311,6 +314,56 @@ def _add_aliases(members: dict, model: nn.Module) -> None:
                 member = members[id(t)] = Member(t)
                 member.slots.append((module, attr, None))
                 member.names.append(f"{prefix}.{attr}" if prefix else attr)
+
+
+def _add_attributes(members: dict, model: nn.Module, device: Optional[torch.device]) -> None:
+    """Plain tensor attributes of their own (not viewing a weight), as Members of groups of their
+    own: a table a module computes at init (diffusers' QwenImage keeps its rope frequencies so, 512
+    KiB at the tiny test size) holds device bytes that the budget must count. Those on ``device``
+    of ``SMALL_BYTES`` or more are placed as weights are, resident or offloaded in place, as one
+    assigned after wrapping is (``place.place_attribute``); left out, they stayed resident past a
+    budget that wrap had accepted. The model's own code reads them, whole maybe, so each is planned
+    paged whole. Offloaded ones are always collected, so that unwrap gives them back plain."""
+    for prefix, module, attr, t in attribute_tensors(model):
+        if id(t) in members:
+            continue
+        if not isinstance(t, OffloadedTensor):
+            if (device is None or type(t) is not torch.Tensor or t.device != device
+                    or t.numel() * t.element_size() < SMALL_BYTES):
+                continue
+        member = members[id(t)] = Member(t)
+        member.slots.append((module, attr, None))
+        member.names.append(f"{prefix}.{attr}" if prefix else attr)
+        member.read_whole = t.numel() * t.element_size()
+
+
+def attribute_tensors(model: nn.Module):
+    """(module path, module, name, tensor) for tensors held as plain attributes (not Parameters or
+    buffers, which nn.Module keeps out of ``__dict__``): weights computed after loading, like vLLM's
+    W_UV, tables computed at init. Not those of parametrization functions
+    (``_parametrization_functions``), found in the same walk: ``modules()`` lists a
+    ParametrizationList before the functions it holds. Nor one autograd computed (it has a
+    ``grad_fn``: ``moves.is_computed``)."""
+    functions = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, parametrize.ParametrizationList):
+            functions.update(_parametrization_functions(module))
+        if module in functions:
+            continue
+        for name, t in module.__dict__.items():
+            if isinstance(t, torch.Tensor) and not t.is_meta and t.layout == torch.strided and t.grad_fn is None:
+                yield prefix, module, name, t
+
+
+def _parametrization_functions(parametrizations: parametrize.ParametrizationList) -> set:
+    """The modules ``torch.nn.utils.parametrize`` calls to compute a parametrized tensor from its
+    ``original`` (each entry of ``parametrizations``), with their submodules. Their Parameters
+    and buffers are weights like any (spectral_norm's ``_u``, placed and counted); a plain tensor
+    attribute of theirs is an operand of that computation, which torch neither moves with the
+    module nor saves: peft's summed LoRA delta for a ``target_parameters`` weight with several
+    adapters active, built from the adapters at every forward and dropped after it. Such a tensor is
+    what ops compute during a forward, counted as activations are (not in the weight budget)."""
+    return {m for function in parametrizations for m in function.modules()}
 
 
 def module_groups(module: nn.Module, name_of, skip=frozenset()) -> list:

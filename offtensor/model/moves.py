@@ -11,7 +11,6 @@ import weakref
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
 from .. import leaves
 from ..pager import Pager, covering_range, master_for, pins_host_memory
@@ -19,7 +18,7 @@ from ..tensor import (
     OWN_ATTRS, OffloadedTensor, check_offloadable, guard_data_ptr, new_host_master, offloaded_class, user_attrs,
     user_class,
 )
-from .groups import Member, StorageGroup, compact_layout
+from .groups import Member, StorageGroup, attribute_tensors, compact_layout
 
 
 class Undo:
@@ -370,7 +369,7 @@ def resident_bytes(model: nn.Module, device: torch.device, skip=frozenset(), ext
 
 def resident_storages(model: nn.Module, device: torch.device, skip=frozenset(), extra=()) -> dict:
     """Storage key -> bytes for the tensors ``resident_bytes`` counts."""
-    sources = [weight_tensors(model, skip), (t for _, _, t in _attribute_tensors(model))]
+    sources = [weight_tensors(model, skip), (t for *_, t in attribute_tensors(model))]
     sources += [weight_tensors(e, skip) if isinstance(e, nn.Module) else (e,) for e in extra]
     return resident_storages_of(itertools.chain.from_iterable(sources), device)
 
@@ -380,33 +379,6 @@ def storage_bytes(t: torch.Tensor):
     if storage.data_ptr():
         return storage.data_ptr(), storage.nbytes()
     return id(t), t.numel() * t.element_size()
-
-
-def _attribute_tensors(model: nn.Module):
-    """(module, name, tensor) for tensors held as plain attributes (not Parameters or buffers,
-    which nn.Module keeps out of ``__dict__``): weights computed after loading, like vLLM's W_UV.
-    Not those of parametrization functions (``_parametrization_functions``), found in the same walk:
-    ``modules()`` lists a ParametrizationList before the functions it holds."""
-    functions = set()
-    for module in model.modules():
-        if isinstance(module, parametrize.ParametrizationList):
-            functions.update(_parametrization_functions(module))
-        if module in functions:
-            continue
-        for name, t in module.__dict__.items():
-            if isinstance(t, torch.Tensor) and not t.is_meta and t.layout == torch.strided and not is_computed(t):
-                yield module, name, t
-
-
-def _parametrization_functions(parametrizations: parametrize.ParametrizationList) -> set:
-    """The modules ``torch.nn.utils.parametrize`` calls to compute a parametrized tensor from its
-    ``original`` (each entry of ``parametrizations``), with their submodules. Their Parameters
-    and buffers are weights like any (spectral_norm's ``_u``, placed and counted); a plain tensor
-    attribute of theirs is an operand of that computation, which torch neither moves with the
-    module nor saves: peft's summed LoRA delta for a ``target_parameters`` weight with several
-    adapters active, built from the adapters at every forward and dropped after it. Such a tensor is
-    what ops compute during a forward, counted as activations are (not in the weight budget)."""
-    return {m for function in parametrizations for m in function.modules()}
 
 
 def is_computed(t: torch.Tensor) -> bool:
@@ -422,7 +394,7 @@ def is_computed(t: torch.Tensor) -> bool:
 def untracked_bytes(model: nn.Module, device: torch.device) -> int:
     """Device bytes of plain tensor attributes whose storage no Parameter or buffer shares."""
     weights = resident_storages_of(weight_tensors(model), device)
-    attributes = resident_storages_of((t for _, _, t in _attribute_tensors(model)), device)
+    attributes = resident_storages_of((t for *_, t in attribute_tensors(model)), device)
     return sum(n for key, n in attributes.items() if key not in weights)
 
 

@@ -59,7 +59,7 @@ def prepare(model: nn.Module, config: OffloadConfig, device: torch.device, *,
         with torch.inference_mode(False):  # (outside inference mode, a no-op)
             if device.type != "meta":  # (a plan runs on meta whatever the model was dispatched to)
                 refuse_dispatched_elsewhere(model, device)
-            groups = collect_groups(model)
+            groups = collect_groups(model, device)
             if check is not None:
                 check(groups)
             placed = placement.choose_model_placement(groups, config, device)
@@ -211,7 +211,7 @@ def re_place_experts(state: State, model: nn.Module, policy) -> None:
     offloaded beside a count of resident bytes that still holds them."""
     pager = state.pager
     config = state.config.replace(policy=policy)
-    placed = placement.choose_model_placement(collect_groups(model), pinned(config, pager.budget_bytes),
+    placed = placement.choose_model_placement(collect_groups(model, pager.device), pinned(config, pager.budget_bytes),
                                               pager.device)
     moving = [g for g in placed.offloaded if not g.is_offloaded]
     ptrs = {m.tensor.untyped_storage().data_ptr() for g in moving for m in g if leaves.is_leaf(m.tensor)}
