@@ -245,3 +245,34 @@ def test_diffusers_sd3_transformer_at_30_percent_pages_only_the_pos_embed_crop_i
     crop = 16 * 16 * table.shape[-1] * table.element_size()
     assert s.bytes_h2d < table.numel() * table.element_size() and s.bytes_h2d >= crop, s
     _paged_within_budget(model)
+
+
+def _qwenimage_transformer(device):
+    torch.manual_seed(0)
+    model = _diffusers().QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4,
+        joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
+    ).eval()
+    rope = model.pos_embed  # its rope tables are plain attributes, computed at init: put them on the device
+    rope.pos_freqs, rope.neg_freqs = rope.pos_freqs.to(device), rope.neg_freqs.to(device)
+    return model
+
+
+def test_diffusers_qwenimage_transformer_counts_its_rope_tables_held_as_plain_attributes(device):
+    # Its two rope tables (512 KiB, 40 % of this tiny model's bytes) stayed resident beside a
+    # placement that had not counted them: 816 kB on the device at a budget of 397 kB. Its forward
+    # reads both whole, so 30 % is refused at wrap time, naming them; 60 % runs within the budget.
+    with pytest.raises(ot.BudgetError, match=r"'pos_embed\.pos_freqs'.*524288 bytes"):
+        _wrap(_qwenimage_transformer(device), device)
+    transformer = _qwenimage_transformer(device)
+    reference = _reference(transformer, device)
+    _wrap(transformer, device, 0.6 * _weight_bytes(transformer))
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(1, 16, 16, generator=g), encoder_hidden_states=torch.randn(1, 8, 16, generator=g),
+                  encoder_hidden_states_mask=torch.ones(1, 8, dtype=torch.long), timestep=torch.tensor([1.0]))
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    with torch.no_grad():
+        expected = reference(**inputs, img_shapes=[(1, 4, 4)]).sample
+        got = transformer(**inputs, img_shapes=[(1, 4, 4)]).sample
+    assert torch.equal(got, expected)
+    _paged_within_budget(transformer)
