@@ -1,8 +1,8 @@
 """Ctrl-C in the flows real clients run over a wrapped model, where the other interrupt tests do not
 walk: peft's LoRA training step and ``merge_and_unload``, diffusers' UNet2DConditionModel, torchao's
 int8 weight-only forward, MoE ``generate``, ``torch.compile(backend="aot_eager")``,
-``ot.from_pretrained``, ``unwrap_model``, a DTensor-sharded forward and a cast of the model after
-wrapping were swept at sampled points; what lost something is tested here.
+``ot.from_pretrained``, ``unwrap_model``, a DTensor-sharded forward, a cast of the model after
+wrapping and ``load_state_dict(assign=True)`` were swept at sampled points; what lost something is tested here.
 
 - A cast of a wrapped model (``.float()``, ``.half()``) hides each module's offloaded tensors from
   torch's own ``_apply`` while it casts the plain ones. An interrupt between two of those hidings
@@ -18,6 +18,10 @@ wrapping were swept at sampled points; what lost something is tested here.
   already. Resident weights that had grown past the room stayed resident, and the resident bytes
   could pass the whole budget. The re-planning now runs however ``_apply`` ended, once more if it
   was itself cut short (from the resident count read before it, so a second run counts nothing twice).
+- ``load_state_dict(assign=True)`` into a wrapped model records the weights it replaces until its
+  root's last post-hook, which an interrupt skips: the record kept each replaced weight's host master
+  alive (and counted in ``offloaded_bytes``) until the next such load. The wrapping class's
+  ``load_state_dict`` now ends the record however the load ends.
 - ``copy.deepcopy`` of a wrapped model, cut short at the entry of a ``torch.no_grad()``'s exit
   in an offloaded tensor's copy, left grad off too; it puts it back the same way.
 
@@ -27,6 +31,8 @@ Interrupts are raised where CPython raises a signal handler's exception (``_Poin
 from __future__ import annotations
 
 import copy
+import gc
+import os
 import sys
 
 import pytest
@@ -123,3 +129,46 @@ def test_an_interrupt_at_any_point_of_a_deepcopy_of_a_wrapped_model_leaves_grad_
     with torch.no_grad():
         assert torch.equal(copy.deepcopy(model)(x), want)
         assert torch.equal(model(x), want)
+
+
+def _in_model_package(code) -> bool:
+    return code.co_filename.startswith(os.path.dirname(casts.__file__) + os.sep)
+
+
+@needs_311
+def test_an_interrupt_at_any_point_of_an_assigned_load_keeps_no_replaced_weight_alive(young_heap):
+    """``load_state_dict(new, assign=True)`` into a wrapped model, a Ctrl-C at every 23rd point of
+    offtensor's model package (and the functions it calls directly): each weight is its old or its
+    new value, and the pager counts only the host masters of the offloaded weights the model holds.
+    The load records the weights it replaces until its last post-hook, which an interrupt skips: that
+    record kept every replaced weight's host master alive, counted in ``offloaded_bytes``, until
+    the next such load. The forward of every 10th point is the unwrapped model's, within the budget."""
+    reference = _bf16_stack()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    torch.manual_seed(1)
+    new = {k: torch.randn_like(v) for k, v in reference.state_dict().items()}
+
+    def offloaded(model) -> int:
+        return sum({p._master.id: p._master.nbytes for p in model.parameters() if isinstance(p, ot.OffloadedTensor)}.values())
+
+    model = _wrapped()
+    total = _points(lambda: model.load_state_dict(new, assign=True), _in_model_package)
+    assert total > 500
+    kept = []
+    for n in range(1, total + 1, 23):
+        model = _wrapped()
+        old = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+        _Points(n, _in_model_package).run(lambda: model.load_state_dict(new, assign=True))
+        gc.collect()
+        now = {k: (v.materialize() if isinstance(v, ot.OffloadedTensor) else v.detach()) for k, v in model.state_dict().items()}
+        assert all(torch.equal(now[k], old[k]) or torch.equal(now[k], new[k]) for k in now), n
+        if state_of(model).pager.offloaded_bytes != offloaded(model):
+            kept.append(n)
+        if n % 10 == 1:
+            with torch.no_grad():
+                reference.load_state_dict(now)
+                assert torch.equal(model(x), reference(x)), n
+                reference.load_state_dict(old)
+            s = ot.stats(model)
+            assert s.peak_device_bytes <= s.budget_bytes, (n, s)
+    assert not kept, f"replaced weights' host masters kept after interrupts at points {kept}"

@@ -20,7 +20,7 @@ from .casts import apply_to_wrapped
 from .dtensor import asked_by_distribute_module, refuse_distribute, refuse_sharding_an_offloaded_weight
 from .eager_quantization import QCONFIG
 from .engines import asked_for_hooks
-from .loads import after_load, portable_state_dict
+from .loads import after_load, load_whole, portable_state_dict
 from .moves import Undo, resident_bytes
 from .place import place, place_attribute
 from .room import check_assigned_load
@@ -330,6 +330,9 @@ def _make_wrapping_class(user_class: type) -> type:
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *rest):
         _load_into(super(cls, self)._load_from_state_dict, self, state_dict, prefix, local_metadata, *rest)
 
+    def load_state_dict(self, *args, **kwargs):
+        return load_whole(super(cls, self).load_state_dict, self, *args, **kwargs)
+
     def _apply(self, fn, recurse=True):
         return apply_to_wrapped(super(cls, self)._apply, self, fn, recurse)
 
@@ -366,7 +369,8 @@ def _make_wrapping_class(user_class: type) -> type:
         "__module__": user_class.__module__, "__qualname__": user_class.__qualname__, "__slots__": (),
         "_offtensor_user_class": user_class, "__setattr__": __setattr__, "__delattr__": __delattr__,
         "register_parameter": register_parameter, "register_buffer": register_buffer, "add_module": add_module,
-        "_apply": _apply, "_load_from_state_dict": _load_from_state_dict, "_distribute_module_applied": property(_get_distributed, _set_distributed),
+        "_apply": _apply, "_load_from_state_dict": _load_from_state_dict, "load_state_dict": load_state_dict,
+        "_distribute_module_applied": property(_get_distributed, _set_distributed),
         "_hf_hook": _HF_HOOK,
         "__reduce_ex__": __reduce_ex__,
     }

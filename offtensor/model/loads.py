@@ -29,6 +29,21 @@ def after_load(module, incompatible_keys):
                 state.loading, state.loading_root = {}, None
 
 
+def load_whole(load, module, *args, **kwargs):
+    """``module.load_state_dict(*args, **kwargs)`` (``load``, the user class's own). A load with
+    ``assign=True`` records the tensors it replaces (``State.loading``) until its root's last
+    post-hook; a load cut short before that hook (a Ctrl-C, a hook's exception) would leave the
+    record holding every replaced weight's host master alive and counted, and its incoming tensors
+    planned beside their module's later assignments, until the next such load. Ended here however
+    the load ends: stores only in the ``finally``, where Python raises no Ctrl-C before they run."""
+    state, owner = placing_target(module)
+    try:
+        return load(*args, **kwargs)
+    finally:
+        if state is not None and state.loading_root is owner:
+            state.loading, state.loading_root = {}, None
+
+
 def _place_loaded(state: State, model: nn.Module, module: nn.Module) -> None:
     pager = state.pager
     plain = [
