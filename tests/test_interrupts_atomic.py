@@ -8,7 +8,8 @@
   descriptor twice; a threaded load interrupted by signals stops its workers before it returns,
   and raises the KeyboardInterrupt even where the stdlib's Condition.wait turns it into another error.
 - ``fork()`` while another thread runs forwards: the child's forward finishes with the parent's
-  output (``offtensor.forking``).
+  output (``offtensor.forking``); while another thread holds the lock of ``from_pretrained``'s
+  build hooks: the child's own ``from_pretrained`` loads.
 """
 
 from __future__ import annotations
@@ -525,3 +526,55 @@ def test_dataloader_workers_forked_from_a_wrapped_model_run_its_forward():
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
     with torch.no_grad():
         assert torch.equal(model(inputs[1]), want[1])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_fork_while_another_thread_enters_a_from_pretrained_build_lets_the_child_load(tmp_path, monkeypatch):
+    """A fork while another thread is inside ``from_pretrained``'s entry into its meta build (it holds
+    the process-wide lock of that block's hooks, ``loading/scoped.py``): the child's own
+    ``from_pretrained`` loads the checkpoint and gives the parent's logits within 10 s, and the
+    parent's thread finishes its load. On main the child waited on that lock forever."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from offtensor.loading import scoped
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    load = lambda: ot.from_pretrained(tmp_path, budget_gb=4096 / GiB, device="cpu", progress=False)  # noqa: E731
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        want = load()(ids).logits
+    inside, go_on, loaded = threading.Event(), threading.Event(), []
+    register = dict(scoped._REGISTER)
+
+    def paused(kind):
+        def hook_registered(hook):
+            if threading.current_thread() is thread:  # the parent's thread, holding the block's lock
+                inside.set()
+                go_on.wait(20)
+            return register[kind](hook)
+        return hook_registered
+
+    for kind in register:
+        monkeypatch.setitem(scoped._REGISTER, kind, paused(kind))
+    thread = threading.Thread(target=lambda: loaded.append(load()), daemon=True)
+    thread.start()
+    try:
+        assert inside.wait(20)
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(10)
+            try:
+                with torch.no_grad():
+                    os._exit(0 if torch.equal(load()(ids).logits, want) else 1)
+            except BaseException:
+                os._exit(2)
+        status = _wait_child(pid, timeout=20)
+    finally:
+        go_on.set()
+        thread.join(30)
+    assert status == 0
+    with torch.no_grad():
+        assert loaded and torch.equal(loaded[0](ids).logits, want)

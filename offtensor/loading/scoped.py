@@ -9,6 +9,8 @@ import threading
 
 from torch.nn.modules import module as module_mod
 
+from .. import forking
+
 # What each kind of hook is registered with (torch's public functions).
 _REGISTER = {"parameter": module_mod.register_module_parameter_registration_hook,
              "module": module_mod.register_module_module_registration_hook}
@@ -25,6 +27,16 @@ class ScopedHooks:
         self.lock = threading.Lock()
         self.blocks = {}  # thread id -> [(the frame that entered a block there, its state)], innermost last
         self.hook = None  # torch's handles, while some thread is inside a block
+        forking.track(self)  # a forked child renews the lock (after_fork_in_child)
+
+    def after_fork_in_child(self) -> None:
+        """A forked child has the forking thread only: the lock is free unless that thread held it
+        (another thread inside ``enter`` or ``leave`` at the fork held it for good), and the blocks of
+        threads gone are dropped. Hooks registered for them act for no thread and go at the end of
+        the child's next block."""
+        forking.renew_lock(self.lock)
+        ident = threading.get_ident()
+        self.blocks = {ident: self.blocks[ident]} if ident in self.blocks else {}
 
     def __call__(self, state=None) -> "_Block":
         return _Block(self, state)
