@@ -22,6 +22,9 @@ wrapping and ``load_state_dict(assign=True)`` were swept at sampled points; what
   root's last post-hook, which an interrupt skips: the record kept each replaced weight's host master
   alive (and counted in ``offloaded_bytes``) until the next such load. The wrapping class's
   ``load_state_dict`` now ends the record however the load ends.
+- Under ``set_swap_module_params_on_conversion`` the same load swaps each incoming tensor into its
+  Parameter object and only the module's post-hook places it: cut short in between, a host tensor
+  stayed where the wrap offloaded a weight. The load now places what it swapped in when cut short.
 - ``copy.deepcopy`` of a wrapped model, cut short at the entry of a ``torch.no_grad()``'s exit
   in an offloaded tensor's copy, left grad off too; it puts it back the same way.
 
@@ -172,3 +175,48 @@ def test_an_interrupt_at_any_point_of_an_assigned_load_keeps_no_replaced_weight_
             s = ot.stats(model)
             assert s.peak_device_bytes <= s.budget_bytes, (n, s)
     assert not kept, f"replaced weights' host masters kept after interrupts at points {kept}"
+
+
+@pytest.fixture
+def swap_on_conversion():
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+@needs_311
+def test_an_interrupt_in_an_assigned_load_that_swaps_places_what_it_swapped_in(swap_on_conversion, young_heap):
+    """``load_state_dict(new, assign=True)`` under ``set_swap_module_params_on_conversion(True)``:
+    torch swaps each incoming tensor into the Parameter object, and only the module's load post-hook
+    places it. A Ctrl-C at every 23rd point of the model package between the two left an incoming
+    tensor where the wrap had offloaded a weight: resident beside a room planned without it (the
+    next forward paged another weight in tiles, bits apart from the unwrapped model's), and on a GPU
+    a host tensor in a model on the device. Now the weights are placed as an uninterrupted load
+    places them, and the forward is the unwrapped model's with the values each weight holds."""
+    reference = _bf16_stack()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    torch.manual_seed(1)
+    new = {k: torch.randn_like(v) for k, v in reference.state_dict().items()}
+    old = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    whole = _wrapped()
+    whole.load_state_dict(new, assign=True)
+    placed = [isinstance(p, ot.OffloadedTensor) for p in whole.parameters()]
+    assert any(placed) and not all(placed)
+    total = _points(lambda: _wrapped().load_state_dict(new, assign=True), _in_model_package)
+    assert total > 500
+    misplaced = []
+    for n in range(1, total + 1, 23):
+        model = _wrapped()
+        _Points(n, _in_model_package).run(lambda: model.load_state_dict(new, assign=True))
+        if [isinstance(p, ot.OffloadedTensor) for p in model.parameters()] != placed:
+            misplaced.append(n)
+            continue
+        now = {k: (v.materialize() if isinstance(v, ot.OffloadedTensor) else v.detach()) for k, v in model.state_dict().items()}
+        assert all(torch.equal(now[k], old[k]) or torch.equal(now[k], new[k]) for k in now), n
+        with torch.no_grad():
+            reference.load_state_dict(now)
+            assert torch.equal(model(x), reference(x)), n
+        s = ot.stats(model)
+        assert s.peak_device_bytes <= s.budget_bytes, (n, s)
+    assert not misplaced, f"weights left where the load swapped them in after interrupts at points {misplaced}"

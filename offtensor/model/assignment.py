@@ -229,6 +229,8 @@ def _load_into(load, module: nn.Module, state_dict, prefix: str, local_metadata,
             state.loading, state.loading_root = {}, None
             state.loading = check_assigned_load(state, owner, state_dict)
             state.loading_root = owner
+    if state is not None:
+        state.unplaced[owner] = None  # until its post-hook places what this load brings it
     load(state_dict, prefix, local_metadata, *rest)
 
 

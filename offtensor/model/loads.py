@@ -24,27 +24,58 @@ def after_load(module, incompatible_keys):
     with state.pager.lock:
         try:
             _place_loaded(state, model, module)
+            state.unplaced.pop(module, None)
         finally:
             if state.loading_root is module:  # the last post-hook of load_state_dict(assign=True)
                 state.loading, state.loading_root = {}, None
 
 
 def load_whole(load, module, *args, **kwargs):
-    """``module.load_state_dict(*args, **kwargs)`` (``load``, the user class's own). A load with
-    ``assign=True`` records the tensors it replaces (``State.loading``) until its root's last
-    post-hook; a load cut short before that hook (a Ctrl-C, a hook's exception) would leave the
-    record holding every replaced weight's host master alive and counted, and its incoming tensors
-    planned beside their module's later assignments, until the next such load. Ended here however
-    the load ends: stores only in the ``finally``, where Python raises no Ctrl-C before they run."""
+    """``module.load_state_dict(*args, **kwargs)`` (``load``, the user class's own), which a Ctrl-C
+    or a hook's exception may cut short between two of its steps:
+
+    - Under ``set_swap_module_params_on_conversion`` torch swaps each incoming tensor into its
+      Parameter object and only the module's post-hook (``after_load``) places it: cut short in
+      between, a host tensor would stay where the wrap offloaded a weight, resident beside a room
+      planned without it. The modules whose post-hook has not placed what they hold
+      (``State.unplaced``) are placed here, as the post-hooks would have; where that fails, as a
+      post-hook would have failed, the load's own exception is the one raised.
+    - A load with ``assign=True`` records the tensors it replaces (``State.loading``) until its
+      root's last post-hook; left, the record would hold every replaced weight's host master alive
+      and counted until the next such load. It ends however the load ends: stores only in the
+      ``finally``, where Python raises no Ctrl-C before they run."""
     state, owner = placing_target(module)
     try:
         return load(*args, **kwargs)
+    except BaseException:
+        if state is not None and state.unplaced:
+            try:
+                _place_unplaced(state)
+            except Exception:
+                pass  # (the error a post-hook raised placing it: the load's own, raised below)
+        raise
     finally:
-        if state is not None and state.loading_root is owner:
-            state.loading, state.loading_root = {}, None
+        if state is not None:
+            state.unplaced = {}  # (a module kept here would outlive its removal from the model)
+            if state.loading_root is owner:
+                state.loading, state.loading_root = {}, None
 
 
-def _place_loaded(state: State, model: nn.Module, module: nn.Module) -> None:
+def _place_unplaced(state: State) -> None:
+    """Place what the modules a load cut short left unplaced, each module's tensors beside the
+    others' still to be placed (not counted as resident)."""
+    model = state.model_ref()
+    if model is None:
+        return
+    with state.pager.lock:
+        pending = list(state.unplaced)
+        slots = {(m, a) for m in pending for table in (m._parameters, m._buffers) for a in table}
+        for m in pending:
+            _place_loaded(state, model, m, frozenset(s for s in slots if s[0] is not m))
+            state.unplaced.pop(m, None)
+
+
+def _place_loaded(state: State, model: nn.Module, module: nn.Module, elsewhere: frozenset = frozenset()) -> None:
     pager = state.pager
     plain = [
         (table, attr, is_buffer, t)
@@ -60,7 +91,7 @@ def _place_loaded(state: State, model: nn.Module, module: nn.Module) -> None:
         pager.recount_resident(resident)  # cached copies make room first (assign=True on a warm cache)
         return
     # Tensors of this module not placed yet do not count as resident while their siblings are placed.
-    pending = {(module, attr) for _, attr, _, _ in plain}
+    pending = {(module, attr) for _, attr, _, _ in plain} | elsewhere
     for table, attr, is_buffer, t in plain:
         pending.discard((module, attr))
         new = place(state, module, attr, t, is_buffer, attaching=((), frozenset(pending)))

@@ -154,6 +154,10 @@ class State:
         # called on, whose load post-hook ends it.
         self.loading: dict = {}
         self.loading_root = None
+        # Modules a load_state_dict has loaded whose post-hook has not yet placed what they hold
+        # (under set_swap_module_params_on_conversion torch swaps the incoming tensors in): placed
+        # by ``loads.load_whole`` when the load is cut short before that hook. Module -> None, in order.
+        self.unplaced: dict = {}
         # Shallow copies (``copy.copy``) of its modules, which take the wrapping class too so that
         # what is assigned through them is placed; each gets its own class back when its original
         # leaves the model (``assignment.leave``).
