@@ -63,13 +63,16 @@ def load_whole(load, module, *args, **kwargs):
 
 def _place_unplaced(state: State) -> None:
     """Place what the modules a load cut short left unplaced, each module's tensors beside the
-    others' still to be placed (not counted as resident)."""
+    others' still to be placed: plain tensors no placement has counted as resident (``resident_ptrs``),
+    which are not counted as resident meanwhile."""
     model = state.model_ref()
     if model is None:
         return
     with state.pager.lock:
         pending = list(state.unplaced)
-        slots = {(m, a) for m in pending for table in (m._parameters, m._buffers) for a in table}
+        slots = {(m, a) for m in pending for table in (m._parameters, m._buffers) for a, t in table.items()
+                 if t is not None and not isinstance(t, OffloadedTensor) and not t.is_meta and t.layout == torch.strided
+                 and t.untyped_storage().data_ptr() not in state.resident_ptrs}
         for m in pending:
             _place_loaded(state, model, m, frozenset(s for s in slots if s[0] is not m))
             state.unplaced.pop(m, None)
