@@ -224,3 +224,50 @@ def test_a_submodule_refused_part_way_through_its_tensors_is_left_as_it_was(devi
     assert all("_offtensor_user_class" not in type(m).__dict__ for m in fresh.modules())
     x = _tensor(5, 2, 8, seed=3)
     assert torch.equal(fresh(x)[0], build(12)(x)[0])  # the refused submodule still runs as it did
+
+
+class _OwnWeightAndChildren(nn.Module):
+    """A module with a weight of its own beside two children: torch loads its own keys first, its
+    children's next, and runs its load post-hook last."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 64))
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.b(self.a(x @ self.w))
+
+
+@pytest.mark.parametrize("fraction", [0.45, 0.6, 0.75])
+def test_an_assigned_load_that_swaps_places_as_one_that_assigns(fraction):
+    """``load_state_dict(new, assign=True)`` under ``set_swap_module_params_on_conversion(True)``
+    (torch swaps each incoming tensor into its Parameter object; the module's post-hook places it)
+    places every weight as the same load without it does, and runs bit for bit within the budget.
+    A parent's own incoming weight, not yet placed while its children were, had counted as resident
+    beside them: at 0.45 and 0.6 of the weights the load was refused with a BudgetError naming a
+    child's weight, and at 0.75 it offloaded the parent's weight instead of a child's."""
+    torch.manual_seed(0)
+    reference = _OwnWeightAndChildren()
+    budget = fraction * sum(p.numel() * p.element_size() for p in reference.parameters()) / GiB
+    new = {k: torch.randn_like(v) for k, v in reference.state_dict().items()}
+    x = torch.randn(2, 64)
+    placed = {}
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    try:
+        for swap in (False, True):
+            torch.__future__.set_swap_module_params_on_conversion(swap)
+            model = copy.deepcopy(reference)
+            ot.wrap_model(model, budget_gb=budget, device="cpu")
+            model.load_state_dict(new, assign=True)
+            placed[swap] = [isinstance(p, ot.OffloadedTensor) for p in model.parameters()]
+            loaded = copy.deepcopy(reference)
+            loaded.load_state_dict(new)
+            with torch.no_grad():
+                assert torch.equal(model(x), loaded(x)), swap
+            s = ot.stats(model)
+            assert s.peak_device_bytes <= s.budget_bytes, (swap, s)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    assert placed[True] == placed[False]

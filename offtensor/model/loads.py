@@ -23,7 +23,9 @@ def after_load(module, incompatible_keys):
         return
     with state.pager.lock:
         try:
-            _place_loaded(state, model, module)
+            # A parent's own tensors that torch swapped in are placed by its post-hook, after its
+            # children's: they are not resident weights beside which the children's must fit.
+            _place_loaded(state, model, module, _unplaced_slots(state, module))
             state.unplaced.pop(module, None)
         finally:
             if state.loading_root is module:  # the last post-hook of load_state_dict(assign=True)
@@ -63,19 +65,26 @@ def load_whole(load, module, *args, **kwargs):
 
 def _place_unplaced(state: State) -> None:
     """Place what the modules a load cut short left unplaced, each module's tensors beside the
-    others' still to be placed: plain tensors no placement has counted as resident (``resident_ptrs``),
-    which are not counted as resident meanwhile."""
+    others' still to be placed (``_unplaced_slots``)."""
     model = state.model_ref()
     if model is None:
         return
     with state.pager.lock:
-        pending = list(state.unplaced)
-        slots = {(m, a) for m in pending for table in (m._parameters, m._buffers) for a, t in table.items()
-                 if t is not None and not isinstance(t, OffloadedTensor) and not t.is_meta and t.layout == torch.strided
-                 and t.untyped_storage().data_ptr() not in state.resident_ptrs}
-        for m in pending:
-            _place_loaded(state, model, m, frozenset(s for s in slots if s[0] is not m))
+        for m in list(state.unplaced):
+            _place_loaded(state, model, m, _unplaced_slots(state, m))
             state.unplaced.pop(m, None)
+
+
+def _unplaced_slots(state: State, module: nn.Module) -> frozenset:
+    """The (module, attribute) slots of the modules in ``State.unplaced`` but ``module`` that hold
+    a plain tensor no placement has counted as resident (``resident_ptrs``): what torch swapped in
+    there waits for its module's post-hook, and is not counted as resident meanwhile."""
+    return frozenset(
+        (m, attr) for m in state.unplaced if m is not module for table in (m._parameters, m._buffers)
+        for attr, t in table.items()
+        if t is not None and not isinstance(t, OffloadedTensor) and not t.is_meta and t.layout == torch.strided
+        and t.untyped_storage().data_ptr() not in state.resident_ptrs
+    )
 
 
 def _place_loaded(state: State, model: nn.Module, module: nn.Module, elsewhere: frozenset = frozenset()) -> None:
