@@ -333,6 +333,25 @@ def test_a_fifo_named_config_json_does_not_block_the_architecture_check(tmp_path
     assert torch.equal(model.scale.cpu(), VALUES[16:])
 
 
+@pytest.mark.parametrize("kind", ["fifo", "directory", "character_device"])
+def test_a_config_json_that_is_no_regular_file_is_refused_as_such_not_called_missing(tmp_path, device, kind):
+    """``from_pretrained`` of a directory whose config.json is a FIFO, a directory or a symlink to
+    /dev/zero: a CheckpointError naming config.json and what it is, without blocking. It said the
+    directory had no config.json, of a directory holding one."""
+    pytest.importorskip("transformers")
+    _write(tmp_path / "model.safetensors", _entries())
+    config = tmp_path / "config.json"
+    if kind == "fifo":
+        os.mkfifo(config)
+    elif kind == "directory":
+        config.mkdir()
+    else:
+        os.symlink("/dev/zero", config)
+    what = {"fifo": "a FIFO", "directory": "a directory", "character_device": "a character device"}[kind]
+    with _no_hang(), pytest.raises(ot.CheckpointError, match=rf"config\.json' is {what}, not a regular file"):
+        ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)
+
+
 # ---------------------------------------------------------------------------- indexes
 
 

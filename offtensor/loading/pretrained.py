@@ -66,7 +66,8 @@ def from_pretrained(path, budget_gb: Optional[float] = None, device=None, dtype:
     root = os.fspath(path)
     found = stat_or_none(root, "the checkpoint directory")
     config_file = stat_or_none(os.path.join(root, "config.json"), "the config") if found else None
-    if not found or not stat.S_ISDIR(found.st_mode) or not config_file or not stat.S_ISREG(config_file.st_mode):
+    # A config.json that is there but no regular file (a FIFO, a device) is refused as such when read.
+    if not found or not stat.S_ISDIR(found.st_mode) or not config_file:
         raise FileNotFoundError(f"offtensor: {root!r} is not a transformers checkpoint directory (no config.json)")
     config = OffloadConfig.from_arguments(budget_gb=budget_gb, offload_gb=offload_gb, device=device, prefetch=prefetch,
                                           policy=policy, progress=progress, load_threads=threads, routing=routing,
