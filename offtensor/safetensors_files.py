@@ -242,7 +242,8 @@ def _read_header_json(file):
         state = identity(fd)
         size = state[2]
         head = read_exactly(fd, 0, 8)
-        if len(head) < 8:
+        # A /proc file says it is 0 bytes and reads some: its size is what the checks below compare.
+        if len(head) < 8 or size < 8:
             raise CheckpointError(f"offtensor: {file!r} is {size} bytes, too short for the 8-byte header length of a "
                                   f"safetensors file: it is truncated or not a safetensors file")
         header_bytes = int.from_bytes(head, "little")

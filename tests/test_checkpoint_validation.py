@@ -352,6 +352,14 @@ def test_a_config_json_that_is_no_regular_file_is_refused_as_such_not_called_mis
         ot.from_pretrained(tmp_path, budget_gb=1, device=device, progress=False)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs procfs")
+def test_a_file_whose_size_is_0_but_reads_bytes_is_refused_by_its_size(device):
+    """A /proc file reports 0 bytes yet reads some: refused as too short for the header length, the
+    model unchanged. It was read, and refused as a header longer than "-8 bytes after the length field"."""
+    message = _refused("/proc/self/stat", r"is 0 bytes, too short for the 8-byte header length", device)
+    assert "-8" not in message
+
+
 # ---------------------------------------------------------------------------- indexes
 
 
