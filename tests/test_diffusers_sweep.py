@@ -145,6 +145,10 @@ def test_tiny_diffusers_model_wrapped_at_30_and_60_percent_has_its_expected_outc
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # diffusers' deprecations of some of its test configs' arguments
         model = getattr(diffusers, name)(**init).eval().to(device)
+    for module in model.modules():  # .to() leaves plain tensor attributes (rope tables) behind: moved
+        for attr, t in list(vars(module).items()):  # here, as a model's own tables on the GPU, on every device
+            if type(t) is torch.Tensor:
+                setattr(module, attr, t.to(device))
     inputs = {k: _to(v, device) for k, v in make_inputs(spec).items()}
     expected = _forward(model, inputs)
     assert expected and all(t.numel() for t in expected), "the unwrapped model gives no output"
