@@ -50,6 +50,7 @@ import offtensor as ot
 from offtensor.model import casts
 from offtensor.model.copies import state_of
 from offtensor.model.moves import resident_bytes
+from offtensor.pager.masters import Master
 
 from test_interrupts_more import _Points, _points
 
@@ -229,11 +230,12 @@ def test_an_interrupt_in_an_assigned_load_that_swaps_places_what_it_swapped_in(s
 
 
 class _PointsOutsideFinalizers(_Points):
-    """``_Points`` outside ``weakref.finalize``'s frames, where the replaced weight's host master dies
-    (its finalizer's own points are ``test_interrupts_more.py``'s)."""
+    """``_Points`` outside the finalizer of the replaced weight's host master, where it dies (its
+    points are ``test_interrupts_more.py``'s), and outside ``weakref.finalize``'s frames."""
 
     def _walked(self, frame) -> bool:
-        return frame is not None and frame.f_code.co_filename != weakref.__file__ and super()._walked(frame)
+        return (frame is not None and frame.f_code is not Master._died.__code__
+                and frame.f_code.co_filename != weakref.__file__ and super()._walked(frame))
 
 
 @needs_311
