@@ -29,6 +29,8 @@ wrapping and ``load_state_dict(assign=True)`` were swept at sampled points; what
   object ``w``. Cut short after that swap (at the placement's last step, the resident recount), the
   slot went back to the old weight, but ``w`` stayed an OffloadedTensor whose host master the pager
   counted. The registration and placement are now one ``Undo`` record, which gives ``w`` back.
+  Where ``w`` is another wrapped model's OffloadedTensor, its host master moved to this model's
+  pager stayed there; the record now moves it back.
 - ``copy.deepcopy`` of a wrapped model, cut short at the entry of a ``torch.no_grad()``'s exit
   in an offloaded tensor's copy, left grad off too; it puts it back the same way.
 
@@ -285,3 +287,30 @@ def test_an_interrupt_at_any_point_of_a_weight_assignment_gives_the_users_tensor
             s = ot.stats(model)
             assert s.peak_device_bytes <= s.budget_bytes, (n, s)
     assert not changed, f"the user's tensor changed by an assignment rolled back after interrupts at points {changed}"
+
+
+@needs_311
+def test_an_interrupt_in_an_assignment_of_another_models_weight_leaves_it_with_its_own_pager(young_heap):
+    """``a[2].weight = b[2].weight``, an OffloadedTensor of another wrapped model, whose host master
+    the placement moves to ``a``'s pager: a Ctrl-C at every 2nd point of the model package, the
+    assignment rolled back, leaves that master with ``b``'s pager, each pager counting exactly the
+    masters of its own model's weights. It had stayed on ``a``'s pager, counted there and not in ``b``'s."""
+    def offloaded(model) -> int:
+        return sum({p._master.id: p._master.nbytes for p in model.parameters() if isinstance(p, ot.OffloadedTensor)}.values())
+
+    a, b = _wrapped(), _wrapped()
+    total = _points(lambda: setattr(a[2], "weight", b[2].weight), _in_model_package)
+    assert total > 50
+    moved = []
+    for n in range(1, total + 1, 2):
+        a, b = _wrapped(), _wrapped()
+        w = b[2].weight
+        _PointsOutsideFinalizers(n, _in_model_package).run(lambda: setattr(a[2], "weight", w))
+        gc.collect()
+        if a[2].weight is not w:
+            if w._master.pager is not state_of(b).pager:
+                moved.append(n)
+                continue
+            assert state_of(a).pager.offloaded_bytes == offloaded(a), n
+        assert state_of(b).pager.offloaded_bytes == offloaded(b) - (w._master.nbytes if a[2].weight is w else 0), n
+    assert not moved, f"another model's weight left on this model's pager after interrupts at points {moved}"
