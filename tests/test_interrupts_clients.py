@@ -25,6 +25,12 @@ wrapping and ``load_state_dict(assign=True)`` were swept at sampled points; what
 - Under ``set_swap_module_params_on_conversion`` the same load swaps each incoming tensor into its
   Parameter object and only the module's post-hook places it: cut short in between, a host tensor
   stayed where the wrap offloaded a weight. The load now places what it swapped in when cut short.
+- ``module.weight = w`` into a wrapped model swaps an OffloadedTensor into the user's own Parameter
+  object ``w``. Cut short after that swap (at the placement's last step, the resident recount), the
+  slot went back to the old weight, but ``w`` stayed an OffloadedTensor whose host master the pager
+  counted. The registration and placement are now one ``Undo`` record, which gives ``w`` back.
+  Where ``w`` is another wrapped model's OffloadedTensor, its host master moved to this model's
+  pager stayed there; the record now moves it back.
 - ``copy.deepcopy`` of a wrapped model, cut short at the entry of a ``torch.no_grad()``'s exit
   in an offloaded tensor's copy, left grad off too; it puts it back the same way.
 
@@ -37,6 +43,7 @@ import copy
 import gc
 import os
 import sys
+import weakref
 
 import pytest
 import torch
@@ -44,6 +51,8 @@ import torch
 import offtensor as ot
 from offtensor.model import casts
 from offtensor.model.copies import state_of
+from offtensor.model.moves import resident_bytes
+from offtensor.pager.masters import Master
 
 from test_interrupts_more import _Points, _points
 
@@ -220,3 +229,88 @@ def test_an_interrupt_in_an_assigned_load_that_swaps_places_what_it_swapped_in(s
         s = ot.stats(model)
         assert s.peak_device_bytes <= s.budget_bytes, (n, s)
     assert not misplaced, f"weights left where the load swapped them in after interrupts at points {misplaced}"
+
+
+class _PointsOutsideFinalizers(_Points):
+    """``_Points`` outside the finalizer of the replaced weight's host master, where it dies (its
+    points are ``test_interrupts_more.py``'s), and outside ``weakref.finalize``'s frames."""
+
+    def _walked(self, frame) -> bool:
+        return (frame is not None and frame.f_code is not Master._died.__code__
+                and frame.f_code.co_filename != weakref.__file__ and super()._walked(frame))
+
+
+@needs_311
+def test_an_interrupt_at_any_point_of_a_weight_assignment_gives_the_users_tensor_back(young_heap):
+    """``model[2].weight = w`` into a wrapped model (placement offloads ``w``, swapping an
+    OffloadedTensor into the user's own Parameter object), a Ctrl-C at every 4th point of the model
+    package: either the slot holds ``w`` or it holds the old weight, and then ``w`` is the user's
+    as it was (a plain Parameter, the same values on the same device, no host master holding its
+    bytes in ``offloaded_bytes``), the pager's resident count is the model's, and the forward is the
+    unwrapped model's with the weight the slot holds, within the budget. A Ctrl-C at the placement's
+    last step (the resident recount) rolled the slot back but left ``w`` an OffloadedTensor."""
+    reference = _bf16_stack()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    values = torch.randn(256, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+
+    def offloaded(model) -> int:
+        return sum({p._master.id: p._master.nbytes for p in model.parameters() if isinstance(p, ot.OffloadedTensor)}.values())
+
+    whole = _wrapped()
+    whole[2].weight = torch.nn.Parameter(values.clone())
+    assert isinstance(whole[2].weight, ot.OffloadedTensor)  # the placement offloads it
+    model = _wrapped()
+    total = _points(lambda: setattr(model[2], "weight", torch.nn.Parameter(values.clone())), _in_model_package)
+    assert total > 100
+    changed = []
+    for n in range(1, total + 1, 4):
+        model = _wrapped()
+        pager = state_of(model).pager
+        old = id(model[2].weight)  # (not the weight itself: its host master stays counted while it lives)
+        w = torch.nn.Parameter(values.clone())
+        _PointsOutsideFinalizers(n, _in_model_package).run(lambda: setattr(model[2], "weight", w))
+        gc.collect()
+        if model[2].weight is w:
+            assert isinstance(w, ot.OffloadedTensor) and torch.equal(w.materialize(), values), n
+        else:
+            assert id(model[2].weight) == old, n
+            if type(w) is not torch.nn.Parameter or w.device != values.device or not torch.equal(w, values):
+                changed.append(n)
+                continue
+        assert pager.offloaded_bytes == offloaded(model), n
+        assert pager.budget.resident_bytes == resident_bytes(model, pager.device), n
+        if n % 5 == 1:
+            now = {k: (v.materialize() if isinstance(v, ot.OffloadedTensor) else v.detach()) for k, v in model.state_dict().items()}
+            with torch.no_grad():
+                reference.load_state_dict(now)
+                assert torch.equal(model(x), reference(x)), n
+            s = ot.stats(model)
+            assert s.peak_device_bytes <= s.budget_bytes, (n, s)
+    assert not changed, f"the user's tensor changed by an assignment rolled back after interrupts at points {changed}"
+
+
+@needs_311
+def test_an_interrupt_in_an_assignment_of_another_models_weight_leaves_it_with_its_own_pager(young_heap):
+    """``a[2].weight = b[2].weight``, an OffloadedTensor of another wrapped model, whose host master
+    the placement moves to ``a``'s pager: a Ctrl-C at every 2nd point of the model package, the
+    assignment rolled back, leaves that master with ``b``'s pager, each pager counting exactly the
+    masters of its own model's weights. It had stayed on ``a``'s pager, counted there and not in ``b``'s."""
+    def offloaded(model) -> int:
+        return sum({p._master.id: p._master.nbytes for p in model.parameters() if isinstance(p, ot.OffloadedTensor)}.values())
+
+    a, b = _wrapped(), _wrapped()
+    total = _points(lambda: setattr(a[2], "weight", b[2].weight), _in_model_package)
+    assert total > 50
+    moved = []
+    for n in range(1, total + 1, 2):
+        a, b = _wrapped(), _wrapped()
+        w = b[2].weight
+        _PointsOutsideFinalizers(n, _in_model_package).run(lambda: setattr(a[2], "weight", w))
+        gc.collect()
+        if a[2].weight is not w:
+            if w._master.pager is not state_of(b).pager:
+                moved.append(n)
+                continue
+            assert state_of(a).pager.offloaded_bytes == offloaded(a), n
+        assert state_of(b).pager.offloaded_bytes == offloaded(b) - (w._master.nbytes if a[2].weight is w else 0), n
+    assert not moved, f"another model's weight left on this model's pager after interrupts at points {moved}"

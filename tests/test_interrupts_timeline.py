@@ -2,7 +2,8 @@
 GEMM's handler records each expert's kernel in): the thread's dispatch mode stack, torch's mode
 flags, the pagers' recorder, the model's hooks and the expert policy's methods are as before the
 block, at once, or, after one at the very entry of the exit, from the thread's next forward of the
-model or next ``ot.timeline``; the next recording records what a clean one does."""
+model or next ``ot.timeline``; the next recording records what a clean one does. Ctrl-C anywhere
+in ``ot.plan``, which wraps its meta model to record it, leaves that model unwrapped as it was."""
 
 from __future__ import annotations
 
@@ -159,3 +160,43 @@ def test_an_interrupt_at_any_point_of_a_kernels_block_leaves_one_recorder_on_the
         assert _as_before(model, policy), n
         assert sum(r.name == "embedding" for r in tl.records) == 2, n  # each forward's once
     assert _recorded(model, ids, ("embedding", "rsqrt", "_grouped_mm")) == clean
+
+
+def _meta_stack():
+    with torch.device("meta"):
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                   torch.nn.Linear(64, 64))
+
+
+@needs_311
+def test_an_interrupt_at_any_point_of_a_plan_leaves_the_model_as_it_was():
+    """``ot.plan`` of a model on meta wraps it on a meta pager and unwraps it when the plan ends, so
+    the model is as it was. A Ctrl-C at every 60th point of offtensor's model package and of
+    sim/plan.py (the wrap, the placement, the unwrap, and the functions they call directly): every
+    slot holds its own Parameter again, every module has its own class and no wrap, and the next
+    plan replays as an uninterrupted one. Cut short in its unwrap (the moves, the registration's
+    undo), the plan had left the model wrapped: OffloadedTensors in its slots."""
+    from offtensor.model import prepare
+    from offtensor.model.state import wrapped_state
+    from offtensor.sim import plan as sim_plan
+
+    package = prepare.__file__.rpartition("/")[0] + "/"
+    where = lambda code: code.co_filename.startswith(package) or code.co_filename == sim_plan.__file__  # noqa: E731
+    model = _meta_stack()
+    registered = [(m, name, t) for m in model.modules() for name, t in m._parameters.items()]
+    classes = [(m, type(m)) for m in model.modules()]
+    x = torch.empty(4, 64, device="meta")
+    budget = 0.7 * sum(p.numel() * p.element_size() for p in model.parameters()) / (1 << 30)
+    run = lambda: ot.plan(model, budget_gb=budget, example_inputs=(x,), steps=1, warmup=0)  # noqa: E731
+    want = run().replay()
+    total = _points(run, where)
+    assert total > 1000
+    left_wrapped = []
+    for n in range(1, total + 1, 60):
+        _Points(n, where).run(run)
+        if wrapped_state(model) is not None or any(type(m) is not cls for m, cls in classes):
+            left_wrapped.append(n)
+            ot.unwrap_model(model)
+        assert all(m._parameters[name] is t and type(t) is torch.nn.Parameter for m, name, t in registered), n
+    assert not left_wrapped, f"the model left wrapped after interrupts at points {left_wrapped}"
+    assert run().replay() == want

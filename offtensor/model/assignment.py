@@ -98,25 +98,42 @@ def refuse_torchscript(module: nn.Module) -> None:
 
 def _register_tensor(register, module: nn.Module, table: dict, name: str, t, is_buffer: bool) -> None:
     """``register(name, t)``, the module class's own ``register_parameter`` / ``register_buffer``
-    (which checks the name and the tensor), then the placement of ``t`` into the wrapped model. If
-    placing fails (over budget), the slot goes back to what it held."""
+    (which checks the name and the tensor), then the placement of ``t`` into the wrapped model, all
+    or nothing (``Undo``): if placing fails (over budget, a Ctrl-C at any step), the slot goes back
+    to what it held and ``t`` to what the user gave (the same object, class, values and device;
+    placement swaps an OffloadedTensor into the user's own Parameter object)."""
     state, owner = placing_target(module)
     if state is None or t is None:
         return register(name, t)
     with state.pager.lock:
         before = table.get(name, _ABSENT)
         refuse_sharding_an_offloaded_weight(state, owner, name, before, t)
-        register(name, t)
-        try:
-            new = place(state, owner, name, t, is_buffer)
-        except BaseException:
-            if before is _ABSENT:
-                table.pop(name, None)
-            else:
-                table[name] = before
-            raise
-        if new is not None:
-            table[name] = new
+        Undo.run(_registered_then_placed, state, register, owner, table, name, t, is_buffer, before)
+
+
+def _registered_then_placed(state: State, register, module: nn.Module, table: dict, name: str, t, is_buffer: bool,
+                            before) -> None:
+    # Noted first, so undone last: the slot's old tensor back, then the resident bytes recounted
+    # with it (the placement's own count left it out, as the tensor being replaced).
+    Undo.note("call", _recount_resident, state)
+    Undo.note("call", _put_back_slot, table, name, before)
+    register(name, t)
+    new = place(state, module, name, t, is_buffer)
+    if new is not None:
+        table[name] = new
+
+
+def _recount_resident(state: State) -> None:
+    model = state.model_ref()
+    if model is not None:
+        state.pager.recount_resident(resident_bytes(model, state.pager.device))
+
+
+def _put_back_slot(table: dict, name: str, before) -> None:
+    if before is _ABSENT:
+        table.pop(name, None)
+    else:
+        table[name] = before
 
 
 def _add_submodule(add_module, module: nn.Module, name: str, submodule) -> None:

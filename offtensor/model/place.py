@@ -34,6 +34,7 @@ def place(state: State, module: nn.Module, name: str, t: torch.Tensor, is_buffer
         state.experts_stale = True
     if isinstance(t, OffloadedTensor):
         reserve_whole_read(state, full_name, t, (module, name))
+        Undo.note("moved", t._master, t._master.pager)  # an assignment undone gives it back to its pager
         t._master.move_to(pager)
         warn_view_of_a_bigger_master(full_name, t)
         return None
@@ -61,6 +62,7 @@ def _place_leaves(state: State, module: nn.Module, name: str, t: torch.Tensor, i
     done = []
     for owner, attr, leaf in leaves.leaves(t, f"'{full_name}'"):
         if isinstance(leaf, OffloadedTensor):
+            Undo.note("moved", leaf._master, leaf._master.pager)
             leaf._master.move_to(state.pager)
             warn_view_of_a_bigger_master(f"{full_name} (its leaf {attr})", leaf)
         elif not leaf.is_meta and leaf.layout == torch.strided:

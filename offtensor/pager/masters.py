@@ -20,6 +20,7 @@ names the master it pages from by id; ``__tensor_unflatten__`` rebuilds it).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import weakref
@@ -31,6 +32,8 @@ from .. import forking
 
 _BY_STORAGE: "weakref.WeakValueDictionary[int, Master]" = weakref.WeakValueDictionary()
 _BY_ID: "weakref.WeakValueDictionary[int, Master]" = weakref.WeakValueDictionary()
+# The weak references whose callbacks count each master's death (a weak reference must live to call back).
+_DEATHS: set = set()
 
 
 class Master:
@@ -54,7 +57,11 @@ class Master:
         # between them where Python raises a Ctrl-C, so an interrupt anywhere neither counts a
         # master twice nor takes off bytes it never added.
         self._owner = [_UNCOUNTED, pager.device, type(pager)]
-        weakref.finalize(self, Master._died, self._owner, self.id, nbytes)  # first: it reads the owner
+        # First, as it reads the owner. A weak reference's callback, not weakref.finalize: its
+        # __call__ is Python code whose points before it calls the finalizer could take a Ctrl-C,
+        # which Python ignores in a finalizer, the dead master's bytes counted for good. Now the
+        # only such point is the finalizer's own entry.
+        _DEATHS.add(weakref.ref(self, functools.partial(Master._died, self._owner, self.id, nbytes)))
         self._count_on(pager)
 
     @property
@@ -97,15 +104,18 @@ class Master:
         self._count_on(pager)
 
     @staticmethod
-    def _died(owner, master_id: int, nbytes: int) -> None:
-        pager = owner[0]()
-        if pager is not None:
-            with pager.lock:
-                # The count first, in one store once the lock is held: a Ctrl-C in the drop of the
-                # cached copies (which Python ignores in a finalizer) cannot skip it. Copies it
-                # leaves are evicted as any unused copy; their master's id is never used again.
-                pager.budget.offloaded_bytes -= nbytes
-                pager.forget_master(master_id)
+    def _died(owner, master_id: int, nbytes: int, ref) -> None:
+        try:
+            pager = owner[0]()
+            if pager is not None:
+                with pager.lock:
+                    # The count first, in one store once the lock is held: a Ctrl-C in the drop of the
+                    # cached copies (which Python ignores in a finalizer) cannot skip it. Copies it
+                    # leaves are evicted as any unused copy; their master's id is never used again.
+                    pager.budget.offloaded_bytes -= nbytes
+                    pager.forget_master(master_id)
+        finally:
+            _DEATHS.discard(ref)
 
 
 def _UNCOUNTED():

@@ -15,6 +15,7 @@ from ..ops import planned as planned_draws
 from ..moe import RoutingStats, model_top_k
 from .. import placement
 from ..config import OffloadConfig
+from ..model.moves import Undo
 from ..model.prepare import prepare, unwrap
 from ..model.state import wrapped_state
 from ..pager import GiB
@@ -50,12 +51,28 @@ def plan(model: nn.Module, budget_gb: Optional[float] = None, example_inputs=(),
     _check_built_on_meta(model)
     # The placement wrap_model would make, applied on a meta pager (on meta every copy is done when
     # issued: pager/device.py's MetaDevice); unwrapped when the plan ends, so the model is as it was.
-    placed, pager = prepare(model, config, config.device)
     try:
-        tl = _record_plan(model, placed, pager, example_inputs, profile, steps, warmup, forward, routing)
+        placed, pager = prepare(model, config, config.device)
+        return _record_plan(model, placed, pager, example_inputs, profile, steps, warmup, forward, routing)
     finally:
-        unwrap(model, wrapped_state(model))
-    return tl
+        # An unwrap cut short (a Ctrl-C) leaves the model wrapped and whole: it is run again, as an
+        # undo is (``Undo.roll_back``), from inside this block, since a helper called here would take
+        # an interrupt at its entry, outside any try. A prepare cut short has left nothing wrapped.
+        failures, pending = 0, None
+        while failures < Undo.ATTEMPTS:
+            try:
+                state = wrapped_state(model)
+                if state is not None:
+                    unwrap(model, state)
+                break
+            except BaseException as error:
+                pending = error if pending is None else pending
+                failures += 1
+        if pending is not None:
+            try:
+                raise pending
+            finally:
+                pending = None  # not a cycle through this frame
 
 
 def _record_plan(model: nn.Module, placed: placement.ModelPlacement, pager, example_inputs, profile, steps: int,
