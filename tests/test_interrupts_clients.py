@@ -198,7 +198,7 @@ def swap_on_conversion():
 def test_an_interrupt_in_an_assigned_load_that_swaps_places_what_it_swapped_in(swap_on_conversion, young_heap):
     """``load_state_dict(new, assign=True)`` under ``set_swap_module_params_on_conversion(True)``:
     torch swaps each incoming tensor into the Parameter object, and only the module's load post-hook
-    places it. A Ctrl-C at every 23rd point of the model package between the two left an incoming
+    places it. A Ctrl-C at every 46th point of the model package between the two left an incoming
     tensor where the wrap had offloaded a weight: resident beside a room planned without it (the
     next forward paged another weight in tiles, bits apart from the unwrapped model's), and on a GPU
     a host tensor in a model on the device. Now the weights are placed as an uninterrupted load
@@ -215,7 +215,7 @@ def test_an_interrupt_in_an_assigned_load_that_swaps_places_what_it_swapped_in(s
     total = _points(lambda: _wrapped().load_state_dict(new, assign=True), _in_model_package)
     assert total > 500
     misplaced = []
-    for n in range(1, total + 1, 23):
+    for n in range(1, total + 1, 46):
         model = _wrapped()
         _Points(n, _in_model_package).run(lambda: model.load_state_dict(new, assign=True))
         if [isinstance(p, ot.OffloadedTensor) for p in model.parameters()] != placed:

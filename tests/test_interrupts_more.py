@@ -171,7 +171,7 @@ def _speculator_hooks(model) -> list:
 @needs_311
 def test_an_expert_refresh_cut_short_is_run_again_at_the_next_step(monkeypatch):
     """An expert stack assigned anew makes the next step rebuild the registry (detach, attach); a
-    Ctrl-C at every 9th point of that rebuild (``State.refresh_experts``, moe/hooks.py and what they
+    Ctrl-C at every 18th point of that rebuild (``State.refresh_experts``, moe/hooks.py and what they
     call): the next decode gives the plain model's tokens with every router hooked once, as after
     the wrap. On main the registry was marked fresh before the rebuild: cut short, the routers'
     hooks were gone (no guesses) until the next change of a stack."""
@@ -192,14 +192,14 @@ def test_an_expert_refresh_cut_short_is_run_again_at_the_next_step(monkeypatch):
     total = _points(lambda: model.generate(ids, 3), where)
     assert total > 100
     interrupted = 0
-    for n in range(1, total + 1, 9):
+    for n in range(1, total + 1, 18):
         restack()
         interrupted += _Points(n, where).run(lambda: model.generate(ids, 3)) is not None
         assert torch.equal(model.generate(ids, 3), want), n
         assert sorted(map(type, _speculator_hooks(model)), key=str) == hooked, n
         speculator = _copies.state_of(model).pager.experts.speculator
         assert all(h.speculator_ref() is speculator for h in _speculator_hooks(model)), n
-    assert interrupted > total // 9 - 3  # (a rebuild's points vary by a few)
+    assert interrupted > total // 18 - 3  # (a rebuild's points vary by a few)
 
 
 def _wrap(model):
@@ -442,7 +442,7 @@ def _refresh_points(model, reference, ids, step: int):
 @needs_311
 def test_an_expert_pool_refresh_cut_short_anywhere_gives_the_budget_back_exactly_once(monkeypatch):
     """``expert_pool=True``: the pools' bytes are held from the budget. After a Ctrl-C at every
-    9th point of a refresh (detach, attach), the next step's refresh leaves the budget minus exactly
+    18th point of a refresh (detach, attach), the next step's refresh leaves the budget minus exactly
     the new pools' bytes. On main an interrupt between the detach dropping the pools and giving
     their bytes back lost them for good (the budget shrank by the pools' bytes per Ctrl-C, until
     the pools no longer fitted: a BudgetError)."""
@@ -461,7 +461,7 @@ def test_an_expert_pool_refresh_cut_short_anywhere_gives_the_budget_back_exactly
     full = pager.budget_bytes + pager.expert_pool.nbytes
     ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1))
     monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)  # (pytest's keeps the tracebacks)
-    for n in _refresh_points(model, reference, ids, 9):
+    for n in _refresh_points(model, reference, ids, 18):
         assert pager.expert_pool is not None and pager.budget_bytes + pager.expert_pool.nbytes == full, n
 
 
