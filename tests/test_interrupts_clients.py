@@ -55,6 +55,7 @@ from offtensor.model.moves import resident_bytes
 from offtensor.pager.masters import Master
 
 from test_interrupts_more import _Points, _points
+from test_wrap import swap_on_conversion  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # a generator closed by the interrupt
 needs_311 = pytest.mark.skipif(sys.version_info < (3, 11), reason="the points are 3.11's bytecodes")
@@ -172,7 +173,7 @@ def test_an_interrupt_at_any_point_of_an_assigned_load_keeps_no_replaced_weight_
         old = {k: v.detach().clone() for k, v in reference.state_dict().items()}
         _Points(n, _in_model_package).run(lambda: model.load_state_dict(new, assign=True))
         gc.collect()
-        now = {k: (v.materialize() if isinstance(v, ot.OffloadedTensor) else v.detach()) for k, v in model.state_dict().items()}
+        now = _values(model)
         assert all(torch.equal(now[k], old[k]) or torch.equal(now[k], new[k]) for k in now), n
         if state_of(model).pager.offloaded_bytes != offloaded(model):
             kept.append(n)
@@ -186,12 +187,18 @@ def test_an_interrupt_at_any_point_of_an_assigned_load_keeps_no_replaced_weight_
     assert not kept, f"replaced weights' host masters kept after interrupts at points {kept}"
 
 
-@pytest.fixture
-def swap_on_conversion():
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    yield
-    torch.__future__.set_swap_module_params_on_conversion(before)
+def _values(model) -> dict:
+    """The wrapped ``model``'s state dict as plain tensors."""
+    return {k: (v.materialize() if isinstance(v, ot.OffloadedTensor) else v.detach()) for k, v in model.state_dict().items()}
+
+
+def _runs_as(model, reference, values: dict, x, n) -> None:
+    """``model`` gives ``reference``'s output with ``values`` loaded, within its budget (after point ``n``)."""
+    with torch.no_grad():
+        reference.load_state_dict(values)
+        assert torch.equal(model(x), reference(x)), n
+    s = ot.stats(model)
+    assert s.peak_device_bytes <= s.budget_bytes, (n, s)
 
 
 @needs_311
@@ -221,13 +228,9 @@ def test_an_interrupt_in_an_assigned_load_that_swaps_places_what_it_swapped_in(s
         if [isinstance(p, ot.OffloadedTensor) for p in model.parameters()] != placed:
             misplaced.append(n)
             continue
-        now = {k: (v.materialize() if isinstance(v, ot.OffloadedTensor) else v.detach()) for k, v in model.state_dict().items()}
+        now = _values(model)
         assert all(torch.equal(now[k], old[k]) or torch.equal(now[k], new[k]) for k in now), n
-        with torch.no_grad():
-            reference.load_state_dict(now)
-            assert torch.equal(model(x), reference(x)), n
-        s = ot.stats(model)
-        assert s.peak_device_bytes <= s.budget_bytes, (n, s)
+        _runs_as(model, reference, now, x, n)
     assert not misplaced, f"weights left where the load swapped them in after interrupts at points {misplaced}"
 
 
@@ -280,12 +283,7 @@ def test_an_interrupt_at_any_point_of_a_weight_assignment_gives_the_users_tensor
         assert pager.offloaded_bytes == offloaded(model), n
         assert pager.budget.resident_bytes == resident_bytes(model, pager.device), n
         if n % 5 == 1:
-            now = {k: (v.materialize() if isinstance(v, ot.OffloadedTensor) else v.detach()) for k, v in model.state_dict().items()}
-            with torch.no_grad():
-                reference.load_state_dict(now)
-                assert torch.equal(model(x), reference(x)), n
-            s = ot.stats(model)
-            assert s.peak_device_bytes <= s.budget_bytes, (n, s)
+            _runs_as(model, reference, _values(model), x, n)
     assert not changed, f"the user's tensor changed by an assignment rolled back after interrupts at points {changed}"
 
 
