@@ -2,11 +2,12 @@
 
 Three amounts share a budget: resident weights (plain device tensors the model keeps, counted by
 the layer that places them, ``wrap``), copies of host masters paged onto the device (cached,
-transient, in flight), and nothing else. The high-water mark of resident + paged is
-``stats.peak_device_bytes``. The layers above change the resident count only through
-``recount_resident`` / ``hold_resident``; the pager moves ``paged_bytes``. Device memory the pager
-does not page into (the expert pools, the learned look-ahead's maps) is taken out of
-``budget_bytes`` itself, each under an account of its own (``hold_outside``).
+transient, in flight), and device memory the pager does not page into (the expert pools, the
+learned look-ahead's maps), each under an account of its own (``hold_outside``), which is taken
+out of ``budget_bytes`` itself: ``budget_bytes`` is what resident weights and paged copies may use,
+``whole()`` the budget as given. The high-water mark of all three is ``stats.peak_device_bytes``.
+The layers above change the resident count only through ``recount_resident`` / ``hold_resident``;
+the pager moves ``paged_bytes``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class BudgetError(RuntimeError):
 class Budget:
     """``budget_bytes`` (None: no budget, nothing cached) and the bytes counted against it."""
 
-    __slots__ = ("budget_bytes", "resident_bytes", "paged_bytes", "offloaded_bytes", "outside", "stats")
+    __slots__ = ("budget_bytes", "resident_bytes", "paged_bytes", "offloaded_bytes", "outside", "outside_bytes", "stats")
 
     def __init__(self, budget_bytes: Optional[int], stats):
         self.budget_bytes = budget_bytes
@@ -32,6 +33,7 @@ class Budget:
         self.paged_bytes = 0  # copies of host masters on the device: cached, transient, in flight
         self.offloaded_bytes = 0  # bytes of the host masters this pager pages from
         self.outside = {}  # account -> bytes of the budget it holds outside paging (hold_outside)
+        self.outside_bytes = 0  # their sum: device memory the budget limits as it does paged copies
         self.stats = stats  # the pager's live OffloadStats, whose peak_device_bytes is kept here
 
     # ------------------------------------------------------------------ the placing layer's calls
@@ -50,18 +52,24 @@ class Budget:
         """``account`` (the expert pools, the look-ahead's maps) holds ``nbytes`` of the budget from
         now on, and what it held before comes back; returns the change (> 0: the budget shrank).
 
-        A set, not a transfer: the account and the budget change by two stores with no point
+        A set, not a transfer: the account and the budget change by three stores with no point
         between them where Python raises a Ctrl-C, and a call repeated changes nothing. So a caller
         cut short anywhere (between taking the bytes and recording what holds them, say) is put
         right by setting the account again, and no byte is lost or counted twice."""
         outside = self.outside
         change = nbytes - outside.get(account, 0)
         budget = self.budget_bytes - change
+        held = self.outside_bytes + change
         outside[account] = nbytes
         self.budget_bytes = budget
+        self.outside_bytes = held
         return change
 
     # ------------------------------------------------------------------ the pager's
+
+    def whole(self) -> Optional[int]:
+        """The budget as given: what paging may use plus what the outside accounts hold."""
+        return None if self.budget_bytes is None else self.budget_bytes + self.outside_bytes
 
     def room(self) -> int:
         """Bytes of copies the budget holds beside the resident weights (what the arena may hold)."""
@@ -76,7 +84,9 @@ class Budget:
         self.note_peak()
 
     def note_peak(self) -> None:
-        used = self.resident_bytes + self.paged_bytes
+        # What the whole budget limits: the pools' and maps' device bytes too, so that the peak is
+        # comparable with the budget the user gave (``whole``) however those accounts changed.
+        used = self.resident_bytes + self.paged_bytes + self.outside_bytes
         if used > self.stats.peak_device_bytes:
             self.stats.peak_device_bytes = used
 

@@ -138,7 +138,7 @@ class Pager(RoomCalls, Recovering, PagingState):
         an expert pool's counters: read from the device, which on a GPU waits for it)."""
         self.settle()
         with self.lock:
-            return snapshot(self.stats, self.budget, self.budget_bytes, self.pool, self.device_ops.memory_figures(),
+            return snapshot(self.stats, self.budget, self.pool, self.device_ops.memory_figures(),
                             self.experts, self.expert_pool)
 
     def reset_stats(self) -> None:

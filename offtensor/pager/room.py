@@ -296,6 +296,7 @@ class RoomCalls:
                 if not self.budget.fits(0):
                     self._room(self.room.evict_for, 0)
                 self._room(self.room.fit_arena)  # the arena must not hold those bytes
+                self.budget.note_peak()  # the caller allocates them now, in the room made for them
 
     def held_outside(self, account: str) -> int:
         """The bytes of the budget ``account`` holds (``hold_outside``)."""

@@ -10,7 +10,8 @@ from typing import Optional
 @dataclasses.dataclass
 class OffloadStats:
     """Counters of one pager. Byte counts are exact; ``peak_device_bytes`` is a high-water mark of
-    resident + cached + in-flight bytes, i.e. what the budget limits."""
+    resident + cached + in-flight bytes and the device memory the expert pools and the learned
+    look-ahead's maps hold, i.e. what the budget limits; ``budget_bytes`` is the budget as given."""
 
     bytes_h2d: int = 0
     bytes_d2h: int = 0
@@ -109,8 +110,7 @@ class OffloadStats:
         )
 
 
-def snapshot(stats: OffloadStats, budget, budget_bytes: Optional[int], pool, figures, experts,
-             expert_pool=None) -> OffloadStats:
+def snapshot(stats: OffloadStats, budget, pool, figures, experts, expert_pool=None) -> OffloadStats:
     """A copy of a pager's ``stats`` with the amounts of the moment: its ``budget``'s counts, its slot
     ``pool``'s bytes (None without a budget), the device's ``figures`` (max allocated, max reserved;
     None on the emulated device), its ``experts``' report (None without routed experts) and its
@@ -120,7 +120,7 @@ def snapshot(stats: OffloadStats, budget, budget_bytes: Optional[int], pool, fig
     s.resident_bytes = budget.resident_bytes
     s.offloaded_bytes = budget.offloaded_bytes
     s.cached_bytes = budget.paged_bytes
-    s.budget_bytes = budget_bytes
+    s.budget_bytes = budget.whole()
     if pool is not None:
         s.pool_bytes = pool.reserved_bytes
         s.peak_pool_bytes = pool.peak_bytes
