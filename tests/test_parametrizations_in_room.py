@@ -286,3 +286,40 @@ def test_quantisation_in_place_of_a_wrapped_model_is_refused_before_it_changes_a
     with torch.no_grad():
         assert torch.equal(model(x), want)
         assert torch.equal(_quantize_dynamic(model, q.default_dynamic_qconfig, torch.qint8)(x), reference(x))
+
+
+def _conv_bn_relu():
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(8, 16, 3), nn.BatchNorm2d(16), nn.ReLU(), nn.Linear(14, 14), nn.ReLU()).eval()
+    with torch.no_grad():  # statistics of their own, so that the fusion changes the weights
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    return model
+
+
+def test_fusion_in_place_of_a_wrapped_model_is_refused_naming_the_way_that_works_and_a_fused_copy_is_exact():
+    """``fuse_modules(inplace=True)`` (the usual step before eager quantisation) looked each group's
+    types up by ``type(module)`` and stopped at torch's "did not find fuser method for: (Conv2d,
+    BatchNorm2d, ReLU)", naming types it can fuse. It is refused now, saying why and what works,
+    with no module changed; a fused copy (``inplace=False``) is the unwrapped model's, bit for bit,
+    and a parametrization registered on a wrapped module still reads as one."""
+    from torch.ao.quantization import fuse_modules
+    groups = [["0", "1", "2"], ["3", "4"]]
+    model = _conv_bn_relu()
+    reference = fuse_modules(copy.deepcopy(model), groups)
+    _wrap(model, "cpu", 6000)
+    x = torch.randn(2, 8, 16, 16, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model(x)
+    before = [type(m) for m in model]
+    with pytest.raises(TypeError, match=r"in place \(inplace=True\) on a wrapped model cannot fuse.*"
+                                        r"torch\.nn\.modules\.conv\.Conv2d.*Fuse a copy \(fuse_modules\(model, \.\.\.\) "
+                                        r"without inplace=True.*No module was fused"):
+        fuse_modules(model, groups, inplace=True)
+    assert [type(m) for m in model] == before
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+        assert torch.equal(fuse_modules(model, groups)(x), reference(x))
+    assert not parametrize.is_parametrized(model[3])
+    parametrize.register_parametrization(model[3], "weight", _Symmetric())
+    assert parametrize.is_parametrized(model[3], "weight") and isinstance(model[3].parametrizations, nn.ModuleDict)

@@ -18,7 +18,7 @@ from torch import nn
 
 from .casts import apply_to_wrapped
 from .dtensor import asked_by_distribute_module, refuse_distribute, refuse_sharding_an_offloaded_weight
-from .eager_quantization import QCONFIG
+from .eager_quantization import PARAMETRIZATIONS, QCONFIG
 from .engines import asked_for_hooks
 from .loads import after_load, load_whole, portable_state_dict
 from .moves import Undo, resident_bytes
@@ -399,6 +399,8 @@ def _make_wrapping_class(user_class: type) -> type:
         namespace["insert"] = insert
     if not hasattr(user_class, "qconfig"):  # (a class's own qconfig is left to answer)
         namespace["qconfig"] = QCONFIG
+    if not hasattr(user_class, "parametrizations"):
+        namespace["parametrizations"] = PARAMETRIZATIONS
     cls = type(user_class)(user_class.__name__, (user_class,), namespace)
     return cls
 

@@ -1,5 +1,5 @@
-"""torch.ao.quantization's eager mode (``quantize_dynamic``, ``prepare``, ``quantize``, ``convert``)
-in place on a wrapped model: refused before it sets anything.
+"""torch.ao.quantization's eager mode (``quantize_dynamic``, ``prepare``, ``quantize``, ``convert``,
+``fuse_modules``) in place on a wrapped model: refused before it sets anything.
 
 Those flows find the modules to quantise by ``type(module)`` in their mappings (``nn.Linear`` ->
 its dynamic quantised form), and every module of a wrapped model has wrap's subclass of its class
@@ -12,7 +12,13 @@ Their first step, ``propagate_qconfig_``, reads each module's ``qconfig`` (``get
 looks the module's type up. A wrapped module's class answers those reads through a property: from
 the qconfig pass it refuses, and from the swap of a module that has a qconfig (set by hand, then
 ``convert``); anywhere else a module without a qconfig has none, and one set is kept in the
-module's ``__dict__`` as before."""
+module's ``__dict__`` as before.
+
+``fuse_modules`` (and ``fuse_modules_qat``) look each group's types up the same way, through
+``type_before_parametrizations``, whose first read is the module's ``parametrizations``: read from
+there on behalf of ``fuse_known_modules``, the same property refuses (torch's own message, "did not
+find fuser method for: (Conv2d, BatchNorm2d, ReLU)", names types it can fuse); anywhere else it
+answers as a module without the property would."""
 
 from __future__ import annotations
 
@@ -50,11 +56,48 @@ def _del_qconfig(self):
 QCONFIG = property(_get_qconfig, _set_qconfig, _del_qconfig)
 
 
-def _refuse(module: nn.Module) -> None:
+def _get_parametrizations(self):
+    caller = sys._getframe(1)
+    if caller.f_code.co_name == "is_parametrized" and caller.f_globals.get("__name__") == "torch.nn.utils.parametrize":
+        # is_parametrized <- type_before_parametrizations <- (a generator expression's frame) <- the fuser
+        fuser = caller.f_back
+        for _ in range(3):
+            if fuser is None or (fuser.f_code.co_name == "fuse_known_modules"
+                                 and fuser.f_globals.get("__name__", "").startswith("torch.ao.quantization")):
+                break
+            fuser = fuser.f_back
+        else:
+            fuser = None
+        if fuser is not None:
+            _refuse(self, "fuse", "fuse_modules(model, ...) without inplace=True")
+    value = self.__dict__.get("parametrizations", _ABSENT)
+    if value is _ABSENT:
+        raise AttributeError("parametrizations")  # nn.Module.__getattr__ answers: a registered ModuleDict
+    return value
+
+
+def _set_parametrizations(self, value):
+    self.__dict__["parametrizations"] = value
+
+
+def _del_parametrizations(self):
+    try:
+        del self.__dict__["parametrizations"]
+    except KeyError:
+        raise AttributeError("parametrizations") from None
+
+
+PARAMETRIZATIONS = property(_get_parametrizations, _set_parametrizations, _del_parametrizations)
+
+
+def _refuse(module: nn.Module, verb: str = "quantise", copy: str = "quantize_dynamic(model, ...) without inplace=True") -> None:
     user_class = type(module).__dict__.get("_offtensor_user_class", type(module))
+    # Quantisation would go on and change nothing; fusion would stop at torch's "did not find fuser
+    # method" for types it can fuse.
+    outcome, done = (("cannot fuse", "fused") if verb == "fuse" else
+                     ("would quantise nothing", "quantised or given a qconfig"))
     raise TypeError(
-        f"offtensor: torch.ao.quantization in place (inplace=True) on a wrapped model would quantise nothing: it "
-        f"finds the modules to quantise by type(module), and each module of a wrapped model has offtensor's "
-        f"subclass of its class (here of {user_class.__module__}.{user_class.__qualname__}). Quantise a copy "
-        f"(quantize_dynamic(model, ...) without inplace=True gives one with torch's own classes), or quantise "
-        f"before wrap_model. No module was quantised or given a qconfig.")
+        f"offtensor: torch.ao.quantization in place (inplace=True) on a wrapped model {outcome}: it "
+        f"finds the modules to {verb} by type(module), and each module of a wrapped model has offtensor's "
+        f"subclass of its class (here of {user_class.__module__}.{user_class.__qualname__}). {verb.title()} a copy "
+        f"({copy} gives one with torch's own classes), or {verb} before wrap_model. No module was {done}.")
