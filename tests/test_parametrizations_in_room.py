@@ -323,3 +323,33 @@ def test_fusion_in_place_of_a_wrapped_model_is_refused_naming_the_way_that_works
     assert not parametrize.is_parametrized(model[3])
     parametrize.register_parametrization(model[3], "weight", _Symmetric())
     assert parametrize.is_parametrized(model[3], "weight") and isinstance(model[3].parametrizations, nn.ModuleDict)
+
+
+def test_fx_graph_mode_quantisation_of_a_wrapped_model_is_refused_naming_the_copy_that_works():
+    """``prepare_fx`` prepares the model's own modules (its graph module shares them) and finds
+    them by type, so on a wrapped model it would quantise nothing; it was refused with the eager
+    in-place message ("inplace=True", "quantize_dynamic"), which names neither what the user called
+    nor what works. It names FX graph mode and ``prepare_fx(copy.deepcopy(model), ...)`` now, whose
+    quantised model is the unwrapped one's, bit for bit; the wrapped model runs as before."""
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+    model, x = _mlp().eval(), _x("cpu")
+
+    def quantised(m):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.ao.quantization's own deprecations
+            prepared = prepare_fx(m, get_default_qconfig_mapping("x86"), (x,))
+            prepared(x)
+            return convert_fx(prepared)
+
+    reference = quantised(copy.deepcopy(model))
+    _wrap(model, "cpu", 20000)
+    with torch.no_grad():
+        want = model(x)
+    with pytest.raises(TypeError, match=r"FX graph mode \(prepare_fx.*would quantise nothing.*"
+                                        r"prepare_fx\(copy\.deepcopy\(model\), \.\.\.\)"):
+        quantised(model)
+    assert not any("qconfig" in vars(m) for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+        assert torch.equal(quantised(copy.deepcopy(model))(x), reference(x))

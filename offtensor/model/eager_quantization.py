@@ -12,7 +12,9 @@ Their first step, ``propagate_qconfig_``, reads each module's ``qconfig`` (``get
 looks the module's type up. A wrapped module's class answers those reads through a property: from
 the qconfig pass it refuses, and from the swap of a module that has a qconfig (set by hand, then
 ``convert``); anywhere else a module without a qconfig has none, and one set is kept in the
-module's ``__dict__`` as before.
+module's ``__dict__`` as before. FX graph mode's ``prepare_fx`` runs the same qconfig pass over
+the model's own modules (its graph module shares them), so it is refused there too, with the copy
+that works for it.
 
 ``fuse_modules`` (and ``fuse_modules_qat``) look each group's types up the same way, through
 ``type_before_parametrizations``, whose first read is the module's ``parametrizations``: read from
@@ -36,10 +38,24 @@ def _get_qconfig(self):
         # The qconfig pass, before it sets any; convert's swap of a module given one (by hand).
         if caller.f_code.co_name == "_propagate_qconfig_helper" or (
                 caller.f_code.co_name == "swap_module" and qconfig is not _ABSENT and qconfig is not None):
+            if _from_fx(caller):
+                _refuse(self, how="FX graph mode (prepare_fx / prepare_qat_fx, which prepares the model's own "
+                        "modules)", copy="prepare_fx(copy.deepcopy(model), ...)")
             _refuse(self)
     if qconfig is _ABSENT:
         raise AttributeError("qconfig")
     return qconfig
+
+
+def _from_fx(frame) -> bool:
+    """Whether ``frame`` runs on behalf of the FX graph mode's entry points (``quantize_fx``)."""
+    for _ in range(8):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__") == "torch.ao.quantization.quantize_fx":
+            return True
+    return False
 
 
 def _set_qconfig(self, value):
@@ -90,14 +106,15 @@ def _del_parametrizations(self):
 PARAMETRIZATIONS = property(_get_parametrizations, _set_parametrizations, _del_parametrizations)
 
 
-def _refuse(module: nn.Module, verb: str = "quantise", copy: str = "quantize_dynamic(model, ...) without inplace=True") -> None:
+def _refuse(module: nn.Module, verb: str = "quantise", copy: str = "quantize_dynamic(model, ...) without inplace=True",
+            how: str = "in place (inplace=True)") -> None:
     user_class = type(module).__dict__.get("_offtensor_user_class", type(module))
     # Quantisation would go on and change nothing; fusion would stop at torch's "did not find fuser
     # method" for types it can fuse.
     outcome, done = (("cannot fuse", "fused") if verb == "fuse" else
                      ("would quantise nothing", "quantised or given a qconfig"))
     raise TypeError(
-        f"offtensor: torch.ao.quantization in place (inplace=True) on a wrapped model {outcome}: it "
+        f"offtensor: torch.ao.quantization {how} on a wrapped model {outcome}: it "
         f"finds the modules to {verb} by type(module), and each module of a wrapped model has offtensor's "
         f"subclass of its class (here of {user_class.__module__}.{user_class.__qualname__}). {verb.title()} a copy "
         f"({copy} gives one with torch's own classes), or {verb} before wrap_model. No module was {done}.")
