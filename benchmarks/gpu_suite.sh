@@ -15,7 +15,7 @@
 #   step's own timeout; a step that no longer fits is recorded as skipped. Most valuable first:
 #   build, 30 s probe, the native-error check, core tests on the device, paging benchmark, small
 #   demo, then the rest. A first call on a fresh H200 reaches the MoE benchmark near its deadline;
-#   a second call runs what is left (OFFTENSOR_SUITE_ONLY="bench_moe bench_policy_host bench_load demo
+#   a second call runs what is left (OFFTENSOR_SUITE_ONLY="probe bench_moe_host bench_moe bench_policy_host bench_load demo
 #   bench_wrap opinfo").
 # - Output under $OUT (at most 8 files come back from the device machine): suite.log gets every
 #   step's output as it runs (tee), summary.json is rewritten before and after every step, so a
@@ -196,6 +196,10 @@ step other_tests 200 "${PYTEST[@]}" -m "not opinfo" tests "${IGNORE[@]}"
 step bench_vllm 90 "$PY" benchmarks/vllm_path.py --device "$DEVICE" --out "$RESULTS"
 step bench_dispatch 60 "$PY" benchmarks/dispatch.py --device "$DEVICE" --out "$RESULTS"
 if [ "$DRY" = 0 ]; then
+  # The MoE look-ahead's verdict: the H200 replay of the trained models' decode under the host
+  # figures the probe just measured, against the committed ones (two sets; ~2 min a model here).
+  step bench_moe_host 200 "$PY" benchmarks/moe_host_sensitivity.py --host-from "$RESULTS/probe.json" --sets 2 \
+    --models qwen3 mixtral --out "$RESULTS"
   # A pooled MoE decode (expert_pool=True) eager and captured in a CUDA graph, tok/s against the
   # resident model, a UVA-style offload at the same budget (experts read in place from pinned
   # memory, as vLLM's cpu_offload) and today's wrapped path, alternating; tokens checked against

@@ -13,6 +13,12 @@ same two layers ahead as well (the true routing of the layer after the next as t
 logits: a copy started a layer earlier), and how much faster than the cache alone each is.
 
     python benchmarks/moe_host_sensitivity.py [--models qwen3 qwen2 mixtral] [--fraction 0.25]
+        [--host-from probe.json] [--sets N]
+
+``--host-from`` adds a first set: the ``host_us`` that ``benchmarks/gpu_probe.py`` wrote into that
+file, measured on the host that ran the probe (the GPU suite runs this right after its probe, so
+one device call gives the replay under the host figures of the code it ran); ``--sets N`` replays
+only the first N sets (there: the probe's and the committed H200 figures).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -84,7 +91,20 @@ def perfect(trace: dict, two_ahead: bool = False) -> dict:
     return out
 
 
-def evaluate(name: str, fraction: float) -> dict:
+def host_sets(probe: str | None) -> dict:
+    """HOST_SETS, led by the probe's measured ``host_us`` when ``probe`` names its ``probe.json``."""
+    if probe is None:
+        return dict(HOST_SETS)
+    with open(probe) as f:
+        report = json.load(f)
+    host = report.get("host_us")
+    if not host or "page" not in host or "copy" not in host:
+        raise SystemExit(f"moe_host_sensitivity: {probe} has no host_us with page and copy figures: {host!r}")
+    where = report.get("gpu") or "the emulated device"
+    return {f"measured by the probe on {where}'s host": {k: float(v) for k, v in host.items()}, **HOST_SETS}
+
+
+def evaluate(name: str, fraction: float, sets: dict = HOST_SETS) -> dict:
     model = moe_sim.load_model(name)
     ids = moe_sim.heldout_ids(0, 32 + 256 + 1 + moe_sim.TIMELINE_STEPS)
     predictor = moe_sim.lookahead_of(name, model, False)
@@ -93,7 +113,7 @@ def evaluate(name: str, fraction: float) -> dict:
     base = profiles.PROFILES["h200"]
     rows = {}
     try:
-        for label, host in HOST_SETS.items():
+        for label, host in sets.items():
             profiles.PROFILES["h200"] = base if host is None else dataclasses.replace(base, host_us=dict(host))
             alone = h200_replay(copy.copy(trace), fraction, False)["step_ms_mean"]
             default = h200_replay(copy.copy(trace), fraction, True)
@@ -129,12 +149,15 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["qwen3", "qwen2", "mixtral"])
     p.add_argument("--fraction", type=float, default=0.25)
+    p.add_argument("--host-from", default=None, help="a gpu_probe.py probe.json whose host_us leads the sets")
+    p.add_argument("--sets", type=int, default=None, help="replay only the first N sets of host figures")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    sets = dict(list(host_sets(args.host_from).items())[: args.sets])
     t0 = time.perf_counter()
     body = {"fraction_cached": args.fraction, "recorded_steps": 192,
-            "models": {name: evaluate(name, args.fraction) for name in args.models}}
+            "models": {name: evaluate(name, args.fraction, sets) for name in args.models}}
     body["seconds"] = time.perf_counter() - t0
     save_result(args.out, "moe_host_sensitivity.json", "H200 replay of MoE decode under lower host costs",
                 torch.device("cpu"), argv, body)
