@@ -21,6 +21,7 @@ from ..model.state import wrapped_state
 from ..pager import GiB
 from .profiles import get_profile
 from .recording import timeline
+from . import meta_memo
 from .selection import PlannedSelection
 from .timeline import Timeline
 
@@ -91,7 +92,8 @@ def _record_plan(model: nn.Module, placed: placement.ModelPlacement, pager, exam
     # (outside the recorder: it records each routing read as an op, then this answers it)
     selection = PlannedSelection(model, model_top_k(model) or (routing.top_k if routing is not None else None), pager)
     try:
-        with torch.no_grad(), selection, rec, _routing_from(planned):
+        # (the memo innermost: it answers an op's kernel, after the recorder and selection saw it)
+        with torch.no_grad(), meta_memo.memo(), selection, rec, _routing_from(planned):
             for _ in range(warmup + steps):
                 (forward or model)(*inputs)
     finally:

@@ -70,9 +70,17 @@ def _host_to_device_bytes(func, args, out) -> int:
 
 
 def _launches_nothing(func) -> bool:
-    """Views and metadata ops alias their input: no kernel runs on the device."""
-    schema = func._schema
-    return bool(schema.returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+    """Views and metadata ops alias their input: no kernel runs on the device. (Read from the
+    schema once per op: a plan asks for every op it records.)"""
+    known = _NO_LAUNCH.get(func)
+    if known is None:
+        schema = func._schema
+        known = _NO_LAUNCH[func] = bool(schema.returns) and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+    return known
+
+
+_NO_LAUNCH: dict = {}
 
 
 def _is_meta_grouped_mm(func, args) -> bool:
