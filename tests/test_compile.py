@@ -302,6 +302,34 @@ def test_writing_an_offloaded_tensor_inside_a_compiled_function_graph_breaks_and
     torch.testing.assert_close(w.cpu(), 2 * original)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_copy_into_an_offloaded_weight_is_traced_and_its_cached_copy_is_not_read_stale(device, backend):
+    """``copy_`` into an offloaded weight broke the graph (an error under ``fullgraph=True``); it is
+    traced now (``offtensor::write``, ops/compiled_writes.py). An op before the write reads the old
+    values, ops after it the new ones, the host master holds them after the call, and the copy the
+    pager had cached of the weight is dropped: the next eager read pages the new values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False))
+    ot.wrap_model(model, budget_gb=0.6 * _weight_bytes(model) / GiB, device=device, policy={"offload": ["*"]})
+    w, old, new = model[0].weight, model[0].weight.detach().cpu(), torch.randn(16, 16)
+
+    def f(p, v):
+        before = p * 3
+        p.copy_(v * 0.5)
+        return before, p * 2
+
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    with torch.no_grad():
+        assert torch.equal(w * 1, old) and ot.stats(model).cached_bytes > 0  # a cached copy of the weight
+        before, after = torch.compile(f, backend=backend, fullgraph=True)(w, new.to(device))
+        assert not counters["graph_break"]
+        assert torch.equal(before, old * 3) and torch.equal(after, new)
+        assert torch.equal(w._host, new * 0.5) and torch.equal(w * 1, new * 0.5)
+    s = ot.stats(model)
+    assert s.peak_device_bytes <= s.budget_bytes, s
+
+
 def test_page_op_schema_and_fake_kernel(device):
     w = ot.offload(torch.randn(6, 4), device)
     view = w.t()
@@ -313,6 +341,17 @@ def test_page_op_schema_and_fake_kernel(device):
         out = torch.ops.offtensor.page(t._host, t._master.id, t.device)
         assert type(out) is torch.Tensor and out.device == t.device
         torch.testing.assert_close(out, t.materialize())
+
+
+def test_write_op_schema_and_fake_kernel(device):
+    """``offtensor::write`` declares the host view it writes (opcheck runs it and checks that only
+    declared arguments change); run on the view it writes the master through the pager."""
+    w = ot.offload(torch.randn(6, 4), device)
+    for t, value in ((w, torch.randn(6, 4)), (w.t()[1:3], torch.randn(2, 6))):
+        torch.library.opcheck(torch.ops.offtensor.write.default, (t._host, t._master.id, value.to(device), False),
+                              test_utils=("test_schema", "test_faketensor"))
+        torch.ops.offtensor.write(t._host, t._master.id, value.to(device), False)
+        assert torch.equal(t.cpu(), value) and torch.equal(t * 1, value.to(device))
 
 
 def test_linear_runs_as_one_opaque_op_on_the_host_view_without_an_extra_copy(device):

@@ -41,6 +41,7 @@ from .. import cast_views
 from ..pager import BudgetError
 from ..tensor import TRACED_ALIVE, OffloadedTensor
 from . import compile as _compile
+from . import compiled_writes
 from . import forward_ad  # noqa: F401  (refuses a forward-mode tangent for an offloaded weight)
 from . import reads  # noqa: F401  (registers clone, _to_copy, item, is_pinned, record_stream, _conj)
 from .distances import cdist
@@ -79,9 +80,12 @@ def torch_dispatch(func, types, args, kwargs):
     if handler is None:
         handler = OP_TABLE[func] = _in_pieces_when_short(func, _classify(func))
     if (handler in _UNTRACEABLE or type(handler) is Mutation) and _traced(args, kwargs):
-        # Under torch.compile: row-selective paging becomes one opaque op that pages at run time;
+        # Under torch.compile: row-selective paging becomes one opaque op that pages at run time,
+        # copy_ into an offloaded tensor one that writes its master (compiled_writes.py); other
         # writes to a host master (and index ops it cannot express) run eagerly (compile.py).
         traced = _compile.traced_index_op(func, args, kwargs or {})
+        if traced is None:
+            traced = compiled_writes.traced_copy(func, args, kwargs or {})
         if traced is not None:
             return traced
         t = next((t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, OffloadedTensor)), None)
@@ -400,8 +404,8 @@ _CAST_AWARE = {_compute, _compute_composite, _decomposed, view, inplace_view, mm
                index_select, index, reads._to_copy, reads._factory, OP_TABLE[aten.cat.default]}
 _CASTS = cast_views.ALIVE
 
-# Handlers that write host masters or page rows chosen by index values: a graph break under
-# torch.compile (see torch_dispatch).
+# Handlers that write host masters or page rows chosen by index values: an opaque op of their own
+# or a graph break under torch.compile (see torch_dispatch).
 _UNTRACEABLE = {
     batch_norm, copy_, resize_, set_, embedding, index_select, index, grouped_mm,
 }

@@ -18,8 +18,8 @@ device-to-device copy runs at device bandwidth, about 50x PCIe.
 Index ops that page only the rows (experts) they select are opaque ops of their own
 (``offtensor::embedding``, ``index_select``, ``index``, ``grouped_mm``) that run the eager handler at
 run time, with or without gradients (they run below autograd, see ``traced_index_op``). What cannot
-be traced breaks the graph at that one op instead of crashing (``graph_break``): writes to an
-offloaded tensor.
+be traced breaks the graph at that one op instead of crashing (``graph_break``): in-place and
+``out=`` writes to an offloaded tensor. ``copy_`` into one is traced (compiled_writes.py).
 Under CUDA graph capture ``page`` records a host->device copy from the pinned master into graph
 memory, so a replay reads the master's current bytes without any Python running; row-selective
 paging refuses to be captured.
@@ -75,10 +75,11 @@ def page(host: torch.Tensor, master_id: int, device: torch.device) -> torch.Tens
     held = []  # the record the pager commits its hold to (pager/__init__.py, "Exceptions")
     try:
         lo, hi = host_layout(host)[:2]
-        if hi - lo > host.numel():
+        private = not in_master(host, master)
+        if hi - lo > host.numel() and not private:
             out.copy_(upload_compact(pager, host, "a compiled graph's weight", held))
         else:
-            out.copy_(pager.page(host, master, "a compiled graph's weight", held=held)[0])
+            out.copy_(pager.page(host, master, "a compiled graph's weight", private, held=held)[0])
     finally:
         if held:
             # On a GPU the release event is recorded after the copy above, so the cached block is
@@ -111,6 +112,15 @@ def _live_master(master_id: int, host: torch.Tensor):
             f"longer exists: the OffloadedTensor it was traced with was freed or unwrapped. Compile the model again."
         )
     return master
+
+
+def in_master(host: torch.Tensor, master) -> bool:
+    """Whether ``host`` is memory of ``master``. A value the graph wrote to the weight earlier is
+    not: functionalisation hands the ops after a traced write the written value, a host tensor of
+    the graph's own, which reaches the master only at the graph's end (compiled_writes.py). The
+    pager caches by master and range, so such a value is paged privately, past the cache."""
+    flat = master.flat
+    return flat is None or host.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
 
 
 def capturing(pager) -> bool:
@@ -158,6 +168,8 @@ def _offloaded(host: torch.Tensor, master_id: int, what: str, pooled_rows: Optio
         # it lifted it into. Real memory: paged as a plain alias, through the cache and within the
         # budget, where a Parameter would read as a tracing stand-in (is_traced) and be copied whole.
         host = host.detach()
+    if not in_master(host, master):
+        return page(host, master_id, master.pager.device)  # a value this graph wrote: past the cache
     return OffloadedTensor(host, master)
 
 
@@ -470,10 +482,10 @@ def graph_break(what: str) -> None:
     keep_dynamo_out_of_dispatch()
     if _may_not_break():
         raise Unsupported(
-            f"offtensor: {what} cannot be traced, and this graph may not break (torch.compile(..., fullgraph=True), as "
-            f"torchao's low-bit optimizers compile each parameter's step), so the op cannot run eagerly either. Keep "
-            f"the offloaded weights this code writes resident (ot.wrap_model(..., policy={{'keep': [...]}})), or run "
-            f"it uncompiled (torch.optim's optimizers step offloaded weights in slices)")
+            f"offtensor: {what} cannot be traced, and this graph may not break (torch.compile(..., fullgraph=True)), "
+            f"so the op cannot run eagerly either. Write an offloaded weight with copy_ (traced: torchao's low-bit "
+            f"optimizers step offloaded weights so), keep the offloaded weights this code writes resident "
+            f"(ot.wrap_model(..., policy={{'keep': [...]}})), or run it uncompiled")
     raise Unsupported(
         f"offtensor: {what} cannot be traced; it runs eagerly. To avoid the break, keep offloaded weights out of "
         f"this op or wrap the code around it in torch.compiler.disable"
