@@ -31,20 +31,39 @@ from torch import nn
 _ABSENT = object()
 
 
-def _get_qconfig(self):
-    qconfig = self.__dict__.get("qconfig", _ABSENT)
-    caller = sys._getframe(1)
+def _watched(name: str, check):
+    """A property named ``name`` that answers as the module's ``__dict__`` entry would (an
+    AttributeError where it has none, so that ``nn.Module.__getattr__`` looks in its tables), after
+    ``check(module, value or _ABSENT, caller's frame)`` has had the chance to refuse the read."""
+
+    def get(self):
+        value = self.__dict__.get(name, _ABSENT)
+        check(self, value, sys._getframe(1))
+        if value is _ABSENT:
+            raise AttributeError(name)
+        return value
+
+    def set_(self, value):
+        self.__dict__[name] = value
+
+    def delete(self):
+        try:
+            del self.__dict__[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    return property(get, set_, delete)
+
+
+def _check_qconfig(module, qconfig, caller) -> None:
     if caller.f_globals.get("__name__", "").startswith("torch.ao.quantization"):
         # The qconfig pass, before it sets any; convert's swap of a module given one (by hand).
         if caller.f_code.co_name == "_propagate_qconfig_helper" or (
                 caller.f_code.co_name == "swap_module" and qconfig is not _ABSENT and qconfig is not None):
             if _from_fx(caller):
-                _refuse(self, how="FX graph mode (prepare_fx / prepare_qat_fx, which prepares the model's own "
+                _refuse(module, how="FX graph mode (prepare_fx / prepare_qat_fx, which prepares the model's own "
                         "modules)", copy="prepare_fx(copy.deepcopy(model), ...)")
-            _refuse(self)
-    if qconfig is _ABSENT:
-        raise AttributeError("qconfig")
-    return qconfig
+            _refuse(module)
 
 
 def _from_fx(frame) -> bool:
@@ -58,52 +77,23 @@ def _from_fx(frame) -> bool:
     return False
 
 
-def _set_qconfig(self, value):
-    self.__dict__["qconfig"] = value
+def _check_parametrizations(module, value, caller) -> None:
+    if caller.f_code.co_name != "is_parametrized" or caller.f_globals.get("__name__") != "torch.nn.utils.parametrize":
+        return
+    # is_parametrized <- type_before_parametrizations <- (a generator expression's frame) <- the fuser
+    fuser = caller.f_back
+    for _ in range(3):
+        if fuser is None:
+            return
+        if fuser.f_code.co_name == "fuse_known_modules" and fuser.f_globals.get(
+                "__name__", "").startswith("torch.ao.quantization"):
+            _refuse(module, "fuse", "fuse_modules(model, ...) without inplace=True")
+        fuser = fuser.f_back
 
 
-def _del_qconfig(self):
-    try:
-        del self.__dict__["qconfig"]
-    except KeyError:
-        raise AttributeError("qconfig") from None
-
-
-QCONFIG = property(_get_qconfig, _set_qconfig, _del_qconfig)
-
-
-def _get_parametrizations(self):
-    caller = sys._getframe(1)
-    if caller.f_code.co_name == "is_parametrized" and caller.f_globals.get("__name__") == "torch.nn.utils.parametrize":
-        # is_parametrized <- type_before_parametrizations <- (a generator expression's frame) <- the fuser
-        fuser = caller.f_back
-        for _ in range(3):
-            if fuser is None or (fuser.f_code.co_name == "fuse_known_modules"
-                                 and fuser.f_globals.get("__name__", "").startswith("torch.ao.quantization")):
-                break
-            fuser = fuser.f_back
-        else:
-            fuser = None
-        if fuser is not None:
-            _refuse(self, "fuse", "fuse_modules(model, ...) without inplace=True")
-    value = self.__dict__.get("parametrizations", _ABSENT)
-    if value is _ABSENT:
-        raise AttributeError("parametrizations")  # nn.Module.__getattr__ answers: a registered ModuleDict
-    return value
-
-
-def _set_parametrizations(self, value):
-    self.__dict__["parametrizations"] = value
-
-
-def _del_parametrizations(self):
-    try:
-        del self.__dict__["parametrizations"]
-    except KeyError:
-        raise AttributeError("parametrizations") from None
-
-
-PARAMETRIZATIONS = property(_get_parametrizations, _set_parametrizations, _del_parametrizations)
+QCONFIG = _watched("qconfig", _check_qconfig)
+# (none in __dict__: nn.Module.__getattr__ answers, with the ModuleDict a parametrization registers)
+PARAMETRIZATIONS = _watched("parametrizations", _check_parametrizations)
 
 
 def _refuse(module: nn.Module, verb: str = "quantise", copy: str = "quantize_dynamic(model, ...) without inplace=True",
