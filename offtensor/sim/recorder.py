@@ -34,23 +34,35 @@ def _op_cost(func, args, kwargs, out):
     selects = func in _ROW_SELECTS
     grouped = func is torch.ops.aten._grouped_mm.default and len(args) > 1 and isinstance(args[1], torch.Tensor) \
         and args[1].dim() == 3
-    for t in torch.utils._pytree.tree_leaves((args, kwargs, out)):
-        if isinstance(t, torch.Tensor):
-            if grouped and t is args[1]:
-                # A grouped GEMM reads the matrices of the groups that have rows, at most one per row
-                # (8 of 64 experts at a one-token decode), not the whole stack.
-                groups = min(t.shape[0], args[0].shape[0])
-                nbytes += groups * (_tensor_bytes(t) // max(t.shape[0], 1))
-                continue
-            if selects and hasattr(t, "_master"):
-                # An offloaded stack indexed by rows: the kernel reads the selected rows (as many
-                # bytes as the output), not the whole stack (64 experts where 8 were routed).
-                nbytes += _tensor_bytes(out) if isinstance(out, torch.Tensor) else 0
-                continue
-            nbytes += _tensor_bytes(t)
-            if dtype is None and t.is_floating_point():
-                dtype = str(t.dtype).removeprefix("torch.")
+    for t in _tensors((args, kwargs, out)):
+        if grouped and t is args[1]:
+            # A grouped GEMM reads the matrices of the groups that have rows, at most one per row
+            # (8 of 64 experts at a one-token decode), not the whole stack.
+            groups = min(t.shape[0], args[0].shape[0])
+            nbytes += groups * (_tensor_bytes(t) // max(t.shape[0], 1))
+            continue
+        if selects and hasattr(t, "_master"):
+            # An offloaded stack indexed by rows: the kernel reads the selected rows (as many
+            # bytes as the output), not the whole stack (64 experts where 8 were routed).
+            nbytes += _tensor_bytes(out) if isinstance(out, torch.Tensor) else 0
+            continue
+        nbytes += _tensor_bytes(t)
+        if dtype is None and t.is_floating_point():
+            dtype = str(t.dtype).removeprefix("torch.")
     return flops, nbytes, dtype
+
+
+def _tensors(value):
+    """The tensors in an op's arguments or results (tuples, lists and dicts of them), in order:
+    what ``tree_leaves`` finds that are tensors, at a fraction of its cost per op."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
 
 
 _COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
