@@ -4,7 +4,8 @@ the two round some sums otherwise (about one product in a few hundred, in the la
 a product above that size cut below it differed from the whole op without a warning: beam search
 on a bfloat16 granite model at 12 % of its bytes, whose 3-beam decode step multiplies a (3, 32)
 input by a (96, 32) LM head, paged in tiles of 64 and 32 rows. Tiles are cut evenly now, each
-above that size where the room allows (48 and 48 rows there)."""
+above that size where the room allows (48 and 48 rows there), and where it does not, a tile's
+input is grown with rows of zeros past that size, so the tile runs the whole product's kernel."""
 
 from __future__ import annotations
 
@@ -69,3 +70,47 @@ def test_tiles_below_onednn_size_and_float32_tiles_are_cut_as_before(device):
     assert tiling._even_bounds(96, 2, 64, 43) == [0, 48, 96]
     assert tiling._even_bounds(200, 4, 64, 43) == [0, 48, 96, 144, 200]
     assert tiling._even_bounds(96, 2, 40, 43) is None  # no room for such tiles: cut as before
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+@pytest.mark.parametrize("op", ["linear", "mm", "addmm"])
+def test_bfloat16_tiles_the_room_leaves_below_onednn_size_run_its_kernel_on_rows_grown_with_zeros(op, rows, device,
+                                                                                                 one_thread):
+    """A 2-beam decode step's (2, 32) input against a (96, 32) LM head (6144 multiply-adds, oneDNN's)
+    in a room for 77 rows: tiles wide enough for oneDNN (65 rows each) do not fit, and tiles of 64
+    and 32 rows ran the other kernel. On a CPU with AMX nearly every output of the first 64 then
+    differed from the whole op's in the last bit (a bfloat16 arcee model's beam sampling at 12 % of
+    its bytes). Each tile's input now has rows of zeros up to oneDNN's size, and keeps its own."""
+    if device != "cpu":
+        pytest.skip("the kernel choice is torch's CPU matmul's")
+    g = torch.Generator().manual_seed(7)
+    for _ in range(8):
+        x = torch.randn(rows, 32, generator=g).bfloat16()
+        weight = torch.randn(*((96, 32) if op == "linear" else (32, 96)), generator=g).bfloat16()
+        bias = torch.randn(96, generator=g).bfloat16()
+        model = _Head(weight, "linear" if op == "linear" else "mm")
+        if op == "addmm":
+            model.bias = nn.Parameter(bias)
+            model.forward = lambda x, m=model: torch.addmm(m.bias, x, m.weight)
+        reference = copy.deepcopy(model)
+        if op == "addmm":
+            reference.forward = lambda x, m=reference: torch.addmm(m.bias, x, m.weight)
+        # Room for 77 rows (or columns) of 64 bytes, and the bias's slices beside them.
+        ot.wrap_model(model, budget_gb=(77 * 64 + 200) / 2**30, device=device, policy={"offload": ["*"]})
+        with torch.no_grad():
+            got, expected = model(x), reference(x)
+        assert torch.equal(got, expected)
+        stats = ot.stats(model)
+        assert 0 < stats.peak_device_bytes <= stats.budget_bytes
+
+
+def test_a_product_of_exactly_onednn_size_runs_the_other_kernel_whole_and_in_tiles(device):
+    """torch runs oneDNN for more than 16**3 multiply-adds: a product of exactly that many runs the
+    other kernel whole, so its tiles are left as they are (grown, they would run oneDNN)."""
+    from offtensor.ops import tiling
+
+    half = ot.offload(torch.randn(64, 32).bfloat16())
+    assert tiling._same_kernel_width(half, 2 * 32, 64) == 0  # 4096 multiply-adds: not oneDNN's
+    assert tiling._same_kernel_width(half, 2 * 32, 65) == (65 if half._master.pager.device.type == "cpu" else 0)
+    grown = tiling._with_rows(torch.ones(2, 4), 5)
+    assert grown.shape == (5, 4) and torch.equal(grown[:2], torch.ones(2, 4)) and not grown[2:].any()

@@ -213,7 +213,7 @@ def _tiled(weight, dim, others, what, compute, out_dim, sliced=(), work: int = 0
 
 
 # torch's CPU matmul of bfloat16 or float16 operands runs oneDNN's GEMM only where the product has
-# 16**3 multiply-adds or more (its ``checksize``), and another kernel below that, which rounds some
+# more than 16**3 multiply-adds (its ``checksize``), and another kernel up to that, which rounds some
 # sums otherwise (one product in a few hundred, in the last bit). A tile of a product above that
 # size must stay above it too, or it differs from the whole op: a 3-beam decode step's (3, 32)
 # input against a (96, 32) LM head in tiles of 64 and 32 rows did.
@@ -224,10 +224,22 @@ _ONEDNN_DTYPES = (torch.bfloat16, torch.float16)
 def _same_kernel_width(weight, work: int, n: int) -> int:
     """The narrowest tile (slices along the tiled dim) that runs the whole product's CPU kernel, or
     0 where tiles of any width do."""
-    if not work or work * n < _ONEDNN_MIN_WORK or weight.dtype not in _ONEDNN_DTYPES \
+    if not work or work * n <= _ONEDNN_MIN_WORK or weight.dtype not in _ONEDNN_DTYPES \
             or weight._master.pager.device.type != "cpu":
         return 0
     return _ONEDNN_MIN_WORK // work + 1
+
+
+def _with_rows(m: torch.Tensor, rows: int) -> torch.Tensor:
+    """``m`` (rows x inner) with rows of zeros appended up to ``rows``: the input of a tile the room
+    leaves too small for the whole product's CPU kernel (``_same_kernel_width``) grown past its
+    threshold, so the tile runs that kernel. Its rows are summed as the whole product sums them:
+    each output of oneDNN's GEMM depends on its own row and column only, whatever their number (on
+    a CPU with AMX, a (2, 32) bfloat16 input against 48 of a (96, 32) LM head's rows differed from
+    the whole product's, and matches it padded to 3 rows)."""
+    if m.shape[0] >= rows:
+        return m
+    return torch.cat([m, m.new_zeros(rows - m.shape[0], m.shape[1])])
 
 
 def _even_bounds(n: int, tiles: int, fits: int, least: int):
@@ -276,14 +288,20 @@ def linear_tiled(x, weight, bias):
     raise_torch_error(torch._C._nn.linear, (x, weight, bias), {}, weight._master.pager.device)
     _, others = _offloaded_bytes([x])
 
+    rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 1
+    work = rows * x.shape[-1] if x.dim() else 0
+    least = _same_kernel_width(weight, work, weight.shape[0])
+
     def compute(start, stop, paged):
         w = as_linear_weight(x, weight, _page_slice(weight, 0, start, stop, paged))
         b = None if bias is None else _page_slice(bias, 0, start, stop, paged)
+        if stop - start < least:  # (a tile the room leaves below the whole product's kernel)
+            flat = paged.arg(x).reshape(rows, x.shape[-1])
+            out = torch._C._nn.linear(_with_rows(flat, _ONEDNN_MIN_WORK // (x.shape[-1] * (stop - start)) + 1), w, b)
+            return out[:rows].reshape(*x.shape[:-1], stop - start)
         return torch._C._nn.linear(paged.arg(x), w, b)
 
-    rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 1
-    return _tiled(weight, 0, others, "linear", compute, -1, [(bias, 0)], work=rows * x.shape[-1] if x.dim() else 0,
-                  reach_back=True)
+    return _tiled(weight, 0, others, "linear", compute, -1, [(bias, 0)], work=work, reach_back=True)
 
 
 def _bias_slice(bias, out_dim, start, stop, size, paged, lead: int = 0):
@@ -327,19 +345,28 @@ def _product_tiled(func, a, b, columns: bool, before: tuple, kwargs, lead: int =
     if inner is not None:
         others += inner - _offloaded_bytes([other])[1]
 
+    # (multiply-adds per slice: a's rows times the inner size for a column of b; the inner size
+    # times b's columns for a row of a)
+    work = 0 if inner is not None else (
+        a.shape[lead] * a.shape[lead + 1] if columns else a.shape[lead + 1] * b.shape[lead + 1])
+    # A column tile of mm / addmm too small for the whole product's CPU kernel runs it on a's rows
+    # grown with zeros (``_with_rows``), where the bias, if any, does not have those rows.
+    least = _same_kernel_width(big, work, size) if columns and not lead and (
+        not isinstance(bias, torch.Tensor) or bias.dim() <= 1) else 0
+
     def compute(start, stop, paged):
         part = _page_slice(big, dim, start, stop, paged)
         left, right = (paged.arg(a) if inner is None else a, part) if columns else (part, paged.arg(b))
         rest = (_bias_slice(bias, dim, start, stop, size, paged, lead), *before[1:]) if before else ()
         if inner is not None:
             return _rows_tiled(func, left, right, rest, kwargs, lead)
+        if stop - start < least:
+            rows = _ONEDNN_MIN_WORK // (a.shape[1] * (stop - start)) + 1
+            return func(*rest[:1], _with_rows(left, rows), right, *rest[1:], **kwargs)[: a.shape[0]]
         return func(*rest[:1], left, right, *rest[1:], **kwargs)
 
-    # (multiply-adds per slice: a's rows times the inner size for a column of b; the inner size
-    # times b's columns for a row of a)
-    work = a.shape[lead] * a.shape[lead + 1] if columns else a.shape[lead + 1] * b.shape[lead + 1]
     return _tiled(big, dim, others, str(func), compute, dim, [] if bias_dim is None else [(bias, bias_dim)],
-                  work=0 if inner is not None else work, reach_back=True)
+                  work=work, reach_back=True)
 
 
 def _inner_tiles(big, dim: int, other, bias, others: int, lead: int = 0):
