@@ -2,9 +2,35 @@
 
 from __future__ import annotations
 
+import torch
+
 from .arena import PAD, Arena, Slot, aligned
 
-__all__ = ["Slot", "SlotPool", "arena_bytes"]
+__all__ = ["LINE", "Slot", "SlotPool", "arena_bytes", "lead_bytes", "placed"]
+
+# A copy's first byte sits as far into a 64-byte line of device memory as its host view's first
+# byte sits into one of its master (whose storage, like the unwrapped tensor's, begins on a line:
+# an mmap'd master on a page, torch's CPU allocator on 64 bytes). A view at a storage offset (one
+# expert of a stack, a split of a fused weight, a strided window) so reaches its kernels at the
+# unwrapped tensor's alignment; BLAS kernels may handle a misaligned head apart and sum in another
+# order (MKL promises reproducible bits only for the same alignment), and GPU libraries pick
+# kernels by alignment. A copy of a range starting on a line, the usual case, is placed as before.
+LINE = 64
+
+
+def lead_bytes(lo: int, itemsize: int) -> int:
+    """How far into a ``LINE`` the copy of elements from ``lo`` of a master starts."""
+    return lo * itemsize & (LINE - 1)
+
+
+def placed(slot, dtype: torch.dtype, lead: int, numel: int) -> torch.Tensor:
+    """The ``numel`` elements of ``dtype`` at ``lead`` bytes into ``slot``: where a copy goes."""
+    typed = slot.typed(dtype)
+    if not lead:
+        return typed
+    first = lead // dtype.itemsize
+    with torch.inference_mode(False):  # kept for later ops, as ``Slot.typed`` is
+        return typed[first : first + numel]
 
 
 def arena_bytes(room: int, offloaded: int) -> int:
