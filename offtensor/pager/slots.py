@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from .arena import PAD, Arena, Slot, aligned
+from .arena import ALIGN, PAD, Arena, Slot, aligned
 
 __all__ = ["LINE", "Slot", "SlotPool", "arena_bytes", "lead_bytes", "placed"]
 
-# A copy's first byte sits as far into a 64-byte line of device memory as its host view's first
-# byte sits into one of its master (whose storage, like the unwrapped tensor's, begins on a line:
-# an mmap'd master on a page, torch's CPU allocator on 64 bytes). A view at a storage offset (one
-# expert of a stack, a split of a fused weight, a strided window) so reaches its kernels at the
-# unwrapped tensor's alignment; BLAS kernels may handle a misaligned head apart and sum in another
-# order (MKL promises reproducible bits only for the same alignment), and GPU libraries pick
-# kernels by alignment. A copy of a range starting on a line, the usual case, is placed as before.
-LINE = 64
+# A copy starts as many bytes past a ``LINE`` boundary of device memory as its host view starts
+# past one in its master's storage, as the unwrapped view does in its own storage, which starts on
+# such a boundary (the CUDA caching allocator's 512 bytes; torch's CPU allocator gives 64, enough
+# for the 64 bytes a CPU kernel sees). So a view at a storage offset (one expert of a stack, a split
+# of a fused weight, a strided window) reaches its kernels at the unwrapped view's alignment: BLAS
+# may sum a misaligned head apart (MKL promises the same bits only for the same alignment), and
+# PyTorch tells cuBLASLt each pointer's alignment, which its choice of kernel follows. Ranges of the
+# arena start on a LINE, so a copy from a boundary, the usual case, is placed as before.
+LINE = ALIGN
 
 
 def lead_bytes(lo: int, itemsize: int) -> int:
