@@ -402,13 +402,14 @@ _STEP = st.tuples(
 
 
 @given(sizes=st.lists(st.integers(1, 3000), min_size=8, max_size=8), steps=st.lists(_STEP, min_size=1, max_size=20),
-       extra=st.floats(0, 1.5))
-def test_the_arena_holds_any_sequence_of_sizes_within_its_size(monkeypatch, sizes, steps, extra):
+       extra=st.floats(0, 1.5), firsts=st.lists(st.integers(0, 80), min_size=8, max_size=8))
+def test_the_arena_holds_any_sequence_of_sizes_within_its_size(monkeypatch, sizes, steps, extra, firsts):
     nbytes = [4 * n for n in sizes]
     need = max(sum(nbytes[i] for i in op) + (nbytes[op[0]] if private else 0) for op, private, _, _ in steps)
     budget = need + int(extra * sum(nbytes))
     pager = Pager(CPU, budget_bytes=budget, strict=True)  # copies complete late: tokens are pending
-    ts = [ot.offload(torch.randn(n), pager=pager) for n in sizes]
+    # Views from an element past the start of their masters: copies that start into a line.
+    ts = [ot.offload(torch.randn(first + n), pager=pager)[first:] for n, first in zip(sizes, firsts)]
     log = {"given": [], "overflows": 0, "moves": 0}
     with monkeypatch.context() as patch:
         _instrument(patch, pager, log)
@@ -420,10 +421,11 @@ def test_the_arena_holds_any_sequence_of_sizes_within_its_size(monkeypatch, size
                 for k, i in enumerate(op):
                     view, entry = _page(pager, ts[i], private=private and k == 0)
                     held.append(entry)
-                    assert torch.equal(view, ts[i]._host)
+                    assert torch.equal(view, ts[i]._host) and _line(view) == _line(ts[i]._host)
                     if prefetch is not None and k == 0:
                         t = ts[prefetch]
-                        pager.prefetch(t._master, t.dtype, 0, t.numel())
+                        lo = t._host.storage_offset()
+                        pager.prefetch(t._master, t.dtype, lo, lo + t.numel())
                 live = [e.slot for e in pager.cache.entries.values() if e.slot is not None] + \
                        [e.slot for e in held if e.key is None and e.slot is not None]
                 assert len({s.start for s in live if s.start is not None}) == len([s for s in live if s.start is not None])
@@ -441,8 +443,9 @@ def test_the_arena_holds_any_sequence_of_sizes_within_its_size(monkeypatch, size
             s = pager.snapshot()
             assert s.peak_device_bytes <= budget
             assert s.arena_overflows == log["overflows"] and s.arena_moves == log["moves"]
-    # What the pool reserved at most: an arena no larger than the room, plus the overflows of one op.
-    assert pager.pool.peak_bytes <= aligned(budget) + PAD + (need if log["overflows"] else 0)
+    # What the pool reserved at most: an arena no larger than the room, plus the overflows of one op
+    # (each copy with the bytes it starts into its line).
+    assert pager.pool.peak_bytes <= aligned(budget) + PAD + (need + 4 * 256 if log["overflows"] else 0)
 
 
 def test_a_range_taken_again_is_the_same_slot_and_view_and_the_memo_forgets_its_oldest_first(monkeypatch):
@@ -463,3 +466,78 @@ def test_a_range_taken_again_is_the_same_slot_and_view_and_the_memo_forgets_its_
     memo = pool.arena._memo
     slots = [again] + [pool.take(1000) for _ in range(2)]
     assert len(memo) == 2 and list(memo.values()) == slots[1:]  # the oldest forgotten, not all
+
+
+# ---------------------------------------------------------------------------- where a copy starts
+
+
+def _line(t: torch.Tensor) -> int:
+    return t.data_ptr() % 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_paged_view_at_a_storage_offset_starts_as_far_into_a_64_byte_line_as_the_unwrapped_view(dtype):
+    # A view at a storage offset (an expert of a stack, a split of a fused weight) lies that many
+    # bytes into a 64-byte line of the unwrapped tensor's memory, and BLAS kernels may sum a
+    # misaligned head apart: its copy must lie as far into a line of device memory, whichever way
+    # it is paged, or the op can see other bits than unwrapped. The budget counts its bytes alone.
+    itemsize = dtype.itemsize
+    plain = torch.randn(4096).to(dtype)
+    budgeted, unbudgeted = Pager(CPU, budget_bytes=4 * 4096), Pager(CPU)
+    for first in (0, 1, 2, 3, 5, 8, 13, 16, 31):
+        unwrapped = plain[first : first + 300]
+        assert _line(unwrapped) == first * itemsize % 64  # torch's CPU allocator starts storages on a line
+        for pager in (budgeted, unbudgeted):
+            master = ot.offload(plain.clone(), pager=pager)
+            view = master[first : first + 300]
+            for private in (False, True):
+                device_view, entry = _page(pager, view, private=private)
+                assert _line(device_view) == _line(unwrapped) and torch.equal(device_view, unwrapped)
+                pager.release([entry])
+            if pager is budgeted:
+                assert pager.budget.paged_bytes == sum(e.nbytes for e in pager.cache.entries.values())
+                assert _cached(pager, view)[0].nbytes == 300 * itemsize
+                # a prefetched copy, and a hit on a copy of a larger range holding the view
+                pager.prefetch(master._master, dtype, first + 10, first + 200)
+                inner = master[first + 10 : first + 200]
+                device_view, entry = _page(pager, inner)
+                assert pager.snapshot().prefetch_hits and _line(device_view) == _line(plain[first + 10 :])
+                pager.release([entry])
+                device_view, entry = _page(pager, master[first + 20 : first + 30])
+                assert _line(device_view) == _line(plain[first + 20 :])
+                assert torch.equal(device_view, plain[first + 20 : first + 30])
+                pager.release([entry])
+
+
+def test_a_copy_moved_within_the_arena_and_one_in_an_overflow_slot_keep_their_place_in_a_line():
+    unit = 16384
+    pager = Pager(CPU, budget_bytes=6 * unit, strict=True)
+    plain = [torch.randn(unit // 4 + 16) for _ in range(6)]
+    small = [ot.offload(p, pager=pager)[3 : 3 + unit // 4] for p in plain]  # 12 bytes into a line
+    big = ot.offload(torch.randn(2 * unit // 4), pager=pager)
+    for t in small:
+        pager.release([_page(pager, t)[1]])
+    for t in small[1::2]:
+        pager.release([_page(pager, t)[1]])
+    moves = pager.snapshot().arena_moves
+    pager.release([_page(pager, big)[1]])  # opens a run by moving a copy (the eviction rule's test)
+    assert pager.snapshot().arena_moves > moves
+    for p, t in zip(plain, small):
+        if _cached(pager, t):
+            view, entry = _page(pager, t)
+            assert _line(view) == 12 and torch.equal(view, p[3 : 3 + unit // 4])
+            pager.release([entry])
+    # An op holds B and D of four one-unit copies: the free ranges between them are one unit each,
+    # and a copy of two units goes to an overflow slot, 12 bytes into a line as well.
+    pager = Pager(CPU, budget_bytes=4 * unit + 64)
+    a, b, c, d, big = (ot.offload(torch.randn(n // 4 + 16), pager=pager)[3 : 3 + n // 4] for n in [unit] * 4 + [2 * unit])
+    for t in (a, b, c, d):
+        pager.release([_page(pager, t)[1]])
+    held = [_page(pager, t)[1] for t in (b, d)]
+    try:
+        view, entry = _page(pager, big)
+        held.append(entry)
+        assert entry.slot.start is None and pager.snapshot().arena_overflows == 1
+        assert _line(view) == 12 and torch.equal(view, big._host)
+    finally:
+        pager.release(held)

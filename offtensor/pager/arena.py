@@ -38,7 +38,9 @@ import torch
 
 ALIGN = 256
 # Alignment padding the arena gets beyond what the pager may page: ranges are aligned, the budget's
-# bytes are not, so 16 ranges of odd sizes still fit where their exact bytes do.
+# bytes are not, so 16 ranges of odd sizes still fit where their exact bytes do (8 of copies that
+# also start past a boundary, as their host views do: ``slots.lead_bytes``). Past that, a copy
+# moves or evicts copies no op holds, or takes an overflow slot, as any copy finding no range does.
 PAD = 16 * ALIGN
 # Slots remembered per arena for reuse (same start and size: the same view, no new tensor), the
 # oldest forgotten first. Enough for every range of a cache of tens of thousands of experts: a copy

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .cache import CachedCopy, CacheKey, covering_range
+from .slots import lead_bytes, placed
 
 
 class Copies:
@@ -25,11 +26,12 @@ class Copies:
                room_made: bool = False) -> CachedCopy:
         """A new cached copy of ``src`` (``key``'s bytes), issued ahead of use on the copy stream;
         ``pager`` (the façade) is what the observers are told of."""
+        lead = lead_bytes(key[2], src.element_size())
         if not room_made:
-            self.room.make_room(nbytes, strict=True, what=what)
+            self.room.make_room(nbytes, strict=True, what=what, span=nbytes + lead)
         ops = self.device_ops
-        slot = self.pool.take(nbytes, ops.copy_stream)
-        buf = slot.typed(src.dtype)
+        slot = self.pool.take(nbytes + lead, ops.copy_stream)
+        buf = placed(slot, src.dtype, lead, src.numel()) if lead else slot.typed(src.dtype)
         ready = ops.copy_ahead(buf, src)
         self.lifetimes.keep(src, ready)
         entry = slot.owner = CachedCopy(key, slot, buf, nbytes, ready)
@@ -44,20 +46,24 @@ class Copies:
         stats.bytes_h2d += nbytes
         return entry
 
-    def transient(self, pager, src: torch.Tensor, nbytes: int, what) -> CachedCopy:
-        """A copy for one op outside the cache, in line on the op's stream. This is the whole
-        paging path of a pager without a budget, so the budget calls are inlined."""
+    def transient(self, pager, src: torch.Tensor, nbytes: int, what, lead: int = 0) -> CachedCopy:
+        """A copy for one op outside the cache, in line on the op's stream, starting ``lead`` bytes
+        into a ``LINE`` (``lead_bytes``). This is the whole paging path of a pager without a budget,
+        so the budget calls are inlined."""
         budget = self.budget
         if budget.budget_bytes is not None:
-            self.room.make_room(nbytes, strict=True, what=what)
+            self.room.make_room(nbytes, strict=True, what=what, span=nbytes + lead)
         ops = self.device_ops
         if self.pool is not None:
-            slot = self.pool.take(nbytes, ops.op_stream())
-            buf = slot.typed(src.dtype)
-        else:
+            slot = self.pool.take(nbytes + lead, ops.op_stream())
+            buf = placed(slot, src.dtype, lead, src.numel()) if lead else slot.typed(src.dtype)
+        elif not lead:
             # No budget, no pool: on a GPU the block is allocated on the compute stream, so the
             # allocator reuses it only after the op that reads it.
             slot, buf = None, torch.empty(src.numel(), dtype=src.dtype, device=self.device)
+        else:
+            first = lead // src.element_size()
+            slot, buf = None, torch.empty(first + src.numel(), dtype=src.dtype, device=self.device)[first:]
         ready = ops.copy_in_line(buf, src, nbytes, self.lifetimes)
         stats = budget.stats
         budget.paged_bytes = used = budget.paged_bytes + nbytes  # budget.add_paged, inlined

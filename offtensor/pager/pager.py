@@ -27,10 +27,12 @@ from .masters import Master
 from .observers import Observers, _quietly
 from .room import RoomCalls
 from .safety import Recovering, lock_depth
+from .slots import LINE, lead_bytes
 from .state import PagingState
 from .stats import OffloadStats, snapshot
 
 _new_key = tuple.__new__  # cache_key() without its call
+_LINE_REST = LINE - 1
 
 
 class _NoObservers:
@@ -179,8 +181,9 @@ class Pager(RoomCalls, Recovering, PagingState):
             lo, hi, shape, stride, offset, key = layout or page_layout(host, master.id)
             observers = self.observers if self._observed else _NO_OBSERVERS
             if private or self.budget_bytes is None:
+                itemsize = host.element_size()
                 entry = _quietly(observers.quiet, self.copies.transient, self, host.as_strided((hi - lo,), (1,), lo),
-                                 (hi - lo) * host.element_size(), what)
+                                 (hi - lo) * itemsize, what, lo * itemsize & _LINE_REST)  # slots.lead_bytes, inlined
                 base = lo
                 for notify in observers.reading:
                     notify(entry)
@@ -338,7 +341,7 @@ def _prefetch(pager: Pager, master: Master, dtype: torch.dtype, lo: int, hi: int
     made without evicting what is in use, then the copy."""
     itemsize = dtype.itemsize
     nbytes = (hi - lo) * itemsize
-    if not pager.room.make_room(nbytes, strict=False, keep_prefetched=True):
+    if not pager.room.make_room(nbytes, strict=False, keep_prefetched=True, span=nbytes + lead_bytes(lo, itemsize)):
         return False
     src = master.flat[lo * itemsize : hi * itemsize].view(dtype)
     entry = pager.copies.insert(pager, key, src, nbytes, "a prefetch", prefetch=True, room_made=True)

@@ -18,6 +18,7 @@ from typing import Optional
 from .cache import LeastRecentlyUsed
 from .lifetimes import storage_ptr
 from .masters import notify_write
+from .slots import lead_bytes, placed
 
 
 class Room:
@@ -70,9 +71,11 @@ class Room:
                 self.evict_for(grow)
             self.fit_arena(budget_bytes - nbytes)
 
-    def make_room(self, nbytes: int, strict: bool, what="tensor", keep_prefetched: bool = False) -> bool:
+    def make_room(self, nbytes: int, strict: bool, what="tensor", keep_prefetched: bool = False,
+                  span: Optional[int] = None) -> bool:
         """Evict unused copies until ``nbytes`` more fit the budget, and open one free range of the
-        arena for them (``open_range``). A prefetch passes ``keep_prefetched``: evicting an earlier
+        arena for them (``open_range``), of ``span`` bytes where the copy starts into its first
+        line (``slots.lead_bytes``). A prefetch passes ``keep_prefetched``: evicting an earlier
         prefetch that is still to be used would throw away a copy to make room for one needed
         later. False when the budget cannot hold them (``strict``: a ``BudgetError``) or no range can
         be made free (then a copy that goes ahead gets an overflow slot: ``slots.py``)."""
@@ -82,6 +85,8 @@ class Room:
                 return False
             in_use = budget.paged_bytes - self.cache.evictable_bytes()
             raise budget.shortfall_error(what if isinstance(what, str) else repr(what), nbytes, in_use, self.device)
+        if span is not None:
+            nbytes = span  # the budget counts the copy's bytes, the arena the range it lies in
         pool = self.pool
         arena = pool.arena
         if arena is not None and arena.find(nbytes) is not None or pool.has_range(nbytes):
@@ -188,7 +193,8 @@ class Room:
             notify(entry)
         old = entry.slot
         new, moved = self.pool.move(old, at, (entry.ready, entry.last_use))
-        buf = new.typed(entry.buf.dtype)
+        buf = entry.buf  # the slot's bytes move whole: the copy keeps its place in its first line
+        buf = placed(new, buf.dtype, lead_bytes(entry.key[2], buf.element_size()), buf.numel())
         # One assignment, no call inside it: an interrupt sees the entry before or after the move.
         entry.slot, entry.buf, entry.ready, entry.last_use, entry.view = new, buf, moved, None, None
         new.owner = entry

@@ -2,9 +2,36 @@
 
 from __future__ import annotations
 
-from .arena import PAD, Arena, Slot, aligned
+import torch
 
-__all__ = ["Slot", "SlotPool", "arena_bytes"]
+from .arena import ALIGN, PAD, Arena, Slot, aligned
+
+__all__ = ["LINE", "Slot", "SlotPool", "arena_bytes", "lead_bytes", "placed"]
+
+# A copy starts as many bytes past a ``LINE`` boundary of device memory as its host view starts
+# past one in its master's storage, as the unwrapped view does in its own storage, which starts on
+# such a boundary (the CUDA caching allocator's 512 bytes; torch's CPU allocator gives 64, enough
+# for the 64 bytes a CPU kernel sees). So a view at a storage offset (one expert of a stack, a split
+# of a fused weight, a strided window) reaches its kernels at the unwrapped view's alignment: BLAS
+# may sum a misaligned head apart (MKL promises the same bits only for the same alignment), and
+# PyTorch tells cuBLASLt each pointer's alignment, which its choice of kernel follows. Ranges of the
+# arena start on a LINE, so a copy from a boundary, the usual case, is placed as before.
+LINE = ALIGN
+
+
+def lead_bytes(lo: int, itemsize: int) -> int:
+    """How far into a ``LINE`` the copy of elements from ``lo`` of a master starts."""
+    return lo * itemsize & (LINE - 1)
+
+
+def placed(slot, dtype: torch.dtype, lead: int, numel: int) -> torch.Tensor:
+    """The ``numel`` elements of ``dtype`` at ``lead`` bytes into ``slot``: where a copy goes."""
+    typed = slot.typed(dtype)
+    if not lead:
+        return typed
+    first = lead // dtype.itemsize
+    with torch.inference_mode(False):  # kept for later ops, as ``Slot.typed`` is
+        return typed[first : first + numel]
 
 
 def arena_bytes(room: int, offloaded: int) -> int:
