@@ -136,12 +136,19 @@ def _cast_offloaded(state: State, module: nn.Module, fn) -> list:
             if not isinstance(t, OffloadedTensor) and not wrapper:
                 continue
             stand_in = torch.empty((2,) * t.dim(), dtype=t.dtype, device=t.device)
+            stand_ptr = stand_in.untyped_storage().data_ptr()
             try:
                 with torch.no_grad():
                     probe = fn(stand_in)
             except Exception:  # noqa: BLE001 - whatever fn does, torch's own path does it (or raises) below
                 continue
             if probe is stand_in:
+                if stand_in.untyped_storage().data_ptr() != stand_ptr:
+                    # fn moved its argument's bytes (``share_memory_``, which ``module.share_memory()``
+                    # runs for Hogwild): so must the host master, or another process's writes to
+                    # the weight are lost.
+                    fn(t)
+                    state.shared_masters.add(t._master.id)
                 handled.append((table, attr, t))
                 continue
             if (not isinstance(probe, torch.Tensor) or type(probe) is not torch.Tensor or probe.device != t.device

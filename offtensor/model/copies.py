@@ -146,6 +146,8 @@ class StepHook:
             if state.loans:
                 state.settle_loans()
             with state.pager.lock:
+                for master_id in state.shared_masters:  # another process may have written them
+                    state.pager.forget_master(master_id)
                 if state.experts_stale:
                     state.refresh_experts()
                 state.pager.new_step()  # one pass of the prefetch schedule and of the expert statistics
