@@ -218,3 +218,35 @@ def test_share_memory_shares_offloaded_weights_so_hogwild_workers_train_them(dev
     with torch.no_grad():
         assert _same(reference(x), model(x))
     _within_budget(model)
+
+
+def _add_to_leaves(model: nn.Module) -> None:
+    with torch.no_grad():
+        model[0].weight.a.add_(1)
+        model[0].weight.b.add_(2)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the worker is forked")
+def test_share_memory_shares_a_wrapper_subclass_weights_offloaded_leaves(device):
+    """A TwoTensor weight's own storage holds no bytes (torch's ``share_memory_`` of one crashes the
+    process): each offloaded leaf's host master is shared instead."""
+    if device != "cpu":
+        pytest.skip("a forked worker may not use a GPU that its parent has used")
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))
+    model[0].weight = nn.Parameter(TwoTensor(torch.randn(256, 64), torch.randn(256, 64)))
+    reference = copy.deepcopy(model)
+    ot.wrap_model(model, budget_gb=0.5 * _bytes(model) / GiB, device=device, policy={"offload": ["*"]})
+    model.share_memory()
+    assert all(leaf.is_shared() for leaf in (model[0].weight.a, model[0].weight.b, model[1].weight))
+    worker = multiprocessing.get_context("fork").Process(target=_add_to_leaves, args=(model,))
+    worker.start()
+    worker.join()
+    assert worker.exitcode == 0
+    _add_to_leaves(reference)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        expected, out = reference(x), model(x)
+    assert _same(expected.a, out.a) and _same(expected.b, out.b)
