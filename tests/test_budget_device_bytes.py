@@ -126,3 +126,33 @@ def test_deepcopy_of_a_wrapped_model_is_wrapped_on_its_own_pager(device):
     ot.unwrap_model(twin)
     assert ot.stats(model).offloaded_bytes == original.offloaded_bytes
     assert not any(isinstance(p, ot.OffloadedTensor) for p in twin.parameters())
+
+
+def test_a_wrapped_models_deep_copy_inside_a_model_wrapped_later_is_paged_under_its_budget(device):
+    """``AveragedModel(wrapped)`` deep-copies the wrapped model into ``.module``; wrapping the
+    averaged model places that copy's weights under the new (smaller) budget, once. Before, the
+    copy's first use adopted it onto a pager of its own at the original's budget, beside the new
+    wrap: the device held more than the new budget while its stats counted nothing offloaded."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 200), nn.ReLU(), nn.Linear(200, 8)).to(device)
+    reference = AveragedModel(copy.deepcopy(model), multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    ot.wrap_model(model, budget_gb=0.6 * _weight_bytes(model) / GiB, device=device)
+    averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    ot.wrap_model(averaged, budget_gb=0.2 * _weight_bytes(model) / GiB, device=device)
+    pager = state_of(averaged).pager
+    assert all(p.pager is pager for p in averaged.parameters() if isinstance(p, ot.OffloadedTensor))
+    x = torch.randn(4, 16, device=device)
+    with torch.no_grad():
+        for _ in range(2):
+            reference.update_parameters(reference.module)
+            averaged.update_parameters(model)
+            assert torch.equal(averaged(x), reference(x))
+    s = ot.stats(averaged)
+    assert s.offloaded_bytes > 0 and s.peak_device_bytes <= s.budget_bytes
+    assert len([h for h in averaged.module._forward_pre_hooks.values() if type(h).__name__ == "StepHook"]) == 0
+    ot.unwrap_model(averaged)
+    assert not any(isinstance(p, ot.OffloadedTensor) for p in averaged.parameters())
+    with torch.no_grad():
+        assert torch.equal(averaged(x), reference(x))

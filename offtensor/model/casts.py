@@ -136,12 +136,15 @@ def _cast_offloaded(state: State, module: nn.Module, fn) -> list:
             if not isinstance(t, OffloadedTensor) and not wrapper:
                 continue
             stand_in = torch.empty((2,) * t.dim(), dtype=t.dtype, device=t.device)
+            stand_ptr = stand_in.untyped_storage().data_ptr()
             try:
                 with torch.no_grad():
                     probe = fn(stand_in)
             except Exception:  # noqa: BLE001 - whatever fn does, torch's own path does it (or raises) below
                 continue
             if probe is stand_in:
+                if stand_in.untyped_storage().data_ptr() != stand_ptr:
+                    _move_bytes(state, t, fn)
                 handled.append((table, attr, t))
                 continue
             if (not isinstance(probe, torch.Tensor) or type(probe) is not torch.Tensor or probe.device != t.device
@@ -157,6 +160,17 @@ def _cast_offloaded(state: State, module: nn.Module, fn) -> list:
                 t.grad = fn(t.grad)
             handled.append((table, attr, t))
     return handled
+
+
+def _move_bytes(state: State, t: torch.Tensor, fn) -> None:
+    """``fn`` moved its argument's bytes (``share_memory_``, which ``module.share_memory()`` runs for
+    Hogwild): so must ``t``'s host masters, or another process's writes to the weight are lost. A
+    wrapper subclass's leaves each (its own storage holds no bytes: torch's ``share_memory_`` of a
+    TwoTensor crashes the process)."""
+    for leaf in leaves.leaf_tensors(t):
+        fn(leaf)
+        if isinstance(leaf, OffloadedTensor):
+            state.shared_masters.add(leaf._master.id)
 
 
 def _cast_master(state: State, full_name: str, t: OffloadedTensor, slot: tuple, dtype: torch.dtype) -> None:

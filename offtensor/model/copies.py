@@ -146,6 +146,8 @@ class StepHook:
             if state.loans:
                 state.settle_loans()
             with state.pager.lock:
+                for master_id in state.shared_masters:  # another process may have written them
+                    state.pager.forget_master(master_id)
                 if state.experts_stale:
                     state.refresh_experts()
                 state.pager.new_step()  # one pass of the prefetch schedule and of the expert statistics
@@ -276,6 +278,24 @@ def _adopt(model: nn.Module, hooks: list) -> None:
         ws = plans[0].need if plans else 0
     choice = placement.Placement(offload, resident, hook.budget_bytes, resident_now, offloaded, ws)
     register_wrapped(model, pager, choice, hook.config)
+
+
+def take_over_copies(model: nn.Module) -> None:
+    """Deep copies of wrapped models inside ``model`` (or ``model`` itself), not adopted yet: the
+    wrap being made places their weights under its own budget (``offload_group`` moves their masters
+    to its pager), so their copied hooks go, as adoption drops them. Kept, the first use of such a
+    copy (``AveragedModel(wrapped)``'s ``module``, wrapped with the averaged model) adopted it onto
+    a pager of its own at the original's budget: device bytes beside this wrap's budget that its
+    stats never saw. Noted for undo: a wrap that fails leaves the copies as they were."""
+    for module in model.modules():
+        hooks = [(key, h) for key, h in module._forward_pre_hooks.items()
+                 if isinstance(h, StepHook) and h.pager_ref is None]  # a live wrap's hook names its pager
+        if not hooks:
+            continue
+        tables = [module._forward_pre_hooks] + [t for m in module.modules() for t in (m._load_state_dict_post_hooks,
+                                                                                       m._state_dict_hooks)]
+        Undo.note("call", _put_back_hooks, [(t, dict(t)) for t in tables], [])
+        _drop_copied_hooks(module, hooks)
 
 
 def _put_back_hooks(tables: list, members: list) -> None:

@@ -17,7 +17,7 @@ from ..config import OffloadConfig
 from ..pager import Pager
 from ..prefetch import Prefetcher
 from ..tensor import OffloadedTensor, check_offloadable
-from .copies import StepHook, model_state, register_wrapped, unregister_wrapped
+from .copies import StepHook, model_state, register_wrapped, take_over_copies, unregister_wrapped
 from .dtensor import refuse_offloading_what_fsdp2_manages
 from .engines import refuse_dispatched_elsewhere, refuse_other_offloaders
 from .groups import collect_groups
@@ -136,6 +136,7 @@ def apply_placement(model: nn.Module, placed: placement.ModelPlacement, pager: P
 def _place(model: nn.Module, placed: placement.ModelPlacement, pager: Pager, config: OffloadConfig, loaded: dict,
            expert: Optional[tuple]) -> None:
     """``apply_placement``'s steps, inside its undo record."""
+    take_over_copies(model)
     for group in placed.offloaded + placed.resident:
         if id(group[0]) in loaded:
             for member in group:

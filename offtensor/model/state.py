@@ -170,6 +170,10 @@ class State:
         # the PlacementWatch while that is still to be decided from the model's own routing.
         self.expert_placement: Optional[dict] = None
         self.watch = None
+        # Ids of the masters ``module.share_memory()`` put in shared memory (Hogwild): another
+        # process may write them, which no cached copy here would see, so each forward drops their
+        # cached copies first (``copies.StepHook``).
+        self.shared_masters: set = set()
 
     def take_over(self, model: nn.Module) -> None:
         """``model``, a module of this wrapped model that outlived it, is the wrapped model from now on
