@@ -28,14 +28,30 @@ def one_thread():
 
 
 class _Head(nn.Module):
-    """A (96, 32) LM head, read by F.linear, or as a row-major (32, 96) weight by mm."""
+    """A (96, 32) LM head, read by F.linear, or as a row-major (32, 96) weight by mm (addmm: with a
+    bias of 96)."""
 
-    def __init__(self, weight: torch.Tensor, op: str):
+    def __init__(self, weight: torch.Tensor, op: str, bias=None):
         super().__init__()
         self.weight, self.op = nn.Parameter(weight), op
+        self.bias = None if bias is None else nn.Parameter(bias)
 
     def forward(self, x):
-        return nn.functional.linear(x, self.weight) if self.op == "linear" else torch.mm(x, self.weight)
+        if self.op == "linear":
+            return nn.functional.linear(x, self.weight)
+        return torch.mm(x, self.weight) if self.op == "mm" else torch.addmm(self.bias, x, self.weight)
+
+
+def _exact_within(model: nn.Module, x: torch.Tensor, budget_bytes: int, device) -> None:
+    """``model`` wrapped at ``budget_bytes``, every tensor offloaded, gives its unwrapped copy's
+    output bit for bit within the budget."""
+    reference = copy.deepcopy(model)
+    ot.wrap_model(model, budget_gb=budget_bytes / 2**30, device=device, policy={"offload": ["*"]})
+    with torch.no_grad():
+        got, expected = model(x), reference(x)
+    assert torch.equal(got, expected)
+    stats = ot.stats(model)
+    assert 0 < stats.peak_device_bytes <= stats.budget_bytes
 
 
 @pytest.mark.parametrize("op, seed", [("linear", 356), ("mm", 1254)])
@@ -45,15 +61,8 @@ def test_bfloat16_tiles_of_a_product_large_enough_for_onednn_give_the_whole_ops_
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(3, 32, generator=g).bfloat16()  # (seeds at which the two kernels differ for these values)
     weight = torch.randn(*((96, 32) if op == "linear" else (32, 96)), generator=g).bfloat16()
-    model = _Head(weight, op)
-    reference = copy.deepcopy(model)
     # Room for 64 of the 96 rows (or columns) of 64 bytes: tiles of 64 and 32 before, 48 and 48 now.
-    ot.wrap_model(model, budget_gb=5000 / 2**30, device=device, policy={"offload": ["*"]})
-    with torch.no_grad():
-        got, expected = model(x), reference(x)
-    assert torch.equal(got, expected)
-    stats = ot.stats(model)
-    assert 0 < stats.peak_device_bytes <= stats.budget_bytes
+    _exact_within(_Head(weight, op), x, 5000, device)
 
 
 def test_tiles_below_onednn_size_and_float32_tiles_are_cut_as_before(device):
@@ -87,21 +96,9 @@ def test_bfloat16_tiles_the_room_leaves_below_onednn_size_run_its_kernel_on_rows
     for _ in range(8):
         x = torch.randn(rows, 32, generator=g).bfloat16()
         weight = torch.randn(*((96, 32) if op == "linear" else (32, 96)), generator=g).bfloat16()
-        bias = torch.randn(96, generator=g).bfloat16()
-        model = _Head(weight, "linear" if op == "linear" else "mm")
-        if op == "addmm":
-            model.bias = nn.Parameter(bias)
-            model.forward = lambda x, m=model: torch.addmm(m.bias, x, m.weight)
-        reference = copy.deepcopy(model)
-        if op == "addmm":
-            reference.forward = lambda x, m=reference: torch.addmm(m.bias, x, m.weight)
+        bias = torch.randn(96, generator=g).bfloat16() if op == "addmm" else None
         # Room for 77 rows (or columns) of 64 bytes, and the bias's slices beside them.
-        ot.wrap_model(model, budget_gb=(77 * 64 + 200) / 2**30, device=device, policy={"offload": ["*"]})
-        with torch.no_grad():
-            got, expected = model(x), reference(x)
-        assert torch.equal(got, expected)
-        stats = ot.stats(model)
-        assert 0 < stats.peak_device_bytes <= stats.budget_bytes
+        _exact_within(_Head(weight, op, bias), x, 77 * 64 + 200, device)
 
 
 def test_a_product_of_exactly_onednn_size_runs_the_other_kernel_whole_and_in_tiles(device):
