@@ -81,24 +81,22 @@ def test_tiles_below_onednn_size_and_float32_tiles_are_cut_as_before(device):
     assert tiling._even_bounds(96, 2, 40, 43) is None  # no room for such tiles: cut as before
 
 
-@pytest.mark.parametrize("rows", [2, 3])
-@pytest.mark.parametrize("op", ["linear", "mm", "addmm"])
-def test_bfloat16_tiles_the_room_leaves_below_onednn_size_run_its_kernel_on_rows_grown_with_zeros(op, rows, device,
+@pytest.mark.parametrize("op, seed", [("linear", 32), ("mm", 612), ("addmm", 10)])
+def test_bfloat16_tiles_the_room_leaves_below_onednn_size_run_its_kernel_on_rows_grown_with_zeros(op, seed, device,
                                                                                                  one_thread):
     """A 2-beam decode step's (2, 32) input against a (96, 32) LM head (6144 multiply-adds, oneDNN's)
-    in a room for 77 rows: tiles wide enough for oneDNN (65 rows each) do not fit, and tiles of 64
-    and 32 rows ran the other kernel. On a CPU with AMX nearly every output of the first 64 then
+    in a room for 64 rows: tiles wide enough for oneDNN (65 rows each) do not fit, and tiles of 64
+    and 32 rows (48 and 48 beside addmm's bias) ran the other kernel. On a CPU with AMX nearly every output of the first 64 then
     differed from the whole op's in the last bit (a bfloat16 arcee model's beam sampling at 12 % of
-    its bytes). Each tile's input now has rows of zeros up to oneDNN's size, and keeps its own."""
+    its bytes). Each tile's input now has rows of zeros up to oneDNN's size, and keeps its own. (Seeds
+at which those tiles differ from the whole product on such a CPU, one draw in a thousand.)"""
     if device != "cpu":
         pytest.skip("the kernel choice is torch's CPU matmul's")
-    g = torch.Generator().manual_seed(7)
-    for _ in range(8):
-        x = torch.randn(rows, 32, generator=g).bfloat16()
-        weight = torch.randn(*((96, 32) if op == "linear" else (32, 96)), generator=g).bfloat16()
-        bias = torch.randn(96, generator=g).bfloat16() if op == "addmm" else None
-        # Room for 77 rows (or columns) of 64 bytes, and the bias's slices beside them.
-        _exact_within(_Head(weight, op, bias), x, 77 * 64 + 200, device)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 32, generator=g).bfloat16()
+    weight = torch.randn(*((96, 32) if op == "linear" else (32, 96)), generator=g).bfloat16()
+    bias = torch.randn(96, generator=g).bfloat16() if op == "addmm" else None
+    _exact_within(_Head(weight, op, bias), x, 64 * 64 + 60, device)  # room for 64 rows (or columns) of 64 bytes
 
 
 def test_a_product_of_exactly_onednn_size_runs_the_other_kernel_whole_and_in_tiles(device):
