@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -370,3 +371,23 @@ def test_add_weighted_adapter_of_two_loras(combination, tight, device):
     _equal(logits[1], logits[0])
     _within_budget(model)
 
+
+def test_a_slice_of_an_offloaded_clone_assigned_says_how_to_hold_only_its_bytes(device):
+    """DistilBERT's ``resize_position_embeddings`` to fewer positions assigns
+    ``nn.Parameter(old.clone()[:n])``: a view of the clone's whole host master, kept whole as a
+    plain view keeps its storage. The warning names the bytes and the remedy that fits this case
+    (assign a ``.clone()`` of the slice), not only the one for shards; a clone of the slice holds
+    only its own bytes, without a warning."""
+    model = torch.nn.Sequential(torch.nn.Embedding(48, 64), torch.nn.Linear(64, 64))
+    ot.wrap_model(model, budget_gb=0.3 * _weight_bytes(model) / GiB, device=device)
+    old = model[0].weight.clone()
+    assert isinstance(old, ot.OffloadedTensor)
+    expected = old.materialize()[:20]
+    with pytest.warns(UserWarning, match=r"view of 5120 bytes .* host master of 12288 bytes .* assign a \.clone\(\) of it"):
+        model[0].weight = torch.nn.Parameter(old[:20])
+    assert torch.equal(model[0].weight.materialize(), expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model[0].weight = torch.nn.Parameter(old[:20].clone())
+    assert isinstance(model[0].weight, ot.OffloadedTensor) and model[0].weight._master.nbytes == 5120
+    assert torch.equal(model[0].weight.materialize(), expected)

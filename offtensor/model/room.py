@@ -209,8 +209,10 @@ def _offloaded_beside(slot: tuple, t: torch.Tensor, full_name: str) -> list:
 
 def warn_view_of_a_bigger_master(full_name: str, t: OffloadedTensor) -> None:
     """``t``, assigned as ``full_name``, is a view of an offloaded weight whose host master holds
-    more than it covers (a shard taken after wrapping: quantise -> wrap -> shard): the master
-    stays whole, so this process keeps every byte of it. Say so, naming the weight and the bytes."""
+    more than it covers (a shard taken after wrapping: quantise -> wrap -> shard; a slice of a
+    clone, as transformers' ``resize_position_embeddings`` cuts a table): the master stays whole, as
+    a plain view keeps its whole storage, so this process keeps every byte of it. Say so, naming the
+    weight, the bytes and both ways to hold only the view's bytes."""
     lo, hi = covering_range(t._host)
     covered = (hi - lo) * t._host.element_size()
     if covered < t._master.nbytes:
@@ -218,5 +220,6 @@ def warn_view_of_a_bigger_master(full_name: str, t: OffloadedTensor) -> None:
             f"offtensor: {full_name} is assigned a view of {t._host.numel() * t._host.element_size()} bytes (paging "
             f"covers {covered}) of an offloaded host master of "
             f"{t._master.nbytes} bytes (a shard or slice taken of a weight that was already offloaded); the master "
-            f"stays whole, so host memory keeps all {t._master.nbytes} bytes. To hold only the shard, shard (or "
-            f"parallelize) first and call ot.wrap_model afterwards, on each rank.", UserWarning, stacklevel=5)
+            f"stays whole, so host memory keeps all {t._master.nbytes} bytes. To hold only the slice, assign a "
+            f".clone() of it; to hold only a shard, shard (or parallelize) first and call ot.wrap_model "
+            f"afterwards, on each rank.", UserWarning, stacklevel=5)
