@@ -13,7 +13,7 @@ ROOT = os.path.join(REPO, "offtensor")
 
 # docs/design.md's layers, bottom first: a module may import its own unit and lower layers only.
 LAYERS = [
-    {"forking", "safetensors_files"},
+    {"forking", "safetensors_files", "callers"},
     {"safetensors_paths"},
     {"_ext", "_optional", "config", "leaves", "prefetch", "models"},
     {"pager"},

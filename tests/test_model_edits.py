@@ -383,8 +383,10 @@ def test_a_slice_of_an_offloaded_clone_assigned_says_how_to_hold_only_its_bytes(
     old = model[0].weight.clone()
     assert isinstance(old, ot.OffloadedTensor)
     expected = old.materialize()[:20]
-    with pytest.warns(UserWarning, match=r"view of 5120 bytes .* host master of 12288 bytes .* assign a \.clone\(\) of it"):
+    with pytest.warns(UserWarning, match=r"view of 5120 bytes .* host master of 12288 bytes .* assign a \.clone\(\) of it") \
+            as caught:
         model[0].weight = torch.nn.Parameter(old[:20])
+    assert [w.filename for w in caught] == [__file__]  # the assignment's line, not offtensor's
     assert torch.equal(model[0].weight.materialize(), expected)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from .. import leaves
+from .. import callers, leaves
 from .. import placement
 from .. import working_sets
 from ..pager import BudgetError, covering_range
@@ -222,4 +222,4 @@ def warn_view_of_a_bigger_master(full_name: str, t: OffloadedTensor) -> None:
             f"{t._master.nbytes} bytes (a shard or slice taken of a weight that was already offloaded); the master "
             f"stays whole, so host memory keeps all {t._master.nbytes} bytes. To hold only the slice, assign a "
             f".clone() of it; to hold only a shard, shard (or parallelize) first and call ot.wrap_model "
-            f"afterwards, on each rank.", UserWarning, stacklevel=5)
+            f"afterwards, on each rank.", UserWarning, stacklevel=callers.stacklevel())
