@@ -248,10 +248,7 @@ def _adopt(model: nn.Module, hooks: list) -> None:
     """``adopt_copy``'s steps, each undo noted before the step."""
     hook = hooks[0][1]
     modules = list(model.modules())
-    tables = [model._forward_pre_hooks] + [t for m in modules for t in (m._load_state_dict_post_hooks,
-                                                                          m._state_dict_hooks)]
-    members = [(m, type(m), WRAPPED.get(m)) for m in modules if m in WRAPPED]
-    Undo.note("call", _put_back_hooks, [(t, dict(t)) for t in tables], members)
+    _note_hook_tables(model, modules, [(m, type(m), WRAPPED.get(m)) for m in modules if m in WRAPPED])
     Undo.note("call", setattr, hook, "copy_pager", hook.copy_pager)
     for module in modules:
         if module in WRAPPED:
@@ -292,10 +289,16 @@ def take_over_copies(model: nn.Module) -> None:
                  if isinstance(h, StepHook) and h.pager_ref is None]  # a live wrap's hook names its pager
         if not hooks:
             continue
-        tables = [module._forward_pre_hooks] + [t for m in module.modules() for t in (m._load_state_dict_post_hooks,
-                                                                                       m._state_dict_hooks)]
-        Undo.note("call", _put_back_hooks, [(t, dict(t)) for t in tables], [])
+        _note_hook_tables(module, list(module.modules()), [])
         _drop_copied_hooks(module, hooks)
+
+
+def _note_hook_tables(model: nn.Module, modules: list, members: list) -> None:
+    """Undo noted for what ``_drop_copied_hooks`` changes on ``model`` (whose ``modules`` are
+    given): each hook table as it is now, and ``members`` (module, class, state) to put back."""
+    tables = [model._forward_pre_hooks] + [t for m in modules for t in (m._load_state_dict_post_hooks,
+                                                                          m._state_dict_hooks)]
+    Undo.note("call", _put_back_hooks, [(t, dict(t)) for t in tables], members)
 
 
 def _put_back_hooks(tables: list, members: list) -> None:
