@@ -258,6 +258,20 @@ def test_resize_position_embeddings(tight, device):
     _within_budget(distil)
 
 
+def _train(model, steps: int, device) -> torch.Tensor:
+    """``steps`` AdamW steps of ``model``'s trainable parameters on the language-model loss of IDS:
+    the losses."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        loss = model(IDS.to(device), labels=IDS.to(device)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
 @pytest.mark.parametrize("tight", [False, True], ids=["at_30_percent", "weight_larger_than_room"])
 @pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("frozen", [False, True], ids=["all_trained", "frozen_with_input_grads"])
@@ -274,15 +288,7 @@ def test_gradient_checkpointing_trains_as_unwrapped(reentrant, frozen, tight, de
             m.enable_input_require_grads()
             for name, p in m.named_parameters():
                 p.requires_grad_("norm" in name)
-        optimizer = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
-        steps = []
-        for _ in range(2):
-            loss = m(IDS.to(device), labels=IDS.to(device)).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            steps.append(loss.detach())
-        losses.append(torch.stack(steps))
+        losses.append(_train(m, 2, device))
     _equal(losses[1], losses[0])
     model.eval()
     reference.eval()
@@ -320,15 +326,7 @@ def test_inject_adapter_train_then_peft_state_dicts(order, tight, device):
             _wrap(model, fraction, device, tight)
         for name, p in m.named_parameters():
             p.requires_grad_("lora_" in name)
-        optimizer = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
-        steps = []
-        for _ in range(3):
-            loss = m(IDS.to(device), labels=IDS.to(device)).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            steps.append(loss.detach())
-        losses.append(torch.stack(steps))
+        losses.append(_train(m, 3, device))
     _equal(losses[1], losses[0])
     got, expected = peft.get_peft_model_state_dict(model), peft.get_peft_model_state_dict(reference)
     assert got.keys() == expected.keys() and len(got) == 16
