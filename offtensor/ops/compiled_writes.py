@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor, disable_functional_mode
-from torch.utils._mode_utils import no_dispatch
 
 from ..tensor import OffloadedTensor
 from .compile import _LIB_NS, _live_master, capturing, keep_dynamo_out_of_dispatch
+from .paging import write_master
 
 aten = torch.ops.aten
 
@@ -38,17 +38,11 @@ def write(host: torch.Tensor, master_id: int, value: torch.Tensor, from_device: 
     """``host.copy_(value)``, ``host`` a view of master ``master_id`` or the graph's copy of one;
     ``from_device``: the value was computed on the device (counted as written back)."""
     master = _live_master(master_id, host)
-    pager = master.pager
-    _refuse_under_capture(pager, master, host)
-    with pager.lock:  # as in writes.copy_
-        # On the graph's copy of the view (aot_eager) the master is written by the copy_ at the
-        # graph's end; waiting here still keeps that copy_ from overwriting bytes that a copy of an
-        # earlier read is reading.
-        pager.before_write(master)
-        with no_dispatch():
-            host.copy_(value)
-        if from_device:
-            pager.count_write_back(host.numel() * host.element_size())
+    _refuse_under_capture(master.pager, master, host)
+    # As eager copy_. On the graph's copy of the view (aot_eager) the master is written by the
+    # copy_ at the graph's end; the wait for earlier reads' copies still keeps that copy_ from
+    # overwriting bytes a copy of an earlier read is reading.
+    write_master(master, host, value, from_device)
 
 
 @write.register_fake

@@ -327,12 +327,21 @@ def write_back(t: OffloadedTensor, values: torch.Tensor, from_host: bool = False
         # device too, and copy_ refuses such a destination. Index 0 of the dimension holds it.
         keep = tuple(0 if step == 0 and size > 1 else slice(None) for size, step in zip(host.shape, host.stride()))
         host, values = host[keep], values[keep]
-    pager = t._master.pager
-    with pager.lock:  # no other thread's op pages the master between the wait and the write
-        pager.before_write(t._master)
+    write_master(t._master, host, values, not from_host)
+
+
+def write_master(master, host: torch.Tensor, values: torch.Tensor, from_device: bool) -> None:
+    """``host.copy_(values)``, ``host`` memory of ``master``: under the pager's lock, so no other
+    thread's op pages the master between the wait and the write, after the copies still reading
+    it (``before_write``, which also drops its cached device copies). Never non_blocking: a
+    device->host copy still in flight would let ``.cpu()`` and the next page-in read the old bytes.
+    ``from_device``: counted as bytes written back from the device."""
+    pager = master.pager
+    with pager.lock:
+        pager.before_write(master)
         with no_dispatch():
             host.copy_(values)
-        if not from_host:
+        if from_device:
             pager.count_write_back(host.numel() * host.element_size())
 
 

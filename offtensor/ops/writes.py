@@ -8,7 +8,7 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 
 from ..tensor import OffloadedTensor
-from .paging import decomposes, describe, run
+from .paging import decomposes, describe, run, write_master
 from .row_writes import ROW_WRITES
 from .table import implements
 from .views import resize_within_master
@@ -119,15 +119,7 @@ def copy_(func, types, args, kwargs):
     # Weight loaders write straight into the host master (param.data.copy_, narrow().copy_):
     # nothing is paged, and a copy from another OffloadedTensor stays on the host.
     source = src._host if isinstance(src, OffloadedTensor) else src
-    pager = dst._master.pager
-    with pager.lock:  # as in paging.write_back
-        pager.before_write(dst._master)
-        with no_dispatch():
-            # Never non_blocking: a device->host copy still in flight would let .cpu() and the next
-            # page-in (on the copy stream) read the master's old bytes.
-            dst._host.copy_(source)
-        if source.device.type != "cpu":
-            pager.count_write_back(dst._host.numel() * dst._host.element_size())
+    write_master(dst._master, dst._host, source, source.device.type != "cpu")
     return dst
 
 
